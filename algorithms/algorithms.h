@@ -1,0 +1,19 @@
+// Entry points of the algorithm library.  Each appends the lanes that `rank`
+// runs for one operation (index `opIndex` of the run) to a schedule.
+#pragma once
+#include "algorithms/schedule.h"
+
+namespace loom {
+
+// Ring all-reduce / reduce-scatter / all-gather and chain broadcast / reduce.
+void ringSchedule(const OpDesc& op, int opIndex, int rank, int nranks, const Plan& plan,
+                  Schedule* out);
+
+// A single loomSend or loomRecv.
+void p2pSchedule(const OpDesc& op, int opIndex, Schedule* out);
+
+// Bytes of the buffers an operation reads and writes (for checks and plans).
+size_t sendBytes(const OpDesc& op, int nranks);
+size_t recvBytes(const OpDesc& op, int nranks);
+
+}  // namespace loom

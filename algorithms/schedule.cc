@@ -1,0 +1,57 @@
+#include "algorithms/schedule.h"
+
+#include "src/core/error.h"
+
+namespace loom {
+
+const char* collectiveName(Collective c) {
+  switch (c) {
+    case Collective::AllReduce: return "AllReduce";
+    case Collective::ReduceScatter: return "ReduceScatter";
+    case Collective::AllGather: return "AllGather";
+    case Collective::Broadcast: return "Broadcast";
+    case Collective::Reduce: return "Reduce";
+    case Collective::P2P: return "Send/Recv";
+  }
+  return "?";
+}
+
+const char* stepKindName(StepKind k) {
+  switch (k) {
+    case StepKind::Send: return "send";
+    case StepKind::Recv: return "recv";
+    case StepKind::RecvReduce: return "recvReduce";
+    case StepKind::RecvReduceSend: return "recvReduceSend";
+    case StepKind::RecvCopySend: return "recvCopySend";
+    case StepKind::Copy: return "copy";
+  }
+  return "?";
+}
+
+const char* algorithmName(Algorithm a) {
+  switch (a) {
+    case Algorithm::Ring: return "ring";
+    case Algorithm::OneShot: return "oneshot";
+  }
+  return "?";
+}
+
+static std::string ref(const BufRef& r) {
+  if (r.buf == Buf::None) return "-";
+  return strf("%s+%zu", r.buf == Buf::Send ? "send" : "recv", r.offset);
+}
+
+std::string describe(const Schedule& s) {
+  std::string out;
+  for (size_t l = 0; l < s.lanes.size(); ++l) {
+    const Lane& lane = s.lanes[l];
+    out += strf("lane %zu (op %d, channel %d):\n", l, lane.op, lane.channel);
+    for (const Step& st : lane.steps)
+      out += strf("  %-14s from %2d to %2d src %-12s dst %-12s %zu B%s\n", stepKindName(st.kind),
+                  st.recvPeer, st.sendPeer, ref(st.src).c_str(), ref(st.dst).c_str(), st.bytes,
+                  st.finalize ? " finalize" : "");
+  }
+  return out;
+}
+
+}  // namespace loom

@@ -1,0 +1,91 @@
+// Schedules: what each rank does for one collective, as plain data.
+//
+// A schedule is a list of lanes.  A lane is an ordered list of steps that
+// uses one channel; lanes run concurrently, steps of a lane one after
+// another (each step is itself pipelined slot by slot).  Algorithms produce
+// schedules; the executor (src/core/executor.cc) runs them; neither knows
+// the other's internals, and schedules can be printed and checked.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "loom.h"
+
+namespace loom {
+
+enum class Collective : uint8_t {
+  AllReduce = 1,
+  ReduceScatter = 2,
+  AllGather = 3,
+  Broadcast = 4,
+  Reduce = 5,
+  P2P = 6,  // a loomSend or loomRecv (matched per pair)
+};
+const char* collectiveName(Collective c);
+
+// One call as the user made it.
+struct OpDesc {
+  Collective coll = Collective::AllReduce;
+  const void* sendbuf = nullptr;
+  void* recvbuf = nullptr;
+  size_t count = 0;  // AllReduce/Broadcast/Reduce/P2P: count; RS: recvcount; AG: sendcount
+  loomDataType_t dtype = loomFloat32;
+  loomRedOp_t op = loomSum;
+  int root = 0;
+  int peer = -1;        // P2P only
+  bool isSend = false;  // P2P only
+};
+
+enum class StepKind : uint8_t {
+  Send,            // send src
+  Recv,            // dst = incoming
+  RecvReduce,      // dst = src (op) incoming
+  RecvReduceSend,  // out = src (op) incoming; send out; dst = out if dst given
+  RecvCopySend,    // send incoming on; dst = incoming if dst given
+  Copy,            // dst = src (local)
+};
+const char* stepKindName(StepKind k);
+
+enum class Buf : uint8_t { None, Send, Recv };
+
+struct BufRef {
+  Buf buf = Buf::None;
+  size_t offset = 0;  // bytes
+};
+
+struct Step {
+  StepKind kind;
+  int recvPeer = -1;
+  int sendPeer = -1;
+  BufRef src;
+  BufRef dst;
+  size_t bytes = 0;
+  bool finalize = false;  // apply the op's last step (avg: divide) to the result
+};
+
+struct Lane {
+  int op = 0;  // which operation of the run (groups run several)
+  int channel = 0;
+  std::vector<Step> steps;
+};
+
+struct Schedule {
+  std::vector<Lane> lanes;
+};
+
+// What the tuner decided for one operation.
+enum class Algorithm : uint8_t { Ring = 0, OneShot = 1 };
+const char* algorithmName(Algorithm a);
+
+struct Plan {
+  Algorithm algo = Algorithm::Ring;
+  int channels = 1;
+  size_t chunkBytes = 128 << 10;
+};
+
+// Human-readable dump of a schedule (for loom-topo and test failures).
+std::string describe(const Schedule& s);
+
+}  // namespace loom

@@ -1,0 +1,238 @@
+/*
+ * loom.h - the public C API of loom, a collective-communication library for
+ * data-parallel training.
+ *
+ * The API has the shape of NCCL's: communicators are created from a unique id
+ * (or from launcher environment variables), collectives take
+ * (send, recv, count, datatype, op, comm, stream), and every call returns a
+ * loomResult_t.  Host buffers are first-class: a host "stream" is a loom object
+ * with the same ordering rules as a CUDA stream.
+ *
+ * Thread safety: a communicator may be used from several threads, but the
+ * ranks of a communicator must issue its operations in the same order.
+ * Operations of one communicator execute in the order they were issued.
+ *
+ * This header compiles as C and as C++.
+ */
+#ifndef LOOM_H_
+#define LOOM_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define LOOM_MAJOR 0
+#define LOOM_MINOR 1
+#define LOOM_PATCH 0
+/* LOOM_VERSION_CODE == loomGetVersion() of the library this header belongs to. */
+#define LOOM_VERSION_CODE (LOOM_MAJOR * 10000 + LOOM_MINOR * 100 + LOOM_PATCH)
+
+/* Result codes.  Numbering follows NCCL's where both have the code. */
+typedef enum {
+  loomSuccess = 0,
+  loomUnhandledCudaError = 1, /* a CUDA call failed */
+  loomSystemError = 2,        /* an OS call failed (socket, mmap, ...) */
+  loomInternalError = 3,      /* a bug in loom */
+  loomInvalidArgument = 4,    /* a bad argument: null pointer, unknown type, ... */
+  loomInvalidUsage = 5,       /* a bad sequence of calls, or ranks that disagree */
+  loomRemoteError = 6,        /* a peer died, closed its connection or failed */
+  loomInProgress = 7,         /* the operation has not completed yet */
+  loomTimeout = 8,            /* no progress within LOOM_TIMEOUT_MS */
+  loomNumResults = 9
+} loomResult_t;
+
+typedef enum {
+  loomInt8 = 0,
+  loomChar = 0,
+  loomUint8 = 1,
+  loomInt32 = 2,
+  loomInt = 2,
+  loomUint32 = 3,
+  loomInt64 = 4,
+  loomUint64 = 5,
+  loomFloat16 = 6,
+  loomHalf = 6,
+  loomFloat32 = 7,
+  loomFloat = 7,
+  loomFloat64 = 8,
+  loomDouble = 8,
+  loomBfloat16 = 9,
+  loomNumTypes = 10
+} loomDataType_t;
+
+/* Reductions.  float16 and bfloat16 are reduced in float32 and rounded to
+ * their own type (round to nearest even) once per reduction step, i.e. each
+ * time two operands are combined.  loomAvg divides the sum by the number of
+ * ranks at the end (integer types: truncating division). */
+typedef enum {
+  loomSum = 0,
+  loomProd = 1,
+  loomMax = 2,
+  loomMin = 3,
+  loomAvg = 4,
+  loomNumOps = 5
+} loomRedOp_t;
+
+/* An opaque unique id.  Rank 0 creates it with loomGetUniqueId and ships its
+ * bytes to every other rank out of band. */
+#define LOOM_UNIQUE_ID_BYTES 128
+typedef struct {
+  char internal[LOOM_UNIQUE_ID_BYTES];
+} loomUniqueId;
+
+typedef struct loomComm* loomComm_t;
+
+/* A stream orders operations.  For a host communicator it is a loom host
+ * stream made by loomStreamCreate, or NULL: with NULL the call returns when its
+ * operation is complete. */
+typedef struct loomStream* loomStream_t;
+
+/* ---- Versions and errors ------------------------------------------------ */
+
+/* Stores LOOM_VERSION_CODE of the library in *version.
+ * Returns loomInvalidArgument if version is NULL. */
+loomResult_t loomGetVersion(int* version);
+
+/* A static, human-readable name for a result code ("invalid argument", ...).
+ * Never returns NULL. */
+const char* loomGetErrorString(loomResult_t result);
+
+/* The message of the last error seen by this thread, or if comm is non-NULL,
+ * the last error recorded on comm (naming the call, the rank and the cause).
+ * Returns "" when there was none.  The string stays valid until the next loom
+ * call on the same thread or communicator. */
+const char* loomGetLastError(loomComm_t comm);
+
+/* ---- Communicators ----------------------------------------------------- */
+
+/* Creates a unique id for a new communicator and opens the bootstrap
+ * listener of its root in this process; the process that calls it must later
+ * call loomCommInitRank with rank 0.  The id holds the root's address and a
+ * 128-bit random secret: a connection that does not present the secret is
+ * dropped.  Returns loomInvalidArgument on NULL, loomSystemError if no socket
+ * can be opened. */
+loomResult_t loomGetUniqueId(loomUniqueId* uniqueId);
+
+/* Creates a communicator of nranks ranks in which the caller is `rank`.
+ * Every rank calls it with the same id and nranks; it blocks until all ranks
+ * have joined (or LOOM_TIMEOUT_MS passes: loomTimeout).  Returns
+ * loomInvalidArgument for a NULL comm, nranks < 1 or rank out of
+ * [0, nranks). */
+loomResult_t loomCommInitRank(loomComm_t* comm, int nranks, loomUniqueId commId, int rank);
+
+/* Creates a communicator from launcher environment variables, in this order
+ * of preference:
+ *   loom-run:  LOOM_RANK, LOOM_WORLD_SIZE, LOOM_ROOT_ADDR (host:port), LOOM_SECRET
+ *   torchrun:  RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (loom listens on
+ *              MASTER_PORT + 1 unless LOOM_ROOT_PORT is set, because torchrun's
+ *              store owns MASTER_PORT)
+ *   OpenMPI:   OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE
+ *   Slurm:     SLURM_PROCID, SLURM_NTASKS
+ * For OpenMPI and Slurm the root address comes from LOOM_ROOT_ADDR, or
+ * MASTER_ADDR/MASTER_PORT, or 127.0.0.1:29500 + 1 when all ranks are local.
+ * Rank 0 opens the listener.  Returns loomInvalidArgument when no launcher's
+ * variables are present or they are inconsistent. */
+loomResult_t loomCommInitFromEnv(loomComm_t* comm);
+
+/* Creates communicators by splitting comm: ranks passing the same color end
+ * up in one new communicator, ordered by key (ties: by rank in comm).  Every
+ * rank of comm must call it.  color < 0 (LOOM_SPLIT_NOCOLOR) gives
+ * *newcomm = NULL.  Returns loomInvalidArgument on NULL arguments. */
+#define LOOM_SPLIT_NOCOLOR (-1)
+loomResult_t loomCommSplit(loomComm_t comm, int color, int key, loomComm_t* newcomm);
+
+/* Waits for the communicator's pending operations, then frees it.  A
+ * communicator that failed is freed without waiting.  NULL is a no-op. */
+loomResult_t loomCommDestroy(loomComm_t comm);
+
+/* Frees the communicator at once: pending operations fail with
+ * loomRemoteError on this rank; peers see the connection close and fail
+ * too.  Never blocks on peers.  NULL is a no-op. */
+loomResult_t loomCommAbort(loomComm_t comm);
+
+/* Number of ranks / this rank's index.  loomInvalidArgument on NULL. */
+loomResult_t loomCommCount(const loomComm_t comm, int* count);
+loomResult_t loomCommUserRank(const loomComm_t comm, int* rank);
+
+/* Stores in *asyncError the error that failed the communicator in the
+ * background (loomSuccess when none).  Once a communicator has failed every
+ * later call on it returns that error; destroy or abort it. */
+loomResult_t loomCommGetAsyncError(loomComm_t comm, loomResult_t* asyncError);
+
+/* ---- Collectives ------------------------------------------------------- */
+/* All collectives are enqueued on `stream` and return before they complete
+ * (NULL stream: after).  In-place use is allowed: sendbuff == recvbuff for
+ * AllReduce/Broadcast/Reduce, and NCCL's offsets for AllGather
+ * (sendbuff == recvbuff + rank*sendcount) and ReduceScatter
+ * (sendbuff + rank*recvcount == recvbuff).  Buffers must stay valid until the
+ * operation completes.  Argument errors return loomInvalidArgument and do
+ * nothing.  Ranks that call different operations get loomInvalidUsage. */
+
+/* recvbuff[i] = op over ranks of sendbuff[i], i < count, on every rank. */
+loomResult_t loomAllReduce(const void* sendbuff, void* recvbuff, size_t count,
+                           loomDataType_t datatype, loomRedOp_t op, loomComm_t comm,
+                           loomStream_t stream);
+
+/* sendbuff has nranks*recvcount elements; rank r receives block r of the
+ * reduction. */
+loomResult_t loomReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
+                               loomDataType_t datatype, loomRedOp_t op, loomComm_t comm,
+                               loomStream_t stream);
+
+/* recvbuff has nranks*sendcount elements; block r comes from rank r. */
+loomResult_t loomAllGather(const void* sendbuff, void* recvbuff, size_t sendcount,
+                           loomDataType_t datatype, loomComm_t comm, loomStream_t stream);
+
+/* Copies root's sendbuff into every rank's recvbuff.  sendbuff is only read
+ * on root. */
+loomResult_t loomBroadcast(const void* sendbuff, void* recvbuff, size_t count,
+                           loomDataType_t datatype, int root, loomComm_t comm,
+                           loomStream_t stream);
+
+/* Reduces every rank's sendbuff into root's recvbuff (recvbuff is only written
+ * on root and may be NULL elsewhere). */
+loomResult_t loomReduce(const void* sendbuff, void* recvbuff, size_t count,
+                        loomDataType_t datatype, loomRedOp_t op, int root, loomComm_t comm,
+                        loomStream_t stream);
+
+/* Point to point.  A send must be matched by a recv of the same count and
+ * datatype on the peer; several sends/recvs between a pair match in order.
+ * Put a send and a recv that depend on each other in one group. */
+loomResult_t loomSend(const void* sendbuff, size_t count, loomDataType_t datatype, int peer,
+                      loomComm_t comm, loomStream_t stream);
+loomResult_t loomRecv(void* recvbuff, size_t count, loomDataType_t datatype, int peer,
+                      loomComm_t comm, loomStream_t stream);
+
+/* Group calls: operations issued between loomGroupStart and loomGroupEnd
+ * (on this thread) are started together at loomGroupEnd, as one operation,
+ * so that e.g. a send and a recv between two ranks cannot deadlock.  Groups
+ * nest; the outermost loomGroupEnd launches.  All operations of a group must
+ * use one communicator and one stream (loomInvalidUsage otherwise). */
+loomResult_t loomGroupStart(void);
+loomResult_t loomGroupEnd(void);
+
+/* ---- Host streams ------------------------------------------------------ */
+
+/* Creates a host stream: operations issued on it run one after another in
+ * issue order on a worker thread. */
+loomResult_t loomStreamCreate(loomStream_t* stream);
+
+/* Waits for the stream's operations, then frees it.  NULL is a no-op. */
+loomResult_t loomStreamDestroy(loomStream_t stream);
+
+/* Waits until every operation issued on the stream has completed.  Returns
+ * the first error any of them returned since the last synchronize. */
+loomResult_t loomStreamSynchronize(loomStream_t stream);
+
+/* loomSuccess if every operation on the stream has completed, loomInProgress
+ * if some have not, or the error of a failed one. */
+loomResult_t loomStreamQuery(loomStream_t stream);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* LOOM_H_ */

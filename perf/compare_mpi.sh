@@ -1,0 +1,278 @@
+#!/usr/bin/env bash
+# compare_mpi.sh: loom's all-reduce against OpenMPI's MPI_Allreduce, side by
+# side, following ../shared/BENCHMARKING.md:
+#   - both programs measure the same way (persistent pre-faulted buffers; each
+#     iteration timed on its own; max over ranks; median over iterations);
+#   - runs alternate A B A B ... (loom, MPI, loom, MPI, ...) with R repeats per
+#     rank count, and every cell is the median over the repeats;
+#   - the machine's load is printed at the start and at the end;
+#   - a one-process memcpy at 64 MiB gives the physical reference, from which
+#     the memory-bandwidth limit of a 2-rank all-reduce is derived (below).
+#
+# usage: perf/compare_mpi.sh [options]
+#   -n "2 4 8"   rank counts (default "2 4 8"; env NRANKS)
+#   -r R         repeats of each A/B pair (default 3; env REPEATS)
+#   -b SIZE      smallest size (default 8; env MINBYTES)
+#   -e SIZE      largest size (default 64M; env MAXBYTES)
+#   -f F         size step factor (default 2)
+#   -i N         timed iterations per size (default 20; env ITERS)
+#   -w N         warm-up iterations per size (default 5; env WARMUP)
+#   -c 0|1       let both programs verify their results (default 1; env CHECK)
+#   -p PLACE     out_of_place (default) or in_place
+#   -B DIR       build directory (default build; env BUILD_DIR)
+#   -o DIR       where the JSON of every run is kept (default: a temp dir)
+#   -t SECONDS   time limit of one run (default 900; env RUN_TIMEOUT)
+# Needs build/bin/{loom-run,loom-perf,mpi-allreduce-perf,memcpy-bw}
+# (cmake --build build) and mpirun.openmpi.
+#
+# Output: per rank count, one row per size:
+#   size, loom time, mpi time, loom/mpi time ratio (< 1: loom is faster),
+#   loom busbw, mpi busbw, loom/mpi busbw ratio (> 1: loom is faster),
+#   followed by the range (min..max over repeats) of the ratio so that noise
+#   can be judged; BENCHMARKING.md: differences under ~30% are noise unless
+#   repeated sweeps agree.
+set -euo pipefail
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT_DIR="$(cd "$SCRIPT_DIR/.." && pwd)"
+
+NRANKS="${NRANKS:-2 4 8}"
+REPEATS="${REPEATS:-3}"
+MINBYTES="${MINBYTES:-8}"
+MAXBYTES="${MAXBYTES:-64M}"
+STEP="${STEP:-2}"
+ITERS="${ITERS:-20}"
+WARMUP="${WARMUP:-5}"
+CHECK="${CHECK:-1}"
+PLACE="${PLACE:-out_of_place}"
+BUILD_DIR="${BUILD_DIR:-$ROOT_DIR/build}"
+OUT_DIR="${OUT_DIR:-}"
+RUN_TIMEOUT="${RUN_TIMEOUT:-900}"
+
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
+
+while getopts "n:r:b:e:f:i:w:c:p:B:o:t:h" opt; do
+  case "$opt" in
+    n) NRANKS="$OPTARG" ;;
+    r) REPEATS="$OPTARG" ;;
+    b) MINBYTES="$OPTARG" ;;
+    e) MAXBYTES="$OPTARG" ;;
+    f) STEP="$OPTARG" ;;
+    i) ITERS="$OPTARG" ;;
+    w) WARMUP="$OPTARG" ;;
+    c) CHECK="$OPTARG" ;;
+    p) PLACE="$OPTARG" ;;
+    B) BUILD_DIR="$OPTARG" ;;
+    o) OUT_DIR="$OPTARG" ;;
+    t) RUN_TIMEOUT="$OPTARG" ;;
+    h) usage; exit 0 ;;
+    *) usage >&2; exit 2 ;;
+  esac
+done
+shift $((OPTIND - 1))
+if [[ $# -gt 0 ]]; then echo "compare_mpi.sh: unexpected argument '$1'" >&2; exit 2; fi
+case "$PLACE" in out_of_place|in_place) ;; *) echo "compare_mpi.sh: -p out_of_place|in_place" >&2; exit 2 ;; esac
+[[ "$REPEATS" =~ ^[1-9][0-9]*$ ]] || { echo "compare_mpi.sh: -r: a positive integer" >&2; exit 2; }
+for n in $NRANKS; do
+  [[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "compare_mpi.sh: -n: bad rank count '$n'" >&2; exit 2; }
+done
+
+BIN="$BUILD_DIR/bin"
+LOOM_RUN="$BIN/loom-run"
+LOOM_PERF="$BIN/loom-perf"
+MPI_PERF="$BIN/mpi-allreduce-perf"
+MEMCPY_BW="$BIN/memcpy-bw"
+MPIRUN="${MPIRUN:-mpirun.openmpi}"
+for f in "$LOOM_RUN" "$LOOM_PERF" "$MPI_PERF" "$MEMCPY_BW"; do
+  [[ -x "$f" ]] || { echo "compare_mpi.sh: $f missing: build first (cmake --build $BUILD_DIR)" >&2; exit 1; }
+done
+command -v "$MPIRUN" >/dev/null || { echo "compare_mpi.sh: $MPIRUN not found" >&2; exit 1; }
+PYTHON="${PYTHON:-/usr/bin/python3}"
+[[ -x "$PYTHON" ]] || PYTHON="$(command -v python3)"
+
+if [[ -z "$OUT_DIR" ]]; then
+  OUT_DIR="$(mktemp -d /tmp/loom-compare.XXXXXX)"
+fi
+mkdir -p "$OUT_DIR"
+
+echo "# compare_mpi.sh: loom all_reduce vs MPI_Allreduce, float32 sum"
+echo "# date $(date -Is), host $(hostname), cores $(getconf _NPROCESSORS_ONLN)"
+echo "# ranks: $NRANKS; repeats $REPEATS (alternating loom, MPI); sizes $MINBYTES..$MAXBYTES x$STEP;" \
+     "iters $ITERS, warmup $WARMUP, check $CHECK; showing $PLACE"
+echo "# loadavg at start: $(cat /proc/loadavg)"
+echo "# per-run JSON in $OUT_DIR"
+
+# ---------------------------------------------------------------------------
+# Memory bandwidth reference.
+# memcpy-bw reports rw_GBps = 2 * bytes / time: a copy of S bytes reads S and
+# writes S, so this is the memory traffic one core can sustain.  -p 2 runs two
+# copies at once (one per rank of a 2-rank job) and reports their sum.
+# ---------------------------------------------------------------------------
+"$MEMCPY_BW" -s 64M -n 20 -p 1 > "$OUT_DIR/memcpy_p1.txt"
+"$MEMCPY_BW" -s 64M -n 20 -p 2 > "$OUT_DIR/memcpy_p2.txt"
+
+# ---------------------------------------------------------------------------
+# The sweeps: A B A B ...
+# ---------------------------------------------------------------------------
+FAILED=0
+for n in $NRANKS; do
+  for rep in $(seq 1 "$REPEATS"); do
+    lj="$OUT_DIR/loom_n${n}_r${rep}.json"
+    mj="$OUT_DIR/mpi_n${n}_r${rep}.json"
+    rm -f "$lj" "$mj"
+    echo "# n=$n repeat $rep/$REPEATS: loom ..." >&2
+    rc=0
+    timeout "$RUN_TIMEOUT" "$LOOM_RUN" -n "$n" "$LOOM_PERF" all_reduce -b "$MINBYTES" -e "$MAXBYTES" \
+      -f "$STEP" -n "$ITERS" -w "$WARMUP" -c "$CHECK" -d float32 -o sum --json "$lj" \
+      > "$OUT_DIR/loom_n${n}_r${rep}.txt" 2>&1 || rc=$?
+    if [[ $rc -ne 0 ]]; then
+      echo "# n=$n repeat $rep: loom-perf FAILED (exit $rc), see $OUT_DIR/loom_n${n}_r${rep}.txt" >&2
+      FAILED=1
+    fi
+    echo "# n=$n repeat $rep/$REPEATS: mpi ..." >&2
+    rc=0
+    timeout "$RUN_TIMEOUT" "$MPIRUN" --allow-run-as-root --oversubscribe -np "$n" "$MPI_PERF" \
+      -b "$MINBYTES" -e "$MAXBYTES" -f "$STEP" -n "$ITERS" -w "$WARMUP" -c "$CHECK" --json "$mj" \
+      > "$OUT_DIR/mpi_n${n}_r${rep}.txt" 2>&1 || rc=$?
+    if [[ $rc -ne 0 ]]; then
+      echo "# n=$n repeat $rep: mpi-allreduce-perf FAILED (exit $rc), see $OUT_DIR/mpi_n${n}_r${rep}.txt" >&2
+      FAILED=1
+    fi
+  done
+done
+
+# ---------------------------------------------------------------------------
+# Summary.
+#
+# Memory-bandwidth limit of a 2-rank all-reduce of S bytes per rank
+# (float32 sum; the data lives in each process's private memory):
+#   The result on each rank needs the peer's S bytes, which can only cross
+#   through a shared mapping (or a kernel copy such as process_vm_readv,
+#   itself a memcpy at ~6 GB/s here).  The cheapest symmetric schedule through
+#   shared memory is reduce-scatter + all-gather, each rank owning one half:
+#     1. copy-in:  rank r copies the half of its input that the peer owns into
+#                  shared memory:            read S/2 + write S/2 =  S
+#     2. reduce:   rank r reads its own half of its input and the peer's half
+#                  from shared memory, writes the sum to its own output and to
+#                  shared memory:            read S   + write S   = 2S
+#     3. copy-out: rank r copies the peer's reduced half from shared memory
+#                  into its output:          read S/2 + write S/2 =  S
+#   i.e. 4S bytes of memory traffic per rank (8S in all).  Every byte that
+#   crosses between the processes (an input half one way, a result half the
+#   other) is written to and read back from shared memory exactly once, and
+#   every input byte is read and every output byte written once, so no
+#   schedule through a shared staging buffer moves less.
+#   If each rank runs on its own core and sustains the one-process memcpy
+#   traffic rate M1 (rw_GBps of memcpy-bw -p 1), then
+#       time >= 4S / M1,   algbw = S / time <= M1 / 4,
+#   and busbw = algbw * 2(n-1)/n = algbw for n = 2, so busbw <= M1 / 4.
+#   If the two cores share the memory bus, the total traffic 8S is bounded by
+#   the two-process aggregate M2 (rw_GBps_total of memcpy-bw -p 2):
+#       busbw <= M2 / 8,
+#   and the limit is min(M1/4, M2/8).  (Reading both inputs straight out of one
+#   shared mapping, with no copy-in, would need only 2S + S = 3S per rank:
+#   busbw <= M1/3 -- only reachable when the user's buffers are themselves
+#   shared, which is not the case here.)
+#   At small sizes the buffers sit in cache and these limits do not apply.
+# ---------------------------------------------------------------------------
+export OUT_DIR NRANKS REPEATS PLACE
+"$PYTHON" - <<'PYEOF'
+import json, os, statistics
+
+out = os.environ["OUT_DIR"]
+nranks = [int(x) for x in os.environ["NRANKS"].split()]
+repeats = int(os.environ["REPEATS"])
+place = os.environ["PLACE"]
+
+def kv(path):
+    d = {}
+    with open(path) as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 2:
+                d[parts[0]] = float(parts[1])
+    return d
+
+def load(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+def fmt(x, spec):
+    return format(x, spec) if x is not None else "-"
+
+def human(n):
+    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div}{unit}"
+    return str(n)
+
+m1 = kv(os.path.join(out, "memcpy_p1.txt"))
+m2 = kv(os.path.join(out, "memcpy_p2.txt"))
+M1, M2 = m1.get("rw_GBps"), m2.get("rw_GBps_total")
+print(f"# memcpy 64 MiB, one process: {m1.get('copy_GBps', 0):.2f} GB/s copied = "
+      f"{M1:.2f} GB/s of memory traffic (read + write)")
+print(f"# memcpy 64 MiB, two processes at once: {M2:.2f} GB/s of traffic in all")
+lim1, lim2 = M1 / 4, M2 / 8
+limit = min(lim1, lim2)
+print(f"# 2-rank all-reduce memory-bandwidth limit: busbw <= min(M1/4, M2/8) = "
+      f"min({lim1:.2f}, {lim2:.2f}) = {limit:.2f} GB/s at large sizes "
+      f"(4S traffic per rank; see the comments in compare_mpi.sh)")
+
+wrong = 0
+n2_big = None
+for n in nranks:
+    rows = {}  # size -> {"loom": [cells], "mpi": [cells]}
+    missing = []
+    for rep in range(1, repeats + 1):
+        for tool in ("loom", "mpi"):
+            d = load(os.path.join(out, f"{tool}_n{n}_r{rep}.json"))
+            if d is None:
+                missing.append(f"{tool} r{rep}")
+                continue
+            wrong += (d.get("wrong_total") or 0) + (d.get("oob_total") or 0)
+            for r in d["rows"]:
+                c = r.get(place)
+                if c:
+                    rows.setdefault(r["size"], {"loom": [], "mpi": []})[tool].append(c)
+    print()
+    print(f"## {n} ranks, float32 sum, {place}, median of {repeats} repeats"
+          + (f"  (missing runs: {', '.join(missing)})" if missing else ""))
+    print(f"# {'size':>8}  {'loom us':>9}  {'mpi us':>9}  {'t l/m':>6}  {'range':>11}  "
+          f"{'loom busbw':>10}  {'mpi busbw':>9}  {'bw l/m':>6}")
+    for size in sorted(rows):
+        L, M = rows[size]["loom"], rows[size]["mpi"]
+        lt = med([c["time_us"] for c in L]); mt = med([c["time_us"] for c in M])
+        lb = med([c["busbw_GBps"] for c in L]); mb = med([c["busbw_GBps"] for c in M])
+        tr = lt / mt if lt and mt else None
+        br = lb / mb if lb and mb else None
+        # Spread of the per-repeat ratios (repeat i of loom against repeat i of MPI).
+        pairs = [(a["time_us"], b["time_us"]) for a, b in zip(L, M) if a["time_us"] and b["time_us"]]
+        rng = (f"{min(a / b for a, b in pairs):.2f}..{max(a / b for a, b in pairs):.2f}"
+               if pairs else "-")
+        print(f"  {human(size):>8}  {fmt(lt, '9.2f')}  {fmt(mt, '9.2f')}  {fmt(tr, '6.2f')}  {rng:>11}  "
+              f"{fmt(lb, '10.2f')}  {fmt(mb, '9.2f')}  {fmt(br, '6.2f')}")
+        if n == 2:
+            n2_big = (size, lb, mb)
+if n2_big and n2_big[1] is not None:
+    size, lb, mb = n2_big
+    print()
+    print(f"# 2 ranks at {human(size)}: loom busbw {lb:.2f} GB/s = {100 * lb / limit:.0f}% of the "
+          f"{limit:.2f} GB/s memory limit; MPI {fmt(mb, '.2f')} GB/s"
+          + (f" = {100 * mb / limit:.0f}%" if mb else ""))
+if wrong:
+    print(f"# WARNING: {wrong} wrong or out-of-bounds values reported by the runs")
+PYEOF
+
+echo
+echo "# loadavg at end: $(cat /proc/loadavg)"
+if [[ "$FAILED" -ne 0 ]]; then
+  echo "# some runs failed: see $OUT_DIR" >&2
+  exit 1
+fi

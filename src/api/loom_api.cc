@@ -1,0 +1,559 @@
+// The C entry points: validate arguments, translate to the core, and turn
+// every internal exception into a result code plus a message.
+#include <unistd.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "algorithms/algorithms.h"
+#include "loom.h"
+#include "src/core/bootstrap.h"
+#include "src/core/comm.h"
+#include "src/core/config.h"
+#include "src/core/error.h"
+#include "src/core/stream.h"
+#include "src/device/host_reduce.h"
+
+using namespace loom;
+
+namespace {
+
+thread_local std::string tlsLastError;
+thread_local std::string tlsCommError;
+
+struct GroupState {
+  int depth = 0;
+  std::vector<OpDesc> ops;
+  loomComm* comm = nullptr;
+  loomStream_t stream = nullptr;
+  loomResult_t error = loomSuccess;
+  std::string errorMsg;
+};
+thread_local GroupState tlsGroup;
+
+// Runs f, converting exceptions into a result code and a message that names
+// the call.
+template <class F>
+loomResult_t guarded(const char* call, loomComm* comm, F&& f) {
+  try {
+    loomResult_t r = f();
+    if (r != loomSuccess && comm) tlsLastError = std::string(call) + ": " + comm->lastError();
+    return r;
+  } catch (const Error& e) {
+    tlsLastError = std::string(call) + ": " + e.what();
+    if (comm) comm->setLastError(tlsLastError);
+    return e.code();
+  } catch (const std::bad_alloc&) {
+    tlsLastError = std::string(call) + ": out of memory";
+    return loomSystemError;
+  } catch (const std::exception& e) {
+    tlsLastError = std::string(call) + ": internal error: " + e.what();
+    return loomInternalError;
+  }
+}
+
+void checkComm(const loomComm* comm) {
+  if (!comm) fail(loomInvalidArgument, "comm is NULL");
+}
+
+void checkType(loomDataType_t t) {
+  if (int(t) < 0 || int(t) >= int(loomNumTypes)) fail(loomInvalidArgument, "unknown datatype %d", int(t));
+}
+
+void checkOp(loomRedOp_t op) {
+  if (int(op) < 0 || int(op) >= int(loomNumOps)) fail(loomInvalidArgument, "unknown reduction op %d", int(op));
+}
+
+// count * esz * factor bytes, failing on overflow.
+size_t checkedBytes(size_t count, loomDataType_t t, size_t factor) {
+  size_t esz = dtypeSize(t);
+  if (count > size_t(PTRDIFF_MAX) / esz / factor)
+    fail(loomInvalidArgument, "count %zu of %s is too large (byte size overflows)", count, dtypeName(t));
+  return count * esz * factor;
+}
+
+bool overlaps(const void* a, size_t an, const void* b, size_t bn) {
+  auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return an && bn && x < y + bn && y < x + an;
+}
+
+void checkRank(const char* what, int r, int nranks) {
+  if (r < 0 || r >= nranks) fail(loomInvalidArgument, "%s %d is out of range [0, %d)", what, r, nranks);
+}
+
+// Validates one collective; throws loomInvalidArgument with the reason.
+void validate(loomComm* comm, const OpDesc& op) {
+  checkComm(comm);
+  checkType(op.dtype);
+  bool reduces = op.coll == Collective::AllReduce || op.coll == Collective::ReduceScatter ||
+                 op.coll == Collective::Reduce;
+  if (reduces) checkOp(op.op);
+  int n = comm->nranks(), me = comm->rank();
+  size_t factor = (op.coll == Collective::AllGather || op.coll == Collective::ReduceScatter) ? size_t(n) : 1;
+  size_t big = checkedBytes(op.count, op.dtype, factor);
+  size_t small = op.count * dtypeSize(op.dtype);
+  if (op.coll == Collective::Broadcast || op.coll == Collective::Reduce) checkRank("root", op.root, n);
+  if (op.coll == Collective::P2P) checkRank("peer", op.peer, n);
+  if (op.count == 0) return;
+  bool needSend = true, needRecv = true;
+  if (op.coll == Collective::Broadcast) needSend = me == op.root;
+  if (op.coll == Collective::Reduce) needRecv = me == op.root;
+  if (op.coll == Collective::P2P) needSend = op.isSend, needRecv = !op.isSend;
+  if (needSend && !op.sendbuf) fail(loomInvalidArgument, "sendbuff is NULL");
+  if (needRecv && !op.recvbuf) fail(loomInvalidArgument, "recvbuff is NULL");
+  if (!needSend || !needRecv) return;
+  const char* s = static_cast<const char*>(op.sendbuf);
+  const char* r = static_cast<const char*>(op.recvbuf);
+  switch (op.coll) {
+    case Collective::AllGather:
+      if (s != r + size_t(me) * small && overlaps(s, small, r, big))
+        fail(loomInvalidArgument, "sendbuff overlaps recvbuff but is not at NCCL's in-place offset recvbuff + rank*sendcount");
+      break;
+    case Collective::ReduceScatter:
+      if (r != s + size_t(me) * small && overlaps(s, big, r, small))
+        fail(loomInvalidArgument, "recvbuff overlaps sendbuff but is not at NCCL's in-place offset sendbuff + rank*recvcount");
+      break;
+    default:
+      if (s != r && overlaps(s, small, r, small))
+        fail(loomInvalidArgument, "sendbuff and recvbuff overlap without being equal");
+  }
+}
+
+// Issues a batch of operations on comm/stream (NULL stream: runs it now).
+loomResult_t submit(loomComm* comm, loomStream_t stream, std::vector<OpDesc> ops) {
+  loomResult_t prior = comm->asyncError();
+  if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->lastError().c_str());
+  std::vector<SlotTag> tags;
+  uint64_t ticket = comm->issue(ops, &tags);
+  std::shared_ptr<loomComm> sp = comm->shared_from_this();
+  auto run = [sp, ops = std::move(ops), tags = std::move(tags), ticket]() {
+    sp->waitTurn(ticket);
+    loomResult_t r = sp->runOps(ops, tags);
+    sp->endTurn();
+    return r;
+  };
+  if (!stream) return run();
+  stream->enqueue(std::move(run));
+  return loomSuccess;
+}
+
+loomResult_t issueOp(const char* call, loomComm* comm, loomStream_t stream, const OpDesc& op) {
+  return guarded(call, comm, [&]() -> loomResult_t {
+    GroupState& g = tlsGroup;
+    try {
+      validate(comm, op);
+    } catch (const Error& e) {
+      // A group with a bad member is not launched at all (see loomGroupEnd).
+      if (g.depth > 0 && g.error == loomSuccess) {
+        g.error = e.code();
+        g.errorMsg = std::string(call) + ": " + e.what();
+      }
+      throw;
+    }
+    if (g.depth > 0) {
+      if (g.ops.empty()) {
+        g.comm = comm;
+        g.stream = stream;
+      } else if (g.comm != comm || g.stream != stream) {
+        fail(loomInvalidUsage, "all operations of a group must use one communicator and one stream");
+      }
+      g.ops.push_back(op);
+      return loomSuccess;
+    }
+    if (!stream) {
+      // Blocking call: run it here, without allocating (the latency path).
+      loomResult_t prior = comm->asyncError();
+      if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->lastError().c_str());
+      SlotTag tag;
+      uint64_t ticket = comm->issueOne(op, &tag);
+      comm->waitTurn(ticket);
+      loomResult_t r = comm->runOne(op, tag);
+      comm->endTurn();
+      return r;
+    }
+    return submit(comm, stream, {op});
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+loomResult_t loomGetVersion(int* version) {
+  if (!version) {
+    tlsLastError = "loomGetVersion: version is NULL";
+    return loomInvalidArgument;
+  }
+  *version = LOOM_VERSION_CODE;
+  return loomSuccess;
+}
+
+const char* loomGetErrorString(loomResult_t r) {
+  switch (r) {
+    case loomSuccess: return "no error";
+    case loomUnhandledCudaError: return "unhandled cuda error";
+    case loomSystemError: return "unhandled system error (socket, memory, ...)";
+    case loomInternalError: return "internal error (a bug in loom)";
+    case loomInvalidArgument: return "invalid argument";
+    case loomInvalidUsage: return "invalid usage (wrong call sequence or ranks that disagree)";
+    case loomRemoteError: return "remote error (a peer died, aborted or closed its connection)";
+    case loomInProgress: return "operation in progress";
+    case loomTimeout: return "timeout (no progress within LOOM_TIMEOUT_MS)";
+    default: return "unknown result code";
+  }
+}
+
+const char* loomGetLastError(loomComm_t comm) {
+  if (!comm) return tlsLastError.c_str();
+  tlsCommError = comm->lastError();
+  return tlsCommError.c_str();
+}
+
+loomResult_t loomGetUniqueId(loomUniqueId* id) {
+  return guarded("loomGetUniqueId", nullptr, [&] {
+    if (!id) fail(loomInvalidArgument, "uniqueId is NULL");
+    configReload();
+    makeUniqueId(id);
+    return loomSuccess;
+  });
+}
+
+loomResult_t loomCommInitRank(loomComm_t* comm, int nranks, loomUniqueId commId, int rank) {
+  return guarded("loomCommInitRank", nullptr, [&] {
+    if (!comm) fail(loomInvalidArgument, "comm is NULL");
+    *comm = nullptr;
+    if (nranks < 1) fail(loomInvalidArgument, "nranks %d must be at least 1", nranks);
+    checkRank("rank", rank, nranks);
+    configReload();
+    UniqueIdData id = decodeUniqueId(commId);
+    std::shared_ptr<loomComm> c = loomComm::create(id, nranks, rank);
+    *comm = c.get();
+    return loomSuccess;
+  });
+}
+
+namespace {
+
+const char* env(const char* name) {
+  const char* v = getenv(name);
+  return (v && *v) ? v : nullptr;
+}
+
+int envRank(const char* name) {
+  const char* v = env(name);
+  char* end = nullptr;
+  long x = strtol(v, &end, 10);
+  if (!*v || *end || x < 0 || x > INT_MAX) fail(loomInvalidArgument, "%s=%s is not a number", name, v);
+  return int(x);
+}
+
+void secretFromString(const std::string& s, uint8_t out[16]) {
+  // Two FNV-1a hashes with different seeds: deterministic across the job.
+  uint64_t h1 = 1469598103934665603ull, h2 = 0x9e3779b97f4a7c15ull;
+  for (unsigned char c : s) {
+    h1 = (h1 ^ c) * 1099511628211ull;
+    h2 = (h2 ^ c) * 0x100000001b3ull + 0x632be59bd9b4e019ull;
+  }
+  memcpy(out, &h1, 8);
+  memcpy(out + 8, &h2, 8);
+}
+
+}  // namespace
+
+loomResult_t loomCommInitFromEnv(loomComm_t* comm) {
+  return guarded("loomCommInitFromEnv", nullptr, [&] {
+    if (!comm) fail(loomInvalidArgument, "comm is NULL");
+    *comm = nullptr;
+    configReload();
+    int rank, size;
+    std::string jobKey;
+    if (env("LOOM_RANK") && env("LOOM_WORLD_SIZE")) {
+      rank = envRank("LOOM_RANK");
+      size = envRank("LOOM_WORLD_SIZE");
+      jobKey = "loom";
+    } else if (env("RANK") && env("WORLD_SIZE")) {
+      rank = envRank("RANK");
+      size = envRank("WORLD_SIZE");
+      jobKey = std::string("torch:") + (env("TORCHELASTIC_RUN_ID") ? env("TORCHELASTIC_RUN_ID") : "");
+    } else if (env("OMPI_COMM_WORLD_RANK") && env("OMPI_COMM_WORLD_SIZE")) {
+      rank = envRank("OMPI_COMM_WORLD_RANK");
+      size = envRank("OMPI_COMM_WORLD_SIZE");
+      jobKey = std::string("ompi:") + (env("OMPI_MCA_orte_hnp_uri") ? env("OMPI_MCA_orte_hnp_uri") : "") +
+               (env("PMIX_NAMESPACE") ? env("PMIX_NAMESPACE") : "");
+    } else if (env("SLURM_PROCID") && env("SLURM_NTASKS")) {
+      rank = envRank("SLURM_PROCID");
+      size = envRank("SLURM_NTASKS");
+      jobKey = std::string("slurm:") + (env("SLURM_JOB_ID") ? env("SLURM_JOB_ID") : "") + "." +
+               (env("SLURM_STEP_ID") ? env("SLURM_STEP_ID") : "");
+    } else {
+      fail(loomInvalidArgument,
+           "no launcher environment found (LOOM_RANK/LOOM_WORLD_SIZE from loom-run, RANK/WORLD_SIZE "
+           "from torchrun, OMPI_COMM_WORLD_RANK/SIZE from mpirun, SLURM_PROCID/NTASKS from srun)");
+    }
+    if (size < 1 || rank >= size)
+      fail(loomInvalidArgument, "rank %d and world size %d from the environment are inconsistent", rank, size);
+    std::string root;
+    if (env("LOOM_ROOT_ADDR")) {
+      root = env("LOOM_ROOT_ADDR");
+    } else {
+      long port;
+      if (env("LOOM_ROOT_PORT")) port = envRank("LOOM_ROOT_PORT");
+      else if (env("MASTER_PORT")) port = envRank("MASTER_PORT") + 1;
+      else port = 20000 + long(std::hash<std::string>()(jobKey) % 20000);
+      if (port <= 0 || port > 65535) fail(loomInvalidArgument, "bootstrap port %ld is out of range", port);
+      root = std::string(env("MASTER_ADDR") ? env("MASTER_ADDR") : "127.0.0.1") + ":" + std::to_string(port);
+    }
+    uint8_t secret[16];
+    if (const char* s = env("LOOM_SECRET")) {
+      if (strlen(s) != 32) fail(loomInvalidArgument, "LOOM_SECRET must be 32 hex digits");
+      for (int i = 0; i < 16; ++i) {
+        char byte[3] = {s[2 * i], s[2 * i + 1], 0};
+        char* end = nullptr;
+        secret[i] = uint8_t(strtoul(byte, &end, 16));
+        if (*end) fail(loomInvalidArgument, "LOOM_SECRET must be 32 hex digits");
+      }
+    } else {
+      secretFromString(jobKey + "|" + root + "|" + std::to_string(size), secret);
+    }
+    loomUniqueId id = uniqueIdFor(root, secret);
+    std::shared_ptr<loomComm> c = loomComm::create(decodeUniqueId(id), size, rank);
+    *comm = c.get();
+    return loomSuccess;
+  });
+}
+
+loomResult_t loomCommSplit(loomComm_t comm, int color, int key, loomComm_t* newcomm) {
+  return guarded("loomCommSplit", comm, [&] {
+    checkComm(comm);
+    if (!newcomm) fail(loomInvalidArgument, "newcomm is NULL");
+    if (tlsGroup.depth > 0) fail(loomInvalidUsage, "loomCommSplit cannot be called inside a group");
+    *newcomm = nullptr;
+    int n = comm->nranks(), me = comm->rank();
+    if (color < 0) color = LOOM_SPLIT_NOCOLOR;
+    std::vector<int32_t> mine = {color, key};
+    std::vector<int32_t> all(size_t(n) * 2);
+    OpDesc ag;
+    ag.coll = Collective::AllGather;
+    ag.sendbuf = mine.data();
+    ag.recvbuf = all.data();
+    ag.count = 2;
+    ag.dtype = loomInt32;
+    loomResult_t r = submit(comm, nullptr, {ag});
+    if (r != loomSuccess) return r;
+    // Members of my color ordered by (key, rank); the first is the new root.
+    std::vector<std::pair<int, int>> members;
+    for (int i = 0; i < n; ++i)
+      if (color != LOOM_SPLIT_NOCOLOR && all[size_t(i) * 2] == color) members.emplace_back(all[size_t(i) * 2 + 1], i);
+    std::sort(members.begin(), members.end());
+    int newRank = -1;
+    for (size_t i = 0; i < members.size(); ++i)
+      if (members[i].second == me) newRank = int(i);
+    loomUniqueId myId;
+    memset(&myId, 0, sizeof myId);
+    if (newRank == 0) makeUniqueId(&myId);
+    std::vector<loomUniqueId> ids;
+    ids.resize(size_t(n));
+    ag.sendbuf = &myId;
+    ag.recvbuf = ids.data();
+    ag.count = sizeof myId;
+    ag.dtype = loomUint8;
+    r = submit(comm, nullptr, {ag});
+    if (r != loomSuccess) return r;
+    if (newRank < 0) return loomSuccess;
+    UniqueIdData id = decodeUniqueId(ids[size_t(members[0].second)]);
+    std::shared_ptr<loomComm> c = loomComm::create(id, int(members.size()), newRank);
+    *newcomm = c.get();
+    return loomSuccess;
+  });
+}
+
+loomResult_t loomCommDestroy(loomComm_t comm) {
+  if (!comm) return loomSuccess;
+  return guarded("loomCommDestroy", nullptr, [&] {
+    comm->waitIdle();
+    comm->releaseHandle();
+    return loomSuccess;
+  });
+}
+
+loomResult_t loomCommAbort(loomComm_t comm) {
+  if (!comm) return loomSuccess;
+  return guarded("loomCommAbort", nullptr, [&] {
+    comm->abort();
+    comm->releaseHandle();
+    return loomSuccess;
+  });
+}
+
+loomResult_t loomCommCount(const loomComm_t comm, int* count) {
+  return guarded("loomCommCount", nullptr, [&] {
+    checkComm(comm);
+    if (!count) fail(loomInvalidArgument, "count is NULL");
+    *count = comm->nranks();
+    return loomSuccess;
+  });
+}
+
+loomResult_t loomCommUserRank(const loomComm_t comm, int* rank) {
+  return guarded("loomCommUserRank", nullptr, [&] {
+    checkComm(comm);
+    if (!rank) fail(loomInvalidArgument, "rank is NULL");
+    *rank = comm->rank();
+    return loomSuccess;
+  });
+}
+
+loomResult_t loomCommGetAsyncError(loomComm_t comm, loomResult_t* asyncError) {
+  return guarded("loomCommGetAsyncError", nullptr, [&] {
+    checkComm(comm);
+    if (!asyncError) fail(loomInvalidArgument, "asyncError is NULL");
+    *asyncError = comm->asyncError();
+    return loomSuccess;
+  });
+}
+
+loomResult_t loomAllReduce(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t datatype,
+                           loomRedOp_t op, loomComm_t comm, loomStream_t stream) {
+  OpDesc d;
+  d.coll = Collective::AllReduce;
+  d.sendbuf = sendbuff;
+  d.recvbuf = recvbuff;
+  d.count = count;
+  d.dtype = datatype;
+  d.op = op;
+  return issueOp("loomAllReduce", comm, stream, d);
+}
+
+loomResult_t loomReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
+                               loomDataType_t datatype, loomRedOp_t op, loomComm_t comm,
+                               loomStream_t stream) {
+  OpDesc d;
+  d.coll = Collective::ReduceScatter;
+  d.sendbuf = sendbuff;
+  d.recvbuf = recvbuff;
+  d.count = recvcount;
+  d.dtype = datatype;
+  d.op = op;
+  return issueOp("loomReduceScatter", comm, stream, d);
+}
+
+loomResult_t loomAllGather(const void* sendbuff, void* recvbuff, size_t sendcount, loomDataType_t datatype,
+                           loomComm_t comm, loomStream_t stream) {
+  OpDesc d;
+  d.coll = Collective::AllGather;
+  d.sendbuf = sendbuff;
+  d.recvbuf = recvbuff;
+  d.count = sendcount;
+  d.dtype = datatype;
+  return issueOp("loomAllGather", comm, stream, d);
+}
+
+loomResult_t loomBroadcast(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t datatype,
+                           int root, loomComm_t comm, loomStream_t stream) {
+  OpDesc d;
+  d.coll = Collective::Broadcast;
+  d.sendbuf = sendbuff;
+  d.recvbuf = recvbuff;
+  d.count = count;
+  d.dtype = datatype;
+  d.root = root;
+  return issueOp("loomBroadcast", comm, stream, d);
+}
+
+loomResult_t loomReduce(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t datatype,
+                        loomRedOp_t op, int root, loomComm_t comm, loomStream_t stream) {
+  OpDesc d;
+  d.coll = Collective::Reduce;
+  d.sendbuf = sendbuff;
+  d.recvbuf = recvbuff;
+  d.count = count;
+  d.dtype = datatype;
+  d.op = op;
+  d.root = root;
+  return issueOp("loomReduce", comm, stream, d);
+}
+
+loomResult_t loomSend(const void* sendbuff, size_t count, loomDataType_t datatype, int peer,
+                      loomComm_t comm, loomStream_t stream) {
+  OpDesc d;
+  d.coll = Collective::P2P;
+  d.sendbuf = sendbuff;
+  d.count = count;
+  d.dtype = datatype;
+  d.peer = peer;
+  d.isSend = true;
+  return issueOp("loomSend", comm, stream, d);
+}
+
+loomResult_t loomRecv(void* recvbuff, size_t count, loomDataType_t datatype, int peer, loomComm_t comm,
+                      loomStream_t stream) {
+  OpDesc d;
+  d.coll = Collective::P2P;
+  d.recvbuf = recvbuff;
+  d.count = count;
+  d.dtype = datatype;
+  d.peer = peer;
+  d.isSend = false;
+  return issueOp("loomRecv", comm, stream, d);
+}
+
+loomResult_t loomGroupStart(void) {
+  ++tlsGroup.depth;
+  return loomSuccess;
+}
+
+loomResult_t loomGroupEnd(void) {
+  GroupState& g = tlsGroup;
+  if (g.depth == 0) {
+    tlsLastError = "loomGroupEnd: no matching loomGroupStart";
+    return loomInvalidUsage;
+  }
+  if (--g.depth > 0) return loomSuccess;
+  std::vector<OpDesc> ops = std::move(g.ops);
+  loomComm* comm = g.comm;
+  loomStream_t stream = g.stream;
+  loomResult_t err = g.error;
+  std::string msg = g.errorMsg;
+  g = GroupState();
+  if (err != loomSuccess) {
+    tlsLastError = "loomGroupEnd: the group was not launched because one of its operations failed: " + msg;
+    return err;
+  }
+  if (ops.empty()) return loomSuccess;
+  return guarded("loomGroupEnd", comm, [&] { return submit(comm, stream, std::move(ops)); });
+}
+
+loomResult_t loomStreamCreate(loomStream_t* stream) {
+  return guarded("loomStreamCreate", nullptr, [&] {
+    if (!stream) fail(loomInvalidArgument, "stream is NULL");
+    *stream = new loomStream();
+    return loomSuccess;
+  });
+}
+
+loomResult_t loomStreamDestroy(loomStream_t stream) {
+  if (!stream) return loomSuccess;
+  return guarded("loomStreamDestroy", nullptr, [&] {
+    delete stream;
+    return loomSuccess;
+  });
+}
+
+loomResult_t loomStreamSynchronize(loomStream_t stream) {
+  if (!stream) return loomSuccess;
+  return guarded("loomStreamSynchronize", nullptr, [&] { return stream->synchronize(); });
+}
+
+loomResult_t loomStreamQuery(loomStream_t stream) {
+  if (!stream) return loomSuccess;
+  return guarded("loomStreamQuery", nullptr, [&] { return stream->query(); });
+}
+
+}  // extern "C"

@@ -1,0 +1,37 @@
+// How a rank waits: spin for LOOM_SPIN_US, then the caller sleeps (futex or
+// poll).  When a host runs more ranks than it has cores, spinning only keeps
+// the peer we wait for off the CPU, so the spin yields the core on every
+// round instead of pausing.
+#pragma once
+#include <sched.h>
+
+#include <cstdint>
+
+#include "src/core/clock.h"
+
+namespace loom {
+
+class Backoff {
+ public:
+  Backoff(int64_t spinUs, bool yield) : spinNs_(spinUs * 1000), yield_(yield) {}
+  // Restart after progress.
+  void reset() { start_ = 0; }
+  // One round of waiting; false once the spin budget is spent (time to sleep).
+  bool spin() {
+    int64_t now = nowNs();
+    if (start_ == 0) start_ = now;
+    if (now - start_ >= spinNs_) return false;
+    if (yield_) sched_yield();
+    else __builtin_ia32_pause();
+    return true;
+  }
+  // Nanoseconds since the wait began.
+  int64_t waited() const { return start_ ? nowNs() - start_ : 0; }
+
+ private:
+  int64_t spinNs_;
+  bool yield_;
+  int64_t start_ = 0;
+};
+
+}  // namespace loom

@@ -1,0 +1,324 @@
+#include "src/core/bootstrap.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <mutex>
+
+#include "src/core/clock.h"
+#include "src/core/config.h"
+#include "src/core/error.h"
+#include "src/core/log.h"
+
+namespace loom {
+
+namespace {
+
+constexpr uint32_t kIdMagic = 0x4c4d4944;     // "LMID"
+constexpr uint32_t kJoinMagic = 0x4c4d4a4e;   // "LMJN"
+constexpr uint16_t kBootVersion = 1;
+
+struct JoinHello {
+  uint32_t magic;
+  uint32_t version;
+  uint8_t secret[16];
+  int32_t rank;
+  int32_t nranks;
+};
+
+struct JoinReply {
+  uint32_t magic;
+  int32_t status;  // loomResult_t
+  char message[248];
+};
+
+// Listeners opened by loomGetUniqueId, waiting for this process's rank 0.
+std::mutex gListenMutex;
+std::map<std::string, int> gListeners;
+
+std::string secretKey(const uint8_t s[16]) { return std::string(reinterpret_cast<const char*>(s), 16); }
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+std::string readFirstLine(const char* path) {
+  std::ifstream f(path);
+  std::string line;
+  std::getline(f, line);
+  return line;
+}
+
+std::string linkTarget(const char* path) {
+  char buf[256];
+  ssize_t n = readlink(path, buf, sizeof buf - 1);
+  return n > 0 ? std::string(buf, size_t(n)) : std::string();
+}
+
+}  // namespace
+
+uint64_t localKey() {
+  return fnv1a(readFirstLine("/proc/sys/kernel/random/boot_id") + "|" + linkTarget("/proc/self/ns/net"));
+}
+
+std::string machineHostId() {
+  char host[256] = "";
+  gethostname(host, sizeof host - 1);
+  return std::string(host) + "/" + readFirstLine("/proc/sys/kernel/random/boot_id");
+}
+
+void fillRandom(void* buf, size_t n) {
+  uint8_t* p = static_cast<uint8_t*>(buf);
+  while (n > 0) {
+    ssize_t r = getrandom(p, n, 0);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      failErrno("getrandom");
+    }
+    p += r;
+    n -= size_t(r);
+  }
+}
+
+void makeUniqueId(loomUniqueId* out) {
+  const Config& cfg = config();
+  SockAddr bindAddr, advertise;
+  if (!cfg.socketIfname.empty()) {
+    bindAddr = advertise = interfaceAddr(cfg.socketIfname);
+  } else {
+    // Listen everywhere; local ranks come through loopback, others through
+    // the first interface that is up.
+    bindAddr = resolveAddr("0.0.0.0", 0);
+    advertise = defaultInterfaceAddr();
+  }
+  bindAddr.setPort(0);
+  int fd = listenOn(bindAddr);
+  UniqueIdData id{};
+  id.magic = kIdMagic;
+  id.version = kBootVersion;
+  id.port = localAddr(fd).port();
+  fillRandom(id.secret, sizeof id.secret);
+  id.localKey = cfg.socketIfname.empty() ? localKey() : 0;
+  std::string host = advertise.str();
+  host = host.substr(0, host.rfind(':'));
+  if (!host.empty() && host[0] == '[') host = host.substr(1, host.size() - 2);
+  snprintf(id.host, sizeof id.host, "%s", host.c_str());
+  {
+    std::lock_guard<std::mutex> lock(gListenMutex);
+    gListeners[secretKey(id.secret)] = fd;
+  }
+  memset(out, 0, sizeof *out);
+  memcpy(out->internal, &id, sizeof id);
+  LOOM_INFO("BOOT", "unique id: root listens on %s port %u", id.host, unsigned(id.port));
+}
+
+UniqueIdData decodeUniqueId(const loomUniqueId& raw) {
+  UniqueIdData id;
+  memcpy(&id, raw.internal, sizeof id);
+  if (id.magic != kIdMagic || id.version != kBootVersion)
+    fail(loomInvalidArgument, "the unique id is not one made by loomGetUniqueId of this loom version");
+  id.host[sizeof id.host - 1] = 0;
+  return id;
+}
+
+loomUniqueId uniqueIdFor(const std::string& hostPort, const uint8_t secret[16]) {
+  SockAddr a = parseHostPort(hostPort);
+  UniqueIdData id{};
+  id.magic = kIdMagic;
+  id.version = kBootVersion;
+  id.port = a.port();
+  memcpy(id.secret, secret, 16);
+  id.localKey = 0;
+  std::string host = a.str();
+  host = host.substr(0, host.rfind(':'));
+  if (!host.empty() && host[0] == '[') host = host.substr(1, host.size() - 2);
+  snprintf(id.host, sizeof id.host, "%s", host.c_str());
+  loomUniqueId out;
+  memset(&out, 0, sizeof out);
+  memcpy(out.internal, &id, sizeof id);
+  return out;
+}
+
+SockAddr rootAddress(const UniqueIdData& id) {
+  if (id.localKey != 0 && id.localKey == localKey()) return resolveAddr("127.0.0.1", id.port);
+  return resolveAddr(id.host, id.port);
+}
+
+Bootstrap::Bootstrap(const UniqueIdData& id, int rank, int nranks, int64_t deadlineMs)
+    : rank_(rank), nranks_(nranks), deadline_(deadlineMs) {
+  if (rank == 0) {
+    serve(id);
+    return;
+  }
+  SockAddr root = rootAddress(id);
+  try {
+    rootFd_ = connectTo(root, deadline_);
+  } catch (const Error& e) {
+    fail(e.code(), "rank %d cannot reach the bootstrap root at %s: %s", rank, root.str().c_str(), e.what());
+  }
+  local_ = localAddr(rootFd_);
+  JoinHello hello{kJoinMagic, kBootVersion, {}, rank, nranks};
+  memcpy(hello.secret, id.secret, 16);
+  JoinReply reply{};
+  try {
+    sendAll(rootFd_, &hello, sizeof hello, deadline_);
+    recvAll(rootFd_, &reply, sizeof reply, deadline_);
+  } catch (const Error& e) {
+    fail(e.code(), "rank %d: bootstrap with root %s failed: %s", rank, root.str().c_str(), e.what());
+  }
+  reply.message[sizeof reply.message - 1] = 0;
+  if (reply.magic != kJoinMagic) fail(loomRemoteError, "rank %d: the bootstrap root sent garbage", rank);
+  if (reply.status != loomSuccess) fail(loomResult_t(reply.status), "%s", reply.message);
+}
+
+Bootstrap::~Bootstrap() {
+  closeFd(rootFd_);
+  for (int& fd : fds_) closeFd(fd);
+}
+
+void Bootstrap::serve(const UniqueIdData& id) {
+  int listenFd = -1;
+  {
+    std::lock_guard<std::mutex> lock(gListenMutex);
+    auto it = gListeners.find(secretKey(id.secret));
+    if (it != gListeners.end()) {
+      listenFd = it->second;
+      gListeners.erase(it);
+    }
+  }
+  if (listenFd < 0) {
+    // The id came from the environment: rank 0 opens the port named in it.
+    SockAddr a = resolveAddr(id.host, id.port);
+    try {
+      listenFd = listenOn(a);
+    } catch (const Error& e) {
+      fail(e.code(), "rank 0 cannot open the bootstrap port %s: %s", a.str().c_str(), e.what());
+    }
+  }
+  local_ = localAddr(listenFd);
+  fds_.assign(size_t(nranks_), -1);
+
+  struct Pending {
+    int fd;
+    size_t got;
+    int64_t deadline;
+    JoinHello hello;
+  };
+  std::vector<Pending> pending;
+  int joined = 1;
+  auto drop = [&](size_t i, const char* why) {
+    LOOM_WARN("BOOT", "bootstrap root: dropped a connection (%s); still waiting for the ranks", why);
+    close(pending[i].fd);
+    pending.erase(pending.begin() + long(i));
+  };
+  auto reject = [&](int fd, loomResult_t code, const std::string& msg) {
+    JoinReply r{kJoinMagic, code, {}};
+    snprintf(r.message, sizeof r.message, "%s", msg.c_str());
+    try {
+      sendAll(fd, &r, sizeof r, nowMs() + 1000);
+    } catch (const Error&) {
+    }
+  };
+  try {
+    while (joined < nranks_) {
+      int64_t now = nowMs();
+      if (now >= deadline_) {
+        std::string missing;
+        for (int r = 1; r < nranks_; ++r)
+          if (fds_[size_t(r)] < 0) missing += strf(" %d", r);
+        fail(loomTimeout, "bootstrap: %d of %d ranks joined before the timeout; missing:%s", joined,
+             nranks_, missing.c_str());
+      }
+      for (size_t i = 0; i < pending.size();) {
+        if (now > pending[i].deadline) drop(i, "no complete hello within 5 s");
+        else ++i;
+      }
+      std::vector<pollfd> pfds{{listenFd, POLLIN, 0}};
+      for (auto& p : pending) pfds.push_back({p.fd, POLLIN, 0});
+      int rc = poll(pfds.data(), pfds.size(), 100);
+      if (rc < 0 && errno != EINTR) failErrno("poll");
+      if (rc <= 0) continue;
+      for (size_t i = pfds.size() - 1; i >= 1; --i) {
+        if (!pfds[i].revents) continue;
+        Pending& p = pending[i - 1];
+        ssize_t n = recv(p.fd, reinterpret_cast<char*>(&p.hello) + p.got, sizeof p.hello - p.got,
+                         MSG_DONTWAIT);
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+          drop(i - 1, p.got ? "truncated hello" : "closed without a hello");
+          continue;
+        }
+        if (n < 0) continue;
+        p.got += size_t(n);
+        if (p.got < sizeof p.hello) continue;
+        const JoinHello& h = p.hello;
+        if (h.magic != kJoinMagic) {
+          drop(i - 1, "not a loom hello");
+          continue;
+        }
+        if (memcmp(h.secret, id.secret, 16) != 0) {
+          drop(i - 1, "wrong secret");
+          continue;
+        }
+        if (h.version != kBootVersion) {
+          reject(p.fd, loomInvalidUsage, strf("loom bootstrap version %u, root has %u", h.version, kBootVersion));
+          drop(i - 1, "wrong version");
+          continue;
+        }
+        if (h.nranks != nranks_ || h.rank <= 0 || h.rank >= nranks_ || fds_[size_t(h.rank)] >= 0) {
+          std::string msg = h.nranks != nranks_
+                                ? strf("rank %d called init with nranks %d but rank 0 with %d", h.rank,
+                                       h.nranks, nranks_)
+                                : strf("rank %d joined twice or is out of range [0, %d)", h.rank, nranks_);
+          reject(p.fd, loomInvalidUsage, msg);
+          fail(loomInvalidUsage, "bootstrap: %s", msg.c_str());
+        }
+        fds_[size_t(h.rank)] = p.fd;
+        pending.erase(pending.begin() + long(i - 1));
+        ++joined;
+      }
+      if (pfds[0].revents & POLLIN) {
+        int fd = accept4(listenFd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd >= 0) {
+          if (pending.size() >= 1024) drop(0, "too many pending connections");
+          pending.push_back(Pending{fd, 0, nowMs() + 5000, {}});
+        }
+      }
+    }
+  } catch (const Error& e) {
+    for (auto& p : pending) close(p.fd);
+    for (int r = 1; r < nranks_; ++r)
+      if (fds_[size_t(r)] >= 0) reject(fds_[size_t(r)], e.code(), strf("rank 0: %s", e.what()));
+    close(listenFd);
+    throw;
+  }
+  for (auto& p : pending) close(p.fd);
+  close(listenFd);
+  JoinReply ok{kJoinMagic, loomSuccess, {}};
+  for (int r = 1; r < nranks_; ++r) {
+    setNonBlocking(fds_[size_t(r)], false);
+    sendAll(fds_[size_t(r)], &ok, sizeof ok, deadline_);
+  }
+}
+
+std::vector<uint8_t> Bootstrap::allGather(const void* mine, size_t bytes) {
+  std::vector<uint8_t> all(bytes * size_t(nranks_));
+  memcpy(all.data() + size_t(rank_) * bytes, mine, bytes);
+  if (rank_ == 0) {
+    for (int r = 1; r < nranks_; ++r) recvAll(fds_[size_t(r)], all.data() + size_t(r) * bytes, bytes, deadline_);
+    for (int r = 1; r < nranks_; ++r) sendAll(fds_[size_t(r)], all.data(), all.size(), deadline_);
+  } else {
+    sendAll(rootFd_, mine, bytes, deadline_);
+    recvAll(rootFd_, all.data(), all.size(), deadline_);
+  }
+  return all;
+}
+
+}  // namespace loom

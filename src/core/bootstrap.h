@@ -1,0 +1,68 @@
+// Bootstrap: how the ranks of a new communicator find each other.
+//
+// The unique id names the root's listener and carries a 128-bit secret.
+// Every rank connects to the root and presents the secret; the root drops
+// any connection that does not (garbage, wrong secret, truncated frames,
+// silence) with a warning and keeps waiting for the real ranks.  Once all
+// have joined, allGather() exchanges fixed-size records through the root;
+// the connections close when init is done.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "loom.h"
+#include "src/core/socket.h"
+
+namespace loom {
+
+struct UniqueIdData {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t port;
+  uint8_t secret[16];
+  uint64_t localKey;  // the root's loopback domain (see localKey())
+  char host[88];      // numeric address of the root for ranks elsewhere
+};
+static_assert(sizeof(UniqueIdData) <= LOOM_UNIQUE_ID_BYTES, "unique id too large");
+
+// Ranks with equal keys share a kernel and network namespace, so they can
+// reach each other through 127.0.0.1.
+uint64_t localKey();
+// hostname + boot id: ranks with equal ids share memory (unless LOOM_HOST_ID).
+std::string machineHostId();
+
+void fillRandom(void* buf, size_t n);
+
+// Opens a listener for a new root and describes it in *id.
+void makeUniqueId(loomUniqueId* id);
+UniqueIdData decodeUniqueId(const loomUniqueId& id);
+// Builds an id for a root at hostPort with the given secret (environment
+// launchers); rank 0 binds the port itself.
+loomUniqueId uniqueIdFor(const std::string& hostPort, const uint8_t secret[16]);
+
+// The address this process should use to reach the root described by id.
+SockAddr rootAddress(const UniqueIdData& id);
+
+class Bootstrap {
+ public:
+  // Joins the communicator (rank 0 serves).  Blocks until every rank has
+  // joined or deadlineMs passes.
+  Bootstrap(const UniqueIdData& id, int rank, int nranks, int64_t deadlineMs);
+  ~Bootstrap();
+  // Every rank contributes `bytes` bytes; returns nranks*bytes in rank order.
+  std::vector<uint8_t> allGather(const void* mine, size_t bytes);
+  // The local address of this rank's connection to the root (the interface
+  // that reaches it).
+  SockAddr localAddress() const { return local_; }
+
+ private:
+  void serve(const UniqueIdData& id);
+  int rank_, nranks_;
+  int64_t deadline_;
+  int rootFd_ = -1;         // rank > 0
+  std::vector<int> fds_;    // rank 0: connection of each rank
+  SockAddr local_;
+};
+
+}  // namespace loom

@@ -1,0 +1,455 @@
+#include "src/core/comm.h"
+
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "algorithms/algorithms.h"
+#include "src/core/clock.h"
+#include "src/core/config.h"
+#include "src/core/error.h"
+#include "src/core/log.h"
+#include "src/device/host_reduce.h"
+#include "src/tuner/tuner.h"
+#include "transports/tcp/tcp_transport.h"
+
+using namespace loom;
+
+namespace loom {
+
+uint32_t parseTransports(const std::string& spec) {
+  uint32_t bits = 0;
+  size_t pos = 0;
+  while (pos <= spec.size()) {
+    size_t end = spec.find(',', pos);
+    if (end == std::string::npos) end = spec.size();
+    std::string t = spec.substr(pos, end - pos);
+    if (t == "shm") bits |= kShmBit;
+    else if (t == "tcp") bits |= kTcpBit;
+    else if (!t.empty())
+      fail(loomInvalidArgument, "LOOM_TRANSPORTS=%s: unknown transport '%s' (this build has shm, tcp)",
+           spec.c_str(), t.c_str());
+    pos = end + 1;
+  }
+  if (!bits) fail(loomInvalidArgument, "LOOM_TRANSPORTS=%s names no transport", spec.c_str());
+  return bits;
+}
+
+}  // namespace loom
+
+std::shared_ptr<loomComm> loomComm::create(const UniqueIdData& id, int nranks, int rank) {
+  std::shared_ptr<loomComm> c(new loomComm());
+  c->self_ = c;
+  try {
+    c->init(id, nranks, rank);
+  } catch (...) {
+    c->self_.reset();
+    throw;
+  }
+  return c;
+}
+
+loomComm::~loomComm() {
+  conns_.clear();
+  for (auto& kv : acceptedFds_) close(kv.second);
+  for (int fd : pidfds_)
+    if (fd >= 0) close(fd);
+  if (listenFd_ >= 0) close(listenFd_);
+}
+
+void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
+  const Config& cfg = config();
+  rank_ = rank;
+  nranks_ = nranks;
+  logSetRank(rank);
+  memcpy(secret_, id.secret, 16);
+  timeoutMs_ = cfg.timeoutMs;
+  spinUs_ = cfg.spinUs;
+  checkMode_ = cfg.checkMode;
+  int64_t deadline = nowMs() + timeoutMs_;
+  sendSeq_.assign(size_t(nranks), 0);
+  recvSeq_.assign(size_t(nranks), 0);
+
+  // This rank's listener for data connections.
+  SockAddr bindAddr = cfg.socketIfname.empty() ? resolveAddr("0.0.0.0", 0) : interfaceAddr(cfg.socketIfname);
+  bindAddr.setPort(0);
+  listenFd_ = listenOn(bindAddr);
+  uint16_t listenPort = localAddr(listenFd_).port();
+
+  Bootstrap boot(id, rank, nranks, deadline);
+
+  RankInfo mine{};
+  std::string host = cfg.hostId.empty() ? machineHostId() : cfg.hostId;
+  snprintf(mine.hostId, sizeof mine.hostId, "%s", host.c_str());
+  mine.localKey = localKey();
+  SockAddr advertise = cfg.socketIfname.empty() ? boot.localAddress() : bindAddr;
+  if (advertise.ss.ss_family == AF_INET &&
+      reinterpret_cast<sockaddr_in*>(&advertise.ss)->sin_addr.s_addr == 0)
+    advertise = defaultInterfaceAddr();
+  advertise.setPort(listenPort);
+  memcpy(&mine.listenAddr, &advertise.ss, sizeof advertise.ss);
+  mine.listenLen = advertise.len;
+  mine.pid = int32_t(getpid());
+  mine.inboxFd = -1;
+  mine.slotBytes = uint32_t(cfg.slotBytes);
+  mine.slots = uint32_t(cfg.slots);
+  mine.transports = parseTransports(cfg.transports);
+  mine.mailBytes = uint32_t(cfg.shmSmallBytes);
+  fillRandom(&mine.commTag, sizeof mine.commTag);
+
+  std::vector<uint8_t> all = boot.allGather(&mine, sizeof mine);
+  peers_.resize(size_t(nranks));
+  memcpy(peers_.data(), all.data(), all.size());
+  // Communicator-wide settings come from rank 0 so every pair agrees.
+  slotBytes_ = peers_[0].slotBytes;
+  slots_ = peers_[0].slots;
+  transports_ = peers_[0].transports;
+  commTag_ = peers_[0].commTag;
+  mailBytes_ = peers_[0].mailBytes;
+  tuner_ = std::make_unique<Tuner>(cfg);
+  lastMail_.assign(size_t(nranks), {0, 0});
+
+  // Shared memory with the ranks that share this host.
+  shmPeer_.assign(size_t(nranks), false);
+  peerInbox_.resize(size_t(nranks));
+  pidfds_.assign(size_t(nranks), -1);
+  std::vector<int> local;
+  for (int r = 0; r < nranks; ++r)
+    if (r != rank && strncmp(peers_[size_t(r)].hostId, mine.hostId, sizeof mine.hostId) == 0)
+      local.push_back(r);
+  bool wantShm = (transports_ & kShmBit) && !local.empty();
+  ShmLayout layout{uint32_t(nranks), uint32_t(maxChannels_), slots_, slotBytes_, mailBytes_, 0};
+  int32_t inboxFd = -1;
+  if (wantShm) {
+    inbox_ = ShmInbox::create(layout);
+    inboxFd = inbox_->fd();
+  }
+  all = boot.allGather(&inboxFd, sizeof inboxFd);
+  std::vector<uint8_t> ok(size_t(nranks), 0);
+  for (int r : local) {
+    int32_t fd;
+    memcpy(&fd, all.data() + size_t(r) * sizeof fd, sizeof fd);
+    if (!wantShm || fd < 0) continue;
+    std::string why;
+    peerInbox_[size_t(r)] = ShmInbox::map(peers_[size_t(r)].pid, fd, layout, &why);
+    if (!peerInbox_[size_t(r)]) {
+      LOOM_WARN("SHM", "rank %d: no shared memory with rank %d (%s); using tcp", rank, r, why.c_str());
+      continue;
+    }
+    pidfds_[size_t(r)] = int(syscall(SYS_pidfd_open, peers_[size_t(r)].pid, 0));
+    ok[size_t(r)] = 1;
+  }
+  all = boot.allGather(ok.data(), ok.size());
+  for (int r = 0; r < nranks; ++r) {
+    shmPeer_[size_t(r)] = ok[size_t(r)] && all[size_t(r) * size_t(nranks) + size_t(rank)];
+    if (r != rank && !shmPeer_[size_t(r)] && !(transports_ & kTcpBit))
+      fail(loomInvalidUsage, "rank %d cannot reach rank %d: LOOM_TRANSPORTS allows only shm and they %s",
+           rank, r, ok[size_t(r)] ? "could not map shared memory" : "are on different hosts");
+  }
+  oversubscribed_ = long(local.size() + 1) > sysconf(_SC_NPROCESSORS_ONLN);
+  allShm_ = nranks > 1;
+  for (int r = 0; r < nranks; ++r)
+    if (r != rank && !shmPeer_[size_t(r)]) allShm_ = false;
+  limits_.maxChannels = maxChannels_;
+  limits_.oneShotBytes = allShm_ ? mailBytes_ : 0;
+  LOOM_INFO("INIT", "rank %d of %d ready: host %s, %zu local peers, slots %u x %u B", rank, nranks,
+            mine.hostId, local.size(), slots_, slotBytes_);
+}
+
+const char* loomComm::transportTo(int peer) const {
+  if (peer == rank_) return "self";
+  return shmPeer_[size_t(peer)] ? "shm" : "tcp";
+}
+
+// Tickets are atomics so that the uncontended case (one thread issuing and
+// running) takes no lock; the mutex and condition variable are only used by
+// threads that must wait for their turn.
+uint64_t loomComm::takeTicket() { return nextTicket_.fetch_add(1); }
+
+void loomComm::waitTurn(uint64_t ticket) {
+  if (serving_.load() == ticket) return;
+  std::unique_lock<std::mutex> lock(turnMutex_);
+  ++turnWaiters_;
+  turnCv_.wait(lock, [&] { return serving_.load() == ticket; });
+  --turnWaiters_;
+}
+
+void loomComm::endTurn() {
+  serving_.fetch_add(1);
+  if (turnWaiters_.load() > 0) {
+    std::lock_guard<std::mutex> lock(turnMutex_);
+    turnCv_.notify_all();
+  }
+}
+
+void loomComm::waitIdle() {
+  std::unique_lock<std::mutex> lock(turnMutex_);
+  ++turnWaiters_;
+  turnCv_.wait(lock, [&] { return serving_.load() == nextTicket_.load(); });
+  --turnWaiters_;
+}
+
+SlotTag loomComm::tagFor(const OpDesc& op) {
+  SlotTag t{};
+  t.coll = uint8_t(op.coll);
+  t.count = op.count;
+  t.dtype = uint8_t(op.dtype);
+  bool reduces = op.coll == Collective::AllReduce || op.coll == Collective::ReduceScatter ||
+                 op.coll == Collective::Reduce;
+  t.op = reduces ? uint8_t(op.op) : 0;
+  t.root = (op.coll == Collective::Broadcast || op.coll == Collective::Reduce) ? op.root : 0;
+  if (op.coll == Collective::P2P) t.seq = op.isSend ? sendSeq_[size_t(op.peer)]++ : recvSeq_[size_t(op.peer)]++;
+  else t.seq = collSeq_++;
+  return t;
+}
+
+uint64_t loomComm::issueOne(const OpDesc& op, SlotTag* tag) {
+  std::lock_guard<std::mutex> lock(seqMutex_);
+  *tag = tagFor(op);
+  return takeTicket();
+}
+
+bool loomComm::oneShot(const OpDesc& op) const {
+  return tuner_->choose(op, nranks_, limits_).algo == Algorithm::OneShot;
+}
+
+loomResult_t loomComm::runOne(const OpDesc& op, const SlotTag& tag) {
+  if (!oneShot(op)) return runOps({op}, {tag});
+  loomResult_t prior = asyncError();
+  if (prior != loomSuccess) {
+    setLastError(strf("rank %d: the communicator failed earlier: %s", rank_, lastError().c_str()));
+    return prior;
+  }
+  try {
+    runOneShot(op, tag);
+    return loomSuccess;
+  } catch (const Error& e) {
+    setFailed(e.code(), e.what());
+    return e.code();
+  }
+}
+
+uint64_t loomComm::issue(const std::vector<OpDesc>& ops, std::vector<SlotTag>* tags) {
+  std::lock_guard<std::mutex> lock(seqMutex_);
+  for (const OpDesc& op : ops) tags->push_back(tagFor(op));
+  return takeTicket();
+}
+
+loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<SlotTag>& tags) {
+  loomResult_t prior = asyncError();
+  if (prior != loomSuccess) {
+    setLastError(strf("rank %d: the communicator failed earlier: %s", rank_, lastError().c_str()));
+    return prior;
+  }
+  try {
+    std::vector<ExecOp> eops;
+    Schedule sched;
+    std::vector<size_t> selfSends, selfRecvs;
+    if (ops.size() == 1 && oneShot(ops[0])) {
+      runOneShot(ops[0], tags[0]);
+      return loomSuccess;
+    }
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const OpDesc& op = ops[i];
+      ExecOp e;
+      e.tag = tags[i];
+      e.send = static_cast<const uint8_t*>(op.sendbuf);
+      e.recv = static_cast<uint8_t*>(op.recvbuf);
+      e.dtype = op.dtype;
+      e.op = op.op;
+      e.divisor = op.op == loomAvg ? nranks_ : 1;
+      eops.push_back(e);
+      if (op.coll == Collective::P2P) {
+        if (op.peer == rank_) (op.isSend ? selfSends : selfRecvs).push_back(i);
+        else p2pSchedule(op, int(i), &sched);
+      } else {
+        Plan plan = tuner_->choose(op, nranks_, limits_);
+        plan.algo = Algorithm::Ring;  // inside a group everything runs on the executor
+        ringSchedule(op, int(i), rank_, nranks_, plan, &sched);
+      }
+    }
+    if (selfSends.size() != selfRecvs.size())
+      fail(loomInvalidUsage, "rank %d: a group has %zu sends to itself but %zu receives from itself",
+           rank_, selfSends.size(), selfRecvs.size());
+    for (size_t k = 0; k < selfSends.size(); ++k) {
+      const OpDesc& s = ops[selfSends[k]];
+      const OpDesc& r = ops[selfRecvs[k]];
+      size_t bytes = s.count * dtypeSize(s.dtype);
+      if (bytes != r.count * dtypeSize(r.dtype))
+        fail(loomInvalidUsage, "rank %d: send to self of %zu bytes matched with a receive of %zu", rank_,
+             bytes, r.count * dtypeSize(r.dtype));
+      if (!bytes) continue;
+      ExecOp e = eops[selfSends[k]];
+      e.recv = static_cast<uint8_t*>(r.recvbuf);
+      eops.push_back(e);
+      Lane lane;
+      lane.op = int(eops.size() - 1);
+      Step st;
+      st.kind = StepKind::Copy;
+      st.src = BufRef{Buf::Send, 0};
+      st.dst = BufRef{Buf::Recv, 0};
+      st.bytes = bytes;
+      lane.steps.push_back(st);
+      sched.lanes.push_back(lane);
+    }
+    execute(*this, eops, sched);
+    return loomSuccess;
+  } catch (const Error& e) {
+    setFailed(e.code(), e.what());
+    return e.code();
+  } catch (const std::exception& e) {
+    setFailed(loomInternalError, strf("rank %d: internal error: %s", rank_, e.what()));
+    return loomInternalError;
+  }
+}
+
+void loomComm::setFailed(loomResult_t code, const std::string& msg) {
+  int expected = loomSuccess;
+  if (asyncError_.compare_exchange_strong(expected, code)) {
+    setLastError(msg);
+    LOOM_WARN("COLL", "%s", msg.c_str());
+    // Tell the peers at once rather than letting them wait for a timeout.
+    if (inbox_) inbox_->header()->aborted.store(1);
+    std::lock_guard<std::mutex> lock(fdMutex_);
+    for (int fd : tcpFds_) shutdown(fd, SHUT_RDWR);
+  } else {
+    setLastError(msg);
+  }
+}
+
+void loomComm::setLastError(const std::string& msg) {
+  std::lock_guard<std::mutex> lock(errMutex_);
+  lastError_ = msg;
+}
+
+std::string loomComm::lastError() {
+  std::lock_guard<std::mutex> lock(errMutex_);
+  return lastError_;
+}
+
+void loomComm::abort() {
+  aborted_.store(true);
+  setFailed(loomRemoteError, strf("rank %d: the communicator was aborted", rank_));
+}
+
+void loomComm::checkAborted() {
+  if (aborted_.load()) fail(loomRemoteError, "rank %d: the communicator was aborted", rank_);
+}
+
+int loomComm::acceptData(int64_t deadline, std::map<std::pair<int, int>, int>& stash) {
+  int fd = acceptUntil(listenFd_, deadline);
+  if (fd < 0) return -1;
+  TcpHello h{};
+  try {
+    recvAll(fd, &h, sizeof h, std::min(deadline, nowMs() + 2000));
+  } catch (const Error& e) {
+    LOOM_WARN("NET", "rank %d: dropped a data connection without a valid hello (%s)", rank_, e.what());
+    close(fd);
+    return 0;
+  }
+  if (h.magic != kTcpHelloMagic || h.version != kTcpVersion || memcmp(h.secret, secret_, 16) != 0 ||
+      h.commTag != commTag_ || h.rank < 0 || h.rank >= nranks_ || h.channel < 0 ||
+      h.channel >= maxChannels_) {
+    LOOM_WARN("NET", "rank %d: dropped a data connection with a bad hello (wrong secret, "
+              "communicator or version)", rank_);
+    close(fd);
+    return 0;
+  }
+  auto key = std::make_pair(int(h.rank), int(h.channel));
+  if (stash.count(key) || conns_.count(key)) {
+    LOOM_WARN("NET", "rank %d: dropped a duplicate data connection from rank %d", rank_, h.rank);
+    close(fd);
+    return 0;
+  }
+  stash[key] = fd;
+  return 1;
+}
+
+void loomComm::prepare(const std::vector<std::pair<int, int>>& needed) {
+  int64_t deadline = nowMs() + timeoutMs_;
+  // Connect first (never waits on the peer), then accept.
+  for (const auto& key : needed) {
+    if (conns_.count(key)) continue;
+    int peer = key.first, ch = key.second;
+    if (ch >= maxChannels_) fail(loomInternalError, "channel %d out of range", ch);
+    if (shmPeer_[size_t(peer)]) {
+      conns_[key] = makeShmConnection(inbox_.get(), peerInbox_[size_t(peer)].get(), rank_, peer, ch,
+                                      peers_[size_t(peer)].pid, pidfds_[size_t(peer)]);
+    } else if (rank_ > peer) {
+      const RankInfo& info = peers_[size_t(peer)];
+      SockAddr addr;
+      memcpy(&addr.ss, &info.listenAddr, sizeof addr.ss);
+      addr.len = info.listenLen;
+      if (info.localKey == localKey()) {
+        uint16_t port = addr.port();
+        addr = resolveAddr("127.0.0.1", port);
+      }
+      int fd;
+      try {
+        fd = connectTo(addr, deadline);
+      } catch (const Error& e) {
+        fail(loomRemoteError, "rank %d cannot connect to rank %d at %s: %s", rank_, peer, addr.str().c_str(),
+             e.what());
+      }
+      TcpHello h{kTcpHelloMagic, kTcpVersion, {}, commTag_, rank_, ch};
+      memcpy(h.secret, secret_, 16);
+      sendAll(fd, &h, sizeof h, deadline);
+      {
+        std::lock_guard<std::mutex> lock(fdMutex_);
+        tcpFds_.push_back(fd);
+      }
+      conns_[key] = makeTcpConnection(fd, peer, slotBytes_, int(slots_));
+    }
+  }
+  for (const auto& key : needed) {
+    if (conns_.count(key)) continue;
+    for (;;) {
+      auto it = acceptedFds_.find(key);
+      if (it != acceptedFds_.end()) {
+        {
+          std::lock_guard<std::mutex> lock(fdMutex_);
+          tcpFds_.push_back(it->second);
+        }
+        conns_[key] = makeTcpConnection(it->second, key.first, slotBytes_, int(slots_));
+        acceptedFds_.erase(it);
+        break;
+      }
+      checkAborted();
+      if (acceptData(std::min(deadline, nowMs() + 100), acceptedFds_) < 0 && nowMs() >= deadline)
+        fail(loomTimeout, "rank %d: rank %d did not open its tcp connection (channel %d) within %lld ms",
+             rank_, key.first, key.second, (long long)timeoutMs_);
+    }
+  }
+}
+
+Connection* loomComm::connection(int peer, int channel) {
+  auto it = conns_.find(std::make_pair(peer, channel));
+  if (it == conns_.end()) fail(loomInternalError, "no connection to rank %d channel %d", peer, channel);
+  return it->second.get();
+}
+
+uint32_t loomComm::sleepBegin() {
+  if (!inbox_) return 0;
+  ShmInboxHeader* h = inbox_->header();
+  h->sleeping.store(1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  return h->bell.load(std::memory_order_relaxed);
+}
+
+void loomComm::sleepWait(uint32_t token, std::vector<pollfd>& fds, bool doorbell, int64_t timeoutUs) {
+  if (doorbell && fds.empty()) {
+    inbox_->sleep(token, timeoutUs);
+    return;
+  }
+  timespec ts{time_t(timeoutUs / 1000000), long(timeoutUs % 1000000) * 1000};
+  ppoll(fds.data(), fds.size(), &ts, nullptr);
+}
+
+void loomComm::sleepEnd() {
+  if (inbox_) inbox_->header()->sleeping.store(0, std::memory_order_relaxed);
+}

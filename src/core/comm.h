@@ -1,0 +1,147 @@
+// The communicator: who the ranks are, how to reach each one, and the order
+// in which its operations run.  It is the executor's environment (ExecEnv).
+#pragma once
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "algorithms/schedule.h"
+#include "loom.h"
+#include "src/core/bootstrap.h"
+#include "src/core/executor.h"
+#include "src/tuner/tuner.h"
+#include "transports/shm/shm_transport.h"
+
+namespace loom {
+
+// What every rank tells the others during init.
+struct RankInfo {
+  char hostId[120];
+  uint64_t localKey;
+  sockaddr_storage listenAddr;
+  uint32_t listenLen;
+  int32_t pid;
+  int32_t inboxFd;
+  uint32_t slotBytes;  // rank 0's value is used by all
+  uint32_t slots;      // rank 0's value is used by all
+  uint32_t transports; // rank 0's value is used by all (bit 0 shm, bit 1 tcp)
+  uint32_t mailBytes;  // rank 0's value is used by all
+  uint64_t commTag;    // rank 0's value is used by all
+};
+
+enum TransportBits : uint32_t { kShmBit = 1, kTcpBit = 2 };
+uint32_t parseTransports(const std::string& spec);
+
+}  // namespace loom
+
+struct loomComm : public loom::ExecEnv, public std::enable_shared_from_this<loomComm> {
+ public:
+  // Creates and joins; throws loom::Error.
+  static std::shared_ptr<loomComm> create(const loom::UniqueIdData& id, int nranks, int rank);
+  ~loomComm() override;
+
+  int nranks() const { return nranks_; }
+  int rank() const override { return rank_; }
+
+  // ---- ordering: operations run one at a time, in issue order ----
+  uint64_t takeTicket();
+  void waitTurn(uint64_t ticket);
+  void endTurn();
+  void waitIdle();  // until every issued operation has run
+
+  // Issues a batch: assigns sequence numbers / tags and takes a ticket, as
+  // one atomic step so that tag order and execution order agree.
+  uint64_t issue(const std::vector<loom::OpDesc>& ops, std::vector<loom::SlotTag>* tags);
+
+  // The same for one operation without allocating (the latency path).
+  uint64_t issueOne(const loom::OpDesc& op, loom::SlotTag* tag);
+  // True if op would take the one-shot shared-memory path.
+  bool oneShot(const loom::OpDesc& op) const;
+  // Runs one operation inside its turn.
+  loomResult_t runOne(const loom::OpDesc& op, const loom::SlotTag& tag);
+
+  // Runs a batch (one call, or one group) inside its turn.
+  loomResult_t runOps(const std::vector<loom::OpDesc>& ops, const std::vector<loom::SlotTag>& tags);
+
+  // ---- errors ----
+  void setFailed(loomResult_t code, const std::string& msg);
+  loomResult_t asyncError() const { return loomResult_t(asyncError_.load()); }
+  void setLastError(const std::string& msg);
+  std::string lastError();
+
+  void abort();
+  void releaseHandle() { self_.reset(); }
+  bool isAborted() const { return aborted_.load(); }
+  const std::vector<loom::RankInfo>& peers() const { return peers_; }
+  // Transport used to reach a peer ("shm", "tcp", "self").
+  const char* transportTo(int peer) const;
+
+  // ---- ExecEnv ----
+  void prepare(const std::vector<std::pair<int, int>>& needed) override;
+  loom::Connection* connection(int peer, int channel) override;
+  uint32_t sleepBegin() override;
+  void sleepWait(uint32_t token, std::vector<pollfd>& fds, bool doorbell, int64_t timeoutUs) override;
+  void sleepEnd() override;
+  void checkAborted() override;
+  int64_t timeoutMs() const override { return timeoutMs_; }
+  int64_t spinUs() const override { return spinUs_; }
+  bool oversubscribed() const override { return oversubscribed_; }
+  bool checkMode() const override { return checkMode_; }
+  void checkStalled(const loom::SlotTag& mine, int peer) override;
+
+ private:
+  loomComm() = default;
+  void init(const loom::UniqueIdData& id, int nranks, int rank);
+  loom::SlotTag tagFor(const loom::OpDesc& op);  // under seqMutex_
+  // One round through the shared-memory mailboxes (comm_oneshot.cc).
+  void runOneShot(const loom::OpDesc& op, const loom::SlotTag& tag);
+  template <class Ready>
+  void waitFor(Ready ready, int peer, const loom::SlotTag& tag, const char* what);
+  // Throws if peer visibly runs another operation than `tag` on the other path.
+  void crossPathCheck(int peer, const loom::SlotTag& tag);
+  int acceptData(int64_t deadline, std::map<std::pair<int, int>, int>& stash);
+
+  int rank_ = 0, nranks_ = 0;
+  uint8_t secret_[16] = {};
+  uint64_t commTag_ = 0;
+  int64_t timeoutMs_ = 0, spinUs_ = 0;
+  bool checkMode_ = true;
+  uint32_t slotBytes_ = 0, slots_ = 0, transports_ = 0;
+  int maxChannels_ = 4;
+  uint32_t mailBytes_ = 0;
+  bool allShm_ = false;
+  bool oversubscribed_ = false;
+  std::unique_ptr<loom::Tuner> tuner_;
+  loom::TunerLimits limits_;
+  std::vector<std::array<uint64_t, 2>> lastMail_;  // per peer: seq+1 last written per parity
+  std::vector<loom::RankInfo> peers_;
+  std::vector<bool> shmPeer_;
+  int listenFd_ = -1;
+  std::unique_ptr<loom::ShmInbox> inbox_;
+  std::vector<std::unique_ptr<loom::ShmInbox>> peerInbox_;
+  std::vector<int> pidfds_;
+  std::map<std::pair<int, int>, std::unique_ptr<loom::Connection>> conns_;
+  std::map<std::pair<int, int>, int> acceptedFds_;
+  std::mutex fdMutex_;
+  std::vector<int> tcpFds_;  // to shut down on abort (under fdMutex_)
+
+  std::mutex turnMutex_;
+  std::condition_variable turnCv_;
+  std::atomic<uint64_t> nextTicket_{0}, serving_{0};
+  std::atomic<int> turnWaiters_{0};
+
+  std::mutex seqMutex_;
+  uint64_t collSeq_ = 0;
+  std::vector<uint64_t> sendSeq_, recvSeq_;
+
+  std::atomic<int> asyncError_{loomSuccess};
+  std::atomic<bool> aborted_{false};
+  std::mutex errMutex_;
+  std::string lastError_;
+  std::shared_ptr<loomComm> self_;  // the handle's reference
+};

@@ -1,0 +1,102 @@
+#include "src/core/config.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "src/core/log.h"
+
+namespace loom {
+
+const std::vector<ConfigVar>& configTable() {
+  static const std::vector<ConfigVar> table = {
+      {"LOOM_DEBUG", "NONE|WARN|INFO|TRACE", "WARN", "how much loom logs to stderr"},
+      {"LOOM_DEBUG_SUBSYS", "list", "ALL",
+       "subsystems logged at INFO/TRACE: INIT,BOOT,NET,SHM,COLL,TUNE"},
+      {"LOOM_TIMEOUT_MS", "int", "600000",
+       "an operation or init that makes no progress for this long fails with loomTimeout"},
+      {"LOOM_TRANSPORTS", "list", "shm,tcp",
+       "transports loom may use, in order of preference (shm: same host; tcp: any pair)"},
+      {"LOOM_SOCKET_IFNAME", "name", "(route to root)",
+       "network interface for bootstrap and tcp; default: the one that reaches the root"},
+      {"LOOM_HOST_ID", "string", "(hostname+boot id)",
+       "host identity; ranks with equal ids share a host (tests pose as several hosts)"},
+      {"LOOM_SPIN_US", "int", "20",
+       "microseconds a waiting rank spins before it sleeps (futex / poll)"},
+      {"LOOM_SLOT_BYTES", "int", "65536", "bytes per slot of a connection (the slice size)"},
+      {"LOOM_SLOTS", "int", "8", "slots per connection ring (pipelining depth)"},
+      {"LOOM_SHM_SMALL_BYTES", "int", "16384",
+       "per-rank blocks up to this size use the one-shot shared-memory path (0 = never)"},
+      {"LOOM_CHUNK_SIZE", "int", "0 (tuner)",
+       "bytes per ring chunk: a ring loop covers nranks chunks; 0 lets the tuner choose"},
+      {"LOOM_NCHANNELS", "int", "0 (tuner)", "parallel channels (lanes) per collective"},
+      {"LOOM_ALGO", "string", "(tuner)",
+       "force an algorithm (ring, oneshot), globally or per collective (allreduce:ring,broadcast:oneshot)"},
+      {"LOOM_CHECK_MODE", "0|1", "1",
+       "check that ranks call the same operation (sequence number + signature per slot)"},
+      {"LOOM_RANK / LOOM_WORLD_SIZE", "int", "-", "set by loom-run; read by loomCommInitFromEnv"},
+      {"LOOM_ROOT_ADDR", "host:port", "-", "bootstrap root for loomCommInitFromEnv"},
+      {"LOOM_ROOT_PORT", "int", "MASTER_PORT+1",
+       "bootstrap port under torchrun/mpirun/srun when LOOM_ROOT_ADDR is unset"},
+      {"LOOM_SECRET", "32 hex", "(derived from job id)",
+       "bootstrap secret for loomCommInitFromEnv; loom-run sets a random one"},
+  };
+  return table;
+}
+
+static const char* env(const char* name) {
+  const char* v = getenv(name);
+  return (v && *v) ? v : nullptr;
+}
+
+static int64_t envInt(const char* name, int64_t dflt, int64_t lo, int64_t hi) {
+  const char* v = env(name);
+  if (!v) return dflt;
+  char* end = nullptr;
+  long long x = strtoll(v, &end, 0);
+  if (end && (*end == 'k' || *end == 'K')) x <<= 10, ++end;
+  else if (end && (*end == 'm' || *end == 'M')) x <<= 20, ++end;
+  if (!end || *end || x < lo || x > hi) {
+    LOOM_WARN("INIT", "ignoring %s=%s: expected an integer in [%lld, %lld]", name, v,
+              (long long)lo, (long long)hi);
+    return dflt;
+  }
+  return x;
+}
+
+static Config readConfig() {
+  Config c;
+  c.debug = env("LOOM_DEBUG") ? env("LOOM_DEBUG") : "WARN";
+  c.debugSubsys = env("LOOM_DEBUG_SUBSYS") ? env("LOOM_DEBUG_SUBSYS") : "";
+  c.timeoutMs = envInt("LOOM_TIMEOUT_MS", 600000, 1, int64_t(1) << 40);
+  c.transports = env("LOOM_TRANSPORTS") ? env("LOOM_TRANSPORTS") : "shm,tcp";
+  c.socketIfname = env("LOOM_SOCKET_IFNAME") ? env("LOOM_SOCKET_IFNAME") : "";
+  c.hostId = env("LOOM_HOST_ID") ? env("LOOM_HOST_ID") : "";
+  c.spinUs = envInt("LOOM_SPIN_US", 20, 0, 10000000);
+  c.slotBytes = envInt("LOOM_SLOT_BYTES", 65536, 4096, 64 << 20) & ~int64_t(63);
+  c.slots = envInt("LOOM_SLOTS", 8, 2, 1024);
+  c.shmSmallBytes = envInt("LOOM_SHM_SMALL_BYTES", 16384, 0, 1 << 20) & ~int64_t(63);
+  c.chunkBytes = envInt("LOOM_CHUNK_SIZE", 0, 0, int64_t(1) << 40);
+  c.channels = envInt("LOOM_NCHANNELS", 0, 0, 16);
+  c.algo = env("LOOM_ALGO") ? env("LOOM_ALGO") : "";
+  c.checkMode = envInt("LOOM_CHECK_MODE", 1, 0, 1) != 0;
+  return c;
+}
+
+static std::mutex gConfigMutex;
+static Config* gConfig = nullptr;
+
+const Config& config() {
+  std::lock_guard<std::mutex> lock(gConfigMutex);
+  if (!gConfig) gConfig = new Config(readConfig());
+  return *gConfig;
+}
+
+void configReload() {
+  Config fresh = readConfig();
+  std::lock_guard<std::mutex> lock(gConfigMutex);
+  if (!gConfig) gConfig = new Config(fresh);
+  else *gConfig = fresh;
+}
+
+}  // namespace loom

@@ -1,0 +1,281 @@
+#include "src/core/executor.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+
+#include "src/core/backoff.h"
+#include "src/core/clock.h"
+#include "src/core/error.h"
+#include "src/device/host_reduce.h"
+
+namespace loom {
+
+std::string describeTag(const SlotTag& t) {
+  Collective c = Collective(t.coll);
+  std::string s = strf("%s #%llu (count %llu, %s", collectiveName(c), (unsigned long long)t.seq,
+                       (unsigned long long)t.count, dtypeName(loomDataType_t(t.dtype)));
+  if (c == Collective::AllReduce || c == Collective::ReduceScatter || c == Collective::Reduce)
+    s += strf(", %s", redOpName(loomRedOp_t(t.op)));
+  if (c == Collective::Broadcast || c == Collective::Reduce) s += strf(", root %d", t.root);
+  return s + ")";
+}
+
+namespace {
+
+struct LaneState {
+  const Lane* lane;
+  const ExecOp* op;
+  size_t esz;
+  size_t cur = 0;   // current step
+  size_t done = 0;  // bytes of the current step done
+  bool finished = false;
+  std::vector<size_t> blockers;  // lanes that must finish first (shared connections)
+  std::vector<Connection*> sendConn, recvConn;  // per step
+};
+
+class Runner {
+ public:
+  Runner(ExecEnv& env, const std::vector<ExecOp>& ops, const Schedule& sched)
+      : env_(env), ops_(ops) {
+    std::vector<std::pair<int, int>> needed;
+    for (const Lane& l : sched.lanes)
+      for (const Step& s : l.steps) {
+        if (s.recvPeer >= 0) needed.emplace_back(s.recvPeer, l.channel);
+        if (s.sendPeer >= 0) needed.emplace_back(s.sendPeer, l.channel);
+      }
+    std::sort(needed.begin(), needed.end());
+    needed.erase(std::unique(needed.begin(), needed.end()), needed.end());
+    env.prepare(needed);
+
+    // (connection, direction) -> lanes using it, to serialise lanes that share one.
+    std::map<std::pair<Connection*, int>, std::vector<size_t>> users;
+    for (const Lane& l : sched.lanes) {
+      LaneState st;
+      st.lane = &l;
+      st.op = &ops[size_t(l.op)];
+      st.esz = dtypeSize(st.op->dtype);
+      size_t idx = lanes_.size();
+      for (const Step& s : l.steps) {
+        Connection* sc = s.sendPeer >= 0 ? env.connection(s.sendPeer, l.channel) : nullptr;
+        Connection* rc = s.recvPeer >= 0 ? env.connection(s.recvPeer, l.channel) : nullptr;
+        st.sendConn.push_back(sc);
+        st.recvConn.push_back(rc);
+        for (auto key : {std::make_pair(sc, 0), std::make_pair(rc, 1)}) {
+          if (!key.first) continue;
+          auto& v = users[key];
+          if (v.empty() || v.back() != idx) v.push_back(idx);
+          if (std::find(conns_.begin(), conns_.end(), key.first) == conns_.end())
+            conns_.push_back(key.first);
+        }
+      }
+      lanes_.push_back(std::move(st));
+    }
+    for (auto& kv : users)
+      for (size_t i = 1; i < kv.second.size(); ++i)
+        lanes_[kv.second[i]].blockers.push_back(kv.second[i - 1]);
+    for (Connection* c : conns_) {
+      if (c->usesDoorbell()) doorbell_ = true;
+      else pollers_.push_back(c);
+    }
+  }
+
+  uint64_t run() {
+    Backoff backoff(env_.spinUs(), env_.oversubscribed());
+    int64_t lastCheck = 0;
+    for (;;) {
+      bool progressed = pass();
+      if (remaining_ == 0 && flushed()) return bytesSent_;
+      if (progressed) {
+        backoff.reset();
+        continue;
+      }
+      if (backoff.spin()) continue;
+      // Idle past the spin budget: check for failures, then sleep.
+      env_.checkAborted();
+      int64_t now = nowNs();
+      if (now - lastCheck > 20 * 1000000LL) {
+        lastCheck = now;
+        for (Connection* c : conns_) c->checkPeer();
+        for (const LaneState& l : lanes_)
+          if (!l.finished && l.cur < l.lane->steps.size() && l.lane->steps[l.cur].recvPeer >= 0)
+            env_.checkStalled(l.op->tag, l.lane->steps[l.cur].recvPeer);
+      }
+      if (backoff.waited() / 1000000 > env_.timeoutMs()) timeout();
+      uint32_t token = env_.sleepBegin();
+      if (pass()) {
+        env_.sleepEnd();
+        backoff.reset();
+        continue;
+      }
+      fds_.clear();
+      for (Connection* c : pollers_) c->addPollFds(fds_);
+      // A mixed op (doorbell + sockets) cannot block on both: poll briefly.
+      int64_t waitUs = doorbell_ && !fds_.empty() ? 200 : 5000;
+      env_.sleepWait(token, fds_, doorbell_, waitUs);
+      env_.sleepEnd();
+    }
+  }
+
+ private:
+  bool flushed() {
+    for (Connection* c : conns_)
+      if (!c->sendIdle()) return false;
+    return true;
+  }
+
+  bool pass() {
+    for (Connection* c : pollers_) c->progress();
+    bool progressed = false;
+    remaining_ = 0;
+    for (LaneState& l : lanes_) {
+      if (l.finished) continue;
+      if (!l.blockers.empty()) {
+        bool blocked = false;
+        for (size_t b : l.blockers) blocked |= !lanes_[b].finished;
+        if (blocked) {
+          ++remaining_;
+          continue;
+        }
+      }
+      progressed |= advance(l);
+      if (!l.finished) ++remaining_;
+    }
+    return progressed;
+  }
+
+  uint8_t* ptr(const LaneState& l, const BufRef& r) {
+    if (r.buf == Buf::Send) return const_cast<uint8_t*>(l.op->send) + r.offset;
+    if (r.buf == Buf::Recv) return l.op->recv + r.offset;
+    return nullptr;
+  }
+
+  [[noreturn]] void mismatch(const LaneState& l, const SlotTag& got, int peer, size_t expectBytes) {
+    SlotTag want = l.op->tag;
+    want.bytes = uint32_t(expectBytes);
+    if (got.bytes != expectBytes && got.seq == want.seq && got.coll == want.coll &&
+        got.count == want.count && got.dtype == want.dtype)
+      fail(loomInvalidUsage,
+           "rank %d: rank %d sent %u bytes for %s where %zu were expected (do the ranks use "
+           "different LOOM_SLOT_BYTES, algorithms or buffers?)",
+           env_.rank(), peer, got.bytes, describeTag(want).c_str(), expectBytes);
+    fail(loomInvalidUsage, "rank %d: mismatched operations: rank %d called %s while rank %d called %s",
+         env_.rank(), peer, describeTag(got).c_str(), env_.rank(), describeTag(want).c_str());
+  }
+
+  bool tagOk(const LaneState& l, const SlotTag& got, size_t expectBytes) {
+    if (got.bytes != expectBytes) return false;
+    if (!env_.checkMode()) return true;
+    const SlotTag& w = l.op->tag;
+    return got.seq == w.seq && got.count == w.count && got.coll == w.coll &&
+           got.dtype == w.dtype && got.op == w.op && got.root == w.root;
+  }
+
+  void finalize(const LaneState& l, const Step& s, void* data, size_t bytes) {
+    if (s.finalize && l.op->op == loomAvg && l.op->divisor > 1)
+      divideHost(data, data, bytes / l.esz, l.op->dtype, l.op->divisor);
+  }
+
+  // Moves the lane's current step as far as its connections allow.
+  bool advance(LaneState& l) {
+    bool progressed = false;
+    while (l.cur < l.lane->steps.size()) {
+      const Step& s = l.lane->steps[l.cur];
+      Connection* sc = l.sendConn[l.cur];
+      Connection* rc = l.recvConn[l.cur];
+      if (s.kind == StepKind::Copy) {
+        if (s.bytes && ptr(l, s.src) != ptr(l, s.dst)) memmove(ptr(l, s.dst), ptr(l, s.src), s.bytes);
+        l.done = s.bytes;
+      }
+      while (l.done < s.bytes) {
+        size_t slot = (sc ? sc : rc)->slotBytes();
+        size_t n = std::min(slot, s.bytes - l.done);
+        SlotTag tag;
+        const void* in = nullptr;
+        void* out = nullptr;
+        if (rc) {
+          in = rc->recvPeek(&tag);
+          if (!in) return progressed;
+          if (!tagOk(l, tag, n)) mismatch(l, tag, s.recvPeer, n);
+        }
+        if (sc) {
+          out = sc->sendAcquire();
+          if (!out) return progressed;
+        }
+        uint8_t* src = ptr(l, s.src);
+        uint8_t* dst = ptr(l, s.dst);
+        size_t off = l.done;
+        switch (s.kind) {
+          case StepKind::Send:
+            memcpy(out, src + off, n);
+            break;
+          case StepKind::Recv:
+            memcpy(dst + off, in, n);
+            break;
+          case StepKind::RecvReduce:
+            reduceHost(dst + off, src + off, in, n / l.esz, l.op->dtype, l.op->op);
+            finalize(l, s, dst + off, n);
+            break;
+          case StepKind::RecvReduceSend:
+            reduceHost(out, src + off, in, n / l.esz, l.op->dtype, l.op->op);
+            finalize(l, s, out, n);
+            if (dst) memcpy(dst + off, out, n);
+            break;
+          case StepKind::RecvCopySend:
+            memcpy(out, in, n);
+            if (dst) memcpy(dst + off, in, n);
+            break;
+          case StepKind::Copy:
+            break;
+        }
+        if (sc) {
+          SlotTag t = l.op->tag;
+          t.bytes = uint32_t(n);
+          sc->sendPost(t);
+          bytesSent_ += n;
+        }
+        if (rc) rc->recvRelease();
+        l.done += n;
+        progressed = true;
+      }
+      ++l.cur;
+      l.done = 0;
+      progressed = true;
+    }
+    l.finished = true;
+    return progressed;
+  }
+
+  [[noreturn]] void timeout() {
+    for (const LaneState& l : lanes_) {
+      if (l.finished || l.cur >= l.lane->steps.size()) continue;
+      const Step& s = l.lane->steps[l.cur];
+      int peer = s.recvPeer >= 0 ? s.recvPeer : s.sendPeer;
+      fail(loomTimeout, "rank %d: %s made no progress for %lld ms waiting for rank %d (%s, channel %d)",
+           env_.rank(), describeTag(l.op->tag).c_str(), (long long)env_.timeoutMs(), peer,
+           s.recvPeer >= 0 ? "receiving" : "sending", l.lane->channel);
+    }
+    fail(loomTimeout, "rank %d: operation made no progress for %lld ms (flushing sends)",
+         env_.rank(), (long long)env_.timeoutMs());
+  }
+
+  ExecEnv& env_;
+  const std::vector<ExecOp>& ops_;
+  std::vector<LaneState> lanes_;
+  std::vector<Connection*> conns_;
+  std::vector<Connection*> pollers_;
+  std::vector<pollfd> fds_;
+  bool doorbell_ = false;
+  size_t remaining_ = 0;
+  uint64_t bytesSent_ = 0;
+};
+
+}  // namespace
+
+uint64_t execute(ExecEnv& env, const std::vector<ExecOp>& ops, const Schedule& sched) {
+  if (sched.lanes.empty()) return 0;
+  Runner runner(env, ops, sched);
+  return runner.run();
+}
+
+}  // namespace loom

@@ -1,0 +1,60 @@
+// The executor runs a schedule: it advances every lane as far as the
+// connections allow, slot by slot, fusing each receive with its reduction
+// and its forwarding, and sleeps (after a short spin) when nothing can move.
+#pragma once
+#include <poll.h>
+
+#include <atomic>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "algorithms/schedule.h"
+#include "transports/transport.h"
+
+namespace loom {
+
+// One operation of a run, with its buffers and the tag its slots carry.
+struct ExecOp {
+  SlotTag tag{};
+  const uint8_t* send = nullptr;
+  uint8_t* recv = nullptr;
+  loomDataType_t dtype = loomFloat32;
+  loomRedOp_t op = loomSum;
+  int divisor = 1;  // loomAvg: nranks
+};
+
+// What the executor needs from its communicator (or from a simulator).
+class ExecEnv {
+ public:
+  virtual ~ExecEnv() = default;
+  virtual int rank() const = 0;
+  // Makes sure the connections (peer, channel) exist; may block briefly.
+  virtual void prepare(const std::vector<std::pair<int, int>>& needed) = 0;
+  virtual Connection* connection(int peer, int channel) = 0;
+  // Sleeping: begin() publishes "I sleep" and returns a token; the executor
+  // then checks once more for work and either calls end() or wait(token...).
+  virtual uint32_t sleepBegin() = 0;
+  virtual void sleepWait(uint32_t token, std::vector<pollfd>& fds, bool doorbell,
+                         int64_t timeoutUs) = 0;
+  virtual void sleepEnd() = 0;
+  // Throws if the communicator was aborted locally.
+  virtual void checkAborted() = 0;
+  virtual int64_t timeoutMs() const = 0;
+  virtual int64_t spinUs() const = 0;
+  // True when this host runs more ranks than cores (spin by yielding).
+  virtual bool oversubscribed() const { return false; }
+  virtual bool checkMode() const = 0;
+  // Called while this rank waits on `peer` for an operation tagged `mine`:
+  // throws if the peer is visibly running a different operation.
+  virtual void checkStalled(const SlotTag& mine, int peer) { (void)mine, (void)peer; }
+};
+
+// Runs `sched` for `ops`; returns the payload bytes this rank sent.  Throws
+// loom::Error on failure (remote error, timeout, mismatched operations).
+uint64_t execute(ExecEnv& env, const std::vector<ExecOp>& ops, const Schedule& sched);
+
+// "AllReduce #3 (count 10, float32, sum)" for messages.
+std::string describeTag(const SlotTag& t);
+
+}  // namespace loom

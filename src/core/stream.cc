@@ -1,0 +1,60 @@
+#include "src/core/stream.h"
+
+loomStream::loomStream() { worker_ = std::thread([this] { workerLoop(); }); }
+
+loomStream::~loomStream() {
+  synchronize();
+  {
+    std::lock_guard<std::mutex> lock(m_);
+    stop_ = true;
+  }
+  workCv_.notify_all();
+  worker_.join();
+}
+
+void loomStream::enqueue(std::function<loomResult_t()> op) {
+  {
+    std::lock_guard<std::mutex> lock(m_);
+    queue_.push_back(std::move(op));
+  }
+  workCv_.notify_one();
+}
+
+void loomStream::runFront(std::unique_lock<std::mutex>& lock) {
+  std::function<loomResult_t()> op = std::move(queue_.front());
+  queue_.pop_front();
+  running_ = true;
+  lock.unlock();
+  loomResult_t r = op();
+  lock.lock();
+  running_ = false;
+  if (r != loomSuccess && error_ == loomSuccess) error_ = r;
+  doneCv_.notify_all();
+  workCv_.notify_one();
+}
+
+void loomStream::workerLoop() {
+  std::unique_lock<std::mutex> lock(m_);
+  for (;;) {
+    workCv_.wait(lock, [&] { return stop_ || (!queue_.empty() && !running_); });
+    if (stop_ && queue_.empty()) return;
+    if (!queue_.empty() && !running_) runFront(lock);
+  }
+}
+
+loomResult_t loomStream::synchronize() {
+  std::unique_lock<std::mutex> lock(m_);
+  while (!queue_.empty() || running_) {
+    if (!running_) runFront(lock);
+    else doneCv_.wait(lock);
+  }
+  loomResult_t r = error_;
+  error_ = loomSuccess;
+  return r;
+}
+
+loomResult_t loomStream::query() {
+  std::lock_guard<std::mutex> lock(m_);
+  if (error_ != loomSuccess) return error_;
+  return (queue_.empty() && !running_) ? loomSuccess : loomInProgress;
+}

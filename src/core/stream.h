@@ -1,0 +1,34 @@
+// Host streams: a FIFO of operations run one after another.  A worker thread
+// runs them in the background; loomStreamSynchronize runs queued ones itself
+// when the worker has not picked them up yet, so a synchronous caller pays no
+// thread hand-off for small operations.
+#pragma once
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "loom.h"
+
+struct loomStream {
+ public:
+  loomStream();
+  ~loomStream();  // waits for the queue, joins the worker
+  void enqueue(std::function<loomResult_t()> op);
+  loomResult_t synchronize();
+  loomResult_t query();
+
+ private:
+  void workerLoop();
+  // Runs the front operation; called with the lock held, returns with it held.
+  void runFront(std::unique_lock<std::mutex>& lock);
+
+  std::mutex m_;
+  std::condition_variable workCv_, doneCv_;
+  std::deque<std::function<loomResult_t()>> queue_;
+  bool running_ = false;
+  bool stop_ = false;
+  loomResult_t error_ = loomSuccess;
+  std::thread worker_;
+};

@@ -1,0 +1,32 @@
+// Host reduction kernels: elementwise a op b for every loom datatype and op.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include "loom.h"
+
+namespace loom {
+
+// Bytes per element of a datatype; 0 for an unknown type.
+size_t dtypeSize(loomDataType_t type);
+const char* dtypeName(loomDataType_t type);  // "float32", ...; "?" if unknown
+const char* redOpName(loomRedOp_t op);       // "sum", ...; "?" if unknown
+
+// dst[i] = a[i] op b[i] for i < n.  dst may alias a or b (exactly, not
+// partially).  loomAvg reduces as loomSum (see finalizeAvg).  float16 and
+// bfloat16 are converted to float32, combined, and rounded back once
+// (round to nearest even).  Integer sum/prod wrap (two's complement).
+void reduceHost(void* dst, const void* a, const void* b, size_t n, loomDataType_t type,
+                loomRedOp_t op);
+
+// dst[i] = src[i] / divisor for i < n (the last step of loomAvg).  Integers
+// truncate toward zero; float16/bfloat16 divide in float32 and round once.
+// dst may alias src.
+void divideHost(void* dst, const void* src, size_t n, loomDataType_t type, int divisor);
+
+// float <-> float16 / bfloat16 conversions (round to nearest even, NaN kept).
+float halfToFloat(uint16_t h);
+uint16_t floatToHalf(float f);
+float bf16ToFloat(uint16_t h);
+uint16_t floatToBf16(float f);
+
+}  // namespace loom

@@ -1,0 +1,34 @@
+// The tuner: (operation, communicator shape) -> Plan.  The decision lives
+// here in one place, as data that LOOM_ALGO / LOOM_CHUNK_SIZE /
+// LOOM_NCHANNELS override and that tools can print.
+//
+// Today's table:
+//   one-shot  all ranks share memory and each rank's block is at most
+//             LOOM_SHM_SMALL_BYTES: one round through shared-memory
+//             mailboxes (latency ~ one cache-line transfer)
+//   ring      everything else (bandwidth-optimal)
+#pragma once
+#include <string>
+
+#include "algorithms/schedule.h"
+#include "src/core/config.h"
+
+namespace loom {
+
+struct TunerLimits {
+  int maxChannels = 1;
+  size_t oneShotBytes = 0;  // 0: the one-shot path is unavailable
+};
+
+class Tuner {
+ public:
+  explicit Tuner(const Config& cfg);
+  Plan choose(const OpDesc& op, int nranks, const TunerLimits& limits) const;
+
+ private:
+  std::string forced_[7];  // per Collective value, "" = not forced
+  int channels_;
+  size_t chunkBytes_;
+};
+
+}  // namespace loom

@@ -1,0 +1,104 @@
+// Shared by the multi-process test worker and loom-perf-style checks:
+// deterministic inputs whose reduction is exact in any order, and the
+// expected results computed independently of loom.
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "loom.h"
+#include "src/device/host_reduce.h"
+
+namespace loomtest {
+
+inline bool isSigned(loomDataType_t t) {
+  return t == loomInt8 || t == loomInt32 || t == loomInt64 || t == loomFloat16 ||
+         t == loomBfloat16 || t == loomFloat32 || t == loomFloat64;
+}
+inline bool isFloat(loomDataType_t t) {
+  return t == loomFloat16 || t == loomBfloat16 || t == loomFloat32 || t == loomFloat64;
+}
+
+// Input element i of `rank` for reduction `op` (small integers: every
+// partial sum/product over <= 8 ranks is exact in every type).
+inline int64_t inputValue(loomRedOp_t op, loomDataType_t t, int rank, size_t i) {
+  int64_t k = int64_t(i % 1000003);
+  switch (op) {
+    case loomSum:
+    case loomAvg:
+      return isSigned(t) ? (rank * 3 + k) % 7 - 3 : (rank * 3 + k) % 4;
+    case loomProd: {
+      int64_t v = ((rank + k) % 3 == 0) ? 2 : 1;
+      if (isSigned(t) && (rank + 2 * k) % 5 == 0) v = -v;
+      return v;
+    }
+    case loomMax:
+    case loomMin:
+    default:
+      return isSigned(t) ? (rank * 37 + k * 11) % 101 - 50 : (rank * 37 + k * 11) % 101;
+  }
+}
+
+// Stores integer value v as element i of a buffer of type t (wrapping).
+inline void store(void* buf, loomDataType_t t, size_t i, int64_t v) {
+  switch (t) {
+    case loomInt8: static_cast<int8_t*>(buf)[i] = int8_t(v); break;
+    case loomUint8: static_cast<uint8_t*>(buf)[i] = uint8_t(v); break;
+    case loomInt32: static_cast<int32_t*>(buf)[i] = int32_t(v); break;
+    case loomUint32: static_cast<uint32_t*>(buf)[i] = uint32_t(v); break;
+    case loomInt64: static_cast<int64_t*>(buf)[i] = v; break;
+    case loomUint64: static_cast<uint64_t*>(buf)[i] = uint64_t(v); break;
+    case loomFloat16: static_cast<uint16_t*>(buf)[i] = loom::floatToHalf(float(v)); break;
+    case loomBfloat16: static_cast<uint16_t*>(buf)[i] = loom::floatToBf16(float(v)); break;
+    case loomFloat32: static_cast<float*>(buf)[i] = float(v); break;
+    case loomFloat64: static_cast<double*>(buf)[i] = double(v); break;
+    default: break;
+  }
+}
+
+// Stores the expected avg result: sum / n as loom defines it per type.
+inline void storeAvg(void* buf, loomDataType_t t, size_t i, int64_t sum, int n) {
+  switch (t) {
+    case loomFloat16: static_cast<uint16_t*>(buf)[i] = loom::floatToHalf(float(sum) / float(n)); break;
+    case loomBfloat16: static_cast<uint16_t*>(buf)[i] = loom::floatToBf16(float(sum) / float(n)); break;
+    case loomFloat32: static_cast<float*>(buf)[i] = float(sum) / float(n); break;
+    case loomFloat64: static_cast<double*>(buf)[i] = double(sum) / double(n); break;
+    case loomUint8: store(buf, t, i, int64_t(uint8_t(sum)) / n); break;
+    case loomUint32: store(buf, t, i, int64_t(uint32_t(sum)) / n); break;
+    case loomUint64: store(buf, t, i, int64_t(uint64_t(sum) / uint64_t(n))); break;
+    default: store(buf, t, i, sum / n); break;
+  }
+}
+
+inline void fillInput(void* buf, loomRedOp_t op, loomDataType_t t, int rank, size_t count, size_t base = 0) {
+  for (size_t i = 0; i < count; ++i) store(buf, t, i, inputValue(op, t, rank, base + i));
+}
+
+// Expected reduction over ranks [0, n) of element index `gi`, stored at i.
+inline void storeExpected(void* buf, loomRedOp_t op, loomDataType_t t, int n, size_t i, size_t gi) {
+  int64_t acc = inputValue(op, t, 0, gi);
+  for (int r = 1; r < n; ++r) {
+    int64_t v = inputValue(op, t, r, gi);
+    switch (op) {
+      case loomSum:
+      case loomAvg: acc += v; break;
+      case loomProd: acc *= v; break;
+      case loomMax: acc = v > acc ? v : acc; break;
+      case loomMin: acc = v < acc ? v : acc; break;
+      default: break;
+    }
+  }
+  if (op == loomAvg) storeAvg(buf, t, i, acc, n);
+  else store(buf, t, i, acc);
+}
+
+// Number of elements whose bytes differ.
+inline size_t countWrong(const void* got, const void* want, size_t count, loomDataType_t t) {
+  size_t esz = loom::dtypeSize(t), wrong = 0;
+  const char* a = static_cast<const char*>(got);
+  const char* b = static_cast<const char*>(want);
+  for (size_t i = 0; i < count; ++i) wrong += memcmp(a + i * esz, b + i * esz, esz) != 0;
+  return wrong;
+}
+
+}  // namespace loomtest

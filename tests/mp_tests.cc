@@ -1,0 +1,82 @@
+// Multi-process tests: real ranks started by loom-run, over shared memory
+// (the default on one host) and over tcp (forced with LOOM_TRANSPORTS=tcp).
+#include <catch2/catch.hpp>
+
+#include "tests/proc_util.h"
+
+using loomtest::loomRun;
+
+static const char* kShm = "LOOM_TRANSPORTS=shm,tcp";
+static const char* kTcp = "LOOM_TRANSPORTS=tcp";
+
+TEST_CASE("every collective, type and op is exact at small sizes (shm)", "[mp][shm]") {
+  int n = GENERATE(1, 2, 3, 4, 5, 8);
+  INFO("nranks " << n);
+  CHECK(loomRun(kShm, n, "matrix 0,1,7,1027") == 0);
+}
+
+TEST_CASE("every collective, type and op is exact at small sizes (tcp)", "[mp][tcp]") {
+  int n = GENERATE(2, 3, 4, 5, 8);
+  INFO("nranks " << n);
+  CHECK(loomRun(kTcp, n, "matrix 0,1,7,1027") == 0);
+}
+
+TEST_CASE("every collective, type and op is exact at 1 MiB + 5 elements (shm)", "[mp][shm][large]") {
+  int n = GENERATE(2, 3, 4, 5, 8);
+  INFO("nranks " << n);
+  CHECK(loomRun(kShm, n, "matrix 262149") == 0);
+}
+
+TEST_CASE("every collective, type and op is exact at 1 MiB + 5 elements (tcp)", "[mp][tcp][large]") {
+  int n = GENERATE(2, 3, 5);
+  INFO("nranks " << n);
+  CHECK(loomRun(kTcp, n, "matrix 262149 2,6,7,8") == 0);
+}
+
+TEST_CASE("64 MiB float32 collectives are exact (shm and tcp)", "[mp][large]") {
+  int n = GENERATE(2, 4);
+  INFO("nranks " << n);
+  CHECK(loomRun(kShm, n, "matrix 16777216 7 0") == 0);
+  CHECK(loomRun(kTcp, n, "matrix 16777216 7 0") == 0);
+}
+
+TEST_CASE("mixed collectives on one and on two communicators at once", "[mp]") {
+  int n = GENERATE(1, 2, 3, 4);
+  INFO("nranks " << n);
+  CHECK(loomRun(kShm, n, "sequence") == 0);
+  if (n > 1) CHECK(loomRun(kTcp, n, "sequence") == 0);
+}
+
+TEST_CASE("group calls: send/recv rings, self send/recv, grouped collectives", "[mp]") {
+  int n = GENERATE(1, 2, 3, 5);
+  INFO("nranks " << n);
+  CHECK(loomRun(kShm, n, "group") == 0);
+  if (n > 1) CHECK(loomRun(kTcp, n, "group") == 0);
+}
+
+TEST_CASE("many operations on a stream complete in order at one synchronize", "[mp]") {
+  CHECK(loomRun(kShm, 3, "streams") == 0);
+  CHECK(loomRun(kTcp, 3, "streams") == 0);
+}
+
+TEST_CASE("wrong arguments return invalid-argument with a message and do no harm", "[mp]") {
+  CHECK(loomRun(kShm, 2, "badargs") == 0);
+}
+
+TEST_CASE("loomCommSplit makes working sub-communicators", "[mp]") {
+  int n = GENERATE(2, 3, 5);
+  INFO("nranks " << n);
+  CHECK(loomRun(kShm, n, "split") == 0);
+  CHECK(loomRun(kTcp, n, "split") == 0);
+}
+
+TEST_CASE("ranks that call different collectives fail with an error instead of hanging", "[mp][fault]") {
+  int n = GENERATE(2, 3);
+  INFO("nranks " << n);
+  CHECK(loomRun(std::string(kShm) + " LOOM_TIMEOUT_MS=20000", n, "mismatch", 60) == 0);
+  CHECK(loomRun(std::string(kTcp) + " LOOM_TIMEOUT_MS=20000", n, "mismatch", 60) == 0);
+}
+
+TEST_CASE("8 ranks on 2 cores finish a 16 MiB all-reduce promptly (no pathological spinning)", "[mp]") {
+  CHECK(loomRun(kShm, 8, "matrix 4194304 7 0", 120) == 0);
+}

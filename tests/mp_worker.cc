@@ -1,0 +1,367 @@
+// Multi-process test worker: runs one scenario as one rank (started by
+// loom-run or by the fault tests) and exits 0 only if every check passed.
+//
+//   mp-worker matrix [counts] [types] [ops]   every collective x type x op x count,
+//                                             in-place and out-of-place, exact
+//   mp-worker sequence     mixed collectives on one and on two communicators at once
+//   mp-worker group        send/recv rings, self send/recv, grouped collectives
+//   mp-worker streams      many operations on a stream, one synchronize
+//   mp-worker badargs      wrong arguments fail cleanly and do no harm
+//   mp-worker mismatch     ranks calling different collectives get an error, no hang
+//   mp-worker split        loomCommSplit into even/odd ranks
+//   mp-worker crash R B    rank R dies (SIGKILL) during a B-byte all-reduce
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/mp_common.h"
+
+using namespace loomtest;
+
+static int gRank = 0, gSize = 1;
+static int gFailures = 0;
+
+#define CHECK_LOOM(call)                                                                      \
+  do {                                                                                        \
+    loomResult_t r_ = (call);                                                                 \
+    if (r_ != loomSuccess) {                                                                  \
+      fprintf(stderr, "rank %d: %s failed: %s: %s\n", gRank, #call, loomGetErrorString(r_),   \
+              loomGetLastError(nullptr));                                                     \
+      exit(3);                                                                                \
+    }                                                                                         \
+  } while (0)
+
+static void expect(bool ok, const std::string& what) {
+  if (!ok) {
+    ++gFailures;
+    if (gFailures < 20) fprintf(stderr, "rank %d: FAILED: %s\n", gRank, what.c_str());
+  }
+}
+
+static std::vector<size_t> parseList(const char* s) {
+  std::vector<size_t> v;
+  for (const char* p = s; *p;) {
+    v.push_back(strtoull(p, const_cast<char**>(&p), 10));
+    if (*p == ',') ++p;
+  }
+  return v;
+}
+
+static const loomDataType_t kTypes[] = {loomInt8,    loomUint8,    loomInt32,   loomUint32, loomInt64,
+                                        loomUint64,  loomFloat16,  loomBfloat16, loomFloat32, loomFloat64};
+static const loomRedOp_t kOps[] = {loomSum, loomProd, loomMax, loomMin, loomAvg};
+
+enum Coll { AR, RS, AG, BC, RED };
+static const char* kCollNames[] = {"allreduce", "reducescatter", "allgather", "broadcast", "reduce"};
+
+// Runs one collective and checks it exactly.  Returns false on a loom error.
+static void runChecked(loomComm_t comm, loomStream_t stream, Coll coll, loomDataType_t t, loomRedOp_t op,
+                       size_t count, bool inPlace, int root) {
+  size_t esz = loom::dtypeSize(t);
+  int n = gSize, me = gRank;
+  size_t sendCount = coll == RS ? count * size_t(n) : count;
+  size_t recvCount = coll == AG ? count * size_t(n) : count;
+  std::vector<char> sbuf(sendCount * esz + 64), rbuf(recvCount * esz + 64, 0x5a), want(recvCount * esz + 8);
+  void* send = sbuf.data();
+  void* recv = rbuf.data();
+  loomRedOp_t fillOp = (coll == AG || coll == BC) ? loomMax : op;
+  if (inPlace) {
+    // NCCL's in-place layouts.
+    if (coll == AG) send = rbuf.data() + size_t(me) * count * esz;
+    else if (coll == RS) recv = sbuf.data() + size_t(me) * count * esz, send = sbuf.data();
+    else send = recv;
+  }
+  if (coll == RS) fillInput(send, op, t, me, sendCount);
+  else if (coll == AG) fillInput(send, fillOp, t, me, count, size_t(me) * count);
+  else fillInput(send, fillOp, t, me, count);
+  loomResult_t r = loomSuccess;
+  switch (coll) {
+    case AR: r = loomAllReduce(send, recv, count, t, op, comm, stream); break;
+    case RS: r = loomReduceScatter(send, recv, count, t, op, comm, stream); break;
+    case AG: r = loomAllGather(send, recv, count, t, comm, stream); break;
+    case BC: r = loomBroadcast(send, recv, count, t, root, comm, stream); break;
+    case RED: r = loomReduce(send, recv, count, t, op, root, comm, stream); break;
+  }
+  if (r == loomSuccess && stream) r = loomStreamSynchronize(stream);
+  std::string what = std::string(kCollNames[coll]) + " " + loom::dtypeName(t) + " " + loom::redOpName(op) +
+                     " count " + std::to_string(count) + (inPlace ? " in-place" : " out-of-place") +
+                     " root " + std::to_string(root);
+  if (r != loomSuccess) {
+    fprintf(stderr, "rank %d: %s returned %s: %s\n", me, what.c_str(), loomGetErrorString(r),
+            loomGetLastError(comm));
+    exit(4);
+  }
+  if (coll == RED && me != root) return;
+  for (size_t i = 0; i < recvCount; ++i) {
+    switch (coll) {
+      case AR:
+      case RED: storeExpected(want.data(), op, t, n, i, i); break;
+      case RS: storeExpected(want.data(), op, t, n, i, size_t(me) * count + i); break;
+      case AG: store(want.data(), t, i, inputValue(loomMax, t, int(i / count), i)); break;
+      case BC: store(want.data(), t, i, inputValue(loomMax, t, root, i)); break;
+    }
+  }
+  size_t wrong = countWrong(recv, want.data(), recvCount, t);
+  expect(wrong == 0, what + ": " + std::to_string(wrong) + " wrong elements");
+}
+
+static void scenarioMatrix(loomComm_t comm, int argc, char** argv) {
+  std::vector<size_t> counts = argc > 0 ? parseList(argv[0]) : std::vector<size_t>{0, 1, 7, 1027};
+  std::vector<loomDataType_t> types(std::begin(kTypes), std::end(kTypes));
+  if (argc > 1 && strcmp(argv[1], "all") != 0) {
+    types.clear();
+    for (size_t v : parseList(argv[1])) types.push_back(loomDataType_t(v));
+  }
+  std::vector<loomRedOp_t> ops(std::begin(kOps), std::end(kOps));
+  if (argc > 2 && strcmp(argv[2], "all") != 0) {
+    ops.clear();
+    for (size_t v : parseList(argv[2])) ops.push_back(loomRedOp_t(v));
+  }
+  loomStream_t stream;
+  CHECK_LOOM(loomStreamCreate(&stream));
+  int checks = 0;
+  for (size_t count : counts)
+    for (loomDataType_t t : types)
+      for (int c = AR; c <= RED; ++c)
+        for (loomRedOp_t op : ops) {
+          if ((c == AG || c == BC) && op != ops[0]) continue;  // no op involved
+          for (int inPlace = 0; inPlace < 2; ++inPlace) {
+            int root = (c == BC || c == RED) ? int((count + size_t(op)) % size_t(gSize)) : 0;
+            // Alternate the NULL stream and a loom stream.
+            runChecked(comm, (checks % 2) ? stream : nullptr, Coll(c), t, op, count, inPlace, root);
+            ++checks;
+          }
+        }
+  CHECK_LOOM(loomStreamDestroy(stream));
+  if (gRank == 0) printf("matrix: %d checks on %d ranks\n", checks, gSize);
+}
+
+static void scenarioSequence(loomComm_t comm) {
+  // Mixed collectives back to back on one communicator.
+  for (int i = 0; i < 30; ++i)
+    runChecked(comm, nullptr, Coll(i % 5), kTypes[i % 10], kOps[i % 5], size_t(1 + i * 97), i % 3 == 0, i % gSize);
+  // Two communicators used at once from two threads, each with its own stream.
+  loomComm_t other;
+  CHECK_LOOM(loomCommSplit(comm, 0, gSize - gRank, &other));  // reversed rank order
+  int otherRank;
+  CHECK_LOOM(loomCommUserRank(other, &otherRank));
+  expect(otherRank == gSize - 1 - gRank, "split with reversed keys reverses ranks");
+  std::vector<float> a(5000), b(3000);
+  std::thread t1([&] {
+    for (int it = 0; it < 20; ++it) {
+      for (size_t i = 0; i < a.size(); ++i) a[i] = float(gRank + int(i % 5));
+      CHECK_LOOM(loomAllReduce(a.data(), a.data(), a.size(), loomFloat32, loomSum, comm, nullptr));
+      for (size_t i = 0; i < a.size(); ++i)
+        if (a[i] != float(gSize * (gSize - 1) / 2 + gSize * int(i % 5))) {
+          expect(false, "concurrent comm A allreduce");
+          break;
+        }
+    }
+  });
+  std::thread t2([&] {
+    for (int it = 0; it < 20; ++it) {
+      for (size_t i = 0; i < b.size(); ++i) b[i] = float(otherRank * 2);
+      CHECK_LOOM(loomAllReduce(b.data(), b.data(), b.size(), loomFloat32, loomMax, other, nullptr));
+      for (size_t i = 0; i < b.size(); ++i)
+        if (b[i] != float((gSize - 1) * 2)) {
+          expect(false, "concurrent comm B allreduce");
+          break;
+        }
+    }
+  });
+  t1.join();
+  t2.join();
+  CHECK_LOOM(loomCommDestroy(other));
+}
+
+static void scenarioGroup(loomComm_t comm) {
+  int n = gSize, me = gRank;
+  int next = (me + 1) % n, prev = (me + n - 1) % n;
+  // Ring shift: every rank sends to next and receives from prev, in one group.
+  for (size_t count : {size_t(1), size_t(1000), size_t(300000)}) {
+    std::vector<int32_t> out(count), in(count, -1), self(count, -1);
+    for (size_t i = 0; i < count; ++i) out[i] = int32_t(me * 1000000 + int(i));
+    CHECK_LOOM(loomGroupStart());
+    CHECK_LOOM(loomSend(out.data(), count, loomInt32, next, comm, nullptr));
+    CHECK_LOOM(loomRecv(in.data(), count, loomInt32, prev, comm, nullptr));
+    CHECK_LOOM(loomSend(out.data(), count, loomInt32, me, comm, nullptr));  // to self
+    CHECK_LOOM(loomRecv(self.data(), count, loomInt32, me, comm, nullptr));
+    CHECK_LOOM(loomGroupEnd());
+    bool ok = true, okSelf = true;
+    for (size_t i = 0; i < count; ++i) {
+      ok &= in[i] == int32_t(prev * 1000000 + int(i));
+      okSelf &= self[i] == out[i];
+    }
+    expect(ok, "group send/recv ring shift count " + std::to_string(count));
+    expect(okSelf, "group self send/recv count " + std::to_string(count));
+  }
+  // Several messages to the same peer in one group arrive in order.
+  if (n > 1) {
+    std::vector<int64_t> m1(777, me), m2(5, me + 100), r1(777), r2(5);
+    CHECK_LOOM(loomGroupStart());
+    CHECK_LOOM(loomSend(m1.data(), m1.size(), loomInt64, next, comm, nullptr));
+    CHECK_LOOM(loomSend(m2.data(), m2.size(), loomInt64, next, comm, nullptr));
+    CHECK_LOOM(loomRecv(r1.data(), r1.size(), loomInt64, prev, comm, nullptr));
+    CHECK_LOOM(loomRecv(r2.data(), r2.size(), loomInt64, prev, comm, nullptr));
+    CHECK_LOOM(loomGroupEnd());
+    expect(r1[0] == prev && r1[776] == prev && r2[0] == prev + 100, "two sends to one peer keep their order");
+  }
+  // Collectives in one group run as one operation.
+  std::vector<float> x(1000, float(me)), y(10, 1.0f), z(10 * size_t(n));
+  CHECK_LOOM(loomGroupStart());
+  CHECK_LOOM(loomAllReduce(x.data(), x.data(), x.size(), loomFloat32, loomSum, comm, nullptr));
+  CHECK_LOOM(loomAllGather(y.data(), z.data(), y.size(), loomFloat32, comm, nullptr));
+  CHECK_LOOM(loomGroupEnd());
+  expect(x[999] == float(n * (n - 1) / 2), "grouped allreduce");
+  expect(z[10 * size_t(n) - 1] == 1.0f, "grouped allgather");
+}
+
+static void scenarioStreams(loomComm_t comm) {
+  loomStream_t s;
+  CHECK_LOOM(loomStreamCreate(&s));
+  const int kOpsCount = 100;
+  std::vector<std::vector<int32_t>> bufs(kOpsCount, std::vector<int32_t>(2049));
+  for (int k = 0; k < kOpsCount; ++k)
+    for (auto& v : bufs[size_t(k)]) v = gRank + k;
+  for (int k = 0; k < kOpsCount; ++k)
+    CHECK_LOOM(loomAllReduce(bufs[size_t(k)].data(), bufs[size_t(k)].data(), 2049, loomInt32, loomSum, comm, s));
+  loomResult_t q = loomStreamQuery(s);
+  expect(q == loomSuccess || q == loomInProgress, "loomStreamQuery returns success or in-progress");
+  CHECK_LOOM(loomStreamSynchronize(s));
+  expect(loomStreamQuery(s) == loomSuccess, "query after synchronize is success");
+  for (int k = 0; k < kOpsCount; ++k)
+    expect(bufs[size_t(k)][2048] == gSize * (gSize - 1) / 2 + gSize * k, "stream op " + std::to_string(k));
+  CHECK_LOOM(loomStreamDestroy(s));
+}
+
+static void expectInvalid(loomResult_t r, const char* what) {
+  const char* msg = loomGetLastError(nullptr);
+  expect(r == loomInvalidArgument, std::string(what) + " returns loomInvalidArgument (got " + loomGetErrorString(r) + ")");
+  expect(msg && strlen(msg) > 10, std::string(what) + " leaves a message");
+}
+
+static void scenarioBadArgs(loomComm_t comm) {
+  float buf[16] = {0};
+  expectInvalid(loomAllReduce(nullptr, buf, 4, loomFloat32, loomSum, comm, nullptr), "null sendbuff");
+  expectInvalid(loomAllReduce(buf, nullptr, 4, loomFloat32, loomSum, comm, nullptr), "null recvbuff");
+  expectInvalid(loomAllReduce(buf, buf, 4, loomDataType_t(42), loomSum, comm, nullptr), "unknown datatype");
+  expectInvalid(loomAllReduce(buf, buf, 4, loomFloat32, loomRedOp_t(-1), comm, nullptr), "unknown op");
+  expectInvalid(loomAllReduce(buf, buf, SIZE_MAX / 2, loomFloat32, loomSum, comm, nullptr), "count overflow");
+  expectInvalid(loomAllGather(buf, buf, SIZE_MAX / 3, loomFloat64, comm, nullptr), "allgather count overflow");
+  expectInvalid(loomBroadcast(buf, buf, 4, loomFloat32, gSize, comm, nullptr), "root out of range");
+  expectInvalid(loomReduce(buf, buf, 4, loomFloat32, loomSum, -1, comm, nullptr), "negative root");
+  expectInvalid(loomSend(buf, 4, loomFloat32, gSize + 3, comm, nullptr), "peer out of range");
+  expectInvalid(loomAllReduce(buf, buf + 1, 4, loomFloat32, loomSum, comm, nullptr), "overlapping buffers");
+  expectInvalid(loomAllReduce(buf, buf, 4, loomFloat32, loomSum, nullptr, nullptr), "null comm");
+  expectInvalid(loomCommCount(comm, nullptr), "null count");
+  expectInvalid(loomCommInitRank(nullptr, 2, loomUniqueId{}, 0), "null comm pointer");
+  loomComm_t c2;
+  loomUniqueId id;
+  memset(&id, 0, sizeof id);
+  expectInvalid(loomCommInitRank(&c2, 2, id, 5), "rank out of range");
+  expectInvalid(loomCommInitRank(&c2, 0, id, 0), "zero ranks");
+  expectInvalid(loomCommInitRank(&c2, 2, id, 1), "garbage unique id");
+  // A group with a bad member is not launched, and says so.
+  loomGroupStart();
+  loomAllReduce(buf, buf, 4, loomFloat32, loomSum, comm, nullptr);
+  loomAllReduce(buf, nullptr, 4, loomFloat32, loomSum, comm, nullptr);
+  expect(loomGroupEnd() == loomInvalidArgument, "group with a bad member fails at loomGroupEnd");
+  // No harm done: the communicator still works.
+  loomResult_t async;
+  CHECK_LOOM(loomCommGetAsyncError(comm, &async));
+  expect(async == loomSuccess, "bad arguments do not fail the communicator");
+  runChecked(comm, nullptr, AR, loomFloat32, loomSum, 1000, false, 0);
+}
+
+static void scenarioMismatch(loomComm_t comm) {
+  // Larger than a connection's slots, so no rank can finish on its own.
+  std::vector<float> buf(4 << 20, 1.0f);
+  loomResult_t r;
+  if (gRank == 0) r = loomBroadcast(buf.data(), buf.data(), buf.size(), loomFloat32, 0, comm, nullptr);
+  else r = loomAllReduce(buf.data(), buf.data(), buf.size() - size_t(gRank), loomFloat32, loomSum, comm, nullptr);
+  const char* msg = loomGetLastError(comm);
+  printf("rank %d: %s: %s\n", gRank, loomGetErrorString(r), msg);
+  expect(r == loomInvalidUsage || r == loomRemoteError, "mismatched calls fail with invalid usage or remote error");
+  loomResult_t async;
+  CHECK_LOOM(loomCommGetAsyncError(comm, &async));
+  expect(async != loomSuccess, "the communicator reports the failure asynchronously too");
+  // Later calls fail fast instead of hanging.
+  r = loomAllReduce(buf.data(), buf.data(), 10, loomFloat32, loomSum, comm, nullptr);
+  expect(r != loomSuccess, "calls after a failure fail");
+}
+
+static void scenarioSplit(loomComm_t comm) {
+  loomComm_t half;
+  CHECK_LOOM(loomCommSplit(comm, gRank % 2, gRank, &half));
+  int hn, hr;
+  CHECK_LOOM(loomCommCount(half, &hn));
+  CHECK_LOOM(loomCommUserRank(half, &hr));
+  expect(hn == (gSize + 1 - gRank % 2) / 2, "split size");
+  expect(hr == gRank / 2, "split rank");
+  std::vector<int64_t> v(4099, gRank);
+  CHECK_LOOM(loomAllReduce(v.data(), v.data(), v.size(), loomInt64, loomSum, half, nullptr));
+  int64_t want = 0;
+  for (int r = gRank % 2; r < gSize; r += 2) want += r;
+  expect(v[4098] == want, "allreduce on the split communicator");
+  loomComm_t none;
+  CHECK_LOOM(loomCommSplit(comm, gRank == 0 ? LOOM_SPLIT_NOCOLOR : 1, 0, &none));
+  expect((gRank == 0) == (none == nullptr), "NOCOLOR gives NULL");
+  if (none) CHECK_LOOM(loomCommDestroy(none));
+  CHECK_LOOM(loomCommDestroy(half));
+}
+
+static void scenarioCrash(loomComm_t comm, int victim, size_t bytes) {
+  std::vector<float> buf(bytes / 4, 1.0f);
+  for (int it = 0; it < 1000; ++it) {
+    if (gRank == victim && it == 2) {
+      // Die in the middle of the next all-reduce, from another thread.
+      std::thread([] {
+        usleep(2000);
+        raise(SIGKILL);
+      }).detach();
+    }
+    loomResult_t r = loomAllReduce(buf.data(), buf.data(), buf.size(), loomFloat32, loomSum, comm, nullptr);
+    if (r != loomSuccess) {
+      printf("rank %d: iteration %d: %s: %s\n", gRank, it, loomGetErrorString(r), loomGetLastError(comm));
+      expect(r == loomRemoteError || r == loomTimeout, "a dead peer gives remote error or timeout");
+      loomCommAbort(comm);
+      exit(gFailures ? 1 : 0);
+    }
+  }
+  expect(false, "the all-reduces kept succeeding although a rank died");
+}
+
+int main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IOLBF, 0);
+  if (argc < 2) {
+    fprintf(stderr, "usage: mp-worker SCENARIO [args]\n");
+    return 2;
+  }
+  std::string sc = argv[1];
+  loomComm_t comm;
+  CHECK_LOOM(loomCommInitFromEnv(&comm));
+  CHECK_LOOM(loomCommUserRank(comm, &gRank));
+  CHECK_LOOM(loomCommCount(comm, &gSize));
+  if (sc == "matrix") scenarioMatrix(comm, argc - 2, argv + 2);
+  else if (sc == "sequence") scenarioSequence(comm);
+  else if (sc == "group") scenarioGroup(comm);
+  else if (sc == "streams") scenarioStreams(comm);
+  else if (sc == "badargs") scenarioBadArgs(comm);
+  else if (sc == "mismatch") scenarioMismatch(comm);
+  else if (sc == "split") scenarioSplit(comm);
+  else if (sc == "crash") scenarioCrash(comm, atoi(argv[2]), strtoull(argv[3], nullptr, 10));
+  else {
+    fprintf(stderr, "unknown scenario %s\n", sc.c_str());
+    return 2;
+  }
+  if (sc == "mismatch") loomCommAbort(comm);
+  else CHECK_LOOM(loomCommDestroy(comm));
+  if (gFailures) fprintf(stderr, "rank %d: %d checks failed\n", gRank, gFailures);
+  return gFailures ? 1 : 0;
+}

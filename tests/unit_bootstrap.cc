@@ -1,0 +1,112 @@
+// Bootstrap and init in one process: two ranks as threads, plus hostile
+// connections to the root's port.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "loom.h"
+#include "src/core/bootstrap.h"
+#include "src/core/clock.h"
+
+namespace {
+
+int connectLoopback(uint16_t port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  return fd;
+}
+
+void sendBytes(int fd, const void* p, size_t n) { REQUIRE(send(fd, p, n, MSG_NOSIGNAL) == ssize_t(n)); }
+
+}  // namespace
+
+TEST_CASE("garbage and wrong secrets on the bootstrap port are dropped while init succeeds", "[bootstrap]") {
+  setenv("LOOM_SOCKET_IFNAME", "lo", 1);
+  setenv("LOOM_TIMEOUT_MS", "20000", 1);
+  loomUniqueId id;
+  REQUIRE(loomGetUniqueId(&id) == loomSuccess);
+  loom::UniqueIdData data = loom::decodeUniqueId(id);
+
+  // Hostile clients first: garbage, a hello with the wrong secret, a
+  // truncated hello, and one that connects and says nothing.
+  std::vector<int> fds;
+  int g = connectLoopback(data.port);
+  char junk[300];
+  for (size_t i = 0; i < sizeof junk; ++i) junk[i] = char(i * 7 + 3);
+  sendBytes(g, junk, sizeof junk);
+  fds.push_back(g);
+  int w = connectLoopback(data.port);
+  struct { uint32_t magic, version; uint8_t secret[16]; int32_t rank, nranks; } hello{0x4c4d4a4e, 1, {}, 1, 2};
+  memset(hello.secret, 0xab, 16);
+  sendBytes(w, &hello, sizeof hello);
+  fds.push_back(w);
+  int t = connectLoopback(data.port);
+  sendBytes(t, &hello, 7);
+  close(t);
+  fds.push_back(connectLoopback(data.port));
+
+  loomComm_t comms[2] = {nullptr, nullptr};
+  loomResult_t res[2] = {loomInternalError, loomInternalError};
+  int64_t start = loom::nowMs();
+  std::thread r0([&] { res[0] = loomCommInitRank(&comms[0], 2, id, 0); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  std::thread r1([&] { res[1] = loomCommInitRank(&comms[1], 2, id, 1); });
+  r0.join();
+  r1.join();
+  CHECK(res[0] == loomSuccess);
+  CHECK(res[1] == loomSuccess);
+  CHECK(loom::nowMs() - start < 5000);  // hostile clients did not stall init
+  for (int fd : fds) close(fd);
+  REQUIRE(comms[0]);
+  REQUIRE(comms[1]);
+
+  // The communicator works: an all-reduce between the two threads.
+  std::vector<float> a(1000, 1.0f), b(1000, 2.0f);
+  std::thread t0([&] { res[0] = loomAllReduce(a.data(), a.data(), a.size(), loomFloat32, loomSum, comms[0], nullptr); });
+  std::thread t1([&] { res[1] = loomAllReduce(b.data(), b.data(), b.size(), loomFloat32, loomSum, comms[1], nullptr); });
+  t0.join();
+  t1.join();
+  CHECK(res[0] == loomSuccess);
+  CHECK(res[1] == loomSuccess);
+  CHECK(a[999] == 3.0f);
+  CHECK(b[0] == 3.0f);
+  CHECK(loomCommDestroy(comms[0]) == loomSuccess);
+  CHECK(loomCommDestroy(comms[1]) == loomSuccess);
+  unsetenv("LOOM_SOCKET_IFNAME");
+}
+
+TEST_CASE("init with a missing rank times out with a message naming it", "[bootstrap]") {
+  setenv("LOOM_SOCKET_IFNAME", "lo", 1);
+  setenv("LOOM_TIMEOUT_MS", "800", 1);
+  loomUniqueId id;
+  REQUIRE(loomGetUniqueId(&id) == loomSuccess);
+  loomComm_t comm = nullptr;
+  int64_t start = loom::nowMs();
+  loomResult_t r = loomCommInitRank(&comm, 3, id, 0);
+  CHECK(r == loomTimeout);
+  CHECK(comm == nullptr);
+  CHECK(loom::nowMs() - start < 5000);
+  std::string msg = loomGetLastError(nullptr);
+  CHECK(msg.find("missing: 1 2") != std::string::npos);
+  unsetenv("LOOM_SOCKET_IFNAME");
+  setenv("LOOM_TIMEOUT_MS", "600000", 1);
+}
+
+TEST_CASE("error strings name every result code", "[api]") {
+  for (int r = 0; r < loomNumResults; ++r) CHECK(std::strlen(loomGetErrorString(loomResult_t(r))) > 3);
+  int v = 0;
+  CHECK(loomGetVersion(&v) == loomSuccess);
+  CHECK(v == LOOM_VERSION_CODE);
+  CHECK(loomGetVersion(nullptr) == loomInvalidArgument);
+}

@@ -1,0 +1,120 @@
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstring>
+
+#include "src/core/error.h"
+#include "transports/shm/shm_transport.h"
+
+namespace loom {
+
+static constexpr uint32_t kInboxMagic = 0x4c4d5348;  // "LMSH"
+
+std::unique_ptr<ShmInbox> ShmInbox::create(const ShmLayout& layout) {
+  std::unique_ptr<ShmInbox> box(new ShmInbox());
+  box->layout_ = layout;
+  box->fd_ = int(syscall(SYS_memfd_create, "loom-inbox", unsigned(MFD_CLOEXEC)));
+  if (box->fd_ < 0) failErrno("memfd_create");
+  fchmod(box->fd_, 0600);
+  if (ftruncate(box->fd_, off_t(layout.totalBytes())) != 0) failErrno("ftruncate(shm inbox)");
+  void* p = mmap(nullptr, layout.totalBytes(), PROT_READ | PROT_WRITE, MAP_SHARED, box->fd_, 0);
+  if (p == MAP_FAILED) failErrno("mmap(shm inbox)");
+  box->base_ = static_cast<uint8_t*>(p);
+  ShmInboxHeader* h = new (box->base_) ShmInboxHeader();
+  h->layout = layout;
+  h->bell.store(0);
+  h->sleeping.store(0);
+  h->aborted.store(0);
+  for (uint32_t s = 0; s < layout.nranks; ++s) {
+    for (uint32_t c = 0; c < layout.channels; ++c) new (box->ring(int(s), int(c))) ShmRingCtl{{0}, {0}};
+    new (box->mailAck(int(s))) std::atomic<uint64_t>(0);
+    for (int p = 0; p < 2; ++p) box->mailbox(int(s), p)->seq.store(0);
+  }
+  std::atomic_thread_fence(std::memory_order_release);
+  h->magic = kInboxMagic;
+  return box;
+}
+
+std::unique_ptr<ShmInbox> ShmInbox::map(int pid, int fd, const ShmLayout& layout, std::string* why) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, fd);
+  int myfd = open(path, O_RDWR | O_CLOEXEC);
+  if (myfd < 0) {
+    *why = strf("cannot open %s: %s", path, strerror(errno));
+    return nullptr;
+  }
+  void* p = mmap(nullptr, layout.totalBytes(), PROT_READ | PROT_WRITE, MAP_SHARED, myfd, 0);
+  if (p == MAP_FAILED) {
+    *why = strf("cannot map %s: %s", path, strerror(errno));
+    close(myfd);
+    return nullptr;
+  }
+  std::unique_ptr<ShmInbox> box(new ShmInbox());
+  box->fd_ = myfd;
+  box->base_ = static_cast<uint8_t*>(p);
+  box->layout_ = layout;
+  const ShmInboxHeader* h = box->header();
+  if (h->magic != kInboxMagic || memcmp(&h->layout, &layout, sizeof layout) != 0) {
+    *why = strf("inbox of pid %d has a different layout", pid);
+    return nullptr;
+  }
+  return box;
+}
+
+ShmInbox::~ShmInbox() {
+  if (base_) munmap(base_, layout_.totalBytes());
+  if (fd_ >= 0) close(fd_);
+}
+
+ShmRingCtl* ShmInbox::ring(int sender, int channel) const {
+  size_t index = size_t(sender) * layout_.channels + size_t(channel);
+  return reinterpret_cast<ShmRingCtl*>(base_ + layout_.ringOffset() + index * layout_.ringBytes());
+}
+
+uint8_t* ShmInbox::slot(int sender, int channel, uint64_t index) const {
+  return reinterpret_cast<uint8_t*>(ring(sender, channel)) + 128 +
+         size_t(index % layout_.slots) * layout_.slotStride();
+}
+
+void shmCheckPeer(const ShmInbox* box, int peer, int pid, int pidfd) {
+  if (box->header()->aborted.load(std::memory_order_relaxed))
+    fail(loomRemoteError, "rank %d aborted its communicator", peer);
+  bool dead = false;
+  if (pidfd >= 0) {
+    pollfd p{pidfd, POLLIN, 0};
+    dead = poll(&p, 1, 0) > 0;
+  } else {
+    dead = kill(pid, 0) != 0 && errno == ESRCH;
+  }
+  if (dead) fail(loomRemoteError, "rank %d (pid %d) died", peer, pid);
+}
+
+static long futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* ts) {
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, val, ts, nullptr, 0);
+}
+
+void ShmInbox::ring_bell() const {
+  ShmInboxHeader* h = header();
+  // Pairs with the fence in sleep(): either the sleeper sees our head/tail
+  // update on its last check, or we see its sleeping flag here.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (h->sleeping.load(std::memory_order_relaxed)) {
+    h->bell.fetch_add(1, std::memory_order_relaxed);
+    futex(&h->bell, FUTEX_WAKE, INT_MAX, nullptr);
+  }
+}
+
+void ShmInbox::sleep(uint32_t seen, int64_t timeoutUs) const {
+  timespec ts{time_t(timeoutUs / 1000000), long(timeoutUs % 1000000) * 1000};
+  futex(&header()->bell, FUTEX_WAIT, seen, &ts);
+}
+
+}  // namespace loom

@@ -1,0 +1,29 @@
+// TCP transport: one socket per (peer, channel) carrying both directions.
+// Slots are staged in this process: a posted send slot is written with
+// writev (tag + payload) by progress(); arriving bytes are read straight into
+// a free receive slot.  TCP's own window is the flow control between the
+// two slot rings.
+#pragma once
+#include <cstdint>
+#include <memory>
+
+#include "transports/transport.h"
+
+namespace loom {
+
+// Hello sent by the connecting side of a data connection.
+struct TcpHello {
+  uint32_t magic;
+  uint32_t version;
+  uint8_t secret[16];
+  uint64_t commTag;  // tells communicators that share nothing else apart
+  int32_t rank;
+  int32_t channel;
+};
+
+constexpr uint32_t kTcpHelloMagic = 0x4c4d5443;  // "LMTC"
+constexpr uint32_t kTcpVersion = 1;
+
+std::unique_ptr<Connection> makeTcpConnection(int fd, int peer, size_t slotBytes, int slots);
+
+}  // namespace loom
