@@ -99,7 +99,17 @@ echo "# compare_mpi.sh: loom all_reduce vs MPI_Allreduce, float32 sum"
 echo "# date $(date -Is), host $(hostname), cores $(getconf _NPROCESSORS_ONLN)"
 echo "# ranks: $NRANKS; repeats $REPEATS (alternating loom, MPI); sizes $MINBYTES..$MAXBYTES x$STEP;" \
      "iters $ITERS, warmup $WARMUP, check $CHECK; showing $PLACE"
-echo "# loadavg at start: $(cat /proc/loadavg)"
+LOAD_START="$(cat /proc/loadavg)"
+echo "# loadavg at start: $LOAD_START"
+CORES="$(getconf _NPROCESSORS_ONLN)"
+if awk -v l="${LOAD_START%% *}" -v c="$CORES" 'BEGIN { exit !(l > 0.25 * c) }'; then
+  echo "# WARNING: the machine is not quiet (1-min load ${LOAD_START%% *} on $CORES cores): expect noise"
+fi
+# Busy CPU time of the whole machine (jiffies), to tell at the end how much
+# of it other processes used while we ran.
+busy_jiffies() { awk '/^cpu / { print $2 + $3 + $4 + $7 + $8 + $9 }' /proc/stat; }
+BUSY_START="$(busy_jiffies)"
+WALL_START="$(date +%s.%N)"
 echo "# per-run JSON in $OUT_DIR"
 
 # ---------------------------------------------------------------------------
@@ -175,7 +185,14 @@ done
 #   shared, which is not the case here.)
 #   At small sizes the buffers sit in cache and these limits do not apply.
 # ---------------------------------------------------------------------------
-export OUT_DIR NRANKS REPEATS PLACE
+BUSY_END="$(busy_jiffies)"
+WALL_END="$(date +%s.%N)"
+# CPU time (user and system) of everything this script ran: 2nd line of `times`.
+# (`times` must run in this shell, not in a $(...) subshell.)
+times > "$OUT_DIR/times.txt"
+CHILD_TIMES="$(sed -n 2p "$OUT_DIR/times.txt")"
+export OUT_DIR NRANKS REPEATS PLACE BUSY_START BUSY_END WALL_START WALL_END CHILD_TIMES CORES
+export CLK_TCK="$(getconf CLK_TCK)"
 "$PYTHON" - <<'PYEOF'
 import json, os, statistics
 
@@ -244,7 +261,7 @@ for n in nranks:
     print()
     print(f"## {n} ranks, float32 sum, {place}, median of {repeats} repeats"
           + (f"  (missing runs: {', '.join(missing)})" if missing else ""))
-    print(f"# {'size':>8}  {'loom us':>9}  {'mpi us':>9}  {'t l/m':>6}  {'range':>11}  "
+    print(f"# {'size':>8}  {'loom us':>9}  {'mpi us':>9}  {'t l/m':>6}  {'range':>13}  "
           f"{'loom busbw':>10}  {'mpi busbw':>9}  {'bw l/m':>6}")
     for size in sorted(rows):
         L, M = rows[size]["loom"], rows[size]["mpi"]
@@ -256,16 +273,36 @@ for n in nranks:
         pairs = [(a["time_us"], b["time_us"]) for a, b in zip(L, M) if a["time_us"] and b["time_us"]]
         rng = (f"{min(a / b for a, b in pairs):.2f}..{max(a / b for a, b in pairs):.2f}"
                if pairs else "-")
-        print(f"  {human(size):>8}  {fmt(lt, '9.2f')}  {fmt(mt, '9.2f')}  {fmt(tr, '6.2f')}  {rng:>11}  "
+        print(f"  {human(size):>8}  {fmt(lt, '9.2f')}  {fmt(mt, '9.2f')}  {fmt(tr, '6.2f')}  {rng:>13}  "
               f"{fmt(lb, '10.2f')}  {fmt(mb, '9.2f')}  {fmt(br, '6.2f')}")
         if n == 2:
             n2_big = (size, lb, mb)
-if n2_big and n2_big[1] is not None:
+print()
+if n2_big and n2_big[1] is not None and n2_big[0] >= (32 << 20):
     size, lb, mb = n2_big
-    print()
     print(f"# 2 ranks at {human(size)}: loom busbw {lb:.2f} GB/s = {100 * lb / limit:.0f}% of the "
           f"{limit:.2f} GB/s memory limit; MPI {fmt(mb, '.2f')} GB/s"
           + (f" = {100 * mb / limit:.0f}%" if mb else ""))
+elif n2_big:
+    print(f"# (largest size {human(n2_big[0])} < 32M: buffers fit in caches, the memory limit does not apply)")
+
+# CPU time other processes used while the sweeps ran (BENCHMARKING.md: say
+# when the machine was not quiet).
+def secs(t):  # "1m2.5s" -> 62.5
+    m, s = t.rstrip("s").split("m")
+    return int(m) * 60 + float(s)
+try:
+    ours = sum(secs(t) for t in os.environ["CHILD_TIMES"].split())
+    busy = (int(float(os.environ["BUSY_END"])) - int(float(os.environ["BUSY_START"]))) / int(os.environ["CLK_TCK"])
+    wall = float(os.environ["WALL_END"]) - float(os.environ["WALL_START"])
+    other = max(0.0, busy - ours)
+    cores = int(os.environ["CORES"])
+    print(f"# CPU time during the sweeps: {busy:.1f} s busy of {wall * cores:.1f} s available "
+          f"({wall:.1f} s x {cores} cores); this script's processes {ours:.1f} s, "
+          f"other processes {other:.1f} s ({other / wall:.2f} cores on average)"
+          + ("  -> NOT quiet" if other / wall > 0.1 else ""))
+except (KeyError, ValueError, ZeroDivisionError):
+    pass
 if wrong:
     print(f"# WARNING: {wrong} wrong or out-of-bounds values reported by the runs")
 PYEOF

@@ -9,25 +9,25 @@ using loomtest::loomRun;
 static const char* kShm = "LOOM_TRANSPORTS=shm,tcp";
 static const char* kTcp = "LOOM_TRANSPORTS=tcp";
 
-TEST_CASE("every collective, type and op is exact at small sizes (shm)", "[mp][shm]") {
+TEST_CASE("every collective type and op is exact at small sizes (shm)", "[mp][shm]") {
   int n = GENERATE(1, 2, 3, 4, 5, 8);
   INFO("nranks " << n);
   CHECK(loomRun(kShm, n, "matrix 0,1,7,1027") == 0);
 }
 
-TEST_CASE("every collective, type and op is exact at small sizes (tcp)", "[mp][tcp]") {
+TEST_CASE("every collective type and op is exact at small sizes (tcp)", "[mp][tcp]") {
   int n = GENERATE(2, 3, 4, 5, 8);
   INFO("nranks " << n);
   CHECK(loomRun(kTcp, n, "matrix 0,1,7,1027") == 0);
 }
 
-TEST_CASE("every collective, type and op is exact at 1 MiB + 5 elements (shm)", "[mp][shm][large]") {
+TEST_CASE("every collective type and op is exact at 1 MiB + 5 elements (shm)", "[mp][shm][large]") {
   int n = GENERATE(2, 3, 4, 5, 8);
   INFO("nranks " << n);
   CHECK(loomRun(kShm, n, "matrix 262149") == 0);
 }
 
-TEST_CASE("every collective, type and op is exact at 1 MiB + 5 elements (tcp)", "[mp][tcp][large]") {
+TEST_CASE("every collective type and op is exact at 1 MiB + 5 elements (tcp)", "[mp][tcp][large]") {
   int n = GENERATE(2, 3, 5);
   INFO("nranks " << n);
   CHECK(loomRun(kTcp, n, "matrix 262149 2,6,7,8") == 0);
@@ -47,7 +47,7 @@ TEST_CASE("mixed collectives on one and on two communicators at once", "[mp]") {
   if (n > 1) CHECK(loomRun(kTcp, n, "sequence") == 0);
 }
 
-TEST_CASE("group calls: send/recv rings, self send/recv, grouped collectives", "[mp]") {
+TEST_CASE("group calls: send/recv rings and self send/recv and grouped collectives", "[mp]") {
   int n = GENERATE(1, 2, 3, 5);
   INFO("nranks " << n);
   CHECK(loomRun(kShm, n, "group") == 0);

@@ -284,12 +284,13 @@ TEST_CASE("float16 and bfloat16 encoders round halfway cases to even, and neighb
     // Every pair of adjacent finite values, including subnormals, zero, and
     // maxFinite -> inf (whose midpoint must round up to inf).
     for (uint32_t h = 0; h <= f->maxFinite; ++h) {
+      INFO("between " << h << " and " << h + 1);
       double lo = decodeRef(*f, uint16_t(h));
-      double hi = h == f->maxFinite ? std::ldexp(1.0, f == &kHalf ? 16 : 128) : decodeRef(*f, uint16_t(h + 1));
+      double hi = h == f->maxFinite ? std::ldexp(1.0, f == &kHalf ? 16 : 128)  // next power of 2
+                                    : decodeRef(*f, uint16_t(h + 1));
       float mid = float((lo + hi) / 2);  // exact: one more bit than the format has
       REQUIRE(double(mid) == (lo + hi) / 2);
       uint16_t even = (h % 2 == 0) ? uint16_t(h) : uint16_t(h + 1);
-      INFO("between " << h << " and " << h + 1);
       REQUIRE(enc(mid) == even);
       REQUIRE(enc(-mid) == (even | 0x8000));
       REQUIRE(enc(std::nextafter(mid, 0.0f)) == h);
@@ -298,7 +299,7 @@ TEST_CASE("float16 and bfloat16 encoders round halfway cases to even, and neighb
   }
 }
 
-TEST_CASE("float16 and bfloat16 encoders match a nearest-value search on structured and random floats",
+TEST_CASE("float16 and bfloat16 encoders match a nearest-value search on many floats",
           "[reduce]") {
   // Every sign/exponent/top-10-mantissa combination, with the bits that
   // decide rounding set to just-below, exactly, and just-above half.
@@ -332,7 +333,8 @@ TEST_CASE("float16 and bfloat16 encoders match a nearest-value search on structu
   }
 }
 
-TEST_CASE("float16 encoder handles overflow, underflow and signed zero", "[reduce]") {
+TEST_CASE("float16 and bfloat16 encoders handle overflow, underflow, signed zero and NaN",
+          "[reduce]") {
   CHECK(floatToHalf(65504.0f) == 0x7bff);
   CHECK(floatToHalf(std::nextafter(65520.0f, 0.0f)) == 0x7bff);
   CHECK(floatToHalf(65520.0f) == 0x7c00);  // halfway to 2^16 rounds to inf
@@ -353,7 +355,7 @@ TEST_CASE("float16 encoder handles overflow, underflow and signed zero", "[reduc
   CHECK(floatToBf16(floatOf(0x7f800001)) == 0x7fc0);  // sNaN whose payload truncates away
 }
 
-TEST_CASE("reduceHost matches the scalar reference for every type and op, n, alias and alignment",
+TEST_CASE("reduceHost matches a scalar reference for every type, op, n, alias and alignment",
           "[reduce]") {
   std::mt19937_64 rng(1234);
   const size_t counts[] = {0, 1, 2, 7, 8, 9, 33, 1027};

@@ -30,8 +30,13 @@ void loomComm::waitFor(Ready ready, int peer, const SlotTag& tag, const char* wh
     if (now - lastCheck > 20 * 1000000LL) {
       lastCheck = now;
       checkAborted();
-      if (peer != rank_) shmCheckPeer(peerInbox_[size_t(peer)].get(), peer, peers_[size_t(peer)].pid,
-                                      pidfds_[size_t(peer)]);
+      try {
+        if (peer != rank_)
+          shmCheckPeer(peerInbox_[size_t(peer)].get(), peer, peers_[size_t(peer)].pid, pidfds_[size_t(peer)]);
+      } catch (const Error&) {
+        if (ready()) return;  // it finished its part before exiting
+        throw;
+      }
       crossPathCheck(peer, tag);
     }
     if (backoff.waited() / 1000000 > timeoutMs_)

@@ -48,7 +48,11 @@ class TcpConnection : public Connection {
   const void* recvPeek(SlotTag* tag) override {
     if (recvTail_ == recvReady_) {
       readSome();
-      if (recvTail_ == recvReady_) return nullptr;
+      if (recvTail_ == recvReady_) {
+        // End of stream only matters once everything before it is consumed.
+        if (eof_) fail(loomRemoteError, "rank %d closed its tcp connection", peer_);
+        return nullptr;
+      }
     }
     uint8_t* s = recvSlot(recvTail_);
     memcpy(tag, s, sizeof *tag);
@@ -63,7 +67,7 @@ class TcpConnection : public Connection {
   }
 
   void addPollFds(std::vector<pollfd>& fds) override {
-    short ev = POLLIN;
+    short ev = eof_ ? 0 : POLLIN;
     if (sendDone_ != sendHead_) ev |= POLLOUT;
     fds.push_back(pollfd{fd_, ev, 0});
   }
@@ -135,13 +139,17 @@ class TcpConnection : public Connection {
           continue;
         }
       }
+      if (eof_) return;
       ssize_t r = recv(fd_, s + recvOffset_, want, MSG_DONTWAIT);
-      if (r == 0) fail(loomRemoteError, "rank %d closed its tcp connection", peer_);
+      if (r == 0) {
+        eof_ = true;
+        return;
+      }
       if (r < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-        fail(loomRemoteError, "tcp connection to rank %d failed while receiving: %s", peer_,
-             strerror(errno));
+        eof_ = true;  // reported by recvPeek once the slots before it are used
+        return;
       }
       recvOffset_ += size_t(r);
       if (recvOffset_ >= sizeof(SlotTag)) {
@@ -165,6 +173,7 @@ class TcpConnection : public Connection {
   size_t sendOffset_ = 0;
   uint64_t recvReady_ = 0, recvTail_ = 0;
   size_t recvOffset_ = 0;
+  bool eof_ = false;  // the peer closed; slots already read stay valid
 };
 
 }  // namespace
