@@ -80,3 +80,19 @@ TEST_CASE("ranks that call different collectives fail with an error instead of h
 TEST_CASE("8 ranks on 2 cores finish a 16 MiB all-reduce promptly (no pathological spinning)", "[mp]") {
   CHECK(loomRun(kShm, 8, "matrix 4194304 7 0", 120) == 0);
 }
+
+TEST_CASE("loomCommInitFromEnv works under mpirun (OpenMPI)", "[mp][launch]") {
+  if (loomtest::shell("command -v mpirun.openmpi >/dev/null") != 0) {
+    WARN("mpirun.openmpi is not installed: this launch path was not tested");
+    return;
+  }
+  CHECK(loomtest::shell("timeout 120 mpirun.openmpi --allow-run-as-root --oversubscribe -np 3 " +
+                        loomtest::binDir() + "/mp-worker group") == 0);
+}
+
+TEST_CASE("loomCommInitFromEnv works with torchrun's variables", "[mp][launch]") {
+  std::string w = loomtest::binDir() + "/mp-worker split";
+  std::string env = "WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(21000 + getpid() % 9000);
+  CHECK(loomtest::shell("RANK=0 " + env + " timeout 60 " + w + " & a=$!; RANK=1 " + env + " timeout 60 " + w +
+                        " & b=$!; RANK=2 " + env + " timeout 60 " + w + " && wait $a && wait $b") == 0);
+}

@@ -13,11 +13,15 @@ loomStream::~loomStream() {
 }
 
 void loomStream::enqueue(std::function<loomResult_t()> op) {
+  bool wake;
   {
     std::lock_guard<std::mutex> lock(m_);
     queue_.push_back(std::move(op));
+    // A thread in synchronize() runs it; otherwise the worker must, now.
+    wake = workerIdle_ && syncing_ == 0;
   }
-  workCv_.notify_one();
+  if (wake) workCv_.notify_one();
+  else doneCv_.notify_all();
 }
 
 void loomStream::runFront(std::unique_lock<std::mutex>& lock) {
@@ -30,13 +34,15 @@ void loomStream::runFront(std::unique_lock<std::mutex>& lock) {
   running_ = false;
   if (r != loomSuccess && error_ == loomSuccess) error_ = r;
   doneCv_.notify_all();
-  workCv_.notify_one();
+  if (!queue_.empty() && syncing_ == 0) workCv_.notify_one();
 }
 
 void loomStream::workerLoop() {
   std::unique_lock<std::mutex> lock(m_);
   for (;;) {
-    workCv_.wait(lock, [&] { return stop_ || (!queue_.empty() && !running_); });
+    workerIdle_ = true;
+    workCv_.wait(lock, [&] { return stop_ || (!queue_.empty() && !running_ && syncing_ == 0); });
+    workerIdle_ = false;
     if (stop_ && queue_.empty()) return;
     if (!queue_.empty() && !running_) runFront(lock);
   }
@@ -44,10 +50,13 @@ void loomStream::workerLoop() {
 
 loomResult_t loomStream::synchronize() {
   std::unique_lock<std::mutex> lock(m_);
+  ++syncing_;
   while (!queue_.empty() || running_) {
     if (!running_) runFront(lock);
     else doneCv_.wait(lock);
   }
+  --syncing_;
+  if (syncing_ == 0 && !queue_.empty()) workCv_.notify_one();
   loomResult_t r = error_;
   error_ = loomSuccess;
   return r;

@@ -28,6 +28,8 @@ struct loomStream {
   std::condition_variable workCv_, doneCv_;
   std::deque<std::function<loomResult_t()>> queue_;
   bool running_ = false;
+  int syncing_ = 0;       // threads inside synchronize(): they run queued work
+  bool workerIdle_ = false;
   bool stop_ = false;
   loomResult_t error_ = loomSuccess;
   std::thread worker_;
