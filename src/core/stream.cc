@@ -1,5 +1,9 @@
 #include "src/core/stream.h"
 
+namespace {
+constexpr auto kStealWindow = std::chrono::microseconds(50);
+}
+
 loomStream::loomStream() { worker_ = std::thread([this] { workerLoop(); }); }
 
 loomStream::~loomStream() {
@@ -16,7 +20,7 @@ void loomStream::enqueue(std::function<loomResult_t()> op) {
   bool wake;
   {
     std::lock_guard<std::mutex> lock(m_);
-    queue_.push_back(std::move(op));
+    queue_.push_back(Item{std::move(op), std::chrono::steady_clock::now()});
     // A thread in synchronize() runs it; otherwise the worker must, now.
     wake = workerIdle_ && syncing_ == 0;
   }
@@ -25,7 +29,7 @@ void loomStream::enqueue(std::function<loomResult_t()> op) {
 }
 
 void loomStream::runFront(std::unique_lock<std::mutex>& lock) {
-  std::function<loomResult_t()> op = std::move(queue_.front());
+  std::function<loomResult_t()> op = std::move(queue_.front().op);
   queue_.pop_front();
   running_ = true;
   lock.unlock();
@@ -44,7 +48,13 @@ void loomStream::workerLoop() {
     workCv_.wait(lock, [&] { return stop_ || (!queue_.empty() && !running_ && syncing_ == 0); });
     workerIdle_ = false;
     if (stop_ && queue_.empty()) return;
-    if (!queue_.empty() && !running_) runFront(lock);
+    if (queue_.empty() || running_) continue;
+    auto ripe = queue_.front().issued + kStealWindow;
+    if (!stop_ && std::chrono::steady_clock::now() < ripe) {
+      workCv_.wait_until(lock, ripe);
+      continue;
+    }
+    runFront(lock);
   }
 }
 
