@@ -32,6 +32,7 @@ const char* algorithmName(Algorithm a) {
   switch (a) {
     case Algorithm::Ring: return "ring";
     case Algorithm::OneShot: return "oneshot";
+    case Algorithm::Staged: return "staged";
   }
   return "?";
 }

@@ -100,6 +100,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
   mine.slots = uint32_t(cfg.slots);
   mine.transports = parseTransports(cfg.transports);
   mine.mailBytes = uint32_t(cfg.shmSmallBytes);
+  mine.stageBytes = uint32_t(cfg.shmStageBytes);
   fillRandom(&mine.commTag, sizeof mine.commTag);
 
   std::vector<uint8_t> all = boot.allGather(&mine, sizeof mine);
@@ -111,6 +112,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
   transports_ = peers_[0].transports;
   commTag_ = peers_[0].commTag;
   mailBytes_ = peers_[0].mailBytes;
+  stageBytes_ = peers_[0].stageBytes;
   tuner_ = std::make_unique<Tuner>(cfg);
   lastMail_.assign(size_t(nranks), {0, 0});
 
@@ -123,7 +125,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
     if (r != rank && strncmp(peers_[size_t(r)].hostId, mine.hostId, sizeof mine.hostId) == 0)
       local.push_back(r);
   bool wantShm = (transports_ & kShmBit) && !local.empty();
-  ShmLayout layout{uint32_t(nranks), uint32_t(maxChannels_), slots_, slotBytes_, mailBytes_, 0};
+  ShmLayout layout{uint32_t(nranks), uint32_t(maxChannels_), slots_, slotBytes_, mailBytes_, stageBytes_};
   int32_t inboxFd = -1;
   if (wantShm) {
     inbox_ = ShmInbox::create(layout);
@@ -157,6 +159,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
     if (r != rank && !shmPeer_[size_t(r)]) allShm_ = false;
   limits_.maxChannels = maxChannels_;
   limits_.oneShotBytes = allShm_ ? mailBytes_ : 0;
+  limits_.stageBytes = allShm_ ? stageBytes_ : 0;
   LOOM_INFO("INIT", "rank %d of %d ready: host %s, %zu local peers, slots %u x %u B", rank, nranks,
             mine.hostId, local.size(), slots_, slotBytes_);
 }
@@ -214,19 +217,26 @@ uint64_t loomComm::issueOne(const OpDesc& op, SlotTag* tag) {
   return takeTicket();
 }
 
-bool loomComm::oneShot(const OpDesc& op) const {
-  return tuner_->choose(op, nranks_, limits_).algo == Algorithm::OneShot;
+bool loomComm::direct(const OpDesc& op) const {
+  Algorithm a = tuner_->choose(op, nranks_, limits_).algo;
+  return a == Algorithm::OneShot || a == Algorithm::Staged;
+}
+
+void loomComm::runSingle(const OpDesc& op, const SlotTag& tag) {
+  Algorithm a = tuner_->choose(op, nranks_, limits_).algo;
+  if (a == Algorithm::OneShot) runOneShot(op, tag);
+  else runStaged(op, tag);
 }
 
 loomResult_t loomComm::runOne(const OpDesc& op, const SlotTag& tag) {
-  if (!oneShot(op)) return runOps({op}, {tag});
+  if (!direct(op)) return runOps({op}, {tag});
   loomResult_t prior = asyncError();
   if (prior != loomSuccess) {
     setLastError(strf("rank %d: the communicator failed earlier: %s", rank_, lastError().c_str()));
     return prior;
   }
   try {
-    runOneShot(op, tag);
+    runSingle(op, tag);
     return loomSuccess;
   } catch (const Error& e) {
     setFailed(e.code(), e.what());
@@ -250,8 +260,8 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
     std::vector<ExecOp> eops;
     Schedule sched;
     std::vector<size_t> selfSends, selfRecvs;
-    if (ops.size() == 1 && oneShot(ops[0])) {
-      runOneShot(ops[0], tags[0]);
+    if (ops.size() == 1 && direct(ops[0])) {
+      runSingle(ops[0], tags[0]);
       return loomSuccess;
     }
     for (size_t i = 0; i < ops.size(); ++i) {

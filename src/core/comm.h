@@ -31,6 +31,7 @@ struct RankInfo {
   uint32_t slots;      // rank 0's value is used by all
   uint32_t transports; // rank 0's value is used by all (bit 0 shm, bit 1 tcp)
   uint32_t mailBytes;  // rank 0's value is used by all
+  uint32_t stageBytes; // rank 0's value is used by all
   uint64_t commTag;    // rank 0's value is used by all
 };
 
@@ -60,8 +61,8 @@ struct loomComm : public loom::ExecEnv, public std::enable_shared_from_this<loom
 
   // The same for one operation without allocating (the latency path).
   uint64_t issueOne(const loom::OpDesc& op, loom::SlotTag* tag);
-  // True if op would take the one-shot shared-memory path.
-  bool oneShot(const loom::OpDesc& op) const;
+  // True if op takes a shared-memory direct path (one-shot or staged).
+  bool direct(const loom::OpDesc& op) const;
   // Runs one operation inside its turn.
   loomResult_t runOne(const loom::OpDesc& op, const loom::SlotTag& tag);
 
@@ -100,6 +101,10 @@ struct loomComm : public loom::ExecEnv, public std::enable_shared_from_this<loom
   loom::SlotTag tagFor(const loom::OpDesc& op);  // under seqMutex_
   // One round through the shared-memory mailboxes (comm_oneshot.cc).
   void runOneShot(const loom::OpDesc& op, const loom::SlotTag& tag);
+  // Chunked reduce-scatter + all-gather through staging buffers (comm_staged.cc).
+  void runStaged(const loom::OpDesc& op, const loom::SlotTag& tag);
+  // Runs op on the path the tuner picks for it alone.
+  void runSingle(const loom::OpDesc& op, const loom::SlotTag& tag);
   template <class Ready>
   void waitFor(Ready ready, int peer, const loom::SlotTag& tag, const char* what);
   // Throws if peer visibly runs another operation than `tag` on the other path.
@@ -114,6 +119,8 @@ struct loomComm : public loom::ExecEnv, public std::enable_shared_from_this<loom
   uint32_t slotBytes_ = 0, slots_ = 0, transports_ = 0;
   int maxChannels_ = 4;
   uint32_t mailBytes_ = 0;
+  uint32_t stageBytes_ = 0;
+  uint64_t stageChunk_ = 0;  // chunks staged so far (stamps of the staging buffers)
   bool allShm_ = false;
   bool oversubscribed_ = false;
   std::unique_ptr<loom::Tuner> tuner_;

@@ -10,47 +10,13 @@
 // (two mailboxes per writer, alternating by operation parity).
 #include <cstring>
 
-#include "src/core/backoff.h"
 #include "src/core/clock.h"
 #include "src/core/comm.h"
+#include "src/core/comm_wait.h"
 #include "src/core/error.h"
 #include "src/device/host_reduce.h"
 
 using namespace loom;
-
-template <class Ready>
-void loomComm::waitFor(Ready ready, int peer, const SlotTag& tag, const char* what) {
-  if (ready()) return;
-  Backoff backoff(spinUs_, oversubscribed_);
-  int64_t lastCheck = nowNs();
-  for (;;) {
-    if (ready()) return;
-    if (backoff.spin()) continue;
-    int64_t now = nowNs();
-    if (now - lastCheck > 20 * 1000000LL) {
-      lastCheck = now;
-      checkAborted();
-      try {
-        if (peer != rank_)
-          shmCheckPeer(peerInbox_[size_t(peer)].get(), peer, peers_[size_t(peer)].pid, pidfds_[size_t(peer)]);
-      } catch (const Error&) {
-        if (ready()) return;  // it finished its part before exiting
-        throw;
-      }
-      crossPathCheck(peer, tag);
-    }
-    if (backoff.waited() / 1000000 > timeoutMs_)
-      fail(loomTimeout, "rank %d: %s made no progress for %lld ms waiting for rank %d (%s)", rank_,
-           describeTag(tag).c_str(), (long long)timeoutMs_, peer, what);
-    uint32_t token = sleepBegin();
-    if (ready()) {
-      sleepEnd();
-      return;
-    }
-    inbox_->sleep(token, 5000);
-    sleepEnd();
-  }
-}
 
 void loomComm::crossPathCheck(int peer, const SlotTag& tag) {
   if (tag.coll == uint8_t(Collective::P2P)) return;
@@ -65,9 +31,19 @@ void loomComm::crossPathCheck(int peer, const SlotTag& tag) {
 void loomComm::checkStalled(const SlotTag& mine, int peer) {
   if (!inbox_ || mine.coll == uint8_t(Collective::P2P) || !shmPeer_[size_t(peer)]) return;
   ShmMailbox* mb = inbox_->mailbox(peer, int(mine.seq & 1));
+  SlotTag t;
+  bool other = false;
   if (mb->seq.load(std::memory_order_acquire) == mine.seq + 1) {
-    SlotTag t;
     memcpy(&t, &mb->tag, sizeof t);
+    other = true;
+  }
+  // Or the peer staged this operation (comm_staged.cc).
+  for (int p = 0; p < 2 && !other; ++p) {
+    ShmStageHeader* h = peerInbox_[size_t(peer)]->stageHeader(p);
+    memcpy(&t, &h->tag, sizeof t);
+    other = h->input.load(std::memory_order_acquire) != 0 && t.seq == mine.seq;
+  }
+  if (other) {
     fail(loomInvalidUsage, "rank %d: mismatched operations: rank %d called %s while rank %d called %s",
          rank_, peer, describeTag(t).c_str(), rank_, describeTag(mine).c_str());
   }

@@ -27,11 +27,13 @@ const std::vector<ConfigVar>& configTable() {
       {"LOOM_SLOTS", "int", "8", "slots per connection ring (pipelining depth)"},
       {"LOOM_SHM_SMALL_BYTES", "int", "16384",
        "per-rank blocks up to this size use the one-shot shared-memory path (0 = never)"},
+      {"LOOM_SHM_STAGE_BYTES", "int", "262144",
+       "staging buffer per rank for the staged shared-memory all-reduce (0 = never stage)"},
       {"LOOM_CHUNK_SIZE", "int", "0 (tuner)",
        "bytes per ring chunk: a ring loop covers nranks chunks; 0 lets the tuner choose"},
       {"LOOM_NCHANNELS", "int", "0 (tuner)", "parallel channels (lanes) per collective"},
       {"LOOM_ALGO", "string", "(tuner)",
-       "force an algorithm (ring, oneshot), globally or per collective (allreduce:ring,broadcast:oneshot)"},
+       "force an algorithm (ring, oneshot, staged), globally or per collective (allreduce:ring,broadcast:oneshot)"},
       {"LOOM_CHECK_MODE", "0|1", "1",
        "check that ranks call the same operation (sequence number + signature per slot)"},
       {"LOOM_RANK / LOOM_WORLD_SIZE", "int", "-", "set by loom-run; read by loomCommInitFromEnv"},
@@ -76,6 +78,7 @@ static Config readConfig() {
   c.slotBytes = envInt("LOOM_SLOT_BYTES", 65536, 4096, 64 << 20) & ~int64_t(63);
   c.slots = envInt("LOOM_SLOTS", 8, 2, 1024);
   c.shmSmallBytes = envInt("LOOM_SHM_SMALL_BYTES", 16384, 0, 1 << 20) & ~int64_t(63);
+  c.shmStageBytes = envInt("LOOM_SHM_STAGE_BYTES", 256 << 10, 0, 1 << 30) & ~int64_t(4095);
   c.chunkBytes = envInt("LOOM_CHUNK_SIZE", 0, 0, int64_t(1) << 40);
   c.channels = envInt("LOOM_NCHANNELS", 0, 0, 16);
   c.algo = env("LOOM_ALGO") ? env("LOOM_ALGO") : "";

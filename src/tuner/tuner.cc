@@ -29,8 +29,9 @@ Tuner::Tuner(const Config& cfg) {
     std::string item = spec.substr(pos, end - pos);
     size_t colon = item.find(':');
     std::string algo = colon == std::string::npos ? item : item.substr(colon + 1);
-    if (algo != "ring" && algo != "oneshot")
-      LOOM_WARN("TUNE", "LOOM_ALGO: unknown algorithm '%s' (this build has ring, oneshot); ignored", algo.c_str());
+    if (algo != "ring" && algo != "oneshot" && algo != "staged")
+      LOOM_WARN("TUNE", "LOOM_ALGO: unknown algorithm '%s' (this build has ring, oneshot, staged); ignored",
+                algo.c_str());
     else if (colon == std::string::npos)
       global = algo;
     else {
@@ -56,9 +57,16 @@ Plan Tuner::choose(const OpDesc& op, int nranks, const TunerLimits& limits) cons
   size_t block = op.count * dtypeSize(op.dtype);
   bool oneShotOk = op.coll != Collective::P2P && nranks > 1 && limits.oneShotBytes > 0 &&
                    block <= limits.oneShotBytes;
+  bool stagedOk = op.coll == Collective::AllReduce && nranks > 1 && limits.stageBytes > 0;
   if (forced == "ring") plan.algo = Algorithm::Ring;
   else if (forced == "oneshot" && oneShotOk) plan.algo = Algorithm::OneShot;
-  else plan.algo = oneShotOk ? Algorithm::OneShot : Algorithm::Ring;
+  else if (forced == "staged" && stagedOk) plan.algo = Algorithm::Staged;
+  else if (!forced.empty() && forced != "ring" && !oneShotOk && !stagedOk) {
+    plan.algo = Algorithm::Ring;
+    LOOM_INFO("TUNE", "%s cannot serve %s of %zu B here; using ring", forced.c_str(), collectiveName(op.coll), block);
+  } else if (oneShotOk) plan.algo = Algorithm::OneShot;
+  else if (stagedOk) plan.algo = Algorithm::Staged;
+  else plan.algo = Algorithm::Ring;
   return plan;
 }
 

@@ -6,7 +6,12 @@
 //   one-shot  all ranks share memory and each rank's block is at most
 //             LOOM_SHM_SMALL_BYTES: one round through shared-memory
 //             mailboxes (latency ~ one cache-line transfer)
-//   ring      everything else (bandwidth-optimal)
+//   staged    all-reduce when all ranks share memory and the block is larger:
+//             every rank copies a chunk into its staging buffer, reduces its
+//             1/N of all staging buffers, then gathers the other parts; two
+//             synchronisations per chunk whatever N is (the ring has 2(N-1)),
+//             which matters most when ranks outnumber cores
+//   ring      everything else (bandwidth-optimal over point-to-point links)
 #pragma once
 #include <string>
 
@@ -18,6 +23,7 @@ namespace loom {
 struct TunerLimits {
   int maxChannels = 1;
   size_t oneShotBytes = 0;  // 0: the one-shot path is unavailable
+  size_t stageBytes = 0;    // 0: the staged path is unavailable
 };
 
 class Tuner {

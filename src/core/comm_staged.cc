@@ -1,0 +1,103 @@
+// The staged all-reduce for ranks that share memory (a two-shot algorithm:
+// reduce-scatter then all-gather, both straight out of shared buffers).
+//
+// The input is cut into chunks of at most LOOM_SHM_STAGE_BYTES.  For chunk k
+// every rank (1) copies its chunk into its staging buffer and stamps it,
+// (2) reduces its 1/N part of all N staging buffers, in rank order, into its
+// output and back into its own staging buffer, stamps that, and (3) copies
+// the other N-1 reduced parts out of the other staging buffers.  Per rank:
+// S bytes copied in, S read for the reduction, (N-1)/N x S gathered; the
+// staging buffers stay in cache between the steps.  Two buffers per rank
+// alternate by chunk parity, so a rank may stage chunk k+1 while others
+// still read chunk k; a reader acknowledges chunk k in the owner's inbox
+// and the owner reuses a buffer only once every reader is done with it.
+// Each chunk costs three waits whatever N is, where a ring costs 2(N-1)
+// slot hand-offs per chunk: with more ranks than cores every hand-off can
+// be a sleep and a wake-up.
+#include <algorithm>
+#include <cstring>
+
+#include "src/core/comm.h"
+#include "src/core/comm_wait.h"
+#include "src/core/error.h"
+#include "src/device/host_reduce.h"
+
+using namespace loom;
+
+namespace {
+
+size_t partBegin(size_t total, int parts, int i) {
+  size_t base = total / size_t(parts), rem = total % size_t(parts);
+  return size_t(i) * base + std::min(size_t(i), rem);
+}
+
+}  // namespace
+
+void loomComm::runStaged(const OpDesc& op, const SlotTag& tag) {
+  const int N = nranks_, me = rank_;
+  const size_t esz = dtypeSize(op.dtype);
+  if (op.coll != Collective::AllReduce) fail(loomInternalError, "the staged path serves all-reduce only");
+  const size_t chunkElems = std::max<size_t>(1, stageBytes_ / esz);
+  const uint8_t* send = static_cast<const uint8_t*>(op.sendbuf);
+  uint8_t* recv = static_cast<uint8_t*>(op.recvbuf);
+  auto box = [&](int q) { return q == me ? inbox_.get() : peerInbox_[size_t(q)].get(); };
+  auto ringAll = [&] {
+    for (int q = 0; q < N; ++q)
+      if (q != me) peerInbox_[size_t(q)]->ring_bell();
+  };
+
+  for (size_t off = 0; off < op.count; off += chunkElems) {
+    const size_t n = std::min(chunkElems, op.count - off);
+    const uint64_t k = ++stageChunk_;
+    const int parity = int(k & 1);
+    ShmStageHeader* mine = inbox_->stageHeader(parity);
+
+    // 1. Reuse my buffer only when every reader is done with chunk k-2.
+    if (k > 2)
+      for (int q = 0; q < N; ++q) {
+        if (q == me) continue;
+        std::atomic<uint64_t>* ack = inbox_->stageAck(q);
+        waitFor([&] { return ack->load(std::memory_order_acquire) >= k - 2; }, q, tag,
+                "it to finish reading my staging buffer");
+      }
+    memcpy(inbox_->stage(parity), send + off * esz, n * esz);
+    memcpy(&mine->tag, &tag, sizeof tag);
+    mine->input.store(k, std::memory_order_release);
+    ringAll();
+
+    // 2. Reduce my part of every staging buffer, in rank order.
+    const size_t pb = partBegin(n, N, me), pn = partBegin(n, N, me + 1) - pb;
+    uint8_t* out = recv + (off + pb) * esz;
+    for (int q = 0; q < N; ++q) {
+      ShmStageHeader* h = box(q)->stageHeader(parity);
+      waitFor([&] { return h->input.load(std::memory_order_acquire) == k; }, q, tag, "its staged input");
+      SlotTag t;
+      memcpy(&t, &h->tag, sizeof t);
+      if (checkMode_ && (t.seq != tag.seq || t.coll != tag.coll || t.count != tag.count || t.dtype != tag.dtype ||
+                         t.op != tag.op))
+        fail(loomInvalidUsage, "rank %d: mismatched operations: rank %d called %s while rank %d called %s", me, q,
+             describeTag(t).c_str(), me, describeTag(tag).c_str());
+      const uint8_t* in = box(q)->stage(parity) + pb * esz;
+      if (q == 0) memcpy(out, in, pn * esz);
+      else reduceHost(out, out, in, pn, op.dtype, op.op);
+    }
+    if (op.op == loomAvg) divideHost(out, out, pn, op.dtype, N);
+    memcpy(inbox_->stage(parity) + pb * esz, out, pn * esz);
+    mine->result.store(k, std::memory_order_release);
+    ringAll();
+
+    // 3. Gather the other parts, then release every buffer read.
+    for (int i = 1; i < N; ++i) {
+      int q = (me + i) % N;
+      ShmStageHeader* h = box(q)->stageHeader(parity);
+      waitFor([&] { return h->result.load(std::memory_order_acquire) == k; }, q, tag, "its reduced part");
+      size_t qb = partBegin(n, N, q), qn = partBegin(n, N, q + 1) - qb;
+      memcpy(recv + (off + qb) * esz, box(q)->stage(parity) + qb * esz, qn * esz);
+    }
+    for (int q = 0; q < N; ++q) {
+      if (q == me) continue;
+      box(q)->stageAck(me)->store(k, std::memory_order_release);
+      box(q)->ring_bell();
+    }
+  }
+}
