@@ -15,6 +15,18 @@ TEST_CASE("every collective type and op is exact at small sizes (shm)", "[mp][sh
   CHECK(loomRun(kShm, n, "matrix 0,1,7,1027") == 0);
 }
 
+TEST_CASE("the ring over shm is exact too (LOOM_ALGO=ring bypasses the one-shot and staged paths)", "[mp][shm]") {
+  int n = GENERATE(2, 3, 5);
+  INFO("nranks " << n);
+  CHECK(loomRun(std::string(kShm) + " LOOM_ALGO=ring", n, "matrix 0,1,7,1027,70001") == 0);
+}
+
+TEST_CASE("the staged all-reduce is exact across many chunks (small staging buffer)", "[mp][shm]") {
+  int n = GENERATE(2, 3, 4, 7);
+  INFO("nranks " << n);
+  CHECK(loomRun(std::string(kShm) + " LOOM_SHM_STAGE_BYTES=4096", n, "matrix 1,7,1027,70001") == 0);
+}
+
 TEST_CASE("every collective type and op is exact at small sizes (tcp)", "[mp][tcp]") {
   int n = GENERATE(2, 3, 4, 5, 8);
   INFO("nranks " << n);
