@@ -3,9 +3,10 @@
 //
 // The input is cut into chunks of at most LOOM_SHM_STAGE_BYTES.  For chunk k
 // every rank (1) copies its chunk into its staging buffer and stamps it,
-// (2) reduces its 1/N part of all N staging buffers, in rank order, into its
-// output and back into its own staging buffer, stamps that, and (3) copies
-// the other N-1 reduced parts out of the other staging buffers.  Per rank:
+// (2) reduces its 1/N part of all N staging buffers into its own staging
+// buffer, stamps that and copies it to its output, and (3) copies
+// the other N-1 reduced parts out of the other staging buffers.  Output of
+// 16 MiB or more is written with non-temporal stores (no read-for-ownership).  Per rank:
 // S bytes copied in, S read for the reduction, (N-1)/N x S gathered; the
 // staging buffers stay in cache between the steps.  Two buffers per rank
 // alternate by chunk parity, so a rank may stage chunk k+1 while others
@@ -20,6 +21,7 @@
 #include "src/core/comm.h"
 #include "src/core/comm_wait.h"
 #include "src/core/error.h"
+#include "src/device/host_copy.h"
 #include "src/device/host_reduce.h"
 
 using namespace loom;
@@ -41,6 +43,12 @@ void loomComm::runStaged(const OpDesc& op, const SlotTag& tag) {
   const uint8_t* send = static_cast<const uint8_t*>(op.sendbuf);
   uint8_t* recv = static_cast<uint8_t*>(op.recvbuf);
   auto box = [&](int q) { return q == me ? inbox_.get() : peerInbox_[size_t(q)].get(); };
+  // Output larger than the caches is written around them.
+  const bool streaming = op.count * esz >= kStreamingCopyBytes;
+  auto copyOut = [&](uint8_t* dst, const uint8_t* src, size_t bytes) {
+    if (streaming) copyStreaming(dst, src, bytes);
+    else memcpy(dst, src, bytes);
+  };
   auto ringAll = [&] {
     for (int q = 0; q < N; ++q)
       if (q != me) peerInbox_[size_t(q)]->ring_bell();
@@ -65,10 +73,13 @@ void loomComm::runStaged(const OpDesc& op, const SlotTag& tag) {
     mine->input.store(k, std::memory_order_release);
     ringAll();
 
-    // 2. Reduce my part of every staging buffer, in rank order.
+    // 2. Reduce my part of every staging buffer into my own (it stays in
+    //    cache), starting from mine: the owner of a part is fixed, so the
+    //    order is too, and every rank copies the same result.
     const size_t pb = partBegin(n, N, me), pn = partBegin(n, N, me + 1) - pb;
-    uint8_t* out = recv + (off + pb) * esz;
-    for (int q = 0; q < N; ++q) {
+    uint8_t* acc = inbox_->stage(parity) + pb * esz;
+    for (int i = 0; i < N; ++i) {
+      int q = (me + i) % N;
       ShmStageHeader* h = box(q)->stageHeader(parity);
       waitFor([&] { return h->input.load(std::memory_order_acquire) == k; }, q, tag, "its staged input");
       SlotTag t;
@@ -77,14 +88,12 @@ void loomComm::runStaged(const OpDesc& op, const SlotTag& tag) {
                          t.op != tag.op))
         fail(loomInvalidUsage, "rank %d: mismatched operations: rank %d called %s while rank %d called %s", me, q,
              describeTag(t).c_str(), me, describeTag(tag).c_str());
-      const uint8_t* in = box(q)->stage(parity) + pb * esz;
-      if (q == 0) memcpy(out, in, pn * esz);
-      else reduceHost(out, out, in, pn, op.dtype, op.op);
+      if (q != me) reduceHost(acc, acc, box(q)->stage(parity) + pb * esz, pn, op.dtype, op.op);
     }
-    if (op.op == loomAvg) divideHost(out, out, pn, op.dtype, N);
-    memcpy(inbox_->stage(parity) + pb * esz, out, pn * esz);
+    if (op.op == loomAvg) divideHost(acc, acc, pn, op.dtype, N);
     mine->result.store(k, std::memory_order_release);
     ringAll();
+    copyOut(recv + (off + pb) * esz, acc, pn * esz);
 
     // 3. Gather the other parts, then release every buffer read.
     for (int i = 1; i < N; ++i) {
@@ -92,7 +101,7 @@ void loomComm::runStaged(const OpDesc& op, const SlotTag& tag) {
       ShmStageHeader* h = box(q)->stageHeader(parity);
       waitFor([&] { return h->result.load(std::memory_order_acquire) == k; }, q, tag, "its reduced part");
       size_t qb = partBegin(n, N, q), qn = partBegin(n, N, q + 1) - qb;
-      memcpy(recv + (off + qb) * esz, box(q)->stage(parity) + qb * esz, qn * esz);
+      copyOut(recv + (off + qb) * esz, box(q)->stage(parity) + qb * esz, qn * esz);
     }
     for (int q = 0; q < N; ++q) {
       if (q == me) continue;
