@@ -12,6 +12,8 @@
 #include <cstring>
 
 #include "src/core/error.h"
+#include "src/core/log.h"
+#include "src/topology/numa.h"
 #include "transports/shm/shm_transport.h"
 
 namespace loom {
@@ -28,6 +30,10 @@ std::unique_ptr<ShmInbox> ShmInbox::create(const ShmLayout& layout) {
   void* p = mmap(nullptr, layout.totalBytes(), PROT_READ | PROT_WRITE, MAP_SHARED, box->fd_, 0);
   if (p == MAP_FAILED) failErrno("mmap(shm inbox)");
   box->base_ = static_cast<uint8_t*>(p);
+  // The inbox is read by its owner and written by its peers: keep it on the
+  // owner's NUMA node rather than wherever a peer happens to touch it first.
+  LOOM_INFO("SHM", "inbox of %zu bytes: %s", layout.totalBytes(),
+            bindToLocalNumaNode(box->base_, layout.totalBytes()).c_str());
   ShmInboxHeader* h = new (box->base_) ShmInboxHeader();
   h->layout = layout;
   h->bell.store(0);
