@@ -3,13 +3,15 @@
 //   loom-run -n 4 build/bin/loom-perf all_reduce -b 8 -e 64M -f 2 -d float32 -o sum
 //
 // Each rank creates its communicator with loomCommInitFromEnv (loom-run,
-// torchrun, mpirun and srun all work), one loom host stream, and persistent
+// torchrun, mpirun and srun all work), blocking calls (or with -s 1 one loom
+// host stream), and persistent
 // buffers allocated and pre-faulted once at the largest size.  For every
 // (datatype, op, size) it runs, out-of-place and then in-place:
 //   1. (with -c 1) one checked run on freshly generated data, verified
 //      element by element against a locally computed exact result;
 //   2. -w warm-up iterations;
-//   3. -n timed iterations, each timed on its own (issue + loomStreamSynchronize);
+//   3. -n timed iterations, each timed on its own (the blocking call, or issue +
+//      loomStreamSynchronize with -s 1);
 // then, outside the timed loop, the per-iteration times are all-reduced with
 // loomMax (float64, a separate small buffer) so that each iteration counts as
 // long as its slowest rank, and the median over iterations is reported.
@@ -418,6 +420,7 @@ struct Options {
   std::vector<loomDataType_t> types{loomFloat32};
   std::vector<loomRedOp_t> ops{loomSum};
   int root = 0;
+  int stream = 0;  // 1: issue on a loom host stream; 0: blocking calls (NULL stream)
   std::string json;
 };
 
@@ -448,6 +451,9 @@ void usage(FILE* f) {
                "  -o, --op OP           sum prod max min avg, a list, or all (default sum;\n"
                "                        reducing collectives only)\n"
                "  -r, --root R          root of broadcast and reduce (default 0)\n"
+               "  -s, --stream 0|1      0 (default): blocking calls (NULL stream), as MPI_Allreduce\n"
+               "                        is measured; 1: issue on a loom host stream and\n"
+               "                        loomStreamSynchronize each iteration\n"
                "      --json FILE       rank 0 also writes every row as JSON to FILE\n"
                "  -h, --help            this help\n"
                "Run it under a launcher, e.g.:\n"
@@ -577,6 +583,7 @@ Options parseArgs(int argc, char** argv) {
       {"op", required_argument, nullptr, 'o'},
       {"root", required_argument, nullptr, 'r'},
       {"json", required_argument, nullptr, 'J'},
+      {"stream", required_argument, nullptr, 's'},
       {"help", no_argument, nullptr, 'h'},
       {nullptr, 0, nullptr, 0},
   };
@@ -584,7 +591,7 @@ Options parseArgs(int argc, char** argv) {
   bool sawOp = false;
   long v = 0;
   for (;;) {
-    int c = getopt_long(argc, argv, ":b:e:f:n:w:c:d:o:r:h", longOpts, nullptr);
+    int c = getopt_long(argc, argv, ":b:e:f:n:w:c:d:o:r:s:h", longOpts, nullptr);
     if (c == -1) break;
     switch (c) {
       case 'b':
@@ -616,6 +623,10 @@ Options parseArgs(int argc, char** argv) {
       case 'r':
         if (!parseInt(optarg, 0, 1 << 30, &v)) badArgs("-r: bad root '%s'", optarg);
         o.root = static_cast<int>(v);
+        break;
+      case 's':
+        if (!parseInt(optarg, 0, 1, &v)) badArgs("-s: expected 0 or 1, got '%s'", optarg);
+        o.stream = static_cast<int>(v);
         break;
       case 'J':
         if (!*optarg) badArgs("--json: empty file name");
@@ -988,7 +999,8 @@ class Bench {
     loomGetVersion(&version);
     char host[256] = "?";
     gethostname(host, sizeof host - 1);
-    std::printf("# loom-perf: nranks %d, collective %s\n", n_, o_.coll->name);
+    std::printf("# loom-perf: nranks %d, collective %s, %s\n", n_, o_.coll->name,
+                o_.stream ? "issued on a loom host stream (-s 1)" : "blocking calls (NULL stream)");
     std::printf("# loom version %d.%d.%d, host %s, pid of rank 0 %d\n", version / 10000,
                 (version / 100) % 100, version % 100, host, static_cast<int>(getpid()));
     std::printf("# minBytes %zu maxBytes %zu step: %zu(factor) warmup iters: %d iters: %d "
@@ -1148,14 +1160,14 @@ int main(int argc, char** argv) {
     return 2;
   }
   loomStream_t stream = nullptr;
-  LOOMCHECK(loomStreamCreate(&stream));
+  if (o.stream) LOOMCHECK(loomStreamCreate(&stream));
 
   int rc;
   {
     Bench bench(o, gComm, stream, gRank, nranks);
     rc = bench.run();
   }
-  LOOMCHECK(loomStreamDestroy(stream));
+  if (stream) LOOMCHECK(loomStreamDestroy(stream));
   LOOMCHECK(loomCommDestroy(gComm));
   gComm = nullptr;
   return rc;

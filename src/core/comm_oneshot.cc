@@ -19,13 +19,28 @@
 using namespace loom;
 
 void loomComm::crossPathCheck(int peer, const SlotTag& tag) {
-  if (tag.coll == uint8_t(Collective::P2P)) return;
-  auto it = conns_.find(std::make_pair(peer, 0));
-  if (it == conns_.end()) return;
+  if (tag.coll == uint8_t(Collective::P2P) || peer == rank_) return;
+  // A slot the peer posted for this sequence number means it runs this
+  // operation on the executor (ring) path while we wait on a direct path.
+  auto check = [&](const SlotTag& t) {
+    if (t.coll != uint8_t(Collective::P2P) && t.seq == tag.seq)
+      fail(loomInvalidUsage, "rank %d: mismatched operations: rank %d called %s while rank %d called %s",
+           rank_, peer, describeTag(t).c_str(), rank_, describeTag(tag).c_str());
+  };
   SlotTag t;
-  if (it->second->recvPeek(&t) && t.coll != uint8_t(Collective::P2P) && t.seq == tag.seq)
-    fail(loomInvalidUsage, "rank %d: mismatched operations: rank %d called %s while rank %d called %s",
-         rank_, peer, describeTag(t).c_str(), rank_, describeTag(tag).c_str());
+  if (shmPeer_[size_t(peer)]) {
+    // Look at the rings in my inbox directly: the connection may not exist yet.
+    for (int ch = 0; ch < maxChannels_; ++ch) {
+      ShmRingCtl* r = inbox_->ring(peer, ch);
+      uint64_t tail = r->tail.load(std::memory_order_acquire);
+      if (r->head.load(std::memory_order_acquire) == tail) continue;
+      memcpy(&t, inbox_->slot(peer, ch, tail), sizeof t);
+      check(t);
+    }
+    return;
+  }
+  auto it = conns_.find(std::make_pair(peer, 0));
+  if (it != conns_.end() && it->second->recvPeek(&t)) check(t);
 }
 
 void loomComm::checkStalled(const SlotTag& mine, int peer) {

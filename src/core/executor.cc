@@ -107,9 +107,12 @@ class Runner {
           }
           throw;
         }
-        for (const LaneState& l : lanes_)
-          if (!l.finished && l.cur < l.lane->steps.size() && l.lane->steps[l.cur].recvPeer >= 0)
-            env_.checkStalled(l.op->tag, l.lane->steps[l.cur].recvPeer);
+        for (const LaneState& l : lanes_) {
+          if (l.finished || l.cur >= l.lane->steps.size()) continue;
+          const Step& st = l.lane->steps[l.cur];
+          if (st.recvPeer >= 0) env_.checkStalled(l.op->tag, st.recvPeer);
+          if (st.sendPeer >= 0) env_.checkStalled(l.op->tag, st.sendPeer);
+        }
       }
       if (backoff.waited() / 1000000 > env_.timeoutMs()) timeout();
       uint32_t token = env_.sleepBegin();
