@@ -9,6 +9,16 @@ namespace loom {
 void ringSchedule(const OpDesc& op, int opIndex, int rank, int nranks, const Plan& plan,
                   Schedule* out);
 
+// Recursive halving-doubling (Rabenseifner) all-reduce / reduce-scatter /
+// all-gather (algorithms/recursive_halving_doubling.cc).
+void halvingDoublingSchedule(const OpDesc& op, int opIndex, int rank, int nranks, const Plan& plan,
+                             Schedule* out);
+
+// Double binary tree all-reduce / broadcast / reduce
+// (algorithms/double_binary_tree.cc).
+void doubleBinaryTreeSchedule(const OpDesc& op, int opIndex, int rank, int nranks, const Plan& plan,
+                              Schedule* out);
+
 // A single loomSend or loomRecv.
 void p2pSchedule(const OpDesc& op, int opIndex, Schedule* out);
 
