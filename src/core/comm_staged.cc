@@ -2,12 +2,13 @@
 // reduce-scatter then all-gather, both straight out of shared buffers).
 //
 // The input is cut into chunks of at most LOOM_SHM_STAGE_BYTES.  For chunk k
-// every rank (1) copies its chunk into its staging buffer and stamps it,
-// (2) reduces its 1/N part of all N staging buffers into its own staging
-// buffer, stamps that and copies it to its output, and (3) copies
+// every rank (1) copies the parts of its chunk that the others reduce into
+// its staging buffer and stamps it, (2) reduces its own 1/N part (its input
+// and the N-1 staged copies) into its staging buffer, stamps that and
+// copies it to its output, and (3) copies
 // the other N-1 reduced parts out of the other staging buffers.  Output of
 // 16 MiB or more is written with non-temporal stores (no read-for-ownership).  Per rank:
-// S bytes copied in, S read for the reduction, (N-1)/N x S gathered; the
+// (N-1)/N x S copied in, S read for the reduction, (N-1)/N x S gathered; the
 // staging buffers stay in cache between the steps.  Two buffers per rank
 // alternate by chunk parity, so a rank may stage chunk k+1 while others
 // still read chunk k; a reader acknowledges chunk k in the owner's inbox
@@ -68,17 +69,23 @@ void loomComm::runStaged(const OpDesc& op, const SlotTag& tag) {
         waitFor([&] { return ack->load(std::memory_order_acquire) >= k - 2; }, q, tag,
                 "it to finish reading my staging buffer");
       }
-    memcpy(inbox_->stage(parity), send + off * esz, n * esz);
+    // Only the parts the others reduce are staged; my own part is read
+    // straight from my input below.
+    const size_t pb = partBegin(n, N, me), pn = partBegin(n, N, me + 1) - pb;
+    memcpy(inbox_->stage(parity), send + off * esz, pb * esz);
+    memcpy(inbox_->stage(parity) + (pb + pn) * esz, send + (off + pb + pn) * esz, (n - pb - pn) * esz);
     memcpy(&mine->tag, &tag, sizeof tag);
     mine->input.store(k, std::memory_order_release);
     ringAll();
 
-    // 2. Reduce my part of every staging buffer into my own (it stays in
-    //    cache), starting from mine: the owner of a part is fixed, so the
-    //    order is too, and every rank copies the same result.
-    const size_t pb = partBegin(n, N, me), pn = partBegin(n, N, me + 1) - pb;
+    // 2. Reduce my part: my input, then every other rank's staged copy of
+    //    it in rank order after me, into my staging buffer (it stays in
+    //    cache).  The owner of a part is fixed, so the order is too, and
+    //    every rank copies the same result.
     uint8_t* acc = inbox_->stage(parity) + pb * esz;
-    for (int i = 0; i < N; ++i) {
+    const uint8_t* own = send + (off + pb) * esz;
+    if (N == 1) memcpy(acc, own, pn * esz);
+    for (int i = 1; i < N; ++i) {
       int q = (me + i) % N;
       ShmStageHeader* h = box(q)->stageHeader(parity);
       waitFor([&] { return h->input.load(std::memory_order_acquire) == k; }, q, tag, "its staged input");
@@ -88,7 +95,7 @@ void loomComm::runStaged(const OpDesc& op, const SlotTag& tag) {
                          t.op != tag.op))
         fail(loomInvalidUsage, "rank %d: mismatched operations: rank %d called %s while rank %d called %s", me, q,
              describeTag(t).c_str(), me, describeTag(tag).c_str());
-      if (q != me) reduceHost(acc, acc, box(q)->stage(parity) + pb * esz, pn, op.dtype, op.op);
+      reduceHost(acc, i == 1 ? own : acc, box(q)->stage(parity) + pb * esz, pn, op.dtype, op.op);
     }
     if (op.op == loomAvg) divideHost(acc, acc, pn, op.dtype, N);
     mine->result.store(k, std::memory_order_release);
