@@ -59,6 +59,32 @@ loomResult_t guarded(const char* call, loomComm* comm, F&& f) {
   }
 }
 
+// Enum arguments come from C callers as plain ints, and an out-of-range
+// value of an enum type is undefined behaviour in C++: read them as ints,
+// before any other use.
+int rawInt(const void* e) {
+  int v;
+  memcpy(&v, e, sizeof v);
+  return v;
+}
+
+loomResult_t checkEnums(const char* call, const loomDataType_t* type, const loomRedOp_t* op) {
+  int t = rawInt(type);
+  if (t < 0 || t >= int(loomNumTypes)) {
+    tlsLastError = strf("%s: unknown datatype %d", call, t);
+  } else if (op && (rawInt(op) < 0 || rawInt(op) >= int(loomNumOps))) {
+    tlsLastError = strf("%s: unknown reduction op %d", call, rawInt(op));
+  } else {
+    return loomSuccess;
+  }
+  GroupState& g = tlsGroup;
+  if (g.depth > 0 && g.error == loomSuccess) {
+    g.error = loomInvalidArgument;
+    g.errorMsg = tlsLastError;
+  }
+  return loomInvalidArgument;
+}
+
 void checkComm(const loomComm* comm) {
   if (!comm) fail(loomInvalidArgument, "comm is NULL");
 }
@@ -421,6 +447,7 @@ loomResult_t loomCommGetAsyncError(loomComm_t comm, loomResult_t* asyncError) {
 
 loomResult_t loomAllReduce(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t datatype,
                            loomRedOp_t op, loomComm_t comm, loomStream_t stream) {
+  if (loomResult_t r = checkEnums("loomAllReduce", &datatype, &op)) return r;
   OpDesc d;
   d.coll = Collective::AllReduce;
   d.sendbuf = sendbuff;
@@ -434,6 +461,7 @@ loomResult_t loomAllReduce(const void* sendbuff, void* recvbuff, size_t count, l
 loomResult_t loomReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
                                loomDataType_t datatype, loomRedOp_t op, loomComm_t comm,
                                loomStream_t stream) {
+  if (loomResult_t r = checkEnums("loomReduceScatter", &datatype, &op)) return r;
   OpDesc d;
   d.coll = Collective::ReduceScatter;
   d.sendbuf = sendbuff;
@@ -446,6 +474,7 @@ loomResult_t loomReduceScatter(const void* sendbuff, void* recvbuff, size_t recv
 
 loomResult_t loomAllGather(const void* sendbuff, void* recvbuff, size_t sendcount, loomDataType_t datatype,
                            loomComm_t comm, loomStream_t stream) {
+  if (loomResult_t r = checkEnums("loomAllGather", &datatype, nullptr)) return r;
   OpDesc d;
   d.coll = Collective::AllGather;
   d.sendbuf = sendbuff;
@@ -457,6 +486,7 @@ loomResult_t loomAllGather(const void* sendbuff, void* recvbuff, size_t sendcoun
 
 loomResult_t loomBroadcast(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t datatype,
                            int root, loomComm_t comm, loomStream_t stream) {
+  if (loomResult_t r = checkEnums("loomBroadcast", &datatype, nullptr)) return r;
   OpDesc d;
   d.coll = Collective::Broadcast;
   d.sendbuf = sendbuff;
@@ -469,6 +499,7 @@ loomResult_t loomBroadcast(const void* sendbuff, void* recvbuff, size_t count, l
 
 loomResult_t loomReduce(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t datatype,
                         loomRedOp_t op, int root, loomComm_t comm, loomStream_t stream) {
+  if (loomResult_t r = checkEnums("loomReduce", &datatype, &op)) return r;
   OpDesc d;
   d.coll = Collective::Reduce;
   d.sendbuf = sendbuff;
@@ -482,6 +513,7 @@ loomResult_t loomReduce(const void* sendbuff, void* recvbuff, size_t count, loom
 
 loomResult_t loomSend(const void* sendbuff, size_t count, loomDataType_t datatype, int peer,
                       loomComm_t comm, loomStream_t stream) {
+  if (loomResult_t r = checkEnums("loomSend", &datatype, nullptr)) return r;
   OpDesc d;
   d.coll = Collective::P2P;
   d.sendbuf = sendbuff;
@@ -494,6 +526,7 @@ loomResult_t loomSend(const void* sendbuff, size_t count, loomDataType_t datatyp
 
 loomResult_t loomRecv(void* recvbuff, size_t count, loomDataType_t datatype, int peer, loomComm_t comm,
                       loomStream_t stream) {
+  if (loomResult_t r = checkEnums("loomRecv", &datatype, nullptr)) return r;
   OpDesc d;
   d.coll = Collective::P2P;
   d.recvbuf = recvbuff;

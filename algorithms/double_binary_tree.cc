@@ -1,0 +1,171 @@
+// Double binary tree all-reduce and broadcast (Sanders, Speck & Träff,
+// "Two-tree algorithms for full bandwidth broadcast, reduction and scan",
+// Parallel Computing 2009; tree 0 is the binary tree of NCCL's trees.cc).
+//
+// Ranks are relabelled to positions p = (rank - root) mod N (all-reduce:
+// root 0).  Position 0 sits on top of both trees with one child each; the
+// other N-1 positions form two binary trees.  Tree 0 is in-order: position
+// p with lowest set bit b has parent (p^b)|2b (p^b if that is >= N) and
+// children p-b/2 and p+b/2 (the right one halved while past the end), so
+// odd positions are its leaves.  Tree 1 is tree 0 with positions 1..N-1
+// mirrored (p -> N-p, N odd) or shifted (p -> p%(N-1)+1, N even): the
+// leaves of one tree are interior nodes of the other (N even: position 1
+// is a leaf of both).  N = 8:
+//
+//   tree 0:  0                  tree 1:  0
+//            |                           |
+//            4                           5      tree 1 is tree 0 with
+//          /   \                       /   \    positions 1..7 shifted
+//         2     6                     3     7   by one: 1 -> 2, 2 -> 3,
+//        / \   / \                   / \   / \  ..., 7 -> 1
+//       1   3 5   7                 2   4 6   1
+//
+// NCCL instead mirrors the whole tree, giving tree 1 another root; a rooted
+// collective needs both trees under its root, and all-reduce loses nothing
+// by sharing one (the root's link carries S/2 per tree, like any other).
+//
+// Tree t carries half t of the data, cut into chunks of plan.chunkBytes; a
+// tree's lanes use channel t, so the trees run concurrently.  All-reduce has
+// two lanes per tree and rank, which the executor runs concurrently because
+// they use opposite directions of every connection:
+//   up:   leaf: send(my chunk -> parent); one child c: recvReduceSend(c ->
+//         parent); two children: recvReduce(c1 -> recv chunk), then
+//         recvReduceSend(c2 -> parent) from it.  The root fuses the turn:
+//         recvReduceSend(child -> child, dst recv, finalize), so each slot is
+//         reduced, finalized (avg) once and sent back down as it arrives.
+//   down: recvCopySend(parent -> c1, dst recv chunk), then send(-> c2);
+//         leaf: recv(parent -> recv chunk).
+// No deadlock with any slot count: down lanes depend only on their parents
+// and leaves always drain; up lanes only on their children and on the parent
+// consuming, which the root always does.  The recv chunk that holds a
+// partial sum is overwritten by the down lane only after the root has
+// consumed it, i.e. after its last slot went up.  Broadcast is the down
+// lane alone (the root sends from its send buffer).
+//
+// Per rank, all-reduce of S bytes sends 2S (S/2 up in each tree, S down in
+// its interior tree) in about 2 log2 N + S/chunk chunk times; a broadcast
+// sends S from interior ranks, 0 from leaves.
+//
+// Reduce has no tree form here: an interior rank must hold its partial sum
+// while it takes its second child, and loomReduce gives non-root ranks no
+// buffer (recvbuf may be NULL).  Reduce, reduce-scatter, all-gather and
+// N = 1 go to the ring's schedules.
+#include <algorithm>
+
+#include "algorithms/algorithms.h"
+#include "src/device/host_reduce.h"
+
+namespace loom {
+
+namespace {
+
+struct TreeNode {
+  int parent = -1;
+  int child[2] = {-1, -1};
+};
+
+// NCCL's binary tree over positions 0..n-1.
+TreeNode binaryTree(int p, int n) {
+  TreeNode t;
+  int bit = 1;
+  while (bit < n && !(p & bit)) bit <<= 1;
+  if (p == 0) {
+    t.child[0] = bit >> 1;
+    return t;
+  }
+  t.parent = (p ^ bit) | (bit << 1);
+  if (t.parent >= n) t.parent = p ^ bit;
+  int low = bit >> 1;
+  if (low == 0) return t;
+  t.child[0] = p - low;
+  while (low && p + low >= n) low >>= 1;
+  if (low) t.child[1] = p + low;
+  return t;
+}
+
+// Tree 1's relabelling of positions 1..n-1 (0 stays on top).
+int tree1Pos(int p, int n, bool inverse) {
+  if (p == 0) return 0;
+  if (n % 2) return n - p;
+  return inverse ? (p + n - 3) % (n - 1) + 1 : p % (n - 1) + 1;
+}
+
+// Parent and children of `rank` in tree `t`, as ranks.
+TreeNode treeNode(int t, int rank, int root, int n) {
+  int p = (rank - root + n) % n;
+  TreeNode node = binaryTree(t ? tree1Pos(p, n, true) : p, n);
+  auto toRank = [&](int q) { return q < 0 ? -1 : ((t ? tree1Pos(q, n, false) : q) + root) % n; };
+  node.parent = toRank(node.parent);
+  for (int& c : node.child) c = toRank(c);
+  return node;
+}
+
+Step step(StepKind k, int from, int to, BufRef src, BufRef dst, size_t bytes, bool fin = false) {
+  Step s;
+  s.kind = k;
+  s.recvPeer = from;
+  s.sendPeer = to;
+  s.src = src;
+  s.dst = dst;
+  s.bytes = bytes;
+  s.finalize = fin;
+  return s;
+}
+
+}  // namespace
+
+void doubleBinaryTreeSchedule(const OpDesc& op, int opIndex, int rank, int nranks, const Plan& plan,
+                              Schedule* out) {
+  const bool allReduce = op.coll == Collective::AllReduce;
+  if (nranks == 1 || (!allReduce && op.coll != Collective::Broadcast)) {
+    ringSchedule(op, opIndex, rank, nranks, plan, out);
+    return;
+  }
+  const size_t esz = dtypeSize(op.dtype);
+  const size_t chunkElems = std::max<size_t>(1, plan.chunkBytes / esz);
+  const int root = allReduce ? 0 : op.root;
+  const BufRef none;
+  for (int t = 0; t < 2; ++t) {
+    const size_t begin = t ? op.count / 2 : 0, end = t ? op.count : op.count / 2;
+    if (begin == end) continue;
+    const TreeNode node = treeNode(t, rank, root, nranks);
+    const int p = node.parent, c1 = node.child[0], c2 = node.child[1];
+    Lane up, down;
+    up.op = down.op = opIndex;
+    up.channel = down.channel = t;
+    for (size_t o = begin; o < end; o += chunkElems) {
+      const size_t bytes = std::min(chunkElems, end - o) * esz;
+      const BufRef S{Buf::Send, o * esz}, R{Buf::Recv, o * esz};
+      if (p < 0) {
+        if (allReduce)
+          up.steps.push_back(step(StepKind::RecvReduceSend, c1, c1, S, R, bytes, true));
+        else
+          down.steps.push_back(step(StepKind::Send, -1, c1, S, none, bytes));
+        continue;
+      }
+      if (allReduce) {
+        if (c2 >= 0) {
+          up.steps.push_back(step(StepKind::RecvReduce, c1, -1, S, R, bytes));
+          up.steps.push_back(step(StepKind::RecvReduceSend, c2, p, R, none, bytes));
+        } else if (c1 >= 0) {
+          up.steps.push_back(step(StepKind::RecvReduceSend, c1, p, S, none, bytes));
+        } else {
+          up.steps.push_back(step(StepKind::Send, -1, p, S, none, bytes));
+        }
+      }
+      if (c1 < 0) {
+        down.steps.push_back(step(StepKind::Recv, p, -1, none, R, bytes));
+        continue;
+      }
+      down.steps.push_back(step(StepKind::RecvCopySend, p, c1, none, R, bytes));
+      if (c2 >= 0) down.steps.push_back(step(StepKind::Send, -1, c2, R, none, bytes));
+    }
+    if (p < 0 && !allReduce && op.sendbuf != op.recvbuf)
+      down.steps.push_back(step(StepKind::Copy, -1, -1, BufRef{Buf::Send, begin * esz},
+                                BufRef{Buf::Recv, begin * esz}, (end - begin) * esz));
+    for (Lane* l : {&up, &down})
+      if (!l->steps.empty()) out->lanes.push_back(std::move(*l));
+  }
+}
+
+}  // namespace loom
