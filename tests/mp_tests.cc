@@ -1,6 +1,8 @@
 // Multi-process tests: real ranks started by loom-run, over shared memory
 // (the default on one host) and over tcp (forced with LOOM_TRANSPORTS=tcp).
 #include <catch2/catch.hpp>
+#include <ctime>
+#include <string>
 
 #include "tests/proc_util.h"
 
@@ -87,6 +89,17 @@ TEST_CASE("ranks that call different collectives fail with an error instead of h
   INFO("nranks " << n);
   CHECK(loomRun(std::string(kShm) + " LOOM_TIMEOUT_MS=20000", n, "mismatch", 60) == 0);
   CHECK(loomRun(std::string(kTcp) + " LOOM_TIMEOUT_MS=20000", n, "mismatch", 60) == 0);
+}
+
+TEST_CASE("soak: thousands of random operations on 3-5 ranks are all exact", "[mp][soak]") {
+  // A fixed seed per run of the suite would test one sequence forever; the
+  // seed is the time, printed by rank 0 so that a failure can be replayed:
+  //   loom-run -n N mp-worker soak SEED 3000 40
+  unsigned seed = unsigned(time(nullptr));
+  int n = GENERATE(3, 4, 5);
+  INFO("nranks " << n << ", replay with: loom-run -n " << n << " mp-worker soak " << seed << " 3000 40");
+  CHECK(loomRun(kShm, n, "soak " + std::to_string(seed) + " 3000 40") == 0);
+  CHECK(loomRun(kTcp, n, "soak " + std::to_string(seed + 1) + " 1000 20") == 0);
 }
 
 TEST_CASE("8 ranks on 2 cores finish a 16 MiB all-reduce promptly (no pathological spinning)", "[mp]") {

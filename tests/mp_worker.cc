@@ -10,9 +10,12 @@
 //   mp-worker mismatch     ranks calling different collectives get an error, no hang
 //   mp-worker split        loomCommSplit into even/odd ranks
 //   mp-worker crash R B    rank R dies (SIGKILL) during a B-byte all-reduce
+//   mp-worker soak SEED N SECONDS   N random operations (collective, size,
+//                          type, op, root, in-place, stream), all checked
 #include <signal.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -337,6 +340,43 @@ static void scenarioCrash(loomComm_t comm, int victim, size_t bytes) {
   expect(false, "the all-reduces kept succeeding although a rank died");
 }
 
+// Random operations, identical on every rank (same seed), each checked
+// exactly.  Sizes straddle the one-shot / staged / ring thresholds, half of
+// the operations go through a host stream and half are blocking calls.
+static void scenarioSoak(loomComm_t comm, uint64_t seed, int count, double seconds) {
+  uint64_t state = seed * 0x9e3779b97f4a7c15ull + 1;
+  auto next = [&](uint64_t n) {
+    state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+    return state % n;
+  };
+  static const size_t kSizes[] = {0, 1, 3, 17, 255, 1000, 4093, 16384, 65537, 300007, 1 << 20};
+  loomStream_t stream;
+  CHECK_LOOM(loomStreamCreate(&stream));
+  if (gRank == 0) printf("soak: seed %llu, %d operations, at most %.0f s\n", (unsigned long long)seed, count, seconds);
+  auto start = std::chrono::steady_clock::now();
+  int done = 0;
+  for (; done < count; ++done) {
+    Coll c = Coll(next(5));
+    loomDataType_t t = kTypes[next(10)];
+    loomRedOp_t op = kOps[next(5)];
+    size_t n = kSizes[next(sizeof kSizes / sizeof kSizes[0])];
+    if (c == RS || c == AG) n = n / size_t(gSize) + 1;
+    bool inPlace = next(2);
+    int root = int(next(uint64_t(gSize)));
+    bool onStream = next(2);
+    runChecked(comm, onStream ? stream : nullptr, c, t, op, n, inPlace, root);
+    // Every rank stops at the same operation: agree on whether time is up.
+    int64_t stop = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > seconds;
+    CHECK_LOOM(loomAllReduce(&stop, &stop, 1, loomInt64, loomMax, comm, nullptr));
+    if (stop) {
+      ++done;
+      break;
+    }
+  }
+  CHECK_LOOM(loomStreamDestroy(stream));
+  if (gRank == 0) printf("soak: %d operations checked, seed %llu\n", done, (unsigned long long)seed);
+}
+
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   if (argc < 2) {
@@ -355,6 +395,9 @@ int main(int argc, char** argv) {
   else if (sc == "badargs") scenarioBadArgs(comm);
   else if (sc == "mismatch") scenarioMismatch(comm);
   else if (sc == "split") scenarioSplit(comm);
+  else if (sc == "soak")
+    scenarioSoak(comm, argc > 2 ? strtoull(argv[2], nullptr, 10) : 1, argc > 3 ? atoi(argv[3]) : 1000,
+                 argc > 4 ? atof(argv[4]) : 60);
   else if (sc == "crash") scenarioCrash(comm, atoi(argv[2]), strtoull(argv[3], nullptr, 10));
   else {
     fprintf(stderr, "unknown scenario %s\n", sc.c_str());
