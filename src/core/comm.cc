@@ -126,9 +126,10 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
       local.push_back(r);
   bool wantShm = (transports_ & kShmBit) && !local.empty();
   ShmLayout layout{uint32_t(nranks), uint32_t(maxChannels_), slots_, slotBytes_, mailBytes_, stageBytes_};
+  auto wakeName = [&](int r) { return strf("loom/%016llx/%d", (unsigned long long)commTag_, r); };
   int32_t inboxFd = -1;
   if (wantShm) {
-    inbox_ = ShmInbox::create(layout);
+    inbox_ = ShmInbox::create(layout, wakeName(rank));
     inboxFd = inbox_->fd();
   }
   all = boot.allGather(&inboxFd, sizeof inboxFd);
@@ -138,7 +139,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
     memcpy(&fd, all.data() + size_t(r) * sizeof fd, sizeof fd);
     if (!wantShm || fd < 0) continue;
     std::string why;
-    peerInbox_[size_t(r)] = ShmInbox::map(peers_[size_t(r)].pid, fd, layout, &why);
+    peerInbox_[size_t(r)] = ShmInbox::map(peers_[size_t(r)].pid, fd, wakeName(r), layout, &why);
     if (!peerInbox_[size_t(r)]) {
       LOOM_WARN("SHM", "rank %d: no shared memory with rank %d (%s); using tcp", rank, r, why.c_str());
       continue;
@@ -443,10 +444,10 @@ Connection* loomComm::connection(int peer, int channel) {
   return it->second.get();
 }
 
-uint32_t loomComm::sleepBegin() {
+uint32_t loomComm::sleepBegin(bool withFds) {
   if (!inbox_) return 0;
   ShmInboxHeader* h = inbox_->header();
-  h->sleeping.store(1, std::memory_order_relaxed);
+  h->sleeping.store(withFds ? kSleepPoll : kSleepFutex, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_seq_cst);
   return h->bell.load(std::memory_order_relaxed);
 }
@@ -457,7 +458,9 @@ void loomComm::sleepWait(uint32_t token, std::vector<pollfd>& fds, bool doorbell
     return;
   }
   timespec ts{time_t(timeoutUs / 1000000), long(timeoutUs % 1000000) * 1000};
+  if (doorbell) fds.push_back(pollfd{inbox_->wakeFd(), POLLIN, 0});
   ppoll(fds.data(), fds.size(), &ts, nullptr);
+  if (doorbell) inbox_->drainWakeFd();
 }
 
 void loomComm::sleepEnd() {

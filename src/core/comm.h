@@ -85,7 +85,7 @@ struct loomComm : public loom::ExecEnv, public std::enable_shared_from_this<loom
   // ---- ExecEnv ----
   void prepare(const std::vector<std::pair<int, int>>& needed) override;
   loom::Connection* connection(int peer, int channel) override;
-  uint32_t sleepBegin() override;
+  uint32_t sleepBegin(bool withFds) override;
   void sleepWait(uint32_t token, std::vector<pollfd>& fds, bool doorbell, int64_t timeoutUs) override;
   void sleepEnd() override;
   void checkAborted() override;

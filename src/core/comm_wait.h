@@ -31,7 +31,7 @@ void loomComm::waitFor(Ready ready, int peer, const loom::SlotTag& tag, const ch
     if (backoff.waited() / 1000000 > timeoutMs_)
       loom::fail(loomTimeout, "rank %d: %s made no progress for %lld ms waiting for rank %d (%s)", rank_,
            loom::describeTag(tag).c_str(), (long long)timeoutMs_, peer, what);
-    uint32_t token = sleepBegin();
+    uint32_t token = sleepBegin(false);
     if (ready()) {
       sleepEnd();
       return;

@@ -115,17 +115,19 @@ class Runner {
         }
       }
       if (backoff.waited() / 1000000 > env_.timeoutMs()) timeout();
-      uint32_t token = env_.sleepBegin();
+      fds_.clear();
+      for (Connection* c : pollers_) c->addPollFds(fds_);
+      uint32_t token = env_.sleepBegin(!fds_.empty());
       if (pass()) {
         env_.sleepEnd();
         backoff.reset();
         continue;
       }
-      fds_.clear();
-      for (Connection* c : pollers_) c->addPollFds(fds_);
-      // A mixed op (doorbell + sockets) cannot block on both: poll briefly.
-      int64_t waitUs = doorbell_ && !fds_.empty() ? 200 : 5000;
-      env_.sleepWait(token, fds_, doorbell_, waitUs);
+      if (!pollers_.empty()) {  // pass() may have changed what the sockets wait for
+        fds_.clear();
+        for (Connection* c : pollers_) c->addPollFds(fds_);
+      }
+      env_.sleepWait(token, fds_, doorbell_, 5000);
       env_.sleepEnd();
     }
   }

@@ -32,9 +32,10 @@ class ExecEnv {
   // Makes sure the connections (peer, channel) exist; may block briefly.
   virtual void prepare(const std::vector<std::pair<int, int>>& needed) = 0;
   virtual Connection* connection(int peer, int channel) = 0;
-  // Sleeping: begin() publishes "I sleep" and returns a token; the executor
-  // then checks once more for work and either calls end() or wait(token...).
-  virtual uint32_t sleepBegin() = 0;
+  // Sleeping: begin() publishes "I sleep" (withFds: in poll() together with
+  // sockets) and returns a token; the executor then checks once more for
+  // work and either calls end() or wait(token...).
+  virtual uint32_t sleepBegin(bool withFds) = 0;
   virtual void sleepWait(uint32_t token, std::vector<pollfd>& fds, bool doorbell,
                          int64_t timeoutUs) = 0;
   virtual void sleepEnd() = 0;

@@ -7,7 +7,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstddef>
 #include <climits>
 #include <cstring>
 
@@ -20,11 +22,26 @@ namespace loom {
 
 static constexpr uint32_t kInboxMagic = 0x4c4d5348;  // "LMSH"
 
-std::unique_ptr<ShmInbox> ShmInbox::create(const ShmLayout& layout) {
+// Fills an abstract unix socket address (leading NUL: no file, gone with
+// the socket, scoped to the network namespace like a host).
+static socklen_t wakeAddress(const std::string& name, sockaddr_un* a) {
+  memset(a, 0, sizeof *a);
+  a->sun_family = AF_UNIX;
+  size_t n = std::min(name.size(), sizeof a->sun_path - 2);
+  memcpy(a->sun_path + 1, name.data(), n);
+  return socklen_t(offsetof(sockaddr_un, sun_path) + 1 + n);
+}
+
+std::unique_ptr<ShmInbox> ShmInbox::create(const ShmLayout& layout, const std::string& wakeName) {
   std::unique_ptr<ShmInbox> box(new ShmInbox());
   box->layout_ = layout;
   box->fd_ = int(syscall(SYS_memfd_create, "loom-inbox", unsigned(MFD_CLOEXEC)));
   if (box->fd_ < 0) failErrno("memfd_create");
+  box->wakeFd_ = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (box->wakeFd_ < 0) failErrno("socket(AF_UNIX)");
+  box->wakeLen_ = wakeAddress(wakeName, &box->wakeAddr_);
+  if (bind(box->wakeFd_, reinterpret_cast<sockaddr*>(&box->wakeAddr_), box->wakeLen_) != 0)
+    failErrno("bind(wake-up socket)");
   fchmod(box->fd_, 0600);
   if (ftruncate(box->fd_, off_t(layout.totalBytes())) != 0) failErrno("ftruncate(shm inbox)");
   void* p = mmap(nullptr, layout.totalBytes(), PROT_READ | PROT_WRITE, MAP_SHARED, box->fd_, 0);
@@ -54,7 +71,8 @@ std::unique_ptr<ShmInbox> ShmInbox::create(const ShmLayout& layout) {
   return box;
 }
 
-std::unique_ptr<ShmInbox> ShmInbox::map(int pid, int fd, const ShmLayout& layout, std::string* why) {
+std::unique_ptr<ShmInbox> ShmInbox::map(int pid, int fd, const std::string& wakeName, const ShmLayout& layout,
+                                        std::string* why) {
   char path[64];
   snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, fd);
   int myfd = open(path, O_RDWR | O_CLOEXEC);
@@ -70,6 +88,12 @@ std::unique_ptr<ShmInbox> ShmInbox::map(int pid, int fd, const ShmLayout& layout
   }
   std::unique_ptr<ShmInbox> box(new ShmInbox());
   box->fd_ = myfd;
+  box->wakeFd_ = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (box->wakeFd_ < 0) {
+    *why = strf("socket(AF_UNIX): %s", strerror(errno));
+    return nullptr;
+  }
+  box->wakeLen_ = wakeAddress(wakeName, &box->wakeAddr_);
   box->base_ = static_cast<uint8_t*>(p);
   box->layout_ = layout;
   const ShmInboxHeader* h = box->header();
@@ -83,6 +107,7 @@ std::unique_ptr<ShmInbox> ShmInbox::map(int pid, int fd, const ShmLayout& layout
 ShmInbox::~ShmInbox() {
   if (base_) munmap(base_, layout_.totalBytes());
   if (fd_ >= 0) close(fd_);
+  if (wakeFd_ >= 0) close(wakeFd_);
 }
 
 ShmRingCtl* ShmInbox::ring(int sender, int channel) const {
@@ -117,9 +142,21 @@ void ShmInbox::ring_bell() const {
   // Pairs with the fence in sleep(): either the sleeper sees our head/tail
   // update on its last check, or we see its sleeping flag here.
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (h->sleeping.load(std::memory_order_relaxed)) {
+  uint32_t how = h->sleeping.load(std::memory_order_relaxed);
+  if (how == kSleepFutex) {
     h->bell.fetch_add(1, std::memory_order_relaxed);
     futex(&h->bell, FUTEX_WAKE, INT_MAX, nullptr);
+  } else if (how == kSleepPoll) {
+    char byte = 1;
+    ssize_t w = sendto(wakeFd_, &byte, 1, MSG_DONTWAIT | MSG_NOSIGNAL,
+                       reinterpret_cast<const sockaddr*>(&wakeAddr_), wakeLen_);
+    (void)w;  // a full queue already wakes the sleeper
+  }
+}
+
+void ShmInbox::drainWakeFd() const {
+  char buf[64];
+  while (recv(wakeFd_, buf, sizeof buf, MSG_DONTWAIT) > 0) {
   }
 }
 

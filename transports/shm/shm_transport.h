@@ -11,6 +11,9 @@
 // work for it (posting data or returning a slot) rings the bell, but only when
 // the sleeper has said it sleeps, so the hot path makes no system call.
 #pragma once
+#include <sys/socket.h>
+#include <sys/un.h>
+
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -68,9 +71,14 @@ struct ShmInboxHeader {
   uint32_t magic;
   ShmLayout layout;
   alignas(64) std::atomic<uint32_t> bell;
+  // 0 awake; kSleepFutex: sleeps on `bell`; kSleepPoll: sleeps in poll() on
+  // its wake-up socket together with tcp sockets.
   std::atomic<uint32_t> sleeping;
   alignas(64) std::atomic<uint32_t> aborted;
 };
+
+constexpr uint32_t kSleepFutex = 1;
+constexpr uint32_t kSleepPoll = 2;
 
 struct ShmRingCtl {
   alignas(64) std::atomic<uint64_t> head;  // slots posted by the sender
@@ -79,14 +87,18 @@ struct ShmRingCtl {
 
 class ShmInbox {
  public:
-  // Creates this rank's inbox.
-  static std::unique_ptr<ShmInbox> create(const ShmLayout& layout);
-  // Maps the inbox of process `pid` (fd number `fd` there); returns nullptr
-  // and sets *why when that is impossible.
-  static std::unique_ptr<ShmInbox> map(int pid, int fd, const ShmLayout& layout, std::string* why);
+  // Creates this rank's inbox; `wakeName` names its wake-up socket (an
+  // abstract unix datagram address, unique per communicator and rank).
+  static std::unique_ptr<ShmInbox> create(const ShmLayout& layout, const std::string& wakeName);
+  // Maps the inbox of process `pid` (fd number `fd` there) whose wake-up
+  // socket is `wakeName`; returns nullptr and sets *why when impossible.
+  static std::unique_ptr<ShmInbox> map(int pid, int fd, const std::string& wakeName, const ShmLayout& layout,
+                                       std::string* why);
   ~ShmInbox();
 
   int fd() const { return fd_; }
+  // Owner side: the socket to poll() for wake-ups.
+  int wakeFd() const { return wakeFd_; }
   ShmInboxHeader* header() const { return reinterpret_cast<ShmInboxHeader*>(base_); }
   ShmRingCtl* ring(int sender, int channel) const;
   // Mailbox that `sender` fills in this inbox for operations of parity p.
@@ -118,10 +130,15 @@ class ShmInbox {
   void ring_bell() const;
   // Owner side: sleep until the bell moves past `seen` or timeoutUs passes.
   void sleep(uint32_t seen, int64_t timeoutUs) const;
+  // Owner side, after a poll() that included wakeFd(): empty it.
+  void drainWakeFd() const;
 
  private:
   ShmInbox() = default;
   int fd_ = -1;
+  int wakeFd_ = -1;      // owner: bound socket; peer: unbound socket to send from
+  sockaddr_un wakeAddr_{};
+  socklen_t wakeLen_ = 0;
   uint8_t* base_ = nullptr;
   ShmLayout layout_;
 };
