@@ -54,6 +54,12 @@ TEST_CASE("64 MiB float32 collectives are exact (shm and tcp)", "[mp][large]") {
   CHECK(loomRun(kTcp, n, "matrix 16777216 7 0") == 0);
 }
 
+TEST_CASE("ranks posing as 2 and 3 hosts mix shm within a host and tcp between hosts", "[mp][hosts]") {
+  CHECK(loomRun(kShm, 4, "matrix 0,1,7,1027,70001", 300, "--hosts 2") == 0);
+  CHECK(loomRun(kShm, 5, "matrix 0,7,70001 all 0,2", 300, "--hosts 3") == 0);
+  CHECK(loomRun(kShm, 5, "soak " + std::to_string(time(nullptr)) + " 300 20", 300, "--hosts 2") == 0);
+}
+
 TEST_CASE("mixed collectives on one and on two communicators at once", "[mp]") {
   int n = GENERATE(1, 2, 3, 4);
   INFO("nranks " << n);
