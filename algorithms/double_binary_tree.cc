@@ -24,10 +24,11 @@
 // collective needs both trees under its root, and all-reduce loses nothing
 // by sharing one (the root's link carries S/2 per tree, like any other).
 //
-// Tree t carries half t of the data, cut into chunks of plan.chunkBytes; a
-// tree's lanes use channel t, so the trees run concurrently.  All-reduce has
-// two lanes per tree and rank, which the executor runs concurrently because
-// they use opposite directions of every connection:
+// Tree t carries half t of the data (tree 0 the first count/2 elements),
+// cut into chunks of plan.chunkBytes; its lanes use channel t, so the trees
+// run concurrently (plan.channels is not used: the trees are the channels).
+// All-reduce has two lanes per tree and rank, which the executor runs
+// concurrently because they use opposite directions of every connection:
 //   up:   leaf: send(my chunk -> parent); one child c: recvReduceSend(c ->
 //         parent); two children: recvReduce(c1 -> recv chunk), then
 //         recvReduceSend(c2 -> parent) from it.  The root fuses the turn:
@@ -35,16 +36,19 @@
 //         reduced, finalized (avg) once and sent back down as it arrives.
 //   down: recvCopySend(parent -> c1, dst recv chunk), then send(-> c2);
 //         leaf: recv(parent -> recv chunk).
-// No deadlock with any slot count: down lanes depend only on their parents
-// and leaves always drain; up lanes only on their children and on the parent
-// consuming, which the root always does.  The recv chunk that holds a
-// partial sum is overwritten by the down lane only after the root has
-// consumed it, i.e. after its last slot went up.  Broadcast is the down
-// lane alone (the root sends from its send buffer).
+// One or two steps per chunk and lane.  No deadlock with any slot count:
+// down lanes wait only for their parents and leaves always drain; up lanes
+// wait only for their children and for the parent to consume, which the
+// root always does.  A partial sum kept in the recv buffer is overwritten
+// by the down lane slot by slot, each slot after it went up (its result
+// comes back through the root).  Broadcast is the down lane alone, the root
+// sending from its send buffer.
 //
-// Per rank, all-reduce of S bytes sends 2S (S/2 up in each tree, S down in
-// its interior tree) in about 2 log2 N + S/chunk chunk times; a broadcast
-// sends S from interior ranks, 0 from leaves.
+// Bytes sent per rank for S bytes: all-reduce 2S at most (S/2 up in each
+// tree, S/2 down to each child in the one tree where it has children; 2(N-1)S
+// in all, as the ring), broadcast S at most ((N-1)S in all).  The trees are
+// ceil(log2 N)+1 deep, so a chunk's round trip takes O(log N) steps where the
+// ring takes 2(N-1).
 //
 // Reduce has no tree form here: an interior rank must hold its partial sum
 // while it takes its second child, and loomReduce gives non-root ranks no

@@ -33,6 +33,8 @@ const char* algorithmName(Algorithm a) {
     case Algorithm::Ring: return "ring";
     case Algorithm::OneShot: return "oneshot";
     case Algorithm::Staged: return "staged";
+    case Algorithm::HalvingDoubling: return "rhd";
+    case Algorithm::Tree: return "tree";
   }
   return "?";
 }

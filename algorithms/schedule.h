@@ -76,7 +76,7 @@ struct Schedule {
 };
 
 // What the tuner decided for one operation.
-enum class Algorithm : uint8_t { Ring = 0, OneShot = 1, Staged = 2 };
+enum class Algorithm : uint8_t { Ring = 0, OneShot = 1, Staged = 2, HalvingDoubling = 3, Tree = 4 };
 const char* algorithmName(Algorithm a);
 
 struct Plan {

@@ -23,6 +23,15 @@ TEST_CASE("the ring over shm is exact too (LOOM_ALGO=ring bypasses the one-shot 
   CHECK(loomRun(std::string(kShm) + " LOOM_ALGO=ring", n, "matrix 0,1,7,1027,70001") == 0);
 }
 
+TEST_CASE("forced algorithms (tree and rhd) are exact over shm and tcp; others fall back to the ring", "[mp][algo]") {
+  const char* algo = GENERATE("tree", "rhd");
+  int n = GENERATE(2, 3, 5, 8);
+  INFO("LOOM_ALGO=" << algo << ", nranks " << n);
+  std::string env = std::string(" LOOM_ALGO=") + algo;
+  CHECK(loomRun(kShm + env, n, "matrix 0,1,7,1027,70001") == 0);
+  CHECK(loomRun(kTcp + env, n, "matrix 0,7,70001 all 0,2") == 0);
+}
+
 TEST_CASE("the staged all-reduce is exact across many chunks (small staging buffer)", "[mp][shm]") {
   int n = GENERATE(2, 3, 4, 7);
   INFO("nranks " << n);

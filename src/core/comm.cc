@@ -280,8 +280,12 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
         else p2pSchedule(op, int(i), &sched);
       } else {
         Plan plan = tuner_->choose(op, nranks_, limits_);
-        plan.algo = Algorithm::Ring;  // inside a group everything runs on the executor
-        ringSchedule(op, int(i), rank_, nranks_, plan, &sched);
+        if (plan.algo == Algorithm::HalvingDoubling)
+          halvingDoublingSchedule(op, int(i), rank_, nranks_, plan, &sched);
+        else if (plan.algo == Algorithm::Tree)
+          doubleBinaryTreeSchedule(op, int(i), rank_, nranks_, plan, &sched);
+        else  // the direct paths run alone; inside a group the ring serves
+          ringSchedule(op, int(i), rank_, nranks_, plan, &sched);
       }
     }
     if (selfSends.size() != selfRecvs.size())

@@ -97,7 +97,13 @@ class Runner {
       if (now - lastCheck > 20 * 1000000LL) {
         lastCheck = now;
         try {
-          for (Connection* c : conns_) c->checkPeer();
+          // Only the peers we are waiting on now: a peer that finished its
+          // part of the operation may already have exited.
+          for (const LaneState& l : lanes_) {
+            if (l.finished || l.cur >= l.lane->steps.size()) continue;
+            if (l.recvConn[l.cur]) l.recvConn[l.cur]->checkPeer();
+            if (l.sendConn[l.cur]) l.sendConn[l.cur]->checkPeer();
+          }
         } catch (const Error&) {
           // A peer that exited may have posted its last slots after our
           // last look: fail only if they do not let us move.

@@ -1,6 +1,7 @@
 #include "src/tuner/tuner.h"
 
 #include <algorithm>
+#include <atomic>
 
 #include "src/core/error.h"
 #include "src/core/log.h"
@@ -17,6 +18,14 @@ constexpr size_t kDefaultChunkBytes = 128 << 10;
 
 const char* kCollKeys[] = {"", "allreduce", "reducescatter", "allgather", "broadcast", "reduce", "p2p"};
 
+const char* whatItServes(const std::string& algo) {
+  if (algo == "oneshot") return "it needs every rank to share memory and blocks of at most LOOM_SHM_SMALL_BYTES";
+  if (algo == "staged") return "it serves all-reduce when every rank shares memory";
+  if (algo == "rhd") return "it serves all-reduce, reduce-scatter and all-gather";
+  if (algo == "tree") return "it serves all-reduce and broadcast";
+  return "unknown algorithm";
+}
+
 }  // namespace
 
 Tuner::Tuner(const Config& cfg) {
@@ -29,8 +38,8 @@ Tuner::Tuner(const Config& cfg) {
     std::string item = spec.substr(pos, end - pos);
     size_t colon = item.find(':');
     std::string algo = colon == std::string::npos ? item : item.substr(colon + 1);
-    if (algo != "ring" && algo != "oneshot" && algo != "staged")
-      LOOM_WARN("TUNE", "LOOM_ALGO: unknown algorithm '%s' (this build has ring, oneshot, staged); ignored",
+    if (algo != "ring" && algo != "oneshot" && algo != "staged" && algo != "rhd" && algo != "tree")
+      LOOM_WARN("TUNE", "LOOM_ALGO: unknown algorithm '%s' (this build has ring, oneshot, staged, rhd, tree); ignored",
                 algo.c_str());
     else if (colon == std::string::npos)
       global = algo;
@@ -58,13 +67,29 @@ Plan Tuner::choose(const OpDesc& op, int nranks, const TunerLimits& limits) cons
   bool oneShotOk = op.coll != Collective::P2P && nranks > 1 && limits.oneShotBytes > 0 &&
                    block <= limits.oneShotBytes;
   bool stagedOk = op.coll == Collective::AllReduce && nranks > 1 && limits.stageBytes > 0;
-  if (forced == "ring") plan.algo = Algorithm::Ring;
-  else if (forced == "oneshot" && oneShotOk) plan.algo = Algorithm::OneShot;
-  else if (forced == "staged" && stagedOk) plan.algo = Algorithm::Staged;
-  else if (!forced.empty() && forced != "ring" && !oneShotOk && !stagedOk) {
-    plan.algo = Algorithm::Ring;
-    LOOM_INFO("TUNE", "%s cannot serve %s of %zu B here; using ring", forced.c_str(), collectiveName(op.coll), block);
-  } else if (oneShotOk) plan.algo = Algorithm::OneShot;
+  bool rhdOk = op.coll == Collective::AllReduce || op.coll == Collective::ReduceScatter ||
+               op.coll == Collective::AllGather;
+  // A tree reduce needs scratch space for partial sums (recvbuf may be NULL
+  // off the root): not yet, so reduce stays on the ring's chain.
+  bool treeOk = op.coll == Collective::AllReduce || op.coll == Collective::Broadcast;
+  if (!forced.empty()) {
+    if (forced == "ring") plan.algo = Algorithm::Ring;
+    else if (forced == "oneshot" && oneShotOk) plan.algo = Algorithm::OneShot;
+    else if (forced == "staged" && stagedOk) plan.algo = Algorithm::Staged;
+    else if (forced == "rhd" && rhdOk) plan.algo = Algorithm::HalvingDoubling;
+    else if (forced == "tree" && treeOk) plan.algo = Algorithm::Tree;
+    else {
+      plan.algo = Algorithm::Ring;
+      // Once per collective and process: the reason, not a line per call.
+      static std::atomic<unsigned> warned{0};
+      unsigned bit = 1u << unsigned(op.coll);
+      if (!(warned.fetch_or(bit) & bit))
+        LOOM_WARN("TUNE", "LOOM_ALGO=%s cannot serve %s (%s); using ring", forced.c_str(),
+                  collectiveName(op.coll), whatItServes(forced));
+    }
+    return plan;
+  }
+  if (oneShotOk) plan.algo = Algorithm::OneShot;
   else if (stagedOk) plan.algo = Algorithm::Staged;
   else plan.algo = Algorithm::Ring;
   return plan;

@@ -1,0 +1,233 @@
+// Recursive halving-doubling (Thakur, Rabenseifner & Gropp, "Optimization of
+// Collective Communication Operations in MPICH", IJHPCA 2005).
+//
+// Core: M = 2^floor(log2 N) ranks, numbered v.  With x = N - M, the extra
+// ranks 2i (i < x) fold into their partner 2i+1, which becomes v = i; a rank
+// r >= 2x is v = r - x.
+//
+// All-reduce of S bytes: the extras send their vector to their partner,
+// which receive-reduces it.  The core cuts the data into M parts and reduces
+// them by recursive halving: for m = M/2, M/4, .., 1, v and v^m hold the same
+// range of 2m parts; each keeps the half that contains its own part, sends
+// the other half and receive-reduces the kept one.  After log2 M steps v
+// holds part v fully reduced, and recursive doubling gathers the parts back
+// (m = 1, 2, .., M/2: swap the aligned ranges of m parts).  A core rank sends
+// (M-1)/M x S each way, 2(N-1)/N x S in 2 log2 N steps for a power of two;
+// with extras, a partner also takes S in and sends S back at the end.
+// Partial sums live in the receive buffer.
+//
+// All-gather, block b at b*count: core rank v is responsible for its own
+// block and its extra's, blocks [first(v), first(v+1)), so an aligned range
+// of virtual ranks is a contiguous range of blocks.  Extras send their block
+// to the partner first and receive the N-1 others at the end; the core runs
+// recursive doubling over the ranges: (N-1) x count per rank for powers of 2.
+//
+// Reduce-scatter does not use recursive halving: after its first step a
+// rank holds N/2 partially reduced blocks, and a reduce-scatter may write
+// only its count-element output (the send buffer is the caller's input);
+// schedules have no scratch buffer.  It uses the paper's other reduce-scatter,
+// pairwise exchange: at step i = 1..N-1, rank r sends block r+i to r+i and
+// receive-reduces block r from r-i into its output.  (N-1) x count per rank,
+// any N, no folding; N-1 steps instead of log2 N, but the sends depend on no
+// receive, so they run ahead in their own lane, bounded by flow control only.
+//
+// Exchanges: a lane runs its steps in order, and a send larger than the slot
+// ring waits for the peer to receive, so in each exchange one side sends
+// first and the other receives first.  To keep both directions busy, the
+// data is split between two lanes (channels 2j and 2j+1) with opposite
+// orders; each lane runs the whole algorithm on its own elements, so no data
+// crosses lanes (lanes of one operation are not ordered).  Two lanes, four
+// when plan.channels >= 3.  Loops of chunkBytes x M (all-reduce) or
+// chunkBytes per block keep the working set of a step in cache.
+#include <algorithm>
+
+#include "algorithms/algorithms.h"
+#include "src/device/host_reduce.h"
+
+namespace loom {
+
+namespace {
+
+// Element range [begin, end) of part `i` when `total` is cut into `parts`.
+size_t partBegin(size_t total, int parts, int i) {
+  size_t base = total / size_t(parts), rem = total % size_t(parts);
+  return size_t(i) * base + std::min(size_t(i), rem);
+}
+
+struct Ctx {
+  int rank, nranks, core, extra;  // N, M = 2^floor(log2 N), x = N - M
+  size_t esz;
+  Lane* lane;
+  BufRef S(size_t elem) const { return BufRef{Buf::Send, elem * esz}; }
+  BufRef R(size_t elem) const { return BufRef{Buf::Recv, elem * esz}; }
+  int virt() const { return rank < 2 * extra ? (rank % 2 ? rank / 2 : -1) : rank - extra; }
+  int real(int v) const { return v < extra ? 2 * v + 1 : v + extra; }
+  int first(int v) const { return v < extra ? 2 * v : v + extra; }
+  bool folded() const { return rank < 2 * extra; }  // an extra, or a core rank with one
+
+  void add(StepKind k, int from, int to, BufRef src, BufRef dst, size_t elems, bool fin = false) {
+    if (elems == 0) return;  // both sides compute the same sizes and skip
+    Step s;
+    s.kind = k;
+    s.recvPeer = from;
+    s.sendPeer = to;
+    s.src = src;
+    s.dst = dst;
+    s.bytes = elems * esz;
+    s.finalize = fin;
+    lane->steps.push_back(s);
+  }
+  void send(int to, BufRef src, size_t elems) { add(StepKind::Send, -1, to, src, BufRef{}, elems); }
+  void recv(int from, BufRef dst, size_t elems) { add(StepKind::Recv, from, -1, BufRef{}, dst, elems); }
+};
+
+// One exchange with core rank p: `lowFirst` lanes let the lower virtual rank
+// send first, the others the higher one.
+template <class SendFn, class RecvFn>
+void exchange(const Ctx& c, bool lowFirst, int p, SendFn sendPart, RecvFn recvPart) {
+  if (lowFirst == (c.virt() < p)) {
+    sendPart();
+    recvPart();
+  } else {
+    recvPart();
+    sendPart();
+  }
+}
+
+void allReduceLane(Ctx& c, bool lowFirst, size_t begin, size_t end, size_t chunkElems) {
+  const int M = c.core, v = c.virt(), r = c.rank;
+  const size_t loopElems = chunkElems * size_t(M);
+  for (size_t ls = begin; ls < end; ls += loopElems) {
+    size_t ll = std::min(loopElems, end - ls);
+    if (v < 0) {  // extra: hand the vector over, get the result back
+      c.send(r + 1, c.S(ls), ll);
+      c.recv(r + 1, c.R(ls), ll);
+      continue;
+    }
+    auto at = [&](int part) { return ls + partBegin(ll, M, part); };
+    Buf in = Buf::Send;
+    if (c.folded()) {
+      c.add(StepKind::RecvReduce, r - 1, -1, c.S(ls), c.R(ls), ll);
+      in = Buf::Recv;
+    }
+    int lo = 0;  // v holds parts [lo, lo + 2m)
+    for (int m = M / 2; m >= 1; m /= 2) {
+      int p = v ^ m, keep = v & m ? lo + m : lo, give = v & m ? lo : lo + m;
+      exchange(
+          c, lowFirst, p,
+          [&] { c.send(c.real(p), BufRef{in, at(give) * c.esz}, at(give + m) - at(give)); },
+          [&] {
+            c.add(StepKind::RecvReduce, c.real(p), -1, BufRef{in, at(keep) * c.esz},
+                  c.R(at(keep)), at(keep + m) - at(keep), m == 1);
+          });
+      lo = keep;
+      in = Buf::Recv;
+    }
+    for (int m = 1; m < M; m *= 2) {
+      int p = v ^ m, mine = v & ~(m - 1), theirs = mine ^ m;
+      exchange(
+          c, lowFirst, p, [&] { c.send(c.real(p), c.R(at(mine)), at(mine + m) - at(mine)); },
+          [&] { c.recv(c.real(p), c.R(at(theirs)), at(theirs + m) - at(theirs)); });
+    }
+    if (c.folded()) c.send(r - 1, c.R(ls), ll);
+  }
+}
+
+// Columns [begin, end) of every block.
+void allGatherLane(Ctx& c, bool lowFirst, size_t count, bool inPlace, size_t begin, size_t end,
+                   size_t chunkElems) {
+  const int M = c.core, N = c.nranks, v = c.virt(), r = c.rank;
+  if (!inPlace) c.add(StepKind::Copy, -1, -1, c.S(begin), c.R(size_t(r) * count + begin), end - begin);
+  for (size_t o = begin; o < end; o += chunkElems) {
+    size_t w = std::min(chunkElems, end - o);
+    // Blocks [b0, b1) of these columns: one step when the lane has whole blocks.
+    auto blocks = [&](bool isSend, int peer, int b0, int b1) {
+      for (int b = b0; b < b1; b = w == count ? b1 : b + 1) {
+        size_t elems = (w == count ? size_t(b1 - b) : 1) * w;
+        if (isSend) c.send(peer, c.R(size_t(b) * count + o), elems);
+        else c.recv(peer, c.R(size_t(b) * count + o), elems);
+      }
+    };
+    if (v < 0) {
+      blocks(true, r + 1, r, r + 1);
+      blocks(false, r + 1, 0, r);
+      blocks(false, r + 1, r + 1, N);
+      continue;
+    }
+    if (c.folded()) blocks(false, r - 1, r - 1, r);
+    for (int m = 1; m < M; m *= 2) {
+      int p = v ^ m, mine = v & ~(m - 1), theirs = mine ^ m;
+      exchange(
+          c, lowFirst, p, [&] { blocks(true, c.real(p), c.first(mine), c.first(mine + m)); },
+          [&] { blocks(false, c.real(p), c.first(theirs), c.first(theirs + m)); });
+    }
+    if (c.folded()) {
+      blocks(true, r - 1, 0, r - 1);
+      blocks(true, r - 1, r, N);
+    }
+  }
+}
+
+// Pairwise exchange on columns [begin, end): sends in `c.lane`, receives in `recvLane`.
+void reduceScatterLanes(Ctx& c, Lane* recvLane, size_t count, size_t begin, size_t end,
+                        size_t chunkElems) {
+  const int N = c.nranks, r = c.rank;
+  Ctx rc = c;
+  rc.lane = recvLane;
+  for (size_t o = begin; o < end; o += chunkElems) {
+    size_t w = std::min(chunkElems, end - o);
+    for (int i = 1; i < N; ++i) c.send((r + i) % N, c.S(size_t((r + i) % N) * count + o), w);
+    for (int i = 1; i < N; ++i)
+      rc.add(StepKind::RecvReduce, (r - i + N) % N, -1, i == 1 ? c.S(size_t(r) * count + o) : c.R(o),
+             c.R(o), w, i == N - 1);
+  }
+}
+
+}  // namespace
+
+void halvingDoublingSchedule(const OpDesc& op, int opIndex, int rank, int nranks, const Plan& plan,
+                             Schedule* out) {
+  int core = 1;
+  while (core * 2 <= nranks) core *= 2;
+  Ctx c{rank, nranks, core, nranks - core, dtypeSize(op.dtype), nullptr};
+  const char* send = static_cast<const char*>(op.sendbuf);
+  const char* recv = static_cast<const char*>(op.recvbuf);
+  const size_t blockBytes = op.count * c.esz;
+  const size_t chunkElems = std::max<size_t>(1, plan.chunkBytes / c.esz);
+  bool inPlace = op.coll == Collective::AllGather       ? send == recv + size_t(rank) * blockBytes
+                 : op.coll == Collective::ReduceScatter ? recv == send + size_t(rank) * blockBytes
+                                                        : send == recv;
+  if (op.coll != Collective::AllReduce && op.coll != Collective::AllGather &&
+      op.coll != Collective::ReduceScatter) {
+    ringSchedule(op, opIndex, rank, nranks, plan, out);  // no halving-doubling form
+    return;
+  }
+  std::vector<Lane> lanes;
+  if (nranks == 1) {
+    lanes.push_back(Lane{opIndex, 0, {}});
+    c.lane = &lanes[0];
+    if (!inPlace) c.add(StepKind::Copy, -1, -1, c.S(0), c.R(0), op.count);
+  } else if (op.coll == Collective::ReduceScatter) {
+    int channels = std::min(std::max(plan.channels, 1), 4);
+    lanes.resize(size_t(2 * channels));
+    for (int ch = 0; ch < channels; ++ch) {
+      size_t b = partBegin(op.count, channels, ch), e = partBegin(op.count, channels, ch + 1);
+      lanes[size_t(2 * ch)] = lanes[size_t(2 * ch + 1)] = Lane{opIndex, ch, {}};
+      c.lane = &lanes[size_t(2 * ch)];
+      reduceScatterLanes(c, &lanes[size_t(2 * ch + 1)], op.count, b, e, chunkElems);
+    }
+  } else {
+    int n = plan.channels >= 3 ? 4 : 2;
+    for (int l = 0; l < n; ++l) lanes.push_back(Lane{opIndex, l, {}});
+    for (int l = 0; l < n; ++l) {
+      size_t b = partBegin(op.count, n, l), e = partBegin(op.count, n, l + 1);
+      c.lane = &lanes[size_t(l)];
+      if (op.coll == Collective::AllReduce) allReduceLane(c, l % 2 == 0, b, e, chunkElems);
+      else allGatherLane(c, l % 2 == 0, op.count, inPlace, b, e, chunkElems);
+    }
+  }
+  for (Lane& l : lanes)
+    if (!l.steps.empty()) out->lanes.push_back(std::move(l));
+}
+
+}  // namespace loom
