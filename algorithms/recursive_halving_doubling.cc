@@ -115,10 +115,12 @@ void allReduceLane(Ctx& c, bool lowFirst, size_t begin, size_t end, size_t chunk
       int p = v ^ m, keep = v & m ? lo + m : lo, give = v & m ? lo : lo + m;
       exchange(
           c, lowFirst, p,
-          [&] { c.send(c.real(p), BufRef{in, at(give) * c.esz}, at(give + m) - at(give)); },
           [&] {
-            c.add(StepKind::RecvReduce, c.real(p), -1, BufRef{in, at(keep) * c.esz},
-                  c.R(at(keep)), at(keep + m) - at(keep), m == 1);
+            c.send(c.real(p), BufRef{in, at(give) * c.esz}, at(give + m) - at(give));
+          },
+          [&] {
+            c.add(StepKind::RecvReduce, c.real(p), -1, BufRef{in, at(keep) * c.esz}, c.R(at(keep)),
+                  at(keep + m) - at(keep), m == 1);
           });
       lo = keep;
       in = Buf::Recv;
@@ -144,8 +146,10 @@ void allGatherLane(Ctx& c, bool lowFirst, size_t count, bool inPlace, size_t beg
     auto blocks = [&](bool isSend, int peer, int b0, int b1) {
       for (int b = b0; b < b1; b = w == count ? b1 : b + 1) {
         size_t elems = (w == count ? size_t(b1 - b) : 1) * w;
-        if (isSend) c.send(peer, c.R(size_t(b) * count + o), elems);
-        else c.recv(peer, c.R(size_t(b) * count + o), elems);
+        if (isSend)
+          c.send(peer, c.R(size_t(b) * count + o), elems);
+        else
+          c.recv(peer, c.R(size_t(b) * count + o), elems);
       }
     };
     if (v < 0) {
@@ -169,8 +173,7 @@ void allGatherLane(Ctx& c, bool lowFirst, size_t count, bool inPlace, size_t beg
 }
 
 // Pairwise exchange on columns [begin, end): sends in `c.lane`, receives in `recvLane`.
-void reduceScatterLanes(Ctx& c, Lane* recvLane, size_t count, size_t begin, size_t end,
-                        size_t chunkElems) {
+void reduceScatterLanes(Ctx& c, Lane* recvLane, size_t count, size_t begin, size_t end, size_t chunkElems) {
   const int N = c.nranks, r = c.rank;
   Ctx rc = c;
   rc.lane = recvLane;
@@ -178,8 +181,8 @@ void reduceScatterLanes(Ctx& c, Lane* recvLane, size_t count, size_t begin, size
     size_t w = std::min(chunkElems, end - o);
     for (int i = 1; i < N; ++i) c.send((r + i) % N, c.S(size_t((r + i) % N) * count + o), w);
     for (int i = 1; i < N; ++i)
-      rc.add(StepKind::RecvReduce, (r - i + N) % N, -1, i == 1 ? c.S(size_t(r) * count + o) : c.R(o),
-             c.R(o), w, i == N - 1);
+      rc.add(StepKind::RecvReduce, (r - i + N) % N, -1, i == 1 ? c.S(size_t(r) * count + o) : c.R(o), c.R(o),
+             w, i == N - 1);
   }
 }
 
@@ -222,8 +225,10 @@ void halvingDoublingSchedule(const OpDesc& op, int opIndex, int rank, int nranks
     for (int l = 0; l < n; ++l) {
       size_t b = partBegin(op.count, n, l), e = partBegin(op.count, n, l + 1);
       c.lane = &lanes[size_t(l)];
-      if (op.coll == Collective::AllReduce) allReduceLane(c, l % 2 == 0, b, e, chunkElems);
-      else allGatherLane(c, l % 2 == 0, op.count, inPlace, b, e, chunkElems);
+      if (op.coll == Collective::AllReduce)
+        allReduceLane(c, l % 2 == 0, b, e, chunkElems);
+      else
+        allGatherLane(c, l % 2 == 0, op.count, inPlace, b, e, chunkElems);
     }
   }
   for (Lane& l : lanes)

@@ -32,6 +32,13 @@ TEST_CASE("forced algorithms (tree and rhd) are exact over shm and tcp; others f
   CHECK(loomRun(kTcp + env, n, "matrix 0,7,70001 all 0,2") == 0);
 }
 
+TEST_CASE("a chunk larger than a connection's slot ring does not deadlock the ring", "[mp][shm]") {
+  // LOOM_CHUNK_SIZE >= LOOM_SLOTS x LOOM_SLOT_BYTES used to fill every ring at
+  // once (each rank's first step of a loop only sends); the tuner caps it.
+  CHECK(loomRun(std::string(kShm) + " LOOM_ALGO=ring LOOM_SLOTS=2 LOOM_SLOT_BYTES=4096 LOOM_CHUNK_SIZE=1M "
+                "LOOM_TIMEOUT_MS=20000", 3, "matrix 70001,262149 7,2 0,2", 60) == 0);
+}
+
 TEST_CASE("the staged all-reduce is exact across many chunks (small staging buffer)", "[mp][shm]") {
   int n = GENERATE(2, 3, 4, 7);
   INFO("nranks " << n);

@@ -57,16 +57,15 @@
 //     (one group: same nranks; the plan and SimOptions of the first case apply)
 //     Allocates guarded buffers (NCCL's in-place layouts: all-gather send =
 //     recv + rank*count, reduce-scatter recv = send + rank*count), fills
-//     inputs with tests/mp_common.h's patterns (reductions; exact in every
-//     type for small N — see below) or per-rank byte hashes (all-gather,
-//     broadcast), runs, and compares exactly: outputs, untouched inputs
+//     inputs with tests/mp_common.h's patterns (reductions) or per-rank
+//     byte hashes (all-gather, broadcast), runs, and compares exactly:
+//     outputs, untouched inputs
 //     (out of place), untouched non-root output (reduce), untouched guards,
 //     bytesSent == bytesPosted.  CollOutcome::ok(), describe(), wrong,
 //     sim (the SimResult).  std::string caseName(const CollCase&).
-//     Exactness limits of the mp_common patterns: sum/avg stay exact for
-//     N <= 64 in every type except int8 avg (loom divides the wrapped int8
-//     sum; the reference divides the true sum: keep N <= 8 there); prod
-//     and max/min are exact for any N <= 64.
+//     The mp_common patterns keep every type x op exact for N <= 64 (sums
+//     stay within +-192, products are +-powers of two that wrap or overflow
+//     to inf the same way in any order; all 50 checked at N = 43 and 64).
 //
 //   std::string validateSchedule(sched, ops, rank, nranks)   // "" or what is wrong
 //   std::string matchSchedules(execOps, schedules, slotBytes)  // "" or first mismatch
@@ -78,7 +77,7 @@
 // connections fill and nobody can receive: a deadlock the executor reports
 // as loomTimeout after timeoutMs.  Keep ceil(plan.chunkBytes / slotBytes) <
 // slots for cyclic schedules (the default Plan's 128 KiB chunks need
-// slotBytes >= 32 KiB with 8 slots, or smaller chunks).  See the hidden test
+// slotBytes > 16 KiB with 8 slots, or smaller chunks).  See the hidden test
 // "[.sim-capacity]" in tests/unit_simulator.cc.
 //
 // Example (in a unit_*.cc):

@@ -161,6 +161,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
   limits_.maxChannels = maxChannels_;
   limits_.oneShotBytes = allShm_ ? mailBytes_ : 0;
   limits_.stageBytes = allShm_ ? stageBytes_ : 0;
+  limits_.maxChunkBytes = size_t(slots_ - 1) * slotBytes_;
   LOOM_INFO("INIT", "rank %d of %d ready: host %s, %zu local peers, slots %u x %u B", rank, nranks,
             mine.hostId, local.size(), slots_, slotBytes_);
 }

@@ -62,6 +62,7 @@ Plan Tuner::choose(const OpDesc& op, int nranks, const TunerLimits& limits) cons
   Plan plan;
   plan.channels = std::max(1, std::min(channels_ > 0 ? channels_ : 1, limits.maxChannels));
   plan.chunkBytes = chunkBytes_;
+  if (limits.maxChunkBytes && plan.chunkBytes > limits.maxChunkBytes) plan.chunkBytes = limits.maxChunkBytes;
   const std::string& forced = forced_[int(op.coll) < 7 ? int(op.coll) : 0];
   size_t block = op.count * dtypeSize(op.dtype);
   bool oneShotOk = op.coll != Collective::P2P && nranks > 1 && limits.oneShotBytes > 0 &&

@@ -24,6 +24,9 @@ struct TunerLimits {
   int maxChannels = 1;
   size_t oneShotBytes = 0;  // 0: the one-shot path is unavailable
   size_t stageBytes = 0;    // 0: the staged path is unavailable
+  // A ring chunk that fills a connection's whole slot ring deadlocks: every
+  // rank's first step of a loop is a pure send.  Chunks stay below this.
+  size_t maxChunkBytes = 0; // 0: no cap
 };
 
 class Tuner {
