@@ -104,17 +104,6 @@ TreeNode treeNode(int t, int rank, int root, int n) {
   return node;
 }
 
-Step step(StepKind k, int from, int to, BufRef src, BufRef dst, size_t bytes, bool fin = false) {
-  Step s;
-  s.kind = k;
-  s.recvPeer = from;
-  s.sendPeer = to;
-  s.src = src;
-  s.dst = dst;
-  s.bytes = bytes;
-  s.finalize = fin;
-  return s;
-}
 
 }  // namespace
 
@@ -142,30 +131,30 @@ void doubleBinaryTreeSchedule(const OpDesc& op, int opIndex, int rank, int nrank
       const BufRef S{Buf::Send, o * esz}, R{Buf::Recv, o * esz};
       if (p < 0) {
         if (allReduce)
-          up.steps.push_back(step(StepKind::RecvReduceSend, c1, c1, S, R, bytes, true));
+          up.steps.push_back(makeStep(StepKind::RecvReduceSend, c1, c1, S, R, bytes, true));
         else
-          down.steps.push_back(step(StepKind::Send, -1, c1, S, none, bytes));
+          down.steps.push_back(makeStep(StepKind::Send, -1, c1, S, none, bytes));
         continue;
       }
       if (allReduce) {
         if (c2 >= 0) {
-          up.steps.push_back(step(StepKind::RecvReduce, c1, -1, S, R, bytes));
-          up.steps.push_back(step(StepKind::RecvReduceSend, c2, p, R, none, bytes));
+          up.steps.push_back(makeStep(StepKind::RecvReduce, c1, -1, S, R, bytes));
+          up.steps.push_back(makeStep(StepKind::RecvReduceSend, c2, p, R, none, bytes));
         } else if (c1 >= 0) {
-          up.steps.push_back(step(StepKind::RecvReduceSend, c1, p, S, none, bytes));
+          up.steps.push_back(makeStep(StepKind::RecvReduceSend, c1, p, S, none, bytes));
         } else {
-          up.steps.push_back(step(StepKind::Send, -1, p, S, none, bytes));
+          up.steps.push_back(makeStep(StepKind::Send, -1, p, S, none, bytes));
         }
       }
       if (c1 < 0) {
-        down.steps.push_back(step(StepKind::Recv, p, -1, none, R, bytes));
+        down.steps.push_back(makeStep(StepKind::Recv, p, -1, none, R, bytes));
         continue;
       }
-      down.steps.push_back(step(StepKind::RecvCopySend, p, c1, none, R, bytes));
-      if (c2 >= 0) down.steps.push_back(step(StepKind::Send, -1, c2, R, none, bytes));
+      down.steps.push_back(makeStep(StepKind::RecvCopySend, p, c1, none, R, bytes));
+      if (c2 >= 0) down.steps.push_back(makeStep(StepKind::Send, -1, c2, R, none, bytes));
     }
     if (p < 0 && !allReduce && op.sendbuf != op.recvbuf)
-      down.steps.push_back(step(StepKind::Copy, -1, -1, BufRef{Buf::Send, begin * esz},
+      down.steps.push_back(makeStep(StepKind::Copy, -1, -1, BufRef{Buf::Send, begin * esz},
                                 BufRef{Buf::Recv, begin * esz}, (end - begin) * esz));
     for (Lane* l : {&up, &down})
       if (!l->steps.empty()) out->lanes.push_back(std::move(*l));

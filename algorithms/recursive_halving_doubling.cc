@@ -49,10 +49,6 @@ namespace loom {
 namespace {
 
 // Element range [begin, end) of part `i` when `total` is cut into `parts`.
-size_t partBegin(size_t total, int parts, int i) {
-  size_t base = total / size_t(parts), rem = total % size_t(parts);
-  return size_t(i) * base + std::min(size_t(i), rem);
-}
 
 struct Ctx {
   int rank, nranks, core, extra;  // N, M = 2^floor(log2 N), x = N - M
@@ -67,15 +63,7 @@ struct Ctx {
 
   void add(StepKind k, int from, int to, BufRef src, BufRef dst, size_t elems, bool fin = false) {
     if (elems == 0) return;  // both sides compute the same sizes and skip
-    Step s;
-    s.kind = k;
-    s.recvPeer = from;
-    s.sendPeer = to;
-    s.src = src;
-    s.dst = dst;
-    s.bytes = elems * esz;
-    s.finalize = fin;
-    lane->steps.push_back(s);
+    lane->steps.push_back(makeStep(k, from, to, src, dst, elems * esz, fin));
   }
   void send(int to, BufRef src, size_t elems) { add(StepKind::Send, -1, to, src, BufRef{}, elems); }
   void recv(int from, BufRef dst, size_t elems) { add(StepKind::Recv, from, -1, BufRef{}, dst, elems); }

@@ -25,11 +25,6 @@ namespace {
 
 int mod(int x, int n) { return ((x % n) + n) % n; }
 
-// Element range [begin, end) of part `i` when `total` is cut into `parts`.
-size_t partBegin(size_t total, int parts, int i) {
-  size_t base = total / size_t(parts), rem = total % size_t(parts);
-  return size_t(i) * base + std::min(size_t(i), rem);
-}
 
 struct Ctx {
   int rank, nranks, next, prev;
@@ -38,17 +33,6 @@ struct Ctx {
   BufRef R(size_t elem) const { return BufRef{Buf::Recv, elem * esz}; }
 };
 
-Step step(StepKind k, int from, int to, BufRef src, BufRef dst, size_t bytes, bool fin = false) {
-  Step s;
-  s.kind = k;
-  s.recvPeer = from;
-  s.sendPeer = to;
-  s.src = src;
-  s.dst = dst;
-  s.bytes = bytes;
-  s.finalize = fin;
-  return s;
-}
 
 void allReduceLane(const Ctx& c, size_t begin, size_t end, size_t chunkElems, Lane* lane) {
   const int N = c.nranks, r = c.rank;
@@ -61,17 +45,17 @@ void allReduceLane(const Ctx& c, size_t begin, size_t end, size_t chunkElems, La
       return (partBegin(ll, N, m + 1) - partBegin(ll, N, m)) * c.esz;
     };
     BufRef none;
-    lane->steps.push_back(step(StepKind::Send, -1, c.next, c.S(blk(r - 1)), none, len(r - 1)));
+    lane->steps.push_back(makeStep(StepKind::Send, -1, c.next, c.S(blk(r - 1)), none, len(r - 1)));
     for (int j = 2; j <= N - 1; ++j)
       lane->steps.push_back(
-          step(StepKind::RecvReduceSend, c.prev, c.next, c.S(blk(r - j)), none, len(r - j)));
+          makeStep(StepKind::RecvReduceSend, c.prev, c.next, c.S(blk(r - j)), none, len(r - j)));
     lane->steps.push_back(
-        step(StepKind::RecvReduceSend, c.prev, c.next, c.S(blk(r)), c.R(blk(r)), len(r), true));
+        makeStep(StepKind::RecvReduceSend, c.prev, c.next, c.S(blk(r)), c.R(blk(r)), len(r), true));
     for (int j = 1; j <= N - 2; ++j)
       lane->steps.push_back(
-          step(StepKind::RecvCopySend, c.prev, c.next, none, c.R(blk(r - j)), len(r - j)));
+          makeStep(StepKind::RecvCopySend, c.prev, c.next, none, c.R(blk(r - j)), len(r - j)));
     lane->steps.push_back(
-        step(StepKind::Recv, c.prev, -1, none, c.R(blk(r - (N - 1))), len(r - (N - 1))));
+        makeStep(StepKind::Recv, c.prev, -1, none, c.R(blk(r - (N - 1))), len(r - (N - 1))));
   }
 }
 
@@ -82,11 +66,11 @@ void reduceScatterLane(const Ctx& c, size_t rc, size_t begin, size_t end, size_t
   for (size_t o = begin; o < end; o += chunkElems) {
     size_t k = std::min(chunkElems, end - o), bytes = k * c.esz;
     auto at = [&](int b) { return size_t(mod(b, N)) * rc + o; };
-    lane->steps.push_back(step(StepKind::Send, -1, c.next, c.S(at(r - 1)), none, bytes));
+    lane->steps.push_back(makeStep(StepKind::Send, -1, c.next, c.S(at(r - 1)), none, bytes));
     for (int j = 2; j <= N - 1; ++j)
       lane->steps.push_back(
-          step(StepKind::RecvReduceSend, c.prev, c.next, c.S(at(r - j)), none, bytes));
-    lane->steps.push_back(step(StepKind::RecvReduce, c.prev, -1, c.S(at(r)), c.R(o), bytes, true));
+          makeStep(StepKind::RecvReduceSend, c.prev, c.next, c.S(at(r - j)), none, bytes));
+    lane->steps.push_back(makeStep(StepKind::RecvReduce, c.prev, -1, c.S(at(r)), c.R(o), bytes, true));
   }
 }
 
@@ -95,15 +79,15 @@ void allGatherLane(const Ctx& c, size_t sc, bool inPlace, size_t begin, size_t e
   const int N = c.nranks, r = c.rank;
   BufRef none;
   if (!inPlace && end > begin)
-    lane->steps.push_back(step(StepKind::Copy, -1, -1, c.S(begin), c.R(size_t(r) * sc + begin),
+    lane->steps.push_back(makeStep(StepKind::Copy, -1, -1, c.S(begin), c.R(size_t(r) * sc + begin),
                                (end - begin) * c.esz));
   for (size_t o = begin; o < end; o += chunkElems) {
     size_t k = std::min(chunkElems, end - o), bytes = k * c.esz;
     auto at = [&](int b) { return size_t(mod(b, N)) * sc + o; };
-    lane->steps.push_back(step(StepKind::Send, -1, c.next, c.S(o), none, bytes));
+    lane->steps.push_back(makeStep(StepKind::Send, -1, c.next, c.S(o), none, bytes));
     for (int j = 1; j <= N - 2; ++j)
-      lane->steps.push_back(step(StepKind::RecvCopySend, c.prev, c.next, none, c.R(at(r - j)), bytes));
-    lane->steps.push_back(step(StepKind::Recv, c.prev, -1, none, c.R(at(r - (N - 1))), bytes));
+      lane->steps.push_back(makeStep(StepKind::RecvCopySend, c.prev, c.next, none, c.R(at(r - j)), bytes));
+    lane->steps.push_back(makeStep(StepKind::Recv, c.prev, -1, none, c.R(at(r - (N - 1))), bytes));
   }
 }
 
@@ -149,7 +133,7 @@ void ringSchedule(const OpDesc& op, int opIndex, int rank, int nranks, const Pla
                      : op.coll == Collective::ReduceScatter ? inPlaceRS
                                                             : sameBuf;
       if (!inPlace && !(op.coll == Collective::Reduce && !op.recvbuf))
-        lane.steps.push_back(step(StepKind::Copy, -1, -1, c.S(b), c.R(b), (e - b) * c.esz));
+        lane.steps.push_back(makeStep(StepKind::Copy, -1, -1, c.S(b), c.R(b), (e - b) * c.esz));
     } else {
       switch (op.coll) {
         case Collective::AllReduce:
@@ -165,12 +149,12 @@ void ringSchedule(const OpDesc& op, int opIndex, int rank, int nranks, const Pla
           int p = mod(rank - op.root, N);
           size_t bytes = (e - b) * c.esz;
           if (p == 0) {
-            lane.steps.push_back(step(StepKind::Send, -1, c.next, c.S(b), none, bytes));
-            if (!sameBuf) lane.steps.push_back(step(StepKind::Copy, -1, -1, c.S(b), c.R(b), bytes));
+            lane.steps.push_back(makeStep(StepKind::Send, -1, c.next, c.S(b), none, bytes));
+            if (!sameBuf) lane.steps.push_back(makeStep(StepKind::Copy, -1, -1, c.S(b), c.R(b), bytes));
           } else if (p < N - 1) {
-            lane.steps.push_back(step(StepKind::RecvCopySend, c.prev, c.next, none, c.R(b), bytes));
+            lane.steps.push_back(makeStep(StepKind::RecvCopySend, c.prev, c.next, none, c.R(b), bytes));
           } else {
-            lane.steps.push_back(step(StepKind::Recv, c.prev, -1, none, c.R(b), bytes));
+            lane.steps.push_back(makeStep(StepKind::Recv, c.prev, -1, none, c.R(b), bytes));
           }
           break;
         }
@@ -178,11 +162,11 @@ void ringSchedule(const OpDesc& op, int opIndex, int rank, int nranks, const Pla
           int p = mod(rank - op.root - 1, N);
           size_t bytes = (e - b) * c.esz;
           if (p == 0)
-            lane.steps.push_back(step(StepKind::Send, -1, c.next, c.S(b), none, bytes));
+            lane.steps.push_back(makeStep(StepKind::Send, -1, c.next, c.S(b), none, bytes));
           else if (p < N - 1)
-            lane.steps.push_back(step(StepKind::RecvReduceSend, c.prev, c.next, c.S(b), none, bytes));
+            lane.steps.push_back(makeStep(StepKind::RecvReduceSend, c.prev, c.next, c.S(b), none, bytes));
           else
-            lane.steps.push_back(step(StepKind::RecvReduce, c.prev, -1, c.S(b), c.R(b), bytes, true));
+            lane.steps.push_back(makeStep(StepKind::RecvReduce, c.prev, -1, c.S(b), c.R(b), bytes, true));
           break;
         }
         case Collective::P2P:
@@ -200,9 +184,9 @@ void p2pSchedule(const OpDesc& op, int opIndex, Schedule* out) {
   size_t bytes = op.count * dtypeSize(op.dtype);
   if (bytes == 0) return;
   if (op.isSend)
-    lane.steps.push_back(step(StepKind::Send, -1, op.peer, BufRef{Buf::Send, 0}, BufRef{}, bytes));
+    lane.steps.push_back(makeStep(StepKind::Send, -1, op.peer, BufRef{Buf::Send, 0}, BufRef{}, bytes));
   else
-    lane.steps.push_back(step(StepKind::Recv, op.peer, -1, BufRef{}, BufRef{Buf::Recv, 0}, bytes));
+    lane.steps.push_back(makeStep(StepKind::Recv, op.peer, -1, BufRef{}, BufRef{Buf::Recv, 0}, bytes));
   out->lanes.push_back(std::move(lane));
 }
 

@@ -39,6 +39,23 @@ const char* algorithmName(Algorithm a) {
   return "?";
 }
 
+Step makeStep(StepKind kind, int recvPeer, int sendPeer, BufRef src, BufRef dst, size_t bytes, bool finalize) {
+  Step s;
+  s.kind = kind;
+  s.recvPeer = recvPeer;
+  s.sendPeer = sendPeer;
+  s.src = src;
+  s.dst = dst;
+  s.bytes = bytes;
+  s.finalize = finalize;
+  return s;
+}
+
+size_t partBegin(size_t total, int parts, int i) {
+  size_t base = total / size_t(parts), rem = total % size_t(parts);
+  return size_t(i) * base + (size_t(i) < rem ? size_t(i) : rem);
+}
+
 static std::string ref(const BufRef& r) {
   if (r.buf == Buf::None) return "-";
   return strf("%s+%zu", r.buf == Buf::Send ? "send" : "recv", r.offset);

@@ -65,6 +65,14 @@ struct Step {
   bool finalize = false;  // apply the op's last step (avg: divide) to the result
 };
 
+// A step in one expression (the algorithms build hundreds of them).
+Step makeStep(StepKind kind, int recvPeer, int sendPeer, BufRef src, BufRef dst, size_t bytes,
+              bool finalize = false);
+
+// First element of part i when `total` elements are cut into `parts` parts
+// as evenly as possible (the first total % parts parts get one more).
+size_t partBegin(size_t total, int parts, int i);
+
 struct Lane {
   int op = 0;  // which operation of the run (groups run several)
   int channel = 0;

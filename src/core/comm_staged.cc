@@ -27,15 +27,6 @@
 
 using namespace loom;
 
-namespace {
-
-size_t partBegin(size_t total, int parts, int i) {
-  size_t base = total / size_t(parts), rem = total % size_t(parts);
-  return size_t(i) * base + std::min(size_t(i), rem);
-}
-
-}  // namespace
-
 void loomComm::runStaged(const OpDesc& op, const SlotTag& tag) {
   const int N = nranks_, me = rank_;
   const size_t esz = dtypeSize(op.dtype);
