@@ -24,6 +24,10 @@ enum class Collective : uint8_t {
   P2P = 6,  // a loomSend or loomRecv (matched per pair)
 };
 const char* collectiveName(Collective c);
+// All-reduce, reduce-scatter and reduce combine data with an op.
+inline bool reduces(Collective c) {
+  return c == Collective::AllReduce || c == Collective::ReduceScatter || c == Collective::Reduce;
+}
 
 // One call as the user made it.
 struct OpDesc {

@@ -567,22 +567,11 @@ class SimWorld {
   friend class detail::SimRankEnv;
 
   loom::SlotTag tagFor(const loom::OpDesc& op, int rank, uint64_t* collSeq) {
-    using loom::Collective;
-    loom::SlotTag t{};
-    t.coll = uint8_t(op.coll);
-    t.count = op.count;
-    t.dtype = uint8_t(op.dtype);
-    bool reduces = op.coll == Collective::AllReduce || op.coll == Collective::ReduceScatter ||
-                   op.coll == Collective::Reduce;
-    t.op = reduces ? uint8_t(op.op) : 0;
-    t.root = (op.coll == Collective::Broadcast || op.coll == Collective::Reduce) ? op.root : 0;
-    if (op.coll == Collective::P2P) {
+    if (op.coll == loom::Collective::P2P) {
       size_t p = size_t(std::max(0, std::min(n_ - 1, op.peer)));
-      t.seq = op.isSend ? sendSeq_[size_t(rank)][p]++ : recvSeq_[size_t(rank)][p]++;
-    } else {
-      t.seq = (*collSeq)++;
+      return loom::operationTag(op, op.isSend ? sendSeq_[size_t(rank)][p]++ : recvSeq_[size_t(rank)][p]++);
     }
-    return t;
+    return loom::operationTag(op, (*collSeq)++);
   }
 
   detail::SimRing* ring(int from, int to, int channel) {

@@ -25,9 +25,6 @@ const loomRedOp_t kOps[] = {loomSum, loomProd, loomMax, loomMin, loomAvg};
 const Collective kColls[] = {Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather,
                              Collective::Broadcast, Collective::Reduce};
 
-bool reduces(Collective c) {
-  return c == Collective::AllReduce || c == Collective::ReduceScatter || c == Collective::Reduce;
-}
 bool rooted(Collective c) { return c == Collective::Broadcast || c == Collective::Reduce; }
 
 const loomsim::AlgorithmFn kRing = loom::ringSchedule;

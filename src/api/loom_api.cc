@@ -118,9 +118,7 @@ void checkRank(const char* what, int r, int nranks) {
 void validate(loomComm* comm, const OpDesc& op) {
   checkComm(comm);
   checkType(op.dtype);
-  bool reduces = op.coll == Collective::AllReduce || op.coll == Collective::ReduceScatter ||
-                 op.coll == Collective::Reduce;
-  if (reduces) checkOp(op.op);
+  if (reduces(op.coll)) checkOp(op.op);
   int n = comm->nranks(), me = comm->rank();
   size_t factor = (op.coll == Collective::AllGather || op.coll == Collective::ReduceScatter) ? size_t(n) : 1;
   size_t big = checkedBytes(op.count, op.dtype, factor);

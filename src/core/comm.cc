@@ -200,17 +200,9 @@ void loomComm::waitIdle() {
 }
 
 SlotTag loomComm::tagFor(const OpDesc& op) {
-  SlotTag t{};
-  t.coll = uint8_t(op.coll);
-  t.count = op.count;
-  t.dtype = uint8_t(op.dtype);
-  bool reduces = op.coll == Collective::AllReduce || op.coll == Collective::ReduceScatter ||
-                 op.coll == Collective::Reduce;
-  t.op = reduces ? uint8_t(op.op) : 0;
-  t.root = (op.coll == Collective::Broadcast || op.coll == Collective::Reduce) ? op.root : 0;
-  if (op.coll == Collective::P2P) t.seq = op.isSend ? sendSeq_[size_t(op.peer)]++ : recvSeq_[size_t(op.peer)]++;
-  else t.seq = collSeq_++;
-  return t;
+  if (op.coll == Collective::P2P)
+    return operationTag(op, op.isSend ? sendSeq_[size_t(op.peer)]++ : recvSeq_[size_t(op.peer)]++);
+  return operationTag(op, collSeq_++);
 }
 
 uint64_t loomComm::issueOne(const OpDesc& op, SlotTag* tag) {
@@ -219,26 +211,23 @@ uint64_t loomComm::issueOne(const OpDesc& op, SlotTag* tag) {
   return takeTicket();
 }
 
-bool loomComm::direct(const OpDesc& op) const {
-  Algorithm a = tuner_->choose(op, nranks_, limits_).algo;
-  return a == Algorithm::OneShot || a == Algorithm::Staged;
-}
+Algorithm loomComm::choose(const OpDesc& op) const { return tuner_->choose(op, nranks_, limits_).algo; }
 
-void loomComm::runSingle(const OpDesc& op, const SlotTag& tag) {
-  Algorithm a = tuner_->choose(op, nranks_, limits_).algo;
-  if (a == Algorithm::OneShot) runOneShot(op, tag);
+void loomComm::runDirect(Algorithm algo, const OpDesc& op, const SlotTag& tag) {
+  if (algo == Algorithm::OneShot) runOneShot(op, tag);
   else runStaged(op, tag);
 }
 
 loomResult_t loomComm::runOne(const OpDesc& op, const SlotTag& tag) {
-  if (!direct(op)) return runOps({op}, {tag});
+  Algorithm algo = choose(op);
+  if (!isDirect(algo)) return runOps({op}, {tag});
   loomResult_t prior = asyncError();
   if (prior != loomSuccess) {
     setLastError(strf("rank %d: the communicator failed earlier: %s", rank_, lastError().c_str()));
     return prior;
   }
   try {
-    runSingle(op, tag);
+    runDirect(algo, op, tag);
     return loomSuccess;
   } catch (const Error& e) {
     setFailed(e.code(), e.what());
@@ -262,8 +251,8 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
     std::vector<ExecOp> eops;
     Schedule sched;
     std::vector<size_t> selfSends, selfRecvs;
-    if (ops.size() == 1 && direct(ops[0])) {
-      runSingle(ops[0], tags[0]);
+    if (ops.size() == 1 && isDirect(choose(ops[0]))) {
+      runDirect(choose(ops[0]), ops[0], tags[0]);
       return loomSuccess;
     }
     for (size_t i = 0; i < ops.size(); ++i) {

@@ -61,8 +61,10 @@ struct loomComm : public loom::ExecEnv, public std::enable_shared_from_this<loom
 
   // The same for one operation without allocating (the latency path).
   uint64_t issueOne(const loom::OpDesc& op, loom::SlotTag* tag);
-  // True if op takes a shared-memory direct path (one-shot or staged).
-  bool direct(const loom::OpDesc& op) const;
+  // The tuner's algorithm for op run on its own.
+  loom::Algorithm choose(const loom::OpDesc& op) const;
+  // The shared-memory direct paths run without the executor.
+  static bool isDirect(loom::Algorithm a) { return a == loom::Algorithm::OneShot || a == loom::Algorithm::Staged; }
   // Runs one operation inside its turn.
   loomResult_t runOne(const loom::OpDesc& op, const loom::SlotTag& tag);
 
@@ -103,8 +105,7 @@ struct loomComm : public loom::ExecEnv, public std::enable_shared_from_this<loom
   void runOneShot(const loom::OpDesc& op, const loom::SlotTag& tag);
   // Chunked reduce-scatter + all-gather through staging buffers (comm_staged.cc).
   void runStaged(const loom::OpDesc& op, const loom::SlotTag& tag);
-  // Runs op on the path the tuner picks for it alone.
-  void runSingle(const loom::OpDesc& op, const loom::SlotTag& tag);
+  void runDirect(loom::Algorithm algo, const loom::OpDesc& op, const loom::SlotTag& tag);
   template <class Ready>
   void waitFor(Ready ready, int peer, const loom::SlotTag& tag, const char* what);
   // Throws if peer visibly runs another operation than `tag` on the other path.

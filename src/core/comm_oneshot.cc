@@ -23,9 +23,7 @@ void loomComm::crossPathCheck(int peer, const SlotTag& tag) {
   // A slot the peer posted for this sequence number means it runs this
   // operation on the executor (ring) path while we wait on a direct path.
   auto check = [&](const SlotTag& t) {
-    if (t.coll != uint8_t(Collective::P2P) && t.seq == tag.seq)
-      fail(loomInvalidUsage, "rank %d: mismatched operations: rank %d called %s while rank %d called %s",
-           rank_, peer, describeTag(t).c_str(), rank_, describeTag(tag).c_str());
+    if (t.coll != uint8_t(Collective::P2P) && t.seq == tag.seq) failMismatch(rank_, peer, t, tag);
   };
   SlotTag t;
   if (shmPeer_[size_t(peer)]) {
@@ -58,10 +56,7 @@ void loomComm::checkStalled(const SlotTag& mine, int peer) {
     memcpy(&t, &h->tag, sizeof t);
     other = h->input.load(std::memory_order_acquire) != 0 && t.seq == mine.seq;
   }
-  if (other) {
-    fail(loomInvalidUsage, "rank %d: mismatched operations: rank %d called %s while rank %d called %s",
-         rank_, peer, describeTag(t).c_str(), rank_, describeTag(mine).c_str());
-  }
+  if (other) failMismatch(rank_, peer, t, mine);
 }
 
 void loomComm::runOneShot(const OpDesc& op, const SlotTag& tag) {
@@ -98,10 +93,7 @@ void loomComm::runOneShot(const OpDesc& op, const SlotTag& tag) {
     waitFor([&] { return mb->seq.load(std::memory_order_acquire) == stamp; }, q, tag, "its data");
     SlotTag t;
     memcpy(&t, &mb->tag, sizeof t);
-    if (t.bytes != block || (checkMode_ && (t.seq != tag.seq || t.coll != tag.coll || t.count != tag.count ||
-                                            t.dtype != tag.dtype || t.op != tag.op || t.root != tag.root)))
-      fail(loomInvalidUsage, "rank %d: mismatched operations: rank %d called %s while rank %d called %s", me, q,
-           describeTag(t).c_str(), me, describeTag(tag).c_str());
+    if (t.bytes != block || (checkMode_ && !sameOperation(t, tag))) failMismatch(me, q, t, tag);
     return inbox_->mailData(q, parity);
   };
   auto ack = [&](int q) {

@@ -82,10 +82,7 @@ void loomComm::runStaged(const OpDesc& op, const SlotTag& tag) {
       waitFor([&] { return h->input.load(std::memory_order_acquire) == k; }, q, tag, "its staged input");
       SlotTag t;
       memcpy(&t, &h->tag, sizeof t);
-      if (checkMode_ && (t.seq != tag.seq || t.coll != tag.coll || t.count != tag.count || t.dtype != tag.dtype ||
-                         t.op != tag.op))
-        fail(loomInvalidUsage, "rank %d: mismatched operations: rank %d called %s while rank %d called %s", me, q,
-             describeTag(t).c_str(), me, describeTag(tag).c_str());
+      if (checkMode_ && !sameOperation(t, tag)) failMismatch(me, q, t, tag);
       reduceHost(acc, i == 1 ? own : acc, box(q)->stage(parity) + pb * esz, pn, op.dtype, op.op);
     }
     if (op.op == loomAvg) divideHost(acc, acc, pn, op.dtype, N);

@@ -15,10 +15,30 @@ std::string describeTag(const SlotTag& t) {
   Collective c = Collective(t.coll);
   std::string s = strf("%s #%llu (count %llu, %s", collectiveName(c), (unsigned long long)t.seq,
                        (unsigned long long)t.count, dtypeName(loomDataType_t(t.dtype)));
-  if (c == Collective::AllReduce || c == Collective::ReduceScatter || c == Collective::Reduce)
-    s += strf(", %s", redOpName(loomRedOp_t(t.op)));
+  if (reduces(c)) s += strf(", %s", redOpName(loomRedOp_t(t.op)));
   if (c == Collective::Broadcast || c == Collective::Reduce) s += strf(", root %d", t.root);
   return s + ")";
+}
+
+SlotTag operationTag(const OpDesc& op, uint64_t seq) {
+  SlotTag t{};
+  t.seq = seq;
+  t.coll = uint8_t(op.coll);
+  t.count = op.count;
+  t.dtype = uint8_t(op.dtype);
+  t.op = reduces(op.coll) ? uint8_t(op.op) : 0;
+  t.root = (op.coll == Collective::Broadcast || op.coll == Collective::Reduce) ? op.root : 0;
+  return t;
+}
+
+bool sameOperation(const SlotTag& got, const SlotTag& want) {
+  return got.seq == want.seq && got.count == want.count && got.coll == want.coll && got.dtype == want.dtype &&
+         got.op == want.op && got.root == want.root;
+}
+
+void failMismatch(int me, int peer, const SlotTag& got, const SlotTag& want) {
+  fail(loomInvalidUsage, "rank %d: mismatched operations: rank %d called %s while rank %d called %s", me, peer,
+       describeTag(got).c_str(), me, describeTag(want).c_str());
 }
 
 namespace {
@@ -180,16 +200,12 @@ class Runner {
            "rank %d: rank %d sent %u bytes for %s where %zu were expected (do the ranks use "
            "different LOOM_SLOT_BYTES, algorithms or buffers?)",
            env_.rank(), peer, got.bytes, describeTag(want).c_str(), expectBytes);
-    fail(loomInvalidUsage, "rank %d: mismatched operations: rank %d called %s while rank %d called %s",
-         env_.rank(), peer, describeTag(got).c_str(), env_.rank(), describeTag(want).c_str());
+    failMismatch(env_.rank(), peer, got, want);
   }
 
   bool tagOk(const LaneState& l, const SlotTag& got, size_t expectBytes) {
     if (got.bytes != expectBytes) return false;
-    if (!env_.checkMode()) return true;
-    const SlotTag& w = l.op->tag;
-    return got.seq == w.seq && got.count == w.count && got.coll == w.coll &&
-           got.dtype == w.dtype && got.op == w.op && got.root == w.root;
+    return !env_.checkMode() || sameOperation(got, l.op->tag);
   }
 
   void finalize(const LaneState& l, const Step& s, void* data, size_t bytes) {

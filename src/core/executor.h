@@ -58,4 +58,13 @@ uint64_t execute(ExecEnv& env, const std::vector<ExecOp>& ops, const Schedule& s
 // "AllReduce #3 (count 10, float32, sum)" for messages.
 std::string describeTag(const SlotTag& t);
 
+// The tag an operation's slots carry: its signature and sequence number.
+SlotTag operationTag(const OpDesc& op, uint64_t seq);
+
+// True if `got` belongs to the same operation as `want` (bytes aside).
+bool sameOperation(const SlotTag& got, const SlotTag& want);
+
+// loomInvalidUsage naming both calls: rank `peer` ran `got`, `me` runs `want`.
+[[noreturn]] void failMismatch(int me, int peer, const SlotTag& got, const SlotTag& want);
+
 }  // namespace loom

@@ -14,7 +14,7 @@ class ShmConnection : public Connection {
  public:
   ShmConnection(ShmInbox* mine, ShmInbox* peers, int me, int peer, int channel, int peerPid,
                 int peerPidfd)
-      : mine_(mine), peers_(peers), peer_(peer), peerPid_(peerPid), peerPidfd_(peerPidfd) {
+      : peers_(peers), peer_(peer), peerPid_(peerPid), peerPidfd_(peerPidfd) {
     out_ = peers->ring(me, channel);
     in_ = mine->ring(peer, channel);
     outSlot0_ = peers->slot(me, channel, 0);
@@ -78,7 +78,6 @@ class ShmConnection : public Connection {
   }
 
  private:
-  ShmInbox* mine_;
   ShmInbox* peers_;
   int peer_;
   int peerPid_;
