@@ -19,6 +19,13 @@ void halvingDoublingSchedule(const OpDesc& op, int opIndex, int rank, int nranks
 void doubleBinaryTreeSchedule(const OpDesc& op, int opIndex, int rank, int nranks, const Plan& plan,
                               Schedule* out);
 
+// Hierarchical all-reduce / reduce-scatter / all-gather over ranks grouped
+// by host (algorithms/hierarchical.cc).  hostOf[r] is any id naming rank r's
+// host, the same on every rank; plan.inner is the inter-host all-reduce's
+// flat algorithm.  Other collectives go to the ring.
+void hierarchicalSchedule(const OpDesc& op, int opIndex, int rank, const std::vector<int>& hostOf,
+                          const Plan& plan, Schedule* out);
+
 // A single loomSend or loomRecv.
 void p2pSchedule(const OpDesc& op, int opIndex, Schedule* out);
 

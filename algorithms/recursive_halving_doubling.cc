@@ -195,7 +195,7 @@ void halvingDoublingSchedule(const OpDesc& op, int opIndex, int rank, int nranks
   }
   std::vector<Lane> lanes;
   if (nranks == 1) {
-    lanes.push_back(Lane{opIndex, 0, {}});
+    lanes.push_back(Lane{opIndex, 0, {}, {}});
     c.lane = &lanes[0];
     if (!inPlace) c.add(StepKind::Copy, -1, -1, c.S(0), c.R(0), op.count);
   } else if (op.coll == Collective::ReduceScatter) {
@@ -203,13 +203,13 @@ void halvingDoublingSchedule(const OpDesc& op, int opIndex, int rank, int nranks
     lanes.resize(size_t(2 * channels));
     for (int ch = 0; ch < channels; ++ch) {
       size_t b = partBegin(op.count, channels, ch), e = partBegin(op.count, channels, ch + 1);
-      lanes[size_t(2 * ch)] = lanes[size_t(2 * ch + 1)] = Lane{opIndex, ch, {}};
+      lanes[size_t(2 * ch)] = lanes[size_t(2 * ch + 1)] = Lane{opIndex, ch, {}, {}};
       c.lane = &lanes[size_t(2 * ch)];
       reduceScatterLanes(c, &lanes[size_t(2 * ch + 1)], op.count, b, e, chunkElems);
     }
   } else {
     int n = plan.channels >= 3 ? 4 : 2;
-    for (int l = 0; l < n; ++l) lanes.push_back(Lane{opIndex, l, {}});
+    for (int l = 0; l < n; ++l) lanes.push_back(Lane{opIndex, l, {}, {}});
     for (int l = 0; l < n; ++l) {
       size_t b = partBegin(op.count, n, l), e = partBegin(op.count, n, l + 1);
       c.lane = &lanes[size_t(l)];

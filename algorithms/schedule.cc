@@ -35,6 +35,7 @@ const char* algorithmName(Algorithm a) {
     case Algorithm::Staged: return "staged";
     case Algorithm::HalvingDoubling: return "rhd";
     case Algorithm::Tree: return "tree";
+    case Algorithm::Hierarchical: return "hier";
   }
   return "?";
 }
@@ -58,14 +59,17 @@ size_t partBegin(size_t total, int parts, int i) {
 
 static std::string ref(const BufRef& r) {
   if (r.buf == Buf::None) return "-";
-  return strf("%s+%zu", r.buf == Buf::Send ? "send" : "recv", r.offset);
+  const char* name = r.buf == Buf::Send ? "send" : r.buf == Buf::Recv ? "recv" : "scratch";
+  return strf("%s+%zu", name, r.offset);
 }
 
 std::string describe(const Schedule& s) {
   std::string out;
   for (size_t l = 0; l < s.lanes.size(); ++l) {
     const Lane& lane = s.lanes[l];
-    out += strf("lane %zu (op %d, channel %d):\n", l, lane.op, lane.channel);
+    out += strf("lane %zu (op %d, channel %d", l, lane.op, lane.channel);
+    for (size_t i = 0; i < lane.after.size(); ++i) out += strf("%s%d", i ? ", " : ", after ", lane.after[i]);
+    out += "):\n";
     for (const Step& st : lane.steps)
       out += strf("  %-14s from %2d to %2d src %-12s dst %-12s %zu B%s\n", stepKindName(st.kind),
                   st.recvPeer, st.sendPeer, ref(st.src).c_str(), ref(st.dst).c_str(), st.bytes,

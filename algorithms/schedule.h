@@ -52,7 +52,9 @@ enum class StepKind : uint8_t {
 };
 const char* stepKindName(StepKind k);
 
-enum class Buf : uint8_t { None, Send, Recv };
+// Scratch is space the executor provides for the operation (Schedule::scratch
+// bytes of it), for partial results that have no place in the user's buffers.
+enum class Buf : uint8_t { None, Send, Recv, Scratch };
 
 struct BufRef {
   Buf buf = Buf::None;
@@ -81,20 +83,39 @@ struct Lane {
   int op = 0;  // which operation of the run (groups run several)
   int channel = 0;
   std::vector<Step> steps;
+  // Lanes (indices into Schedule::lanes, all earlier) that must finish
+  // before this one starts: phases of a composed algorithm.
+  std::vector<int> after;
 };
 
 struct Schedule {
   std::vector<Lane> lanes;
+  // Scratch bytes per operation index (missing or 0: none).
+  std::vector<size_t> scratch;
+  void needScratch(int op, size_t bytes) {
+    if (scratch.size() <= size_t(op)) scratch.resize(size_t(op) + 1, 0);
+    if (bytes > scratch[size_t(op)]) scratch[size_t(op)] = bytes;
+  }
+  size_t scratchOf(int op) const { return size_t(op) < scratch.size() ? scratch[size_t(op)] : 0; }
 };
 
 // What the tuner decided for one operation.
-enum class Algorithm : uint8_t { Ring = 0, OneShot = 1, Staged = 2, HalvingDoubling = 3, Tree = 4 };
+enum class Algorithm : uint8_t {
+  Ring = 0,
+  OneShot = 1,
+  Staged = 2,
+  HalvingDoubling = 3,
+  Tree = 4,
+  Hierarchical = 5,
+};
 const char* algorithmName(Algorithm a);
 
 struct Plan {
   Algorithm algo = Algorithm::Ring;
   int channels = 1;
   size_t chunkBytes = 128 << 10;
+  // Hierarchical: the flat algorithm of the inter-host all-reduce.
+  Algorithm inner = Algorithm::Ring;
 };
 
 // Human-readable dump of a schedule (for loom-topo and test failures).

@@ -76,6 +76,19 @@ TEST_CASE("ranks posing as 2 and 3 hosts mix shm within a host and tcp between h
   CHECK(loomRun(kShm, 5, "soak " + std::to_string(time(nullptr)) + " 300 20", 300, "--hosts 2") == 0);
 }
 
+TEST_CASE("hierarchical collectives are exact over 1, 2 and 3 posing hosts, even and uneven", "[mp][hosts][algo]") {
+  // --hosts K cuts the ranks into K near-equal contiguous blocks: 4/2 = 2+2,
+  // 5/2 = 3+2, 4/3 = 2+1+1, 7/3 = 3+2+2.
+  const char* algo = GENERATE("hier", "hier-rhd", "hier-tree");
+  std::string env = std::string(" LOOM_ALGO=") + algo;
+  INFO("LOOM_ALGO=" << algo);
+  CHECK(loomRun(kShm + env, 4, "matrix 0,1,7,1027,70001", 300, "--hosts 2") == 0);
+  CHECK(loomRun(kShm + env, 5, "matrix 0,7,70001 all 0,2", 300, "--hosts 2") == 0);
+  CHECK(loomRun(kShm + env, 4, "matrix 0,1,7,1027,70001", 300, "--hosts 3") == 0);
+  CHECK(loomRun(kTcp + env, 7, "matrix 0,7,70001 7,2 0,4", 300, "--hosts 3") == 0);
+  CHECK(loomRun(kShm + env, 3, "matrix 0,7,70001 7,2 0,4") == 0);
+}
+
 TEST_CASE("mixed collectives on one and on two communicators at once", "[mp]") {
   int n = GENERATE(1, 2, 3, 4);
   INFO("nranks " << n);

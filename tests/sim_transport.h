@@ -285,6 +285,8 @@ inline std::string validateSchedule(const loom::Schedule& s, const std::vector<l
     if (l.op < 0 || size_t(l.op) >= ops.size())
       return strf("rank %d lane %zu: op index %d out of range (%zu ops)", rank, li, l.op, ops.size());
     if (l.channel < 0) return strf("rank %d lane %zu: channel %d", rank, li, l.channel);
+    for (int a : l.after)
+      if (a < 0 || size_t(a) >= li) return strf("rank %d lane %zu: waits for lane %d, which does not precede it", rank, li, a);
     const loom::OpDesc& op = ops[size_t(l.op)];
     size_t esz = loom::dtypeSize(op.dtype);
     size_t sb = loom::sendBytes(op, nranks), rb = loom::recvBytes(op, nranks);
@@ -321,16 +323,20 @@ inline std::string validateSchedule(const loom::Schedule& s, const std::vector<l
       for (int k = 0; k < 2; ++k) {
         const loom::BufRef& r = *refs[k];
         if (r.buf == Buf::None) continue;
-        size_t limit = r.buf == Buf::Send ? sb : rb;
-        const void* base = r.buf == Buf::Send ? op.sendbuf : op.recvbuf;
+        size_t limit = r.buf == Buf::Send ? sb : r.buf == Buf::Recv ? rb : s.scratchOf(l.op);
+        // Scratch has no address yet: the schedule's own address stands in
+        // (only compared with other scratch references).
+        const void* base = r.buf == Buf::Send ? op.sendbuf : r.buf == Buf::Recv ? op.recvbuf : static_cast<const void*>(&s);
         if (r.offset % esz) return where() + strf(": %s offset %zu not element-aligned", k ? "dst" : "src", r.offset);
         if (r.offset > limit || st.bytes > limit - r.offset)
           return where() + strf(": %s [%zu, %zu) outside its %s buffer of %zu bytes", k ? "dst" : "src",
-                                r.offset, r.offset + st.bytes, r.buf == Buf::Send ? "send" : "recv", limit);
+                                r.offset, r.offset + st.bytes,
+                                r.buf == Buf::Send ? "send" : r.buf == Buf::Recv ? "recv" : "scratch", limit);
         if (st.bytes && !base) return where() + strf(": %s buffer is null", k ? "dst" : "src");
         addr[k] = static_cast<const uint8_t*>(base) + r.offset;
       }
-      if (st.kind == StepKind::RecvReduce && st.bytes && addr[0] != addr[1] &&
+      bool comparable = (st.src.buf == Buf::Scratch) == (st.dst.buf == Buf::Scratch);
+      if (st.kind == StepKind::RecvReduce && st.bytes && comparable && addr[0] != addr[1] &&
           addr[0] < addr[1] + st.bytes && addr[1] < addr[0] + st.bytes)
         return where() + ": reduction source and destination overlap partially";
     }

@@ -116,6 +116,15 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
   tuner_ = std::make_unique<Tuner>(cfg);
   lastMail_.assign(size_t(nranks), {0, 0});
 
+  // Host numbers (in order of each host's first rank) for hierarchical plans.
+  hostOf_.assign(size_t(nranks), 0);
+  for (int r = 0, hosts = 0; r < nranks; ++r) {
+    int h = r;
+    for (int q = 0; q < r && h == r; ++q)
+      if (strncmp(peers_[size_t(q)].hostId, peers_[size_t(r)].hostId, sizeof mine.hostId) == 0) h = q;
+    hostOf_[size_t(r)] = h == r ? hosts++ : hostOf_[size_t(h)];
+  }
+
   // Shared memory with the ranks that share this host.
   shmPeer_.assign(size_t(nranks), false);
   peerInbox_.resize(size_t(nranks));
@@ -274,6 +283,8 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
           halvingDoublingSchedule(op, int(i), rank_, nranks_, plan, &sched);
         else if (plan.algo == Algorithm::Tree)
           doubleBinaryTreeSchedule(op, int(i), rank_, nranks_, plan, &sched);
+        else if (plan.algo == Algorithm::Hierarchical)
+          hierarchicalSchedule(op, int(i), rank_, hostOf_, plan, &sched);
         else  // the direct paths run alone; inside a group the ring serves
           ringSchedule(op, int(i), rank_, nranks_, plan, &sched);
       }

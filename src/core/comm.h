@@ -129,6 +129,7 @@ struct loomComm : public loom::ExecEnv, public std::enable_shared_from_this<loom
   std::vector<std::array<uint64_t, 2>> lastMail_;  // per peer: seq+1 last written per parity
   std::vector<loom::RankInfo> peers_;
   std::vector<bool> shmPeer_;
+  std::vector<int> hostOf_;  // host number of each rank (same hostId, same number)
   int listenFd_ = -1;
   std::unique_ptr<loom::ShmInbox> inbox_;
   std::vector<std::unique_ptr<loom::ShmInbox>> peerInbox_;

@@ -41,6 +41,19 @@ void failMismatch(int me, int peer, const SlotTag& got, const SlotTag& want) {
        describeTag(got).c_str(), me, describeTag(want).c_str());
 }
 
+void ExecEnv::FreeDeleter::operator()(uint8_t* p) const { free(p); }
+
+uint8_t* ExecEnv::scratch(size_t bytes) {
+  if (bytes > scratchBytes_) {
+    size_t size = (bytes + 4095) & ~size_t(4095);
+    void* p = aligned_alloc(4096, size);
+    if (!p) fail(loomSystemError, "rank %d: cannot allocate %zu bytes of scratch space", rank(), size);
+    scratch_.reset(static_cast<uint8_t*>(p));
+    scratchBytes_ = size;
+  }
+  return scratch_.get();
+}
+
 namespace {
 
 struct LaneState {
@@ -94,6 +107,12 @@ class Runner {
     for (auto& kv : users)
       for (size_t i = 1; i < kv.second.size(); ++i)
         lanes_[kv.second[i]].blockers.push_back(kv.second[i - 1]);
+    for (size_t i = 0; i < sched.lanes.size(); ++i)
+      for (int a : sched.lanes[i].after) {
+        if (a < 0 || size_t(a) >= i)
+          fail(loomInternalError, "rank %d: lane %zu waits for lane %d, which does not precede it", env.rank(), i, a);
+        lanes_[i].blockers.push_back(size_t(a));
+      }
     for (Connection* c : conns_) {
       if (c->usesDoorbell()) doorbell_ = true;
       else pollers_.push_back(c);
@@ -188,6 +207,7 @@ class Runner {
   uint8_t* ptr(const LaneState& l, const BufRef& r) {
     if (r.buf == Buf::Send) return const_cast<uint8_t*>(l.op->send) + r.offset;
     if (r.buf == Buf::Recv) return l.op->recv + r.offset;
+    if (r.buf == Buf::Scratch) return l.op->scratch + r.offset;
     return nullptr;
   }
 
@@ -311,7 +331,19 @@ class Runner {
 
 uint64_t execute(ExecEnv& env, const std::vector<ExecOp>& ops, const Schedule& sched) {
   if (sched.lanes.empty()) return 0;
-  Runner runner(env, ops, sched);
+  size_t total = 0;
+  for (size_t i = 0; i < ops.size(); ++i) total += (sched.scratchOf(int(i)) + 63) & ~size_t(63);
+  if (total == 0) {
+    Runner runner(env, ops, sched);
+    return runner.run();
+  }
+  std::vector<ExecOp> withScratch(ops);
+  uint8_t* base = env.scratch(total);
+  for (size_t i = 0; i < ops.size(); ++i) {
+    withScratch[i].scratch = base;
+    base += (sched.scratchOf(int(i)) + 63) & ~size_t(63);
+  }
+  Runner runner(env, withScratch, sched);
   return runner.run();
 }
 

@@ -5,6 +5,7 @@
 #include <poll.h>
 
 #include <atomic>
+#include <memory>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -22,6 +23,7 @@ struct ExecOp {
   loomDataType_t dtype = loomFloat32;
   loomRedOp_t op = loomSum;
   int divisor = 1;  // loomAvg: nranks
+  uint8_t* scratch = nullptr;  // set by execute() from Schedule::scratch
 };
 
 // What the executor needs from its communicator (or from a simulator).
@@ -49,9 +51,19 @@ class ExecEnv {
   // Called while this rank waits on `peer` for an operation tagged `mine`:
   // throws if the peer is visibly running a different operation.
   virtual void checkStalled(const SlotTag& mine, int peer) { (void)mine, (void)peer; }
+  // Scratch space of at least `bytes` for one run, kept between runs so the
+  // steady state allocates nothing.  Not thread-safe: one run at a time.
+  uint8_t* scratch(size_t bytes);
+
+ private:
+  struct FreeDeleter {
+    void operator()(uint8_t* p) const;
+  };
+  std::unique_ptr<uint8_t, FreeDeleter> scratch_;
+  size_t scratchBytes_ = 0;
 };
 
-// Runs `sched` for `ops`; returns the payload bytes this rank sent.  Throws
+// Runs `sched` for `ops` (scratch space from env.scratch()); returns the payload bytes this rank sent.  Throws
 // loom::Error on failure (remote error, timeout, mismatched operations).
 uint64_t execute(ExecEnv& env, const std::vector<ExecOp>& ops, const Schedule& sched);
 

@@ -23,6 +23,7 @@ const char* whatItServes(const std::string& algo) {
   if (algo == "staged") return "it serves all-reduce when every rank shares memory";
   if (algo == "rhd") return "it serves all-reduce, reduce-scatter and all-gather";
   if (algo == "tree") return "it serves all-reduce and broadcast";
+  if (algo.rfind("hier", 0) == 0) return "it serves all-reduce, reduce-scatter and all-gather";
   return "unknown algorithm";
 }
 
@@ -38,8 +39,11 @@ Tuner::Tuner(const Config& cfg) {
     std::string item = spec.substr(pos, end - pos);
     size_t colon = item.find(':');
     std::string algo = colon == std::string::npos ? item : item.substr(colon + 1);
-    if (algo != "ring" && algo != "oneshot" && algo != "staged" && algo != "rhd" && algo != "tree")
-      LOOM_WARN("TUNE", "LOOM_ALGO: unknown algorithm '%s' (this build has ring, oneshot, staged, rhd, tree); ignored",
+    static const char* known[] = {"ring", "oneshot", "staged", "rhd", "tree", "hier", "hier-ring", "hier-rhd", "hier-tree"};
+    if (std::find(std::begin(known), std::end(known), algo) == std::end(known))
+      LOOM_WARN("TUNE",
+                "LOOM_ALGO: unknown algorithm '%s' (this build has ring, oneshot, staged, rhd, tree, hier, "
+                "hier-ring, hier-rhd, hier-tree); ignored",
                 algo.c_str());
     else if (colon == std::string::npos)
       global = algo;
@@ -79,6 +83,12 @@ Plan Tuner::choose(const OpDesc& op, int nranks, const TunerLimits& limits) cons
     else if (forced == "staged" && stagedOk) plan.algo = Algorithm::Staged;
     else if (forced == "rhd" && rhdOk) plan.algo = Algorithm::HalvingDoubling;
     else if (forced == "tree" && treeOk) plan.algo = Algorithm::Tree;
+    else if (forced.rfind("hier", 0) == 0 && rhdOk) {
+      plan.algo = Algorithm::Hierarchical;
+      plan.inner = forced == "hier-rhd" ? Algorithm::HalvingDoubling
+                   : forced == "hier-tree" ? Algorithm::Tree
+                                           : Algorithm::Ring;
+    }
     else {
       plan.algo = Algorithm::Ring;
       // Once per collective and process: the reason, not a line per call.
