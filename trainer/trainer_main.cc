@@ -446,7 +446,7 @@ int main(int argc, char** argv) {
     double stepMs = 1e3 * tmax[0] / steps;
     printf("summary: dataset=%s ranks=%d steps=%llu timed_steps=%llu global_batch=%d hook=%s zero=%d overlap=%d "
            "samples_per_s=%.1f step_ms=%.2f comm_wait_ms=%.2f compute_ms=%.2f comm_share=%.1f%% "
-           "final_loss=%.4f test_accuracy=%.2f model_state_mb=%.2f peak_rss_mb=%.1f\n",
+           "last_window_loss=%.4f test_accuracy=%.2f model_state_mb=%.2f peak_rss_mb=%.1f\n",
            data.name.substr(0, data.name.find(' ')).c_str(), nranks, (unsigned long long)totalSteps,
            (unsigned long long)totSteps, o.globalBatch, hookName(o.sync.hook), int(o.sync.zero),
            int(o.sync.overlap), totSteps ? o.globalBatch * steps / tmax[0] : 0.0, stepMs,
