@@ -6,14 +6,14 @@
 
 #include "include/loom.h"
 
-#define TRAINER_CHECK_LOOM(call)                                                       \
-  do {                                                                                 \
-    loomResult_t r_ = (call);                                                          \
-    if (r_ != loomSuccess) {                                                           \
+#define TRAINER_CHECK_LOOM(call)                                                          \
+  do {                                                                                    \
+    loomResult_t r_ = (call);                                                             \
+    if (r_ != loomSuccess) {                                                              \
       fprintf(stderr, "loom-trainer: %s failed: %s: %s\n", #call, loomGetErrorString(r_), \
-              loomGetLastError(nullptr));                                              \
-      exit(3);                                                                         \
-    }                                                                                  \
+              loomGetLastError(nullptr));                                                 \
+      exit(3);                                                                            \
+    }                                                                                     \
   } while (0)
 
 [[noreturn]] inline void trainerFail(const char* what) {

@@ -68,8 +68,8 @@ bool readCheckpoint(const std::string& path, Checkpoint* c, std::string* error) 
   }
   char magic[8];
   uint32_t nw = 0;
-  if (fread(magic, 1, 8, f.f) != 8 || std::memcmp(magic, kMagic, 8) != 0 || !get(f.f, &nw) ||
-      nw < 2 || nw > 64) {
+  if (fread(magic, 1, 8, f.f) != 8 || std::memcmp(magic, kMagic, 8) != 0 || !get(f.f, &nw) || nw < 2 ||
+      nw > 64) {
     *error = path + ": not a loom-trainer checkpoint";
     return false;
   }

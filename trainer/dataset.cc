@@ -38,8 +38,7 @@ static bool readIdx(const std::string& path, int wantDims, std::vector<uint32_t>
   unsigned char head[4];
   bool ok = gzread(f, head, 4) == 4;
   if (!ok || head[0] != 0 || head[1] != 0 || head[2] != 0x08 || head[3] != wantDims) {
-    *error = path + ": not an IDX file of unsigned bytes with " + std::to_string(wantDims) +
-             " dimensions";
+    *error = path + ": not an IDX file of unsigned bytes with " + std::to_string(wantDims) + " dimensions";
     gzclose(f);
     return false;
   }
@@ -69,16 +68,14 @@ static bool readIdx(const std::string& path, int wantDims, std::vector<uint32_t>
   }
   gzclose(f);
   if (got != total) {
-    *error = path + ": truncated data (" + std::to_string(got) + " of " + std::to_string(total) +
-             " bytes)";
+    *error = path + ": truncated data (" + std::to_string(got) + " of " + std::to_string(total) + " bytes)";
     return false;
   }
   return true;
 }
 
 static bool loadSplit(const std::string& dir, const std::string& prefix, Dataset* d,
-                      std::vector<uint8_t>* images, std::vector<uint8_t>* labels,
-                      std::string* error) {
+                      std::vector<uint8_t>* images, std::vector<uint8_t>* labels, std::string* error) {
   std::string ip = findFile(dir, prefix + "-images-idx3-ubyte");
   std::string lp = findFile(dir, prefix + "-labels-idx1-ubyte");
   if (ip.empty() || lp.empty()) {
@@ -88,13 +85,13 @@ static bool loadSplit(const std::string& dir, const std::string& prefix, Dataset
   std::vector<uint32_t> idims, ldims;
   if (!readIdx(ip, 3, &idims, images, error) || !readIdx(lp, 1, &ldims, labels, error)) return false;
   if (idims[0] != ldims[0]) {
-    *error = ip + ": " + std::to_string(idims[0]) + " images but " + lp + " has " +
-             std::to_string(ldims[0]) + " labels";
+    *error = ip + ": " + std::to_string(idims[0]) + " images but " + lp + " has " + std::to_string(ldims[0]) +
+             " labels";
     return false;
   }
   if (idims[1] != uint32_t(d->rows) || idims[2] != uint32_t(d->cols)) {
-    *error = ip + ": images are " + std::to_string(idims[1]) + "x" + std::to_string(idims[2]) +
-             ", expected 28x28";
+    *error =
+        ip + ": images are " + std::to_string(idims[1]) + "x" + std::to_string(idims[2]) + ", expected 28x28";
     return false;
   }
   for (uint8_t l : *labels)
@@ -107,14 +104,14 @@ static bool loadSplit(const std::string& dir, const std::string& prefix, Dataset
 
 bool loadDataset(const std::string& dir, bool forceSynthetic, uint64_t seed, Dataset* out,
                  std::string* error) {
-  const char* names[] = {"train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-                         "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"};
+  const char* names[] = {"train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                         "t10k-labels-idx1-ubyte"};
   bool any = false;
   for (const char* n : names) any |= !findFile(dir, n).empty();
   if (forceSynthetic || !any) {
     makeSynthetic(60000, 10000, seed, out);
-    out->name = forceSynthetic ? "synthetic (--synthetic)"
-                               : "synthetic (no Fashion-MNIST IDX files in " + dir + ")";
+    out->name =
+        forceSynthetic ? "synthetic (--synthetic)" : "synthetic (no Fashion-MNIST IDX files in " + dir + ")";
     return true;
   }
   if (!loadSplit(dir, "train", out, &out->trainImages, &out->trainLabels, error) ||
@@ -155,8 +152,7 @@ void makeSynthetic(size_t train, size_t test, uint64_t seed, Dataset* d) {
   fill(test, &d->testImages, &d->testLabels);
 }
 
-void toFloat(const Dataset& d, const std::vector<uint8_t>& images, const uint32_t* idx, int n,
-             float* x) {
+void toFloat(const Dataset& d, const std::vector<uint8_t>& images, const uint32_t* idx, int n, float* x) {
   // Fashion-MNIST's pixel mean and standard deviation (over the training set).
   const float mean = 0.2860f, invStd = 1.0f / 0.3530f;
   int px = d.pixels();
@@ -166,8 +162,7 @@ void toFloat(const Dataset& d, const std::vector<uint8_t>& images, const uint32_
   }
 }
 
-DistributedSampler::DistributedSampler(size_t n, int globalBatch, int rank, int nranks,
-                                       uint64_t seed)
+DistributedSampler::DistributedSampler(size_t n, int globalBatch, int rank, int nranks, uint64_t seed)
     : n_(n), batch_(globalBatch), rank_(rank), nranks_(nranks), seed_(seed), perm_(n) {}
 
 const uint32_t* DistributedSampler::shard(uint64_t step) {

@@ -28,8 +28,7 @@ bool loadDataset(const std::string& dir, bool forceSynthetic, uint64_t seed, Dat
 void makeSynthetic(size_t train, size_t test, uint64_t seed, Dataset* out);
 
 // Normalises images [first, first+n) of `images` (indices through idx) into x.
-void toFloat(const Dataset& d, const std::vector<uint8_t>& images, const uint32_t* idx, int n,
-             float* x);
+void toFloat(const Dataset& d, const std::vector<uint8_t>& images, const uint32_t* idx, int n, float* x);
 
 // The distributed sampler: epoch e visits a permutation of the training set
 // drawn from (seed, e); global batch i is positions [i*B, (i+1)*B) of it, and

@@ -27,7 +27,7 @@ static float fromBits(uint32_t x) {
 uint16_t floatToBf16(float f) {
   uint32_t x = bits(f);
   if ((x & 0x7fffffff) > 0x7f800000) return uint16_t((x >> 16) | 0x40);  // quiet NaN
-  return uint16_t((x + 0x7fff + ((x >> 16) & 1)) >> 16);                  // round to nearest even
+  return uint16_t((x + 0x7fff + ((x >> 16) & 1)) >> 16);                 // round to nearest even
 }
 float bf16ToFloat(uint16_t h) { return fromBits(uint32_t(h) << 16); }
 
@@ -79,8 +79,7 @@ GradSync::GradSync(loomComm_t comm, int rank, int nranks, const Layout& L, const
 GradSync::~GradSync() { loomStreamDestroy(stream_); }
 
 size_t GradSync::bufferBytes() const {
-  return half_.size() * 2 + residual_.size() * 4 + (send_.size() + recv_.size()) * 4 +
-         order_.size() * 4;
+  return half_.size() * 2 + residual_.size() * 4 + (send_.size() + recv_.size()) * 4 + order_.size() * 4;
 }
 
 void GradSync::beginSyncPass() {
@@ -106,8 +105,8 @@ void GradSync::launch(int bi) {
   launched_[bi] = 1;
   float* g = grads_ + b.off;
   if (cfg_.zero) {
-    TRAINER_CHECK_LOOM(loomReduceScatter(g, grads_ + shardOff(b), shardLen(b), loomFloat32, loomAvg,
-                                         comm_, stream_));
+    TRAINER_CHECK_LOOM(
+        loomReduceScatter(g, grads_ + shardOff(b), shardLen(b), loomFloat32, loomAvg, comm_, stream_));
     return;
   }
   switch (cfg_.hook) {
@@ -121,8 +120,8 @@ void GradSync::launch(int bi) {
       uint16_t* h = half_.data() + b.off;
       bool bf = cfg_.hook == Hook::Bf16;
       for (size_t i = 0; i < b.len; ++i) h[i] = bf ? floatToBf16(g[i] * inv) : floatToHalf(g[i] * inv);
-      TRAINER_CHECK_LOOM(loomAllReduce(h, h, b.len, bf ? loomBfloat16 : loomFloat16, loomSum, comm_,
-                                       stream_));
+      TRAINER_CHECK_LOOM(
+          loomAllReduce(h, h, b.len, bf ? loomBfloat16 : loomFloat16, loomSum, comm_, stream_));
       break;
     }
     case Hook::TopK: {
@@ -142,8 +141,7 @@ void GradSync::launch(int bi) {
         s[2 * i + 1] = int32_t(bits(res[ord[i]]));
         res[ord[i]] = 0.0f;  // sent: no longer owed
       }
-      TRAINER_CHECK_LOOM(
-          loomAllGather(s, recv_.data() + recvOff_[bi], 2 * k, loomInt32, comm_, stream_));
+      TRAINER_CHECK_LOOM(loomAllGather(s, recv_.data() + recvOff_[bi], 2 * k, loomInt32, comm_, stream_));
       break;
     }
   }
@@ -182,8 +180,8 @@ double GradSync::wait() {
 double GradSync::gatherParams(float* params) {
   double t0 = now();
   for (const Bucket& b : L_.buckets)
-    TRAINER_CHECK_LOOM(loomAllGather(params + shardOff(b), params + b.off, shardLen(b), loomFloat32,
-                                     comm_, stream_));
+    TRAINER_CHECK_LOOM(
+        loomAllGather(params + shardOff(b), params + b.off, shardLen(b), loomFloat32, comm_, stream_));
   TRAINER_CHECK_LOOM(loomStreamSynchronize(stream_));
   return now() - t0;
 }

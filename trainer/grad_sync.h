@@ -38,8 +38,7 @@ struct SyncConfig {
 
 class GradSync {
  public:
-  GradSync(loomComm_t comm, int rank, int nranks, const Layout& L, const SyncConfig& cfg,
-           float* grads);
+  GradSync(loomComm_t comm, int rank, int nranks, const Layout& L, const SyncConfig& cfg, float* grads);
   ~GradSync();
   GradSync(const GradSync&) = delete;
   GradSync& operator=(const GradSync&) = delete;
@@ -76,10 +75,10 @@ class GradSync {
   SyncConfig cfg_;
   float* grads_;
   loomStream_t stream_ = nullptr;
-  std::vector<int> pending_;       // per bucket: layers whose gradients are not final yet
+  std::vector<int> pending_;  // per bucket: layers whose gradients are not final yet
   std::vector<char> launched_;
-  std::vector<uint16_t> half_;     // bf16/fp16: the compressed gradients, flat layout
-  std::vector<float> residual_;    // topk: error feedback, flat layout
+  std::vector<uint16_t> half_;                 // bf16/fp16: the compressed gradients, flat layout
+  std::vector<float> residual_;                // topk: error feedback, flat layout
   std::vector<size_t> k_, sendOff_, recvOff_;  // topk: per bucket
   std::vector<int32_t> send_, recv_;           // topk: (index, float bits) pairs
   std::vector<uint32_t> order_;                // topk: selection scratch

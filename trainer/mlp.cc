@@ -84,8 +84,7 @@ void initParams(const Layout& L, uint64_t seed, float* flat) {
 #define TRAINER_KERNEL __attribute__((target_clones("avx2", "default")))
 
 TRAINER_KERNEL
-void gemmForward(int B, int in, int out, const float* x, const float* W, const float* bias,
-                 float* y) {
+void gemmForward(int B, int in, int out, const float* x, const float* W, const float* bias, float* y) {
   for (int r = 0; r < B; ++r) {
     float* __restrict yr = y + size_t(r) * out;
     const float* xr = x + size_t(r) * in;
@@ -100,8 +99,7 @@ void gemmForward(int B, int in, int out, const float* x, const float* W, const f
 }
 
 TRAINER_KERNEL
-void gemmBackwardWeights(int B, int in, int out, const float* x, const float* dy, float* dW,
-                         float* db) {
+void gemmBackwardWeights(int B, int in, int out, const float* x, const float* dy, float* dW, float* db) {
   for (int i = 0; i < in; ++i) {
     float* __restrict g = dW + size_t(i) * out;
     for (int r = 0; r < B; ++r) {
@@ -120,8 +118,8 @@ void gemmBackwardWeights(int B, int in, int out, const float* x, const float* dy
 
 // dx = dy W^T, zero where mask (the layer's input, a ReLU output) is <= 0.
 TRAINER_KERNEL
-static void gemmBackwardDataMasked(int B, int in, int out, const float* dy, const float* W,
-                                   const float* mask, float* dx) {
+static void gemmBackwardDataMasked(int B, int in, int out, const float* dy, const float* W, const float* mask,
+                                   float* dx) {
   constexpr int kLanes = 16;
   for (int r = 0; r < B; ++r) {
     const float* __restrict d = dy + size_t(r) * out;
@@ -159,8 +157,7 @@ Mlp::Mlp(const Layout& L, int maxBatch) : L_(L) {
   deltaPrev_.resize(size_t(maxBatch) * maxWidth);
 }
 
-double Mlp::forward(const float* params, const float* x, const uint8_t* labels, int batch,
-                    int* correct) {
+double Mlp::forward(const float* params, const float* x, const uint8_t* labels, int batch, int* correct) {
   size_t nl = L_.layers.size();
   std::memcpy(acts_[0].data(), x, size_t(batch) * L_.layers[0].in * sizeof(float));
   for (size_t l = 0; l < nl; ++l) {
@@ -198,8 +195,7 @@ void Mlp::backward(const float* params, float* grads, const uint8_t* labels, int
       delta_[size_t(r) * classes + c] = (p[size_t(r) * classes + c] - (c == labels[r])) * scale;
   for (int l = nl - 1; l >= 0; --l) {
     const Layer& ly = L_.layers[l];
-    gemmBackwardWeights(batch, ly.in, ly.out, acts_[l].data(), delta_.data(), grads + ly.w,
-                        grads + ly.b);
+    gemmBackwardWeights(batch, ly.in, ly.out, acts_[l].data(), delta_.data(), grads + ly.w, grads + ly.b);
     if (onLayerReady) onLayerReady(l);
     if (l > 0) {
       gemmBackwardDataMasked(batch, ly.in, ly.out, delta_.data(), params + ly.w, acts_[l].data(),

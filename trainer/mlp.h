@@ -53,8 +53,7 @@ class Mlp {
 
   // Forward pass of `batch` samples x [batch x in]; returns the summed loss
   // and stores the number of correct predictions.
-  double forward(const float* params, const float* x, const uint8_t* labels, int batch,
-                 int* correct);
+  double forward(const float* params, const float* x, const uint8_t* labels, int batch, int* correct);
 
   // Backward pass of the last forward: adds d(scale * summed loss)/dparam to
   // grads.  onLayerReady(l) is called as soon as layer l's gradients are
@@ -73,7 +72,6 @@ void gemmForward(int B, int in, int out, const float* x, const float* W, const f
 // dx[B x in] = dy[B x out] W^T
 void gemmBackwardData(int B, int in, int out, const float* dy, const float* W, float* dx);
 // dW[in x out] += x^T dy ; db[out] += column sums of dy
-void gemmBackwardWeights(int B, int in, int out, const float* x, const float* dy, float* dW,
-                         float* db);
+void gemmBackwardWeights(int B, int in, int out, const float* x, const float* dy, float* dW, float* db);
 
 }  // namespace trainer

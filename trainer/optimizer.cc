@@ -4,8 +4,8 @@
 
 namespace trainer {
 
-void optimizerStep(const OptConfig& c, float lr, uint64_t t, float* __restrict p,
-                   const float* __restrict g, float* __restrict m, float* __restrict v, size_t n) {
+void optimizerStep(const OptConfig& c, float lr, uint64_t t, float* __restrict p, const float* __restrict g,
+                   float* __restrict m, float* __restrict v, size_t n) {
   if (c.kind == OptKind::Sgd) {
     for (size_t i = 0; i < n; ++i) {
       m[i] = c.momentum * m[i] + g[i];

@@ -21,7 +21,7 @@ inline int stateArrays(OptKind k) { return k == OptKind::Adam ? 2 : 1; }
 
 // One step t (1-based) with learning rate lr on p[0..n) given g; m and v are
 // the state of the same range (v unused by SGD).
-void optimizerStep(const OptConfig& c, float lr, uint64_t t, float* p, const float* g, float* m,
-                   float* v, size_t n);
+void optimizerStep(const OptConfig& c, float lr, uint64_t t, float* p, const float* g, float* m, float* v,
+                   size_t n);
 
 }  // namespace trainer

@@ -91,8 +91,8 @@ double number(const std::string& flag, const char* v, double lo, double hi) {
   char* end = nullptr;
   double x = strtod(v, &end);
   if (!*v || *end || !(x >= lo && x <= hi))
-    usageError(flag + " " + v + ": expected a number in [" + std::to_string(lo) + ", " +
-               std::to_string(hi) + "]");
+    usageError(flag + " " + v + ": expected a number in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+               "]");
   return x;
 }
 
@@ -107,8 +107,10 @@ Options parse(int argc, char** argv) {
     if (a == "-h" || a == "--help") {
       fputs(kUsage, stdout);
       exit(0);
-    } else if (a == "--data") o.data = value();
-    else if (a == "--synthetic") o.synthetic = true;
+    } else if (a == "--data")
+      o.data = value();
+    else if (a == "--synthetic")
+      o.synthetic = true;
     else if (a == "--hidden") {
       o.hidden.clear();
       std::string s = value();
@@ -118,39 +120,68 @@ Options parse(int argc, char** argv) {
         o.hidden.push_back(int(number(a, s.substr(p, q - p).c_str(), 1, 65536)));
         p = q + 1;
       }
-    } else if (a == "--epochs") o.epochs = int(number(a, value(), 1, 1e6));
-    else if (a == "--steps") o.steps = long(number(a, value(), 1, 1e12));
-    else if (a == "--global-batch") o.globalBatch = int(number(a, value(), 1, 1 << 20));
-    else if (a == "--accum") o.accum = int(number(a, value(), 1, 1 << 20));
+    } else if (a == "--epochs")
+      o.epochs = int(number(a, value(), 1, 1e6));
+    else if (a == "--steps")
+      o.steps = long(number(a, value(), 1, 1e12));
+    else if (a == "--global-batch")
+      o.globalBatch = int(number(a, value(), 1, 1 << 20));
+    else if (a == "--accum")
+      o.accum = int(number(a, value(), 1, 1 << 20));
     else if (a == "--optimizer") {
       std::string v = value();
-      if (v == "sgd") o.optimizer = OptKind::Sgd;
-      else if (v == "adam") o.optimizer = OptKind::Adam;
-      else usageError("--optimizer " + v + ": expected sgd or adam");
-    } else if (a == "--lr") o.lr = number(a, value(), 0, 1e3);
-    else if (a == "--lr-ref-batch") o.lrRefBatch = number(a, value(), 1, 1e9);
-    else if (a == "--warmup") o.warmup = int(number(a, value(), 0, 1e9));
-    else if (a == "--momentum") o.momentum = number(a, value(), 0, 1);
-    else if (a == "--zero") o.sync.zero = true;
+      if (v == "sgd")
+        o.optimizer = OptKind::Sgd;
+      else if (v == "adam")
+        o.optimizer = OptKind::Adam;
+      else
+        usageError("--optimizer " + v + ": expected sgd or adam");
+    } else if (a == "--lr")
+      o.lr = number(a, value(), 0, 1e3);
+    else if (a == "--lr-ref-batch")
+      o.lrRefBatch = number(a, value(), 1, 1e9);
+    else if (a == "--warmup")
+      o.warmup = int(number(a, value(), 0, 1e9));
+    else if (a == "--momentum")
+      o.momentum = number(a, value(), 0, 1);
+    else if (a == "--zero")
+      o.sync.zero = true;
     else if (a == "--hook") {
       std::string v = value();
-      if (v == "allreduce") o.sync.hook = Hook::AllReduce;
-      else if (v == "bf16") o.sync.hook = Hook::Bf16;
-      else if (v == "fp16") o.sync.hook = Hook::Fp16;
-      else if (v == "topk") o.sync.hook = Hook::TopK;
-      else usageError("--hook " + v + ": expected allreduce, bf16, fp16 or topk");
-    } else if (a == "--topk-ratio") o.sync.topkRatio = number(a, value(), 1e-6, 1);
-    else if (a == "--bucket-mb") o.bucketMb = number(a, value(), 1e-3, 1e5);
-    else if (a == "--first-bucket-mb") o.firstBucketMb = number(a, value(), 1e-3, 1e5);
-    else if (a == "--no-overlap") o.sync.overlap = false;
-    else if (a == "--seed") o.seed = uint64_t(number(a, value(), 0, 1e15));
-    else if (a == "--log-every") o.logEvery = int(number(a, value(), 1, 1e9));
-    else if (a == "--no-eval") o.eval = false;
-    else if (a == "--checkpoint") o.checkpoint = value();
-    else if (a == "--checkpoint-every") o.checkpointEvery = long(number(a, value(), 0, 1e12));
-    else if (a == "--resume") o.resume = value();
-    else if (a == "--save-params") o.saveParams = value();
-    else usageError("unknown flag " + a);
+      if (v == "allreduce")
+        o.sync.hook = Hook::AllReduce;
+      else if (v == "bf16")
+        o.sync.hook = Hook::Bf16;
+      else if (v == "fp16")
+        o.sync.hook = Hook::Fp16;
+      else if (v == "topk")
+        o.sync.hook = Hook::TopK;
+      else
+        usageError("--hook " + v + ": expected allreduce, bf16, fp16 or topk");
+    } else if (a == "--topk-ratio")
+      o.sync.topkRatio = number(a, value(), 1e-6, 1);
+    else if (a == "--bucket-mb")
+      o.bucketMb = number(a, value(), 1e-3, 1e5);
+    else if (a == "--first-bucket-mb")
+      o.firstBucketMb = number(a, value(), 1e-3, 1e5);
+    else if (a == "--no-overlap")
+      o.sync.overlap = false;
+    else if (a == "--seed")
+      o.seed = uint64_t(number(a, value(), 0, 1e15));
+    else if (a == "--log-every")
+      o.logEvery = int(number(a, value(), 1, 1e9));
+    else if (a == "--no-eval")
+      o.eval = false;
+    else if (a == "--checkpoint")
+      o.checkpoint = value();
+    else if (a == "--checkpoint-every")
+      o.checkpointEvery = long(number(a, value(), 0, 1e12));
+    else if (a == "--resume")
+      o.resume = value();
+    else if (a == "--save-params")
+      o.saveParams = value();
+    else
+      usageError("unknown flag " + a);
   }
   if (o.lr < 0) o.lr = o.optimizer == OptKind::Adam ? 0.001 : 0.05;
   if (o.sync.zero && o.sync.hook != Hook::AllReduce)
@@ -175,10 +206,14 @@ double peakRssMb() {
 
 const char* hookName(Hook h) {
   switch (h) {
-    case Hook::AllReduce: return "allreduce";
-    case Hook::Bf16: return "bf16";
-    case Hook::Fp16: return "fp16";
-    case Hook::TopK: return "topk";
+    case Hook::AllReduce:
+      return "allreduce";
+    case Hook::Bf16:
+      return "bf16";
+    case Hook::Fp16:
+      return "fp16";
+    case Hook::TopK:
+      return "topk";
   }
   return "?";
 }
@@ -186,8 +221,8 @@ const char* hookName(Hook h) {
 // Optimizer state: with --zero only this rank's shard of each bucket, packed.
 struct OptimizerState {
   std::vector<float> data;
-  size_t perArray = 0;              // floats per state array
-  std::vector<size_t> bucketOff;    // zero: where bucket b's shard starts in an array
+  size_t perArray = 0;            // floats per state array
+  std::vector<size_t> bucketOff;  // zero: where bucket b's shard starts in an array
   float* array(int i) { return data.data() + size_t(i) * perArray; }
 };
 
@@ -203,8 +238,8 @@ std::vector<float> fullState(OptimizerState& st, int i, const Layout& L, GradSyn
     const Bucket& bk = L.buckets[b];
     std::copy(st.array(i) + st.bucketOff[b], st.array(i) + st.bucketOff[b] + sync.shardLen(bk),
               full.begin() + long(sync.shardOff(bk)));
-    TRAINER_CHECK_LOOM(loomAllGather(full.data() + sync.shardOff(bk), full.data() + bk.off,
-                                     sync.shardLen(bk), loomFloat32, comm, nullptr));
+    TRAINER_CHECK_LOOM(loomAllGather(full.data() + sync.shardOff(bk), full.data() + bk.off, sync.shardLen(bk),
+                                     loomFloat32, comm, nullptr));
   }
   return full;
 }
@@ -216,7 +251,16 @@ int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
 
   loomComm_t comm;
-  TRAINER_CHECK_LOOM(loomCommInitFromEnv(&comm));
+  bool launched = false;
+  for (const char* v : {"LOOM_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"})
+    launched |= getenv(v) != nullptr;
+  if (launched) {
+    TRAINER_CHECK_LOOM(loomCommInitFromEnv(&comm));
+  } else {  // started by hand: a communicator of one rank
+    loomUniqueId id;
+    TRAINER_CHECK_LOOM(loomGetUniqueId(&id));
+    TRAINER_CHECK_LOOM(loomCommInitRank(&comm, 1, id, 0));
+  }
   int rank = 0, nranks = 1;
   TRAINER_CHECK_LOOM(loomCommUserRank(comm, &rank));
   TRAINER_CHECK_LOOM(loomCommCount(comm, &nranks));
@@ -231,15 +275,13 @@ int main(int argc, char** argv) {
   Dataset data;
   std::string err;
   if (!loadDataset(o.data, o.synthetic, o.seed, &data, &err)) trainerFail(err.c_str());
-  if (size_t(o.globalBatch) > data.trainCount())
-    usageError("--global-batch is larger than the training set");
+  if (size_t(o.globalBatch) > data.trainCount()) usageError("--global-batch is larger than the training set");
 
   std::vector<int> widths = {data.pixels()};
   widths.insert(widths.end(), o.hidden.begin(), o.hidden.end());
   widths.push_back(data.classes);
   // Buckets are padded to a multiple of 16 floats per rank: equal, aligned shards.
-  Layout L = planLayout(widths, size_t(o.firstBucketMb * 1e6), size_t(o.bucketMb * 1e6),
-                        16 * size_t(nranks));
+  Layout L = planLayout(widths, size_t(o.firstBucketMb * 1e6), size_t(o.bucketMb * 1e6), 16 * size_t(nranks));
 
   OptConfig oc;
   oc.kind = o.optimizer;
@@ -300,17 +342,18 @@ int main(int argc, char** argv) {
   if (root) {
     std::string arch;
     for (size_t i = 0; i < widths.size(); ++i) arch += (i ? "-" : "") + std::to_string(widths[i]);
-    printf("loom-trainer: %d ranks, dataset %s: %zu train / %zu test images\n", nranks,
-           data.name.c_str(), data.trainCount(), data.testCount());
+    printf("loom-trainer: %d ranks, dataset %s: %zu train / %zu test images\n", nranks, data.name.c_str(),
+           data.trainCount(), data.testCount());
     printf("loom-trainer: model %s, %zu parameters (%.1f MB), %zu buckets:", arch.c_str(), L.logical,
            L.logical * 4 / 1e6, L.buckets.size());
     for (const Bucket& b : L.buckets) printf(" [layers %d-%d %.2f MB]", b.first, b.last, b.len * 4 / 1e6);
-    printf("\nloom-trainer: global batch %d = %d ranks x %d micro-batches x %d, %s lr %g (scaled %g, "
-           "warm-up %d), hook %s, %s, %s, %llu steps (%llu per epoch) from step %llu\n",
-           o.globalBatch, nranks, o.accum, micro, o.optimizer == OptKind::Adam ? "adam" : "sgd", o.lr,
-           lrScaled, o.warmup, hookName(o.sync.hook), o.sync.zero ? "sharded optimizer" : "replicated optimizer",
-           o.sync.overlap ? "overlap" : "no overlap", (unsigned long long)totalSteps,
-           (unsigned long long)stepsPerEpoch, (unsigned long long)firstStep);
+    printf(
+        "\nloom-trainer: global batch %d = %d ranks x %d micro-batches x %d, %s lr %g (scaled %g, "
+        "warm-up %d), hook %s, %s, %s, %llu steps (%llu per epoch) from step %llu\n",
+        o.globalBatch, nranks, o.accum, micro, o.optimizer == OptKind::Adam ? "adam" : "sgd", o.lr, lrScaled,
+        o.warmup, hookName(o.sync.hook), o.sync.zero ? "sharded optimizer" : "replicated optimizer",
+        o.sync.overlap ? "overlap" : "no overlap", (unsigned long long)totalSteps,
+        (unsigned long long)stepsPerEpoch, (unsigned long long)firstStep);
   }
 
   Mlp model(L, std::max(micro, 256));
@@ -341,7 +384,8 @@ int main(int argc, char** argv) {
     }
     if (o.sync.hook == Hook::TopK) {
       std::vector<float> all(L.total * size_t(nranks));
-      TRAINER_CHECK_LOOM(loomAllGather(sync.residual().data(), all.data(), L.total, loomFloat32, comm, nullptr));
+      TRAINER_CHECK_LOOM(
+          loomAllGather(sync.residual().data(), all.data(), L.total, loomFloat32, comm, nullptr));
       c.residual.resize(L.logical * size_t(nranks));
       for (int r = 0; r < nranks; ++r)
         toLogical(L, all.data() + size_t(r) * L.total, c.residual.data() + size_t(r) * L.logical);
@@ -405,16 +449,18 @@ int main(int argc, char** argv) {
       uint64_t nsteps = uint64_t(stats[2] / (micro * o.accum * nranks) + 0.5);
       lastLoss = stats[0] / stats[2];
       if (root)
-        printf("step %llu/%llu epoch %llu loss %.4f acc %.2f%% lr %.4g samples/s %.0f comm_wait %.2f ms "
-               "compute %.2f ms (comm %.1f%%)\n",
-               (unsigned long long)(step + 1), (unsigned long long)totalSteps,
-               (unsigned long long)(step / stepsPerEpoch), lastLoss, 100.0 * stats[1] / stats[2], lr,
-               stats[2] / wall, 1e3 * stats[3] / nranks / nsteps, 1e3 * stats[4] / nranks / nsteps,
-               100.0 * stats[3] / (stats[3] + stats[4]));
+        printf(
+            "step %llu/%llu epoch %llu loss %.4f acc %.2f%% lr %.4g samples/s %.0f comm_wait %.2f ms "
+            "compute %.2f ms (comm %.1f%%)\n",
+            (unsigned long long)(step + 1), (unsigned long long)totalSteps,
+            (unsigned long long)(step / stepsPerEpoch), lastLoss, 100.0 * stats[1] / stats[2], lr,
+            stats[2] / wall, 1e3 * stats[3] / nranks / nsteps, 1e3 * stats[4] / nranks / nsteps,
+            100.0 * stats[3] / (stats[3] + stats[4]));
       winLoss = winCorrect = winSamples = winComm = winCompute = 0;
       winStart = now();
     }
-    if (!o.checkpoint.empty() && o.checkpointEvery > 0 && (step + 1) % uint64_t(o.checkpointEvery) == 0 && !last)
+    if (!o.checkpoint.empty() && o.checkpointEvery > 0 && (step + 1) % uint64_t(o.checkpointEvery) == 0 &&
+        !last)
       saveCheckpoint(step + 1);
   }
   if (!o.checkpoint.empty()) saveCheckpoint(std::max(totalSteps, firstStep));
@@ -444,14 +490,15 @@ int main(int argc, char** argv) {
   if (root) {
     double steps = double(std::max<uint64_t>(totSteps, 1));
     double stepMs = 1e3 * tmax[0] / steps;
-    printf("summary: dataset=%s ranks=%d steps=%llu timed_steps=%llu global_batch=%d hook=%s zero=%d overlap=%d "
-           "samples_per_s=%.1f step_ms=%.2f comm_wait_ms=%.2f compute_ms=%.2f comm_share=%.1f%% "
-           "last_window_loss=%.4f test_accuracy=%.2f model_state_mb=%.2f peak_rss_mb=%.1f\n",
-           data.name.substr(0, data.name.find(' ')).c_str(), nranks, (unsigned long long)totalSteps,
-           (unsigned long long)totSteps, o.globalBatch, hookName(o.sync.hook), int(o.sync.zero),
-           int(o.sync.overlap), totSteps ? o.globalBatch * steps / tmax[0] : 0.0, stepMs,
-           1e3 * t[0] / nranks / steps, 1e3 * t[1] / nranks / steps, 100.0 * t[0] / std::max(t[0] + t[1], 1e-12),
-           lastLoss, testAcc, stateBytes / 1e6, tmax[1]);
+    printf(
+        "summary: dataset=%s ranks=%d steps=%llu timed_steps=%llu global_batch=%d hook=%s zero=%d overlap=%d "
+        "samples_per_s=%.1f step_ms=%.2f comm_wait_ms=%.2f compute_ms=%.2f comm_share=%.1f%% "
+        "last_window_loss=%.4f test_accuracy=%.2f model_state_mb=%.2f peak_rss_mb=%.1f\n",
+        data.name.substr(0, data.name.find(' ')).c_str(), nranks, (unsigned long long)totalSteps,
+        (unsigned long long)totSteps, o.globalBatch, hookName(o.sync.hook), int(o.sync.zero),
+        int(o.sync.overlap), totSteps ? o.globalBatch * steps / tmax[0] : 0.0, stepMs,
+        1e3 * t[0] / nranks / steps, 1e3 * t[1] / nranks / steps, 100.0 * t[0] / std::max(t[0] + t[1], 1e-12),
+        lastLoss, testAcc, stateBytes / 1e6, tmax[1]);
   }
   if (root && !o.saveParams.empty()) {
     std::vector<float> logical(L.logical);

@@ -198,19 +198,19 @@ TEST_CASE("model: backward matches finite differences and reports layers last to
 
 TEST_CASE("hooks: bfloat16 and float16 conversions round to nearest even") {
   CHECK(floatToBf16(1.0f) == 0x3f80);
-  CHECK(floatToBf16(1.0f + 1.0f / 256) == 0x3f80);             // tie, even stays
-  CHECK(floatToBf16(1.0f + 3.0f / 256) == 0x3f82);             // tie, odd rounds up
+  CHECK(floatToBf16(1.0f + 1.0f / 256) == 0x3f80);  // tie, even stays
+  CHECK(floatToBf16(1.0f + 3.0f / 256) == 0x3f82);  // tie, odd rounds up
   CHECK(bf16ToFloat(floatToBf16(-2.5f)) == -2.5f);
   CHECK(std::isnan(bf16ToFloat(floatToBf16(NAN))));
   CHECK(floatToHalf(1.0f) == 0x3c00);
-  CHECK(floatToHalf(1.0f + 1.0f / 2048) == 0x3c00);            // tie, even stays
-  CHECK(floatToHalf(1.0f + 3.0f / 2048) == 0x3c02);            // tie, odd rounds up
+  CHECK(floatToHalf(1.0f + 1.0f / 2048) == 0x3c00);  // tie, even stays
+  CHECK(floatToHalf(1.0f + 3.0f / 2048) == 0x3c02);  // tie, odd rounds up
   CHECK(floatToHalf(65504.0f) == 0x7bff);
   CHECK(floatToHalf(65519.0f) == 0x7bff);
-  CHECK(floatToHalf(65520.0f) == 0x7c00);                      // rounds to infinity
-  CHECK(floatToHalf(-1e-8f) == 0x8000);                        // below half the smallest subnormal
-  CHECK(floatToHalf(5.9604645e-8f) == 0x0001);                 // smallest subnormal
-  CHECK(floatToHalf(6.1035156e-5f) == 0x0400);                 // smallest normal
+  CHECK(floatToHalf(65520.0f) == 0x7c00);       // rounds to infinity
+  CHECK(floatToHalf(-1e-8f) == 0x8000);         // below half the smallest subnormal
+  CHECK(floatToHalf(5.9604645e-8f) == 0x0001);  // smallest subnormal
+  CHECK(floatToHalf(6.1035156e-5f) == 0x0400);  // smallest normal
   CHECK(std::isnan(halfToFloat(floatToHalf(NAN))));
   for (uint32_t h = 0; h < 0x10000; ++h) {
     if ((h & 0x7c00) == 0x7c00 && (h & 0x3ff)) continue;  // NaNs
@@ -334,8 +334,8 @@ TEST_CASE("bad input: clear errors, no hang") {
   // A data directory with broken IDX files is an error, not a silent fallback.
   std::string dir = tmpPath("data");
   REQUIRE(std::system(("mkdir -p " + dir + " && echo garbage > " + dir +
-                       "/train-images-idx3-ubyte && echo garbage > " + dir +
-                       "/train-labels-idx1-ubyte").c_str()) == 0);
+                       "/train-images-idx3-ubyte && echo garbage > " + dir + "/train-labels-idx1-ubyte")
+                          .c_str()) == 0);
   r = runTrainer(1, "--data " + dir + " --steps 1");
   CHECK(r.code != 0);
   CHECK(r.out.find("not an IDX file") != std::string::npos);
