@@ -11,6 +11,7 @@ PACKAGES=(
   libibverbs-dev                     # ibverbs transport (optional at build time)
   libopenmpi-dev openmpi-bin         # the MPI comparison in perf/
   iproute2 procps python3            # multi-host rig, perf scripts
+  zlib1g-dev dataset-fashion-mnist   # the reference trainer (gzip'd IDX files, its dataset)
 )
 
 missing=()
