@@ -11,6 +11,7 @@ PACKAGES=(
   libibverbs-dev                     # ibverbs transport (optional at build time)
   libopenmpi-dev openmpi-bin         # the MPI comparison in perf/
   iproute2 procps python3            # multi-host rig, perf scripts
+  python3-torch libtorch-dev pybind11-dev  # loom_torch (python/): the torch.distributed backend
 )
 
 missing=()
