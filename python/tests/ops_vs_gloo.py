@@ -6,6 +6,7 @@ case runs the same call with the same inputs on both and compares. gloo has
 no AVG: loom's AVG is compared with gloo's SUM / N. Exits non-zero on the
 first mismatch, with the case named.
 """
+import gc
 import sys
 
 import torch
@@ -179,6 +180,10 @@ dist.all_reduce(t)
 check("all_reduce after refused calls", t, torch.full((3,), float(n)), True)
 
 dist.barrier(group=gloo)
+# Free the DDP modules (reference cycles) so that destroy_process_group really
+# destroys both groups and joins their threads: a gloo worker thread still
+# alive at interpreter exit can abort the process (PyTorch 1.13, Python 3.11).
+gc.collect()
 dist.destroy_process_group()
 if failures:
     print(f"[rank {rank}] {len(failures)} failures: {failures[:10]}", flush=True)
