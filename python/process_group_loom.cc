@@ -92,6 +92,14 @@ LoomWork::LoomWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs,
       copyOut_(std::move(copyOut)),
       future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
 
+bool LoomWork::wait(std::chrono::milliseconds timeout) {
+  if (timeout == kNoTimeout && !isCompleted()) {
+    if (c10::intrusive_ptr<c10d::ProcessGroup> group = group_.lock())
+      static_cast<ProcessGroupLoom*>(group.get())->drain();
+  }
+  return c10d::Work::wait(timeout);
+}
+
 void LoomWork::complete(std::exception_ptr error) {
   if (!error && copyOut_) {
     try {
@@ -160,6 +168,8 @@ void ProcessGroupLoom::fail(const char* what, loomResult_t r) const {
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::issue(const char* what, c10::intrusive_ptr<LoomWork> work,
                                                        const std::function<loomResult_t()>& launch) {
+  work->setGroup(c10::weak_intrusive_ptr<c10d::ProcessGroup>(
+      c10::intrusive_ptr<c10d::ProcessGroup>::unsafe_reclaim_from_nonowning(this)));
   std::lock_guard<std::mutex> lock(m_);
   loomResult_t r = launch();
   if (r != loomSuccess) fail(what, r);
@@ -175,7 +185,30 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::issue(const char* what, c10::in
 // Everything in `batch` was enqueued on the stream before the synchronize
 // started, so it is complete when the synchronize returns. The stream reports
 // the first error since the last synchronize; the whole batch carries it (a
-// failed communicator fails every later call anyway).
+// failed communicator fails every later call anyway). Several threads may
+// synchronize at once: each completes the batch it took.
+void ProcessGroupLoom::completeBatch(std::deque<c10::intrusive_ptr<LoomWork>>& batch) {
+  loomResult_t r = loomStreamSynchronize(stream_);
+  std::exception_ptr error;
+  if (r != loomSuccess) {
+    try {
+      fail("operation", r);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  for (auto& w : batch) w->complete(error);
+}
+
+void ProcessGroupLoom::drain() {
+  std::deque<c10::intrusive_ptr<LoomWork>> batch;
+  {
+    std::lock_guard<std::mutex> lock(m_);
+    batch.swap(pending_);
+  }
+  completeBatch(batch);
+}
+
 void ProcessGroupLoom::completerLoop() {
   for (;;) {
     std::deque<c10::intrusive_ptr<LoomWork>> batch;
@@ -185,16 +218,7 @@ void ProcessGroupLoom::completerLoop() {
       if (pending_.empty()) return;
       batch.swap(pending_);
     }
-    loomResult_t r = loomStreamSynchronize(stream_);
-    std::exception_ptr error;
-    if (r != loomSuccess) {
-      try {
-        fail("operation", r);
-      } catch (...) {
-        error = std::current_exception();
-      }
-    }
-    for (auto& w : batch) w->complete(error);
+    completeBatch(batch);
   }
 }
 

@@ -27,6 +27,10 @@ class LoomWork : public c10d::Work {
            std::function<void()> copyOut);
   std::vector<at::Tensor> result() override { return outputs_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  // An untimed wait synchronizes the stream on the caller's thread (which
+  // then runs the operation itself) instead of waiting for the completer.
+  bool wait(std::chrono::milliseconds timeout) override;
+  void setGroup(c10::weak_intrusive_ptr<c10d::ProcessGroup> group) { group_ = std::move(group); }
   // Called once, by the completer, after loom finished the operation.
   void complete(std::exception_ptr error);
 
@@ -35,6 +39,8 @@ class LoomWork : public c10d::Work {
   std::vector<at::Tensor> keepAlive_;
   std::function<void()> copyOut_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  // The ProcessGroupLoom that issued this work (weak: a work may outlive it).
+  c10::weak_intrusive_ptr<c10d::ProcessGroup> group_{c10::intrusive_ptr<c10d::ProcessGroup>()};
 };
 
 class ProcessGroupLoom : public c10d::ProcessGroup {
@@ -73,12 +79,17 @@ class ProcessGroupLoom : public c10d::ProcessGroup {
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
 
+  // Completes every work queued so far: the completer's loop body, also run
+  // by LoomWork::wait on the waiting thread.
+  void drain();
+
  private:
   // Calls launch() (a loom call on stream_) and queues `work` for the
   // completer; throws with loom's message if the call is refused.
   c10::intrusive_ptr<c10d::Work> issue(const char* what, c10::intrusive_ptr<LoomWork> work,
                                        const std::function<loomResult_t()>& launch);
   void completerLoop();
+  void completeBatch(std::deque<c10::intrusive_ptr<LoomWork>>& batch);
   [[noreturn]] void fail(const char* what, loomResult_t r) const;
 
   loomComm_t comm_ = nullptr;
