@@ -12,6 +12,7 @@ PACKAGES=(
   libopenmpi-dev openmpi-bin         # the MPI comparison in perf/
   iproute2 procps python3            # multi-host rig, perf scripts
   zlib1g-dev dataset-fashion-mnist   # the reference trainer (gzip'd IDX files, its dataset)
+  python3-torch libtorch-dev pybind11-dev  # loom_torch (python/): the torch.distributed backend
 )
 
 missing=()

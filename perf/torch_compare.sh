@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# torch.distributed all_reduce latency/bandwidth and DDP step time, backend
+# loom vs gloo in the same job, for 2 and 4 ranks (perf/torch_compare.py has
+# the method). Needs a build with loom_torch (python3-torch, libtorch-dev,
+# pybind11-dev). Extra arguments go to torch_compare.py (e.g. --max-bytes).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD/build/python OMP_NUM_THREADS=1
+for n in ${RANKS:-2 4}; do
+  /usr/bin/python3 -m loom_torch.run --nproc_per_node "$n" perf/torch_compare.py "$@" 2>&1 |
+    grep -v -e '^\*\*\*\*' -e 'OMP_NUM_THREADS' -e '^WARNING:torch.distributed.run'
+done
