@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <cstring>
 #include <map>
 
@@ -20,9 +21,25 @@ namespace loom {
 
 namespace {
 
-// Tag of a slot message: sender rank in the high half, channel in the low.
+// Tag of a slot message: sender rank in the high half, channel in the low;
+// bit 31 marks the credit messages that flow back.
 ucp_tag_t slotTag(int sender, int channel) { return (ucp_tag_t(uint32_t(sender)) << 32) | uint32_t(channel); }
+ucp_tag_t creditTag(int sender, int channel) { return slotTag(sender, channel) | (ucp_tag_t(1) << 31); }
 constexpr ucp_tag_t kFullMask = ~ucp_tag_t(0);
+
+// UCX 1.13 treats a failed cross-memory copy (cma) to a peer whose
+// endpoint has no error handling -- the only kind its shared memory allows
+// -- as fatal and aborts the survivor.  Such a peer died; the copy returns
+// an error to UCX and loom's pidfd watch reports loomRemoteError, so that
+// one message is demoted to a loom warning instead of killing this rank.
+ucs_log_func_rc_t deadPeerCopyLog(const char* file, unsigned, const char*, ucs_log_level_t level,
+                                  const ucs_log_component_config_t*, const char* fmt, va_list ap) {
+  if (level != UCS_LOG_LEVEL_FATAL || !file || !strstr(file, "cma_ep.c")) return UCS_LOG_FUNC_RC_CONTINUE;
+  char msg[512];
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  LOOM_WARN("NET", "UCX shared-memory copy to a peer failed (peer died?): %s", msg);
+  return UCS_LOG_FUNC_RC_STOP;
+}
 
 // Swallows UCX's log while loom probes for a feature it can do without.
 ucs_log_func_rc_t quietLog(const char*, unsigned, const char*, ucs_log_level_t, const ucs_log_component_config_t*,
@@ -55,6 +72,10 @@ struct Rings {
   uint8_t* send = nullptr;
   uint8_t* recv = nullptr;
   std::vector<SlotOp> sendOps, recvOps;
+  // Flow control: cumulative counts of released receive slots, as sent to
+  // the peer (creditOut) and as last heard from it (creditIn).
+  uint64_t creditOut = 0, creditIn = 0;
+  SlotOp creditSend, creditRecv;
   ~Rings() {
     free(send);
     free(recv);
@@ -64,7 +85,7 @@ struct Rings {
       if (op.busy) return true;
     for (const SlotOp& op : recvOps)
       if (op.busy) return true;
-    return false;
+    return creditSend.busy || creditRecv.busy;
   }
 };
 
@@ -96,11 +117,30 @@ class UcxWorker {
       }
       ucp_request_free(r);
     }
+    drainUnexpected();  // the peers' last credits, which nobody waits for
     for (auto& kv : memh_) ucp_mem_unmap(context_, kv.second);
     if (readyFd_ >= 0) close(readyFd_);
     if (worker_) ucp_worker_destroy(worker_);
     if (context_) ucp_cleanup(context_);
     for (Rings* r : orphans_) delete r;
+  }
+
+  void drainUnexpected() {
+    if (!worker_) return;
+    std::vector<uint8_t> scratch;
+    for (int n = 0; n < 100000; ++n) {
+      ucp_tag_recv_info_t info{};
+      ucp_tag_message_h m = ucp_tag_probe_nb(worker_, 0, 0, 1, &info);
+      if (!m) return;
+      scratch.resize(std::max<size_t>(info.length, 1));
+      ucp_request_param_t prm{};
+      void* r = ucp_tag_msg_recv_nbx(worker_, scratch.data(), info.length, m, &prm);
+      if (!UCS_PTR_IS_PTR(r)) continue;
+      int64_t deadline = nowMs() + 1000;
+      while (ucp_request_check_status(r) == UCS_INPROGRESS && nowMs() < deadline) ucp_worker_progress(worker_);
+      if (ucp_request_check_status(r) == UCS_INPROGRESS) return;  // leave it to ucp_worker_destroy
+      ucp_request_free(r);
+    }
   }
 
   bool init(int rank, const std::string& tls, std::string* why) {
@@ -193,6 +233,11 @@ class UcxWorker {
       ep.field_mask &= ~uint64_t(UCP_EP_PARAM_FIELD_ERR_HANDLER);
       s = ucp_ep_create(worker_, &ep, &p.ep);
       p.peerMode = false;
+      static bool handlerInstalled = false;  // (init is serialised by the bootstrap's caller)
+      if (!handlerInstalled) {
+        handlerInstalled = true;
+        ucs_log_push_handler(&deadPeerCopyLog);
+      }
       if (s == UCS_OK)
         LOOM_INFO("NET", "rank %d: UCX endpoint to rank %d has no peer-failure handling (transport lacks "
                   "it); watching the peer's process instead", rank_, peer);
@@ -311,11 +356,13 @@ class UcxConnection : public Connection {
     sendMemh_ = w_->memh(r_->send, r_->bytes);
     recvMemh_ = w_->memh(r_->recv, r_->bytes);
     for (uint64_t i = 0; i < slots_; ++i) postRecv(i);
+    postCreditRecv();
   }
 
   ~UcxConnection() override {
     for (SlotOp& op : r_->recvOps)
       if (op.busy && op.req) ucp_request_cancel(w_->worker(), op.req);
+    if (r_->creditRecv.busy && r_->creditRecv.req) ucp_request_cancel(w_->worker(), r_->creditRecv.req);
     // Sends to a live peer finish (it matched them, or will); wait a little
     // for their completions, then let the worker free what is still in use
     // once no callback can touch it.
@@ -336,10 +383,14 @@ class UcxConnection : public Connection {
   const char* name() const override { return "ucx"; }
   size_t slotBytes() const override { return slotBytes_; }
 
+  // A slot is free when its last send has completed here and the peer has
+  // released enough receive slots that this message finds one posted.
+  bool sendFree() const { return sendHead_ - sendDone_ < slots_ && sendHead_ - peerReleased_ < slots_; }
+
   void* sendAcquire() override {
-    if (sendHead_ - sendDone_ >= slots_) {
+    if (!sendFree()) {
       progress();
-      if (sendHead_ - sendDone_ >= slots_) return nullptr;
+      if (!sendFree()) return nullptr;
     }
     return sendSlot(sendHead_) + sizeof(SlotTag);
   }
@@ -356,7 +407,7 @@ class UcxConnection : public Connection {
     prm.user_data = &op;
     prm.memh = sendMemh_;
     op.busy = true;
-    void* r = ucp_tag_send_sync_nbx(ep_, s, sizeof(SlotTag) + tag.bytes, slotTag(rank_, channel_), &prm);
+    void* r = ucp_tag_send_nbx(ep_, s, sizeof(SlotTag) + tag.bytes, slotTag(rank_, channel_), &prm);
     if (UCS_PTR_IS_ERR(r)) {
       op.busy = false;
       op.status = UCS_PTR_STATUS(r);
@@ -392,10 +443,18 @@ class UcxConnection : public Connection {
   void recvRelease() override {
     postRecv(recvTail_ % slots_);
     ++recvTail_;
+    sendCredit();
   }
 
   void progress() override {
     w_->progress();
+    SlotOp& cr = r_->creditRecv;
+    if (!cr.busy) {
+      if (cr.status == UCS_OK && cr.length == sizeof(uint64_t))
+        peerReleased_ = std::max(peerReleased_, r_->creditIn);
+      postCreditRecv();
+    }
+    sendCredit();
     while (sendDone_ != sendHead_) {
       SlotOp& op = r_->sendOps[size_t(sendDone_ % slots_)];
       if (op.busy) break;
@@ -450,6 +509,44 @@ class UcxConnection : public Connection {
     if (op.busy) op.req = r;  // (the callback may already have run)
   }
 
+  // Tells the peer how many of its slots this side has released, once half
+  // the ring is free again (and never with two credit messages in flight:
+  // the count is cumulative, so a later one says everything).
+  void sendCredit() {
+    SlotOp& op = r_->creditSend;
+    if (op.busy || recvTail_ - reported_ < std::max<uint64_t>(1, slots_ / 2)) return;
+    r_->creditOut = recvTail_;
+    reported_ = recvTail_;
+    op = SlotOp{};
+    ucp_request_param_t prm{};
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    prm.cb.send = &UcxConnection::onSend;
+    prm.user_data = &op;
+    op.busy = true;
+    void* r = ucp_tag_send_nbx(ep_, &r_->creditOut, sizeof r_->creditOut, creditTag(rank_, channel_), &prm);
+    // A peer that is gone needs no credit; its failure shows on the data path.
+    if (r == nullptr || UCS_PTR_IS_ERR(r)) op.busy = false;
+    else if (op.busy) op.req = r;
+  }
+
+  void postCreditRecv() {
+    SlotOp& op = r_->creditRecv;
+    op = SlotOp{};
+    ucp_request_param_t prm{};
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    prm.cb.recv = &UcxConnection::onRecv;
+    prm.user_data = &op;
+    op.busy = true;
+    void* r = ucp_tag_recv_nbx(w_->worker(), &r_->creditIn, sizeof r_->creditIn, creditTag(peer_, channel_),
+                               kFullMask, &prm);
+    if (UCS_PTR_IS_ERR(r)) {
+      op.busy = false;
+      fail(loomRemoteError, "rank %d: cannot post a UCX receive from rank %d: %s", rank_, peer_,
+           ucs_status_string(UCS_PTR_STATUS(r)));
+    }
+    if (op.busy) op.req = r;
+  }
+
   [[noreturn]] void failPeer(const char* doing) {
     ucs_status_t s = w_->peerError(peer_);
     for (const SlotOp& op : r_->sendOps)
@@ -489,7 +586,9 @@ class UcxConnection : public Connection {
   Rings* r_ = nullptr;
   ucp_mem_h sendMemh_ = nullptr, recvMemh_ = nullptr;
   uint64_t sendHead_ = 0, sendDone_ = 0;
+  uint64_t peerReleased_ = 0;  // the peer's released receive slots (its last credit)
   uint64_t recvTail_ = 0;
+  uint64_t reported_ = 0;      // recvTail_ as last sent to the peer
 };
 
 }  // namespace
