@@ -54,6 +54,12 @@ TEST_CASE("forced tree and rhd algorithms, groups and splits work over ucx", "[u
   CHECK(loomRun(ucxEnv("sm"), 3, "sequence") == 0);
 }
 
+TEST_CASE("ranks that call different collectives over ucx fail with an error instead of hanging", "[ucx][fault]") {
+  const char* tls = GENERATE("tcp", "sm");
+  INFO("UCX_TLS=" << tls);
+  CHECK(loomRun(ucxEnv(tls) + " LOOM_TIMEOUT_MS=20000", 3, "mismatch", 60) == 0);
+}
+
 TEST_CASE("ranks posing as 2 hosts use shm within a host and ucx between hosts", "[ucx][hosts]") {
   CHECK(loomRun(std::string(kQuiet) + " LOOM_TRANSPORTS=shm,ucx UCX_TLS=tcp", 4, "matrix 0,1,7,1027,70001", 300,
                 "--hosts 2") == 0);

@@ -172,7 +172,9 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
     if (r != rank && !shmPeer_[size_t(r)] && !ucxPeer_[size_t(r)] && !(transports_ & kTcpBit))
       fail(loomInvalidUsage, "rank %d cannot reach rank %d: LOOM_TRANSPORTS=%s allows no tcp and they %s%s",
            rank, r, cfg.transports.c_str(),
-           ok[size_t(r)] ? "could not map shared memory" : "share no memory (different hosts or no shm)",
+           !(transports_ & kShmBit) ? "may not use shm"
+           : ok[size_t(r)]          ? "could not map shared memory"
+                                    : "are on different hosts",
            (transports_ & kUcxBit) ? (ucxWhy_.empty() ? "; UCX is not available on one of them (see its log)"
                                                      : ("; UCX is not available here: " + ucxWhy_).c_str())
                                    : "");
