@@ -32,7 +32,7 @@ TEST_CASE("every collective type, datatype and op is exact over ucx (UCX_TLS=sm)
   CHECK(loomRun(ucxEnv("sm"), n, "matrix 0,1,7,1027") == 0);
 }
 
-TEST_CASE("large collectives over ucx (1 MiB, 64 MiB; multi-slot, beyond UCX eager sizes) stay exact", "[ucx][large]") {
+TEST_CASE("large collectives over ucx (1 MiB and 64 MiB: many slots per step) stay exact", "[ucx][large]") {
   const char* tls = GENERATE("tcp", "sm");
   int n = GENERATE(2, 3);
   INFO("UCX_TLS=" << tls << ", nranks " << n);
