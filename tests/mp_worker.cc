@@ -9,7 +9,8 @@
 //   mp-worker badargs      wrong arguments fail cleanly and do no harm
 //   mp-worker mismatch     ranks calling different collectives get an error, no hang
 //   mp-worker split        loomCommSplit into even/odd ranks
-//   mp-worker crash R B    rank R dies (SIGKILL) during a B-byte all-reduce
+//   mp-worker crash R B [remote]  rank R dies (SIGKILL) during a B-byte all-reduce
+//                          (remote: the others must see loomRemoteError, not a timeout)
 //   mp-worker soak SEED N SECONDS   N random operations (collective, size,
 //                          type, op, root, in-place, stream), all checked
 #include <signal.h>
@@ -319,7 +320,7 @@ static void scenarioSplit(loomComm_t comm) {
   CHECK_LOOM(loomCommDestroy(half));
 }
 
-static void scenarioCrash(loomComm_t comm, int victim, size_t bytes) {
+static void scenarioCrash(loomComm_t comm, int victim, size_t bytes, bool remoteOnly) {
   std::vector<float> buf(bytes / 4, 1.0f);
   for (int it = 0; it < 1000; ++it) {
     if (gRank == victim && it == 2) {
@@ -332,7 +333,8 @@ static void scenarioCrash(loomComm_t comm, int victim, size_t bytes) {
     loomResult_t r = loomAllReduce(buf.data(), buf.data(), buf.size(), loomFloat32, loomSum, comm, nullptr);
     if (r != loomSuccess) {
       printf("rank %d: iteration %d: %s: %s\n", gRank, it, loomGetErrorString(r), loomGetLastError(comm));
-      expect(r == loomRemoteError || r == loomTimeout, "a dead peer gives remote error or timeout");
+      if (remoteOnly) expect(r == loomRemoteError, "a dead peer gives remote error (not a timeout)");
+      else expect(r == loomRemoteError || r == loomTimeout, "a dead peer gives remote error or timeout");
       loomCommAbort(comm);
       exit(gFailures ? 1 : 0);
     }
@@ -398,7 +400,8 @@ int main(int argc, char** argv) {
   else if (sc == "soak")
     scenarioSoak(comm, argc > 2 ? strtoull(argv[2], nullptr, 10) : 1, argc > 3 ? atoi(argv[3]) : 1000,
                  argc > 4 ? atof(argv[4]) : 60);
-  else if (sc == "crash") scenarioCrash(comm, atoi(argv[2]), strtoull(argv[3], nullptr, 10));
+  else if (sc == "crash") scenarioCrash(comm, atoi(argv[2]), strtoull(argv[3], nullptr, 10),
+                                       argc > 4 && strcmp(argv[4], "remote") == 0);
   else {
     fprintf(stderr, "unknown scenario %s\n", sc.c_str());
     return 2;

@@ -17,10 +17,19 @@
 #include "src/device/host_reduce.h"
 #include "src/tuner/tuner.h"
 #include "transports/tcp/tcp_transport.h"
+#ifdef LOOM_HAVE_UCX
+#include "transports/ucx/ucx_transport.h"
+#endif
 
 using namespace loom;
 
 namespace loom {
+
+#ifdef LOOM_HAVE_UCX
+static constexpr uint32_t kAllTransports = kShmBit | kTcpBit | kUcxBit;
+#else
+static constexpr uint32_t kAllTransports = kShmBit | kTcpBit;
+#endif
 
 uint32_t parseTransports(const std::string& spec) {
   uint32_t bits = 0;
@@ -31,9 +40,16 @@ uint32_t parseTransports(const std::string& spec) {
     std::string t = spec.substr(pos, end - pos);
     if (t == "shm") bits |= kShmBit;
     else if (t == "tcp") bits |= kTcpBit;
+#ifdef LOOM_HAVE_UCX
+    else if (t == "ucx") bits |= kUcxBit;
+#else
+    else if (t == "ucx")
+      fail(loomInvalidArgument, "LOOM_TRANSPORTS=%s: this loom was built without UCX (pkg-config found no "
+           "ucx), so it has only shm and tcp", spec.c_str());
+#endif
     else if (!t.empty())
-      fail(loomInvalidArgument, "LOOM_TRANSPORTS=%s: unknown transport '%s' (this build has shm, tcp)",
-           spec.c_str(), t.c_str());
+      fail(loomInvalidArgument, "LOOM_TRANSPORTS=%s: unknown transport '%s' (this build has shm, %stcp)",
+           spec.c_str(), t.c_str(), (kAllTransports & kUcxBit) ? "ucx, " : "");
     pos = end + 1;
   }
   if (!bits) fail(loomInvalidArgument, "LOOM_TRANSPORTS=%s names no transport", spec.c_str());
@@ -56,6 +72,7 @@ std::shared_ptr<loomComm> loomComm::create(const UniqueIdData& id, int nranks, i
 
 loomComm::~loomComm() {
   conns_.clear();
+  ucx_.reset();
   for (auto& kv : acceptedFds_) close(kv.second);
   for (int fd : pidfds_)
     if (fd >= 0) close(fd);
@@ -157,11 +174,19 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
     ok[size_t(r)] = 1;
   }
   all = boot.allGather(ok.data(), ok.size());
-  for (int r = 0; r < nranks; ++r) {
+  for (int r = 0; r < nranks; ++r)
     shmPeer_[size_t(r)] = ok[size_t(r)] && all[size_t(r) * size_t(nranks) + size_t(rank)];
-    if (r != rank && !shmPeer_[size_t(r)] && !(transports_ & kTcpBit))
-      fail(loomInvalidUsage, "rank %d cannot reach rank %d: LOOM_TRANSPORTS allows only shm and they %s",
-           rank, r, ok[size_t(r)] ? "could not map shared memory" : "are on different hosts");
+  initUcx(boot);
+  for (int r = 0; r < nranks; ++r) {
+    if (r != rank && !shmPeer_[size_t(r)] && !ucxPeer_[size_t(r)] && !(transports_ & kTcpBit))
+      fail(loomInvalidUsage, "rank %d cannot reach rank %d: LOOM_TRANSPORTS=%s allows no tcp and they %s%s",
+           rank, r, cfg.transports.c_str(),
+           !(transports_ & kShmBit) ? "may not use shm"
+           : ok[size_t(r)]          ? "could not map shared memory"
+                                    : "are on different hosts",
+           (transports_ & kUcxBit) ? (ucxWhy_.empty() ? "; UCX is not available on one of them (see its log)"
+                                                     : ("; UCX is not available here: " + ucxWhy_).c_str())
+                                   : "");
   }
   oversubscribed_ = long(local.size() + 1) > sysconf(_SC_NPROCESSORS_ONLN);
   allShm_ = nranks > 1;
@@ -175,9 +200,47 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
             mine.hostId, local.size(), slots_, slotBytes_);
 }
 
+// UCX worker addresses travel in a separate allGather of fixed-size records
+// (every rank takes part when rank 0's LOOM_TRANSPORTS names ucx; a rank
+// that needs no UCX, or cannot start it, sends an empty record).  A pair
+// that shares no memory uses UCX when both ends have a worker.
+void loomComm::initUcx(Bootstrap& boot) {
+  ucxPeer_.assign(size_t(nranks_), false);
+  if (!(transports_ & kUcxBit)) return;
+#ifdef LOOM_HAVE_UCX
+  bool need = false;
+  for (int r = 0; r < nranks_; ++r) need |= r != rank_ && !shmPeer_[size_t(r)];
+  UcxAddrRecord mine{};
+  if (need) {
+    ucx_ = ucxCreateWorker(rank_, config().ucxTls, &ucxWhy_);
+    if (ucx_) mine = ucxAddress(*ucx_, &ucxWhy_);
+    if (!mine.len) {
+      ucx_.reset();
+      LOOM_WARN("NET", "rank %d: no UCX (%s)%s", rank_, ucxWhy_.c_str(),
+                (transports_ & kTcpBit) ? "; using tcp" : "");
+    }
+  }
+  std::vector<uint8_t> all = boot.allGather(&mine, sizeof mine);
+  if (!ucx_) return;
+  for (int r = 0; r < nranks_; ++r) {
+    if (r == rank_ || shmPeer_[size_t(r)]) continue;
+    UcxAddrRecord rec;
+    memcpy(&rec, all.data() + size_t(r) * sizeof rec, sizeof rec);
+    if (!rec.len || rec.len > kUcxAddrMax) continue;
+    ucxSetPeerAddress(*ucx_, r, rec);
+    ucxPeer_[size_t(r)] = true;
+  }
+  LOOM_INFO("INIT", "rank %d: ucx worker address %u bytes (UCX_TLS %s)", rank_, mine.len,
+            !config().ucxTls.empty() ? config().ucxTls.c_str() : getenv("UCX_TLS") ? getenv("UCX_TLS") : "default");
+#else
+  (void)boot;  // parseTransports refuses ucx in builds without UCX
+#endif
+}
+
 const char* loomComm::transportTo(int peer) const {
   if (peer == rank_) return "self";
-  return shmPeer_[size_t(peer)] ? "shm" : "tcp";
+  if (shmPeer_[size_t(peer)]) return "shm";
+  return ucxPeer_[size_t(peer)] ? "ucx" : "tcp";
 }
 
 // Tickets are atomics so that the uncontended case (one thread issuing and
@@ -396,6 +459,13 @@ void loomComm::prepare(const std::vector<std::pair<int, int>>& needed) {
     if (shmPeer_[size_t(peer)]) {
       conns_[key] = makeShmConnection(inbox_.get(), peerInbox_[size_t(peer)].get(), rank_, peer, ch,
                                       peers_[size_t(peer)].pid, pidfds_[size_t(peer)]);
+#ifdef LOOM_HAVE_UCX
+    } else if (ucxPeer_[size_t(peer)]) {
+      const RankInfo& info = peers_[size_t(peer)];
+      // Same loopback domain: the peer's pid means something here.
+      conns_[key] = makeUcxConnection(ucx_, rank_, peer, ch, slotBytes_, int(slots_),
+                                      info.localKey == localKey() ? info.pid : 0);
+#endif
     } else if (rank_ > peer) {
       const RankInfo& info = peers_[size_t(peer)];
       SockAddr addr;

@@ -35,7 +35,8 @@ struct RankInfo {
   uint64_t commTag;    // rank 0's value is used by all
 };
 
-enum TransportBits : uint32_t { kShmBit = 1, kTcpBit = 2 };
+enum TransportBits : uint32_t { kShmBit = 1, kTcpBit = 2, kUcxBit = 4 };
+class UcxWorker;  // transports/ucx (only in builds with UCX)
 uint32_t parseTransports(const std::string& spec);
 
 }  // namespace loom
@@ -110,6 +111,7 @@ struct loomComm : public loom::ExecEnv, public std::enable_shared_from_this<loom
   void waitFor(Ready ready, int peer, const loom::SlotTag& tag, const char* what);
   // Throws if peer visibly runs another operation than `tag` on the other path.
   void crossPathCheck(int peer, const loom::SlotTag& tag);
+  void initUcx(loom::Bootstrap& boot);  // address exchange; sets ucxPeer_
   int acceptData(int64_t deadline, std::map<std::pair<int, int>, int>& stash);
 
   int rank_ = 0, nranks_ = 0;
@@ -130,6 +132,9 @@ struct loomComm : public loom::ExecEnv, public std::enable_shared_from_this<loom
   std::vector<loom::RankInfo> peers_;
   std::vector<bool> shmPeer_;
   std::vector<int> hostOf_;  // host number of each rank (same hostId, same number)
+  std::vector<bool> ucxPeer_;                // pairs that talk through UCX
+  std::shared_ptr<loom::UcxWorker> ucx_;     // set when some peer uses UCX
+  std::string ucxWhy_;                       // why this rank has no UCX worker
   int listenFd_ = -1;
   std::unique_ptr<loom::ShmInbox> inbox_;
   std::vector<std::unique_ptr<loom::ShmInbox>> peerInbox_;

@@ -8,6 +8,13 @@
 
 namespace loom {
 
+// The default keeps loom's own tcp between hosts even in builds with UCX:
+// perf/ucx_compare.sh measured UCX's tcp about 2x slower than loom's tcp for
+// all-reduces of 256 KiB and more (on par at small sizes); with no RDMA NIC
+// to test UCX on, nothing here shows it faster.  LOOM_TRANSPORTS=shm,ucx,tcp
+// prefers ucx between hosts (see README).
+static const char* const kDefaultTransports = "shm,tcp";
+
 const std::vector<ConfigVar>& configTable() {
   static const std::vector<ConfigVar> table = {
       {"LOOM_DEBUG", "NONE|WARN|INFO|TRACE", "WARN", "how much loom logs to stderr"},
@@ -15,8 +22,11 @@ const std::vector<ConfigVar>& configTable() {
        "subsystems logged at INFO/TRACE: INIT,BOOT,NET,SHM,COLL,TUNE"},
       {"LOOM_TIMEOUT_MS", "int", "600000",
        "an operation or init that makes no progress for this long fails with loomTimeout"},
-      {"LOOM_TRANSPORTS", "list", "shm,tcp",
-       "transports loom may use, in order of preference (shm: same host; tcp: any pair)"},
+      {"LOOM_TRANSPORTS", "list", kDefaultTransports,
+       "transports loom may use (shm: same host; ucx: any pair, builds with UCX only, preferred over "
+       "tcp when both are listed; tcp: any pair)"},
+      {"LOOM_UCX_TLS", "list", "(UCX_TLS)",
+       "UCX transports for the ucx transport (passed to UCX as UCX_TLS, e.g. tcp or sm); unset: UCX_TLS / UCX's choice"},
       {"LOOM_SOCKET_IFNAME", "name", "(route to root)",
        "network interface for bootstrap and tcp; default: the one that reaches the root"},
       {"LOOM_HOST_ID", "string", "(hostname+boot id)",
@@ -71,7 +81,8 @@ static Config readConfig() {
   c.debug = env("LOOM_DEBUG") ? env("LOOM_DEBUG") : "WARN";
   c.debugSubsys = env("LOOM_DEBUG_SUBSYS") ? env("LOOM_DEBUG_SUBSYS") : "";
   c.timeoutMs = envInt("LOOM_TIMEOUT_MS", 600000, 1, int64_t(1) << 40);
-  c.transports = env("LOOM_TRANSPORTS") ? env("LOOM_TRANSPORTS") : "shm,tcp";
+  c.transports = env("LOOM_TRANSPORTS") ? env("LOOM_TRANSPORTS") : kDefaultTransports;
+  c.ucxTls = env("LOOM_UCX_TLS") ? env("LOOM_UCX_TLS") : "";
   c.socketIfname = env("LOOM_SOCKET_IFNAME") ? env("LOOM_SOCKET_IFNAME") : "";
   c.hostId = env("LOOM_HOST_ID") ? env("LOOM_HOST_ID") : "";
   c.spinUs = envInt("LOOM_SPIN_US", 20, 0, 10000000);

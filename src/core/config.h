@@ -23,6 +23,7 @@ struct Config {
   std::string debugSubsys;    // LOOM_DEBUG_SUBSYS
   int64_t timeoutMs;          // LOOM_TIMEOUT_MS
   std::string transports;     // LOOM_TRANSPORTS
+  std::string ucxTls;         // LOOM_UCX_TLS
   std::string socketIfname;   // LOOM_SOCKET_IFNAME
   std::string hostId;         // LOOM_HOST_ID
   int64_t spinUs;             // LOOM_SPIN_US

@@ -1,0 +1,125 @@
+// Multi-process tests of the ucx transport: real ranks (loom-run / fork)
+// with LOOM_TRANSPORTS=ucx, so every pair talks through UCX (there is no
+// other transport to fall back to), once with UCX on tcp and once on shared
+// memory (UCX_TLS=sm).  Built only when UCX is; otherwise ctest reports the
+// suite as skipped.
+#include <dirent.h>
+
+#include <catch2/catch.hpp>
+#include <set>
+#include <string>
+
+#include "tests/proc_util.h"
+
+using loomtest::loomRun;
+
+// UCX_WARN_UNUSED_ENV_VARS=n: loom's own UCX_* settings are not typos.
+static const char* kQuiet = "UCX_WARN_UNUSED_ENV_VARS=n";
+
+static std::string ucxEnv(const char* tls) {
+  return std::string(kQuiet) + " LOOM_TRANSPORTS=ucx UCX_TLS=" + tls;
+}
+
+TEST_CASE("every collective type, datatype and op is exact over ucx (UCX_TLS=tcp)", "[ucx][tcp]") {
+  int n = GENERATE(2, 3, 5);
+  INFO("nranks " << n);
+  CHECK(loomRun(ucxEnv("tcp"), n, "matrix 0,1,7,1027") == 0);
+}
+
+TEST_CASE("every collective type, datatype and op is exact over ucx (UCX_TLS=sm)", "[ucx][sm]") {
+  int n = GENERATE(2, 3, 4, 5);
+  INFO("nranks " << n);
+  CHECK(loomRun(ucxEnv("sm"), n, "matrix 0,1,7,1027") == 0);
+}
+
+TEST_CASE("large collectives over ucx (1 MiB and 64 MiB: many slots per step) stay exact", "[ucx][large]") {
+  const char* tls = GENERATE("tcp", "sm");
+  int n = GENERATE(2, 3);
+  INFO("UCX_TLS=" << tls << ", nranks " << n);
+  CHECK(loomRun(ucxEnv(tls), n, "matrix 262149 2,6,7,8") == 0);
+  if (n == 2) CHECK(loomRun(ucxEnv(tls), n, "matrix 16777216 7 0") == 0);
+}
+
+TEST_CASE("LOOM_UCX_TLS overrides UCX_TLS and small slot rings cannot deadlock ucx", "[ucx]") {
+  // LOOM_UCX_TLS=tcp wins over UCX_TLS=bogus (which alone makes UCX fail).
+  CHECK(loomRun(std::string(kQuiet) + " LOOM_TRANSPORTS=ucx UCX_TLS=bogus LOOM_UCX_TLS=tcp LOOM_SLOTS=2 "
+                "LOOM_SLOT_BYTES=4096 LOOM_TIMEOUT_MS=60000", 3, "matrix 70001,262149 7,2 0,2", 120) == 0);
+}
+
+TEST_CASE("forced tree and rhd algorithms, groups and splits work over ucx", "[ucx]") {
+  CHECK(loomRun(ucxEnv("sm") + " LOOM_ALGO=tree", 5, "matrix 0,7,70001 all 0,2") == 0);
+  CHECK(loomRun(ucxEnv("tcp") + " LOOM_ALGO=rhd", 4, "matrix 0,7,70001 all 0,2") == 0);
+  CHECK(loomRun(ucxEnv("tcp"), 3, "group") == 0);
+  CHECK(loomRun(ucxEnv("sm"), 3, "split") == 0);
+  CHECK(loomRun(ucxEnv("sm"), 3, "sequence") == 0);
+}
+
+TEST_CASE("ranks that call different collectives over ucx fail with an error instead of hanging", "[ucx][fault]") {
+  const char* tls = GENERATE("tcp", "sm");
+  INFO("UCX_TLS=" << tls);
+  CHECK(loomRun(ucxEnv(tls) + " LOOM_TIMEOUT_MS=20000", 3, "mismatch", 60) == 0);
+}
+
+TEST_CASE("ranks posing as 2 hosts use shm within a host and ucx between hosts", "[ucx][hosts]") {
+  CHECK(loomRun(std::string(kQuiet) + " LOOM_TRANSPORTS=shm,ucx UCX_TLS=tcp", 4, "matrix 0,1,7,1027,70001", 300,
+                "--hosts 2") == 0);
+  // With tcp allowed too, ucx is preferred between hosts: the ranks start a
+  // UCX worker (logged at INFO) and the soak's results are exact.
+  std::string cmd = std::string(kQuiet) + " LOOM_TRANSPORTS=shm,ucx,tcp UCX_TLS=tcp LOOM_DEBUG=INFO " +
+                    "LOOM_DEBUG_SUBSYS=INIT " + loomtest::binDir() + "/loom-run -n 5 --hosts 2 --timeout 300 -- " +
+                    loomtest::binDir() + "/mp-worker soak " + std::to_string(time(nullptr)) + " 300 20";
+  CHECK(loomtest::shell("out=$(" + cmd + " 2>&1); rc=$?; echo \"$out\" | grep -v INFO | tail -3; "
+                        "[ $rc -eq 0 ] && echo \"$out\" | grep -q 'ucx worker address'") == 0);
+}
+
+TEST_CASE("a UCX that cannot start fails init with a clear error, not a hang", "[ucx]") {
+  // Only ucx allowed and UCX given no usable transport: every rank must exit
+  // non-zero well before loom-run's limit (it kills on --timeout: 137).
+  int rc = loomRun(std::string(kQuiet) + " LOOM_TRANSPORTS=ucx UCX_TLS=bogus LOOM_TIMEOUT_MS=30000", 2,
+                   "matrix 7", 60);
+  CHECK(rc != 0);
+  CHECK(rc != 124);
+  CHECK(rc != 137);
+}
+
+static std::set<std::string> devShm() {
+  std::set<std::string> names;
+  if (DIR* d = opendir("/dev/shm")) {
+    while (dirent* e = readdir(d)) names.insert(e->d_name);
+    closedir(d);
+  }
+  return names;
+}
+
+TEST_CASE("killing a rank during a 64 MiB all-reduce over ucx gives the others loomRemoteError", "[ucx][fault]") {
+  const char* tls = GENERATE("tcp", "sm");
+  int n = GENERATE(2, 3);
+  INFO("UCX_TLS=" << tls << ", nranks " << n);
+  std::set<std::string> before = devShm();
+  bool timedOut = false;
+  int victim = n - 1;
+  // LOOM_TIMEOUT_MS is far above the test's limit: only UCX's error
+  // handling (endpoint failure -> loomRemoteError) can end the survivors in
+  // time, and the worker's "remote" mode rejects a timeout.
+  auto res = loomtest::spawnRanks(n, {"crash", std::to_string(victim), std::to_string(64 << 20), "remote"},
+                                  {"LOOM_TRANSPORTS=ucx", std::string("UCX_TLS=") + tls, kQuiet,
+                                   "LOOM_TIMEOUT_MS=300000"},
+                                  90, &timedOut);
+  CHECK_FALSE(timedOut);
+  for (int r = 0; r < n; ++r) {
+    INFO("rank " << r);
+    if (r == victim) {
+      CHECK(res[size_t(r)].signal == SIGKILL);
+    } else {
+      CHECK(res[size_t(r)].exited);
+      CHECK(res[size_t(r)].code == 0);
+    }
+  }
+  // UCX's shared-memory segments of the dead rank are UCX's to clean; loom
+  // must leave none of its own.
+  for (const std::string& name : devShm()) {
+    if (before.count(name) || name.rfind("ucx_", 0) == 0) continue;
+    INFO("left in /dev/shm: " << name);
+    CHECK(before.count(name) == 1);
+  }
+}

@@ -1,0 +1,84 @@
+// UCX transport: slots travel as UCP tagged messages.
+//
+// Tag API, not active messages.  A loom connection is a FIFO of fixed-size
+// slots per (peer, channel) whose receive side owns a ring of slot buffers.
+// The tag API fits that exactly: every free receive slot is a pre-posted
+// ucp_tag_recv_nbx into its own ring buffer, matched by the tag (sender
+// rank, channel) in send order, so UCX lands each slot where the executor
+// will read it -- eager copy for small slots, rendezvous zero-copy for large
+// ones -- with no staging copy on our side.  Active messages would hand us
+// the data in a UCX-owned buffer (eager) or make us answer each rendezvous
+// with a receive anyway, which is the tag path with extra steps.
+//
+// Flow control is the slot count, by credits: the receiver tells the
+// sender (a small eager message with tag bit 31 set, carrying the
+// cumulative number of released receive slots, sent when half the ring has
+// been freed) how far it may run, so at most `slots` messages per direction
+// are ever unconsumed at the receiver and UCX's unexpected queue stays
+// bounded.  Sends are plain ucp_tag_send_nbx: a send slot is reused once UCX
+// has finished with its buffer.  (The first version used
+// ucp_tag_send_sync_nbx, whose completion is the receiver's match; its
+// acknowledgement round trip at the end of every operation made small
+// all-reduces twice as slow as loom's tcp.)
+
+// Zero-copy and registration: both slot rings of a connection are
+// page-aligned and registered once with ucp_mem_map when the connection is
+// made; the handle is passed with every send and receive
+// (UCP_OP_ATTR_FIELD_MEMH), so large slots go by rendezvous get/put straight
+// between the two rings (tcp: zcopy sends; sm: cma/knem-style copies) and no
+// operation registers memory.  The worker keeps these handles in a cache
+// keyed by buffer (UcxWorker::memh), so any ring, however many collectives
+// run over it, is registered exactly once.  User buffers are never given to
+// UCX: the executor reduces/copies straight into the send slot, which is the
+// data's first and only staging place on this side (as for shm and tcp).
+//
+// One UCP context and worker per communicator (a communicator's operations
+// are serialised, so the worker runs in UCS_THREAD_MODE_SERIALIZED), one
+// endpoint per peer (error handling mode PEER: a dead peer fails its
+// endpoint, and checkPeer() turns that into loomRemoteError; UCX 1.13's
+// shared-memory transports cannot do mode PEER, so a peer reachable only
+// through them gets a mode-NONE endpoint and its process is watched through
+// a pidfd instead -- it is on this host by definition), made lazily
+// from worker addresses exchanged through the bootstrap.  Progress happens
+// only inside progress() calls by the executor; an idle rank sleeps in
+// poll() on the worker's event fd (ucp_worker_get_efd / ucp_worker_arm)
+// together with its other descriptors.
+#pragma once
+#include <poll.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "transports/transport.h"
+
+namespace loom {
+
+// Fixed-size record each rank contributes to the bootstrap allGather.
+constexpr size_t kUcxAddrMax = 4088;
+struct UcxAddrRecord {
+  uint32_t len;    // 0: this rank has no UCX worker for this communicator
+  uint32_t pad;
+  uint8_t addr[kUcxAddrMax];
+};
+static_assert(sizeof(UcxAddrRecord) == 4096, "UcxAddrRecord is a wire format");
+
+class UcxWorker;
+
+// Creates a context and worker.  tls: value for UCX_TLS ("" = UCX's own
+// environment / default).  On failure returns nullptr and says why.
+std::shared_ptr<UcxWorker> ucxCreateWorker(int rank, const std::string& tls, std::string* why);
+// This worker's address as a bootstrap record (len 0 and *why if too big).
+UcxAddrRecord ucxAddress(UcxWorker& w, std::string* why);
+// Remembers peer `peer`'s address; its endpoint is made on first use.
+void ucxSetPeerAddress(UcxWorker& w, int peer, const UcxAddrRecord& rec);
+
+// peerPid > 0: the peer is a process on this host (same pid namespace),
+// watched directly when UCX reaches it only through transports without
+// peer-failure handling (UCX 1.13's shared memory); 0 otherwise.
+std::unique_ptr<Connection> makeUcxConnection(std::shared_ptr<UcxWorker> w, int rank, int peer,
+                                              int channel, size_t slotBytes, int slots, int peerPid);
+
+}  // namespace loom
