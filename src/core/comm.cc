@@ -196,6 +196,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
   limits_.oneShotBytes = allShm_ ? mailBytes_ : 0;
   limits_.stageBytes = allShm_ ? stageBytes_ : 0;
   limits_.maxChunkBytes = size_t(slots_ - 1) * slotBytes_;
+  initTuner(boot);
   LOOM_INFO("INIT", "rank %d of %d ready: host %s, %zu local peers, slots %u x %u B", rank, nranks,
             mine.hostId, local.size(), slots_, slotBytes_);
 }
@@ -235,6 +236,44 @@ void loomComm::initUcx(Bootstrap& boot) {
 #else
   (void)boot;  // parseTransports refuses ucx in builds without UCX
 #endif
+}
+
+// The cost model decides from the communicator's shape; every rank must
+// decide alike, so each rank's core count is exchanged and rank 0's
+// decisions (which also reflect its LOOM_TUNING_FILE) are used by all.
+void loomComm::initTuner(Bootstrap& boot) {
+  CommShape shape;
+  shape.nranks = nranks_;
+  shape.hostOf = hostOf_;
+  int32_t cores = int32_t(sysconf(_SC_NPROCESSORS_ONLN));
+  std::vector<uint8_t> all = boot.allGather(&cores, sizeof cores);
+  std::vector<int> perHost(size_t(*std::max_element(hostOf_.begin(), hostOf_.end()) + 1), 0);
+  for (int r = 0; r < nranks_; ++r) {
+    int32_t c;
+    memcpy(&c, all.data() + size_t(r) * sizeof c, sizeof c);
+    int& slot = perHost[size_t(hostOf_[size_t(r)])];
+    slot = slot ? std::min(slot, int(c)) : int(c);
+  }
+  shape.cores = perHost;
+  bool ucxBetween = false;
+  for (int r = 0; r < nranks_; ++r) ucxBetween |= r != rank_ && ucxPeer_[size_t(r)];
+  shape.network = ucxBetween ? LinkClass::Ucx : LinkClass::Tcp;
+  shape.shmWithinHost = (transports_ & kShmBit) != 0;
+  shape.oneShotBytes = limits_.oneShotBytes;
+  shape.stageBytes = limits_.stageBytes;
+  tuner_->setShape(shape);
+  // Rank 0's decisions, as (algorithm, inner) bytes per collective and bucket.
+  std::vector<uint8_t> mine;
+  for (int c = 1; c <= 5; ++c)
+    for (int b = 0; b < Tuner::kBuckets; ++b) {
+      Estimate e = tuner_->decided(Collective(c), b);
+      mine.push_back(uint8_t(e.algo));
+      mine.push_back(uint8_t(e.inner));
+    }
+  all = boot.allGather(mine.data(), mine.size());
+  size_t k = 0;
+  for (int c = 1; c <= 5; ++c)
+    for (int b = 0; b < Tuner::kBuckets; ++b, k += 2) tuner_->adopt(Collective(c), b, Algorithm(all[k]), Algorithm(all[k + 1]));
 }
 
 const char* loomComm::transportTo(int peer) const {

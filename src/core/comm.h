@@ -106,6 +106,7 @@ struct loomComm : public loom::ExecEnv, public std::enable_shared_from_this<loom
   void runOneShot(const loom::OpDesc& op, const loom::SlotTag& tag);
   // Chunked reduce-scatter + all-gather through staging buffers (comm_staged.cc).
   void runStaged(const loom::OpDesc& op, const loom::SlotTag& tag);
+  void initTuner(loom::Bootstrap& boot);
   void runDirect(loom::Algorithm algo, const loom::OpDesc& op, const loom::SlotTag& tag);
   template <class Ready>
   void waitFor(Ready ready, int peer, const loom::SlotTag& tag, const char* what);

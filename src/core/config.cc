@@ -43,7 +43,10 @@ const std::vector<ConfigVar>& configTable() {
        "bytes per ring chunk (a loop covers nranks chunks); 0: 128 KiB; capped at (slots-1) x slot bytes"},
       {"LOOM_NCHANNELS", "int", "0 (tuner)", "parallel channels (lanes) per collective"},
       {"LOOM_ALGO", "string", "(tuner)",
-       "force an algorithm (ring, oneshot, staged, rhd, tree), globally or per collective (allreduce:tree,allgather:ring)"},
+       "force an algorithm (ring, oneshot, staged, rhd, tree, hier, hier-ring, hier-rhd, hier-tree), globally or "
+       "per collective (allreduce:tree,allgather:ring); hier-X: hierarchical with X between hosts"},
+      {"LOOM_TUNING_FILE", "path", "-",
+       "cost-model parameters (key = value lines, as written by loom-topo --calibrate) replacing the built-in ones"},
       {"LOOM_CHECK_MODE", "0|1", "1",
        "check that ranks call the same operation (sequence number + signature per slot)"},
       {"LOOM_RANK / LOOM_WORLD_SIZE", "int", "-", "set by loom-run; read by loomCommInitFromEnv"},
@@ -93,6 +96,7 @@ static Config readConfig() {
   c.chunkBytes = envInt("LOOM_CHUNK_SIZE", 0, 0, int64_t(1) << 40);
   c.channels = envInt("LOOM_NCHANNELS", 0, 0, 16);
   c.algo = env("LOOM_ALGO") ? env("LOOM_ALGO") : "";
+  c.tuningFile = env("LOOM_TUNING_FILE") ? env("LOOM_TUNING_FILE") : "";
   c.checkMode = envInt("LOOM_CHECK_MODE", 1, 0, 1) != 0;
   return c;
 }

@@ -34,6 +34,7 @@ struct Config {
   int64_t chunkBytes;         // LOOM_CHUNK_SIZE (0 = tuner decides)
   int64_t channels;           // LOOM_NCHANNELS (0 = tuner decides)
   std::string algo;           // LOOM_ALGO
+  std::string tuningFile;     // LOOM_TUNING_FILE
   bool checkMode;             // LOOM_CHECK_MODE
 };
 

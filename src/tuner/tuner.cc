@@ -60,6 +60,42 @@ Tuner::Tuner(const Config& cfg) {
     if (forced_[c].empty()) forced_[c] = global;
   channels_ = int(cfg.channels);
   chunkBytes_ = cfg.chunkBytes > 0 ? size_t(cfg.chunkBytes) : kDefaultChunkBytes;
+  params_ = CostParams::defaults();
+  if (!cfg.tuningFile.empty()) {
+    std::string why;
+    CostParams loaded = params_;
+    if (loaded.load(cfg.tuningFile, &why)) params_ = loaded;
+    else LOOM_WARN("TUNE", "LOOM_TUNING_FILE: %s; using the built-in parameters", why.c_str());
+  }
+}
+
+int Tuner::bucketOf(size_t bytes) {
+  int b = 0;
+  while (b < kBuckets - 1 && (size_t(1) << b) < bytes) ++b;
+  return b;
+}
+
+void Tuner::setShape(const CommShape& shape) {
+  shape_ = shape;
+  haveShape_ = true;
+  for (int c = 1; c <= 5; ++c)
+    for (int b = 0; b < kBuckets; ++b)
+      decided_[c][b] = cheapest(estimateAll(Collective(c), size_t(1) << b, shape_, params_));
+}
+
+void Tuner::adopt(Collective coll, int bucket, Algorithm algo, Algorithm inner) {
+  Estimate& e = decided_[int(coll)][bucket];
+  if (e.algo == algo && e.inner == inner) return;
+  for (const Estimate& x : estimateAll(coll, size_t(1) << bucket, shape_, params_))
+    if (x.algo == algo && x.inner == inner) {
+      e = x;
+      return;
+    }
+  e = Estimate{algo, inner, 0, ""};
+}
+
+std::vector<Estimate> Tuner::estimates(Collective coll, size_t bytes) const {
+  return estimateAll(coll, bytes, shape_, params_);
 }
 
 Plan Tuner::choose(const OpDesc& op, int nranks, const TunerLimits& limits) const {
@@ -99,6 +135,18 @@ Plan Tuner::choose(const OpDesc& op, int nranks, const TunerLimits& limits) cons
                   collectiveName(op.coll), whatItServes(forced));
     }
     return plan;
+  }
+  if (haveShape_ && nranks == shape_.nranks && op.coll != Collective::P2P) {
+    // The cost model's choice for this size bucket (whole-buffer bytes, as
+    // loom-perf and the model count them).
+    size_t bytes = rhdOk && op.coll != Collective::AllReduce ? block * size_t(nranks) : block;
+    const Estimate& e = decided_[int(op.coll)][bucketOf(bytes)];
+    bool ok = e.us >= 0 && (e.algo != Algorithm::OneShot || oneShotOk) && (e.algo != Algorithm::Staged || stagedOk);
+    if (ok) {
+      plan.algo = e.algo;
+      plan.inner = e.inner;
+      return plan;
+    }
   }
   if (oneShotOk) plan.algo = Algorithm::OneShot;
   else if (stagedOk) plan.algo = Algorithm::Staged;

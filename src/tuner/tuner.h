@@ -17,6 +17,7 @@
 
 #include "algorithms/schedule.h"
 #include "src/core/config.h"
+#include "src/tuner/cost_model.h"
 
 namespace loom {
 
@@ -32,12 +33,33 @@ struct TunerLimits {
 class Tuner {
  public:
   explicit Tuner(const Config& cfg);
+  // Gives the cost model the communicator's shape (hosts, NUMA, transports,
+  // direct-path limits) and decides every (collective, size bucket) once.
+  // Without a shape the fixed table above decides.
+  void setShape(const CommShape& shape);
   Plan choose(const OpDesc& op, int nranks, const TunerLimits& limits) const;
+  // The model's estimates for one (collective, bytes) on the shape.
+  std::vector<Estimate> estimates(Collective coll, size_t bytes) const;
+  const CostParams& params() const { return params_; }
+  const CommShape& shape() const { return shape_; }
+  bool modelled() const { return haveShape_; }
+  // The decision for one bucket, and replacing it (with another rank's, so
+  // that all ranks of a communicator agree).
+  const Estimate& decided(Collective coll, int bucket) const { return decided_[int(coll)][bucket]; }
+  void adopt(Collective coll, int bucket, Algorithm algo, Algorithm inner);
+
+  static constexpr int kBuckets = 48;  // sizes 2^0 .. 2^47 bytes
+  // Size bucket: the smallest b with bytes <= 2^b.
+  static int bucketOf(size_t bytes);
 
  private:
   std::string forced_[7];  // per Collective value, "" = not forced
   int channels_;
   size_t chunkBytes_;
+  CostParams params_;
+  CommShape shape_;
+  bool haveShape_ = false;
+  Estimate decided_[7][kBuckets];  // per Collective value and size bucket
 };
 
 }  // namespace loom

@@ -1,0 +1,76 @@
+// The tuner's cost model: an alpha-beta estimate of every eligible
+// algorithm's time for one (collective, size) on one communicator shape.
+//
+// A link class has a latency alpha (microseconds per dependent step: the
+// time from one rank posting a slot to the next rank acting on it) and a
+// bandwidth beta (GB/s one rank can push through it while the others do the
+// same).  Host reductions run at gamma GB/s.  An algorithm's time is the sum
+// over its sequential steps of alpha plus the bytes on its busiest link over
+// beta, plus its reduction work over gamma.  The formulas are in
+// cost_model.cc next to each algorithm; every default parameter says where
+// it came from (kDefaults in cost_model.cc), and a tuning file written by
+// `loom-topo --calibrate` (LOOM_TUNING_FILE) replaces any of them.
+#pragma once
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "algorithms/schedule.h"
+
+namespace loom {
+
+enum class LinkClass : int { Shm = 0, ShmCrossNuma = 1, Tcp = 2, Ucx = 3 };
+constexpr int kLinkClasses = 4;
+const char* linkClassName(LinkClass c);  // "shm", "shm_xnuma", "tcp", "ucx"
+
+struct LinkParams {
+  double alphaUs;
+  double betaGBps;
+};
+
+struct CostParams {
+  LinkParams link[kLinkClasses];
+  double reduceGBps;       // host reduction (float32 sum), bytes of output per second
+  double oneShotUs;        // one round through the shm mailboxes (one-shot path)
+  double oversubStepUs;    // extra per dependent step when a host runs more ranks than cores
+  std::string source;      // "defaults" or the tuning file's path
+
+  static CostParams defaults();
+  // Reads `key = value` lines ('#' comments) over the defaults: shm.alpha_us,
+  // shm.beta_GBps, shm_xnuma.*, tcp.*, ucx.*, reduce.GBps, oneshot.us,
+  // oversub.step_us.  Returns false and says why for an unreadable file,
+  // an unknown key or a bad value.
+  bool load(const std::string& path, std::string* why);
+};
+
+// What the model needs to know about a communicator.
+struct CommShape {
+  int nranks = 1;
+  std::vector<int> hostOf;          // host number per rank (0..hosts-1)
+  std::vector<int> numaOf;          // NUMA node per rank (empty: all the same)
+  std::vector<int> cores;           // cores per host (empty: unknown, never oversubscribed)
+  LinkClass network = LinkClass::Tcp;  // between hosts
+  bool shmWithinHost = true;        // false: LOOM_TRANSPORTS keeps shm out
+  size_t oneShotBytes = 0;          // 0: no one-shot path
+  size_t stageBytes = 0;            // 0: no staged path
+  int hosts() const;
+  int mostPerHost() const;
+  bool oversubscribed() const;
+  LinkClass between(int a, int b) const;
+};
+
+struct Estimate {
+  Algorithm algo;
+  Algorithm inner;   // hierarchical: the rails' flat algorithm
+  double us;         // predicted time; < 0: not eligible
+  std::string why;   // not eligible: why
+};
+
+// `bytes` is the size nccl-tests reports: all-reduce, broadcast and reduce
+// count x dtype size; reduce-scatter and all-gather the whole (N x block).
+std::vector<Estimate> estimateAll(Collective coll, size_t bytes, const CommShape& shape, const CostParams& p);
+
+// The cheapest eligible estimate.
+Estimate cheapest(const std::vector<Estimate>& all);
+
+}  // namespace loom
