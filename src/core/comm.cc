@@ -274,6 +274,10 @@ void loomComm::initTuner(Bootstrap& boot) {
   size_t k = 0;
   for (int c = 1; c <= 5; ++c)
     for (int b = 0; b < Tuner::kBuckets; ++b, k += 2) tuner_->adopt(Collective(c), b, Algorithm(all[k]), Algorithm(all[k + 1]));
+  if (rank_ == 0)
+    for (int c = 1; c <= 5; ++c)
+      LOOM_INFO("TUNE", "%s: %s (cost model, %s)", collectiveName(Collective(c)),
+                tuner_->describeDecisions(Collective(c)).c_str(), tuner_->params().source.c_str());
 }
 
 const char* loomComm::transportTo(int peer) const {

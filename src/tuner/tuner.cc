@@ -94,6 +94,28 @@ void Tuner::adopt(Collective coll, int bucket, Algorithm algo, Algorithm inner) 
   e = Estimate{algo, inner, 0, ""};
 }
 
+std::string Tuner::describeDecisions(Collective coll) const {
+  auto name = [](const Estimate& e) {
+    std::string n = algorithmName(e.algo);
+    if (e.algo == Algorithm::Hierarchical) n += std::string("-") + algorithmName(e.inner);
+    return n;
+  };
+  auto size = [](int b) {
+    if (b >= 30) return strf("%zuG", size_t(1) << (b - 30));
+    if (b >= 20) return strf("%zuM", size_t(1) << (b - 20));
+    if (b >= 10) return strf("%zuK", size_t(1) << (b - 10));
+    return strf("%zu", size_t(1) << b);
+  };
+  std::string out;
+  for (int b = 0; b < kBuckets; ++b) {
+    const Estimate& e = decided_[int(coll)][b];
+    bool last = b + 1 == kBuckets || name(decided_[int(coll)][b + 1]) != name(e);
+    if (!last) continue;
+    out += (out.empty() ? "" : ", ") + name(e) + (b + 1 == kBuckets ? "" : " <= " + size(b));
+  }
+  return out;
+}
+
 std::vector<Estimate> Tuner::estimates(Collective coll, size_t bytes) const {
   return estimateAll(coll, bytes, shape_, params_);
 }

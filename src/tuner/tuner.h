@@ -47,6 +47,9 @@ class Tuner {
   // that all ranks of a communicator agree).
   const Estimate& decided(Collective coll, int bucket) const { return decided_[int(coll)][bucket]; }
   void adopt(Collective coll, int bucket, Algorithm algo, Algorithm inner);
+  // "oneshot <= 16K, staged <= 64M, ..." for one collective (bytes as the
+  // model counts them), for logs and loom-topo.
+  std::string describeDecisions(Collective coll) const;
 
   static constexpr int kBuckets = 48;  // sizes 2^0 .. 2^47 bytes
   // Size bucket: the smallest b with bytes <= 2^b.
