@@ -50,9 +50,10 @@
 // ceil(log2 N)+1 deep, so a chunk's round trip takes O(log N) steps where the
 // ring takes 2(N-1).
 //
-// Reduce has no tree form here: an interior rank must hold its partial sum
-// while it takes its second child, and loomReduce gives non-root ranks no
-// buffer (recvbuf may be NULL).  Reduce, reduce-scatter, all-gather and
+// Reduce is the up lanes alone, rooted at op.root: an interior rank holds
+// the partial sum of its first child in one chunk of scratch per tree
+// (loomReduce gives non-root ranks no buffer) and the root reduces into recv;
+// S bytes at most per rank, depth log2 N.  Reduce-scatter, all-gather and
 // N = 1 go to the ring's schedules.
 #include <algorithm>
 
@@ -110,7 +111,8 @@ TreeNode treeNode(int t, int rank, int root, int n) {
 void doubleBinaryTreeSchedule(const OpDesc& op, int opIndex, int rank, int nranks, const Plan& plan,
                               Schedule* out) {
   const bool allReduce = op.coll == Collective::AllReduce;
-  if (nranks == 1 || (!allReduce && op.coll != Collective::Broadcast)) {
+  const bool reduce = op.coll == Collective::Reduce;
+  if (nranks == 1 || (!allReduce && !reduce && op.coll != Collective::Broadcast)) {
     ringSchedule(op, opIndex, rank, nranks, plan, out);
     return;
   }
@@ -118,6 +120,9 @@ void doubleBinaryTreeSchedule(const OpDesc& op, int opIndex, int rank, int nrank
   const size_t chunkElems = std::max<size_t>(1, plan.chunkBytes / esz);
   const int root = allReduce ? 0 : op.root;
   const BufRef none;
+  // Reduce: an interior rank with two children keeps the first child's sum
+  // for one chunk in scratch (t x chunk bytes in): recv may be NULL off the root.
+  if (reduce) out->needScratch(opIndex, 2 * chunkElems * esz);
   for (int t = 0; t < 2; ++t) {
     const size_t begin = t ? op.count / 2 : 0, end = t ? op.count : op.count / 2;
     if (begin == end) continue;
@@ -132,8 +137,22 @@ void doubleBinaryTreeSchedule(const OpDesc& op, int opIndex, int rank, int nrank
       if (p < 0) {
         if (allReduce)
           up.steps.push_back(makeStep(StepKind::RecvReduceSend, c1, c1, S, R, bytes, true));
+        else if (reduce)
+          up.steps.push_back(makeStep(StepKind::RecvReduce, c1, -1, S, R, bytes, true));
         else
           down.steps.push_back(makeStep(StepKind::Send, -1, c1, S, none, bytes));
+        continue;
+      }
+      if (reduce) {
+        const BufRef X{Buf::Scratch, size_t(t) * chunkElems * esz};
+        if (c2 >= 0) {
+          up.steps.push_back(makeStep(StepKind::RecvReduce, c1, -1, S, X, bytes));
+          up.steps.push_back(makeStep(StepKind::RecvReduceSend, c2, p, X, none, bytes));
+        } else if (c1 >= 0) {
+          up.steps.push_back(makeStep(StepKind::RecvReduceSend, c1, p, S, none, bytes));
+        } else {
+          up.steps.push_back(makeStep(StepKind::Send, -1, p, S, none, bytes));
+        }
         continue;
       }
       if (allReduce) {
@@ -153,7 +172,7 @@ void doubleBinaryTreeSchedule(const OpDesc& op, int opIndex, int rank, int nrank
       down.steps.push_back(makeStep(StepKind::RecvCopySend, p, c1, none, R, bytes));
       if (c2 >= 0) down.steps.push_back(makeStep(StepKind::Send, -1, c2, R, none, bytes));
     }
-    if (p < 0 && !allReduce && op.sendbuf != op.recvbuf)
+    if (p < 0 && op.coll == Collective::Broadcast && op.sendbuf != op.recvbuf)
       down.steps.push_back(makeStep(StepKind::Copy, -1, -1, BufRef{Buf::Send, begin * esz},
                                 BufRef{Buf::Recv, begin * esz}, (end - begin) * esz));
     for (Lane* l : {&up, &down})

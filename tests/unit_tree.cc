@@ -114,7 +114,7 @@ TEST_CASE("Double binary tree broadcast and reduce are exact from every root", "
 TEST_CASE("Double binary tree operations of one group run back to back", "[sim][tree]") {
   for (int n : {5, 8, 13}) {
     std::vector<loomsim::CollCase> cases;
-    for (Collective coll : {Collective::AllReduce, Collective::Broadcast, Collective::AllReduce}) {
+    for (Collective coll : {Collective::AllReduce, Collective::Broadcast, Collective::Reduce, Collective::AllReduce}) {
       cases.push_back(tightCase(coll, n, 1009 + cases.size()));
       cases.back().root = n - 1;
     }
@@ -126,15 +126,16 @@ TEST_CASE("Double binary tree operations of one group run back to back", "[sim][
   }
 }
 
-TEST_CASE("Double binary tree all-reduce and broadcast send the two-tree volume", "[sim][tree]") {
+TEST_CASE("Double binary tree all-reduce, broadcast and reduce send the two-tree volume", "[sim][tree]") {
   for (int n : {2, 3, 5, 8, 13, 64})
-    for (Collective coll : {Collective::AllReduce, Collective::Broadcast}) {
+    for (Collective coll : {Collective::AllReduce, Collective::Broadcast, Collective::Reduce}) {
       loomsim::CollCase c = tightCase(coll, n, 4096);
       c.root = n / 3;
       loomsim::CollOutcome out = loomsim::runCollective(loom::doubleBinaryTreeSchedule, c);
       INFO(loomsim::caseName(c) << ": " << out.describe());
       REQUIRE(out.ok());
-      // Each tree moves its half up (all-reduce only) and down once per edge.
+      // Each tree moves its half up (all-reduce, reduce) and down (all-reduce,
+      // broadcast) once per edge.
       const uint64_t S = 4096 * 4, edges = uint64_t(n - 1);
       const uint64_t perRank = coll == Collective::AllReduce ? 2 * S : S;
       CHECK(out.sim.totalSent() == (coll == Collective::AllReduce ? 2 : 1) * edges * S);

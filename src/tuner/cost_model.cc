@@ -264,8 +264,10 @@ std::vector<Estimate> estimateAll(Collective coll, size_t bytesIn, const CommSha
     add(&out, Algorithm::Tree, (2 * depth + loops(S / 2, 1)) * aa + xfer(2 * S, ab) + m.reduce(S));
   else if (coll == Collective::Broadcast)
     add(&out, Algorithm::Tree, (depth + loops(S / 2, 1)) * aa + xfer(S, ab));
+  else if (coll == Collective::Reduce)
+    add(&out, Algorithm::Tree, (depth + loops(S / 2, 1)) * aa + xfer(S, ab) + m.reduce(S));
   else
-    no(&out, Algorithm::Tree, "serves all-reduce and broadcast");
+    no(&out, Algorithm::Tree, "serves all-reduce, broadcast and reduce");
   // Hierarchical: rings inside hosts, the rails across; the host's network
   // link carries 2(H-1)/H x S (all-reduce) or (H-1)/H x S (RS, AG) in all.
   if (H < 2 || L < 2) {

@@ -22,7 +22,7 @@ const char* whatItServes(const std::string& algo) {
   if (algo == "oneshot") return "it needs every rank to share memory and blocks of at most LOOM_SHM_SMALL_BYTES";
   if (algo == "staged") return "it serves all-reduce when every rank shares memory";
   if (algo == "rhd") return "it serves all-reduce, reduce-scatter and all-gather";
-  if (algo == "tree") return "it serves all-reduce and broadcast";
+  if (algo == "tree") return "it serves all-reduce, broadcast and reduce";
   if (algo.rfind("hier", 0) == 0) return "it serves all-reduce, reduce-scatter and all-gather";
   return "unknown algorithm";
 }
@@ -132,9 +132,7 @@ Plan Tuner::choose(const OpDesc& op, int nranks, const TunerLimits& limits) cons
   bool stagedOk = op.coll == Collective::AllReduce && nranks > 1 && limits.stageBytes > 0;
   bool rhdOk = op.coll == Collective::AllReduce || op.coll == Collective::ReduceScatter ||
                op.coll == Collective::AllGather;
-  // A tree reduce needs scratch space for partial sums (recvbuf may be NULL
-  // off the root): not yet, so reduce stays on the ring's chain.
-  bool treeOk = op.coll == Collective::AllReduce || op.coll == Collective::Broadcast;
+  bool treeOk = op.coll == Collective::AllReduce || op.coll == Collective::Broadcast || op.coll == Collective::Reduce;
   if (!forced.empty()) {
     if (forced == "ring") plan.algo = Algorithm::Ring;
     else if (forced == "oneshot" && oneShotOk) plan.algo = Algorithm::OneShot;
