@@ -22,14 +22,13 @@
 // to the partner first and receive the N-1 others at the end; the core runs
 // recursive doubling over the ranges: (N-1) x count per rank for powers of 2.
 //
-// Reduce-scatter does not use recursive halving: after its first step a
-// rank holds N/2 partially reduced blocks, and a reduce-scatter may write
-// only its count-element output (the send buffer is the caller's input);
-// schedules have no scratch buffer.  It uses the paper's other reduce-scatter,
-// pairwise exchange: at step i = 1..N-1, rank r sends block r+i to r+i and
-// receive-reduces block r from r-i into its output.  (N-1) x count per rank,
-// any N, no folding; N-1 steps instead of log2 N, but the sends depend on no
-// receive, so they run ahead in their own lane, bounded by flow control only.
+// Reduce-scatter is recursive halving over the blocks (block b at
+// b*count, core rank v responsible for [first(v), first(v+1)) as in
+// all-gather): the partial sums of the half a rank keeps live in scratch
+// (N x chunk columns per lane), since the output holds one block; the last
+// exchange reduces this rank's block into recv and its extra's in scratch,
+// which goes back to the extra.  (N-1) x count per core rank for a power of
+// two in log2 N exchanges; with extras, a partner also takes N x count in.
 //
 // Exchanges: a lane runs its steps in order, and a send larger than the slot
 // ring waits for the peer to receive, so in each exchange one side sends
@@ -40,6 +39,7 @@
 // when plan.channels >= 3.  Loops of chunkBytes x M (all-reduce) or
 // chunkBytes per block keep the working set of a step in cache.
 #include <algorithm>
+#include <functional>
 
 #include "algorithms/algorithms.h"
 #include "src/device/host_reduce.h"
@@ -160,17 +160,66 @@ void allGatherLane(Ctx& c, bool lowFirst, size_t count, bool inPlace, size_t beg
   }
 }
 
-// Pairwise exchange on columns [begin, end): sends in `c.lane`, receives in `recvLane`.
-void reduceScatterLanes(Ctx& c, Lane* recvLane, size_t count, size_t begin, size_t end, size_t chunkElems) {
-  const int N = c.nranks, r = c.rank;
-  Ctx rc = c;
-  rc.lane = recvLane;
+// Recursive halving on columns [begin, end) of every block, partial sums in
+// scratch: loops of w columns; block b's w columns of partial sums sit at
+// scratch (lane base) + b*w.  Core rank v ends with blocks [first(v),
+// first(v+1)): its own (into recv) and its extra's (sent back to it).
+void reduceScatterHalvingLane(Ctx& c, bool lowFirst, size_t count, size_t base, size_t begin, size_t end,
+                              size_t chunkElems) {
+  const int M = c.core, N = c.nranks, v = c.virt(), r = c.rank;
+  auto X = [&](size_t b, size_t w) { return BufRef{Buf::Scratch, (base + b * w) * c.esz}; };
   for (size_t o = begin; o < end; o += chunkElems) {
     size_t w = std::min(chunkElems, end - o);
-    for (int i = 1; i < N; ++i) c.send((r + i) % N, c.S(size_t((r + i) % N) * count + o), w);
-    for (int i = 1; i < N; ++i)
-      rc.add(StepKind::RecvReduce, (r - i + N) % N, -1, i == 1 ? c.S(size_t(r) * count + o) : c.R(o), c.R(o),
-             w, i == N - 1);
+    auto S = [&](size_t b) { return c.S(b * count + o); };
+    // Blocks [b0, b1): one step, or a step per block (split), the same on
+    // both sides of every exchange.
+    auto each = [&](int b0, int b1, bool split, const std::function<void(int, int)>& fn) {
+      if (!split) {
+        if (b1 > b0) fn(b0, b1);
+        return;
+      }
+      for (int b = b0; b < b1; ++b) fn(b, b + 1);
+    };
+    auto from = [&](bool scratch, int b) { return scratch ? X(size_t(b), w) : S(size_t(b)); };
+    if (v < 0) {  // extra: hand everything to the partner, get its own block back
+      each(0, N, w != count, [&](int b0, int b1) { c.send(r + 1, S(size_t(b0)), size_t(b1 - b0) * w); });
+      c.recv(r + 1, c.R(o), w);
+      continue;
+    }
+    bool inScratch = false;
+    if (c.folded()) {
+      each(0, N, w != count, [&](int b0, int b1) {
+        c.add(StepKind::RecvReduce, r - 1, -1, S(size_t(b0)), X(size_t(b0), w), size_t(b1 - b0) * w);
+      });
+      inScratch = true;
+    }
+    int lo = 0;  // v holds virtual ranks [lo, lo + 2m)
+    for (int m = M / 2; m >= 1; m /= 2) {
+      // The last exchange finishes blocks one by one: this rank's into recv,
+      // its extra's in scratch (then sent back).
+      int p = v ^ m, keep = v & m ? lo + m : lo, give = v & m ? lo : lo + m;
+      // Steps per block where either side reads blocks strided in the send
+      // buffer (the first exchange of a partial-column lane), and on the last
+      // exchange; else one step for the whole range, contiguous in scratch.
+      bool last = m == 1, split = last || (m == M / 2 && w != count);
+      exchange(
+          c, lowFirst, p,
+          [&] {
+            each(c.first(give), c.first(give + m), split, [&](int b0, int b1) {
+              c.send(c.real(p), from(inScratch, b0), size_t(b1 - b0) * w);
+            });
+          },
+          [&] {
+            each(c.first(keep), c.first(keep + m), split, [&](int b0, int b1) {
+              bool mine = last && b0 == r;
+              c.add(StepKind::RecvReduce, c.real(p), -1, from(inScratch, b0), mine ? c.R(o) : X(size_t(b0), w),
+                    size_t(b1 - b0) * w, last);
+            });
+          });
+      lo = keep;
+      inScratch = true;
+    }
+    if (c.folded()) c.send(r - 1, X(size_t(r - 1), w), w);
   }
 }
 
@@ -199,13 +248,17 @@ void halvingDoublingSchedule(const OpDesc& op, int opIndex, int rank, int nranks
     c.lane = &lanes[0];
     if (!inPlace) c.add(StepKind::Copy, -1, -1, c.S(0), c.R(0), op.count);
   } else if (op.coll == Collective::ReduceScatter) {
-    int channels = std::min(std::max(plan.channels, 1), 4);
-    lanes.resize(size_t(2 * channels));
-    for (int ch = 0; ch < channels; ++ch) {
-      size_t b = partBegin(op.count, channels, ch), e = partBegin(op.count, channels, ch + 1);
-      lanes[size_t(2 * ch)] = lanes[size_t(2 * ch + 1)] = Lane{opIndex, ch, {}, {}};
-      c.lane = &lanes[size_t(2 * ch)];
-      reduceScatterLanes(c, &lanes[size_t(2 * ch + 1)], op.count, b, e, chunkElems);
+    // Recursive halving with partial sums in scratch: N x w elements per lane.
+    int n = plan.channels >= 3 ? 4 : 2;
+    size_t per = 0;
+    for (int l = 0; l < n; ++l)
+      per = std::max(per, std::min(chunkElems, partBegin(op.count, n, l + 1) - partBegin(op.count, n, l)));
+    if (per) out->needScratch(opIndex, size_t(n) * size_t(nranks) * per * c.esz);
+    for (int l = 0; l < n; ++l) lanes.push_back(Lane{opIndex, l, {}, {}});
+    for (int l = 0; l < n; ++l) {
+      size_t b = partBegin(op.count, n, l), e = partBegin(op.count, n, l + 1);
+      c.lane = &lanes[size_t(l)];
+      reduceScatterHalvingLane(c, l % 2 == 0, op.count, size_t(l) * size_t(nranks) * per, b, e, chunkElems);
     }
   } else {
     int n = plan.channels >= 3 ? 4 : 2;
