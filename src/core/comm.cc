@@ -102,6 +102,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
   mine.mailBytes = uint32_t(cfg.shmSmallBytes);
   mine.stageBytes = uint32_t(cfg.shmStageBytes);
   fillRandom(&mine.commTag, sizeof mine.commTag);
+  mine.topo = localRankTopo(advertise.ss);
 
   std::vector<uint8_t> all = boot.allGather(&mine, sizeof mine);
   peers_.resize(size_t(nranks));
@@ -115,6 +116,13 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
   stageBytes_ = peers_[0].stageBytes;
   tuner_ = std::make_unique<Tuner>(cfg);
   lastMail_.assign(size_t(nranks), {0, 0});
+  std::vector<std::string> hostIds;
+  std::vector<RankTopo> rankTopos;
+  for (const RankInfo& p : peers_) {
+    hostIds.emplace_back(p.hostId, strnlen(p.hostId, sizeof p.hostId));
+    rankTopos.push_back(p.topo);
+  }
+  topology_ = CommTopology(hostIds, rankTopos);
 
   // Shared memory with the ranks that share this host.
   shmPeer_.assign(size_t(nranks), false);

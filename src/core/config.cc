@@ -21,6 +21,8 @@ const std::vector<ConfigVar>& configTable() {
        "network interface for bootstrap and tcp; default: the one that reaches the root"},
       {"LOOM_HOST_ID", "string", "(hostname+boot id)",
        "host identity; ranks with equal ids share a host (tests pose as several hosts)"},
+      {"LOOM_TOPO_FILE", "path", "(this machine)",
+       "hwloc XML file read instead of this machine's topology (tests pose as other machines)"},
       {"LOOM_SPIN_US", "int", "20",
        "microseconds a waiting rank spins before it sleeps (futex / poll)"},
       {"LOOM_SLOT_BYTES", "int", "65536", "bytes per slot of a connection (the slice size)"},
