@@ -114,8 +114,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
   commTag_ = peers_[0].commTag;
   mailBytes_ = peers_[0].mailBytes;
   stageBytes_ = peers_[0].stageBytes;
-  tuner_ = std::make_unique<Tuner>(cfg);
-  lastMail_.assign(size_t(nranks), {0, 0});
+  // Which ranks share a host, and where each sits (the tuner reads it).
   std::vector<std::string> hostIds;
   std::vector<RankTopo> rankTopos;
   for (const RankInfo& p : peers_) {
@@ -123,6 +122,8 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
     rankTopos.push_back(p.topo);
   }
   topology_ = CommTopology(hostIds, rankTopos);
+  tuner_ = std::make_unique<Tuner>(cfg);
+  lastMail_.assign(size_t(nranks), {0, 0});
 
   // Shared memory with the ranks that share this host.
   shmPeer_.assign(size_t(nranks), false);
