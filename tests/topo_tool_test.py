@@ -3,7 +3,7 @@
 
   topo_tool_test.py BIN_DIR SOURCE_DIR CASE
 
-CASE is one of: local, comm, calibrate, env, usage (one ctest entry each).
+CASE is one of: local, comm, calibrate, xnuma, env, usage (one ctest entry each).
 """
 import json
 import os
@@ -35,7 +35,8 @@ def case_local():
     nodes = [d for d in os.listdir("/sys/devices/system/node") if re.fullmatch(r"node\d+", d)] \
         if os.path.isdir("/sys/devices/system/node") else ["node0"]
     assert len(doc["numaNodes"]) == len(nodes), (doc["numaNodes"], nodes)
-    assert doc["pus"] == os.sysconf("SC_NPROCESSORS_ONLN"), doc["pus"]
+    # hwloc counts the PUs of this process's cgroup: between its affinity mask and all online.
+    assert len(os.sched_getaffinity(0)) <= doc["pus"] <= os.sysconf("SC_NPROCESSORS_ONLN"), doc["pus"]
     fixture = os.path.join(SRC, "tests/topologies/eight-gpu.xml")
     doc = json.loads(run([TOPO, "--json"], {"LOOM_TOPO_FILE": fixture}).stdout)["machine"]
     assert doc["source"] == fixture
@@ -88,6 +89,32 @@ def case_calibrate():
     assert "launcher" in p.stderr, p.stderr
 
 
+def case_xnuma():
+    # Pose as a 2-socket server whose even CPUs are on node 0 and odd ones on
+    # node 1 (hwloc's 24em64t), bind rank r to CPU r: the two ranks are then
+    # on different NUMA nodes of one host, and calibration measures shm_xnuma.
+    if not {0, 1} <= os.sched_getaffinity(0):
+        print("SKIP: needs CPUs 0 and 1 to bind two ranks to different posed NUMA nodes")
+        sys.exit(77)
+    xml = os.path.join(SRC, "tests/topologies/hwloc/24em64t-2n6c2t-pci.xml")
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "tuning.conf")
+        p = run([RUN, "-n", "2", "--timeout", "240", "sh", "-c",
+                 f'exec taskset -c "$LOOM_RANK" "{TOPO}" --json --calibrate --iters 50 --bytes 4M --out "{out}"'],
+                {"LOOM_TOPO_FILE": xml})
+        doc = rank0_json(p.stdout)
+        ranks = doc["communicator"]["ranks"]
+        assert [r["numa"] for r in ranks] == [0, 1], ranks
+        assert [r["numaCount"] for r in ranks] == [2, 2], ranks
+        assert ranks[1]["classFromRank0"] == "shm_xnuma" and ranks[1]["transportFromRank0"] == "shm", ranks
+        keys = [l["key"] for l in doc["calibration"]["links"]]
+        assert keys == ["shm_xnuma"], keys
+        with open(out) as f:
+            text = f.read()
+        assert re.search(r"^shm_xnuma\.alpha_us = [0-9.]+$", text, re.M), text
+        assert not re.search(r"^shm\.alpha_us", text, re.M), text
+
+
 def case_env():
     listed = {v["name"] for v in json.loads(run([TOPO, "--env", "--json"]).stdout)["variables"]}
     # Every LOOM_* variable named in the sources is in the table...
@@ -115,6 +142,6 @@ def case_usage():
     assert "--bytes" in run([TOPO, "--bytes", "12x"], expect=2).stderr
 
 
-{"local": case_local, "comm": case_comm, "calibrate": case_calibrate, "env": case_env,
+{"local": case_local, "comm": case_comm, "calibrate": case_calibrate, "xnuma": case_xnuma, "env": case_env,
  "usage": case_usage}[CASE]()
 print(f"loom-topo {CASE}: passed")

@@ -5,6 +5,7 @@
 // (CommTopology) built from per-rank summaries.
 #include <dirent.h>
 #include <limits.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -50,7 +51,12 @@ struct EnvVar {
 TEST_CASE("topology of this machine agrees with the kernel's view", "[topology]") {
   std::unique_ptr<Topology> t = Topology::detect();
   REQUIRE(t->source == "this machine");
-  CHECK(t->pus == sysconf(_SC_NPROCESSORS_ONLN));
+  // hwloc counts the PUs this process may be given (its cgroup's cpuset):
+  // at least those of its affinity mask, at most those online.
+  cpu_set_t mask;
+  REQUIRE(sched_getaffinity(0, sizeof mask, &mask) == 0);
+  CHECK(t->pus >= CPU_COUNT(&mask));
+  CHECK(t->pus <= sysconf(_SC_NPROCESSORS_ONLN));
   CHECK(t->cores >= 1);
   CHECK(t->cores <= t->pus);
   CHECK(t->packages >= 1);

@@ -15,6 +15,7 @@
 #include "src/core/comm.h"
 #include "src/core/error.h"
 #include "src/device/host_reduce.h"
+#include "src/topology/topology.h"
 
 namespace loom {
 
@@ -132,6 +133,8 @@ std::string tuningFileText(const Calibration& cal, loomComm_t comm) {
   s += "# loom tuning file, written by loom-topo --calibrate (read through LOOM_TUNING_FILE)\n";
   s += strf("# %s; %d ranks on %d hosts; measured from rank 0 (host %s)\n", date, topo.nranks(), topo.nhosts(),
             topo.hostName(0).c_str());
+  const Topology* machine = processTopology();
+  s += strf("# topology: %s\n", machine ? machine->source.c_str() : "(hwloc failed)");
   s += strf("# alpha_us: half the median round trip of an 8-byte message (%d iterations)\n",
             cal.options.latencyIters);
   s += strf("# beta_GBps: %zu-byte transfers answered by 8 bytes, beta = bytes / (median - 2 alpha), "
