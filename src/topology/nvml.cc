@@ -51,7 +51,8 @@ bool nvmlNvLinks(std::vector<NvmlLink>* out, int* gpuCount, std::string* why) {
   *gpuCount = 0;
   void* lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
   if (!lib) {
-    *why = "NVML not found (libnvidia-ml.so.1)";
+    const char* err = dlerror();  // also releases glibc's record of the failure
+    *why = std::string("NVML not loaded (") + (err ? err : "libnvidia-ml.so.1") + ")";
     return false;
   }
   NvmlApi api{};
