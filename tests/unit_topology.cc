@@ -224,7 +224,7 @@ TEST_CASE("POWER8: GPU pairs joined by NVLink, and other real machines' counts",
   CHECK(two->pciPathClass("0000:04:00.0", "0000:04:00.1") == "PIX");
 }
 
-TEST_CASE("LOOM_TOPO_FILE replaces the machine; a bad file is a clear error", "[topology]") {
+TEST_CASE("LOOM_TOPO_FILE replaces the machine, and a bad file is a clear error", "[topology]") {
   {
     EnvVar v("LOOM_TOPO_FILE", fixture("eight-gpu.xml"));
     std::unique_ptr<Topology> t = Topology::detect();
