@@ -119,6 +119,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
   mine.mailBytes = uint32_t(cfg.shmSmallBytes);
   mine.stageBytes = uint32_t(cfg.shmStageBytes);
   fillRandom(&mine.commTag, sizeof mine.commTag);
+  mine.topo = localRankTopo(advertise.ss);
 
   std::vector<uint8_t> all = boot.allGather(&mine, sizeof mine);
   peers_.resize(size_t(nranks));
@@ -130,6 +131,14 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
   commTag_ = peers_[0].commTag;
   mailBytes_ = peers_[0].mailBytes;
   stageBytes_ = peers_[0].stageBytes;
+  // Which ranks share a host, and where each sits (the tuner reads it).
+  std::vector<std::string> hostIds;
+  std::vector<RankTopo> rankTopos;
+  for (const RankInfo& p : peers_) {
+    hostIds.emplace_back(p.hostId, strnlen(p.hostId, sizeof p.hostId));
+    rankTopos.push_back(p.topo);
+  }
+  topology_ = CommTopology(hostIds, rankTopos);
   tuner_ = std::make_unique<Tuner>(cfg);
   lastMail_.assign(size_t(nranks), {0, 0});
 

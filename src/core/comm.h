@@ -14,6 +14,7 @@
 #include "loom.h"
 #include "src/core/bootstrap.h"
 #include "src/core/executor.h"
+#include "src/topology/comm_topology.h"
 #include "src/tuner/tuner.h"
 #include "transports/shm/shm_transport.h"
 
@@ -33,6 +34,7 @@ struct RankInfo {
   uint32_t mailBytes;  // rank 0's value is used by all
   uint32_t stageBytes; // rank 0's value is used by all
   uint64_t commTag;    // rank 0's value is used by all
+  RankTopo topo;       // this rank's machine and placement (topology())
 };
 
 enum TransportBits : uint32_t { kShmBit = 1, kTcpBit = 2, kUcxBit = 4 };
@@ -82,6 +84,8 @@ struct loomComm : public loom::ExecEnv, public std::enable_shared_from_this<loom
   void releaseHandle() { self_.reset(); }
   bool isAborted() const { return aborted_.load(); }
   const std::vector<loom::RankInfo>& peers() const { return peers_; }
+  // Which ranks share a host, each rank's NUMA node, GPU and NIC.
+  const loom::CommTopology& topology() const { return topology_; }
   // Transport used to reach a peer ("shm", "tcp", "self").
   const char* transportTo(int peer) const;
 
@@ -131,6 +135,7 @@ struct loomComm : public loom::ExecEnv, public std::enable_shared_from_this<loom
   loom::TunerLimits limits_;
   std::vector<std::array<uint64_t, 2>> lastMail_;  // per peer: seq+1 last written per parity
   std::vector<loom::RankInfo> peers_;
+  loom::CommTopology topology_;
   std::vector<bool> shmPeer_;
   std::vector<int> hostOf_;  // host number of each rank (same hostId, same number)
   std::vector<bool> ucxPeer_;                // pairs that talk through UCX
