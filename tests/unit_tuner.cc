@@ -17,7 +17,7 @@ namespace {
 using loom::Algorithm;
 using loom::Collective;
 
-loom::CommShape shape(int hosts, int perHost, loom::LinkClass net = loom::LinkClass::Tcp) {
+loom::CommShape shape(int hosts, int perHost, loom::CostLink net = loom::CostLink::Tcp) {
   loom::CommShape s;
   s.nranks = hosts * perHost;
   for (int h = 0; h < hosts; ++h)
@@ -50,7 +50,7 @@ TEST_CASE("tuner: latency-optimal for small messages, bandwidth-optimal for larg
   // ring's 2(N-1) steps lose at 8 B to log-step algorithms, and win (with
   // rhd, which moves the same bytes) at 256 MiB over the tree.
   loom::CostParams p = loom::CostParams::defaults();
-  p.link[int(loom::LinkClass::Tcp)] = {10.0, 1.0};
+  p.link[int(loom::CostLink::Tcp)] = {10.0, 1.0};
   loom::CommShape s = shape(16, 1);
   INFO(table(Collective::AllReduce, s, p));
   INFO("8 B: " << loom::algorithmName(pick(Collective::AllReduce, 8, s, p).algo) << ", 256 MiB: "
@@ -70,14 +70,14 @@ TEST_CASE("tuner: latency-optimal for small messages, bandwidth-optimal for larg
 
 TEST_CASE("tuner: slow links between hosts make the hierarchical algorithm win for large messages", "[tuner]") {
   loom::CostParams p = loom::CostParams::defaults();
-  p.link[int(loom::LinkClass::Tcp)] = {50.0, 0.125};  // 1 Gbit/s
+  p.link[int(loom::CostLink::Tcp)] = {50.0, 0.125};  // 1 Gbit/s
   loom::CommShape s = shape(2, 2);
   INFO(table(Collective::AllReduce, s, p));
   CHECK(pick(Collective::AllReduce, size_t(64) << 20, s, p).algo == Algorithm::Hierarchical);
   CHECK(pick(Collective::ReduceScatter, size_t(64) << 20, s, p).algo == Algorithm::Hierarchical);
   CHECK(pick(Collective::AllGather, size_t(64) << 20, s, p).algo == Algorithm::Hierarchical);
   // With a network as fast as shared memory there is nothing to save.
-  p.link[int(loom::LinkClass::Tcp)] = p.link[int(loom::LinkClass::Shm)];
+  p.link[int(loom::CostLink::Tcp)] = p.link[int(loom::CostLink::Shm)];
   CHECK(pick(Collective::AllReduce, size_t(64) << 20, s, p).algo != Algorithm::Hierarchical);
 }
 
@@ -117,8 +117,8 @@ TEST_CASE("tuner: the tuning file replaces parameters and rejects nonsense", "[t
   loom::CostParams p = loom::CostParams::defaults();
   std::string why;
   REQUIRE(p.load(path, &why));
-  CHECK(p.link[int(loom::LinkClass::Shm)].alphaUs == 2.5);
-  CHECK(p.link[int(loom::LinkClass::Tcp)].betaGBps == 0.125);
+  CHECK(p.link[int(loom::CostLink::Shm)].alphaUs == 2.5);
+  CHECK(p.link[int(loom::CostLink::Tcp)].betaGBps == 0.125);
   CHECK(p.reduceGBps == 7);
   CHECK(p.source == path);
   for (const char* bad : {"shm.alpha_us = -1\n", "nonsense = 3\n", "tcp.beta_GBps\n", "tcp.beta_GBps = 1x\n"}) {

@@ -257,14 +257,50 @@ std::string commJson(loomComm_t comm) {
   return s + "]}";
 }
 
-// ==== TUNER PREDICTIONS: the lead adds the cost model's table here ====
-// Per collective and size: every eligible algorithm's predicted time and the
-// choice (issue 5).  Until the tuner exposes its estimates this prints
-// that they are not available, so nobody mistakes silence for a result.
+// The cost model's view of this communicator: per collective and size, every
+// eligible algorithm's predicted time (us) and the tuner's choice (which all
+// ranks adopt from rank 0; LOOM_ALGO, when set, still overrides it per call).
 void printPredictions(loomComm_t comm, bool json, std::string* jsonOut) {
-  (void)comm;
-  if (json) *jsonOut = "null";
-  else printf("predicted time per algorithm: not available yet (the tuner's cost model is not wired in)\n");
+  const Tuner& tuner = comm->tuner();
+  const Collective colls[] = {Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather,
+                              Collective::Broadcast, Collective::Reduce};
+  auto name = [](Algorithm a, Algorithm inner) {
+    std::string n = algorithmName(a);
+    if (a == Algorithm::Hierarchical) n += std::string("-") + algorithmName(inner);
+    return n;
+  };
+  std::string js = "{\"parameters\": " + jsonStr(tuner.params().source) + ", \"collectives\": [";
+  if (!json) {
+    const CostParams& p = tuner.params();
+    printf("\ncost model (%s): ", p.source.c_str());
+    for (int c = 0; c < kCostLinks; ++c)
+      printf("%s alpha %.1f us beta %.2f GB/s; ", costLinkName(CostLink(c)), p.link[c].alphaUs, p.link[c].betaGBps);
+    printf("reduce %.1f GB/s\n", p.reduceGBps);
+  }
+  for (size_t ci = 0; ci < 5; ++ci) {
+    Collective coll = colls[ci];
+    if (!json) printf("\n%s: predicted time (us) per algorithm, * = chosen\n", collectiveName(coll));
+    js += strf("%s{\"collective\": \"%s\", \"rows\": [", ci ? ", " : "", collectiveName(coll));
+    bool firstRow = true;
+    for (int b = 3; b <= 30; b += 3) {
+      size_t bytes = size_t(1) << b;
+      const Estimate& chosen = tuner.decided(coll, b);
+      std::string line = strf("%12zu ", bytes), row;
+      for (const Estimate& e : tuner.estimates(coll, bytes)) {
+        if (e.us < 0) continue;
+        bool star = e.algo == chosen.algo && (e.algo != Algorithm::Hierarchical || e.inner == chosen.inner);
+        line += strf(" %s%s=%.1f", star ? "*" : "", name(e.algo, e.inner).c_str(), e.us);
+        row += strf("%s\"%s\": %.3f", row.empty() ? "" : ", ", name(e.algo, e.inner).c_str(), e.us);
+      }
+      if (!json) printf("%s\n", line.c_str());
+      js += strf("%s{\"bytes\": %zu, \"choice\": \"%s\", \"us\": {%s}}", firstRow ? "" : ", ", bytes,
+                 name(chosen.algo, chosen.inner).c_str(), row.c_str());
+      firstRow = false;
+    }
+    js += "]}";
+  }
+  js += "]}";
+  if (json) *jsonOut = js;
 }
 
 int run(const Options& o) {

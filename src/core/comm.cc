@@ -144,12 +144,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
 
   // Host numbers (in order of each host's first rank) for hierarchical plans.
   hostOf_.assign(size_t(nranks), 0);
-  for (int r = 0, hosts = 0; r < nranks; ++r) {
-    int h = r;
-    for (int q = 0; q < r && h == r; ++q)
-      if (strncmp(peers_[size_t(q)].hostId, peers_[size_t(r)].hostId, sizeof mine.hostId) == 0) h = q;
-    hostOf_[size_t(r)] = h == r ? hosts++ : hostOf_[size_t(h)];
-  }
+  for (int r = 0; r < nranks; ++r) hostOf_[size_t(r)] = topology_.hostOf(r);
 
   // Shared memory with the ranks that share this host.
   shmPeer_.assign(size_t(nranks), false);
@@ -264,9 +259,14 @@ void loomComm::initTuner(Bootstrap& boot) {
     slot = slot ? std::min(slot, int(c)) : int(c);
   }
   shape.cores = perHost;
+  // NUMA node per rank when every rank knows its own (else treat as one node).
+  bool numaKnown = true;
+  for (int r = 0; r < nranks_; ++r) numaKnown &= topology_.numaOf(r) >= 0;
+  if (numaKnown)
+    for (int r = 0; r < nranks_; ++r) shape.numaOf.push_back(topology_.numaOf(r));
   bool ucxBetween = false;
   for (int r = 0; r < nranks_; ++r) ucxBetween |= r != rank_ && ucxPeer_[size_t(r)];
-  shape.network = ucxBetween ? LinkClass::Ucx : LinkClass::Tcp;
+  shape.network = ucxBetween ? CostLink::Ucx : CostLink::Tcp;
   shape.shmWithinHost = (transports_ & kShmBit) != 0;
   shape.oneShotBytes = limits_.oneShotBytes;
   shape.stageBytes = limits_.stageBytes;

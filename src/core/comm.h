@@ -86,6 +86,7 @@ struct loomComm : public loom::ExecEnv, public std::enable_shared_from_this<loom
   const std::vector<loom::RankInfo>& peers() const { return peers_; }
   // Which ranks share a host, each rank's NUMA node, GPU and NIC.
   const loom::CommTopology& topology() const { return topology_; }
+  const loom::Tuner& tuner() const { return *tuner_; }
   // Transport used to reach a peer ("shm", "tcp", "self").
   const char* transportTo(int peer) const;
 

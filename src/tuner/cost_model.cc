@@ -50,12 +50,12 @@ double xfer(double bytes, double gbps) { return bytes / (gbps * 1e3); }
 
 }  // namespace
 
-const char* linkClassName(LinkClass c) {
+const char* costLinkName(CostLink c) {
   switch (c) {
-    case LinkClass::Shm: return "shm";
-    case LinkClass::ShmCrossNuma: return "shm_xnuma";
-    case LinkClass::Tcp: return "tcp";
-    case LinkClass::Ucx: return "ucx";
+    case CostLink::Shm: return "shm";
+    case CostLink::ShmCrossNuma: return "shm_xnuma";
+    case CostLink::Tcp: return "tcp";
+    case CostLink::Ucx: return "ucx";
   }
   return "?";
 }
@@ -92,8 +92,8 @@ bool CostParams::load(const std::string& path, std::string* why) {
       return false;
     }
     double* target = nullptr;
-    for (int c = 0; c < kLinkClasses; ++c) {
-      std::string name = linkClassName(LinkClass(c));
+    for (int c = 0; c < kCostLinks; ++c) {
+      std::string name = costLinkName(CostLink(c));
       if (key == name + ".alpha_us") target = &link[c].alphaUs;
       if (key == name + ".beta_GBps") target = &link[c].betaGBps;
     }
@@ -132,10 +132,10 @@ bool CommShape::oversubscribed() const {
   return false;
 }
 
-LinkClass CommShape::between(int a, int b) const {
+CostLink CommShape::between(int a, int b) const {
   if (hostOf.empty() || hostOf[size_t(a)] != hostOf[size_t(b)] || !shmWithinHost) return network;
-  if (!numaOf.empty() && numaOf[size_t(a)] != numaOf[size_t(b)]) return LinkClass::ShmCrossNuma;
-  return LinkClass::Shm;
+  if (!numaOf.empty() && numaOf[size_t(a)] != numaOf[size_t(b)]) return CostLink::ShmCrossNuma;
+  return CostLink::Shm;
 }
 
 namespace {
@@ -150,8 +150,8 @@ struct Model {
       : s(shape), p(params), N(shape.nranks), H(shape.hosts()), L(shape.mostPerHost()),
         osUs(shape.oversubscribed() ? params.oversubStepUs : 0) {}
 
-  const LinkParams& lp(LinkClass c) const { return p.link[int(c)]; }
-  double alpha(LinkClass c) const { return lp(c).alphaUs + osUs; }
+  const LinkParams& lp(CostLink c) const { return p.link[int(c)]; }
+  double alpha(CostLink c) const { return lp(c).alphaUs + osUs; }
 
   // The ring r -> r+1: its slowest step latency and the bandwidth of its
   // busiest link, where network edges leaving one host share its link.
@@ -162,7 +162,7 @@ struct Model {
     *a = 0;
     *b = 1e30;
     for (int r = 0; r < N; ++r) {
-      LinkClass c = s.between(r, (r + 1) % N);
+      CostLink c = s.between(r, (r + 1) % N);
       *a = std::max(*a, alpha(c));
       double share = (c == s.network && H > 1) ? std::max(1, leaving[size_t(s.hostOf[size_t(r)])]) : 1;
       *b = std::min(*b, lp(c).betaGBps / share);
@@ -171,7 +171,9 @@ struct Model {
   // Any-pair algorithms (rhd, tree) cross hosts with every rank of a host at
   // once: the slowest class, its bandwidth shared by the ranks of a host.
   void anyPair(double* a, double* b) const {
-    LinkClass worst = H > 1 ? s.network : (s.numaOf.empty() ? LinkClass::Shm : LinkClass::ShmCrossNuma);
+    bool crossNuma = false;
+    for (int x : s.numaOf) crossNuma |= x != s.numaOf[0];
+    CostLink worst = H > 1 ? s.network : crossNuma ? CostLink::ShmCrossNuma : CostLink::Shm;
     if (H == 1 && !s.shmWithinHost) worst = s.network;
     *a = alpha(worst);
     *b = lp(worst).betaGBps / (H > 1 ? L : 1);
@@ -202,7 +204,7 @@ std::vector<Estimate> estimateAll(Collective coll, size_t bytesIn, const CommSha
 
   // One-shot: every rank reads every other rank's block from its mailbox.
   if (allShm && shape.oneShotBytes && block <= double(shape.oneShotBytes) && coll != Collective::P2P) {
-    double us = p.oneShotUs + m.osUs + xfer((n - 1) * block, m.lp(LinkClass::Shm).betaGBps) +
+    double us = p.oneShotUs + m.osUs + xfer((n - 1) * block, m.lp(CostLink::Shm).betaGBps) +
                 (reducing ? m.reduce((n - 1) * block) : 0);
     add(&out, Algorithm::OneShot, us);
   } else {
@@ -214,7 +216,7 @@ std::vector<Estimate> estimateAll(Collective coll, size_t bytesIn, const CommSha
   // through a shm slot costs two (in and out), so (1.5 + 0.5/N) x S at beta.
   if (coll == Collective::AllReduce && allShm && shape.stageBytes) {
     double stages = std::ceil(S / double(shape.stageBytes));
-    double us = stages * 2 * m.alpha(LinkClass::Shm) + xfer((1.5 + 0.5 / n) * S, m.lp(LinkClass::Shm).betaGBps) +
+    double us = stages * 2 * m.alpha(CostLink::Shm) + xfer((1.5 + 0.5 / n) * S, m.lp(CostLink::Shm).betaGBps) +
                 m.reduce((n - 1) / n * S);
     add(&out, Algorithm::Staged, us);
   } else {
@@ -275,7 +277,7 @@ std::vector<Estimate> estimateAll(Collective coll, size_t bytesIn, const CommSha
        H < 2 ? "one host: the ring is the same schedule" : "one rank per host: the flat algorithms are the same");
   } else if (coll == Collective::AllReduce || rsag) {
     double l = double(L), h = double(H);
-    LinkClass local = shape.shmWithinHost ? LinkClass::Shm : shape.network;
+    CostLink local = shape.shmWithinHost ? CostLink::Shm : shape.network;
     double la = m.alpha(local), lb = m.lp(local).betaGBps;
     double na = m.alpha(shape.network), nb = m.lp(shape.network).betaGBps;
     double steps = coll == Collective::AllReduce ? 2 : 1;

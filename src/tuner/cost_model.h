@@ -19,9 +19,9 @@
 
 namespace loom {
 
-enum class LinkClass : int { Shm = 0, ShmCrossNuma = 1, Tcp = 2, Ucx = 3 };
-constexpr int kLinkClasses = 4;
-const char* linkClassName(LinkClass c);  // "shm", "shm_xnuma", "tcp", "ucx"
+enum class CostLink : int { Shm = 0, ShmCrossNuma = 1, Tcp = 2, Ucx = 3 };
+constexpr int kCostLinks = 4;
+const char* costLinkName(CostLink c);  // "shm", "shm_xnuma", "tcp", "ucx"
 
 struct LinkParams {
   double alphaUs;
@@ -29,7 +29,7 @@ struct LinkParams {
 };
 
 struct CostParams {
-  LinkParams link[kLinkClasses];
+  LinkParams link[kCostLinks];
   double reduceGBps;       // host reduction (float32 sum), bytes of output per second
   double oneShotUs;        // one round through the shm mailboxes (one-shot path)
   double oversubStepUs;    // extra per dependent step when a host runs more ranks than cores
@@ -49,14 +49,14 @@ struct CommShape {
   std::vector<int> hostOf;          // host number per rank (0..hosts-1)
   std::vector<int> numaOf;          // NUMA node per rank (empty: all the same)
   std::vector<int> cores;           // cores per host (empty: unknown, never oversubscribed)
-  LinkClass network = LinkClass::Tcp;  // between hosts
+  CostLink network = CostLink::Tcp;  // between hosts
   bool shmWithinHost = true;        // false: LOOM_TRANSPORTS keeps shm out
   size_t oneShotBytes = 0;          // 0: no one-shot path
   size_t stageBytes = 0;            // 0: no staged path
   int hosts() const;
   int mostPerHost() const;
   bool oversubscribed() const;
-  LinkClass between(int a, int b) const;
+  CostLink between(int a, int b) const;
 };
 
 struct Estimate {
