@@ -179,6 +179,27 @@ Layout makeLayout(const std::vector<int>& hostOf) {
   return lay;
 }
 
+// This rank's place in the layout, and the ring over rail s whose host-k
+// position holds block (k, s) of `count` elements when host k has a local
+// rank s (empty otherwise): reduce-scatter and all-gather across hosts.
+struct View {
+  const Layout& lay;
+  size_t esz, chunkElems;
+  int n, h, j, L, H, M;
+  const std::vector<int>& mine;
+  View(const OpDesc& op, int rank, const Layout& l, const Plan& plan)
+      : lay(l), esz(dtypeSize(op.dtype)), chunkElems(std::max<size_t>(1, plan.chunkBytes / esz)),
+        n(int(l.host.size())), h(l.host[size_t(rank)]), j(l.local[size_t(rank)]),
+        L(int(l.hosts[size_t(h)].size())), H(int(l.hosts.size())), M(l.M), mine(l.hosts[size_t(h)]) {}
+  RingCtx railBlocks(int s, size_t count) const {
+    RingCtx rail{lay.rail(s), h, std::vector<Block>(size_t(H)), esz, chunkElems};
+    for (int k = 0; k < H; ++k)
+      if (s < int(lay.hosts[size_t(k)].size()))
+        rail.blocks[size_t(k)].push_back(Seg{size_t(lay.hosts[size_t(k)][size_t(s)]) * count, count});
+    return rail;
+  }
+};
+
 // Appends `flat`'s lanes for a sub-communicator: virtual rank v is
 // members[v], and the flat schedule's send and recv buffers are `base` shifted
 // by `offset` bytes.  Every lane waits for `after`.
@@ -215,12 +236,11 @@ void pushLane(Lane&& lane, const std::vector<int>& after, Schedule* out) {
 }
 
 void allReduce(const OpDesc& op, int opIndex, int rank, const Layout& lay, const Plan& plan, Schedule* out) {
-  const size_t esz = dtypeSize(op.dtype);
-  const int h = lay.host[size_t(rank)], j = lay.local[size_t(rank)];
-  const std::vector<int>& mine = lay.hosts[size_t(h)];
-  const int L = int(mine.size()), H = int(lay.hosts.size()), M = lay.M;
+  const View v(op, rank, lay, plan);
+  const size_t esz = v.esz;
+  const int h = v.h, j = v.j, L = v.L, H = v.H, M = v.M;
   auto shard = [&](int s) { return Seg{partBegin(op.count, M, s), partBegin(op.count, M, s + 1) - partBegin(op.count, M, s)}; };
-  RingCtx ring{mine, j, std::vector<Block>(size_t(L)), esz, std::max<size_t>(1, plan.chunkBytes / esz)};
+  RingCtx ring{v.mine, j, std::vector<Block>(size_t(L)), esz, v.chunkElems};
   for (int s = 0; s < M; ++s) ring.blocks[size_t(s % L)].push_back(shard(s));
   PlaceFn S = [&](size_t e) { return BufRef{Buf::Send, e * esz}; };
   PlaceFn R = [&](size_t e) { return BufRef{Buf::Recv, e * esz}; };
@@ -259,12 +279,10 @@ void allReduce(const OpDesc& op, int opIndex, int rank, const Layout& lay, const
 }
 
 void reduceScatter(const OpDesc& op, int opIndex, int rank, const Layout& lay, const Plan& plan, Schedule* out) {
-  const size_t esz = dtypeSize(op.dtype), rc = op.count;
-  const int n = int(lay.host.size());
-  const int h = lay.host[size_t(rank)], j = lay.local[size_t(rank)];
-  const std::vector<int>& mine = lay.hosts[size_t(h)];
-  const int L = int(mine.size()), H = int(lay.hosts.size()), M = lay.M;
-  const size_t chunkElems = std::max<size_t>(1, plan.chunkBytes / esz);
+  const View v(op, rank, lay, plan);
+  const size_t esz = v.esz, rc = op.count, chunkElems = v.chunkElems;
+  const int n = v.n, j = v.j, L = v.L, H = v.H, M = v.M;
+  const std::vector<int>& mine = v.mine;
   // Blocks this rank reduces in phase 1, in rank order, and their scratch slots.
   std::vector<long long> slot(size_t(n), -1);
   size_t slots = 0;
@@ -292,10 +310,7 @@ void reduceScatter(const OpDesc& op, int opIndex, int rank, const Layout& lay, c
   std::vector<int> after = lanesSince(first, *out);
   PlaceFn R = [&](size_t e) { return BufRef{Buf::Recv, (e - size_t(rank) * rc) * esz}; };
   for (int s = j; s < M; s += L) {
-    RingCtx rail{lay.rail(s), h, std::vector<Block>(size_t(H)), esz, chunkElems};
-    for (int k = 0; k < H; ++k)
-      if (s < int(lay.hosts[size_t(k)].size()))
-        rail.blocks[size_t(k)].push_back(Seg{size_t(lay.hosts[size_t(k)][size_t(s)]) * rc, rc});
+    RingCtx rail = v.railBlocks(s, rc);
     Lane l2;
     l2.op = opIndex;
     ringReduceScatter(rail, partial, R, true, &l2);
@@ -304,12 +319,10 @@ void reduceScatter(const OpDesc& op, int opIndex, int rank, const Layout& lay, c
 }
 
 void allGather(const OpDesc& op, int opIndex, int rank, const Layout& lay, const Plan& plan, Schedule* out) {
-  const size_t esz = dtypeSize(op.dtype), sc = op.count;
-  const int n = int(lay.host.size());
-  const int h = lay.host[size_t(rank)], j = lay.local[size_t(rank)];
-  const std::vector<int>& mine = lay.hosts[size_t(h)];
-  const int L = int(mine.size()), H = int(lay.hosts.size()), M = lay.M;
-  const size_t chunkElems = std::max<size_t>(1, plan.chunkBytes / esz);
+  const View v(op, rank, lay, plan);
+  const size_t esz = v.esz, sc = op.count, chunkElems = v.chunkElems;
+  const int n = v.n, j = v.j, L = v.L, H = v.H, M = v.M;
+  const std::vector<int>& mine = v.mine;
   if (sc == 0) return;
   const size_t own = size_t(rank) * sc;
   bool inPlace = static_cast<const char*>(op.sendbuf) == static_cast<const char*>(op.recvbuf) + own * esz;
@@ -328,10 +341,7 @@ void allGather(const OpDesc& op, int opIndex, int rank, const Layout& lay, const
   }
   // 1. Rail all-gathers: each block reaches its local index's rail on every host.
   for (int s = j; s < M && H > 1; s += L) {
-    RingCtx rail{lay.rail(s), h, std::vector<Block>(size_t(H)), esz, chunkElems};
-    for (int k = 0; k < H; ++k)
-      if (s < int(lay.hosts[size_t(k)].size()))
-        rail.blocks[size_t(k)].push_back(Seg{size_t(lay.hosts[size_t(k)][size_t(s)]) * sc, sc});
+    RingCtx rail = v.railBlocks(s, sc);
     Lane l1;
     l1.op = opIndex;
     ringAllGather(rail, fromSend, R, &l1);

@@ -678,6 +678,11 @@ inline SimResult simulate(const AlgorithmFn& fn, const loom::OpDesc& tmpl, int n
 // ---------------------------------------------------------------------------
 // Collectives with checked results.
 
+// Every datatype and reduction op, for tests that sweep them.
+inline constexpr loomDataType_t kTypes[] = {loomInt8,   loomUint8,   loomInt32,    loomUint32,  loomInt64,
+                                            loomUint64, loomFloat16, loomBfloat16, loomFloat32, loomFloat64};
+inline constexpr loomRedOp_t kOps[] = {loomSum, loomProd, loomMax, loomMin, loomAvg};
+
 struct CollCase {
   loom::Collective coll = loom::Collective::AllReduce;
   loomDataType_t dtype = loomFloat32;

@@ -14,9 +14,8 @@ namespace {
 using loom::Algorithm;
 using loom::Collective;
 
-const loomDataType_t kTypes[] = {loomInt8,   loomUint8,   loomInt32,    loomUint32,  loomInt64,
-                                 loomUint64, loomFloat16, loomBfloat16, loomFloat32, loomFloat64};
-const loomRedOp_t kOps[] = {loomSum, loomProd, loomMax, loomMin, loomAvg};
+using loomsim::kOps;
+using loomsim::kTypes;
 const Collective kColls[] = {Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather};
 const Algorithm kInner[] = {Algorithm::Ring, Algorithm::HalvingDoubling, Algorithm::Tree};
 

@@ -11,9 +11,8 @@ namespace {
 
 using loom::Collective;
 
-const loomDataType_t kTypes[] = {loomInt8,   loomUint8,   loomInt32,    loomUint32,  loomInt64,
-                                 loomUint64, loomFloat16, loomBfloat16, loomFloat32, loomFloat64};
-const loomRedOp_t kOps[] = {loomSum, loomProd, loomMax, loomMin, loomAvg};
+using loomsim::kOps;
+using loomsim::kTypes;
 const Collective kColls[] = {Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather};
 
 // Rings of two 64-byte slots under 64 KiB chunks: every exchange overflows

@@ -19,9 +19,8 @@ namespace {
 using loom::Collective;
 using loomsim::CollCase;
 
-const loomDataType_t kTypes[] = {loomInt8,    loomUint8,   loomInt32,    loomUint32,  loomInt64,
-                                 loomUint64,  loomFloat16, loomBfloat16, loomFloat32, loomFloat64};
-const loomRedOp_t kOps[] = {loomSum, loomProd, loomMax, loomMin, loomAvg};
+using loomsim::kOps;
+using loomsim::kTypes;
 const Collective kColls[] = {Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather,
                              Collective::Broadcast, Collective::Reduce};
 

@@ -13,9 +13,8 @@ namespace {
 
 using loom::Collective;
 
-const loomDataType_t kTypes[] = {loomInt8,   loomUint8,   loomInt32,    loomUint32,  loomInt64,
-                                 loomUint64, loomFloat16, loomBfloat16, loomFloat32, loomFloat64};
-const loomRedOp_t kOps[] = {loomSum, loomProd, loomMax, loomMin, loomAvg};
+using loomsim::kOps;
+using loomsim::kTypes;
 
 // 256-byte chunks through rings of two 64-byte slots: every chunk wraps its
 // rings twice, so the up and down phases must drain each other.
