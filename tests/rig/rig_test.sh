@@ -68,6 +68,14 @@ for name, got, want in (("hierarchical", hier, 1.0), ("ring", ring, 1.5)):
         assert 1.0 <= ratio <= 1.10, f"{name}: {ratio:.3f} x the formula"
 PY
 
+echo "== the ucx transport between the rig's hosts (UCX_TLS=tcp: UCX would otherwise use shared memory across namespaces)"
+if "$BIN/loom-topo" --env 2>/dev/null | grep -q '^LOOM_UCX_TLS'; then
+  bash "$RIG" --timeout 300 -- env LOOM_TRANSPORTS=shm,ucx LOOM_UCX_TLS=tcp UCX_WARN_UNUSED_ENV_VARS=n \
+    "$BIN/mp-worker" matrix 0,7,1027,262149 7,2 0,4 || exit 1
+else
+  echo "(this build has no UCX: skipped)"
+fi
+
 echo "== a failing rank fails the run, and the rig is removed all the same"
 prefix="rigtest$$"
 bash "$RIG" --prefix "$prefix" --timeout 60 -- sh -c 'test "$LOOM_RANK" != 2 || exit 3; sleep 30'
