@@ -34,8 +34,10 @@ const std::vector<ConfigVar>& configTable() {
       {"LOOM_NCHANNELS", "int", "0 (tuner)", "parallel channels (lanes) per collective"},
       {"LOOM_ALGO", "string", "(tuner)",
        "force an algorithm (ring, oneshot, staged, rhd, tree), globally or per collective (allreduce:tree,allgather:ring)"},
-      {"LOOM_CHECK_MODE", "0|1", "1",
-       "check that ranks call the same operation (sequence number + signature per slot)"},
+      {"LOOM_CHECK_MODE", "on|off", "on",
+       "check that ranks call the same operation (sequence number + signature per slot); also 1|0"},
+      {"LOOM_DUMP_SIGNAL", "int", "0 (none)",
+       "signal number (e.g. 10 = SIGUSR1) that makes loom print every communicator's pending operation to stderr"},
       {"LOOM_RANK / LOOM_WORLD_SIZE", "int", "-", "set by loom-run; read by loomCommInitFromEnv"},
       {"LOOM_ROOT_ADDR", "host:port", "-", "bootstrap root for loomCommInitFromEnv"},
       {"LOOM_ROOT_PORT", "int", "MASTER_PORT+1",
@@ -66,6 +68,16 @@ static int64_t envInt(const char* name, int64_t dflt, int64_t lo, int64_t hi) {
   return x;
 }
 
+static bool envBool(const char* name, bool dflt) {
+  const char* v = env(name);
+  if (!v) return dflt;
+  std::string s(v);
+  if (s == "1" || s == "on" || s == "ON" || s == "yes" || s == "true") return true;
+  if (s == "0" || s == "off" || s == "OFF" || s == "no" || s == "false") return false;
+  LOOM_WARN("INIT", "ignoring %s=%s: expected on or off (1 or 0)", name, v);
+  return dflt;
+}
+
 static Config readConfig() {
   Config c;
   c.debug = env("LOOM_DEBUG") ? env("LOOM_DEBUG") : "WARN";
@@ -82,7 +94,8 @@ static Config readConfig() {
   c.chunkBytes = envInt("LOOM_CHUNK_SIZE", 0, 0, int64_t(1) << 40);
   c.channels = envInt("LOOM_NCHANNELS", 0, 0, 16);
   c.algo = env("LOOM_ALGO") ? env("LOOM_ALGO") : "";
-  c.checkMode = envInt("LOOM_CHECK_MODE", 1, 0, 1) != 0;
+  c.checkMode = envBool("LOOM_CHECK_MODE", true);
+  c.dumpSignal = envInt("LOOM_DUMP_SIGNAL", 0, 0, 64);
   return c;
 }
 

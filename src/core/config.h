@@ -34,6 +34,7 @@ struct Config {
   int64_t channels;           // LOOM_NCHANNELS (0 = tuner decides)
   std::string algo;           // LOOM_ALGO
   bool checkMode;             // LOOM_CHECK_MODE
+  int64_t dumpSignal;         // LOOM_DUMP_SIGNAL (0 = none)
 };
 
 // The process-wide configuration (parsed on first use).
