@@ -11,6 +11,7 @@ PACKAGES=(
   libibverbs-dev                     # ibverbs transport (optional at build time)
   libopenmpi-dev openmpi-bin         # the MPI comparison in perf/
   iproute2 procps python3            # multi-host rig, perf scripts
+  clang libclang-rt-14-dev           # libFuzzer targets (scripts/fuzz.sh)
 )
 
 missing=()

@@ -17,7 +17,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 2) return 0;
   // First byte: nranks and which ranks have joined; the rest is the message.
   int nranks = 1 + data[0] % 16;
-  std::vector<bool> joined(size_t(nranks));
+  std::vector<bool> joined(static_cast<size_t>(nranks), false);
   for (int r = 0; r < nranks; ++r) joined[size_t(r)] = (data[1] >> (r % 8)) & 1;
   const uint8_t* msg = data + 2;
   size_t n = size - 2;

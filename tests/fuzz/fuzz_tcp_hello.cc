@@ -33,7 +33,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     loom::checkRankInfo(&info, data[0] & 1 ? 0 : 1);
     if (strnlen(info.hostId, sizeof info.hostId) == sizeof info.hostId) abort();
     if (info.listenLen > sizeof info.listenAddr) abort();
-    if (!(data[0] & 1) && (info.slots < 2 || info.slotBytes < 4096)) abort();
+    if ((data[0] & 1) && (info.slots < 2 || info.slotBytes < 4096)) abort();
   } catch (const loom::Error& e) {
     if (e.code() != loomRemoteError) abort();
   }
