@@ -9,12 +9,13 @@
 #    and the executor's buffer arithmetic;
 #  - loom.h as C;
 #  - the multi-process tests that exercise distinct code rather than more
-#    sizes: small-size matrices over shm and tcp (one-shot, staged, ring and
-#    the tcp frame reader), mixed collectives on two communicators from two
+#    sizes: small-size matrices over shm and tcp (one-shot, ring and the tcp
+#    frame reader), the staged all-reduce across chunks, mixed collectives on two communicators from two
 #    threads (the ticket/turn logic TSan must see), groups, streams, bad
-#    arguments, mismatched calls, split, and the fault tests (a rank killed
+#    arguments, mismatched calls, split, the fault tests (a rank killed
 #    during init, during an all-reduce and between operations: the error and
-#    abort paths);
+#    abort paths) and loomCommDump / the dump signal (a second thread reading
+#    a running communicator);
 #  - left out: the 1 MiB/64 MiB matrices, forced algorithms at every N, the
 #    soak and the multi-host mixes: the same code paths as above at larger
 #    sizes, run unsanitized by the main suite.
@@ -22,7 +23,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs="$(getconf _NPROCESSORS_ONLN)"
-subset='^unit: |^mp: (every collective type and op is exact at small sizes|mixed collectives|group|stream|wrong arguments|mismatched|split|killing a rank|a rank killed|loomCommDump)'
+subset='^unit:|^mp: ?(every collective type and op is exact at small sizes|the staged all-reduce|mixed collectives|group calls|many operations on a stream|wrong arguments|loomCommSplit|ranks that call different|a rank killed|loomCommDump)'
 
 run_variant() {
   local name=$1 flags=$2

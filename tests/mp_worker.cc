@@ -9,7 +9,6 @@
 //   mp-worker badargs      wrong arguments fail cleanly and do no harm
 //   mp-worker mismatch     ranks calling different collectives get an error, no hang
 //   mp-worker split        loomCommSplit into even/odd ranks
-//   mp-worker crash R B    rank R dies (SIGKILL) during a B-byte all-reduce
 //   mp-worker soak SEED N SECONDS   N random operations (collective, size,
 //                          type, op, root, in-place, stream), all checked
 //   mp-worker fault PHASE R B DIR   rank R dies (SIGKILL) during init, during a
@@ -325,27 +324,6 @@ static void scenarioSplit(loomComm_t comm) {
   CHECK_LOOM(loomCommDestroy(half));
 }
 
-static void scenarioCrash(loomComm_t comm, int victim, size_t bytes) {
-  std::vector<float> buf(bytes / 4, 1.0f);
-  for (int it = 0; it < 1000; ++it) {
-    if (gRank == victim && it == 2) {
-      // Die in the middle of the next all-reduce, from another thread.
-      std::thread([] {
-        usleep(2000);
-        raise(SIGKILL);
-      }).detach();
-    }
-    loomResult_t r = loomAllReduce(buf.data(), buf.data(), buf.size(), loomFloat32, loomSum, comm, nullptr);
-    if (r != loomSuccess) {
-      printf("rank %d: iteration %d: %s: %s\n", gRank, it, loomGetErrorString(r), loomGetLastError(comm));
-      expect(r == loomRemoteError || r == loomTimeout, "a dead peer gives remote error or timeout");
-      loomCommAbort(comm);
-      exit(gFailures ? 1 : 0);
-    }
-  }
-  expect(false, "the all-reduces kept succeeding although a rank died");
-}
-
 static double msSince(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
 }
@@ -560,7 +538,6 @@ int main(int argc, char** argv) {
   else if (sc == "soak")
     scenarioSoak(comm, argc > 2 ? strtoull(argv[2], nullptr, 10) : 1, argc > 3 ? atoi(argv[3]) : 1000,
                  argc > 4 ? atof(argv[4]) : 60);
-  else if (sc == "crash") scenarioCrash(comm, atoi(argv[2]), strtoull(argv[3], nullptr, 10));
   else {
     fprintf(stderr, "unknown scenario %s\n", sc.c_str());
     return 2;
