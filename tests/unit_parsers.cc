@@ -1,11 +1,18 @@
 // The checks on bytes from the network (the same functions the fuzz targets
 // in tests/fuzz drive), and the LOOM_CHECK_MODE / LOOM_DUMP_SIGNAL parsing.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <catch2/catch.hpp>
+#include <thread>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include "src/core/bootstrap.h"
+#include "src/core/clock.h"
 #include "src/core/comm.h"
 #include "src/core/config.h"
 #include "src/core/error.h"
@@ -142,4 +149,70 @@ TEST_CASE("LOOM_CHECK_MODE takes on/off and 1/0; LOOM_DUMP_SIGNAL a signal numbe
   unsetenv("LOOM_DUMP_SIGNAL");
   loom::configReload();
   CHECK(loom::config().checkMode);
+}
+
+TEST_CASE("garbage, wrong secrets, truncated and silent clients on a rank's data port do not stop tcp", "[hostile]") {
+  setenv("LOOM_SOCKET_IFNAME", "lo", 1);
+  setenv("LOOM_TRANSPORTS", "tcp", 1);
+  setenv("LOOM_TIMEOUT_MS", "20000", 1);
+  loom::configReload();
+  loomUniqueId id;
+  REQUIRE(loomGetUniqueId(&id) == loomSuccess);
+  loomComm_t comms[2] = {nullptr, nullptr};
+  loomResult_t res[2] = {loomInternalError, loomInternalError};
+  std::thread r0([&] { res[0] = loomCommInitRank(&comms[0], 2, id, 0); });
+  std::thread r1([&] { res[1] = loomCommInitRank(&comms[1], 2, id, 1); });
+  r0.join();
+  r1.join();
+  REQUIRE(res[0] == loomSuccess);
+  REQUIRE(res[1] == loomSuccess);
+
+  // Rank 1 connects to rank 0's data port at the first operation; hostile
+  // clients get there first.
+  sockaddr_in a{};
+  memcpy(&a, &comms[0]->peers()[0].listenAddr, sizeof a);
+  REQUIRE(a.sin_family == AF_INET);
+  auto dial = [&] {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in to{};
+    to.sin_family = AF_INET;
+    to.sin_port = a.sin_port;
+    to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof to) == 0);
+    return fd;
+  };
+  std::vector<int> fds;
+  int g = dial();
+  char junk[300];
+  for (size_t i = 0; i < sizeof junk; ++i) junk[i] = char(i * 13 + 1);
+  REQUIRE(send(g, junk, sizeof junk, MSG_NOSIGNAL) == ssize_t(sizeof junk));
+  fds.push_back(g);
+  loom::TcpHello h{loom::kTcpHelloMagic, loom::kTcpVersion, {}, 0, 1, 0};
+  memset(h.secret, 0x5a, 16);  // wrong secret, right shape
+  int w = dial();
+  REQUIRE(send(w, &h, sizeof h, MSG_NOSIGNAL) == ssize_t(sizeof h));
+  fds.push_back(w);
+  int t = dial();
+  REQUIRE(send(t, &h, 9, MSG_NOSIGNAL) == 9);
+  close(t);
+  fds.push_back(dial());  // silent
+
+  int64_t start = loom::nowMs();
+  std::vector<float> x(1000, 1.0f), y(1000, 2.0f);
+  std::thread t0([&] { res[0] = loomAllReduce(x.data(), x.data(), x.size(), loomFloat32, loomSum, comms[0], nullptr); });
+  std::thread t1([&] { res[1] = loomAllReduce(y.data(), y.data(), y.size(), loomFloat32, loomSum, comms[1], nullptr); });
+  t0.join();
+  t1.join();
+  CHECK(res[0] == loomSuccess);
+  CHECK(res[1] == loomSuccess);
+  CHECK(x[999] == 3.0f);
+  CHECK(y[0] == 3.0f);
+  CHECK(loom::nowMs() - start < 10000);  // a silent client costs at most its 2 s hello window
+  for (int fd : fds) close(fd);
+  CHECK(loomCommDestroy(comms[0]) == loomSuccess);
+  CHECK(loomCommDestroy(comms[1]) == loomSuccess);
+  unsetenv("LOOM_SOCKET_IFNAME");
+  unsetenv("LOOM_TRANSPORTS");
+  setenv("LOOM_TIMEOUT_MS", "600000", 1);
+  loom::configReload();
 }
