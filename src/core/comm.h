@@ -166,7 +166,7 @@ struct loomComm : public loom::ExecEnv, public std::enable_shared_from_this<loom
   std::string lastError_;
   std::shared_ptr<loomComm> self_;  // the handle's reference
   // The operation running now (comm_dump.cc); actStartNs_ == 0: none.
-  std::atomic<int64_t> actStartNs_{0}, actWaitNs_{0};
+  std::atomic<int64_t> actStartNs_{0}, actWaitNs_{0}, actNoteNs_{0};
   std::atomic<uint64_t> actSeq_{0}, actCount_{0};
   std::atomic<uint32_t> actSig_{0};  // coll | dtype << 8 | op << 16
   std::atomic<int32_t> actRoot_{0}, actOps_{0}, actPeer_{-1};

@@ -36,10 +36,17 @@ void loomComm::noteRunning(const SlotTag& tag, size_t nops) {
 }
 
 void loomComm::noteWaiting(int peer) {
-  // Called every 20 ms while the rank waits, so the first call marks when
-  // the wait on this peer began.
-  if (actPeer_.load(std::memory_order_relaxed) != peer) {
-    actWaitNs_.store(nowNs(), std::memory_order_relaxed);
+  // Called about every 20 ms while the rank waits, once per peer it waits
+  // on: the first peer of a round is the one shown (receives come first),
+  // and a wait is continuous while the rounds keep coming (tcp connection
+  // setup notes every 100 ms).
+  int64_t now = nowNs();
+  int64_t last = actNoteNs_.load(std::memory_order_relaxed);
+  int prev = actPeer_.load(std::memory_order_relaxed);
+  if (prev >= 0 && now - last < 10 * 1000000LL) return;
+  actNoteNs_.store(now, std::memory_order_relaxed);
+  if (prev != peer || now - last > 500 * 1000000LL) {
+    actWaitNs_.store(now, std::memory_order_relaxed);
     actPeer_.store(peer, std::memory_order_release);
   }
 }
