@@ -151,6 +151,34 @@ TEST_CASE("LOOM_CHECK_MODE takes on/off and 1/0; LOOM_DUMP_SIGNAL a signal numbe
   CHECK(loom::config().checkMode);
 }
 
+TEST_CASE("integer variables with suffixes reject negative and overflowing values (fuzz_env finding)", "[parsers][config]") {
+  setenv("LOOM_SLOTS", "-9k", 1);
+  setenv("LOOM_TIMEOUT_MS", "9223372036854775807k", 1);
+  setenv("LOOM_SLOT_BYTES", "128k", 1);
+  loom::configReload();
+  CHECK(loom::config().slots == 8);
+  CHECK(loom::config().timeoutMs == 600000);
+  CHECK(loom::config().slotBytes == 128 << 10);
+  unsetenv("LOOM_SLOTS");
+  unsetenv("LOOM_SLOT_BYTES");
+  setenv("LOOM_TIMEOUT_MS", "600000", 1);
+  loom::configReload();
+}
+
+TEST_CASE("a reload never changes the Config another thread is reading", "[parsers][config]") {
+  const loom::Config& before = loom::config();
+  int64_t slots = before.slots;
+  setenv("LOOM_SLOTS", "16", 1);
+  loom::configReload();
+  CHECK(before.slots == slots);  // the old snapshot is intact and alive
+  CHECK(loom::config().slots == 16);
+  const loom::Config* same = &loom::config();
+  loom::configReload();  // unchanged environment: same object
+  CHECK(&loom::config() == same);
+  unsetenv("LOOM_SLOTS");
+  loom::configReload();
+}
+
 TEST_CASE("garbage, wrong secrets, truncated and silent clients on a rank's data port do not stop tcp", "[hostile]") {
   setenv("LOOM_SOCKET_IFNAME", "lo", 1);
   setenv("LOOM_TRANSPORTS", "tcp", 1);

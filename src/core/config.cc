@@ -2,7 +2,9 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
+#include <string>
 
 #include "src/core/log.h"
 
@@ -58,9 +60,13 @@ static int64_t envInt(const char* name, int64_t dflt, int64_t lo, int64_t hi) {
   if (!v) return dflt;
   char* end = nullptr;
   long long x = strtoll(v, &end, 0);
-  if (end && (*end == 'k' || *end == 'K')) x <<= 10, ++end;
-  else if (end && (*end == 'm' || *end == 'M')) x <<= 20, ++end;
-  if (!end || *end || x < lo || x > hi) {
+  long long scale = 1;
+  if (end && (*end == 'k' || *end == 'K')) scale = 1 << 10, ++end;
+  else if (end && (*end == 'm' || *end == 'M')) scale = 1 << 20, ++end;
+  // Multiplying, not shifting: "-9k" must not shift a negative value and
+  // "9e18k" must not overflow (both were undefined behaviour; found by fuzz_env).
+  bool overflow = __builtin_mul_overflow(x, scale, &x);
+  if (!end || *end || overflow || x < lo || x > hi) {
     LOOM_WARN("INIT", "ignoring %s=%s: expected an integer in [%lld, %lld]", name, v,
               (long long)lo, (long long)hi);
     return dflt;
@@ -101,18 +107,42 @@ static Config readConfig() {
 
 static std::mutex gConfigMutex;
 static Config* gConfig = nullptr;
+static std::string gSnapshot;  // the environment gConfig was read from
+static std::string envSnapshot();
 
 const Config& config() {
   std::lock_guard<std::mutex> lock(gConfigMutex);
-  if (!gConfig) gConfig = new Config(readConfig());
+  if (!gConfig) {
+    gConfig = new Config(readConfig());
+    gSnapshot = envSnapshot();
+  }
   return *gConfig;
 }
 
+// The environment a Config was read from (every variable of the table).
+static std::string envSnapshot() {
+  std::string snap;
+  for (const ConfigVar& v : configTable()) {
+    const char* e = getenv(v.name);  // "LOOM_RANK / LOOM_WORLD_SIZE" reads as unset: fine
+    snap += e ? e : "\x01";
+    snap += '\0';
+  }
+  return snap;
+}
+
 void configReload() {
-  Config fresh = readConfig();
+  // Another thread may be initialising a communicator with the reference
+  // config() gave it, so a Config is never changed in place: a changed
+  // environment gets a new one, and the old ones stay alive (reachable, a
+  // few hundred bytes each, only when the environment really changed).
+  static std::vector<std::unique_ptr<Config>> retired;
+  std::string snap = envSnapshot();
   std::lock_guard<std::mutex> lock(gConfigMutex);
-  if (!gConfig) gConfig = new Config(fresh);
-  else *gConfig = fresh;
+  if (gConfig && snap == gSnapshot) return;
+  Config* fresh = new Config(readConfig());
+  if (gConfig) retired.emplace_back(gConfig);
+  gConfig = fresh;
+  gSnapshot = snap;
 }
 
 }  // namespace loom
