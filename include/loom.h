@@ -162,6 +162,16 @@ loomResult_t loomCommUserRank(const loomComm_t comm, int* rank);
  * later call on it returns that error; destroy or abort it. */
 loomResult_t loomCommGetAsyncError(loomComm_t comm, loomResult_t* asyncError);
 
+/* Describes what this rank of comm is doing, for debugging a hang: the
+ * operations issued and completed, the one running now (collective, sequence
+ * number, count, type, op, root) and for how long, the peer it waits for and
+ * since when, and how many operations are queued behind it.  Writes the text
+ * to buf (NUL-terminated, truncated to size bytes) or, when buf is NULL, to
+ * stderr.  Safe to call from another thread while an operation hangs.
+ * LOOM_DUMP_SIGNAL=N prints the same for every communicator of the process
+ * when signal N arrives.  loomInvalidArgument on a NULL comm. */
+loomResult_t loomCommDump(loomComm_t comm, char* buf, size_t size);
+
 /* ---- Collectives ------------------------------------------------------- */
 /* All collectives are enqueued on `stream` and return before they complete
  * (NULL stream: after).  In-place use is allowed: sendbuff == recvbuff for

@@ -13,6 +13,7 @@ PACKAGES=(
   iproute2 procps python3            # multi-host rig, perf scripts
   zlib1g-dev dataset-fashion-mnist   # the reference trainer (gzip'd IDX files, its dataset)
   python3-torch libtorch-dev pybind11-dev  # loom_torch (python/): the torch.distributed backend
+  clang libclang-rt-14-dev           # libFuzzer targets (scripts/fuzz.sh)
 )
 
 missing=()

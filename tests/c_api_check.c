@@ -12,6 +12,8 @@ int main(void) {
   loomComm_t comm = NULL;
   if (loomCommInitRank(&comm, 0, (loomUniqueId){{0}}, 0) != loomInvalidArgument) return 1;
   if (strstr(loomGetLastError(NULL), "nranks") == NULL) return 1;
+  char dump[64];
+  if (loomCommDump(NULL, dump, sizeof dump) != loomInvalidArgument) return 1;
   printf("loom.h compiles and links as C; version %d\n", version);
   return 0;
 }

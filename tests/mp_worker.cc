@@ -9,10 +9,14 @@
 //   mp-worker badargs      wrong arguments fail cleanly and do no harm
 //   mp-worker mismatch     ranks calling different collectives get an error, no hang
 //   mp-worker split        loomCommSplit into even/odd ranks
-//   mp-worker crash R B [remote]  rank R dies (SIGKILL) during a B-byte all-reduce
-//                          (remote: the others must see loomRemoteError, not a timeout)
 //   mp-worker soak SEED N SECONDS   N random operations (collective, size,
 //                          type, op, root, in-place, stream), all checked
+//   mp-worker fault PHASE R B DIR   rank R dies (SIGKILL) during init, during a
+//                          B-byte all-reduce or between two; every other rank
+//                          writes what it got and how fast to DIR/rank<r>
+//   mp-worker dump         rank 1 is late: rank 0 checks loomCommDump, the
+//                          LOOM_DUMP_SIGNAL output and its timeout message
+#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -320,26 +324,152 @@ static void scenarioSplit(loomComm_t comm) {
   CHECK_LOOM(loomCommDestroy(half));
 }
 
-static void scenarioCrash(loomComm_t comm, int victim, size_t bytes, bool remoteOnly) {
+static double msSince(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+}
+
+// The fault table's scenario.  Surviving ranks record: the call that failed,
+// its result, the time from the call to the error, and how long
+// loomCommAbort took.  Exit 0 when the failure was one of the expected ones.
+static int scenarioFault(const std::string& phase, int victim, size_t bytes, const std::string& dir) {
+  int rank = atoi(getenv("LOOM_RANK"));
+  auto record = [&](const char* call, loomResult_t r, double ms, double abortMs, const char* msg) {
+    std::string path = dir + "/rank" + std::to_string(rank);
+    if (FILE* f = fopen(path.c_str(), "w")) {
+      fprintf(f, "%s|%d|%.0f|%.1f|%s\n", call, int(r), ms, abortMs, msg);
+      fclose(f);
+    }
+    printf("rank %d: %s returned %s after %.0f ms (abort %.1f ms): %s\n", rank, call, loomGetErrorString(r), ms,
+           abortMs, msg);
+  };
+  auto kill9 = [](int afterUs) {
+    std::thread([afterUs] {
+      if (afterUs) usleep(useconds_t(afterUs));
+      raise(SIGKILL);
+    }).detach();
+  };
+  loomComm_t comm = nullptr;
+  auto t0 = std::chrono::steady_clock::now();
+  if (phase == "init") {
+    // The victim starts late, while the others wait in init, and dies a few
+    // milliseconds into its own init (connecting, joining or exchanging).
+    if (rank == victim) {
+      usleep(300000);
+      kill9(1000 + 1000 * (getpid() % 5));
+    }
+    t0 = std::chrono::steady_clock::now();
+    loomResult_t r = loomCommInitFromEnv(&comm);
+    if (r == loomSuccess) {
+      // Init can finish before the victim dies: then the first operation must fail.
+      int me;
+      loomCommUserRank(comm, &me);
+      std::vector<float> buf(1024, 1.0f);
+      if (rank == victim) usleep(10000000);  // dies here
+      r = loomAllReduce(buf.data(), buf.data(), buf.size(), loomFloat32, loomSum, comm, nullptr);
+      if (r == loomSuccess) {
+        record("loomAllReduce after init", r, msSince(t0), 0, "succeeded although a rank died");
+        return 1;
+      }
+    }
+    std::string msg = loomGetLastError(comm);
+    double ms = msSince(t0);
+    auto ta = std::chrono::steady_clock::now();
+    if (comm) loomCommAbort(comm);
+    record(comm ? "loomAllReduce after init" : "loomCommInitFromEnv", r, ms, comm ? msSince(ta) : 0, msg.c_str());
+    return (r == loomRemoteError || r == loomTimeout) ? 0 : 1;
+  }
+  CHECK_LOOM(loomCommInitFromEnv(&comm));
+  CHECK_LOOM(loomCommUserRank(comm, &gRank));
+  CHECK_LOOM(loomCommCount(comm, &gSize));
   std::vector<float> buf(bytes / 4, 1.0f);
   for (int it = 0; it < 1000; ++it) {
     if (gRank == victim && it == 2) {
-      // Die in the middle of the next all-reduce, from another thread.
-      std::thread([] {
-        usleep(2000);
-        raise(SIGKILL);
-      }).detach();
+      if (phase == "allreduce") kill9(2000);  // in the middle of this all-reduce
+      else raise(SIGKILL);                    // between the second and the third
     }
+    if (phase == "between" && it == 2) usleep(300000);  // the victim is surely dead now
+    t0 = std::chrono::steady_clock::now();
     loomResult_t r = loomAllReduce(buf.data(), buf.data(), buf.size(), loomFloat32, loomSum, comm, nullptr);
     if (r != loomSuccess) {
-      printf("rank %d: iteration %d: %s: %s\n", gRank, it, loomGetErrorString(r), loomGetLastError(comm));
-      if (remoteOnly) expect(r == loomRemoteError, "a dead peer gives remote error (not a timeout)");
-      else expect(r == loomRemoteError || r == loomTimeout, "a dead peer gives remote error or timeout");
-      loomCommAbort(comm);
-      exit(gFailures ? 1 : 0);
+      double ms = msSince(t0);
+      std::string msg = loomGetLastError(comm);
+      // A later call fails at once with the same error.
+      loomResult_t again = loomAllReduce(buf.data(), buf.data(), 16, loomFloat32, loomSum, comm, nullptr);
+      expect(again == r, "a call after the failure returns the same error");
+      auto ta = std::chrono::steady_clock::now();
+      CHECK_LOOM(loomCommAbort(comm));
+      record("loomAllReduce", r, ms, msSince(ta), msg.c_str());
+      return (r == loomRemoteError || r == loomTimeout) && !gFailures ? 0 : 1;
     }
   }
-  expect(false, "the all-reduces kept succeeding although a rank died");
+  record("loomAllReduce", loomSuccess, 0, 0, "1000 all-reduces succeeded although a rank died");
+  return 1;
+}
+
+// Rank 1 arrives 4 s late to an all-reduce that times out after
+// LOOM_TIMEOUT_MS (2.5 s): meanwhile rank 0 checks what loomCommDump and the
+// LOOM_DUMP_SIGNAL signal print, then that the timeout names rank 1.
+static void scenarioDump(loomComm_t comm) {
+  std::vector<float> buf(4096, 1.0f);
+  if (gRank == 1) {
+    usleep(4000000);
+    // Over shm rank 0 posted its data before it gave up, so this call may
+    // still complete, correctly; the next one must fail.
+    loomResult_t r = loomAllReduce(buf.data(), buf.data(), buf.size(), loomFloat32, loomSum, comm, nullptr);
+    printf("rank 1: late all-reduce: %s: %s\n", loomGetErrorString(r), loomGetLastError(comm));
+    expect(r == loomRemoteError || r == loomTimeout || (r == loomSuccess && buf[4095] == 2.0f),
+           "the late all-reduce fails or is exact");
+    r = loomAllReduce(buf.data(), buf.data(), buf.size(), loomFloat32, loomSum, comm, nullptr);
+    printf("rank 1: next all-reduce: %s: %s\n", loomGetErrorString(r), loomGetLastError(comm));
+    expect(r == loomRemoteError || r == loomTimeout, "the late rank is told its peer failed");
+    return;
+  }
+  if (gRank != 0) return;
+  char text[4096];
+  expect(loomCommDump(comm, text, sizeof text) == loomSuccess, "loomCommDump on an idle communicator");
+  expect(strstr(text, "running: nothing") != nullptr, std::string("idle dump says nothing runs: ") + text);
+  std::thread watcher([&] {
+    usleep(800000);
+    char t[4096];
+    expect(loomCommDump(comm, t, sizeof t) == loomSuccess, "loomCommDump while an operation hangs");
+    printf("rank 0: loomCommDump:\n%s", t);
+    expect(strstr(t, "running: AllReduce #0 (count 4096, float32, sum)") != nullptr, "dump names the operation");
+    expect(strstr(t, "waiting for rank 1") != nullptr, "dump names the peer it waits for");
+    char small[16];
+    expect(loomCommDump(comm, small, sizeof small) == loomSuccess && strlen(small) == 15, "dump truncates to size");
+    // The signal: its output goes to stderr, which we catch in a file.
+    std::string path = "/tmp/loom-dump-" + std::to_string(getpid());
+    int fd = open(path.c_str(), O_CREAT | O_TRUNC | O_RDWR, 0600);
+    int saved = dup(2);
+    fflush(stderr);
+    dup2(fd, 2);
+    kill(getpid(), atoi(getenv("LOOM_DUMP_SIGNAL")));
+    std::string got;
+    for (int i = 0; i < 300 && got.find("waiting for rank 1") == std::string::npos; ++i) {
+      usleep(10000);
+      char b[4096];
+      ssize_t n = pread(fd, b, sizeof b - 1, 0);
+      got.assign(b, n > 0 ? size_t(n) : 0);
+    }
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    close(fd);
+    unlink(path.c_str());
+    printf("rank 0: LOOM_DUMP_SIGNAL printed:\n%s", got.c_str());
+    expect(got.find("loom rank 0 of 2") != std::string::npos && got.find("waiting for rank 1") != std::string::npos,
+           "the dump signal prints the pending operation");
+  });
+  loomResult_t r = loomAllReduce(buf.data(), buf.data(), buf.size(), loomFloat32, loomSum, comm, nullptr);
+  watcher.join();
+  std::string msg = loomGetLastError(comm);
+  printf("rank 0: %s: %s\n", loomGetErrorString(r), msg.c_str());
+  expect(r == loomTimeout, "the hung all-reduce times out");
+  expect(msg.find("waiting for rank 1") != std::string::npos && msg.find("AllReduce #0") != std::string::npos,
+         "the timeout names the peer and the operation's sequence number");
+  expect(loomCommDump(comm, text, sizeof text) == loomSuccess && strstr(text, "failed (") != nullptr,
+         "the dump shows the failure");
+  usleep(2500000);  // let rank 1 find the failure through the live communicator
 }
 
 // Random operations, identical on every rank (same seed), each checked
@@ -386,6 +516,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::string sc = argv[1];
+  if (sc == "fault") {
+    if (argc < 6) {
+      fprintf(stderr, "usage: mp-worker fault init|allreduce|between VICTIM BYTES DIR\n");
+      return 2;
+    }
+    return scenarioFault(argv[2], atoi(argv[3]), strtoull(argv[4], nullptr, 10), argv[5]);
+  }
   loomComm_t comm;
   CHECK_LOOM(loomCommInitFromEnv(&comm));
   CHECK_LOOM(loomCommUserRank(comm, &gRank));
@@ -397,16 +534,15 @@ int main(int argc, char** argv) {
   else if (sc == "badargs") scenarioBadArgs(comm);
   else if (sc == "mismatch") scenarioMismatch(comm);
   else if (sc == "split") scenarioSplit(comm);
+  else if (sc == "dump") scenarioDump(comm);
   else if (sc == "soak")
     scenarioSoak(comm, argc > 2 ? strtoull(argv[2], nullptr, 10) : 1, argc > 3 ? atoi(argv[3]) : 1000,
                  argc > 4 ? atof(argv[4]) : 60);
-  else if (sc == "crash") scenarioCrash(comm, atoi(argv[2]), strtoull(argv[3], nullptr, 10),
-                                       argc > 4 && strcmp(argv[4], "remote") == 0);
   else {
     fprintf(stderr, "unknown scenario %s\n", sc.c_str());
     return 2;
   }
-  if (sc == "mismatch") loomCommAbort(comm);
+  if (sc == "mismatch" || sc == "dump") loomCommAbort(comm);
   else CHECK_LOOM(loomCommDestroy(comm));
   if (gFailures) fprintf(stderr, "rank %d: %d checks failed\n", gRank, gFailures);
   return gFailures ? 1 : 0;

@@ -6,6 +6,7 @@
 #include <dirent.h>
 
 #include <catch2/catch.hpp>
+#include <fstream>
 #include <set>
 #include <string>
 
@@ -101,7 +102,12 @@ TEST_CASE("killing a rank during a 64 MiB all-reduce over ucx gives the others l
   // LOOM_TIMEOUT_MS is far above the test's limit: only UCX's error
   // handling (endpoint failure -> loomRemoteError) can end the survivors in
   // time, and the worker's "remote" mode rejects a timeout.
-  auto res = loomtest::spawnRanks(n, {"crash", std::to_string(victim), std::to_string(64 << 20), "remote"},
+  // The fault scenario (tests/mp_worker.cc) writes "call|result|ms|abort ms|message"
+  // per surviving rank.
+  char dirTemplate[] = "/tmp/loom-ucx-fault-XXXXXX";
+  REQUIRE(mkdtemp(dirTemplate) != nullptr);
+  std::string dir = dirTemplate;
+  auto res = loomtest::spawnRanks(n, {"fault", "allreduce", std::to_string(victim), std::to_string(64 << 20), dir},
                                   {"LOOM_TRANSPORTS=ucx", std::string("UCX_TLS=") + tls, kQuiet,
                                    "LOOM_TIMEOUT_MS=300000"},
                                   90, &timedOut);
@@ -110,11 +116,20 @@ TEST_CASE("killing a rank during a 64 MiB all-reduce over ucx gives the others l
     INFO("rank " << r);
     if (r == victim) {
       CHECK(res[size_t(r)].signal == SIGKILL);
-    } else {
-      CHECK(res[size_t(r)].exited);
-      CHECK(res[size_t(r)].code == 0);
+      continue;
     }
+    CHECK(res[size_t(r)].exited);
+    CHECK(res[size_t(r)].code == 0);
+    std::string path = dir + "/rank" + std::to_string(r), line;
+    std::ifstream in(path);
+    REQUIRE(std::getline(in, line));
+    INFO(line);
+    size_t bar = line.find('|');
+    REQUIRE(bar != std::string::npos);
+    CHECK(atoi(line.c_str() + bar + 1) == int(loomRemoteError));  // not a timeout
+    unlink(path.c_str());
   }
+  rmdir(dir.c_str());
   // UCX's shared-memory segments of the dead rank are UCX's to clean; loom
   // must leave none of its own.
   for (const std::string& name : devShm()) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -412,6 +413,22 @@ loomResult_t loomCommAbort(loomComm_t comm) {
   return guarded("loomCommAbort", nullptr, [&] {
     comm->abort();
     comm->releaseHandle();
+    return loomSuccess;
+  });
+}
+
+loomResult_t loomCommDump(loomComm_t comm, char* buf, size_t size) {
+  return guarded("loomCommDump", nullptr, [&] {
+    checkComm(comm);
+    std::string text = comm->dump();
+    if (!buf) {
+      fputs(text.c_str(), stderr);
+      fflush(stderr);
+    } else if (size > 0) {
+      size_t n = std::min(size - 1, text.size());
+      memcpy(buf, text.data(), n);
+      buf[n] = 0;
+    }
     return loomSuccess;
   });
 }

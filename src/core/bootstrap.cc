@@ -24,20 +24,6 @@ constexpr uint32_t kIdMagic = 0x4c4d4944;     // "LMID"
 constexpr uint32_t kJoinMagic = 0x4c4d4a4e;   // "LMJN"
 constexpr uint16_t kBootVersion = 1;
 
-struct JoinHello {
-  uint32_t magic;
-  uint32_t version;
-  uint8_t secret[16];
-  int32_t rank;
-  int32_t nranks;
-};
-
-struct JoinReply {
-  uint32_t magic;
-  int32_t status;  // loomResult_t
-  char message[248];
-};
-
 // Listeners opened by loomGetUniqueId, waiting for this process's rank 0.
 std::mutex gListenMutex;
 std::map<std::string, int> gListeners;
@@ -64,6 +50,36 @@ std::string linkTarget(const char* path) {
 }
 
 }  // namespace
+
+JoinCheck checkJoinHello(const void* bytes, size_t n, const uint8_t secret[16], int nranks,
+                         const std::vector<bool>& joined) {
+  JoinHello h;
+  if (n != sizeof h) return {JoinVerdict::Drop, -1, "truncated hello"};
+  memcpy(&h, bytes, sizeof h);
+  if (h.magic != kJoinMagic) return {JoinVerdict::Drop, -1, "not a loom hello"};
+  if (memcmp(h.secret, secret, 16) != 0) return {JoinVerdict::Drop, -1, "wrong secret"};
+  if (h.version != kBootVersion)
+    return {JoinVerdict::Reject, -1, strf("loom bootstrap version %u, root has %u", h.version, kBootVersion)};
+  if (h.nranks != nranks)
+    return {JoinVerdict::Fatal, -1,
+            strf("rank %d called init with nranks %d but rank 0 with %d", h.rank, h.nranks, nranks)};
+  if (h.rank <= 0 || h.rank >= nranks || size_t(h.rank) >= joined.size() || joined[size_t(h.rank)])
+    return {JoinVerdict::Fatal, -1, strf("rank %d joined twice or is out of range [0, %d)", h.rank, nranks)};
+  return {JoinVerdict::Accept, h.rank, ""};
+}
+
+void checkJoinReply(const void* bytes, size_t n, int rank) {
+  JoinReply r;
+  if (n != sizeof r) fail(loomRemoteError, "rank %d: the bootstrap root sent a truncated reply", rank);
+  memcpy(&r, bytes, sizeof r);
+  r.message[sizeof r.message - 1] = 0;
+  if (r.magic != kJoinMagic) fail(loomRemoteError, "rank %d: the bootstrap root sent garbage", rank);
+  if (r.status == loomSuccess) return;
+  // Only the root's own codes: garbage must not become an unknown loomResult_t.
+  if (r.status < 0 || r.status >= loomNumResults || r.status == loomInProgress)
+    fail(loomRemoteError, "rank %d: the bootstrap root sent an unknown status %d", rank, int(r.status));
+  fail(loomResult_t(r.status), "%s", r.message);
+}
 
 uint64_t localKey() {
   return fnv1a(readFirstLine("/proc/sys/kernel/random/boot_id") + "|" + linkTarget("/proc/self/ns/net"));
@@ -174,9 +190,7 @@ Bootstrap::Bootstrap(const UniqueIdData& id, int rank, int nranks, int64_t deadl
   } catch (const Error& e) {
     fail(e.code(), "rank %d: bootstrap with root %s failed: %s", rank, root.str().c_str(), e.what());
   }
-  reply.message[sizeof reply.message - 1] = 0;
-  if (reply.magic != kJoinMagic) fail(loomRemoteError, "rank %d: the bootstrap root sent garbage", rank);
-  if (reply.status != loomSuccess) fail(loomResult_t(reply.status), "%s", reply.message);
+  checkJoinReply(&reply, sizeof reply, rank);
 }
 
 Bootstrap::~Bootstrap() {
@@ -258,29 +272,23 @@ void Bootstrap::serve(const UniqueIdData& id) {
         if (n < 0) continue;
         p.got += size_t(n);
         if (p.got < sizeof p.hello) continue;
-        const JoinHello& h = p.hello;
-        if (h.magic != kJoinMagic) {
-          drop(i - 1, "not a loom hello");
+        std::vector<bool> joinedRanks(fds_.size());
+        for (size_t r = 0; r < fds_.size(); ++r) joinedRanks[r] = fds_[r] >= 0;
+        JoinCheck chk = checkJoinHello(&p.hello, sizeof p.hello, id.secret, nranks_, joinedRanks);
+        if (chk.verdict == JoinVerdict::Drop) {
+          drop(i - 1, chk.why.c_str());
           continue;
         }
-        if (memcmp(h.secret, id.secret, 16) != 0) {
-          drop(i - 1, "wrong secret");
-          continue;
-        }
-        if (h.version != kBootVersion) {
-          reject(p.fd, loomInvalidUsage, strf("loom bootstrap version %u, root has %u", h.version, kBootVersion));
+        if (chk.verdict == JoinVerdict::Reject) {
+          reject(p.fd, loomInvalidUsage, chk.why);
           drop(i - 1, "wrong version");
           continue;
         }
-        if (h.nranks != nranks_ || h.rank <= 0 || h.rank >= nranks_ || fds_[size_t(h.rank)] >= 0) {
-          std::string msg = h.nranks != nranks_
-                                ? strf("rank %d called init with nranks %d but rank 0 with %d", h.rank,
-                                       h.nranks, nranks_)
-                                : strf("rank %d joined twice or is out of range [0, %d)", h.rank, nranks_);
-          reject(p.fd, loomInvalidUsage, msg);
-          fail(loomInvalidUsage, "bootstrap: %s", msg.c_str());
+        if (chk.verdict == JoinVerdict::Fatal) {
+          reject(p.fd, loomInvalidUsage, chk.why);
+          fail(loomInvalidUsage, "bootstrap: %s", chk.why.c_str());
         }
-        fds_[size_t(h.rank)] = p.fd;
+        fds_[size_t(chk.rank)] = p.fd;
         pending.erase(pending.begin() + long(i - 1));
         ++joined;
       }

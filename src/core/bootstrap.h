@@ -44,6 +44,39 @@ loomUniqueId uniqueIdFor(const std::string& hostPort, const uint8_t secret[16]);
 // The address this process should use to reach the root described by id.
 SockAddr rootAddress(const UniqueIdData& id);
 
+// The bootstrap's wire messages and their checks, as pure functions of the
+// received bytes so that tests/fuzz can drive them without sockets.
+struct JoinHello {
+  uint32_t magic;
+  uint32_t version;
+  uint8_t secret[16];
+  int32_t rank;
+  int32_t nranks;
+};
+struct JoinReply {
+  uint32_t magic;
+  int32_t status;  // loomResult_t
+  char message[248];
+};
+enum class JoinVerdict {
+  Drop,    // not a rank of this communicator: close it with a warning
+  Reject,  // a loom rank that cannot join (version): tell it why, then close
+  Fatal,   // a rank of this communicator that disagrees (nranks, rank): init fails
+  Accept,
+};
+struct JoinCheck {
+  JoinVerdict verdict;
+  int rank;         // Accept: the joining rank
+  std::string why;  // otherwise
+};
+// Checks a complete hello (n must be sizeof(JoinHello)); joined[r] says
+// whether rank r has joined already.
+JoinCheck checkJoinHello(const void* bytes, size_t n, const uint8_t secret[16], int nranks,
+                         const std::vector<bool>& joined);
+// Reads the root's reply to a hello; throws loom::Error for a refusal or for
+// bytes that are not a reply.
+void checkJoinReply(const void* bytes, size_t n, int rank);
+
 class Bootstrap {
  public:
   // Joins the communicator (rank 0 serves).  Blocks until every rank has

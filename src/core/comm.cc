@@ -11,6 +11,7 @@
 
 #include "algorithms/algorithms.h"
 #include "src/core/clock.h"
+#include "src/core/comm_dump.h"
 #include "src/core/config.h"
 #include "src/core/error.h"
 #include "src/core/log.h"
@@ -56,6 +57,22 @@ uint32_t parseTransports(const std::string& spec) {
   return bits;
 }
 
+void checkRankInfo(RankInfo* info, int r) {
+  info->hostId[sizeof info->hostId - 1] = 0;
+  if (info->listenLen > sizeof info->listenAddr)
+    fail(loomRemoteError, "rank %d sent an address of %u bytes during init", r, info->listenLen);
+  if (r != 0) return;
+  // The bounds config.cc enforces on rank 0's own environment.
+  if (info->slots < 2 || info->slots > 1024 || info->slotBytes < 4096 || info->slotBytes > (64u << 20) ||
+      info->slotBytes % 64 || info->mailBytes > (1u << 20) || info->mailBytes % 64 ||
+      info->stageBytes > (1u << 30) || info->stageBytes % 4096 || !info->transports ||
+      (info->transports & ~uint32_t(kShmBit | kTcpBit)))
+    fail(loomRemoteError,
+         "rank 0 sent settings this build cannot use (slots %u x %u B, mail %u B, stage %u B, transports %#x); "
+         "do all ranks run the same loom?",
+         info->slots, info->slotBytes, info->mailBytes, info->stageBytes, info->transports);
+}
+
 }  // namespace loom
 
 std::shared_ptr<loomComm> loomComm::create(const UniqueIdData& id, int nranks, int rank) {
@@ -67,10 +84,12 @@ std::shared_ptr<loomComm> loomComm::create(const UniqueIdData& id, int nranks, i
     c->self_.reset();
     throw;
   }
+  dumpRegister(c.get());
   return c;
 }
 
 loomComm::~loomComm() {
+  dumpUnregister(this);
   conns_.clear();
   ucx_.reset();
   for (auto& kv : acceptedFds_) close(kv.second);
@@ -124,6 +143,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
   std::vector<uint8_t> all = boot.allGather(&mine, sizeof mine);
   peers_.resize(size_t(nranks));
   memcpy(peers_.data(), all.data(), all.size());
+  for (int r = 0; r < nranks; ++r) checkRankInfo(&peers_[size_t(r)], r);
   // Communicator-wide settings come from rank 0 so every pair agrees.
   slotBytes_ = peers_[0].slotBytes;
   slots_ = peers_[0].slots;
@@ -350,10 +370,13 @@ loomResult_t loomComm::runOne(const OpDesc& op, const SlotTag& tag) {
     setLastError(strf("rank %d: the communicator failed earlier: %s", rank_, lastError().c_str()));
     return prior;
   }
+  noteRunning(tag, 1);
   try {
     runDirect(algo, op, tag);
+    noteIdle();
     return loomSuccess;
   } catch (const Error& e) {
+    noteIdle();
     setFailed(e.code(), e.what());
     return e.code();
   }
@@ -371,6 +394,11 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
     setLastError(strf("rank %d: the communicator failed earlier: %s", rank_, lastError().c_str()));
     return prior;
   }
+  if (!tags.empty()) noteRunning(tags[0], tags.size());
+  struct Idle {
+    loomComm* c;
+    ~Idle() { c->noteIdle(); }
+  } idle{this};
   try {
     std::vector<ExecOp> eops;
     Schedule sched;
@@ -483,11 +511,9 @@ int loomComm::acceptData(int64_t deadline, std::map<std::pair<int, int>, int>& s
     close(fd);
     return 0;
   }
-  if (h.magic != kTcpHelloMagic || h.version != kTcpVersion || memcmp(h.secret, secret_, 16) != 0 ||
-      h.commTag != commTag_ || h.rank < 0 || h.rank >= nranks_ || h.channel < 0 ||
-      h.channel >= maxChannels_) {
-    LOOM_WARN("NET", "rank %d: dropped a data connection with a bad hello (wrong secret, "
-              "communicator or version)", rank_);
+  std::string why;
+  if (!checkTcpHello(&h, sizeof h, secret_, commTag_, nranks_, maxChannels_, &h, &why)) {
+    LOOM_WARN("NET", "rank %d: dropped a data connection with a bad hello (%s)", rank_, why.c_str());
     close(fd);
     return 0;
   }
@@ -558,9 +584,10 @@ void loomComm::prepare(const std::vector<std::pair<int, int>>& needed) {
         break;
       }
       checkAborted();
+      noteWaiting(key.first);
       if (acceptData(std::min(deadline, nowMs() + 100), acceptedFds_) < 0 && nowMs() >= deadline)
-        fail(loomTimeout, "rank %d: rank %d did not open its tcp connection (channel %d) within %lld ms",
-             rank_, key.first, key.second, (long long)timeoutMs_);
+        fail(loomTimeout, "rank %d: %s made no progress for %lld ms waiting for rank %d (to open its tcp connection, channel %d)",
+             rank_, runningOp().c_str(), (long long)timeoutMs_, key.first, key.second);
     }
   }
 }

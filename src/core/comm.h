@@ -40,6 +40,10 @@ struct RankInfo {
 enum TransportBits : uint32_t { kShmBit = 1, kTcpBit = 2, kUcxBit = 4 };
 class UcxWorker;  // transports/ucx (only in builds with UCX)
 uint32_t parseTransports(const std::string& spec);
+// Checks the record rank `r` sent during init (bytes from the network):
+// throws loomRemoteError for values this build could not use; terminates
+// hostId.  Rank 0's communicator-wide settings are checked when r == 0.
+void checkRankInfo(RankInfo* info, int r);
 
 }  // namespace loom
 
@@ -103,6 +107,15 @@ struct loomComm : public loom::ExecEnv, public std::enable_shared_from_this<loom
   bool checkMode() const override { return checkMode_; }
   void checkStalled(const loom::SlotTag& mine, int peer) override;
 
+  // ---- debugging (comm_dump.cc) ----
+  // What this rank runs and waits for, as loomCommDump and LOOM_DUMP_SIGNAL
+  // print it.  The note* calls are a few relaxed stores (hot path).
+  void noteRunning(const loom::SlotTag& tag, size_t nops);
+  void noteWaiting(int peer);
+  void noteIdle();
+  std::string dump();
+  std::string runningOp() const;  // "AllReduce #3 (...)", or "an operation"
+
  private:
   loomComm() = default;
   void init(const loom::UniqueIdData& id, int nranks, int rank);
@@ -165,4 +178,9 @@ struct loomComm : public loom::ExecEnv, public std::enable_shared_from_this<loom
   std::mutex errMutex_;
   std::string lastError_;
   std::shared_ptr<loomComm> self_;  // the handle's reference
+  // The operation running now (comm_dump.cc); actStartNs_ == 0: none.
+  std::atomic<int64_t> actStartNs_{0}, actWaitNs_{0}, actNoteNs_{0};
+  std::atomic<uint64_t> actSeq_{0}, actCount_{0};
+  std::atomic<uint32_t> actSig_{0};  // coll | dtype << 8 | op << 16
+  std::atomic<int32_t> actRoot_{0}, actOps_{0}, actPeer_{-1};
 };

@@ -42,6 +42,7 @@ void loomComm::crossPathCheck(int peer, const SlotTag& tag) {
 }
 
 void loomComm::checkStalled(const SlotTag& mine, int peer) {
+  noteWaiting(peer);
   if (!inbox_ || mine.coll == uint8_t(Collective::P2P) || !shmPeer_[size_t(peer)]) return;
   ShmMailbox* mb = inbox_->mailbox(peer, int(mine.seq & 1));
   SlotTag t;

@@ -18,6 +18,7 @@ void loomComm::waitFor(Ready ready, int peer, const loom::SlotTag& tag, const ch
     int64_t now = loom::nowNs();
     if (now - lastCheck > 20 * 1000000LL) {
       lastCheck = now;
+      noteWaiting(peer);
       checkAborted();
       try {
         if (peer != rank_)

@@ -2,7 +2,9 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
+#include <string>
 
 #include "src/core/log.h"
 
@@ -49,8 +51,10 @@ const std::vector<ConfigVar>& configTable() {
        "per collective (allreduce:tree,allgather:ring); hier-X: hierarchical with X between hosts"},
       {"LOOM_TUNING_FILE", "path", "-",
        "cost-model parameters (key = value lines, as written by loom-topo --calibrate) replacing the built-in ones"},
-      {"LOOM_CHECK_MODE", "0|1", "1",
-       "check that ranks call the same operation (sequence number + signature per slot)"},
+      {"LOOM_CHECK_MODE", "on|off", "on",
+       "check that ranks call the same operation (sequence number + signature per slot); also 1|0"},
+      {"LOOM_DUMP_SIGNAL", "int", "0 (none)",
+       "signal number (e.g. 10 = SIGUSR1) that makes loom print every communicator's pending operation to stderr"},
       {"LOOM_RANK", "int", "-", "this process's rank; set by loom-run, read by loomCommInitFromEnv"},
       {"LOOM_WORLD_SIZE", "int", "-", "number of ranks; set by loom-run, read by loomCommInitFromEnv"},
       {"LOOM_LOCAL_RANK", "int", "-", "rank within its host; set by loom-run for the program (loom does not read it)"},
@@ -74,14 +78,28 @@ static int64_t envInt(const char* name, int64_t dflt, int64_t lo, int64_t hi) {
   if (!v) return dflt;
   char* end = nullptr;
   long long x = strtoll(v, &end, 0);
-  if (end && (*end == 'k' || *end == 'K')) x <<= 10, ++end;
-  else if (end && (*end == 'm' || *end == 'M')) x <<= 20, ++end;
-  if (!end || *end || x < lo || x > hi) {
+  long long scale = 1;
+  if (end && (*end == 'k' || *end == 'K')) scale = 1 << 10, ++end;
+  else if (end && (*end == 'm' || *end == 'M')) scale = 1 << 20, ++end;
+  // Multiplying, not shifting: "-9k" must not shift a negative value and
+  // "9e18k" must not overflow (both were undefined behaviour; found by fuzz_env).
+  bool overflow = __builtin_mul_overflow(x, scale, &x);
+  if (!end || *end || overflow || x < lo || x > hi) {
     LOOM_WARN("INIT", "ignoring %s=%s: expected an integer in [%lld, %lld]", name, v,
               (long long)lo, (long long)hi);
     return dflt;
   }
   return x;
+}
+
+static bool envBool(const char* name, bool dflt) {
+  const char* v = env(name);
+  if (!v) return dflt;
+  std::string s(v);
+  if (s == "1" || s == "on" || s == "ON" || s == "yes" || s == "true") return true;
+  if (s == "0" || s == "off" || s == "OFF" || s == "no" || s == "false") return false;
+  LOOM_WARN("INIT", "ignoring %s=%s: expected on or off (1 or 0)", name, v);
+  return dflt;
 }
 
 static Config readConfig() {
@@ -102,24 +120,49 @@ static Config readConfig() {
   c.channels = envInt("LOOM_NCHANNELS", 0, 0, 16);
   c.algo = env("LOOM_ALGO") ? env("LOOM_ALGO") : "";
   c.tuningFile = env("LOOM_TUNING_FILE") ? env("LOOM_TUNING_FILE") : "";
-  c.checkMode = envInt("LOOM_CHECK_MODE", 1, 0, 1) != 0;
+  c.checkMode = envBool("LOOM_CHECK_MODE", true);
+  c.dumpSignal = envInt("LOOM_DUMP_SIGNAL", 0, 0, 64);
   return c;
 }
 
 static std::mutex gConfigMutex;
 static Config* gConfig = nullptr;
+static std::string gSnapshot;  // the environment gConfig was read from
+static std::string envSnapshot();
 
 const Config& config() {
   std::lock_guard<std::mutex> lock(gConfigMutex);
-  if (!gConfig) gConfig = new Config(readConfig());
+  if (!gConfig) {
+    gConfig = new Config(readConfig());
+    gSnapshot = envSnapshot();
+  }
   return *gConfig;
 }
 
+// The environment a Config was read from (every variable of the table).
+static std::string envSnapshot() {
+  std::string snap;
+  for (const ConfigVar& v : configTable()) {
+    const char* e = getenv(v.name);  // "LOOM_RANK / LOOM_WORLD_SIZE" reads as unset: fine
+    snap += e ? e : "\x01";
+    snap += '\0';
+  }
+  return snap;
+}
+
 void configReload() {
-  Config fresh = readConfig();
+  // Another thread may be initialising a communicator with the reference
+  // config() gave it, so a Config is never changed in place: a changed
+  // environment gets a new one, and the old ones stay alive (reachable, a
+  // few hundred bytes each, only when the environment really changed).
+  static std::vector<std::unique_ptr<Config>> retired;
+  std::string snap = envSnapshot();
   std::lock_guard<std::mutex> lock(gConfigMutex);
-  if (!gConfig) gConfig = new Config(fresh);
-  else *gConfig = fresh;
+  if (gConfig && snap == gSnapshot) return;
+  Config* fresh = new Config(readConfig());
+  if (gConfig) retired.emplace_back(gConfig);
+  gConfig = fresh;
+  gSnapshot = snap;
 }
 
 }  // namespace loom

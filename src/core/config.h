@@ -36,6 +36,7 @@ struct Config {
   std::string algo;           // LOOM_ALGO
   std::string tuningFile;     // LOOM_TUNING_FILE
   bool checkMode;             // LOOM_CHECK_MODE
+  int64_t dumpSignal;         // LOOM_DUMP_SIGNAL (0 = none)
 };
 
 // The process-wide configuration (parsed on first use).

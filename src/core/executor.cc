@@ -308,9 +308,12 @@ class Runner {
       if (l.finished || l.cur >= l.lane->steps.size()) continue;
       const Step& s = l.lane->steps[l.cur];
       int peer = s.recvPeer >= 0 ? s.recvPeer : s.sendPeer;
-      fail(loomTimeout, "rank %d: %s made no progress for %lld ms waiting for rank %d (%s, channel %d)",
+      fail(loomTimeout,
+           "rank %d: %s made no progress for %lld ms waiting for rank %d (%s, channel %d, step %zu of %zu, "
+           "%zu of %zu bytes done)",
            env_.rank(), describeTag(l.op->tag).c_str(), (long long)env_.timeoutMs(), peer,
-           s.recvPeer >= 0 ? "receiving" : "sending", l.lane->channel);
+           s.recvPeer >= 0 ? "receiving" : "sending", l.lane->channel, l.cur + 1, l.lane->steps.size(),
+           l.done, s.bytes);
     }
     fail(loomTimeout, "rank %d: operation made no progress for %lld ms (flushing sends)",
          env_.rank(), (long long)env_.timeoutMs());

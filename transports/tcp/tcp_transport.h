@@ -5,7 +5,9 @@
 // two slot rings.
 #pragma once
 #include <cstdint>
+#include <cstddef>
 #include <memory>
+#include <string>
 
 #include "transports/transport.h"
 
@@ -23,6 +25,12 @@ struct TcpHello {
 
 constexpr uint32_t kTcpHelloMagic = 0x4c4d5443;  // "LMTC"
 constexpr uint32_t kTcpVersion = 1;
+
+// Checks the hello that opens an accepted data connection (the bytes as
+// received; n must be sizeof(TcpHello)).  On success fills *out; otherwise
+// says why the connection must be dropped.
+bool checkTcpHello(const void* bytes, size_t n, const uint8_t secret[16], uint64_t commTag, int nranks,
+                   int maxChannels, TcpHello* out, std::string* why);
 
 std::unique_ptr<Connection> makeTcpConnection(int fd, int peer, size_t slotBytes, int slots);
 
