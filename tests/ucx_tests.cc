@@ -10,6 +10,7 @@
 #include <set>
 #include <string>
 
+#include "include/loom.h"
 #include "tests/proc_util.h"
 
 using loomtest::loomRun;

@@ -66,7 +66,7 @@ void checkRankInfo(RankInfo* info, int r) {
   if (info->slots < 2 || info->slots > 1024 || info->slotBytes < 4096 || info->slotBytes > (64u << 20) ||
       info->slotBytes % 64 || info->mailBytes > (1u << 20) || info->mailBytes % 64 ||
       info->stageBytes > (1u << 30) || info->stageBytes % 4096 || !info->transports ||
-      (info->transports & ~uint32_t(kShmBit | kTcpBit)))
+      (info->transports & ~kAllTransports))
     fail(loomRemoteError,
          "rank 0 sent settings this build cannot use (slots %u x %u B, mail %u B, stage %u B, transports %#x); "
          "do all ranks run the same loom?",
@@ -584,6 +584,19 @@ void loomComm::prepare(const std::vector<std::pair<int, int>>& needed) {
         break;
       }
       checkAborted();
+      // A peer that failed (say, on a mismatched call) never opens this
+      // connection; it shut the ones it had with us, so look at those.
+      for (auto& kv : conns_)
+        if (kv.first.first == key.first) {
+          kv.second->progress();
+          kv.second->checkPeer();
+        }
+      for (auto& kv : acceptedFds_) {  // opened for a later operation, not used yet
+        char c;
+        if (kv.first.first == key.first && recv(kv.second, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0)
+          fail(loomRemoteError, "rank %d: rank %d closed its tcp connection (channel %d) while %s waited for it",
+               rank_, key.first, kv.first.second, runningOp().c_str());
+      }
       noteWaiting(key.first);
       if (acceptData(std::min(deadline, nowMs() + 100), acceptedFds_) < 0 && nowMs() >= deadline)
         fail(loomTimeout, "rank %d: %s made no progress for %lld ms waiting for rank %d (to open its tcp connection, channel %d)",

@@ -61,6 +61,11 @@ class TcpConnection : public Connection {
 
   void recvRelease() override { ++recvTail_; }
 
+  // The peer closed and everything it sent has been consumed.
+  void checkPeer() override {
+    if (eof_ && recvTail_ == recvReady_) fail(loomRemoteError, "rank %d closed its tcp connection", peer_);
+  }
+
   void progress() override {
     writeSome();
     readSome();
