@@ -12,30 +12,28 @@ namespace loom {
 namespace {
 
 // Defaults, and where each comes from.  "dev VM" is the project's 2-core
-// Debian 12 machine (no GPU, one NUMA node); numbers from it are medians of
-// loom-perf runs (perf/compare_mpi.sh, perf/tuner_check.sh) and
-// `loom-topo --calibrate`.
-//   shm        alpha 1.0 us: 8 B one-shot all-reduce at N=2 took 0.56 us and a
-//              ring step over shm slots about twice that (flag + doorbell).
-//              beta 10 GB/s: staged all-reduce busbw 11.45 GB/s at 1 MiB, N=2;
-//              memcpy 18 GB/s (perf/memcpy_bw).
-//   shm_xnuma  alpha 1.5 us, beta 6 GB/s: not measurable here (one node);
-//              a cross-socket cache-line transfer costs about 1.5x a local one
-//              and a UPI/Infinity-fabric link sustains roughly 60% of local
-//              DRAM copy bandwidth on 2-socket Xeon/EPYC servers.  Assumed.
+// Debian 12 machine (no GPU, one NUMA node); the shm numbers are fit to
+// `perf/algo_sweep.sh -n "2 3 4 8" -r 3 -i 10` on it, quiet (load < 1):
+//   shm        alpha 0.4 us: ring all-reduce of 8 B at N=2 takes 0.8 us in
+//              2 steps.  beta 22 GB/s: ring all-reduce of 16 MiB at N=2,
+//              1162 us, after 0.5 x S of reduction at 20 GB/s.
+//   shm_xnuma  alpha 0.6 us, beta 13 GB/s: not measurable here (one node);
+//              assumed: a cross-socket hop costs about 1.5x a local one and
+//              an UPI/Infinity-fabric link carries roughly 60% of local copy
+//              bandwidth on 2-socket servers.  Calibrate on such a machine.
 //   tcp        alpha 9 us: 8 B tcp all-reduce at N=2 took 18 us = 2 steps.
 //              beta 1.9 GB/s: tcp busbw 1.7-2.0 GB/s at N=2 over loopback.
-//              On a real network, calibrate: a 1 Gbit/s link is 0.125 GB/s.
+//              A 1 Gbit/s link is 0.125 GB/s: calibrate on real networks.
 //   ucx        alpha 12 us, beta 0.9 GB/s: loom over UCX_TLS=tcp at N=2
 //              (perf/ucx_compare.sh: 0.87-0.90 GB/s at 256 KiB-2 MiB).
-//   reduce     20 GB/s: float32 sum of 64 MiB buffers, 23 GB/s measured by
-//              a loom-perf style loop over reduceHost (cache-cold).
-//   oneshot    1.0 us: 8 B one-shot all-reduce at N=2, 0.56 us, plus margin.
-//   oversub    25 us per dependent step when a host runs more ranks than
-//              cores: the waiting rank sleeps and must be scheduled again;
-//              fit to the ring's 494 us for 1 MiB at N=4 on 2 cores (12 steps).
+//   reduce     20 GB/s: float32 sum of 64 MiB buffers (23 GB/s measured with
+//              reduceHost; loom-topo --calibrate reports 15-18 under load).
+//   oneshot    0.2 us: one-shot all-reduce of 8 B at N=2.
+//   oversub    1.0 us per step and per rank per core: ring steps at 8 B-4 KiB
+//              cost 2.5 us at N=4 and 4.3 us at N=8 on 2 cores (0.4 + 1.0 x
+//              N/2); shm bandwidth and reductions are divided by N/cores.
 const CostParams kDefaults = {
-    {{1.0, 10.0}, {1.5, 6.0}, {9.0, 1.9}, {12.0, 0.9}}, 20.0, 1.0, 25.0, "defaults"};
+    {{0.4, 22.0}, {0.6, 13.0}, {9.0, 1.9}, {12.0, 0.9}}, 20.0, 0.2, 1.0, "defaults"};
 
 double log2ceil(int n) {
   int k = 0;
@@ -123,6 +121,16 @@ int CommShape::mostPerHost() const {
   return most;
 }
 
+double CommShape::oversubscription() const {
+  if (cores.empty()) return 1;
+  std::vector<int> n(size_t(hosts()), 0);
+  for (int x : hostOf) ++n[size_t(x)];
+  double f = 1;
+  for (size_t h = 0; h < n.size() && h < cores.size(); ++h)
+    if (cores[h] > 0) f = std::max(f, double(n[h]) / cores[h]);
+  return f;
+}
+
 bool CommShape::oversubscribed() const {
   if (cores.empty()) return false;
   std::vector<int> n(size_t(hosts()), 0);
@@ -144,13 +152,20 @@ struct Model {
   const CommShape& s;
   const CostParams& p;
   int N, H, L;
-  double osUs;  // extra per dependent step
+  double f;     // ranks per core on the busiest host (>= 1)
+  double osUs;  // extra per dependent step: a wake-up, longer the more ranks share a core
 
   Model(const CommShape& shape, const CostParams& params)
       : s(shape), p(params), N(shape.nranks), H(shape.hosts()), L(shape.mostPerHost()),
-        osUs(shape.oversubscribed() ? params.oversubStepUs : 0) {}
+        f(shape.oversubscription()), osUs(f > 1 ? params.oversubStepUs * f : 0) {}
 
-  const LinkParams& lp(CostLink c) const { return p.link[int(c)]; }
+  // Shared-memory bandwidth and reductions are CPU work: with f ranks per
+  // core each rank gets 1/f of it.
+  LinkParams lp(CostLink c) const {
+    LinkParams l = p.link[int(c)];
+    if (c == CostLink::Shm || c == CostLink::ShmCrossNuma) l.betaGBps /= f;
+    return l;
+  }
   double alpha(CostLink c) const { return lp(c).alphaUs + osUs; }
 
   // The ring r -> r+1: its slowest step latency and the bandwidth of its
@@ -178,7 +193,7 @@ struct Model {
     *a = alpha(worst);
     *b = lp(worst).betaGBps / (H > 1 ? L : 1);
   }
-  double reduce(double bytes) const { return xfer(bytes, p.reduceGBps); }
+  double reduce(double bytes) const { return xfer(bytes, p.reduceGBps / f); }
 };
 
 void add(std::vector<Estimate>* out, Algorithm a, double us, Algorithm inner = Algorithm::Ring) {
@@ -204,19 +219,21 @@ std::vector<Estimate> estimateAll(Collective coll, size_t bytesIn, const CommSha
 
   // One-shot: every rank reads every other rank's block from its mailbox.
   if (allShm && shape.oneShotBytes && block <= double(shape.oneShotBytes) && coll != Collective::P2P) {
-    double us = p.oneShotUs + m.osUs + xfer((n - 1) * block, m.lp(CostLink::Shm).betaGBps) +
+    double us = p.oneShotUs + 1.5 * m.osUs + xfer((n - 1) * block, m.lp(CostLink::Shm).betaGBps) +
                 (reducing ? m.reduce((n - 1) * block) : 0);
     add(&out, Algorithm::OneShot, us);
   } else {
     no(&out, Algorithm::OneShot, allShm ? "blocks above LOOM_SHM_SMALL_BYTES" : "needs every rank to share memory");
   }
-  // Staged (all-reduce): per stage two synchronisations of all ranks; each
-  // rank copies S into its stage, reads S to reduce its S/N and reads and
-  // writes S to gather: about 3S + S/N of memory traffic, where a ring byte
-  // through a shm slot costs two (in and out), so (1.5 + 0.5/N) x S at beta.
+  // Staged (all-reduce): per stage three waits for all ranks; each rank
+  // copies S into its stage, reads S to reduce its S/N and copies S out.
+  // Counted in slot-transfer equivalents (a ring byte is written into a slot
+  // and read out of it): about (1 + 0.5/N) x S, since the stage copies move
+  // whole chunks with streaming stores and the reduction reads in place.
+  // Fit: 3373 us measured for 16 MiB at N=4, 3426 predicted.
   if (coll == Collective::AllReduce && allShm && shape.stageBytes) {
     double stages = std::ceil(S / double(shape.stageBytes));
-    double us = stages * 2 * m.alpha(CostLink::Shm) + xfer((1.5 + 0.5 / n) * S, m.lp(CostLink::Shm).betaGBps) +
+    double us = stages * 3 * m.alpha(CostLink::Shm) + xfer((1.0 + 0.5 / n) * S, m.lp(CostLink::Shm).betaGBps) +
                 m.reduce((n - 1) / n * S);
     add(&out, Algorithm::Staged, us);
   } else {
@@ -249,13 +266,15 @@ std::vector<Estimate> estimateAll(Collective coll, size_t bytesIn, const CommSha
   m.anyPair(&aa, &ab);
   double fold = isPow2(N) ? 0 : 1;
   double lg = log2ceil(N) - fold;
+  // A lane sends, then receives (or the reverse): two dependent steps per exchange.
   if (coll == Collective::AllReduce)
-    add(&out, Algorithm::HalvingDoubling, (2 * lg + 2 * fold) * aa + xfer(2 * (n - 1) / n * S + 2 * fold * S, ab) +
+    add(&out, Algorithm::HalvingDoubling, 2 * (2 * lg + 2 * fold) * aa + xfer(2 * (n - 1) / n * S + 2 * fold * S, ab) +
                                               m.reduce(S));
-  else if (coll == Collective::ReduceScatter)  // the pairwise exchange: N-1 steps
-    add(&out, Algorithm::HalvingDoubling, (n - 1) * aa + xfer((n - 1) / n * S, ab) + m.reduce((n - 1) / n * S));
+  else if (coll == Collective::ReduceScatter)
+    add(&out, Algorithm::HalvingDoubling, 2 * (lg + fold) * aa + xfer((n - 1) / n * S + fold * S, ab) +
+                                              m.reduce((n - 1) / n * S + fold * S));
   else if (coll == Collective::AllGather)
-    add(&out, Algorithm::HalvingDoubling, (lg + fold) * aa + xfer((n - 1) / n * S + fold * S, ab));
+    add(&out, Algorithm::HalvingDoubling, 2 * (lg + fold) * aa + xfer((n - 1) / n * S + fold * S, ab));
   else
     no(&out, Algorithm::HalvingDoubling, "serves all-reduce, reduce-scatter and all-gather");
   // Double binary tree: depth log2 N up and down, pipelined in chunks; an

@@ -32,7 +32,7 @@ struct CostParams {
   LinkParams link[kCostLinks];
   double reduceGBps;       // host reduction (float32 sum), bytes of output per second
   double oneShotUs;        // one round through the shm mailboxes (one-shot path)
-  double oversubStepUs;    // extra per dependent step when a host runs more ranks than cores
+  double oversubStepUs;    // extra per dependent step and per rank per core when a host runs more ranks than cores
   std::string source;      // "defaults" or the tuning file's path
 
   static CostParams defaults();
@@ -56,6 +56,7 @@ struct CommShape {
   int hosts() const;
   int mostPerHost() const;
   bool oversubscribed() const;
+  double oversubscription() const;  // ranks per core on the busiest host, at least 1
   CostLink between(int a, int b) const;
 };
 
