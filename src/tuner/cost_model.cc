@@ -270,11 +270,16 @@ std::vector<Estimate> estimateAll(Collective coll, size_t bytesIn, const CommSha
   if (coll == Collective::AllReduce)
     add(&out, Algorithm::HalvingDoubling, 2 * (2 * lg + 2 * fold) * aa + xfer(2 * (n - 1) / n * S + 2 * fold * S, ab) +
                                               m.reduce(S));
+  // Reduce-scatter and all-gather lanes hold part of every block's columns,
+  // so an exchange moves a step per block where blocks are strided: the
+  // all-gather 2(N-1) steps, the reduce-scatter N + 2 log2 N (first and last
+  // exchange); the reduce-scatter's partial sums also pass through scratch.
+  // Those steps repeat per loop of chunk columns (two lanes, half each).
   else if (coll == Collective::ReduceScatter)
-    add(&out, Algorithm::HalvingDoubling, 2 * (lg + fold) * aa + xfer((n - 1) / n * S + fold * S, ab) +
+    add(&out, Algorithm::HalvingDoubling, (n + 2 * (lg + fold)) * loops(S / n / 2, 1) * aa + xfer(2 * (n - 1) / n * S + fold * S, ab) +
                                               m.reduce((n - 1) / n * S + fold * S));
   else if (coll == Collective::AllGather)
-    add(&out, Algorithm::HalvingDoubling, 2 * (lg + fold) * aa + xfer((n - 1) / n * S + fold * S, ab));
+    add(&out, Algorithm::HalvingDoubling, 2 * (n - 1) * loops(S / n / 2, 1) * aa + xfer((n - 1) / n * S + fold * S, ab));
   else
     no(&out, Algorithm::HalvingDoubling, "serves all-reduce, reduce-scatter and all-gather");
   // Double binary tree: depth log2 N up and down, pipelined in chunks; an
