@@ -31,7 +31,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (c.slots < 2 || c.slotBytes < 4096 || c.timeoutMs < 1 || c.channels < 0) abort();
   try {
     uint32_t bits = loom::parseTransports(c.transports);
-    if (!bits || (bits & ~3u)) abort();
+    if (!bits || (bits & ~uint32_t(loom::kShmBit | loom::kTcpBit | loom::kUcxBit))) abort();
   } catch (const loom::Error& e) {
     if (e.code() != loomInvalidArgument) abort();
   }
