@@ -162,9 +162,6 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
   tuner_ = std::make_unique<Tuner>(cfg);
   lastMail_.assign(size_t(nranks), {0, 0});
 
-  // Host numbers (in order of each host's first rank) for hierarchical plans.
-  hostOf_.assign(size_t(nranks), 0);
-  for (int r = 0; r < nranks; ++r) hostOf_[size_t(r)] = topology_.hostOf(r);
 
   // Shared memory with the ranks that share this host.
   shmPeer_.assign(size_t(nranks), false);
@@ -268,14 +265,15 @@ void loomComm::initUcx(Bootstrap& boot) {
 void loomComm::initTuner(Bootstrap& boot) {
   CommShape shape;
   shape.nranks = nranks_;
-  shape.hostOf = hostOf_;
+  const std::vector<int>& hostOf = topology_.hostOfRanks();
+  shape.hostOf = hostOf;
   int32_t cores = int32_t(sysconf(_SC_NPROCESSORS_ONLN));
   std::vector<uint8_t> all = boot.allGather(&cores, sizeof cores);
-  std::vector<int> perHost(size_t(*std::max_element(hostOf_.begin(), hostOf_.end()) + 1), 0);
+  std::vector<int> perHost(size_t(topology_.nhosts()), 0);
   for (int r = 0; r < nranks_; ++r) {
     int32_t c;
     memcpy(&c, all.data() + size_t(r) * sizeof c, sizeof c);
-    int& slot = perHost[size_t(hostOf_[size_t(r)])];
+    int& slot = perHost[size_t(hostOf[size_t(r)])];
     slot = slot ? std::min(slot, int(c)) : int(c);
   }
   shape.cores = perHost;
@@ -427,7 +425,7 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
         else if (plan.algo == Algorithm::Tree)
           doubleBinaryTreeSchedule(op, int(i), rank_, nranks_, plan, &sched);
         else if (plan.algo == Algorithm::Hierarchical)
-          hierarchicalSchedule(op, int(i), rank_, hostOf_, plan, &sched);
+          hierarchicalSchedule(op, int(i), rank_, topology_.hostOfRanks(), plan, &sched);
         else  // the direct paths run alone; inside a group the ring serves
           ringSchedule(op, int(i), rank_, nranks_, plan, &sched);
       }

@@ -151,7 +151,6 @@ struct loomComm : public loom::ExecEnv, public std::enable_shared_from_this<loom
   std::vector<loom::RankInfo> peers_;
   loom::CommTopology topology_;
   std::vector<bool> shmPeer_;
-  std::vector<int> hostOf_;  // host number of each rank (same hostId, same number)
   std::vector<bool> ucxPeer_;                // pairs that talk through UCX
   std::shared_ptr<loom::UcxWorker> ucx_;     // set when some peer uses UCX
   std::string ucxWhy_;                       // why this rank has no UCX worker

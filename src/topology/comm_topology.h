@@ -50,6 +50,7 @@ class CommTopology {
   int nhosts() const { return int(hosts_.size()); }
   // Hosts are numbered in order of their lowest rank.
   int hostOf(int rank) const { return hostOf_[size_t(rank)]; }
+  const std::vector<int>& hostOfRanks() const { return hostOf_; }  // hostOf(r) for every rank
   // Rank's index among the ranks of its host, and how many share it.
   int localRank(int rank) const { return localRank_[size_t(rank)]; }
   int localSize(int rank) const { return int(hosts_[size_t(hostOf(rank))].size()); }

@@ -131,15 +131,6 @@ double CommShape::oversubscription() const {
   return f;
 }
 
-bool CommShape::oversubscribed() const {
-  if (cores.empty()) return false;
-  std::vector<int> n(size_t(hosts()), 0);
-  for (int x : hostOf) ++n[size_t(x)];
-  for (size_t h = 0; h < n.size() && h < cores.size(); ++h)
-    if (cores[h] > 0 && n[h] > cores[h]) return true;
-  return false;
-}
-
 CostLink CommShape::between(int a, int b) const {
   if (hostOf.empty() || hostOf[size_t(a)] != hostOf[size_t(b)] || !shmWithinHost) return network;
   if (!numaOf.empty() && numaOf[size_t(a)] != numaOf[size_t(b)]) return CostLink::ShmCrossNuma;

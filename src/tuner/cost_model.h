@@ -55,7 +55,6 @@ struct CommShape {
   size_t stageBytes = 0;            // 0: no staged path
   int hosts() const;
   int mostPerHost() const;
-  bool oversubscribed() const;
   double oversubscription() const;  // ranks per core on the busiest host, at least 1
   CostLink between(int a, int b) const;
 };
