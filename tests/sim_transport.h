@@ -26,7 +26,7 @@
 //
 //   struct SimOptions { slotBytes (4096, multiple of 64 like LOOM_SLOT_BYTES),
 //                       slots (8), timeoutMs (20000), spinUs (5), poison (true),
-//                       precheck (true) }
+//                       precheck (true), mailBytes (16384), stageBytes (262144) }
 //     precheck: before running, validateSchedule() every rank's schedule and
 //     matchSchedules() the slots each pair exchanges; a bad schedule is then
 //     reported at once (result.problem) instead of timing out.
@@ -45,6 +45,10 @@
 //                                         // numbers continue across runs of one world;
 //                                         // after a failed run, use a fresh world.
 //     SimResult runExec(execOps, schedules)  // lowest level: your own ExecOps/schedules
+//     SimResult runDirect(directFn, ops)  // the direct algorithms (loom::oneShotRun,
+//                                         // loom::stagedRun) over an in-memory PeerMemory:
+//                                         // one window per rank, laid out by DirectLayout
+//                                         // from mailBytes/stageBytes; ops[r] one op each
 //     std::string leftovers()             // "" when every ring is empty
 //
 //   SimResult simulate(fn, tmpl, nranks, send, recv, plan = {}, opts = {})
@@ -108,6 +112,7 @@
 #include <vector>
 
 #include "algorithms/algorithms.h"
+#include "algorithms/direct.h"
 #include "src/core/error.h"
 #include "src/core/executor.h"
 #include "src/device/host_reduce.h"
@@ -118,6 +123,7 @@ namespace loomsim {
 
 using AlgorithmFn = std::function<void(const loom::OpDesc&, int, int, int, const loom::Plan&,
                                        loom::Schedule*)>;
+using DirectFn = std::function<void(loom::DirectContext&, const loom::OpDesc&, const loom::SlotTag&)>;
 
 struct SimOptions {
   size_t slotBytes = 4096;   // payload bytes per slot (a multiple of 64)
@@ -126,6 +132,8 @@ struct SimOptions {
   int64_t spinUs = 5;        // ExecEnv::spinUs
   bool poison = true;        // overwrite slots on release
   bool precheck = true;      // validate and match schedules before running them
+  size_t mailBytes = 16384;  // direct algorithms: one-shot mailbox payload
+  size_t stageBytes = 262144;  // direct algorithms: one staging buffer
 };
 
 struct SimResult {
@@ -265,6 +273,34 @@ class SimConnection : public loom::Connection {
   bool poison_;
   bool acquired_ = false, peeked_ = false;
   uint64_t sendHead_, sendTailCache_, recvTail_, recvHeadCache_;
+};
+
+// The PeerMemory of a world: one zeroed window per rank in this process.
+class SimPeerMemory : public loom::PeerMemory {
+ public:
+  SimPeerMemory(int nranks, size_t bytes, std::vector<std::unique_ptr<SimBell>>* bells, std::atomic<int>* failed)
+      : bytes_(bytes), bells_(bells), failed_(failed) {
+    for (int r = 0; r < nranks; ++r) {
+      auto* p = static_cast<uint8_t*>(::operator new(bytes, std::align_val_t(4096)));
+      memset(p, 0, bytes);
+      windows_.push_back(p);
+    }
+  }
+  ~SimPeerMemory() override {
+    for (uint8_t* p : windows_) ::operator delete(p, std::align_val_t(4096));
+  }
+  size_t windowBytes() const override { return bytes_; }
+  uint8_t* window(int r) const override { return windows_.at(size_t(r)); }
+  void wake(int r) const override { (*bells_)[size_t(r)]->ring(); }
+  void checkPeer(int r) const override {
+    if (failed_->load() == r) throw loom::Error(loomRemoteError, loom::strf("rank %d failed", r));
+  }
+
+ private:
+  size_t bytes_;
+  std::vector<uint8_t*> windows_;
+  std::vector<std::unique_ptr<SimBell>>* bells_;
+  std::atomic<int>* failed_;
 };
 
 inline std::string tagString(const loom::SlotTag& t) { return loom::describeTag(t); }
@@ -502,6 +538,51 @@ class SimWorld {
     return res;
   }
 
+  // Runs ops[r] (one operation per rank) with a direct algorithm on N
+  // threads over this world's PeerMemory.  Tags as comm.cc makes them.
+  SimResult runDirect(const DirectFn& fn, const std::vector<std::vector<loom::OpDesc>>& ops) {
+    SimResult res;
+    res.bytesSent.assign(size_t(n_), 0);
+    res.bytesPosted.assign(size_t(n_), 0);
+    res.slotsPosted.assign(size_t(n_), 0);
+    res.errors.assign(size_t(n_), "");
+    if (int(ops.size()) != n_) {
+      res.problem = "runDirect: need one op list per rank";
+      return res;
+    }
+    loom::DirectLayout layout{n_, opts_.mailBytes, opts_.stageBytes};
+    if (!mem_) mem_ = std::make_unique<detail::SimPeerMemory>(n_, layout.bytes(), &bells_, &failedRank_);
+    if (directState_.empty()) directState_.resize(size_t(n_));
+    failedRank_.store(-1);
+    std::vector<loom::SlotTag> tags;
+    uint64_t collSeq = collSeq_;
+    for (int r = 0; r < n_; ++r) {
+      uint64_t seq = collSeq_;
+      for (const loom::OpDesc& op : ops[size_t(r)]) tags.push_back(tagFor(op, r, &seq));
+      collSeq = seq;
+    }
+    collSeq_ = collSeq;
+    auto t0 = std::chrono::steady_clock::now();
+    auto body = [&](int r) {
+      loom::DirectContext ctx{*envs_[size_t(r)], *mem_, layout, directState_[size_t(r)], r, n_, true};
+      try {
+        size_t k = 0;
+        for (int q = 0; q < r; ++q) k += ops[size_t(q)].size();
+        for (const loom::OpDesc& op : ops[size_t(r)]) fn(ctx, op, tags[k++]);
+      } catch (const std::exception& e) {
+        res.errors[size_t(r)] = e.what();
+        markFailed(r);
+      }
+    };
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n_; ++r) threads.emplace_back(body, r);
+    for (auto& t : threads) t.join();
+    res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    int first = failedRank_.load();
+    if (first >= 0) res.problem = loom::strf("rank %d failed: %s", first, res.errors[size_t(first)].c_str());
+    return res;
+  }
+
   // Runs rank r's schedule scheds[r] for ops[r] on N threads.
   SimResult runExec(const std::vector<std::vector<loom::ExecOp>>& ops,
                     const std::vector<loom::Schedule>& scheds) {
@@ -604,6 +685,8 @@ class SimWorld {
   std::vector<std::unique_ptr<detail::SimBell>> bells_;
   std::vector<std::unique_ptr<detail::SimRankEnv>> envs_;
   std::atomic<int> failedRank_{-1};
+  std::unique_ptr<detail::SimPeerMemory> mem_;
+  std::vector<loom::DirectState> directState_;
   uint64_t collSeq_ = 0;
   std::vector<std::vector<uint64_t>> sendSeq_, recvSeq_;
 };
@@ -982,6 +1065,23 @@ inline std::vector<CollOutcome> runGroup(const AlgorithmFn& fn, const std::vecto
 // Runs one collective on a fresh world (or `world`) and checks it.
 inline CollOutcome runCollective(const AlgorithmFn& fn, const CollCase& c, SimWorld* world = nullptr) {
   return runGroup(fn, {c}, world)[0];
+}
+
+// Runs one collective with a direct algorithm (loom::oneShotRun,
+// loom::stagedRun) on a fresh world (or `world`) and checks it.
+inline CollOutcome runDirectCollective(const DirectFn& fn, const CollCase& c, SimWorld* world = nullptr) {
+  detail::CollBuffers buf(c);
+  std::vector<std::vector<loom::OpDesc>> ops(static_cast<size_t>(c.nranks));
+  for (int r = 0; r < c.nranks; ++r) ops[size_t(r)].push_back(buf.op(r));
+  std::unique_ptr<SimWorld> own;
+  if (!world) {
+    own = std::make_unique<SimWorld>(c.nranks, c.sim);
+    world = own.get();
+  }
+  CollOutcome out;
+  out.sim = world->runDirect(fn, ops);
+  if (out.sim.ok()) buf.check(&out.wrong, &out.detail);
+  return out;
 }
 
 }  // namespace loomsim

@@ -105,10 +105,9 @@ TEST_CASE("tcp hellos: wrong secret, communicator, rank or channel are refused w
 TEST_CASE("rank records: rank 0's settings are bounded before use", "[parsers]") {
   loom::RankInfo info{};
   memset(info.hostId, 'h', sizeof info.hostId);  // unterminated
-  info.listenLen = 16;
   info.slots = 8;
   info.slotBytes = 65536;
-  info.transports = 3;
+  snprintf(info.transports, sizeof info.transports, "shm,tcp");
   info.mailBytes = 16384;
   info.stageBytes = 262144;
   CHECK_NOTHROW(loom::checkRankInfo(&info, 0));
@@ -121,11 +120,25 @@ TEST_CASE("rank records: rank 0's settings are bounded before use", "[parsers]")
   bad.slotBytes = 0xffffffffu;
   CHECK_THROWS_AS(loom::checkRankInfo(&bad, 0), loom::Error);
   bad = info;
-  bad.listenLen = 1000;
-  CHECK_THROWS_AS(loom::checkRankInfo(&bad, 3), loom::Error);
-  bad = info;
-  bad.transports = 0x80;
+  memset(bad.transports, 'x', sizeof bad.transports);  // unterminated, unknown
   CHECK_THROWS_AS(loom::checkRankInfo(&bad, 0), loom::Error);
+  CHECK(strlen(bad.transports) == sizeof bad.transports - 1);
+  bad = info;
+  snprintf(bad.transports, sizeof bad.transports, ",");
+  CHECK_THROWS_AS(loom::checkRankInfo(&bad, 0), loom::Error);
+}
+
+TEST_CASE("tcp records: a peer's listener address is checked before use", "[parsers]") {
+  loom::TcpRecord rec{};
+  rec.addr.ss_family = AF_INET;
+  rec.len = sizeof(sockaddr_in);
+  CHECK_NOTHROW(loom::checkTcpRecord(rec, 1));
+  loom::TcpRecord bad = rec;
+  bad.len = 1000;
+  CHECK_THROWS_AS(loom::checkTcpRecord(bad, 1), loom::Error);
+  bad = rec;
+  bad.addr.ss_family = AF_UNIX;
+  CHECK_THROWS_AS(loom::checkTcpRecord(bad, 1), loom::Error);
 }
 
 TEST_CASE("LOOM_CHECK_MODE takes on/off and 1/0; LOOM_DUMP_SIGNAL a signal number", "[parsers][config]") {
@@ -198,7 +211,8 @@ TEST_CASE("garbage, wrong secrets, truncated and silent clients on a rank's data
   // Rank 1 connects to rank 0's data port at the first operation; hostile
   // clients get there first.
   sockaddr_in a{};
-  memcpy(&a, &comms[0]->peers()[0].listenAddr, sizeof a);
+  loom::SockAddr listen = loom::tcpListenAddress(*comms[0]->transportNamed("tcp"));
+  memcpy(&a, &listen.ss, sizeof a);
   REQUIRE(a.sin_family == AF_INET);
   auto dial = [&] {
     int fd = socket(AF_INET, SOCK_STREAM, 0);

@@ -17,60 +17,29 @@
 #include "src/core/log.h"
 #include "src/device/host_reduce.h"
 #include "src/tuner/tuner.h"
-#include "transports/tcp/tcp_transport.h"
-#ifdef LOOM_HAVE_UCX
-#include "transports/ucx/ucx_transport.h"
-#endif
 
 using namespace loom;
 
 namespace loom {
 
-#ifdef LOOM_HAVE_UCX
-static constexpr uint32_t kAllTransports = kShmBit | kTcpBit | kUcxBit;
-#else
-static constexpr uint32_t kAllTransports = kShmBit | kTcpBit;
-#endif
-
-uint32_t parseTransports(const std::string& spec) {
-  uint32_t bits = 0;
-  size_t pos = 0;
-  while (pos <= spec.size()) {
-    size_t end = spec.find(',', pos);
-    if (end == std::string::npos) end = spec.size();
-    std::string t = spec.substr(pos, end - pos);
-    if (t == "shm") bits |= kShmBit;
-    else if (t == "tcp") bits |= kTcpBit;
-#ifdef LOOM_HAVE_UCX
-    else if (t == "ucx") bits |= kUcxBit;
-#else
-    else if (t == "ucx")
-      fail(loomInvalidArgument, "LOOM_TRANSPORTS=%s: this loom was built without UCX (pkg-config found no "
-           "ucx), so it has only shm and tcp", spec.c_str());
-#endif
-    else if (!t.empty())
-      fail(loomInvalidArgument, "LOOM_TRANSPORTS=%s: unknown transport '%s' (this build has shm, %stcp)",
-           spec.c_str(), t.c_str(), (kAllTransports & kUcxBit) ? "ucx, " : "");
-    pos = end + 1;
-  }
-  if (!bits) fail(loomInvalidArgument, "LOOM_TRANSPORTS=%s names no transport", spec.c_str());
-  return bits;
-}
-
 void checkRankInfo(RankInfo* info, int r) {
   info->hostId[sizeof info->hostId - 1] = 0;
-  if (info->listenLen > sizeof info->listenAddr)
-    fail(loomRemoteError, "rank %d sent an address of %u bytes during init", r, info->listenLen);
+  info->transports[sizeof info->transports - 1] = 0;
   if (r != 0) return;
   // The bounds config.cc enforces on rank 0's own environment.
   if (info->slots < 2 || info->slots > 1024 || info->slotBytes < 4096 || info->slotBytes > (64u << 20) ||
       info->slotBytes % 64 || info->mailBytes > (1u << 20) || info->mailBytes % 64 ||
-      info->stageBytes > (1u << 30) || info->stageBytes % 4096 || !info->transports ||
-      (info->transports & ~kAllTransports))
+      info->stageBytes > (1u << 30) || info->stageBytes % 4096)
     fail(loomRemoteError,
-         "rank 0 sent settings this build cannot use (slots %u x %u B, mail %u B, stage %u B, transports %#x); "
+         "rank 0 sent settings this build cannot use (slots %u x %u B, mail %u B, stage %u B); "
          "do all ranks run the same loom?",
-         info->slots, info->slotBytes, info->mailBytes, info->stageBytes, info->transports);
+         info->slots, info->slotBytes, info->mailBytes, info->stageBytes);
+  try {
+    parseTransports(info->transports);
+  } catch (const Error& e) {
+    fail(loomRemoteError, "rank 0 asks for transports this build cannot use (%s); do all ranks run the same loom?",
+         e.what());
+  }
 }
 
 }  // namespace loom
@@ -90,12 +59,8 @@ std::shared_ptr<loomComm> loomComm::create(const UniqueIdData& id, int nranks, i
 
 loomComm::~loomComm() {
   dumpUnregister(this);
-  conns_.clear();
-  ucx_.reset();
-  for (auto& kv : acceptedFds_) close(kv.second);
-  for (int fd : pidfds_)
-    if (fd >= 0) close(fd);
-  if (listenFd_ >= 0) close(listenFd_);
+  conns_.clear();  // before the transports whose memory they use
+  transports_.clear();
 }
 
 void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
@@ -103,40 +68,37 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
   rank_ = rank;
   nranks_ = nranks;
   logSetRank(rank);
-  memcpy(secret_, id.secret, 16);
   timeoutMs_ = cfg.timeoutMs;
   spinUs_ = cfg.spinUs;
   checkMode_ = cfg.checkMode;
   int64_t deadline = nowMs() + timeoutMs_;
   sendSeq_.assign(size_t(nranks), 0);
   recvSeq_.assign(size_t(nranks), 0);
-
-  // This rank's listener for data connections.
-  SockAddr bindAddr = cfg.socketIfname.empty() ? resolveAddr("0.0.0.0", 0) : interfaceAddr(cfg.socketIfname);
-  bindAddr.setPort(0);
-  listenFd_ = listenOn(bindAddr);
-  uint16_t listenPort = localAddr(listenFd_).port();
+  if (cfg.transports.size() >= sizeof RankInfo::transports)
+    fail(loomInvalidArgument, "LOOM_TRANSPORTS=%s: longer than %zu characters", cfg.transports.c_str(),
+         sizeof RankInfo::transports - 1);
+  parseTransports(cfg.transports);  // a bad list fails here, before any peer waits for us
 
   Bootstrap boot(id, rank, nranks, deadline);
+
+  // This rank's network address: the interface LOOM_SOCKET_IFNAME names,
+  // else the one the bootstrap root sees us on.
+  SockAddr advertise = cfg.socketIfname.empty() ? boot.localAddress() : interfaceAddr(cfg.socketIfname);
+  if (advertise.ss.ss_family == AF_INET &&
+      reinterpret_cast<sockaddr_in*>(&advertise.ss)->sin_addr.s_addr == 0)
+    advertise = defaultInterfaceAddr();
+  advertise.setPort(0);
 
   RankInfo mine{};
   std::string host = cfg.hostId.empty() ? machineHostId() : cfg.hostId;
   snprintf(mine.hostId, sizeof mine.hostId, "%s", host.c_str());
   mine.localKey = localKey();
-  SockAddr advertise = cfg.socketIfname.empty() ? boot.localAddress() : bindAddr;
-  if (advertise.ss.ss_family == AF_INET &&
-      reinterpret_cast<sockaddr_in*>(&advertise.ss)->sin_addr.s_addr == 0)
-    advertise = defaultInterfaceAddr();
-  advertise.setPort(listenPort);
-  memcpy(&mine.listenAddr, &advertise.ss, sizeof advertise.ss);
-  mine.listenLen = advertise.len;
   mine.pid = int32_t(getpid());
-  mine.inboxFd = -1;
   mine.slotBytes = uint32_t(cfg.slotBytes);
   mine.slots = uint32_t(cfg.slots);
-  mine.transports = parseTransports(cfg.transports);
   mine.mailBytes = uint32_t(cfg.shmSmallBytes);
   mine.stageBytes = uint32_t(cfg.shmStageBytes);
+  snprintf(mine.transports, sizeof mine.transports, "%s", cfg.transports.c_str());
   fillRandom(&mine.commTag, sizeof mine.commTag);
   mine.topo = localRankTopo(advertise.ss);
 
@@ -145,12 +107,8 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
   memcpy(peers_.data(), all.data(), all.size());
   for (int r = 0; r < nranks; ++r) checkRankInfo(&peers_[size_t(r)], r);
   // Communicator-wide settings come from rank 0 so every pair agrees.
-  slotBytes_ = peers_[0].slotBytes;
-  slots_ = peers_[0].slots;
-  transports_ = peers_[0].transports;
-  commTag_ = peers_[0].commTag;
-  mailBytes_ = peers_[0].mailBytes;
-  stageBytes_ = peers_[0].stageBytes;
+  const RankInfo& root = peers_[0];
+  transportSpec_ = root.transports;
   // Which ranks share a host, and where each sits (the tuner reads it).
   std::vector<std::string> hostIds;
   std::vector<RankTopo> rankTopos;
@@ -160,103 +118,91 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
   }
   topology_ = CommTopology(hostIds, rankTopos);
   tuner_ = std::make_unique<Tuner>(cfg);
-  lastMail_.assign(size_t(nranks), {0, 0});
 
+  TransportEnv env;
+  env.rank = rank;
+  env.nranks = nranks;
+  memcpy(env.secret, id.secret, 16);
+  env.commTag = root.commTag;
+  env.slotBytes = root.slotBytes;
+  env.slots = root.slots;
+  env.maxChannels = maxChannels_;
+  directLayout_ = DirectLayout{nranks, root.mailBytes, root.stageBytes};
+  env.windowBytes = directLayout_.bytes();
+  env.timeoutMs = timeoutMs_;
+  env.netAddr = advertise;
+  env.bindAny = cfg.socketIfname.empty();
+  env.hostId = hostIds;
+  for (const RankInfo& p : peers_) {
+    env.localKey.push_back(p.localKey);
+    env.pid.push_back(p.pid);
+  }
+  initTransports(boot, env);
 
-  // Shared memory with the ranks that share this host.
-  shmPeer_.assign(size_t(nranks), false);
-  peerInbox_.resize(size_t(nranks));
-  pidfds_.assign(size_t(nranks), -1);
-  std::vector<int> local;
-  for (int r = 0; r < nranks; ++r)
-    if (r != rank && strncmp(peers_[size_t(r)].hostId, mine.hostId, sizeof mine.hostId) == 0)
-      local.push_back(r);
-  bool wantShm = (transports_ & kShmBit) && !local.empty();
-  ShmLayout layout{uint32_t(nranks), uint32_t(maxChannels_), slots_, slotBytes_, mailBytes_, stageBytes_};
-  auto wakeName = [&](int r) { return strf("loom/%016llx/%d", (unsigned long long)commTag_, r); };
-  int32_t inboxFd = -1;
-  if (wantShm) {
-    inbox_ = ShmInbox::create(layout, wakeName(rank));
-    inboxFd = inbox_->fd();
-  }
-  all = boot.allGather(&inboxFd, sizeof inboxFd);
-  std::vector<uint8_t> ok(size_t(nranks), 0);
-  for (int r : local) {
-    int32_t fd;
-    memcpy(&fd, all.data() + size_t(r) * sizeof fd, sizeof fd);
-    if (!wantShm || fd < 0) continue;
-    std::string why;
-    peerInbox_[size_t(r)] = ShmInbox::map(peers_[size_t(r)].pid, fd, wakeName(r), layout, &why);
-    if (!peerInbox_[size_t(r)]) {
-      LOOM_WARN("SHM", "rank %d: no shared memory with rank %d (%s); using tcp", rank, r, why.c_str());
-      continue;
-    }
-    pidfds_[size_t(r)] = int(syscall(SYS_pidfd_open, peers_[size_t(r)].pid, 0));
-    ok[size_t(r)] = 1;
-  }
-  all = boot.allGather(ok.data(), ok.size());
-  for (int r = 0; r < nranks; ++r)
-    shmPeer_[size_t(r)] = ok[size_t(r)] && all[size_t(r) * size_t(nranks) + size_t(rank)];
-  initUcx(boot);
-  for (int r = 0; r < nranks; ++r) {
-    if (r != rank && !shmPeer_[size_t(r)] && !ucxPeer_[size_t(r)] && !(transports_ & kTcpBit))
-      fail(loomInvalidUsage, "rank %d cannot reach rank %d: LOOM_TRANSPORTS=%s allows no tcp and they %s%s",
-           rank, r, cfg.transports.c_str(),
-           !(transports_ & kShmBit) ? "may not use shm"
-           : ok[size_t(r)]          ? "could not map shared memory"
-                                    : "are on different hosts",
-           (transports_ & kUcxBit) ? (ucxWhy_.empty() ? "; UCX is not available on one of them (see its log)"
-                                                     : ("; UCX is not available here: " + ucxWhy_).c_str())
-                                   : "");
-  }
-  oversubscribed_ = long(local.size() + 1) > sysconf(_SC_NPROCESSORS_ONLN);
-  allShm_ = nranks > 1;
-  for (int r = 0; r < nranks; ++r)
-    if (r != rank && !shmPeer_[size_t(r)]) allShm_ = false;
+  int local = 0;
+  for (int r = 0; r < nranks; ++r) local += r != rank && env.sameHost(r);
+  oversubscribed_ = long(local + 1) > sysconf(_SC_NPROCESSORS_ONLN);
   limits_.maxChannels = maxChannels_;
-  limits_.oneShotBytes = allShm_ ? mailBytes_ : 0;
-  limits_.stageBytes = allShm_ ? stageBytes_ : 0;
-  limits_.maxChunkBytes = size_t(slots_ - 1) * slotBytes_;
+  limits_.oneShotBytes = peerMem_ ? directLayout_.mailBytes : 0;
+  limits_.stageBytes = peerMem_ ? directLayout_.stageBytes : 0;
+  limits_.maxChunkBytes = size_t(root.slots - 1) * root.slotBytes;
   initTuner(boot);
-  LOOM_INFO("INIT", "rank %d of %d ready: host %s, %zu local peers, slots %u x %u B", rank, nranks,
-            mine.hostId, local.size(), slots_, slotBytes_);
+  LOOM_INFO("INIT", "rank %d of %d ready: host %s, %d local peers, slots %u x %u B, transports %s", rank, nranks,
+            mine.hostId, local, root.slots, root.slotBytes, transportSpec_.c_str());
 }
 
-// UCX worker addresses travel in a separate allGather of fixed-size records
-// (every rank takes part when rank 0's LOOM_TRANSPORTS names ucx; a rank
-// that needs no UCX, or cannot start it, sends an empty record).  A pair
-// that shares no memory uses UCX when both ends have a worker.
-void loomComm::initUcx(Bootstrap& boot) {
-  ucxPeer_.assign(size_t(nranks_), false);
-  if (!(transports_ & kUcxBit)) return;
-#ifdef LOOM_HAVE_UCX
-  bool need = false;
-  for (int r = 0; r < nranks_; ++r) need |= r != rank_ && !shmPeer_[size_t(r)];
-  UcxAddrRecord mine{};
-  if (need) {
-    ucx_ = ucxCreateWorker(rank_, config().ucxTls, &ucxWhy_);
-    if (ucx_) mine = ucxAddress(*ucx_, &ucxWhy_);
-    if (!mine.len) {
-      ucx_.reset();
-      LOOM_WARN("NET", "rank %d: no UCX (%s)%s", rank_, ucxWhy_.c_str(),
-                (transports_ & kTcpBit) ? "; using tcp" : "");
+void loomComm::initTransports(Bootstrap& boot, const TransportEnv& env) {
+  const int N = nranks_;
+  via_.assign(size_t(N), nullptr);
+  std::vector<std::string> why(static_cast<size_t>(N));  // per peer: why each transport could not reach it
+  std::vector<TransportEntry> registry = transportRegistry();
+  for (const std::string& name : parseTransports(transportSpec_)) {
+    auto entry = std::find_if(registry.begin(), registry.end(), [&](const TransportEntry& e) { return e.name == name; });
+    std::unique_ptr<Transport> t = entry->make();
+    std::vector<bool> want(size_t(N), false);
+    for (int r = 0; r < N; ++r) want[size_t(r)] = r != rank_ && !via_[size_t(r)] && t->mayReach(env, r);
+    // Every rank takes part in both exchanges, whatever it wants.
+    std::vector<uint8_t> rec(t->recordBytes());
+    t->publish(env, want, rec.data());
+    std::vector<uint8_t> recs = boot.allGather(rec.data(), rec.size());
+    std::vector<uint8_t> ok(size_t(N), 0);
+    for (int r = 0; r < N; ++r) {
+      std::string reason;
+      if (want[size_t(r)]) ok[size_t(r)] = t->accept(r, recs.data() + size_t(r) * rec.size(), &reason);
+      else if (r != rank_ && !via_[size_t(r)]) reason = "not on this host";
+      if (!ok[size_t(r)] && r != rank_ && !via_[size_t(r)])
+        why[size_t(r)] += strf("%s%s: %s", why[size_t(r)].empty() ? "" : "; ", name.c_str(), reason.c_str());
     }
+    std::vector<uint8_t> agreed = boot.allGather(ok.data(), ok.size());
+    std::vector<bool> chosen(size_t(N), false);
+    bool used = false;
+    for (int r = 0; r < N; ++r) {
+      chosen[size_t(r)] = ok[size_t(r)] && agreed[size_t(r) * size_t(N) + size_t(rank_)];
+      if (chosen[size_t(r)]) via_[size_t(r)] = t.get();
+      else if (ok[size_t(r)])
+        why[size_t(r)] += strf("%s%s: rank %d could not reach this rank", why[size_t(r)].empty() ? "" : "; ",
+                               name.c_str(), r);
+      used |= chosen[size_t(r)];
+    }
+    t->serve(chosen);
+    if (used) transports_.push_back(std::move(t));
   }
-  std::vector<uint8_t> all = boot.allGather(&mine, sizeof mine);
-  if (!ucx_) return;
-  for (int r = 0; r < nranks_; ++r) {
-    if (r == rank_ || shmPeer_[size_t(r)]) continue;
-    UcxAddrRecord rec;
-    memcpy(&rec, all.data() + size_t(r) * sizeof rec, sizeof rec);
-    if (!rec.len || rec.len > kUcxAddrMax) continue;
-    ucxSetPeerAddress(*ucx_, r, rec);
-    ucxPeer_[size_t(r)] = true;
+  for (int r = 0; r < N; ++r)
+    if (r != rank_ && !via_[size_t(r)])
+      fail(loomInvalidUsage, "rank %d cannot reach rank %d with LOOM_TRANSPORTS=%s (%s)", rank_, r,
+           transportSpec_.c_str(), why[size_t(r)].c_str());
+  for (const auto& t : transports_)
+    if (!doorbell_) doorbell_ = t->doorbell();
+  // The direct algorithms need every rank in one PeerMemory with room for their layout.
+  PeerMemory* mem = nullptr;
+  bool shared = N > 1 && directLayout_.bytes() > 0;
+  for (int r = 0; r < N && shared; ++r) {
+    if (r == rank_) continue;
+    PeerMemory* m = via_[size_t(r)]->peerMemory();
+    shared = m && (!mem || m == mem) && m->windowBytes() >= directLayout_.bytes();
+    mem = m;
   }
-  LOOM_INFO("INIT", "rank %d: ucx worker address %u bytes (UCX_TLS %s)", rank_, mine.len,
-            !config().ucxTls.empty() ? config().ucxTls.c_str() : getenv("UCX_TLS") ? getenv("UCX_TLS") : "default");
-#else
-  (void)boot;  // parseTransports refuses ucx in builds without UCX
-#endif
+  if (shared) peerMem_ = mem;
 }
 
 // The cost model decides from the communicator's shape; every rank must
@@ -282,10 +228,15 @@ void loomComm::initTuner(Bootstrap& boot) {
   for (int r = 0; r < nranks_; ++r) numaKnown &= topology_.numaOf(r) >= 0;
   if (numaKnown)
     for (int r = 0; r < nranks_; ++r) shape.numaOf.push_back(topology_.numaOf(r));
-  bool ucxBetween = false;
-  for (int r = 0; r < nranks_; ++r) ucxBetween |= r != rank_ && ucxPeer_[size_t(r)];
-  shape.network = ucxBetween ? CostLink::Ucx : CostLink::Tcp;
-  shape.shmWithinHost = (transports_ & kShmBit) != 0;
+  // Between hosts: how the transport that carries such pairs is costed.
+  shape.network = CostLink::Tcp;
+  for (int r = 0; r < nranks_; ++r)
+    if (r != rank_ && via_[size_t(r)]->costAs() != CostLink::Shm) shape.network = via_[size_t(r)]->costAs();
+  shape.shmWithinHost = false;
+  std::vector<TransportEntry> registry = transportRegistry();
+  for (const std::string& name : parseTransports(transportSpec_))
+    for (const TransportEntry& e : registry)
+      if (e.name == name) shape.shmWithinHost |= e.make()->costAs() == CostLink::Shm;
   shape.oneShotBytes = limits_.oneShotBytes;
   shape.stageBytes = limits_.stageBytes;
   tuner_->setShape(shape);
@@ -309,8 +260,13 @@ void loomComm::initTuner(Bootstrap& boot) {
 
 const char* loomComm::transportTo(int peer) const {
   if (peer == rank_) return "self";
-  if (shmPeer_[size_t(peer)]) return "shm";
-  return ucxPeer_[size_t(peer)] ? "ucx" : "tcp";
+  return via_[size_t(peer)]->name();
+}
+
+Transport* loomComm::transportNamed(const std::string& name) const {
+  for (const auto& t : transports_)
+    if (name == t->name()) return t.get();
+  return nullptr;
 }
 
 // Tickets are atomics so that the uncontended case (one thread issuing and
@@ -355,9 +311,14 @@ uint64_t loomComm::issueOne(const OpDesc& op, SlotTag* tag) {
 
 Algorithm loomComm::choose(const OpDesc& op) const { return tuner_->choose(op, nranks_, limits_).algo; }
 
+DirectContext loomComm::directContext() {
+  return DirectContext{*this, *peerMem_, directLayout_, directState_, rank_, nranks_, checkMode_};
+}
+
 void loomComm::runDirect(Algorithm algo, const OpDesc& op, const SlotTag& tag) {
-  if (algo == Algorithm::OneShot) runOneShot(op, tag);
-  else runStaged(op, tag);
+  DirectContext ctx = directContext();
+  if (algo == Algorithm::OneShot) oneShotRun(ctx, op, tag);
+  else stagedRun(ctx, op, tag);
 }
 
 loomResult_t loomComm::runOne(const OpDesc& op, const SlotTag& tag) {
@@ -471,9 +432,7 @@ void loomComm::setFailed(loomResult_t code, const std::string& msg) {
     setLastError(msg);
     LOOM_WARN("COLL", "%s", msg.c_str());
     // Tell the peers at once rather than letting them wait for a timeout.
-    if (inbox_) inbox_->header()->aborted.store(1);
-    std::lock_guard<std::mutex> lock(fdMutex_);
-    for (int fd : tcpFds_) shutdown(fd, SHUT_RDWR);
+    for (const auto& t : transports_) t->abort();
   } else {
     setLastError(msg);
   }
@@ -498,108 +457,16 @@ void loomComm::checkAborted() {
   if (aborted_.load()) fail(loomRemoteError, "rank %d: the communicator was aborted", rank_);
 }
 
-int loomComm::acceptData(int64_t deadline, std::map<std::pair<int, int>, int>& stash) {
-  int fd = acceptUntil(listenFd_, deadline);
-  if (fd < 0) return -1;
-  TcpHello h{};
-  try {
-    recvAll(fd, &h, sizeof h, std::min(deadline, nowMs() + 2000));
-  } catch (const Error& e) {
-    LOOM_WARN("NET", "rank %d: dropped a data connection without a valid hello (%s)", rank_, e.what());
-    close(fd);
-    return 0;
-  }
-  std::string why;
-  if (!checkTcpHello(&h, sizeof h, secret_, commTag_, nranks_, maxChannels_, &h, &why)) {
-    LOOM_WARN("NET", "rank %d: dropped a data connection with a bad hello (%s)", rank_, why.c_str());
-    close(fd);
-    return 0;
-  }
-  auto key = std::make_pair(int(h.rank), int(h.channel));
-  if (stash.count(key) || conns_.count(key)) {
-    LOOM_WARN("NET", "rank %d: dropped a duplicate data connection from rank %d", rank_, h.rank);
-    close(fd);
-    return 0;
-  }
-  stash[key] = fd;
-  return 1;
-}
-
 void loomComm::prepare(const std::vector<std::pair<int, int>>& needed) {
   int64_t deadline = nowMs() + timeoutMs_;
-  // Connect first (never waits on the peer), then accept.
+  // In (peer, channel) order: a transport whose connect waits for the peer
+  // (tcp's accepting side) waits only for higher ranks, which never wait.
   for (const auto& key : needed) {
     if (conns_.count(key)) continue;
     int peer = key.first, ch = key.second;
     if (ch >= maxChannels_) fail(loomInternalError, "channel %d out of range", ch);
-    if (shmPeer_[size_t(peer)]) {
-      conns_[key] = makeShmConnection(inbox_.get(), peerInbox_[size_t(peer)].get(), rank_, peer, ch,
-                                      peers_[size_t(peer)].pid, pidfds_[size_t(peer)]);
-#ifdef LOOM_HAVE_UCX
-    } else if (ucxPeer_[size_t(peer)]) {
-      const RankInfo& info = peers_[size_t(peer)];
-      // Same loopback domain: the peer's pid means something here.
-      conns_[key] = makeUcxConnection(ucx_, rank_, peer, ch, slotBytes_, int(slots_),
-                                      info.localKey == localKey() ? info.pid : 0);
-#endif
-    } else if (rank_ > peer) {
-      const RankInfo& info = peers_[size_t(peer)];
-      SockAddr addr;
-      memcpy(&addr.ss, &info.listenAddr, sizeof addr.ss);
-      addr.len = info.listenLen;
-      if (info.localKey == localKey()) {
-        uint16_t port = addr.port();
-        addr = resolveAddr("127.0.0.1", port);
-      }
-      int fd;
-      try {
-        fd = connectTo(addr, deadline);
-      } catch (const Error& e) {
-        fail(loomRemoteError, "rank %d cannot connect to rank %d at %s: %s", rank_, peer, addr.str().c_str(),
-             e.what());
-      }
-      TcpHello h{kTcpHelloMagic, kTcpVersion, {}, commTag_, rank_, ch};
-      memcpy(h.secret, secret_, 16);
-      sendAll(fd, &h, sizeof h, deadline);
-      {
-        std::lock_guard<std::mutex> lock(fdMutex_);
-        tcpFds_.push_back(fd);
-      }
-      conns_[key] = makeTcpConnection(fd, peer, slotBytes_, int(slots_));
-    }
-  }
-  for (const auto& key : needed) {
-    if (conns_.count(key)) continue;
-    for (;;) {
-      auto it = acceptedFds_.find(key);
-      if (it != acceptedFds_.end()) {
-        {
-          std::lock_guard<std::mutex> lock(fdMutex_);
-          tcpFds_.push_back(it->second);
-        }
-        conns_[key] = makeTcpConnection(it->second, key.first, slotBytes_, int(slots_));
-        acceptedFds_.erase(it);
-        break;
-      }
-      checkAborted();
-      // A peer that failed (say, on a mismatched call) never opens this
-      // connection; it shut the ones it had with us, so look at those.
-      for (auto& kv : conns_)
-        if (kv.first.first == key.first) {
-          kv.second->progress();
-          kv.second->checkPeer();
-        }
-      for (auto& kv : acceptedFds_) {  // opened for a later operation, not used yet
-        char c;
-        if (kv.first.first == key.first && recv(kv.second, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0)
-          fail(loomRemoteError, "rank %d: rank %d closed its tcp connection (channel %d) while %s waited for it",
-               rank_, key.first, kv.first.second, runningOp().c_str());
-      }
-      noteWaiting(key.first);
-      if (acceptData(std::min(deadline, nowMs() + 100), acceptedFds_) < 0 && nowMs() >= deadline)
-        fail(loomTimeout, "rank %d: %s made no progress for %lld ms waiting for rank %d (to open its tcp connection, channel %d)",
-             rank_, runningOp().c_str(), (long long)timeoutMs_, key.first, key.second);
-    }
+    if (peer < 0 || peer >= nranks_ || peer == rank_) fail(loomInternalError, "no connection to rank %d", peer);
+    conns_[key] = via_[size_t(peer)]->connect(peer, ch, deadline, *this);
   }
 }
 
@@ -609,25 +476,39 @@ Connection* loomComm::connection(int peer, int channel) {
   return it->second.get();
 }
 
-uint32_t loomComm::sleepBegin(bool withFds) {
-  if (!inbox_) return 0;
-  ShmInboxHeader* h = inbox_->header();
-  h->sleeping.store(withFds ? kSleepPoll : kSleepFutex, std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  return h->bell.load(std::memory_order_relaxed);
-}
+uint32_t loomComm::sleepBegin(bool withFds) { return doorbell_ ? doorbell_->begin(withFds) : 0; }
 
 void loomComm::sleepWait(uint32_t token, std::vector<pollfd>& fds, bool doorbell, int64_t timeoutUs) {
-  if (doorbell && fds.empty()) {
-    inbox_->sleep(token, timeoutUs);
+  if (doorbell && doorbell_) {
+    doorbell_->sleep(token, fds, timeoutUs);
     return;
   }
   timespec ts{time_t(timeoutUs / 1000000), long(timeoutUs % 1000000) * 1000};
-  if (doorbell) fds.push_back(pollfd{inbox_->wakeFd(), POLLIN, 0});
   ppoll(fds.data(), fds.size(), &ts, nullptr);
-  if (doorbell) inbox_->drainWakeFd();
 }
 
 void loomComm::sleepEnd() {
-  if (inbox_) inbox_->header()->sleeping.store(0, std::memory_order_relaxed);
+  if (doorbell_) doorbell_->end();
+}
+
+void loomComm::checkStalled(const SlotTag& mine, int peer) {
+  noteWaiting(peer);
+  if (!peerMem_ || mine.coll == uint8_t(Collective::P2P)) return;
+  directCheckStalled(directContext(), peer, mine);
+}
+
+void loomComm::checkOtherPath(const SlotTag& mine, int peer) {
+  noteWaiting(peer);
+  if (mine.coll == uint8_t(Collective::P2P) || peer == rank_) return;
+  // A slot the peer posted for this sequence number means it runs this
+  // operation on the executor path while we wait on a direct path.
+  for (int ch = 0; ch < maxChannels_; ++ch) {
+    SlotTag t;
+    bool seen = via_[size_t(peer)]->peekIncoming(peer, ch, &t);
+    if (!seen) {
+      auto it = conns_.find(std::make_pair(peer, ch));
+      seen = it != conns_.end() && it->second->recvPeek(&t);
+    }
+    if (seen && t.coll != uint8_t(Collective::P2P) && t.seq == mine.seq) failMismatch(rank_, peer, t, mine);
+  }
 }

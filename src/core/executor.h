@@ -51,6 +51,9 @@ class ExecEnv {
   // Called while this rank waits on `peer` for an operation tagged `mine`:
   // throws if the peer is visibly running a different operation.
   virtual void checkStalled(const SlotTag& mine, int peer) { (void)mine, (void)peer; }
+  // The same for a rank waiting on a direct path (algorithms/direct.h):
+  // throws if the peer visibly runs another operation on the executor path.
+  virtual void checkOtherPath(const SlotTag& mine, int peer) { (void)mine, (void)peer; }
   // Scratch space of at least `bytes` for one run, kept between runs so the
   // steady state allocates nothing.  Not thread-safe: one run at a time.
   uint8_t* scratch(size_t bytes);

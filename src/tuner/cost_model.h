@@ -16,10 +16,10 @@
 #include <vector>
 
 #include "algorithms/schedule.h"
+#include "transports/transport.h"  // CostLink: the class a transport is costed as
 
 namespace loom {
 
-enum class CostLink : int { Shm = 0, ShmCrossNuma = 1, Tcp = 2, Ucx = 3 };
 constexpr int kCostLinks = 4;
 const char* costLinkName(CostLink c);  // "shm", "shm_xnuma", "tcp", "ucx"
 

@@ -30,8 +30,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const loom::Config& c = loom::config();
   if (c.slots < 2 || c.slotBytes < 4096 || c.timeoutMs < 1 || c.channels < 0) abort();
   try {
-    uint32_t bits = loom::parseTransports(c.transports);
-    if (!bits || (bits & ~uint32_t(loom::kShmBit | loom::kTcpBit | loom::kUcxBit))) abort();
+    std::vector<std::string> names = loom::parseTransports(c.transports);
+    if (names.empty()) abort();
+    for (const std::string& n : names)
+      if (n != "shm" && n != "tcp" && n != "ucx") abort();
   } catch (const loom::Error& e) {
     if (e.code() != loomInvalidArgument) abort();
   }

@@ -11,6 +11,15 @@
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
   loomfuzz::quiet();
+  loom::TcpRecord rec;
+  memset(&rec, 0, sizeof rec);
+  memcpy(&rec, data + 1, size - 1 < sizeof rec ? size - 1 : sizeof rec);
+  try {
+    loom::checkTcpRecord(rec, 1);
+    if (rec.len > sizeof rec.addr || (rec.addr.ss_family != AF_INET && rec.addr.ss_family != AF_INET6)) abort();
+  } catch (const loom::Error& e) {
+    if (e.code() != loomRemoteError) abort();
+  }
   return 0;
 }
 
@@ -32,8 +41,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
     loom::checkRankInfo(&info, data[0] & 1 ? 0 : 1);
     if (strnlen(info.hostId, sizeof info.hostId) == sizeof info.hostId) abort();
-    if (info.listenLen > sizeof info.listenAddr) abort();
+    if (strnlen(info.transports, sizeof info.transports) == sizeof info.transports) abort();
     if ((data[0] & 1) && (info.slots < 2 || info.slotBytes < 4096)) abort();
+  } catch (const loom::Error& e) {
+    if (e.code() != loomRemoteError) abort();
+  }
+  loom::TcpRecord rec;
+  memset(&rec, 0, sizeof rec);
+  memcpy(&rec, data + 1, size - 1 < sizeof rec ? size - 1 : sizeof rec);
+  try {
+    loom::checkTcpRecord(rec, 1);
+    if (rec.len > sizeof rec.addr || (rec.addr.ss_family != AF_INET && rec.addr.ss_family != AF_INET6)) abort();
   } catch (const loom::Error& e) {
     if (e.code() != loomRemoteError) abort();
   }

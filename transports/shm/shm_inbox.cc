@@ -56,16 +56,9 @@ std::unique_ptr<ShmInbox> ShmInbox::create(const ShmLayout& layout, const std::s
   h->bell.store(0);
   h->sleeping.store(0);
   h->aborted.store(0);
-  for (int p = 0; p < 2; ++p) {
-    box->stageHeader(p)->input.store(0);
-    box->stageHeader(p)->result.store(0);
-  }
-  for (uint32_t s = 0; s < layout.nranks; ++s) {
+  // The window needs no initialisation: a new memfd reads as zeros.
+  for (uint32_t s = 0; s < layout.nranks; ++s)
     for (uint32_t c = 0; c < layout.channels; ++c) new (box->ring(int(s), int(c))) ShmRingCtl{{0}, {0}};
-    new (box->mailAck(int(s))) std::atomic<uint64_t>(0);
-    new (box->stageAck(int(s))) std::atomic<uint64_t>(0);
-    for (int p = 0; p < 2; ++p) box->mailbox(int(s), p)->seq.store(0);
-  }
   std::atomic_thread_fence(std::memory_order_release);
   h->magic = kInboxMagic;
   return box;

@@ -29,43 +29,14 @@ struct ShmLayout {
   uint32_t channels = 0;
   uint32_t slots = 0;
   uint32_t slotBytes = 0;
-  uint32_t mailBytes = 0;  // payload of one small-message mailbox
-  uint32_t stageBytes = 0; // one staging buffer (two per rank, by chunk parity)
+  uint64_t windowBytes = 0;  // the PeerMemory window (direct algorithms' area)
   size_t slotStride() const { return 64 + size_t(slotBytes); }
   size_t ringBytes() const { return 128 + size_t(slots) * slotStride(); }
-  size_t mailStride() const { return 64 + size_t(mailBytes); }
-  // Header page, then acks (one cache line per peer), then two mailboxes per
-  // sender, then the rings.
-  size_t ackOffset() const { return 4096; }
-  size_t mailOffset() const { return ackOffset() + size_t(nranks) * 64; }
-  size_t stageCtlOffset() const { return mailOffset() + size_t(nranks) * 2 * mailStride(); }
-  // Staging control: 2 headers (one per parity) + one ack line per reader.
-  size_t stageOffset() const { return stageCtlOffset() + 2 * 64 + size_t(nranks) * 64; }
-  size_t ringOffset() const { return stageOffset() + 2 * size_t(stageBytes); }
+  // Header page, then the window (page-aligned), then the rings.
+  size_t windowOffset() const { return 4096; }
+  size_t ringOffset() const { return windowOffset() + ((windowBytes + 4095) & ~size_t(4095)); }
   size_t totalBytes() const { return ringOffset() + size_t(nranks) * channels * ringBytes(); }
 };
-
-// A small-message mailbox: the sender writes the payload and the tag, then
-// publishes seq (the operation's sequence number + 1).  Two per sender,
-// used alternately by operation parity; the receiver acknowledges what it
-// consumed in the sender's inbox so that the sender never overwrites a
-// mailbox still being read.
-struct ShmMailbox {
-  std::atomic<uint64_t> seq;
-  SlotTag tag;
-  uint8_t pad[64 - 8 - sizeof(SlotTag)];
-};
-static_assert(sizeof(ShmMailbox) == 64, "mailbox header is one cache line");
-
-// Header of a staging buffer: `input` = chunk stamp once the owner copied
-// its input chunk in; `result` = chunk stamp once it wrote its reduced part.
-struct ShmStageHeader {
-  std::atomic<uint64_t> input;
-  std::atomic<uint64_t> result;
-  SlotTag tag;
-  uint8_t pad[64 - 16 - sizeof(SlotTag)];
-};
-static_assert(sizeof(ShmStageHeader) == 64, "stage header is one cache line");
 
 struct ShmInboxHeader {
   uint32_t magic;
@@ -101,28 +72,7 @@ class ShmInbox {
   int wakeFd() const { return wakeFd_; }
   ShmInboxHeader* header() const { return reinterpret_cast<ShmInboxHeader*>(base_); }
   ShmRingCtl* ring(int sender, int channel) const;
-  // Mailbox that `sender` fills in this inbox for operations of parity p.
-  ShmMailbox* mailbox(int sender, int parity) const {
-    return reinterpret_cast<ShmMailbox*>(base_ + layout_.mailOffset() +
-                                         (size_t(sender) * 2 + size_t(parity)) * layout_.mailStride());
-  }
-  uint8_t* mailData(int sender, int parity) const {
-    return reinterpret_cast<uint8_t*>(mailbox(sender, parity)) + 64;
-  }
-  // Staging buffers of this rank for chunk parity p (the staged algorithm):
-  // a header (tag of the operation + chunk stamps) and the data.
-  ShmStageHeader* stageHeader(int parity) const {
-    return reinterpret_cast<ShmStageHeader*>(base_ + layout_.stageCtlOffset() + size_t(parity) * 64);
-  }
-  std::atomic<uint64_t>* stageAck(int reader) const {
-    return reinterpret_cast<std::atomic<uint64_t>*>(base_ + layout_.stageCtlOffset() + 128 +
-                                                    size_t(reader) * 64);
-  }
-  uint8_t* stage(int parity) const { return base_ + layout_.stageOffset() + size_t(parity) * layout_.stageBytes; }
-  // In the sender's inbox: seq + 1 of the last mailbox `reader` consumed.
-  std::atomic<uint64_t>* mailAck(int reader) const {
-    return reinterpret_cast<std::atomic<uint64_t>*>(base_ + layout_.ackOffset() + size_t(reader) * 64);
-  }
+  uint8_t* window() const { return base_ + layout_.windowOffset(); }
   uint8_t* slot(int sender, int channel, uint64_t index) const;
   const ShmLayout& layout() const { return layout_; }
 
@@ -150,5 +100,8 @@ void shmCheckPeer(const ShmInbox* box, int peer, int pid, int pidfd);
 // peerPidfd (-1 if unavailable) lets checkPeer notice a dead peer.
 std::unique_ptr<Connection> makeShmConnection(ShmInbox* mine, ShmInbox* peers, int me, int peer,
                                               int channel, int peerPid, int peerPidfd);
+
+// The plug-in (shm_plugin.cc): inboxes, their doorbell and their windows.
+std::unique_ptr<Transport> makeShmTransport();
 
 }  // namespace loom

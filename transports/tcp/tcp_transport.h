@@ -9,6 +9,8 @@
 #include <memory>
 #include <string>
 
+#include <sys/socket.h>
+
 #include "transports/transport.h"
 
 namespace loom {
@@ -33,5 +35,20 @@ bool checkTcpHello(const void* bytes, size_t n, const uint8_t secret[16], uint64
                    int maxChannels, TcpHello* out, std::string* why);
 
 std::unique_ptr<Connection> makeTcpConnection(int fd, int peer, size_t slotBytes, int slots);
+
+// A rank's tcp record in the init all-gather: where its data listener is.
+struct TcpRecord {
+  sockaddr_storage addr;
+  uint32_t len;
+  uint32_t pad;
+};
+// Checks rank r's record (bytes from the network); throws loomRemoteError.
+void checkTcpRecord(const TcpRecord& rec, int r);
+
+// The plug-in (tcp_plugin.cc): a listener per rank; of each pair the higher
+// rank connects and sends a TcpHello, the lower one accepts.
+std::unique_ptr<Transport> makeTcpTransport();
+// The address a tcp transport made by makeTcpTransport() listens on (tests).
+SockAddr tcpListenAddress(const Transport& t);
 
 }  // namespace loom

@@ -81,4 +81,8 @@ void ucxSetPeerAddress(UcxWorker& w, int peer, const UcxAddrRecord& rec);
 std::unique_ptr<Connection> makeUcxConnection(std::shared_ptr<UcxWorker> w, int rank, int peer,
                                               int channel, size_t slotBytes, int slots, int peerPid);
 
+// The plug-in (ucx_plugin.cc): one worker per communicator, made when some
+// peer is left for UCX; its address is the init record (UcxAddrRecord).
+std::unique_ptr<Transport> makeUcxTransport();
+
 }  // namespace loom

@@ -11,7 +11,7 @@
 // (N-1)/N x S copied in, S read for the reduction, (N-1)/N x S gathered; the
 // staging buffers stay in cache between the steps.  Two buffers per rank
 // alternate by chunk parity, so a rank may stage chunk k+1 while others
-// still read chunk k; a reader acknowledges chunk k in the owner's inbox
+// still read chunk k; a reader acknowledges chunk k in the owner's window
 // and the owner reuses a buffer only once every reader is done with it.
 // Each chunk costs three waits whatever N is, where a ring costs 2(N-1)
 // slot hand-offs per chunk: with more ranks than cores every hand-off can
@@ -19,89 +19,89 @@
 #include <algorithm>
 #include <cstring>
 
-#include "src/core/comm.h"
-#include "src/core/comm_wait.h"
-#include "src/core/error.h"
+#include "algorithms/direct.h"
 #include "src/device/host_copy.h"
 #include "src/device/host_reduce.h"
 
-using namespace loom;
+namespace loom {
 
-void loomComm::runStaged(const OpDesc& op, const SlotTag& tag) {
-  const int N = nranks_, me = rank_;
+void stagedRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
+  const int N = ctx.nranks, me = ctx.rank;
   const size_t esz = dtypeSize(op.dtype);
   if (op.coll != Collective::AllReduce) fail(loomInternalError, "the staged path serves all-reduce only");
-  const size_t chunkElems = std::max<size_t>(1, stageBytes_ / esz);
+  const size_t chunkElems = std::max<size_t>(1, ctx.layout.stageBytes / esz);
   const uint8_t* send = static_cast<const uint8_t*>(op.sendbuf);
   uint8_t* recv = static_cast<uint8_t*>(op.recvbuf);
-  auto box = [&](int q) { return q == me ? inbox_.get() : peerInbox_[size_t(q)].get(); };
+  auto box = [&](int q) { return ctx.win(q); };
   // Output larger than the caches is written around them.
   const bool streaming = op.count * esz >= kStreamingCopyBytes;
   auto copyOut = [&](uint8_t* dst, const uint8_t* src, size_t bytes) {
     if (streaming) copyStreaming(dst, src, bytes);
     else memcpy(dst, src, bytes);
   };
-  auto ringAll = [&] {
-    for (int q = 0; q < N; ++q)
-      if (q != me) peerInbox_[size_t(q)]->ring_bell();
+  auto wakeAll = [&] {
+    for (int q = 0; q < N; ++q) ctx.mem.wake(q);
   };
+  const DirectWindow myWin = ctx.win(me);
 
   for (size_t off = 0; off < op.count; off += chunkElems) {
     const size_t n = std::min(chunkElems, op.count - off);
-    const uint64_t k = ++stageChunk_;
+    const uint64_t k = ++ctx.state.stageChunk;
     const int parity = int(k & 1);
-    ShmStageHeader* mine = inbox_->stageHeader(parity);
+    DirectStageHeader* mine = myWin.stageHeader(parity);
 
     // 1. Reuse my buffer only when every reader is done with chunk k-2.
     if (k > 2)
       for (int q = 0; q < N; ++q) {
         if (q == me) continue;
-        std::atomic<uint64_t>* ack = inbox_->stageAck(q);
-        waitFor([&] { return ack->load(std::memory_order_acquire) >= k - 2; }, q, tag,
+        std::atomic<uint64_t>* ack = myWin.stageAck(q);
+        directWait(ctx, [&] { return ack->load(std::memory_order_acquire) >= k - 2; }, q, tag,
                 "it to finish reading my staging buffer");
       }
     // Only the parts the others reduce are staged; my own part is read
     // straight from my input below.
     const size_t pb = partBegin(n, N, me), pn = partBegin(n, N, me + 1) - pb;
-    memcpy(inbox_->stage(parity), send + off * esz, pb * esz);
-    memcpy(inbox_->stage(parity) + (pb + pn) * esz, send + (off + pb + pn) * esz, (n - pb - pn) * esz);
+    memcpy(myWin.stage(parity), send + off * esz, pb * esz);
+    memcpy(myWin.stage(parity) + (pb + pn) * esz, send + (off + pb + pn) * esz, (n - pb - pn) * esz);
     memcpy(&mine->tag, &tag, sizeof tag);
     mine->input.store(k, std::memory_order_release);
-    ringAll();
+    wakeAll();
 
     // 2. Reduce my part: my input, then every other rank's staged copy of
     //    it in rank order after me, into my staging buffer (it stays in
     //    cache).  The owner of a part is fixed, so the order is too, and
     //    every rank copies the same result.
-    uint8_t* acc = inbox_->stage(parity) + pb * esz;
+    uint8_t* acc = myWin.stage(parity) + pb * esz;
     const uint8_t* own = send + (off + pb) * esz;
     if (N == 1) memcpy(acc, own, pn * esz);
     for (int i = 1; i < N; ++i) {
       int q = (me + i) % N;
-      ShmStageHeader* h = box(q)->stageHeader(parity);
-      waitFor([&] { return h->input.load(std::memory_order_acquire) == k; }, q, tag, "its staged input");
+      DirectStageHeader* h = box(q).stageHeader(parity);
+      directWait(ctx, [&] { return h->input.load(std::memory_order_acquire) == k; }, q, tag, "its staged input");
       SlotTag t;
       memcpy(&t, &h->tag, sizeof t);
-      if (checkMode_ && !sameOperation(t, tag)) failMismatch(me, q, t, tag);
-      reduceHost(acc, i == 1 ? own : acc, box(q)->stage(parity) + pb * esz, pn, op.dtype, op.op);
+      if (ctx.checkMode && !sameOperation(t, tag)) failMismatch(me, q, t, tag);
+      reduceHost(acc, i == 1 ? own : acc, box(q).stage(parity) + pb * esz, pn, op.dtype, op.op);
     }
     if (op.op == loomAvg) divideHost(acc, acc, pn, op.dtype, N);
     mine->result.store(k, std::memory_order_release);
-    ringAll();
+    wakeAll();
     copyOut(recv + (off + pb) * esz, acc, pn * esz);
 
     // 3. Gather the other parts, then release every buffer read.
     for (int i = 1; i < N; ++i) {
       int q = (me + i) % N;
-      ShmStageHeader* h = box(q)->stageHeader(parity);
-      waitFor([&] { return h->result.load(std::memory_order_acquire) == k; }, q, tag, "its reduced part");
+      DirectStageHeader* h = box(q).stageHeader(parity);
+      directWait(ctx, [&] { return h->result.load(std::memory_order_acquire) == k; }, q, tag, "its reduced part");
       size_t qb = partBegin(n, N, q), qn = partBegin(n, N, q + 1) - qb;
-      copyOut(recv + (off + qb) * esz, box(q)->stage(parity) + qb * esz, qn * esz);
+      copyOut(recv + (off + qb) * esz, box(q).stage(parity) + qb * esz, qn * esz);
     }
     for (int q = 0; q < N; ++q) {
       if (q == me) continue;
-      box(q)->stageAck(me)->store(k, std::memory_order_release);
-      box(q)->ring_bell();
+      box(q).stageAck(me)->store(k, std::memory_order_release);
+      ctx.mem.wake(q);
     }
   }
 }
+
+}  // namespace loom

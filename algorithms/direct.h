@@ -1,0 +1,144 @@
+// The direct algorithms: one-shot and staged run without the executor,
+// straight through PeerMemory (transports/transport.h): every rank reads
+// and writes the other ranks' windows and synchronises on 64-bit flags in
+// them.  They serve ranks that all share one PeerMemory (shm on one host
+// today; CUDA IPC next).  This header holds what both share: the layout of
+// a window, the per-communicator state, and how a rank waits on a flag.
+#pragma once
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "algorithms/schedule.h"
+#include "src/core/backoff.h"
+#include "src/core/error.h"
+#include "src/core/executor.h"
+#include "transports/transport.h"
+
+namespace loom {
+
+// A small-message mailbox: the sender writes the payload and the tag, then
+// publishes seq (the operation's sequence number + 1).  Two per sender,
+// used alternately by operation parity.
+struct DirectMailbox {
+  std::atomic<uint64_t> seq;
+  SlotTag tag;
+  uint8_t pad[64 - 8 - sizeof(SlotTag)];
+};
+static_assert(sizeof(DirectMailbox) == 64, "mailbox header is one cache line");
+
+// Header of a staging buffer: `input` = chunk stamp once the owner copied
+// its input chunk in; `result` = chunk stamp once it wrote its reduced part.
+struct DirectStageHeader {
+  std::atomic<uint64_t> input;
+  std::atomic<uint64_t> result;
+  SlotTag tag;
+  uint8_t pad[64 - 16 - sizeof(SlotTag)];
+};
+static_assert(sizeof(DirectStageHeader) == 64, "stage header is one cache line");
+
+// Where things are in one rank's window: acknowledgements (a cache line per
+// reader), two mailboxes per sender, staging control (two headers, an ack
+// line per reader), two staging buffers.
+struct DirectLayout {
+  int nranks = 0;
+  size_t mailBytes = 0;   // payload of one mailbox (LOOM_SHM_SMALL_BYTES)
+  size_t stageBytes = 0;  // one staging buffer (LOOM_SHM_STAGE_BYTES)
+  size_t mailStride() const { return 64 + mailBytes; }
+  size_t mailOffset() const { return size_t(nranks) * 64; }
+  size_t stageCtlOffset() const { return mailOffset() + size_t(nranks) * 2 * mailStride(); }
+  size_t stageOffset() const { return stageCtlOffset() + 2 * 64 + size_t(nranks) * 64; }
+  // Window bytes the direct algorithms need (0: neither is enabled).
+  size_t bytes() const { return mailBytes || stageBytes ? stageOffset() + 2 * stageBytes : 0; }
+};
+
+// One rank's window seen through the layout.
+struct DirectWindow {
+  uint8_t* base;
+  const DirectLayout* l;
+  // In the sender's window: seq + 1 of the last mailbox `reader` consumed.
+  std::atomic<uint64_t>* mailAck(int reader) const {
+    return reinterpret_cast<std::atomic<uint64_t>*>(base + size_t(reader) * 64);
+  }
+  // Mailbox that `sender` fills in this window for operations of parity p.
+  DirectMailbox* mailbox(int sender, int parity) const {
+    return reinterpret_cast<DirectMailbox*>(base + l->mailOffset() +
+                                            (size_t(sender) * 2 + size_t(parity)) * l->mailStride());
+  }
+  uint8_t* mailData(int sender, int parity) const { return reinterpret_cast<uint8_t*>(mailbox(sender, parity)) + 64; }
+  DirectStageHeader* stageHeader(int parity) const {
+    return reinterpret_cast<DirectStageHeader*>(base + l->stageCtlOffset() + size_t(parity) * 64);
+  }
+  std::atomic<uint64_t>* stageAck(int reader) const {
+    return reinterpret_cast<std::atomic<uint64_t>*>(base + l->stageCtlOffset() + 128 + size_t(reader) * 64);
+  }
+  uint8_t* stage(int parity) const { return base + l->stageOffset() + size_t(parity) * l->stageBytes; }
+};
+
+// What the direct algorithms remember between operations of a communicator.
+struct DirectState {
+  std::vector<std::array<uint64_t, 2>> lastMail;  // per reader: seq+1 last written per parity
+  uint64_t stageChunk = 0;                        // chunks staged so far (stamps of the staging buffers)
+};
+
+// Everything a direct algorithm runs with.
+struct DirectContext {
+  ExecEnv& env;           // sleeping, aborts, timeouts, the other path's stalls
+  const PeerMemory& mem;  // every rank's window
+  DirectLayout layout;
+  DirectState& state;
+  int rank = 0;
+  int nranks = 0;
+  bool checkMode = true;
+  DirectWindow win(int r) const { return DirectWindow{mem.window(r), &layout}; }
+};
+
+// algorithms/one_shot.cc: every collective but P2P, blocks of at most mailBytes.
+void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag);
+// algorithms/staged.cc: all-reduce of any size, in chunks of stageBytes.
+void stagedRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag);
+
+// For a rank waiting on the executor path: throws loomInvalidUsage if
+// `peer` visibly runs another operation than `mine` on a direct path.
+void directCheckStalled(const DirectContext& ctx, int peer, const SlotTag& mine);
+
+// Waits until ready(): spin, then sleep on the rank's doorbell, checking
+// every 20 ms that the peer is alive and not running another operation on
+// the executor path, and failing with loomTimeout after the timeout.
+template <class Ready>
+void directWait(DirectContext& ctx, Ready ready, int peer, const SlotTag& tag, const char* what) {
+  if (ready()) return;
+  Backoff backoff(ctx.env.spinUs(), ctx.env.oversubscribed());
+  int64_t lastCheck = nowNs();
+  std::vector<pollfd> none;
+  for (;;) {
+    if (ready()) return;
+    if (backoff.spin()) continue;
+    int64_t now = nowNs();
+    if (now - lastCheck > 20 * 1000000LL) {
+      lastCheck = now;
+      ctx.env.checkAborted();
+      try {
+        ctx.mem.checkPeer(peer);
+      } catch (const Error&) {
+        if (ready()) return;  // it finished its part before exiting
+        throw;
+      }
+      ctx.env.checkOtherPath(tag, peer);
+    }
+    if (backoff.waited() / 1000000 > ctx.env.timeoutMs())
+      fail(loomTimeout, "rank %d: %s made no progress for %lld ms waiting for rank %d (%s)", ctx.rank,
+           describeTag(tag).c_str(), (long long)ctx.env.timeoutMs(), peer, what);
+    uint32_t token = ctx.env.sleepBegin(false);
+    if (ready()) {
+      ctx.env.sleepEnd();
+      return;
+    }
+    ctx.env.sleepWait(token, none, true, 5000);
+    ctx.env.sleepEnd();
+  }
+}
+
+}  // namespace loom

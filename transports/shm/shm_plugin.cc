@@ -1,0 +1,153 @@
+// The shm plug-in: each rank's inbox (rings, doorbell, PeerMemory window),
+// mapped by the ranks of its host that are in the same communicator.
+//
+// Record: the inbox's descriptor number in the owner's process (-1: none);
+// a peer opens /proc/<pid>/fd/<fd>.  A pair uses shm only when both ends
+// mapped each other's inbox.
+#include <poll.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "src/core/error.h"
+#include "src/core/log.h"
+#include "transports/shm/shm_transport.h"
+
+namespace loom {
+
+namespace {
+
+struct ShmRecord {
+  int32_t inboxFd;
+  int32_t pad;
+};
+
+class ShmTransport : public Transport, public Doorbell, public PeerMemory {
+ public:
+  ~ShmTransport() override {
+    for (int fd : pidfds_)
+      if (fd >= 0) close(fd);
+  }
+
+  const char* name() const override { return "shm"; }
+  bool mayReach(const TransportEnv& env, int peer) const override { return env.sameHost(peer); }
+  size_t recordBytes() const override { return sizeof(ShmRecord); }
+
+  void publish(const TransportEnv& env, const std::vector<bool>& want, void* record) override {
+    env_ = env;
+    layout_ = ShmLayout{uint32_t(env.nranks), uint32_t(env.maxChannels), env.slots, env.slotBytes, env.windowBytes};
+    peerInbox_.resize(size_t(env.nranks));
+    pidfds_.assign(size_t(env.nranks), -1);
+    ShmRecord rec{-1, 0};
+    bool any = false;
+    for (bool w : want) any |= w;
+    if (any) {
+      inbox_ = ShmInbox::create(layout_, wakeName(env.rank));
+      rec.inboxFd = inbox_->fd();
+    }
+    memcpy(record, &rec, sizeof rec);
+  }
+
+  bool accept(int r, const void* record, std::string* why) override {
+    ShmRecord rec;
+    memcpy(&rec, record, sizeof rec);
+    if (rec.inboxFd < -1) fail(loomRemoteError, "rank %d sent shm descriptor %d during init", r, rec.inboxFd);
+    if (!inbox_) {
+      *why = "this rank made no inbox";
+      return false;
+    }
+    if (rec.inboxFd < 0) {
+      *why = strf("rank %d made no inbox", r);
+      return false;
+    }
+    int pid = env_.pid[size_t(r)];
+    peerInbox_[size_t(r)] = ShmInbox::map(pid, rec.inboxFd, wakeName(r), layout_, why);
+    if (!peerInbox_[size_t(r)]) {
+      LOOM_WARN("SHM", "rank %d: no shared memory with rank %d (%s)", env_.rank, r, why->c_str());
+      return false;
+    }
+    pidfds_[size_t(r)] = int(syscall(SYS_pidfd_open, pid, 0));
+    return true;
+  }
+
+  void serve(const std::vector<bool>& chosen) override {
+    for (size_t r = 0; r < chosen.size(); ++r)
+      if (!chosen[r]) {
+        peerInbox_[r].reset();
+        if (pidfds_[r] >= 0) close(pidfds_[r]);
+        pidfds_[r] = -1;
+      }
+  }
+
+  std::unique_ptr<Connection> connect(int peer, int channel, int64_t, ConnectHost&) override {
+    return makeShmConnection(inbox_.get(), peerInbox_[size_t(peer)].get(), env_.rank, peer, channel,
+                             env_.pid[size_t(peer)], pidfds_[size_t(peer)]);
+  }
+
+  void abort() override {
+    if (inbox_) inbox_->header()->aborted.store(1);
+  }
+
+  bool peekIncoming(int peer, int channel, SlotTag* tag) const override {
+    if (!inbox_ || channel >= env_.maxChannels) return false;
+    ShmRingCtl* r = inbox_->ring(peer, channel);
+    uint64_t tail = r->tail.load(std::memory_order_acquire);
+    if (r->head.load(std::memory_order_acquire) == tail) return false;
+    memcpy(tag, inbox_->slot(peer, channel, tail), sizeof *tag);
+    return true;
+  }
+
+  Doorbell* doorbell() override { return inbox_ ? this : nullptr; }
+  PeerMemory* peerMemory() override { return inbox_ && layout_.windowBytes ? this : nullptr; }
+  CostLink costAs() const override { return CostLink::Shm; }
+
+  // ---- Doorbell ----
+  uint32_t begin(bool withFds) override {
+    ShmInboxHeader* h = inbox_->header();
+    h->sleeping.store(withFds ? kSleepPoll : kSleepFutex, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    return h->bell.load(std::memory_order_relaxed);
+  }
+  void sleep(uint32_t token, std::vector<pollfd>& fds, int64_t timeoutUs) override {
+    if (fds.empty()) {
+      inbox_->sleep(token, timeoutUs);
+      return;
+    }
+    timespec ts{time_t(timeoutUs / 1000000), long(timeoutUs % 1000000) * 1000};
+    fds.push_back(pollfd{inbox_->wakeFd(), POLLIN, 0});
+    ppoll(fds.data(), fds.size(), &ts, nullptr);
+    inbox_->drainWakeFd();
+  }
+  void end() override { inbox_->header()->sleeping.store(0, std::memory_order_relaxed); }
+
+  // ---- PeerMemory (ranks this transport serves, and this rank) ----
+  size_t windowBytes() const override { return layout_.windowBytes; }
+  uint8_t* window(int r) const override { return box(r)->window(); }
+  void wake(int r) const override {
+    if (r != env_.rank) box(r)->ring_bell();
+  }
+  void checkPeer(int r) const override {
+    if (r != env_.rank) shmCheckPeer(box(r), r, env_.pid[size_t(r)], pidfds_[size_t(r)]);
+  }
+
+ private:
+  std::string wakeName(int r) const { return strf("loom/%016llx/%d", (unsigned long long)env_.commTag, r); }
+  ShmInbox* box(int r) const {
+    ShmInbox* b = r == env_.rank ? inbox_.get() : peerInbox_[size_t(r)].get();
+    if (!b) fail(loomInternalError, "rank %d: no shared memory with rank %d", env_.rank, r);
+    return b;
+  }
+
+  TransportEnv env_;
+  ShmLayout layout_;
+  std::unique_ptr<ShmInbox> inbox_;
+  std::vector<std::unique_ptr<ShmInbox>> peerInbox_;
+  std::vector<int> pidfds_;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> makeShmTransport() { return std::make_unique<ShmTransport>(); }
+
+}  // namespace loom
