@@ -180,4 +180,31 @@ void doubleBinaryTreeSchedule(const OpDesc& op, int opIndex, int rank, int nrank
   }
 }
 
+// Cost (src/tuner/cost_model.h): depth log2 N up and down, pipelined in
+// chunks; an interior rank sends S/2 up each tree and S/2 down to each of its
+// two children in one tree: 2S (broadcast: S).
+void doubleBinaryTreeEstimate(const CostInput& in, std::vector<Estimate>* out) {
+  const double S = in.S;
+  auto add = [&](double us) { out->push_back(Estimate{Algorithm::Tree, Algorithm::Ring, us, ""}); };
+  if (in.N == 1) {
+    out->push_back(Estimate{Algorithm::Tree, Algorithm::Ring, -1, "one rank: the ring's copy"});
+    return;
+  }
+  double aa, ab;
+  in.anyPair(&aa, &ab);
+  double depth = log2ceil(in.N) + 1;
+  if (in.coll == Collective::AllReduce)
+    add((2 * depth + in.loops(S / 2, 1)) * aa + xfer(2 * S, ab) + in.reduce(S));
+  else if (in.coll == Collective::Broadcast)
+    add((depth + in.loops(S / 2, 1)) * aa + xfer(S, ab));
+  else
+    add((depth + in.loops(S / 2, 1)) * aa + xfer(S, ab) + in.reduce(S));
+}
+
+// As the rails' all-reduce: depth log2 H + 1 up and down, 2S over a host's link.
+StepsAndBytesUs doubleBinaryTreeRailCost(const CostInput& in, const RailCost& r) {
+  double lgH = log2ceil(in.H);
+  return {(2 * (lgH + 1) + in.loops(r.rail / 2, 1)) * r.na, xfer(2 * r.S, r.nb)};
+}
+
 }  // namespace loom

@@ -263,10 +263,9 @@ void allReduce(const OpDesc& op, int opIndex, int rank, const Layout& lay, const
       sub.count = sh.n;
       sub.sendbuf = sub.recvbuf = out;  // in place; only compared, never read
       Plan p = plan;
+      p.algo = algorithmEntry(plan.inner).railCost ? plan.inner : Algorithm::Ring;
       Schedule flat;
-      if (plan.inner == Algorithm::HalvingDoubling) halvingDoublingSchedule(sub, opIndex, h, H, p, &flat);
-      else if (plan.inner == Algorithm::Tree) doubleBinaryTreeSchedule(sub, opIndex, h, H, p, &flat);
-      else ringSchedule(sub, opIndex, h, H, p, &flat);
+      buildSchedule(sub, opIndex, h, H, {}, p, &flat);
       appendMapped(flat, lay.rail(s), Buf::Recv, sh.elem * esz, after, out);
     }
   if (out->lanes.size() > second) after = lanesSince(second, *out);
@@ -373,6 +372,39 @@ void hierarchicalSchedule(const OpDesc& op, int opIndex, int rank, const std::ve
   if (op.coll == Collective::AllReduce) allReduce(op, opIndex, rank, lay, plan, out);
   else if (op.coll == Collective::ReduceScatter) reduceScatter(op, opIndex, rank, lay, plan, out);
   else allGather(op, opIndex, rank, lay, plan, out);
+}
+
+// Cost (src/tuner/cost_model.h): rings inside hosts, the rails across; the
+// host's network link carries 2(H-1)/H x S (all-reduce) or (H-1)/H x S (RS,
+// AG) in all.  All-reduce: one estimate per registered rail algorithm.
+void hierarchicalEstimate(const CostInput& in, std::vector<Estimate>* out) {
+  const int H = in.H, L = in.L;
+  const double S = in.S;
+  if (H < 2 || L < 2) {
+    out->push_back(Estimate{Algorithm::Hierarchical, Algorithm::Ring, -1,
+                            H < 2 ? "one host: the ring is the same schedule"
+                                  : "one rank per host: the flat algorithms are the same"});
+    return;
+  }
+  double l = double(L), h = double(H);
+  CostLink local = in.s.shmWithinHost ? CostLink::Shm : in.s.network;
+  double la = in.alpha(local), lb = in.lp(local).betaGBps;
+  double na = in.alpha(in.s.network), nb = in.lp(in.s.network).betaGBps;
+  double steps = in.coll == Collective::AllReduce ? 2 : 1;
+  double localUs = L > 1 ? steps * (l - 1) * in.loops(S / l, 1) * la + xfer(steps * (l - 1) / l * S, lb) : 0;
+  double red = in.reducing ? in.reduce(S) : 0;
+  if (in.coll == Collective::AllReduce) {
+    RailCost r{l, h, S, S / l, 2 * (h - 1) / h * S, na, nb};
+    for (const AlgorithmEntry& a : algorithmRegistry())
+      if (a.railCost) {
+        StepsAndBytesUs c = a.railCost(in, r);
+        out->push_back(Estimate{Algorithm::Hierarchical, a.algo, localUs + c.stepsUs + c.bytesUs + red, ""});
+      }
+  } else {
+    // The rails of RS and AG are rings whatever the inner algorithm.
+    out->push_back(Estimate{Algorithm::Hierarchical, Algorithm::Ring,
+                            localUs + (h - 1) * in.loops(S / (l * h), 1) * na + xfer((h - 1) / h * S, nb) + red, ""});
+  }
 }
 
 }  // namespace loom

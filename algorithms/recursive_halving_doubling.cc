@@ -276,4 +276,39 @@ void halvingDoublingSchedule(const OpDesc& op, int opIndex, int rank, int nranks
     if (!l.steps.empty()) out->lanes.push_back(std::move(l));
 }
 
+// Cost (src/tuner/cost_model.h): log2 N exchanges each way; non-powers of
+// two fold (one more exchange of the whole buffer before and after).  A lane
+// sends, then receives (or the reverse): two dependent steps per exchange.
+// Reduce-scatter and all-gather lanes hold part of every block's columns,
+// so an exchange moves a step per block where blocks are strided: the
+// all-gather 2(N-1) steps, the reduce-scatter N + 2 log2 N (first and last
+// exchange); the reduce-scatter's partial sums also pass through scratch.
+// Those steps repeat per loop of chunk columns (two lanes, half each).
+void halvingDoublingEstimate(const CostInput& in, std::vector<Estimate>* out) {
+  const double S = in.S, n = in.n;
+  auto add = [&](double us) { out->push_back(Estimate{Algorithm::HalvingDoubling, Algorithm::Ring, us, ""}); };
+  if (in.N == 1) {
+    out->push_back(Estimate{Algorithm::HalvingDoubling, Algorithm::Ring, -1, "one rank: the ring's copy"});
+    return;
+  }
+  double aa, ab;
+  in.anyPair(&aa, &ab);
+  double fold = isPow2(in.N) ? 0 : 1;
+  double lg = log2ceil(in.N) - fold;
+  if (in.coll == Collective::AllReduce)
+    add(2 * (2 * lg + 2 * fold) * aa + xfer(2 * (n - 1) / n * S + 2 * fold * S, ab) + in.reduce(S));
+  else if (in.coll == Collective::ReduceScatter)
+    add((n + 2 * (lg + fold)) * in.loops(S / n / 2, 1) * aa + xfer(2 * (n - 1) / n * S + fold * S, ab) +
+        in.reduce((n - 1) / n * S + fold * S));
+  else
+    add(2 * (n - 1) * in.loops(S / n / 2, 1) * aa + xfer((n - 1) / n * S + fold * S, ab));
+}
+
+// As the rails' all-reduce: 2 log2 H exchanges; a non-power of two H moves
+// the whole buffer twice more.
+StepsAndBytesUs halvingDoublingRailCost(const CostInput& in, const RailCost& r) {
+  double lgH = log2ceil(in.H), foldH = isPow2(in.H) ? 0 : 1;
+  return {2 * lgH * r.na, xfer(r.netBytes + 2 * foldH * r.S, r.nb)};
+}
+
 }  // namespace loom

@@ -190,4 +190,32 @@ void p2pSchedule(const OpDesc& op, int opIndex, Schedule* out) {
   out->lanes.push_back(std::move(lane));
 }
 
+// Cost (src/tuner/cost_model.h): 2(N-1) steps per loop of N chunks
+// (all-reduce), N-1 for RS/AG, and a chain of N-1 hops for broadcast and
+// reduce; one rank copies at a nominal 10 GB/s.
+void ringEstimate(const CostInput& in, std::vector<Estimate>* out) {
+  const double S = in.S, n = in.n;
+  auto add = [&](double us) { out->push_back(Estimate{Algorithm::Ring, Algorithm::Ring, us, ""}); };
+  if (in.N == 1) return add(xfer(S, 10.0));
+  double ra, rb;
+  in.ring(&ra, &rb);
+  switch (in.coll) {
+    case Collective::AllReduce:
+      add(2 * (n - 1) * in.loops(S, n) * ra + xfer(2 * (n - 1) / n * S, rb) + in.reduce((n - 1) / n * S));
+      break;
+    case Collective::ReduceScatter:
+    case Collective::AllGather:
+      add((n - 1) * in.loops(S / n, 1) * ra + xfer((n - 1) / n * S, rb) + (in.reducing ? in.reduce((n - 1) / n * S) : 0));
+      break;
+    default:
+      add(((n - 1) + in.loops(S, 1)) * ra + xfer(S, rb) + (in.reducing ? in.reduce(S) : 0));
+      break;
+  }
+}
+
+// As the rails' all-reduce: 2(H-1) steps per loop of H chunks of a rail.
+StepsAndBytesUs ringRailCost(const CostInput& in, const RailCost& r) {
+  return {2 * (r.h - 1) * in.loops(r.rail, r.h) * r.na, xfer(r.netBytes, r.nb)};
+}
+
 }  // namespace loom

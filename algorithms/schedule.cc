@@ -28,18 +28,6 @@ const char* stepKindName(StepKind k) {
   return "?";
 }
 
-const char* algorithmName(Algorithm a) {
-  switch (a) {
-    case Algorithm::Ring: return "ring";
-    case Algorithm::OneShot: return "oneshot";
-    case Algorithm::Staged: return "staged";
-    case Algorithm::HalvingDoubling: return "rhd";
-    case Algorithm::Tree: return "tree";
-    case Algorithm::Hierarchical: return "hier";
-  }
-  return "?";
-}
-
 Step makeStep(StepKind kind, int recvPeer, int sendPeer, BufRef src, BufRef dst, size_t bytes, bool finalize) {
   Step s;
   s.kind = kind;

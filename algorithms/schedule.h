@@ -24,6 +24,14 @@ enum class Collective : uint8_t {
   P2P = 6,  // a loomSend or loomRecv (matched per pair)
 };
 const char* collectiveName(Collective c);
+// Arrays indexed by a Collective's value (0 is unused).
+constexpr int kCollectiveValues = int(Collective::P2P) + 1;
+// The collectives the tuner decides (every one but P2P), in value order.
+constexpr Collective kTunedCollectives[] = {Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather,
+                                            Collective::Broadcast, Collective::Reduce};
+// A set of collectives, one bit per value.
+using CollectiveSet = unsigned;
+constexpr CollectiveSet collectiveBit(Collective c) { return 1u << unsigned(c); }
 // All-reduce, reduce-scatter and reduce combine data with an op.
 inline bool reduces(Collective c) {
   return c == Collective::AllReduce || c == Collective::ReduceScatter || c == Collective::Reduce;
@@ -110,10 +118,16 @@ enum class Algorithm : uint8_t {
 };
 const char* algorithmName(Algorithm a);
 
+// Default ring chunk: a ring loop then covers nranks x 128 KiB, small enough
+// to stay in L2 while a slot is reduced and forwarded.  (From loom-perf
+// all_reduce sweeps of LOOM_CHUNK_SIZE 32K..1M on the 2-core dev machine.)
+// The tuner plans with it and the cost model counts loops with it.
+constexpr size_t kDefaultChunkBytes = 128 << 10;
+
 struct Plan {
   Algorithm algo = Algorithm::Ring;
   int channels = 1;
-  size_t chunkBytes = 128 << 10;
+  size_t chunkBytes = kDefaultChunkBytes;
   // Hierarchical: the flat algorithm of the inter-host all-reduce.
   Algorithm inner = Algorithm::Ring;
 };

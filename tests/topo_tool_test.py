@@ -3,7 +3,7 @@
 
   topo_tool_test.py BIN_DIR SOURCE_DIR CASE
 
-CASE is one of: local, comm, calibrate, xnuma, env, usage (one ctest entry each).
+CASE is one of: local, comm, calibrate, xnuma, env, algorithms, usage (one ctest entry each).
 """
 import json
 import os
@@ -136,6 +136,25 @@ def case_env():
     assert re.search(r"LOOM_SPIN_US\s+int\s+20\s+.*\[set: 7\]", text), text
 
 
+def case_algorithms():
+    # The README's algorithm table is the registry's, as loom-topo prints it.
+    table = run([TOPO, "--algorithms"]).stdout
+    rows = table.splitlines()
+    assert len(rows) > 2 and all(r.startswith("|") for r in rows), table
+    with open(os.path.join(SRC, "README.md")) as f:
+        readme = f.read()
+    start = readme.find(rows[0])
+    assert start >= 0, f"README.md has no algorithm table headed {rows[0]!r}; paste `loom-topo --algorithms`"
+    lines = readme[start:].splitlines()
+    end = next((i for i, l in enumerate(lines) if not l.startswith("|")), len(lines))
+    readme_rows = lines[:end]
+    assert readme_rows == rows, ("README.md's algorithm table differs from the registry; replace it with "
+                                 "`loom-topo --algorithms`:\n" + "\n".join(rows))
+    # Every name in the table is one LOOM_ALGO accepts, and the reverse.
+    names = set(re.findall(r"`([a-z][a-z-]*)`", "\n".join(r.split(" | ")[0] for r in rows[2:])))
+    assert names == {"oneshot", "staged", "ring", "rhd", "tree", "hier", "hier-ring", "hier-rhd", "hier-tree"}, names
+
+
 def case_usage():
     assert "usage" in run([TOPO, "--help"]).stdout
     assert "unknown argument" in run([TOPO, "--bogus"], expect=2).stderr
@@ -143,5 +162,5 @@ def case_usage():
 
 
 {"local": case_local, "comm": case_comm, "calibrate": case_calibrate, "xnuma": case_xnuma, "env": case_env,
- "usage": case_usage}[CASE]()
+ "algorithms": case_algorithms, "usage": case_usage}[CASE]()
 print(f"loom-topo {CASE}: passed")

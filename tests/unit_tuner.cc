@@ -10,6 +10,7 @@
 
 #include "src/core/config.h"
 #include "src/core/error.h"
+#include "algorithms/registry.h"
 #include "src/tuner/tuner.h"
 
 namespace {
@@ -154,4 +155,90 @@ TEST_CASE("tuner: LOOM_ALGO wins over the model and decisions are per size bucke
   op.count = 1 << 18;  // x 4 ranks x 4 bytes = 4 MiB
   plan = t.choose(op, 4, lim);
   CHECK(plan.algo == t.decided(Collective::AllGather, 22).algo);
+}
+
+TEST_CASE("registry: every LOOM_ALGO name parses to its entry and back", "[tuner][registry]") {
+  CHECK(loom::algorithmNames() == "oneshot, staged, ring, rhd, tree, hier, hier-ring, hier-rhd, hier-tree");
+  for (const loom::AlgorithmEntry& e : loom::algorithmRegistry()) {
+    loom::AlgorithmChoice c;
+    REQUIRE(loom::parseAlgorithmName(e.name, &c));
+    CHECK(c.algo == e.algo);
+    CHECK(&loom::algorithmEntry(e.algo) == &e);
+    CHECK(std::string(loom::algorithmName(e.algo)) == e.name);
+    // A direct path has no schedule; every other algorithm builds one.
+    CHECK(e.direct == (e.build == nullptr));
+    CHECK(e.estimate != nullptr);
+  }
+  loom::AlgorithmChoice c;
+  REQUIRE(loom::parseAlgorithmName("hier-rhd", &c));
+  CHECK((c.algo == Algorithm::Hierarchical && c.inner == Algorithm::HalvingDoubling));
+  REQUIRE(loom::parseAlgorithmName("hier", &c));
+  CHECK((c.algo == Algorithm::Hierarchical && c.inner == Algorithm::Ring));
+  CHECK(loom::choiceName(c.algo, c.inner) == "hier-ring");
+  CHECK_FALSE(loom::parseAlgorithmName("hier-oneshot", &c));
+  CHECK_FALSE(loom::parseAlgorithmName("bogus", &c));
+  CHECK(loom::collectiveList(loom::algorithmEntry(Algorithm::Tree).serves) == "all-reduce, broadcast and reduce");
+}
+
+TEST_CASE("registry: a forced algorithm that cannot serve falls back to the ring, as before", "[tuner][registry]") {
+  loom::Config cfg = loom::config();
+  cfg.algo = "broadcast:rhd,allgather:staged,reduce:oneshot,allreduce:oneshot";
+  loom::Tuner t(cfg);
+  loom::TunerLimits lim;
+  lim.maxChannels = 4;
+  lim.oneShotBytes = 16 << 10;
+  loom::OpDesc op;
+  op.coll = Collective::Broadcast;
+  op.count = 10;
+  CHECK(t.choose(op, 4, lim).algo == Algorithm::Ring);  // rhd does not serve broadcast
+  op.coll = Collective::AllGather;
+  CHECK(t.choose(op, 4, lim).algo == Algorithm::Ring);  // staged serves all-reduce only
+  op.coll = Collective::Reduce;
+  CHECK(t.choose(op, 4, lim).algo == Algorithm::OneShot);
+  op.count = 1 << 20;  // 4 MiB blocks: above the one-shot limit
+  CHECK(t.choose(op, 4, lim).algo == Algorithm::Ring);
+  op.coll = Collective::AllReduce;
+  op.count = 10;
+  CHECK(t.choose(op, 1, lim).algo == Algorithm::Ring);  // one rank: nothing to share
+  loom::Eligibility q{Collective::AllGather, 4, 64, true, 16 << 10, 256 << 10};
+  CHECK(loom::whyIneligible(loom::algorithmEntry(Algorithm::Staged), q) == "it serves all-reduce");
+  q.coll = Collective::AllReduce;
+  q.allShm = false;
+  CHECK(loom::whyIneligible(loom::algorithmEntry(Algorithm::OneShot), q) == "it needs every rank to share memory");
+  CHECK(loom::whyIneligible(loom::algorithmEntry(Algorithm::Ring), q).empty());
+}
+
+// Printed by the cost model before the registry (commit 08671b6).
+#define PINNED_DECISIONS "oneshot=0.202291 staged=7.00887 staged=1563.87 hier-ring=18.805 hier-rhd=673.173 hier-rhd=167742 hier-ring=9.40269 hier-ring=371.801 hier-ring=95181.1 hier-ring=9.40229 hier-ring=319.372 hier-ring=81759.3 ring=36.0042 ring=650.882 ring=159741 ring=36.0046 ring=703.311 ring=173163 "
+#define PINNED_HIER_TREE_US 0x1.3b438e3aac395p+10
+#define PINNED_RHD_RS_US 0x1.b9bdf25511449p+10
+
+TEST_CASE("registry: the model's decisions and numbers are pinned", "[tuner][registry]") {
+  // Values from the cost model before the registry (default parameters);
+  // the registry moved the formulas, it must not change them.
+  loom::CostParams p = loom::CostParams::defaults();
+  loom::CommShape one = shape(1, 4);
+  one.oneShotBytes = 16 << 10;
+  one.stageBytes = 256 << 10;
+  auto usOf = [&](Collective c, size_t bytes, const loom::CommShape& s, Algorithm a, Algorithm inner) {
+    for (const loom::Estimate& e : loom::estimateAll(c, bytes, s, p))
+      if (e.algo == a && e.inner == inner) return e.us;
+    return -2.0;
+  };
+  std::string got;
+  for (size_t bytes : {size_t(8), size_t(64) << 10, size_t(16) << 20}) {
+    loom::Estimate e = pick(Collective::AllReduce, bytes, one, p);
+    got += loom::strf("%s=%.6g ", loom::choiceName(e.algo, e.inner).c_str(), e.us);
+  }
+  loom::CommShape two = shape(2, 2);
+  for (Collective c : loom::kTunedCollectives)
+    for (size_t bytes : {size_t(8), size_t(1) << 20, size_t(256) << 20}) {
+      loom::Estimate e = pick(c, bytes, two, p);
+      got += loom::strf("%s=%.6g ", loom::choiceName(e.algo, e.inner).c_str(), e.us);
+    }
+  INFO(got);
+  CHECK(got == PINNED_DECISIONS);
+  CHECK(usOf(Collective::AllReduce, size_t(1) << 20, two, Algorithm::Hierarchical, Algorithm::Tree) == PINNED_HIER_TREE_US);
+  CHECK(usOf(Collective::ReduceScatter, size_t(1) << 20, two, Algorithm::HalvingDoubling, Algorithm::Ring) ==
+        PINNED_RHD_RS_US);
 }

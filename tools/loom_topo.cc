@@ -2,8 +2,9 @@
 // LOOM_TOPO_FILE's); under loom-run (or any launcher loomCommInitFromEnv
 // understands) rank 0 also prints the communicator: each rank's host, NUMA
 // node, GPU and NIC, and the host groups.  --env lists every LOOM_* variable,
-// --json prints the same facts for machines, --calibrate measures the links
-// and writes a tuning file.
+// --algorithms the algorithm registry (the README's table), --json prints the
+// same facts for machines, --calibrate measures the links and writes a
+// tuning file.
 #include <unistd.h>
 
 #include <cstdio>
@@ -12,6 +13,7 @@
 #include <fstream>
 #include <string>
 
+#include "algorithms/registry.h"
 #include "loom.h"
 #include "src/core/comm.h"
 #include "src/core/config.h"
@@ -25,13 +27,15 @@ using namespace loom;
 namespace {
 
 const char kUsage[] =
-    "usage: loom-topo [--json] [--env] [--calibrate [--out FILE] [--bytes N] [--iters N]]\n"
+    "usage: loom-topo [--json] [--env] [--algorithms] [--calibrate [--out FILE] [--bytes N] [--iters N]]\n"
     "\n"
     "Prints the topology loom detects: this machine (or the hwloc XML file named by\n"
     "LOOM_TOPO_FILE), and, when started by a launcher (loom-run -n N loom-topo), the\n"
     "communicator's ranks, hosts and NUMA nodes (printed by rank 0).\n"
     "  --json         machine-readable output (one JSON object on stdout)\n"
     "  --env          list every LOOM_* variable: name, type, default, meaning\n"
+    "  --algorithms   the algorithm registry as a markdown table (the names\n"
+    "                 LOOM_ALGO accepts, what each serves, how, its cost)\n"
     "  --calibrate    (under a launcher) measure latency and bandwidth of each link\n"
     "                 class among the ranks (shm, shm_xnuma, tcp) and the host\n"
     "                 reduction, and write a tuning file for LOOM_TUNING_FILE\n"
@@ -41,7 +45,7 @@ const char kUsage[] =
     "  -h, --help     this text\n";
 
 struct Options {
-  bool json = false, env = false, calibrate = false;
+  bool json = false, env = false, algorithms = false, calibrate = false;
   std::string out = "loom-tuning.conf";
   CalibrateOptions cal;
 };
@@ -71,6 +75,7 @@ Options parseArgs(int argc, char** argv) {
     };
     if (a == "--json") o.json = true;
     else if (a == "--env") o.env = true;
+    else if (a == "--algorithms") o.algorithms = true;
     else if (a == "--calibrate") o.calibrate = true;
     else if (a == "--out") o.out = value();
     else if (a == "--bytes") o.cal.bandwidthBytes = parseSize("--bytes", value(), 1024, size_t(1) << 32);
@@ -262,13 +267,7 @@ std::string commJson(loomComm_t comm) {
 // ranks adopt from rank 0; LOOM_ALGO, when set, still overrides it per call).
 void printPredictions(loomComm_t comm, bool json, std::string* jsonOut) {
   const Tuner& tuner = comm->tuner();
-  const Collective colls[] = {Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather,
-                              Collective::Broadcast, Collective::Reduce};
-  auto name = [](Algorithm a, Algorithm inner) {
-    std::string n = algorithmName(a);
-    if (a == Algorithm::Hierarchical) n += std::string("-") + algorithmName(inner);
-    return n;
-  };
+  auto name = [](Algorithm a, Algorithm inner) { return choiceName(a, inner); };
   std::string js = "{\"parameters\": " + jsonStr(tuner.params().source) + ", \"collectives\": [";
   if (!json) {
     const CostParams& p = tuner.params();
@@ -277,10 +276,11 @@ void printPredictions(loomComm_t comm, bool json, std::string* jsonOut) {
       printf("%s alpha %.1f us beta %.2f GB/s; ", costLinkName(CostLink(c)), p.link[c].alphaUs, p.link[c].betaGBps);
     printf("reduce %.1f GB/s\n", p.reduceGBps);
   }
-  for (size_t ci = 0; ci < 5; ++ci) {
-    Collective coll = colls[ci];
+  bool firstColl = true;
+  for (Collective coll : kTunedCollectives) {
     if (!json) printf("\n%s: predicted time (us) per algorithm, * = chosen\n", collectiveName(coll));
-    js += strf("%s{\"collective\": \"%s\", \"rows\": [", ci ? ", " : "", collectiveName(coll));
+    js += strf("%s{\"collective\": \"%s\", \"rows\": [", firstColl ? "" : ", ", collectiveName(coll));
+    firstColl = false;
     bool firstRow = true;
     for (int b = 3; b <= 30; b += 3) {
       size_t bytes = size_t(1) << b;
@@ -306,6 +306,10 @@ void printPredictions(loomComm_t comm, bool json, std::string* jsonOut) {
 int run(const Options& o) {
   if (o.env) {
     printEnv(o.json);
+    return 0;
+  }
+  if (o.algorithms) {
+    fputs(algorithmTableMarkdown().c_str(), stdout);
     return 0;
   }
   if (o.calibrate && !underLauncher()) {

@@ -242,20 +242,20 @@ void loomComm::initTuner(Bootstrap& boot) {
   tuner_->setShape(shape);
   // Rank 0's decisions, as (algorithm, inner) bytes per collective and bucket.
   std::vector<uint8_t> mine;
-  for (int c = 1; c <= 5; ++c)
+  for (Collective c : kTunedCollectives)
     for (int b = 0; b < Tuner::kBuckets; ++b) {
-      Estimate e = tuner_->decided(Collective(c), b);
+      Estimate e = tuner_->decided(c, b);
       mine.push_back(uint8_t(e.algo));
       mine.push_back(uint8_t(e.inner));
     }
   all = boot.allGather(mine.data(), mine.size());
   size_t k = 0;
-  for (int c = 1; c <= 5; ++c)
-    for (int b = 0; b < Tuner::kBuckets; ++b, k += 2) tuner_->adopt(Collective(c), b, Algorithm(all[k]), Algorithm(all[k + 1]));
+  for (Collective c : kTunedCollectives)
+    for (int b = 0; b < Tuner::kBuckets; ++b, k += 2) tuner_->adopt(c, b, Algorithm(all[k]), Algorithm(all[k + 1]));
   if (rank_ == 0)
-    for (int c = 1; c <= 5; ++c)
-      LOOM_INFO("TUNE", "%s: %s (cost model, %s)", collectiveName(Collective(c)),
-                tuner_->describeDecisions(Collective(c)).c_str(), tuner_->params().source.c_str());
+    for (Collective c : kTunedCollectives)
+      LOOM_INFO("TUNE", "%s: %s (cost model, %s)", collectiveName(c), tuner_->describeDecisions(c).c_str(),
+                tuner_->params().source.c_str());
 }
 
 const char* loomComm::transportTo(int peer) const {
@@ -381,14 +381,8 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
         else p2pSchedule(op, int(i), &sched);
       } else {
         Plan plan = tuner_->choose(op, nranks_, limits_);
-        if (plan.algo == Algorithm::HalvingDoubling)
-          halvingDoublingSchedule(op, int(i), rank_, nranks_, plan, &sched);
-        else if (plan.algo == Algorithm::Tree)
-          doubleBinaryTreeSchedule(op, int(i), rank_, nranks_, plan, &sched);
-        else if (plan.algo == Algorithm::Hierarchical)
-          hierarchicalSchedule(op, int(i), rank_, topology_.hostOfRanks(), plan, &sched);
-        else  // the direct paths run alone; inside a group the ring serves
-          ringSchedule(op, int(i), rank_, nranks_, plan, &sched);
+        // The direct paths run alone; inside a group the ring serves.
+        buildSchedule(op, int(i), rank_, nranks_, topology_.hostOfRanks(), plan, &sched);
       }
     }
     if (selfSends.size() != selfRecvs.size())

@@ -47,8 +47,8 @@ const std::vector<ConfigVar>& configTable() {
        "bytes per ring chunk (a loop covers nranks chunks); 0: 128 KiB; capped at (slots-1) x slot bytes"},
       {"LOOM_NCHANNELS", "int", "0 (tuner)", "parallel channels (lanes) per collective"},
       {"LOOM_ALGO", "string", "(tuner)",
-       "force an algorithm (ring, oneshot, staged, rhd, tree, hier, hier-ring, hier-rhd, hier-tree), globally or "
-       "per collective (allreduce:tree,allgather:ring); hier-X: hierarchical with X between hosts"},
+       "force an algorithm (the names loom-topo --algorithms lists), globally or per collective "
+       "(allreduce:tree,allgather:ring); hier-X: hierarchical with X between hosts"},
       {"LOOM_TUNING_FILE", "path", "-",
        "cost-model parameters (key = value lines, as written by loom-topo --calibrate) replacing the built-in ones"},
       {"LOOM_CHECK_MODE", "on|off", "on",

@@ -2,19 +2,23 @@
 // here in one place, as data that LOOM_ALGO / LOOM_CHUNK_SIZE /
 // LOOM_NCHANNELS override and that tools can print.
 //
-// Today's table:
-//   one-shot  all ranks share memory and each rank's block is at most
-//             LOOM_SHM_SMALL_BYTES: one round through shared-memory
-//             mailboxes (latency ~ one cache-line transfer)
-//   staged    all-reduce when all ranks share memory and the block is larger:
-//             every rank copies a chunk into its staging buffer, reduces its
-//             1/N of all staging buffers, then gathers the other parts; two
-//             synchronisations per chunk whatever N is (the ring has 2(N-1)),
-//             which matters most when ranks outnumber cores
-//   ring      everything else (bandwidth-optimal over point-to-point links)
+// The candidates are the algorithm registry's entries (algorithms/registry.h):
+// each says which collectives it serves, when it can run and what it costs.
+// Given the communicator's shape, the alpha-beta cost model
+// (src/tuner/cost_model.h) estimates every eligible entry for each collective
+// and power-of-two size bucket once, and the cheapest is the decision; rank
+// 0's decisions are adopted by every rank.  Per operation the tuner only
+// looks up the bucket's decision and checks the direct paths' limits against
+// the real block size.  LOOM_ALGO, globally or per collective, replaces the
+// model's choice by any registry name ("hier-<inner>" for the hierarchical
+// algorithm over an inner one); a name that cannot serve an operation falls
+// back to the ring with a one-time warning that says why.  Without a shape
+// (the communicator has not given one) the first direct path that can run
+// serves, else the ring.
 #pragma once
 #include <string>
 
+#include "algorithms/registry.h"
 #include "algorithms/schedule.h"
 #include "src/core/config.h"
 #include "src/tuner/cost_model.h"
@@ -35,7 +39,7 @@ class Tuner {
   explicit Tuner(const Config& cfg);
   // Gives the cost model the communicator's shape (hosts, NUMA, transports,
   // direct-path limits) and decides every (collective, size bucket) once.
-  // Without a shape the fixed table above decides.
+  // Without a shape the fallback above decides.
   void setShape(const CommShape& shape);
   Plan choose(const OpDesc& op, int nranks, const TunerLimits& limits) const;
   // The model's estimates for one (collective, bytes) on the shape.
@@ -56,13 +60,17 @@ class Tuner {
   static int bucketOf(size_t bytes);
 
  private:
-  std::string forced_[7];  // per Collective value, "" = not forced
+  struct Forced {
+    std::string name;  // as LOOM_ALGO spells it; "" = not forced
+    AlgorithmChoice choice;
+  };
+  Forced forced_[kCollectiveValues];
   int channels_;
   size_t chunkBytes_;
   CostParams params_;
   CommShape shape_;
   bool haveShape_ = false;
-  Estimate decided_[7][kBuckets];  // per Collective value and size bucket
+  Estimate decided_[kCollectiveValues][kBuckets];  // per Collective value and size bucket
 };
 
 }  // namespace loom
