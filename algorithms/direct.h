@@ -100,6 +100,15 @@ void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag);
 // algorithms/staged.cc: all-reduce of any size, in chunks of stageBytes.
 void stagedRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag);
 
+// Their registry entries' rules and costs (algorithms/registry.cc).
+struct Eligibility;
+struct CostInput;
+struct Estimate;
+const char* oneShotEligible(const Eligibility& q);
+void oneShotEstimate(const CostInput& in, std::vector<Estimate>* out);
+const char* stagedEligible(const Eligibility& q);
+void stagedEstimate(const CostInput& in, std::vector<Estimate>* out);
+
 // For a rank waiting on the executor path: throws loomInvalidUsage if
 // `peer` visibly runs another operation than `mine` on a direct path.
 void directCheckStalled(const DirectContext& ctx, int peer, const SlotTag& mine);

@@ -11,9 +11,27 @@
 #include <cstring>
 
 #include "algorithms/direct.h"
+#include "algorithms/registry.h"
 #include "src/device/host_reduce.h"
 
 namespace loom {
+
+// At run time the communicator's limits are zero unless every rank shares
+// peer memory; the cost model sees the shape instead.
+const char* oneShotEligible(const Eligibility& q) {
+  if (!q.allShm) return "it needs every rank to share memory";
+  if (!q.oneShotBytes || q.block > double(q.oneShotBytes)) return "it needs blocks of at most LOOM_SHM_SMALL_BYTES";
+  return nullptr;
+}
+
+// One-shot: every rank reads every other rank's block from its mailbox.
+void oneShotEstimate(const CostInput& in, std::vector<Estimate>* out) {
+  const double n = in.n, block = in.block;
+  double us = in.p.oneShotUs + 1.5 * in.osUs + xfer((n - 1) * block, in.lp(CostLink::Shm).betaGBps) +
+              (in.reducing ? in.reduce((n - 1) * block) : 0);
+  out->push_back(Estimate{Algorithm::OneShot, Algorithm::Ring, us, ""});
+}
+
 
 void directCheckStalled(const DirectContext& ctx, int peer, const SlotTag& mine) {
   DirectMailbox* mb = ctx.win(ctx.rank).mailbox(peer, int(mine.seq & 1));

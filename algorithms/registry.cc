@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "algorithms/algorithms.h"
+#include "algorithms/direct.h"
 #include "src/core/error.h"
 
 namespace loom {
@@ -19,43 +20,6 @@ constexpr CollectiveSet kReduceScatterGather = collectiveBit(Collective::AllRedu
 constexpr CollectiveSet kRootedAndAllReduce = collectiveBit(Collective::AllReduce) |
                                               collectiveBit(Collective::Broadcast) |
                                               collectiveBit(Collective::Reduce);
-
-// The direct paths' rules and costs (their code is src/core/comm_oneshot.cc
-// and comm_staged.cc).  At run time the communicator's limits are zero unless
-// every rank shares memory; the cost model sees the shape instead.
-const char* oneShotEligible(const Eligibility& q) {
-  if (!q.allShm) return "it needs every rank to share memory";
-  if (!q.oneShotBytes || q.block > double(q.oneShotBytes)) return "it needs blocks of at most LOOM_SHM_SMALL_BYTES";
-  return nullptr;
-}
-
-const char* stagedEligible(const Eligibility& q) {
-  if (!q.allShm) return "it needs every rank to share memory";
-  if (!q.stageBytes) return "it needs LOOM_SHM_STAGE_BYTES above 0";
-  return nullptr;
-}
-
-// One-shot: every rank reads every other rank's block from its mailbox.
-void oneShotEstimate(const CostInput& in, std::vector<Estimate>* out) {
-  const double n = in.n, block = in.block;
-  double us = in.p.oneShotUs + 1.5 * in.osUs + xfer((n - 1) * block, in.lp(CostLink::Shm).betaGBps) +
-              (in.reducing ? in.reduce((n - 1) * block) : 0);
-  out->push_back(Estimate{Algorithm::OneShot, Algorithm::Ring, us, ""});
-}
-
-// Staged (all-reduce): per stage three waits for all ranks; each rank
-// copies S into its stage, reads S to reduce its S/N and copies S out.
-// Counted in slot-transfer equivalents (a ring byte is written into a slot
-// and read out of it): about (1 + 0.5/N) x S, since the stage copies move
-// whole chunks with streaming stores and the reduction reads in place.
-// Fit: 3373 us measured for 16 MiB at N=4, 3426 predicted.
-void stagedEstimate(const CostInput& in, std::vector<Estimate>* out) {
-  const double S = in.S, n = in.n;
-  double stages = std::ceil(S / double(in.s.stageBytes));
-  double us = stages * 3 * in.alpha(CostLink::Shm) + xfer((1.0 + 0.5 / n) * S, in.lp(CostLink::Shm).betaGBps) +
-              in.reduce((n - 1) / n * S);
-  out->push_back(Estimate{Algorithm::Staged, Algorithm::Ring, us, ""});
-}
 
 // The flat builders ignore hostOf.
 void buildRing(const OpDesc& op, int opIndex, int rank, int nranks, const std::vector<int>&, const Plan& plan,
@@ -78,14 +42,14 @@ void buildHierarchical(const OpDesc& op, int opIndex, int rank, int, const std::
 std::vector<AlgorithmEntry> makeRegistry() {
   std::vector<AlgorithmEntry> t(6);
   AlgorithmEntry* e = t.data();
-  *e++ = {"oneshot", Algorithm::OneShot, kTuned, oneShotEligible, oneShotEstimate, nullptr, nullptr, true, nullptr,
+  *e++ = {"oneshot", Algorithm::OneShot, kTuned, oneShotEligible, oneShotEstimate, nullptr, nullptr, true, oneShotRun,
           "every collective, when every rank shares memory and a rank's block is at most `LOOM_SHM_SMALL_BYTES` "
           "(16 KiB)",
-          "each rank writes its block into a mailbox in each reader's shared inbox and reads the blocks addressed "
+          "each rank writes its block into a mailbox in each reader's peer-memory window and reads the blocks addressed "
           "to it; no lock, no system call unless a rank sleeps",
           "1 round"};
   *e++ = {"staged", Algorithm::Staged, kAllReduceOnly, stagedEligible, stagedEstimate, nullptr, nullptr, true,
-          nullptr, "all-reduce when every rank shares memory",
+          stagedRun, "all-reduce when every rank shares memory",
           "chunks of `LOOM_SHM_STAGE_BYTES`: copy into my staging buffer, reduce my 1/N of all staging buffers, "
           "copy the other parts out",
           "2 synchronisations per chunk whatever N is"};

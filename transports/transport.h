@@ -188,6 +188,14 @@ class Transport {
   // Whether a user buffer of `kind` can be handed to this transport.  Host
   // transports move host memory only; a device pointer must be refused.
   virtual bool serves(MemoryKind kind) const { return kind == MemoryKind::Host; }
+  // Registers a user buffer for zero-copy use (verbs: a memory region; UCX:
+  // ucp_mem_map) and returns the handle, released when the last copy goes.
+  // nullptr: this transport needs no registration for that memory (shm and
+  // tcp copy host memory through their slots).
+  virtual std::shared_ptr<void> registerBuffer(void* ptr, size_t bytes, MemoryKind kind) {
+    (void)ptr, (void)bytes, (void)kind;
+    return nullptr;
+  }
 };
 
 // ---- the registry (transports/registry.cc) ----

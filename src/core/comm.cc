@@ -317,8 +317,7 @@ DirectContext loomComm::directContext() {
 
 void loomComm::runDirect(Algorithm algo, const OpDesc& op, const SlotTag& tag) {
   DirectContext ctx = directContext();
-  if (algo == Algorithm::OneShot) oneShotRun(ctx, op, tag);
-  else stagedRun(ctx, op, tag);
+  algorithmEntry(algo).runDirect(ctx, op, tag);
 }
 
 loomResult_t loomComm::runOne(const OpDesc& op, const SlotTag& tag) {
@@ -362,8 +361,9 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
     std::vector<ExecOp> eops;
     Schedule sched;
     std::vector<size_t> selfSends, selfRecvs;
-    if (ops.size() == 1 && isDirect(choose(ops[0]))) {
-      runDirect(choose(ops[0]), ops[0], tags[0]);
+    Algorithm alone = ops.size() == 1 ? choose(ops[0]) : Algorithm::Ring;
+    if (isDirect(alone)) {
+      runDirect(alone, ops[0], tags[0]);
       return loomSuccess;
     }
     for (size_t i = 0; i < ops.size(); ++i) {

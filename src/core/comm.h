@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "algorithms/direct.h"
+#include "algorithms/registry.h"
 #include "algorithms/schedule.h"
 #include "loom.h"
 #include "src/core/bootstrap.h"
@@ -67,8 +68,8 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
   uint64_t issueOne(const loom::OpDesc& op, loom::SlotTag* tag);
   // The tuner's algorithm for op run on its own.
   loom::Algorithm choose(const loom::OpDesc& op) const;
-  // The shared-memory direct paths run without the executor.
-  static bool isDirect(loom::Algorithm a) { return a == loom::Algorithm::OneShot || a == loom::Algorithm::Staged; }
+  // The direct paths (algorithms/direct.h) run without the executor.
+  static bool isDirect(loom::Algorithm a) { return loom::algorithmEntry(a).direct; }
   // Runs one operation inside its turn.
   loomResult_t runOne(const loom::OpDesc& op, const loom::SlotTag& tag);
 
