@@ -8,7 +8,7 @@ syms="$(nm -D --defined-only "$LIB" | awk '{print $NF}')"
 echo "$(echo "$syms" | wc -l) defined dynamic symbols in $LIB:"
 echo "$syms" | tr '\n' ' '
 echo
-leaked="$(echo "$syms" | grep -v '^loom[A-Z]' || true)"
+leaked="$(grep -v "^loom[A-Z]" <<<"$syms" || true)"
 if [ -n "$leaked" ]; then
   echo "FAILED: exported but not part of the C API:"
   echo "$leaked" | head -50
@@ -16,7 +16,7 @@ if [ -n "$leaked" ]; then
 fi
 missing=""
 for f in $(sed -n 's/^LOOM_API [^(]* \**\(loom[A-Za-z]*\)(.*/\1/p' "$(dirname "$0")/../include/loom.h"); do
-  echo "$syms" | grep -qx "$f" || missing="$missing $f"
+  grep -qx "$f" <<<"$syms" || missing="$missing $f"
 done
 if [ -n "$missing" ]; then
   echo "FAILED: declared LOOM_API in loom.h but not exported:$missing"
