@@ -30,6 +30,14 @@ extern "C" {
 /* LOOM_VERSION_CODE == loomGetVersion() of the library this header belongs to. */
 #define LOOM_VERSION_CODE (LOOM_MAJOR * 10000 + LOOM_MINOR * 100 + LOOM_PATCH)
 
+/* Marks the functions libloom.so exports: the library is built with hidden
+ * visibility, so these are its only symbols (cmake/libloom.map agrees). */
+#if defined(__GNUC__)
+#define LOOM_API __attribute__((visibility("default")))
+#else
+#define LOOM_API
+#endif
+
 /* Result codes.  Numbering follows NCCL's where both have the code. */
 typedef enum {
   loomSuccess = 0,
@@ -94,17 +102,17 @@ typedef struct loomStream* loomStream_t;
 
 /* Stores LOOM_VERSION_CODE of the library in *version.
  * Returns loomInvalidArgument if version is NULL. */
-loomResult_t loomGetVersion(int* version);
+LOOM_API loomResult_t loomGetVersion(int* version);
 
 /* A static, human-readable name for a result code ("invalid argument", ...).
  * Never returns NULL. */
-const char* loomGetErrorString(loomResult_t result);
+LOOM_API const char* loomGetErrorString(loomResult_t result);
 
 /* The message of the last error seen by this thread, or if comm is non-NULL,
  * the last error recorded on comm (naming the call, the rank and the cause).
  * Returns "" when there was none.  The string stays valid until the next loom
  * call on the same thread or communicator. */
-const char* loomGetLastError(loomComm_t comm);
+LOOM_API const char* loomGetLastError(loomComm_t comm);
 
 /* ---- Communicators ----------------------------------------------------- */
 
@@ -114,14 +122,14 @@ const char* loomGetLastError(loomComm_t comm);
  * 128-bit random secret: a connection that does not present the secret is
  * dropped.  Returns loomInvalidArgument on NULL, loomSystemError if no socket
  * can be opened. */
-loomResult_t loomGetUniqueId(loomUniqueId* uniqueId);
+LOOM_API loomResult_t loomGetUniqueId(loomUniqueId* uniqueId);
 
 /* Creates a communicator of nranks ranks in which the caller is `rank`.
  * Every rank calls it with the same id and nranks; it blocks until all ranks
  * have joined (or LOOM_TIMEOUT_MS passes: loomTimeout).  Returns
  * loomInvalidArgument for a NULL comm, nranks < 1 or rank out of
  * [0, nranks). */
-loomResult_t loomCommInitRank(loomComm_t* comm, int nranks, loomUniqueId commId, int rank);
+LOOM_API loomResult_t loomCommInitRank(loomComm_t* comm, int nranks, loomUniqueId commId, int rank);
 
 /* Creates a communicator from launcher environment variables, in this order
  * of preference:
@@ -135,32 +143,32 @@ loomResult_t loomCommInitRank(loomComm_t* comm, int nranks, loomUniqueId commId,
  * MASTER_ADDR/MASTER_PORT, or 127.0.0.1:29500 + 1 when all ranks are local.
  * Rank 0 opens the listener.  Returns loomInvalidArgument when no launcher's
  * variables are present or they are inconsistent. */
-loomResult_t loomCommInitFromEnv(loomComm_t* comm);
+LOOM_API loomResult_t loomCommInitFromEnv(loomComm_t* comm);
 
 /* Creates communicators by splitting comm: ranks passing the same color end
  * up in one new communicator, ordered by key (ties: by rank in comm).  Every
  * rank of comm must call it.  color < 0 (LOOM_SPLIT_NOCOLOR) gives
  * *newcomm = NULL.  Returns loomInvalidArgument on NULL arguments. */
 #define LOOM_SPLIT_NOCOLOR (-1)
-loomResult_t loomCommSplit(loomComm_t comm, int color, int key, loomComm_t* newcomm);
+LOOM_API loomResult_t loomCommSplit(loomComm_t comm, int color, int key, loomComm_t* newcomm);
 
 /* Waits for the communicator's pending operations, then frees it.  A
  * communicator that failed is freed without waiting.  NULL is a no-op. */
-loomResult_t loomCommDestroy(loomComm_t comm);
+LOOM_API loomResult_t loomCommDestroy(loomComm_t comm);
 
 /* Frees the communicator at once: pending operations fail with
  * loomRemoteError on this rank; peers see the connection close and fail
  * too.  Never blocks on peers.  NULL is a no-op. */
-loomResult_t loomCommAbort(loomComm_t comm);
+LOOM_API loomResult_t loomCommAbort(loomComm_t comm);
 
 /* Number of ranks / this rank's index.  loomInvalidArgument on NULL. */
-loomResult_t loomCommCount(const loomComm_t comm, int* count);
-loomResult_t loomCommUserRank(const loomComm_t comm, int* rank);
+LOOM_API loomResult_t loomCommCount(const loomComm_t comm, int* count);
+LOOM_API loomResult_t loomCommUserRank(const loomComm_t comm, int* rank);
 
 /* Stores in *asyncError the error that failed the communicator in the
  * background (loomSuccess when none).  Once a communicator has failed every
  * later call on it returns that error; destroy or abort it. */
-loomResult_t loomCommGetAsyncError(loomComm_t comm, loomResult_t* asyncError);
+LOOM_API loomResult_t loomCommGetAsyncError(loomComm_t comm, loomResult_t* asyncError);
 
 /* Describes what this rank of comm is doing, for debugging a hang: the
  * operations issued and completed, the one running now (collective, sequence
@@ -170,7 +178,7 @@ loomResult_t loomCommGetAsyncError(loomComm_t comm, loomResult_t* asyncError);
  * stderr.  Safe to call from another thread while an operation hangs.
  * LOOM_DUMP_SIGNAL=N prints the same for every communicator of the process
  * when signal N arrives.  loomInvalidArgument on a NULL comm. */
-loomResult_t loomCommDump(loomComm_t comm, char* buf, size_t size);
+LOOM_API loomResult_t loomCommDump(loomComm_t comm, char* buf, size_t size);
 
 /* ---- Collectives ------------------------------------------------------- */
 /* All collectives are enqueued on `stream` and return before they complete
@@ -182,64 +190,64 @@ loomResult_t loomCommDump(loomComm_t comm, char* buf, size_t size);
  * nothing.  Ranks that call different operations get loomInvalidUsage. */
 
 /* recvbuff[i] = op over ranks of sendbuff[i], i < count, on every rank. */
-loomResult_t loomAllReduce(const void* sendbuff, void* recvbuff, size_t count,
-                           loomDataType_t datatype, loomRedOp_t op, loomComm_t comm,
-                           loomStream_t stream);
+LOOM_API loomResult_t loomAllReduce(const void* sendbuff, void* recvbuff, size_t count,
+                                    loomDataType_t datatype, loomRedOp_t op, loomComm_t comm,
+                                    loomStream_t stream);
 
 /* sendbuff has nranks*recvcount elements; rank r receives block r of the
  * reduction. */
-loomResult_t loomReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
-                               loomDataType_t datatype, loomRedOp_t op, loomComm_t comm,
-                               loomStream_t stream);
+LOOM_API loomResult_t loomReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
+                                        loomDataType_t datatype, loomRedOp_t op, loomComm_t comm,
+                                        loomStream_t stream);
 
 /* recvbuff has nranks*sendcount elements; block r comes from rank r. */
-loomResult_t loomAllGather(const void* sendbuff, void* recvbuff, size_t sendcount,
-                           loomDataType_t datatype, loomComm_t comm, loomStream_t stream);
+LOOM_API loomResult_t loomAllGather(const void* sendbuff, void* recvbuff, size_t sendcount,
+                                    loomDataType_t datatype, loomComm_t comm, loomStream_t stream);
 
 /* Copies root's sendbuff into every rank's recvbuff.  sendbuff is only read
  * on root. */
-loomResult_t loomBroadcast(const void* sendbuff, void* recvbuff, size_t count,
-                           loomDataType_t datatype, int root, loomComm_t comm,
-                           loomStream_t stream);
+LOOM_API loomResult_t loomBroadcast(const void* sendbuff, void* recvbuff, size_t count,
+                                    loomDataType_t datatype, int root, loomComm_t comm,
+                                    loomStream_t stream);
 
 /* Reduces every rank's sendbuff into root's recvbuff (recvbuff is only written
  * on root and may be NULL elsewhere). */
-loomResult_t loomReduce(const void* sendbuff, void* recvbuff, size_t count,
-                        loomDataType_t datatype, loomRedOp_t op, int root, loomComm_t comm,
-                        loomStream_t stream);
+LOOM_API loomResult_t loomReduce(const void* sendbuff, void* recvbuff, size_t count,
+                                 loomDataType_t datatype, loomRedOp_t op, int root, loomComm_t comm,
+                                 loomStream_t stream);
 
 /* Point to point.  A send must be matched by a recv of the same count and
  * datatype on the peer; several sends/recvs between a pair match in order.
  * Put a send and a recv that depend on each other in one group. */
-loomResult_t loomSend(const void* sendbuff, size_t count, loomDataType_t datatype, int peer,
-                      loomComm_t comm, loomStream_t stream);
-loomResult_t loomRecv(void* recvbuff, size_t count, loomDataType_t datatype, int peer,
-                      loomComm_t comm, loomStream_t stream);
+LOOM_API loomResult_t loomSend(const void* sendbuff, size_t count, loomDataType_t datatype, int peer,
+                               loomComm_t comm, loomStream_t stream);
+LOOM_API loomResult_t loomRecv(void* recvbuff, size_t count, loomDataType_t datatype, int peer,
+                               loomComm_t comm, loomStream_t stream);
 
 /* Group calls: operations issued between loomGroupStart and loomGroupEnd
  * (on this thread) are started together at loomGroupEnd, as one operation,
  * so that e.g. a send and a recv between two ranks cannot deadlock.  Groups
  * nest; the outermost loomGroupEnd launches.  All operations of a group must
  * use one communicator and one stream (loomInvalidUsage otherwise). */
-loomResult_t loomGroupStart(void);
-loomResult_t loomGroupEnd(void);
+LOOM_API loomResult_t loomGroupStart(void);
+LOOM_API loomResult_t loomGroupEnd(void);
 
 /* ---- Host streams ------------------------------------------------------ */
 
 /* Creates a host stream: operations issued on it run one after another in
  * issue order on a worker thread. */
-loomResult_t loomStreamCreate(loomStream_t* stream);
+LOOM_API loomResult_t loomStreamCreate(loomStream_t* stream);
 
 /* Waits for the stream's operations, then frees it.  NULL is a no-op. */
-loomResult_t loomStreamDestroy(loomStream_t stream);
+LOOM_API loomResult_t loomStreamDestroy(loomStream_t stream);
 
 /* Waits until every operation issued on the stream has completed.  Returns
  * the first error any of them returned since the last synchronize. */
-loomResult_t loomStreamSynchronize(loomStream_t stream);
+LOOM_API loomResult_t loomStreamSynchronize(loomStream_t stream);
 
 /* loomSuccess if every operation on the stream has completed, loomInProgress
  * if some have not, or the error of a failed one. */
-loomResult_t loomStreamQuery(loomStream_t stream);
+LOOM_API loomResult_t loomStreamQuery(loomStream_t stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -1,6 +1,15 @@
 #!/usr/bin/env bash
 # Installs the Debian packages loom needs to build and test, if missing.
 # Safe to run again: it only calls apt-get when something is absent.
+#
+# What it costs on a fresh Debian 12 (bookworm, amd64): 489 packages, 0.46 GiB
+# to download, 1.92 GiB installed.  The largest: libtorch1.13 (128 MiB),
+# libllvm15 and libllvm14 (about 110 MiB each), gcc-12 and its aarch64 twin
+# (about 65 MiB each); the aarch64 cross compiler with what it alone pulls
+# in is 0.2 GiB.  Measured by resolving PACKAGES against an empty dpkg
+# status (apt-get -s -o Dir::State::status=EMPTY_FILE install
+# --no-install-recommends ...), dropping what Debian's "required" packages
+# pull in anyway, and summing apt-cache show's Installed-Size and Size.
 set -euo pipefail
 
 PACKAGES=(
@@ -14,6 +23,7 @@ PACKAGES=(
   zlib1g-dev dataset-fashion-mnist   # the reference trainer (gzip'd IDX files, its dataset)
   python3-torch libtorch-dev pybind11-dev  # loom_torch (python/): the torch.distributed backend
   clang libclang-rt-14-dev           # libFuzzer targets (scripts/fuzz.sh)
+  g++-aarch64-linux-gnu              # the aarch64 cross build (scripts/cross-aarch64.sh)
 )
 
 missing=()

@@ -1,15 +1,70 @@
 // Shared by the multi-process test worker and loom-perf-style checks:
 // deterministic inputs whose reduction is exact in any order, and the
-// expected results computed independently of loom.
+// expected results computed independently of loom.  Uses loom's C API only
+// (mp-worker links libloom.so as applications do, and that exports nothing
+// else), so the element sizes, names and float16/bfloat16 rounding are its own.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 #include "loom.h"
-#include "src/device/host_reduce.h"
 
 namespace loomtest {
+
+inline size_t typeSize(loomDataType_t t) {
+  switch (t) {
+    case loomInt8:
+    case loomUint8: return 1;
+    case loomFloat16:
+    case loomBfloat16: return 2;
+    case loomInt32:
+    case loomUint32:
+    case loomFloat32: return 4;
+    case loomInt64:
+    case loomUint64:
+    case loomFloat64: return 8;
+    default: return 0;
+  }
+}
+
+inline const char* typeName(loomDataType_t t) {
+  static const char* const kNames[loomNumTypes] = {"int8",  "uint8",   "int32",   "uint32",  "int64",
+                                                   "uint64", "float16", "float32", "float64", "bfloat16"};
+  return unsigned(t) < unsigned(loomNumTypes) ? kNames[t] : "?";
+}
+
+inline const char* opName(loomRedOp_t op) {
+  static const char* const kNames[loomNumOps] = {"sum", "prod", "max", "min", "avg"};
+  return unsigned(op) < unsigned(loomNumOps) ? kNames[op] : "?";
+}
+
+// float -> IEEE half, round to nearest even (as loom.h promises), written
+// the plain way rather than as loom's branch-free kernel.
+inline uint16_t halfOf(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7e00u;   // NaN
+  if (a >= 0x477ff000u) return sign | 0x7c00u;  // 65520 and up round to inf
+  if (a < 0x38800000u)                           // below 2^-14: a multiple of 2^-24
+    return sign | uint16_t(std::nearbyint(std::fabs(f) * 16777216.0f));
+  uint32_t h = ((a >> 23) - 112u) << 10 | ((a >> 13) & 0x3ffu), rest = a & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;  // a carry bumps the exponent
+  return uint16_t(sign | h);
+}
+
+// float -> bfloat16 (the top half of a float), round to nearest even.
+inline uint16_t bf16Of(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);  // quiet NaN
+  uint32_t h = u >> 16, rest = u & 0xffffu;
+  if (rest > 0x8000u || (rest == 0x8000u && (h & 1u))) ++h;
+  return uint16_t(h);
+}
 
 inline bool isSigned(loomDataType_t t) {
   return t == loomInt8 || t == loomInt32 || t == loomInt64 || t == loomFloat16 ||
@@ -48,8 +103,8 @@ inline void store(void* buf, loomDataType_t t, size_t i, int64_t v) {
     case loomUint32: static_cast<uint32_t*>(buf)[i] = uint32_t(v); break;
     case loomInt64: static_cast<int64_t*>(buf)[i] = v; break;
     case loomUint64: static_cast<uint64_t*>(buf)[i] = uint64_t(v); break;
-    case loomFloat16: static_cast<uint16_t*>(buf)[i] = loom::floatToHalf(float(v)); break;
-    case loomBfloat16: static_cast<uint16_t*>(buf)[i] = loom::floatToBf16(float(v)); break;
+    case loomFloat16: static_cast<uint16_t*>(buf)[i] = halfOf(float(v)); break;
+    case loomBfloat16: static_cast<uint16_t*>(buf)[i] = bf16Of(float(v)); break;
     case loomFloat32: static_cast<float*>(buf)[i] = float(v); break;
     case loomFloat64: static_cast<double*>(buf)[i] = double(v); break;
     default: break;
@@ -59,8 +114,8 @@ inline void store(void* buf, loomDataType_t t, size_t i, int64_t v) {
 // Stores the expected avg result: sum / n as loom defines it per type.
 inline void storeAvg(void* buf, loomDataType_t t, size_t i, int64_t sum, int n) {
   switch (t) {
-    case loomFloat16: static_cast<uint16_t*>(buf)[i] = loom::floatToHalf(float(sum) / float(n)); break;
-    case loomBfloat16: static_cast<uint16_t*>(buf)[i] = loom::floatToBf16(float(sum) / float(n)); break;
+    case loomFloat16: static_cast<uint16_t*>(buf)[i] = halfOf(float(sum) / float(n)); break;
+    case loomBfloat16: static_cast<uint16_t*>(buf)[i] = bf16Of(float(sum) / float(n)); break;
     case loomFloat32: static_cast<float*>(buf)[i] = float(sum) / float(n); break;
     case loomFloat64: static_cast<double*>(buf)[i] = double(sum) / double(n); break;
     case loomUint8: store(buf, t, i, int64_t(uint8_t(sum)) / n); break;
@@ -94,7 +149,7 @@ inline void storeExpected(void* buf, loomRedOp_t op, loomDataType_t t, int n, si
 
 // Number of elements whose bytes differ.
 inline size_t countWrong(const void* got, const void* want, size_t count, loomDataType_t t) {
-  size_t esz = loom::dtypeSize(t), wrong = 0;
+  size_t esz = typeSize(t), wrong = 0;
   const char* a = static_cast<const char*>(got);
   const char* b = static_cast<const char*>(want);
   for (size_t i = 0; i < count; ++i) wrong += memcmp(a + i * esz, b + i * esz, esz) != 0;

@@ -72,7 +72,7 @@ static const char* kCollNames[] = {"allreduce", "reducescatter", "allgather", "b
 // Runs one collective and checks it exactly.  Returns false on a loom error.
 static void runChecked(loomComm_t comm, loomStream_t stream, Coll coll, loomDataType_t t, loomRedOp_t op,
                        size_t count, bool inPlace, int root) {
-  size_t esz = loom::dtypeSize(t);
+  size_t esz = typeSize(t);
   int n = gSize, me = gRank;
   size_t sendCount = coll == RS ? count * size_t(n) : count;
   size_t recvCount = coll == AG ? count * size_t(n) : count;
@@ -98,7 +98,7 @@ static void runChecked(loomComm_t comm, loomStream_t stream, Coll coll, loomData
     case RED: r = loomReduce(send, recv, count, t, op, root, comm, stream); break;
   }
   if (r == loomSuccess && stream) r = loomStreamSynchronize(stream);
-  std::string what = std::string(kCollNames[coll]) + " " + loom::dtypeName(t) + " " + loom::redOpName(op) +
+  std::string what = std::string(kCollNames[coll]) + " " + typeName(t) + " " + opName(op) +
                      " count " + std::to_string(count) + (inPlace ? " in-place" : " out-of-place") +
                      " root " + std::to_string(root);
   if (r != loomSuccess) {

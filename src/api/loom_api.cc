@@ -11,6 +11,7 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "algorithms/algorithms.h"
@@ -266,9 +267,19 @@ loomResult_t loomCommInitRank(loomComm_t* comm, int nranks, loomUniqueId commId,
 
 namespace {
 
+// A launcher's variable: loom's own (LOOM_RANK, ...) from config(), others'
+// (RANK, OMPI_COMM_WORLD_RANK, ...) through foreignEnv.  nullptr when unset.
 const char* env(const char* name) {
-  const char* v = getenv(name);
-  return (v && *v) ? v : nullptr;
+  static const std::pair<const char*, std::string Config::*> kOwn[] = {
+      {"LOOM_RANK", &Config::rank},          {"LOOM_WORLD_SIZE", &Config::worldSize},
+      {"LOOM_ROOT_ADDR", &Config::rootAddr}, {"LOOM_ROOT_PORT", &Config::rootPort},
+      {"LOOM_SECRET", &Config::secret}};
+  for (const auto& [own, field] : kOwn)
+    if (strcmp(name, own) == 0) {
+      const std::string& v = config().*field;  // a Config outlives every reader
+      return v.empty() ? nullptr : v.c_str();
+    }
+  return foreignEnv(name);
 }
 
 int envRank(const char* name) {

@@ -14,6 +14,17 @@
 
 namespace loom {
 
+// The spin-wait hint of the CPU: tells it this is a wait loop, so it can
+// give the core's other hardware thread the pipeline and save power.
+inline void cpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__) || defined(__arm__)
+  asm volatile("yield" ::: "memory");
+#endif
+  // Elsewhere no hint: the caller's loop still re-reads its clock each round.
+}
+
 class Backoff {
  public:
   Backoff(int64_t spinUs, bool yield) : spinNs_(spinUs * 1000), yield_(yield) {}
@@ -25,7 +36,7 @@ class Backoff {
     if (start_ == 0) start_ = now;
     if (now - start_ >= spinNs_) return false;
     if (yield_ || now - start_ > kPauseOnlyNs) sched_yield();
-    else __builtin_ia32_pause();
+    else cpuRelax();
     return true;
   }
   // Nanoseconds since the wait began.

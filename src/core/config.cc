@@ -1,5 +1,6 @@
 #include "src/core/config.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -19,40 +20,49 @@ static const char* const kDefaultTransports = "shm,tcp";
 
 const std::vector<ConfigVar>& configTable() {
   static const std::vector<ConfigVar> table = {
-      {"LOOM_DEBUG", "NONE|WARN|INFO|TRACE", "WARN", "how much loom logs to stderr"},
+      {"LOOM_DEBUG", "NONE|WARN|INFO|TRACE", "WARN", "what loom logs to stderr"},
       {"LOOM_DEBUG_SUBSYS", "list", "ALL",
        "subsystems logged at INFO/TRACE: INIT,BOOT,NET,SHM,COLL,TUNE"},
       {"LOOM_TIMEOUT_MS", "int", "600000",
        "an operation or init that makes no progress for this long fails with loomTimeout"},
       {"LOOM_TRANSPORTS", "list", kDefaultTransports,
        "transports loom may use (shm: same host; ucx: any pair, builds with UCX only, preferred over "
-       "tcp when both are listed; tcp: any pair)"},
+       "tcp when both are listed; tcp: any pair); e.g. tcp forces tcp, shm,ucx uses UCX between hosts"},
       {"LOOM_UCX_TLS", "list", "(UCX_TLS)",
        "UCX transports for the ucx transport (passed to UCX as UCX_TLS, e.g. tcp or sm); unset: UCX_TLS / UCX's choice"},
       {"LOOM_SOCKET_IFNAME", "name", "(route to root)",
-       "network interface for bootstrap and tcp; default: the one that reaches the root"},
+       "network interface for bootstrap and tcp; default: loopback for ranks on one machine, else the one "
+       "that reaches the root"},
       {"LOOM_HOST_ID", "string", "(hostname+boot id)",
        "host identity; ranks with equal ids share a host (tests pose as several hosts)"},
       {"LOOM_TOPO_FILE", "path", "(this machine)",
-       "hwloc XML file read instead of this machine's topology (tests pose as other machines)"},
+       "hwloc XML file read instead of this machine's topology (tests pose as a 2-socket server or an "
+       "8-GPU box; loom-topo shows what loom sees)"},
       {"LOOM_SPIN_US", "int", "20",
-       "microseconds a waiting rank spins before it sleeps (futex / poll)"},
+       "microseconds a waiting rank spins before it sleeps (futex / poll); when a host runs more ranks "
+       "than cores the spin yields the CPU"},
       {"LOOM_SLOT_BYTES", "int", "65536", "bytes per slot of a connection (the slice size)"},
       {"LOOM_SLOTS", "int", "8", "slots per connection ring (pipelining depth)"},
       {"LOOM_SHM_SMALL_BYTES", "int", "16384",
        "per-rank blocks up to this size use the one-shot shared-memory path (0 = never)"},
       {"LOOM_SHM_STAGE_BYTES", "int", "262144",
        "staging buffer per rank for the staged shared-memory all-reduce (0 = never stage)"},
-      {"LOOM_CHUNK_SIZE", "int", "0 (tuner)",
-       "bytes per ring chunk (a loop covers nranks chunks); 0: 128 KiB; capped at (slots-1) x slot bytes"},
-      {"LOOM_NCHANNELS", "int", "0 (tuner)", "parallel channels (lanes) per collective"},
+      {"LOOM_CHUNK_SIZE", "int", "0 (128 KiB)",
+       "bytes per ring chunk (a ring loop covers nranks chunks); 0: the tuner's default, 128 KiB; capped "
+       "at (LOOM_SLOTS-1) x LOOM_SLOT_BYTES"},
+      {"LOOM_NCHANNELS", "int", "0 (1)",
+       "parallel channels (lanes) per collective, at most 4 (a communicator's connections); 0: the "
+       "tuner's default, 1"},
       {"LOOM_ALGO", "string", "(tuner)",
-       "force an algorithm (the names loom-topo --algorithms lists), globally or per collective "
+       "force an algorithm (the names loom-topo --algorithms lists; an unknown one is ignored with a warning, "
+       "one that cannot serve a collective falls back to the ring with a warning), globally or per collective "
        "(allreduce:tree,allgather:ring); hier-X: hierarchical with X between hosts"},
-      {"LOOM_TUNING_FILE", "path", "-",
-       "cost-model parameters (key = value lines, as written by loom-topo --calibrate) replacing the built-in ones"},
+      {"LOOM_TUNING_FILE", "path", "(built-in)",
+       "cost-model parameters (key = value lines, as written by loom-topo --calibrate) replacing the "
+       "built-in ones; rank 0's decisions are used by all ranks"},
       {"LOOM_CHECK_MODE", "on|off", "on",
-       "check that ranks call the same operation (sequence number + signature per slot); also 1|0"},
+       "check that ranks call the same operation (sequence number + signature per slot); also 1|0; "
+       "perf/check_mode_cost.sh measures its cost"},
       {"LOOM_DUMP_SIGNAL", "int", "0 (none)",
        "signal number (e.g. 10 = SIGUSR1) that makes loom print every communicator's pending operation to stderr"},
       {"LOOM_RANK", "int", "-", "this process's rank; set by loom-run, read by loomCommInitFromEnv"},
@@ -60,7 +70,7 @@ const std::vector<ConfigVar>& configTable() {
       {"LOOM_LOCAL_RANK", "int", "-", "rank within its host; set by loom-run for the program (loom does not read it)"},
       {"LOOM_LOCAL_SIZE", "int", "-", "ranks on its host; set by loom-run for the program (loom does not read it)"},
       {"LOOM_ROOT_ADDR", "host:port", "-", "bootstrap root for loomCommInitFromEnv"},
-      {"LOOM_ROOT_PORT", "int", "MASTER_PORT+1",
+      {"LOOM_ROOT_PORT", "int", "(MASTER_PORT+1)",
        "bootstrap port under torchrun/mpirun/srun when LOOM_ROOT_ADDR is unset"},
       {"LOOM_SECRET", "32 hex", "(derived from job id)",
        "bootstrap secret for loomCommInitFromEnv; loom-run sets a random one"},
@@ -102,15 +112,19 @@ static bool envBool(const char* name, bool dflt) {
   return dflt;
 }
 
+static std::string envStr(const char* name, const char* dflt = "") {
+  const char* v = env(name);
+  return v ? v : dflt;
+}
+
 static Config readConfig() {
   Config c;
-  c.debug = env("LOOM_DEBUG") ? env("LOOM_DEBUG") : "WARN";
-  c.debugSubsys = env("LOOM_DEBUG_SUBSYS") ? env("LOOM_DEBUG_SUBSYS") : "";
   c.timeoutMs = envInt("LOOM_TIMEOUT_MS", 600000, 1, int64_t(1) << 40);
-  c.transports = env("LOOM_TRANSPORTS") ? env("LOOM_TRANSPORTS") : kDefaultTransports;
-  c.ucxTls = env("LOOM_UCX_TLS") ? env("LOOM_UCX_TLS") : "";
-  c.socketIfname = env("LOOM_SOCKET_IFNAME") ? env("LOOM_SOCKET_IFNAME") : "";
-  c.hostId = env("LOOM_HOST_ID") ? env("LOOM_HOST_ID") : "";
+  c.transports = envStr("LOOM_TRANSPORTS", kDefaultTransports);
+  c.ucxTls = envStr("LOOM_UCX_TLS");
+  c.socketIfname = envStr("LOOM_SOCKET_IFNAME");
+  c.hostId = envStr("LOOM_HOST_ID");
+  c.topoFile = envStr("LOOM_TOPO_FILE");
   c.spinUs = envInt("LOOM_SPIN_US", 20, 0, 10000000);
   c.slotBytes = envInt("LOOM_SLOT_BYTES", 65536, 4096, 64 << 20) & ~int64_t(63);
   c.slots = envInt("LOOM_SLOTS", 8, 2, 1024);
@@ -118,11 +132,38 @@ static Config readConfig() {
   c.shmStageBytes = envInt("LOOM_SHM_STAGE_BYTES", 256 << 10, 0, 1 << 30) & ~int64_t(4095);
   c.chunkBytes = envInt("LOOM_CHUNK_SIZE", 0, 0, int64_t(1) << 40);
   c.channels = envInt("LOOM_NCHANNELS", 0, 0, 16);
-  c.algo = env("LOOM_ALGO") ? env("LOOM_ALGO") : "";
-  c.tuningFile = env("LOOM_TUNING_FILE") ? env("LOOM_TUNING_FILE") : "";
+  c.algo = envStr("LOOM_ALGO");
+  c.tuningFile = envStr("LOOM_TUNING_FILE");
   c.checkMode = envBool("LOOM_CHECK_MODE", true);
   c.dumpSignal = envInt("LOOM_DUMP_SIGNAL", 0, 0, 64);
+  c.rank = envStr("LOOM_RANK");
+  c.worldSize = envStr("LOOM_WORLD_SIZE");
+  c.rootAddr = envStr("LOOM_ROOT_ADDR");
+  c.rootPort = envStr("LOOM_ROOT_PORT");
+  c.secret = envStr("LOOM_SECRET");
   return c;
+}
+
+const LogConfig& logConfig() {
+  static const LogConfig c{envStr("LOOM_DEBUG", "WARN"), envStr("LOOM_DEBUG_SUBSYS", "ALL")};
+  return c;
+}
+
+const char* foreignEnv(const char* name) {
+  static const char* const kForeign[] = {
+      // torchrun
+      "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+      // Open MPI's mpirun
+      "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_MCA_orte_hnp_uri", "PMIX_NAMESPACE",
+      // Slurm's srun
+      "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID", "SLURM_STEP_ID",
+      // UCX's own settings, which loom's defaults give way to
+      "UCX_TLS", "UCX_KEEPALIVE_INTERVAL",
+  };
+  for (const char* f : kForeign)
+    if (strcmp(f, name) == 0) return env(name);
+  fprintf(stderr, "loom: internal error: %s is read but not listed in config.cc\n", name);
+  abort();
 }
 
 static std::mutex gConfigMutex;

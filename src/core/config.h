@@ -11,6 +11,9 @@ namespace loom {
 struct ConfigVar {
   const char* name;
   const char* type;
+  // The value loom uses when the variable is unset, maybe followed by a note
+  // in parentheses ("0 (none)"); or only a note in parentheses, or "-", when
+  // unset means "not given" (tests/unit_config.cc holds config() to this).
   const char* defaultValue;
   const char* meaning;
 };
@@ -19,13 +22,12 @@ struct ConfigVar {
 const std::vector<ConfigVar>& configTable();
 
 struct Config {
-  std::string debug;          // LOOM_DEBUG
-  std::string debugSubsys;    // LOOM_DEBUG_SUBSYS
   int64_t timeoutMs;          // LOOM_TIMEOUT_MS
   std::string transports;     // LOOM_TRANSPORTS
   std::string ucxTls;         // LOOM_UCX_TLS
   std::string socketIfname;   // LOOM_SOCKET_IFNAME
   std::string hostId;         // LOOM_HOST_ID
+  std::string topoFile;       // LOOM_TOPO_FILE
   int64_t spinUs;             // LOOM_SPIN_US
   int64_t slotBytes;          // LOOM_SLOT_BYTES
   int64_t slots;              // LOOM_SLOTS
@@ -37,6 +39,13 @@ struct Config {
   std::string tuningFile;     // LOOM_TUNING_FILE
   bool checkMode;             // LOOM_CHECK_MODE
   int64_t dumpSignal;         // LOOM_DUMP_SIGNAL (0 = none)
+  // Set by loom-run for loomCommInitFromEnv, which checks them (as text: a
+  // bad value is an init error there, not a warning and a default here).
+  std::string rank;           // LOOM_RANK
+  std::string worldSize;      // LOOM_WORLD_SIZE
+  std::string rootAddr;       // LOOM_ROOT_ADDR
+  std::string rootPort;       // LOOM_ROOT_PORT
+  std::string secret;         // LOOM_SECRET
 };
 
 // The process-wide configuration (parsed on first use).
@@ -44,5 +53,22 @@ const Config& config();
 
 // Re-reads the environment (tests change variables between communicators).
 void configReload();
+
+// LOOM_DEBUG and LOOM_DEBUG_SUBSYS, read once per process apart from
+// config(): parsing config() may log a warning, so the logger cannot wait
+// for it.  Reading them never logs.
+struct LogConfig {
+  std::string level;   // LOOM_DEBUG: NONE, WARN, INFO or TRACE
+  std::string subsys;  // LOOM_DEBUG_SUBSYS: comma list or ALL
+};
+const LogConfig& logConfig();
+
+// Variables of other software that loom reads: launchers' (RANK,
+// OMPI_COMM_WORLD_RANK, SLURM_PROCID, MASTER_ADDR, ...) and UCX's.  They
+// are not loom's to document, but config.cc still lists them, so that it is
+// the one place that knows what loom reads.  Returns the value, or nullptr
+// when unset or empty; a name missing from the list is a bug in loom and
+// aborts.
+const char* foreignEnv(const char* name);
 
 }  // namespace loom

@@ -4,10 +4,10 @@
 
 #include <atomic>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 
+#include "src/core/config.h"
 
 namespace loom {
 
@@ -16,10 +16,8 @@ static std::atomic<int> gRank{-1};
 void logSetRank(int rank) { gRank.store(rank); }
 
 static LogLevel configuredLevel() {
-  static LogLevel level = [] {
-    // Read the environment directly: config() itself logs while parsing.
-    const char* e = getenv("LOOM_DEBUG");
-    std::string v = e ? e : "WARN";
+  static const LogLevel level = [] {
+    const std::string& v = logConfig().level;
     if (v == "NONE") return LogLevel::None;
     if (v == "INFO") return LogLevel::Info;
     if (v == "TRACE") return LogLevel::Trace;
@@ -31,7 +29,7 @@ static LogLevel configuredLevel() {
 bool logEnabled(LogLevel level, const char* subsys) {
   if (level > configuredLevel()) return false;
   if (level == LogLevel::Warn) return true;
-  static const std::string subs = getenv("LOOM_DEBUG_SUBSYS") ? getenv("LOOM_DEBUG_SUBSYS") : "";
+  const std::string& subs = logConfig().subsys;
   if (subs.empty() || subs == "ALL") return true;
   size_t n = strlen(subsys);
   for (size_t pos = 0; pos <= subs.size();) {

@@ -1,12 +1,15 @@
 #include "src/device/host_copy.h"
 
-#include <emmintrin.h>
-
 #include <cstdint>
 #include <cstring>
 
+#if defined(__x86_64__)
+#include <emmintrin.h>  // SSE2: part of every x86-64 CPU
+#endif
+
 namespace loom {
 
+#if defined(__x86_64__)
 void copyStreaming(void* dst, const void* src, size_t n) {
   auto* d = static_cast<uint8_t*>(dst);
   auto* s = static_cast<const uint8_t*>(src);
@@ -28,5 +31,11 @@ void copyStreaming(void* dst, const void* src, size_t n) {
   _mm_sfence();
   memcpy(d, s, n - blocks * 64);
 }
+#else
+// Other CPUs (aarch64: Grace) take the C library's memcpy.  aarch64's
+// non-temporal store (STNP) is only a hint, and nothing here has measured
+// whether it pays on Grace, so there is no fast path of our own yet.
+void copyStreaming(void* dst, const void* src, size_t n) { memcpy(dst, src, n); }
+#endif
 
 }  // namespace loom

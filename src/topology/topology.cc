@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 
+#include "src/core/config.h"
 #include "src/core/error.h"
 #include "src/core/log.h"
 #include "src/topology/nvml.h"
@@ -65,8 +66,11 @@ bool isNicPciClass(uint16_t pciClass, bool hasNetOsdev) {
 Topology::~Topology() = default;
 
 std::unique_ptr<Topology> Topology::detect() {
-  const char* file = getenv("LOOM_TOPO_FILE");
-  if (file && *file) return fromXml(file);
+  // The environment as it is now: loom-topo and tests set LOOM_TOPO_FILE
+  // just before they ask.
+  configReload();
+  const std::string file = config().topoFile;
+  if (!file.empty()) return fromXml(file);
   std::unique_ptr<Topology> t(new Topology());
   t->impl_ = std::make_unique<Impl>();
   t->impl_->isMachine = true;

@@ -16,10 +16,11 @@
 #   --timeout SEC  stop the ranks after SEC seconds (exit 124), default 300
 #   --bin DIR      where loom-perf is (for --perf; give it before --perf)
 #   --prefix NAME  namespaces are NAME-br, NAME-h0, ...; default loomrig<pid>
-#   --check        only check that namespaces can be created (exit 0, or 77
-#                  with the reason on stderr)
+#   --check        only check that namespaces can be created and entered
+#                  (exit 0, or 77 with the reason on stderr)
 # Exit status: the first failing rank's, 77 when namespaces cannot be made
-# (not root, no CAP_NET_ADMIN, no ip/tc), 2 on bad usage.
+# or entered (not root, no CAP_NET_ADMIN, no ip/tc, / not a mount point as
+# in a plain chroot), 2 on bad usage.
 #
 # Addresses: 10.77.0.(k+1)/24 inside the rig's own namespaces only; rank 0
 # listens on 10.77.0.1.  Namespaces share /dev/shm and the file system, but
@@ -35,7 +36,7 @@ HOSTS=2 RANKS=2 RATE=1gbit TIMEOUT=300 PERF=0 CHECK=0
 PREFIX="loomrig$$"
 PORT=29517
 
-usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 skip() { echo "loom-rig: cannot build the rig: $*" >&2; exit 77; }
 
 while [ $# -gt 0 ]; do
@@ -91,6 +92,13 @@ addns() {
 }
 
 addns "$BR"
+# Entering a namespace remounts / as a slave mount, which fails where / is
+# not a mount point (a plain chroot: "mount --make-rslave /" failed: Invalid
+# argument).  The ranks must enter theirs, so find out now.
+if ! why="$(ip netns exec "$BR" true 2>&1)"; then
+  skip "'ip netns exec' cannot enter a network namespace here: ${why:-no message}" \
+    "(it needs / to be a mount point; a plain chroot is not)"
+fi
 ip -n "$BR" link add br0 type bridge || skip "cannot create a bridge"
 ip -n "$BR" link set br0 up
 shape() {  # namespace device

@@ -13,6 +13,7 @@
 #include <map>
 
 #include "src/core/clock.h"
+#include "src/core/config.h"
 #include "src/core/error.h"
 #include "src/core/log.h"
 #include "transports/ucx/ucx_transport.h"
@@ -158,7 +159,7 @@ class UcxWorker {
     }
     // UCX's default keepalive (20 s) is how long a rank would wait to learn
     // that a shared-memory peer died; 1 s unless the user chose otherwise.
-    if (!getenv("UCX_KEEPALIVE_INTERVAL")) ucp_config_modify(cfg, "KEEPALIVE_INTERVAL", "1s");
+    if (!foreignEnv("UCX_KEEPALIVE_INTERVAL")) ucp_config_modify(cfg, "KEEPALIVE_INTERVAL", "1s");
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
     params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;

@@ -34,7 +34,7 @@ class UcxTransport : public Transport {
         worker_.reset();
         LOOM_WARN("NET", "rank %d: no UCX (%s)", env.rank, why_.c_str());
       } else {
-        const char* envTls = getenv("UCX_TLS");
+        const char* envTls = foreignEnv("UCX_TLS");
         LOOM_INFO("INIT", "rank %d: ucx worker address %u bytes (UCX_TLS %s)", env.rank, mine.len,
                   !tls.empty() ? tls.c_str() : envTls ? envTls : "default");
       }
