@@ -465,6 +465,8 @@ class SimWorld {
         e.recv = static_cast<uint8_t*>(op.recvbuf);
         e.dtype = op.dtype;
         e.op = op.op;
+        e.sendMem = op.sendMem;
+        e.recvMem = op.recvMem;
         e.divisor = op.op == loomAvg ? n_ : 1;
         eops[size_t(r)].push_back(e);
         if (op.coll == loom::Collective::P2P) {

@@ -413,7 +413,10 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
       e.recv = static_cast<uint8_t*>(op.recvbuf);
       e.dtype = op.dtype;
       e.op = op.op;
+      e.sendMem = op.sendMem;
+      e.recvMem = op.recvMem;
       e.divisor = op.op == loomAvg ? nranks_ : 1;
+      e.device = &hostDevice();  // a host communicator; CUDA ones will carry their device
       eops.push_back(e);
       if (op.coll == Collective::P2P) {
         if (op.peer == rank_) (op.isSend ? selfSends : selfRecvs).push_back(i);
@@ -443,6 +446,7 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
       if (!bytes) continue;
       ExecOp e = eops[selfSends[k]];
       e.recv = static_cast<uint8_t*>(r.recvbuf);
+      e.recvMem = r.recvMem;
       eops.push_back(e);
       Lane lane;
       lane.op = int(eops.size() - 1);

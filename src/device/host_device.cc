@@ -1,0 +1,47 @@
+// The host CPU as a Device: aligned_alloc for memory, memmove and
+// copyStreaming for copies, the SIMD kernels of host_reduce.cc for reduce
+// and divide.
+#include <cstdlib>
+#include <cstring>
+
+#include "src/device/device.h"
+#include "src/device/host_copy.h"
+#include "src/device/host_reduce.h"
+
+namespace loom {
+
+namespace {
+
+class HostDevice final : public Device {
+ public:
+  const char* name() const override { return "host"; }
+  MemoryKind memoryKind() const override { return MemoryKind::Host; }
+  bool canAccess(MemoryKind k) const override {
+    return k == MemoryKind::Host || k == MemoryKind::RegisteredHost;
+  }
+  void* allocate(size_t bytes) override {
+    size_t size = (bytes + 4095) & ~size_t(4095);
+    return aligned_alloc(4096, size ? size : 4096);
+  }
+  void free(void* p) override { ::free(p); }
+  void copy(void* dst, const void* src, size_t bytes, CopyHint hint) override {
+    if (hint == CopyHint::Streaming) copyStreaming(dst, src, bytes);
+    else memmove(dst, src, bytes);
+  }
+  void reduce(void* dst, const void* a, const void* b, size_t n, loomDataType_t type,
+              loomRedOp_t op) override {
+    reduceHost(dst, a, b, n, type, op);
+  }
+  void divide(void* dst, const void* src, size_t n, loomDataType_t type, int divisor) override {
+    divideHost(dst, src, n, type, divisor);
+  }
+};
+
+}  // namespace
+
+Device& hostDevice() {
+  static HostDevice* const device = new HostDevice();
+  return *device;
+}
+
+}  // namespace loom
