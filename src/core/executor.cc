@@ -340,10 +340,11 @@ Device& runDevice(const ExecEnv& env, const std::vector<ExecOp>& ops) {
   for (const ExecOp& op : ops) {
     if (!op.device || op.device != dev)
       fail(loomInternalError, "rank %d: the operations of one run use different devices", env.rank());
-    for (MemoryKind k : {op.sendMem, op.recvMem})
-      if (!dev->canAccess(k))
-        fail(loomInvalidUsage, "rank %d: %s has a buffer in %s memory, which the %s device cannot access",
-             env.rank(), describeTag(op.tag).c_str(), memoryKindName(k), dev->name());
+    if (!dev->canAccess(op.sendMem) || !dev->canAccess(op.recvMem)) {
+      MemoryKind k = dev->canAccess(op.sendMem) ? op.recvMem : op.sendMem;
+      fail(loomInvalidUsage, "rank %d: %s has a buffer in %s memory, which the %s device cannot access",
+           env.rank(), describeTag(op.tag).c_str(), memoryKindName(k), dev->name());
+    }
   }
   return *dev;
 }

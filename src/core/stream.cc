@@ -1,7 +1,5 @@
 #include "src/core/stream.h"
 
-#include <atomic>
-
 #include "src/core/error.h"
 
 namespace loom {
@@ -9,9 +7,6 @@ namespace loom {
 namespace {
 constexpr auto kStealWindow = std::chrono::microseconds(50);
 
-// The handle table.  Zero-initialised static storage: no constructor runs,
-// so handles work during static initialisation and after exit() begins.
-std::atomic<HostStream*> g_slots[kMaxStreams];
 std::mutex g_slotsMutex;
 size_t g_slotsUsed = 0;  // slots [0, used) have been handed out once
 
@@ -23,14 +18,9 @@ std::deque<size_t>& freeSlots() {
   return *slots;
 }
 
-size_t slotIndex(loomStream_t handle, bool* inTable) {
-  // Integer arithmetic only: comparing unrelated pointers is unspecified.
-  uintptr_t p = reinterpret_cast<uintptr_t>(handle), base = reinterpret_cast<uintptr_t>(&g_slots[0]);
-  uintptr_t off = p - base;
-  *inTable = off < sizeof g_slots && off % sizeof g_slots[0] == 0;
-  return off / sizeof g_slots[0];
-}
 }  // namespace
+
+std::atomic<HostStream*> detail::streamSlots[kMaxStreams];
 
 HostStream::HostStream() { worker_ = std::thread([this] { workerLoop(); }); }
 
@@ -106,15 +96,6 @@ loomResult_t HostStream::query() {
   return (queue_.empty() && !running_) ? loomSuccess : loomInProgress;
 }
 
-StreamRef classifyStream(loomStream_t handle) {
-  if (!handle) return {StreamKind::Null, nullptr};
-  bool inTable;
-  size_t i = slotIndex(handle, &inTable);
-  if (!inTable) return {StreamKind::Foreign, nullptr};
-  HostStream* s = g_slots[i].load(std::memory_order_acquire);
-  return {s ? StreamKind::Host : StreamKind::Destroyed, s};
-}
-
 loomStream_t registerStream(std::unique_ptr<HostStream> stream) {
   std::lock_guard<std::mutex> lock(g_slotsMutex);
   size_t i;
@@ -126,16 +107,15 @@ loomStream_t registerStream(std::unique_ptr<HostStream> stream) {
   } else {
     fail(loomSystemError, "too many loom streams (%zu live)", kMaxStreams);
   }
-  g_slots[i].store(stream.release(), std::memory_order_release);
-  return reinterpret_cast<loomStream_t>(&g_slots[i]);
+  detail::streamSlots[i].store(stream.release(), std::memory_order_release);
+  return reinterpret_cast<loomStream_t>(&detail::streamSlots[i]);
 }
 
 std::unique_ptr<HostStream> unregisterStream(loomStream_t handle) {
-  bool inTable;
-  size_t i = slotIndex(handle, &inTable);
-  if (!handle || !inTable) return nullptr;
+  size_t i = detail::streamSlotOf(handle);
+  if (i == kMaxStreams) return nullptr;
   std::lock_guard<std::mutex> lock(g_slotsMutex);
-  std::unique_ptr<HostStream> s(g_slots[i].exchange(nullptr, std::memory_order_acq_rel));
+  std::unique_ptr<HostStream> s(detail::streamSlots[i].exchange(nullptr, std::memory_order_acq_rel));
   if (s) freeSlots().push_back(i);
   return s;
 }

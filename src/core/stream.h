@@ -10,6 +10,7 @@
 // static table of slots (see classifyStream), so that any other pointer a
 // caller passes, such as a cudaStream_t, is recognised without being read.
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -51,6 +52,9 @@ class HostStream {
   std::thread worker_;
 };
 
+// Each stream has a worker thread, so this is far above what a process runs.
+constexpr size_t kMaxStreams = 16384;
+
 // What a loomStream_t handle is.
 enum class StreamKind : uint8_t {
   Null,       // NULL: the call blocks
@@ -63,15 +67,33 @@ struct StreamRef {
   HostStream* host;  // set for Host
 };
 
-// A range check and one atomic load: cheap enough for every call.
-StreamRef classifyStream(loomStream_t handle);
+namespace detail {
+// The handle table: a handle is the address of its slot.  Zero-initialised
+// static storage, never destroyed: handles work at any time in a process.
+extern std::atomic<HostStream*> streamSlots[kMaxStreams];
+
+// The slot a handle names, or kMaxStreams if it names none.  Integer
+// arithmetic only: comparing unrelated pointers is unspecified.
+inline size_t streamSlotOf(loomStream_t handle) {
+  uintptr_t off = reinterpret_cast<uintptr_t>(handle) - reinterpret_cast<uintptr_t>(&streamSlots[0]);
+  if (off >= sizeof streamSlots || off % sizeof streamSlots[0] != 0) return kMaxStreams;
+  return off / sizeof streamSlots[0];
+}
+}  // namespace detail
+
+// A range check and one atomic load (inline: every call on a stream asks).
+inline StreamRef classifyStream(loomStream_t handle) {
+  if (!handle) return {StreamKind::Null, nullptr};
+  size_t i = detail::streamSlotOf(handle);
+  if (i == kMaxStreams) return {StreamKind::Foreign, nullptr};
+  HostStream* s = detail::streamSlots[i].load(std::memory_order_acquire);
+  return {s ? StreamKind::Host : StreamKind::Destroyed, s};
+}
+
 // The handle of a new stream; throws loomSystemError when kMaxStreams live.
 loomStream_t registerStream(std::unique_ptr<HostStream> stream);
 // Takes the stream out of the table (its handle becomes Destroyed); nullptr
 // if the handle is not a live loom stream.
 std::unique_ptr<HostStream> unregisterStream(loomStream_t handle);
-
-// Each stream has a worker thread, so this is far above what a process runs.
-constexpr size_t kMaxStreams = 16384;
 
 }  // namespace loom

@@ -19,14 +19,17 @@ enum class CopyHint : uint8_t {
   Streaming,  // large output not read again soon: bypass the caches if possible
 };
 
+// Devices live as long as the process (the host device is a constant-
+// initialised static; CUDA devices will be owned by their backend), so
+// nothing deletes one through this class.
 class Device {
  public:
-  virtual ~Device() = default;
   virtual const char* name() const = 0;  // "host", "cuda:0", ...
   // The kind of memory allocate() returns.
   virtual MemoryKind memoryKind() const = 0;
-  // True if copy/reduce/divide may read and write memory of kind k.
-  virtual bool canAccess(MemoryKind k) const = 0;
+  // True if copy/reduce/divide may read and write memory of kind k.  Not
+  // virtual: the executor asks for every buffer of every run.
+  bool canAccess(MemoryKind k) const { return (accessible_ >> unsigned(k)) & 1u; }
 
   // At least `bytes` of this device's memory, aligned to 4096 bytes, or
   // nullptr if there is none to be had.  free(nullptr) does nothing.
@@ -44,10 +47,24 @@ class Device {
   // dst[i] = src[i] / divisor for i < n (loomAvg's last step).  dst may
   // equal src.  divisor <= 1 copies.
   virtual void divide(void* dst, const void* src, size_t n, loomDataType_t type, int divisor) = 0;
+
+ protected:
+  // accessible: bit k set for each MemoryKind k the device can reach.
+  constexpr explicit Device(uint32_t accessible) : accessible_(accessible) {}
+  ~Device() = default;
+  static constexpr uint32_t bit(MemoryKind k) { return 1u << unsigned(k); }
+
+ private:
+  uint32_t accessible_;
 };
 
-// The host CPU: a process-wide instance that is never destroyed (threads
-// still running at exit may use it).
-Device& hostDevice();
+namespace detail {
+extern Device* const kHostDevice;  // host_device.cc
+}
+
+// The host CPU.  Constant-initialised and never destroyed, so it works from
+// static constructors and from threads still running at exit; inline,
+// because every ExecOp starts with it.
+inline Device& hostDevice() { return *detail::kHostDevice; }
 
 }  // namespace loom

@@ -14,11 +14,9 @@ namespace {
 
 class HostDevice final : public Device {
  public:
+  constexpr HostDevice() : Device(bit(MemoryKind::Host) | bit(MemoryKind::RegisteredHost)) {}
   const char* name() const override { return "host"; }
   MemoryKind memoryKind() const override { return MemoryKind::Host; }
-  bool canAccess(MemoryKind k) const override {
-    return k == MemoryKind::Host || k == MemoryKind::RegisteredHost;
-  }
   void* allocate(size_t bytes) override {
     size_t size = (bytes + 4095) & ~size_t(4095);
     return aligned_alloc(4096, size ? size : 4096);
@@ -37,11 +35,12 @@ class HostDevice final : public Device {
   }
 };
 
+// constexpr construction and a trivial destructor: no static-initialisation
+// order to get wrong and nothing torn down at exit.
+HostDevice g_hostDevice;
+
 }  // namespace
 
-Device& hostDevice() {
-  static HostDevice* const device = new HostDevice();
-  return *device;
-}
+Device* const detail::kHostDevice = &g_hostDevice;
 
 }  // namespace loom
