@@ -15,6 +15,7 @@
 #include "src/core/backoff.h"
 #include "src/core/error.h"
 #include "src/core/executor.h"
+#include "src/device/device.h"
 #include "transports/transport.h"
 
 namespace loom {
@@ -87,6 +88,7 @@ struct DirectState {
 struct DirectContext {
   ExecEnv& env;           // sleeping, aborts, timeouts, the other path's stalls
   const PeerMemory& mem;  // every rank's window
+  Device& device;         // copies and reduces the buffers and windows (the memory's device)
   DirectLayout layout;
   DirectState& state;
   int rank = 0;

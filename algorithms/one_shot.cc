@@ -12,7 +12,7 @@
 
 #include "algorithms/direct.h"
 #include "algorithms/registry.h"
-#include "src/device/host_reduce.h"
+#include "src/device/host_reduce.h"  // dtypeSize
 
 namespace loom {
 
@@ -72,7 +72,7 @@ void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
       directWait(ctx, [&] { return ack->load(std::memory_order_acquire) >= last; }, p, tag, "its acknowledgement");
     }
     DirectWindow w = ctx.win(p);
-    memcpy(w.mailData(me, parity), data, block);
+    ctx.device.copy(w.mailData(me, parity), data, block, CopyHint::Cached);
     SlotTag t = tag;
     t.bytes = uint32_t(block);
     DirectMailbox* mb = w.mailbox(me, parity);
@@ -98,10 +98,10 @@ void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
   auto combineAll = [&](uint8_t* out) {
     for (int q = 0; q < N; ++q) {
       const uint8_t* d = take(q);
-      if (q == 0) memcpy(out, d, block);
-      else reduceHost(out, out, d, op.count, op.dtype, op.op);
+      if (q == 0) ctx.device.copy(out, d, block, CopyHint::Cached);
+      else ctx.device.reduce(out, out, d, op.count, op.dtype, op.op);
     }
-    if (op.op == loomAvg) divideHost(out, out, op.count, op.dtype, N);
+    if (op.op == loomAvg) ctx.device.divide(out, out, op.count, op.dtype, N);
     for (int q = 0; q < N; ++q) ack(q);
   };
 
@@ -126,18 +126,18 @@ void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
       if (me == op.root) {
         for (int p = 0; p < N; ++p)
           if (p != me) post(p, send);
-        if (recv != send) memmove(recv, send, block);
+        if (recv != send) ctx.device.copy(recv, send, block, CopyHint::Cached);
       } else {
-        memcpy(recv, take(op.root), block);
+        ctx.device.copy(recv, take(op.root), block, CopyHint::Cached);
         ack(op.root);
       }
       break;
     case Collective::AllGather:
       for (int i = 1; i < N; ++i) post((me + i) % N, send);
-      if (recv + size_t(me) * block != send) memmove(recv + size_t(me) * block, send, block);
+      if (recv + size_t(me) * block != send) ctx.device.copy(recv + size_t(me) * block, send, block, CopyHint::Cached);
       for (int q = 0; q < N; ++q) {
         if (q == me) continue;
-        memcpy(recv + size_t(q) * block, take(q), block);
+        ctx.device.copy(recv + size_t(q) * block, take(q), block, CopyHint::Cached);
         ack(q);
       }
       break;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "loom.h"
+#include "src/device/memory_kind.h"
 
 namespace loom {
 
@@ -48,6 +49,9 @@ struct OpDesc {
   int root = 0;
   int peer = -1;        // P2P only
   bool isSend = false;  // P2P only
+  // Where sendbuf and recvbuf live (set by the API layer).
+  MemoryKind sendMem = MemoryKind::Host;
+  MemoryKind recvMem = MemoryKind::Host;
 };
 
 enum class StepKind : uint8_t {

@@ -22,8 +22,8 @@
 
 #include "algorithms/direct.h"
 #include "algorithms/registry.h"
-#include "src/device/host_copy.h"
-#include "src/device/host_reduce.h"
+#include "src/device/host_copy.h"    // kStreamingCopyBytes
+#include "src/device/host_reduce.h"  // dtypeSize
 
 namespace loom {
 
@@ -58,9 +58,10 @@ void stagedRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
   auto box = [&](int q) { return ctx.win(q); };
   // Output larger than the caches is written around them.
   const bool streaming = op.count * esz >= kStreamingCopyBytes;
-  auto copyOut = [&](uint8_t* dst, const uint8_t* src, size_t bytes) {
-    if (streaming) copyStreaming(dst, src, bytes);
-    else memcpy(dst, src, bytes);
+  const CopyHint out = streaming ? CopyHint::Streaming : CopyHint::Cached;
+  auto copyOut = [&](uint8_t* dst, const uint8_t* src, size_t bytes) { ctx.device.copy(dst, src, bytes, out); };
+  auto copyIn = [&](uint8_t* dst, const uint8_t* src, size_t bytes) {
+    ctx.device.copy(dst, src, bytes, CopyHint::Cached);
   };
   auto wakeAll = [&] {
     for (int q = 0; q < N; ++q) ctx.mem.wake(q);
@@ -84,8 +85,8 @@ void stagedRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
     // Only the parts the others reduce are staged; my own part is read
     // straight from my input below.
     const size_t pb = partBegin(n, N, me), pn = partBegin(n, N, me + 1) - pb;
-    memcpy(myWin.stage(parity), send + off * esz, pb * esz);
-    memcpy(myWin.stage(parity) + (pb + pn) * esz, send + (off + pb + pn) * esz, (n - pb - pn) * esz);
+    copyIn(myWin.stage(parity), send + off * esz, pb * esz);
+    copyIn(myWin.stage(parity) + (pb + pn) * esz, send + (off + pb + pn) * esz, (n - pb - pn) * esz);
     memcpy(&mine->tag, &tag, sizeof tag);
     mine->input.store(k, std::memory_order_release);
     wakeAll();
@@ -96,7 +97,7 @@ void stagedRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
     //    every rank copies the same result.
     uint8_t* acc = myWin.stage(parity) + pb * esz;
     const uint8_t* own = send + (off + pb) * esz;
-    if (N == 1) memcpy(acc, own, pn * esz);
+    if (N == 1) copyIn(acc, own, pn * esz);
     for (int i = 1; i < N; ++i) {
       int q = (me + i) % N;
       DirectStageHeader* h = box(q).stageHeader(parity);
@@ -104,9 +105,9 @@ void stagedRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
       SlotTag t;
       memcpy(&t, &h->tag, sizeof t);
       if (ctx.checkMode && !sameOperation(t, tag)) failMismatch(me, q, t, tag);
-      reduceHost(acc, i == 1 ? own : acc, box(q).stage(parity) + pb * esz, pn, op.dtype, op.op);
+      ctx.device.reduce(acc, i == 1 ? own : acc, box(q).stage(parity) + pb * esz, pn, op.dtype, op.op);
     }
-    if (op.op == loomAvg) divideHost(acc, acc, pn, op.dtype, N);
+    if (op.op == loomAvg) ctx.device.divide(acc, acc, pn, op.dtype, N);
     mine->result.store(k, std::memory_order_release);
     wakeAll();
     copyOut(recv + (off + pb) * esz, acc, pn * esz);

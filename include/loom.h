@@ -95,7 +95,10 @@ typedef struct loomComm* loomComm_t;
 
 /* A stream orders operations.  For a host communicator it is a loom host
  * stream made by loomStreamCreate, or NULL: with NULL the call returns when its
- * operation is complete. */
+ * operation is complete.  The handle is opaque and loom never reads memory
+ * through a handle it did not make: any other non-NULL value (such as a
+ * cudaStream_t cast to loomStream_t, which CUDA communicators will accept)
+ * makes a call on a host communicator return loomInvalidArgument. */
 typedef struct loomStream* loomStream_t;
 
 /* ---- Versions and errors ------------------------------------------------ */
@@ -238,7 +241,9 @@ LOOM_API loomResult_t loomGroupEnd(void);
  * issue order on a worker thread. */
 LOOM_API loomResult_t loomStreamCreate(loomStream_t* stream);
 
-/* Waits for the stream's operations, then frees it.  NULL is a no-op. */
+/* Waits for the stream's operations, then frees it.  NULL is a no-op; a
+ * handle that is not a live loom stream (already destroyed, or foreign)
+ * returns loomInvalidArgument.  No other thread may be using the stream. */
 LOOM_API loomResult_t loomStreamDestroy(loomStream_t stream);
 
 /* Waits until every operation issued on the stream has completed.  Returns

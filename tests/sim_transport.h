@@ -501,6 +501,8 @@ class SimWorld {
         e.recv = static_cast<uint8_t*>(op.recvbuf);
         e.dtype = op.dtype;
         e.op = op.op;
+        e.sendMem = op.sendMem;
+        e.recvMem = op.recvMem;
         e.divisor = op.op == loomAvg ? n_ : 1;
         eops[size_t(r)].push_back(e);
         if (op.coll == loom::Collective::P2P) {
@@ -564,7 +566,7 @@ class SimWorld {
     collSeq_ = collSeq;
     auto t0 = std::chrono::steady_clock::now();
     auto body = [&](int r) {
-      loom::DirectContext ctx{*envs_[size_t(r)], *mem_, layout, directState_[size_t(r)], r, n_, true};
+      loom::DirectContext ctx{*envs_[size_t(r)], *mem_, loom::hostDevice(), layout, directState_[size_t(r)], r, n_, true};
       try {
         size_t k = 0;
         for (int q = 0; q < r; ++q) k += ops[size_t(q)].size();

@@ -127,28 +127,28 @@ def case_env():
                         used |= set(re.findall(r'"(LOOM_[A-Z_]+)', f.read()))
     missing = used - listed
     assert not missing, f"LOOM_* variables read but not in the config table: {sorted(missing)}"
-    # ...and in README.md's table.
-    with open(os.path.join(SRC, "README.md")) as f:
+    # ...and in docs/configuration.md's table.
+    with open(os.path.join(SRC, "docs", "configuration.md")) as f:
         readme = f.read()
     undocumented = [v for v in listed if f"`{v}`" not in readme]
-    assert not undocumented, f"not in README.md: {undocumented}"
+    assert not undocumented, f"not in docs/configuration.md: {undocumented}"
     text = run([TOPO, "--env"], {"LOOM_SPIN_US": "7"}).stdout
     assert re.search(r"LOOM_SPIN_US\s+int\s+20\s+.*\[set: 7\]", text), text
 
 
 def case_algorithms():
-    # The README's algorithm table is the registry's, as loom-topo prints it.
+    # docs/algorithms.md's table is the registry's, as loom-topo prints it.
     table = run([TOPO, "--algorithms"]).stdout
     rows = table.splitlines()
     assert len(rows) > 2 and all(r.startswith("|") for r in rows), table
-    with open(os.path.join(SRC, "README.md")) as f:
+    with open(os.path.join(SRC, "docs", "algorithms.md")) as f:
         readme = f.read()
     start = readme.find(rows[0])
-    assert start >= 0, f"README.md has no algorithm table headed {rows[0]!r}; paste `loom-topo --algorithms`"
+    assert start >= 0, f"docs/algorithms.md has no algorithm table headed {rows[0]!r}; paste `loom-topo --algorithms`"
     lines = readme[start:].splitlines()
     end = next((i for i, l in enumerate(lines) if not l.startswith("|")), len(lines))
     readme_rows = lines[:end]
-    assert readme_rows == rows, ("README.md's algorithm table differs from the registry; replace it with "
+    assert readme_rows == rows, ("docs/algorithms.md's algorithm table differs from the registry; replace it with "
                                  "`loom-topo --algorithms`:\n" + "\n".join(rows))
     # Every name in the table is one LOOM_ALGO accepts, and the reverse.
     names = set(re.findall(r"`([a-z][a-z-]*)`", "\n".join(r.split(" | ")[0] for r in rows[2:])))

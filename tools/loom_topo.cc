@@ -2,7 +2,7 @@
 // LOOM_TOPO_FILE's); under loom-run (or any launcher loomCommInitFromEnv
 // understands) rank 0 also prints the communicator: each rank's host, NUMA
 // node, GPU and NIC, and the host groups.  --env lists every LOOM_* variable,
-// --algorithms the algorithm registry (the README's table), --json prints the
+// --algorithms the algorithm registry (docs/algorithms.md's table), --json prints the
 // same facts for machines, --calibrate measures the links and writes a
 // tuning file.
 #include <unistd.h>

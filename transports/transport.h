@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "src/core/socket.h"
-#include "src/device/memory.h"
+#include "src/device/memory_kind.h"
 
 namespace loom {
 

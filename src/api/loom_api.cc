@@ -152,8 +152,32 @@ void validate(loomComm* comm, const OpDesc& op) {
   }
 }
 
+// The host stream behind a handle, nullptr for NULL.  Anything else fails
+// without being dereferenced: a cudaStream_t passed as loomStream_t (as NCCL
+// programs do) is recognised here once loom has CUDA communicators.
+HostStream* hostStreamOf(loomStream_t stream) {
+  StreamRef s = classifyStream(stream);
+  switch (s.kind) {
+    case StreamKind::Null: return nullptr;
+    case StreamKind::Host: return s.host;
+    case StreamKind::Destroyed:
+      fail(loomInvalidArgument, "stream %p was destroyed (loomStreamDestroy)", static_cast<void*>(stream));
+    case StreamKind::Foreign: break;
+  }
+  fail(loomInvalidArgument,
+       "stream %p is not a loom stream; CUDA streams need a CUDA communicator (not yet supported)",
+       static_cast<void*>(stream));
+}
+
+// Where a buffer the caller passed lives.  Host memory for now; CUDA
+// communicators will ask CUDA, registered buffers the registration table.
+MemoryKind memoryKindOf(const void* buf) {
+  (void)buf;
+  return MemoryKind::Host;
+}
+
 // Issues a batch of operations on comm/stream (NULL stream: runs it now).
-loomResult_t submit(loomComm* comm, loomStream_t stream, std::vector<OpDesc> ops) {
+loomResult_t submit(loomComm* comm, HostStream* stream, std::vector<OpDesc> ops) {
   loomResult_t prior = comm->asyncError();
   if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->lastError().c_str());
   std::vector<SlotTag> tags;
@@ -173,8 +197,10 @@ loomResult_t submit(loomComm* comm, loomStream_t stream, std::vector<OpDesc> ops
 loomResult_t issueOp(const char* call, loomComm* comm, loomStream_t stream, const OpDesc& op) {
   return guarded(call, comm, [&]() -> loomResult_t {
     GroupState& g = tlsGroup;
+    HostStream* hostStream;
     try {
       validate(comm, op);
+      hostStream = hostStreamOf(stream);
     } catch (const Error& e) {
       // A group with a bad member is not launched at all (see loomGroupEnd).
       if (g.depth > 0 && g.error == loomSuccess) {
@@ -204,7 +230,7 @@ loomResult_t issueOp(const char* call, loomComm* comm, loomStream_t stream, cons
       comm->endTurn();
       return r;
     }
-    return submit(comm, stream, {op});
+    return submit(comm, hostStream, {op});
   });
 }
 
@@ -477,7 +503,9 @@ loomResult_t loomAllReduce(const void* sendbuff, void* recvbuff, size_t count, l
   OpDesc d;
   d.coll = Collective::AllReduce;
   d.sendbuf = sendbuff;
+  d.sendMem = memoryKindOf(sendbuff);
   d.recvbuf = recvbuff;
+  d.recvMem = memoryKindOf(recvbuff);
   d.count = count;
   d.dtype = datatype;
   d.op = op;
@@ -491,7 +519,9 @@ loomResult_t loomReduceScatter(const void* sendbuff, void* recvbuff, size_t recv
   OpDesc d;
   d.coll = Collective::ReduceScatter;
   d.sendbuf = sendbuff;
+  d.sendMem = memoryKindOf(sendbuff);
   d.recvbuf = recvbuff;
+  d.recvMem = memoryKindOf(recvbuff);
   d.count = recvcount;
   d.dtype = datatype;
   d.op = op;
@@ -504,7 +534,9 @@ loomResult_t loomAllGather(const void* sendbuff, void* recvbuff, size_t sendcoun
   OpDesc d;
   d.coll = Collective::AllGather;
   d.sendbuf = sendbuff;
+  d.sendMem = memoryKindOf(sendbuff);
   d.recvbuf = recvbuff;
+  d.recvMem = memoryKindOf(recvbuff);
   d.count = sendcount;
   d.dtype = datatype;
   return issueOp("loomAllGather", comm, stream, d);
@@ -516,7 +548,9 @@ loomResult_t loomBroadcast(const void* sendbuff, void* recvbuff, size_t count, l
   OpDesc d;
   d.coll = Collective::Broadcast;
   d.sendbuf = sendbuff;
+  d.sendMem = memoryKindOf(sendbuff);
   d.recvbuf = recvbuff;
+  d.recvMem = memoryKindOf(recvbuff);
   d.count = count;
   d.dtype = datatype;
   d.root = root;
@@ -529,7 +563,9 @@ loomResult_t loomReduce(const void* sendbuff, void* recvbuff, size_t count, loom
   OpDesc d;
   d.coll = Collective::Reduce;
   d.sendbuf = sendbuff;
+  d.sendMem = memoryKindOf(sendbuff);
   d.recvbuf = recvbuff;
+  d.recvMem = memoryKindOf(recvbuff);
   d.count = count;
   d.dtype = datatype;
   d.op = op;
@@ -543,6 +579,7 @@ loomResult_t loomSend(const void* sendbuff, size_t count, loomDataType_t datatyp
   OpDesc d;
   d.coll = Collective::P2P;
   d.sendbuf = sendbuff;
+  d.sendMem = memoryKindOf(sendbuff);
   d.count = count;
   d.dtype = datatype;
   d.peer = peer;
@@ -556,6 +593,7 @@ loomResult_t loomRecv(void* recvbuff, size_t count, loomDataType_t datatype, int
   OpDesc d;
   d.coll = Collective::P2P;
   d.recvbuf = recvbuff;
+  d.recvMem = memoryKindOf(recvbuff);
   d.count = count;
   d.dtype = datatype;
   d.peer = peer;
@@ -586,13 +624,13 @@ loomResult_t loomGroupEnd(void) {
     return err;
   }
   if (ops.empty()) return loomSuccess;
-  return guarded("loomGroupEnd", comm, [&] { return submit(comm, stream, std::move(ops)); });
+  return guarded("loomGroupEnd", comm, [&] { return submit(comm, hostStreamOf(stream), std::move(ops)); });
 }
 
 loomResult_t loomStreamCreate(loomStream_t* stream) {
   return guarded("loomStreamCreate", nullptr, [&] {
     if (!stream) fail(loomInvalidArgument, "stream is NULL");
-    *stream = new loomStream();
+    *stream = registerStream(std::make_unique<HostStream>());
     return loomSuccess;
   });
 }
@@ -600,19 +638,20 @@ loomResult_t loomStreamCreate(loomStream_t* stream) {
 loomResult_t loomStreamDestroy(loomStream_t stream) {
   if (!stream) return loomSuccess;
   return guarded("loomStreamDestroy", nullptr, [&] {
-    delete stream;
+    hostStreamOf(stream);  // the error for a handle that is not a live loom stream
+    unregisterStream(stream).reset();
     return loomSuccess;
   });
 }
 
 loomResult_t loomStreamSynchronize(loomStream_t stream) {
   if (!stream) return loomSuccess;
-  return guarded("loomStreamSynchronize", nullptr, [&] { return stream->synchronize(); });
+  return guarded("loomStreamSynchronize", nullptr, [&] { return hostStreamOf(stream)->synchronize(); });
 }
 
 loomResult_t loomStreamQuery(loomStream_t stream) {
   if (!stream) return loomSuccess;
-  return guarded("loomStreamQuery", nullptr, [&] { return stream->query(); });
+  return guarded("loomStreamQuery", nullptr, [&] { return hostStreamOf(stream)->query(); });
 }
 
 }  // extern "C"

@@ -312,7 +312,8 @@ uint64_t loomComm::issueOne(const OpDesc& op, SlotTag* tag) {
 Algorithm loomComm::choose(const OpDesc& op) const { return tuner_->choose(op, nranks_, limits_).algo; }
 
 DirectContext loomComm::directContext() {
-  return DirectContext{*this, *peerMem_, directLayout_, directState_, rank_, nranks_, checkMode_};
+  // A host communicator: its peer memory is host memory, copied and reduced by the host device.
+  return DirectContext{*this, *peerMem_, hostDevice(), directLayout_, directState_, rank_, nranks_, checkMode_};
 }
 
 void loomComm::runDirect(Algorithm algo, const OpDesc& op, const SlotTag& tag) {
@@ -374,7 +375,10 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
       e.recv = static_cast<uint8_t*>(op.recvbuf);
       e.dtype = op.dtype;
       e.op = op.op;
+      e.sendMem = op.sendMem;
+      e.recvMem = op.recvMem;
       e.divisor = op.op == loomAvg ? nranks_ : 1;
+      e.device = &hostDevice();  // a host communicator; CUDA ones will carry their device
       eops.push_back(e);
       if (op.coll == Collective::P2P) {
         if (op.peer == rank_) (op.isSend ? selfSends : selfRecvs).push_back(i);
@@ -398,6 +402,7 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
       if (!bytes) continue;
       ExecOp e = eops[selfSends[k]];
       e.recv = static_cast<uint8_t*>(r.recvbuf);
+      e.recvMem = r.recvMem;
       eops.push_back(e);
       Lane lane;
       lane.op = int(eops.size() - 1);

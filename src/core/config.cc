@@ -26,8 +26,9 @@ const std::vector<ConfigVar>& configTable() {
       {"LOOM_TIMEOUT_MS", "int", "600000",
        "an operation or init that makes no progress for this long fails with loomTimeout"},
       {"LOOM_TRANSPORTS", "list", kDefaultTransports,
-       "transports loom may use (shm: same host; ucx: any pair, builds with UCX only, preferred over "
-       "tcp when both are listed; tcp: any pair); e.g. tcp forces tcp, shm,ucx uses UCX between hosts"},
+       "transports loom may use, in order of preference: each takes the peers it reaches that no earlier one "
+       "took (shm: same host; ucx: any pair, builds with UCX only; tcp: any pair; more with registerTransport); "
+       "e.g. tcp forces tcp, shm,ucx,tcp puts UCX between hosts"},
       {"LOOM_UCX_TLS", "list", "(UCX_TLS)",
        "UCX transports for the ucx transport (passed to UCX as UCX_TLS, e.g. tcp or sm); unset: UCX_TLS / UCX's choice"},
       {"LOOM_SOCKET_IFNAME", "name", "(route to root)",

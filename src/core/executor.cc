@@ -7,6 +7,7 @@
 #include "src/core/backoff.h"
 #include "src/core/clock.h"
 #include "src/core/error.h"
+#include "src/device/device.h"
 #include "src/device/host_reduce.h"
 
 namespace loom {
@@ -41,14 +42,16 @@ void failMismatch(int me, int peer, const SlotTag& got, const SlotTag& want) {
        describeTag(got).c_str(), me, describeTag(want).c_str());
 }
 
-void ExecEnv::FreeDeleter::operator()(uint8_t* p) const { free(p); }
-
-uint8_t* ExecEnv::scratch(size_t bytes) {
-  if (bytes > scratchBytes_) {
+uint8_t* ExecEnv::scratch(size_t bytes, Device& device) {
+  if (bytes > scratchBytes_ || scratch_.get_deleter().device != &device) {
     size_t size = (bytes + 4095) & ~size_t(4095);
-    void* p = aligned_alloc(4096, size);
-    if (!p) fail(loomSystemError, "rank %d: cannot allocate %zu bytes of scratch space", rank(), size);
-    scratch_.reset(static_cast<uint8_t*>(p));
+    scratch_.reset();
+    scratchBytes_ = 0;
+    void* p = device.allocate(size);
+    if (!p)
+      fail(loomSystemError, "rank %d: cannot allocate %zu bytes of scratch space on the %s device", rank(),
+           size, device.name());
+    scratch_ = std::unique_ptr<uint8_t, ScratchFree>(static_cast<uint8_t*>(p), ScratchFree{&device});
     scratchBytes_ = size;
   }
   return scratch_.get();
@@ -69,8 +72,7 @@ struct LaneState {
 
 class Runner {
  public:
-  Runner(ExecEnv& env, const std::vector<ExecOp>& ops, const Schedule& sched)
-      : env_(env), ops_(ops) {
+  Runner(ExecEnv& env, const std::vector<ExecOp>& ops, const Schedule& sched) : env_(env) {
     std::vector<std::pair<int, int>> needed;
     for (const Lane& l : sched.lanes)
       for (const Step& s : l.steps) {
@@ -230,18 +232,20 @@ class Runner {
 
   void finalize(const LaneState& l, const Step& s, void* data, size_t bytes) {
     if (s.finalize && l.op->op == loomAvg && l.op->divisor > 1)
-      divideHost(data, data, bytes / l.esz, l.op->dtype, l.op->divisor);
+      l.op->device->divide(data, data, bytes / l.esz, l.op->dtype, l.op->divisor);
   }
 
   // Moves the lane's current step as far as its connections allow.
   bool advance(LaneState& l) {
+    Device& dev = *l.op->device;
     bool progressed = false;
     while (l.cur < l.lane->steps.size()) {
       const Step& s = l.lane->steps[l.cur];
       Connection* sc = l.sendConn[l.cur];
       Connection* rc = l.recvConn[l.cur];
       if (s.kind == StepKind::Copy) {
-        if (s.bytes && ptr(l, s.src) != ptr(l, s.dst)) memmove(ptr(l, s.dst), ptr(l, s.src), s.bytes);
+        if (s.bytes && ptr(l, s.src) != ptr(l, s.dst))
+          dev.copy(ptr(l, s.dst), ptr(l, s.src), s.bytes, CopyHint::Cached);
         l.done = s.bytes;
       }
       while (l.done < s.bytes) {
@@ -264,23 +268,23 @@ class Runner {
         size_t off = l.done;
         switch (s.kind) {
           case StepKind::Send:
-            memcpy(out, src + off, n);
+            dev.copy(out, src + off, n, CopyHint::Cached);
             break;
           case StepKind::Recv:
-            memcpy(dst + off, in, n);
+            dev.copy(dst + off, in, n, CopyHint::Cached);
             break;
           case StepKind::RecvReduce:
-            reduceHost(dst + off, src + off, in, n / l.esz, l.op->dtype, l.op->op);
+            dev.reduce(dst + off, src + off, in, n / l.esz, l.op->dtype, l.op->op);
             finalize(l, s, dst + off, n);
             break;
           case StepKind::RecvReduceSend:
-            reduceHost(out, src + off, in, n / l.esz, l.op->dtype, l.op->op);
+            dev.reduce(out, src + off, in, n / l.esz, l.op->dtype, l.op->op);
             finalize(l, s, out, n);
-            if (dst) memcpy(dst + off, out, n);
+            if (dst) dev.copy(dst + off, out, n, CopyHint::Cached);
             break;
           case StepKind::RecvCopySend:
-            memcpy(out, in, n);
-            if (dst) memcpy(dst + off, in, n);
+            dev.copy(out, in, n, CopyHint::Cached);
+            if (dst) dev.copy(dst + off, in, n, CopyHint::Cached);
             break;
           case StepKind::Copy:
             break;
@@ -320,7 +324,6 @@ class Runner {
   }
 
   ExecEnv& env_;
-  const std::vector<ExecOp>& ops_;
   std::vector<LaneState> lanes_;
   std::vector<Connection*> conns_;
   std::vector<Connection*> pollers_;
@@ -330,10 +333,27 @@ class Runner {
   uint64_t bytesSent_ = 0;
 };
 
+// Every operation of a run uses one device, which can reach its buffers:
+// host kernels given a CUDA pointer would fault instead of failing.
+Device& runDevice(const ExecEnv& env, const std::vector<ExecOp>& ops) {
+  Device* dev = ops.empty() ? &hostDevice() : ops[0].device;
+  for (const ExecOp& op : ops) {
+    if (!op.device || op.device != dev)
+      fail(loomInternalError, "rank %d: the operations of one run use different devices", env.rank());
+    if (!dev->canAccess(op.sendMem) || !dev->canAccess(op.recvMem)) {
+      MemoryKind k = dev->canAccess(op.sendMem) ? op.recvMem : op.sendMem;
+      fail(loomInvalidUsage, "rank %d: %s has a buffer in %s memory, which the %s device cannot access",
+           env.rank(), describeTag(op.tag).c_str(), memoryKindName(k), dev->name());
+    }
+  }
+  return *dev;
+}
+
 }  // namespace
 
 uint64_t execute(ExecEnv& env, const std::vector<ExecOp>& ops, const Schedule& sched) {
   if (sched.lanes.empty()) return 0;
+  Device& dev = runDevice(env, ops);
   size_t total = 0;
   for (size_t i = 0; i < ops.size(); ++i) total += (sched.scratchOf(int(i)) + 63) & ~size_t(63);
   if (total == 0) {
@@ -341,7 +361,7 @@ uint64_t execute(ExecEnv& env, const std::vector<ExecOp>& ops, const Schedule& s
     return runner.run();
   }
   std::vector<ExecOp> withScratch(ops);
-  uint8_t* base = env.scratch(total);
+  uint8_t* base = env.scratch(total, dev);
   for (size_t i = 0; i < ops.size(); ++i) {
     withScratch[i].scratch = base;
     base += (sched.scratchOf(int(i)) + 63) & ~size_t(63);

@@ -11,18 +11,25 @@
 #include <vector>
 
 #include "algorithms/schedule.h"
+#include "src/device/device.h"
 #include "transports/transport.h"
 
 namespace loom {
 
 // One operation of a run, with its buffers and the tag its slots carry.
+// `device` copies and reduces its data and provides its scratch; it must be
+// able to access both buffers' memory kinds (execute() checks).  All
+// operations of a run share one device.
 struct ExecOp {
   SlotTag tag{};
   const uint8_t* send = nullptr;
   uint8_t* recv = nullptr;
   loomDataType_t dtype = loomFloat32;
   loomRedOp_t op = loomSum;
+  MemoryKind sendMem = MemoryKind::Host;
+  MemoryKind recvMem = MemoryKind::Host;
   int divisor = 1;  // loomAvg: nranks
+  Device* device = &hostDevice();
   uint8_t* scratch = nullptr;  // set by execute() from Schedule::scratch
 };
 
@@ -54,15 +61,17 @@ class ExecEnv {
   // The same for a rank waiting on a direct path (algorithms/direct.h):
   // throws if the peer visibly runs another operation on the executor path.
   virtual void checkOtherPath(const SlotTag& mine, int peer) { (void)mine, (void)peer; }
-  // Scratch space of at least `bytes` for one run, kept between runs so the
-  // steady state allocates nothing.  Not thread-safe: one run at a time.
-  uint8_t* scratch(size_t bytes);
+  // Scratch space of at least `bytes` of `device`'s memory for one run,
+  // kept between runs so the steady state allocates nothing.  Not
+  // thread-safe: one run at a time.
+  uint8_t* scratch(size_t bytes, Device& device);
 
  private:
-  struct FreeDeleter {
-    void operator()(uint8_t* p) const;
+  struct ScratchFree {
+    Device* device;
+    void operator()(uint8_t* p) const { device->free(p); }
   };
-  std::unique_ptr<uint8_t, FreeDeleter> scratch_;
+  std::unique_ptr<uint8_t, ScratchFree> scratch_{nullptr, ScratchFree{nullptr}};
   size_t scratchBytes_ = 0;
 };
 

@@ -1,12 +1,30 @@
 #include "src/core/stream.h"
 
+#include "src/core/error.h"
+
+namespace loom {
+
 namespace {
 constexpr auto kStealWindow = std::chrono::microseconds(50);
+
+std::mutex g_slotsMutex;
+size_t g_slotsUsed = 0;  // slots [0, used) have been handed out once
+
+// Destroyed handles' slots, reused oldest first and only once every slot has
+// been used, so a stale handle stays Destroyed as long as possible.  Never
+// freed, like the table, so that streams may be destroyed during exit.
+std::deque<size_t>& freeSlots() {
+  static auto* const slots = new std::deque<size_t>();
+  return *slots;
 }
 
-loomStream::loomStream() { worker_ = std::thread([this] { workerLoop(); }); }
+}  // namespace
 
-loomStream::~loomStream() {
+std::atomic<HostStream*> detail::streamSlots[kMaxStreams];
+
+HostStream::HostStream() { worker_ = std::thread([this] { workerLoop(); }); }
+
+HostStream::~HostStream() {
   synchronize();
   {
     std::lock_guard<std::mutex> lock(m_);
@@ -16,7 +34,7 @@ loomStream::~loomStream() {
   worker_.join();
 }
 
-void loomStream::enqueue(std::function<loomResult_t()> op) {
+void HostStream::enqueue(std::function<loomResult_t()> op) {
   bool wake;
   {
     std::lock_guard<std::mutex> lock(m_);
@@ -28,7 +46,7 @@ void loomStream::enqueue(std::function<loomResult_t()> op) {
   else doneCv_.notify_all();
 }
 
-void loomStream::runFront(std::unique_lock<std::mutex>& lock) {
+void HostStream::runFront(std::unique_lock<std::mutex>& lock) {
   std::function<loomResult_t()> op = std::move(queue_.front().op);
   queue_.pop_front();
   running_ = true;
@@ -41,7 +59,7 @@ void loomStream::runFront(std::unique_lock<std::mutex>& lock) {
   if (!queue_.empty() && syncing_ == 0) workCv_.notify_one();
 }
 
-void loomStream::workerLoop() {
+void HostStream::workerLoop() {
   std::unique_lock<std::mutex> lock(m_);
   for (;;) {
     workerIdle_ = true;
@@ -58,7 +76,7 @@ void loomStream::workerLoop() {
   }
 }
 
-loomResult_t loomStream::synchronize() {
+loomResult_t HostStream::synchronize() {
   std::unique_lock<std::mutex> lock(m_);
   ++syncing_;
   while (!queue_.empty() || running_) {
@@ -72,8 +90,34 @@ loomResult_t loomStream::synchronize() {
   return r;
 }
 
-loomResult_t loomStream::query() {
+loomResult_t HostStream::query() {
   std::lock_guard<std::mutex> lock(m_);
   if (error_ != loomSuccess) return error_;
   return (queue_.empty() && !running_) ? loomSuccess : loomInProgress;
 }
+
+loomStream_t registerStream(std::unique_ptr<HostStream> stream) {
+  std::lock_guard<std::mutex> lock(g_slotsMutex);
+  size_t i;
+  if (g_slotsUsed < kMaxStreams) {
+    i = g_slotsUsed++;
+  } else if (!freeSlots().empty()) {
+    i = freeSlots().front();
+    freeSlots().pop_front();
+  } else {
+    fail(loomSystemError, "too many loom streams (%zu live)", kMaxStreams);
+  }
+  detail::streamSlots[i].store(stream.release(), std::memory_order_release);
+  return reinterpret_cast<loomStream_t>(&detail::streamSlots[i]);
+}
+
+std::unique_ptr<HostStream> unregisterStream(loomStream_t handle) {
+  size_t i = detail::streamSlotOf(handle);
+  if (i == kMaxStreams) return nullptr;
+  std::lock_guard<std::mutex> lock(g_slotsMutex);
+  std::unique_ptr<HostStream> s(detail::streamSlots[i].exchange(nullptr, std::memory_order_acq_rel));
+  if (s) freeSlots().push_back(i);
+  return s;
+}
+
+}  // namespace loom

@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
-"""README.md's table of LOOM_* variables, generated from config.cc's table.
+"""docs/configuration.md's table of LOOM_* variables, generated from config.cc's table.
 
-The table between the two markers in README.md is what `loom-topo --env
+The table between the two markers in docs/configuration.md is what `loom-topo --env
 --json` prints (configTable() in src/core/config.cc), rendered as markdown.
 
-  readme_env_table.py BIN_DIR           check: exit 1 with a diff if the README differs
-  readme_env_table.py BIN_DIR --write   rewrite the README's table
+  docs_env_table.py BIN_DIR           check: exit 1 with a diff if the page differs
+  docs_env_table.py BIN_DIR --write   rewrite the page's table
 
 ctest runs the check ("docs: ..."), so a variable added, removed or given a
-new default in config.cc without the README (or the other way round) fails.
+new default in config.cc without the page (or the other way round) fails.
 """
 import difflib
 import json
@@ -16,9 +16,9 @@ import pathlib
 import subprocess
 import sys
 
-BEGIN = "<!-- LOOM_* table: generated from src/core/config.cc by scripts/readme_env_table.py; edit config.cc -->"
+BEGIN = "<!-- LOOM_* table: generated from src/core/config.cc by scripts/docs_env_table.py; edit config.cc -->"
 END = "<!-- end of the generated LOOM_* table -->"
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+README = pathlib.Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
 
 def cell(text):
@@ -50,10 +50,10 @@ def main():
         return
     if old != new:
         sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
-                                                   "README.md", "loom-topo --env"))
-        sys.exit(f"README.md's LOOM_* table differs from config.cc's: run "
-                 f"python3 scripts/readme_env_table.py {sys.argv[1]} --write")
-    print(f"README.md's LOOM_* table is config.cc's ({table.count(chr(10)) - 1} variables)")
+                                                   "docs/configuration.md", "loom-topo --env"))
+        sys.exit(f"docs/configuration.md's LOOM_* table differs from config.cc's: run "
+                 f"python3 scripts/docs_env_table.py {sys.argv[1]} --write")
+    print(f"docs/configuration.md's LOOM_* table is config.cc's ({table.count(chr(10)) - 1} variables)")
 
 
 if __name__ == "__main__":
