@@ -82,6 +82,7 @@ struct DirectWindow {
 struct DirectState {
   std::vector<std::array<uint64_t, 2>> lastMail;  // per reader: seq+1 last written per parity
   uint64_t stageChunk = 0;                        // chunks staged so far (stamps of the staging buffers)
+  std::vector<uint8_t*> windows;                  // PeerMemory::window(r), looked up once
 };
 
 // Everything a direct algorithm runs with.
@@ -94,7 +95,15 @@ struct DirectContext {
   int rank = 0;
   int nranks = 0;
   bool checkMode = true;
-  DirectWindow win(int r) const { return DirectWindow{mem.window(r), &layout}; }
+  // Rank r's window (the addresses are fixed for the communicator's life,
+  // so they are asked of the PeerMemory once: the one-shot path's latency
+  // is a few cache-line transfers, and a virtual call per access shows).
+  DirectWindow win(int r) const {
+    if (state.windows.empty()) {
+      for (int q = 0; q < nranks; ++q) state.windows.push_back(mem.window(q));
+    }
+    return DirectWindow{state.windows[size_t(r)], &layout};
+  }
 };
 
 // algorithms/one_shot.cc: every collective but P2P, blocks of at most mailBytes.
