@@ -208,7 +208,7 @@ NCCL_SHIM_API(ncclResult_t, ncclCommGetAsyncError, ncclComm_t comm, ncclResult_t
   loomResult_t e = loomSuccess;
   loomResult_t r = loomCommGetAsyncError(comm->loom, &e);
   if (r != loomSuccess) return fromLoom(r, "ncclCommGetAsyncError");
-  *asyncError = e == loomSuccess ? ncclSuccess : fromLoom(e, "asynchronous error");
+  *asyncError = toNccl(e);  // the reason stays on the communicator: ncclGetLastError(comm)
   return ncclSuccess;
 }
 

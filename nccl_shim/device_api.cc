@@ -3,9 +3,11 @@
 // not launch, so the calls that make them return ncclInvalidUsage.  The team
 // queries are arithmetic and answer for a communicator whose load-store team
 // is the rank alone (loom gives no peer load/store access through its API).
+// nccl_device.h needs what nccl.h includes (size_t) first.
+// clang-format off
+#include "nccl_shim/shim.h"
 #include <nccl_device.h>
-
-#include "nccl_shim/shim.h"  // nccl.h first: nccl_device.h relies on what it includes
+// clang-format on
 
 using namespace nccl_shim;
 

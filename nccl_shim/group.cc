@@ -29,31 +29,6 @@ struct Group {
 };
 thread_local Group tlsGroup;
 
-ncclResult_t toNccl(loomResult_t r) {
-  switch (r) {
-    case loomSuccess:
-      return ncclSuccess;
-    case loomUnhandledCudaError:
-      return ncclUnhandledCudaError;
-    case loomSystemError:
-      return ncclSystemError;
-    case loomInternalError:
-      return ncclInternalError;
-    case loomInvalidArgument:
-      return ncclInvalidArgument;
-    case loomInvalidUsage:
-      return ncclInvalidUsage;
-    case loomInProgress:
-      return ncclInProgress;
-    // NCCL has no timeout code; a peer that stops answering is a remote error.
-    case loomRemoteError:
-    case loomTimeout:
-      return ncclRemoteError;
-    default:
-      return ncclInternalError;
-  }
-}
-
 // Launches the queued operations of one communicator as one loom group.
 loomResult_t launch(const std::vector<PendingOp*>& ops, loomStream_t stream) {
   loomResult_t first = loomGroupStart();
@@ -98,6 +73,31 @@ ncclResult_t endGroup(std::vector<PendingOp> ops) {
 }
 
 }  // namespace
+
+ncclResult_t toNccl(loomResult_t r) {
+  switch (r) {
+    case loomSuccess:
+      return ncclSuccess;
+    case loomUnhandledCudaError:
+      return ncclUnhandledCudaError;
+    case loomSystemError:
+      return ncclSystemError;
+    case loomInternalError:
+      return ncclInternalError;
+    case loomInvalidArgument:
+      return ncclInvalidArgument;
+    case loomInvalidUsage:
+      return ncclInvalidUsage;
+    case loomInProgress:
+      return ncclInProgress;
+    // NCCL has no timeout code; a peer that stops answering is a remote error.
+    case loomRemoteError:
+    case loomTimeout:
+      return ncclRemoteError;
+    default:
+      return ncclInternalError;
+  }
+}
 
 ncclResult_t fail(ncclResult_t r, const char* fmt, ...) {
   char msg[1024];

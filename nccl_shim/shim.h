@@ -52,6 +52,8 @@ void logf(Level level, const char* fmt, ...) __attribute__((format(printf, 2, 3)
 // Records a shim error for ncclGetLastError (and the group in progress, whose
 // launch it cancels) and returns r.
 ncclResult_t fail(ncclResult_t r, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+// loom's result code as NCCL's (loomTimeout, which NCCL lacks: ncclRemoteError).
+ncclResult_t toNccl(loomResult_t r);
 // Translates a loom result, taking loom's message for ncclGetLastError.
 ncclResult_t fromLoom(loomResult_t r, const char* call);
 void clearLastError();
