@@ -88,12 +88,12 @@ NCCL_SHIM_API(ncclResult_t, ncclAllReduce, const void* sendbuff, void* recvbuff,
   Reduction red;
   if (ncclResult_t r = prologue(call, comm, stream)) return r;
   if (ncclResult_t r = reduction(call, comm, datatype, op, sendbuff, count, &red)) return r;
-  auto scratch = std::make_shared<std::vector<char>>();
+  auto scratch = red.preMul ? std::make_shared<std::vector<char>>() : nullptr;
   loomComm_t lc = comm->loom;
-  return submit({comm, call, [=](loomStream_t s) {
-                   return loomAllReduce(red.input(sendbuff, count, scratch.get()), recvbuff, count,
-                                        loomDataType_t(datatype), red.op, lc, s);
-                 }});
+  return submit(comm, call, [=](loomStream_t s) {
+    return loomAllReduce(red.input(sendbuff, count, scratch.get()), recvbuff, count, loomDataType_t(datatype),
+                         red.op, lc, s);
+  });
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclReduce, const void* sendbuff, void* recvbuff, size_t count,
@@ -102,12 +102,12 @@ NCCL_SHIM_API(ncclResult_t, ncclReduce, const void* sendbuff, void* recvbuff, si
   Reduction red;
   if (ncclResult_t r = prologue(call, comm, stream)) return r;
   if (ncclResult_t r = reduction(call, comm, datatype, op, sendbuff, count, &red)) return r;
-  auto scratch = std::make_shared<std::vector<char>>();
+  auto scratch = red.preMul ? std::make_shared<std::vector<char>>() : nullptr;
   loomComm_t lc = comm->loom;
-  return submit({comm, call, [=](loomStream_t s) {
-                   return loomReduce(red.input(sendbuff, count, scratch.get()), recvbuff, count,
-                                     loomDataType_t(datatype), red.op, root, lc, s);
-                 }});
+  return submit(comm, call, [=](loomStream_t s) {
+    return loomReduce(red.input(sendbuff, count, scratch.get()), recvbuff, count, loomDataType_t(datatype),
+                      red.op, root, lc, s);
+  });
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclReduceScatter, const void* sendbuff, void* recvbuff, size_t recvcount,
@@ -119,13 +119,13 @@ NCCL_SHIM_API(ncclResult_t, ncclReduceScatter, const void* sendbuff, void* recvb
   if (comm->nranks && inCount / size_t(comm->nranks) != recvcount)
     return fail(ncclInvalidArgument, "%s: recvcount %zu is too large", call, recvcount);
   if (ncclResult_t r = reduction(call, comm, datatype, op, sendbuff, inCount, &red)) return r;
-  auto scratch = std::make_shared<std::vector<char>>();
+  auto scratch = red.preMul ? std::make_shared<std::vector<char>>() : nullptr;
   loomComm_t lc = comm->loom;
-  return submit({comm, call, [=](loomStream_t s) {
-                   // A scaled copy is never in place: loom then reads all of it.
-                   return loomReduceScatter(red.input(sendbuff, inCount, scratch.get()), recvbuff, recvcount,
-                                            loomDataType_t(datatype), red.op, lc, s);
-                 }});
+  return submit(comm, call, [=](loomStream_t s) {
+    // A scaled copy is never in place: loom then reads all of it.
+    return loomReduceScatter(red.input(sendbuff, inCount, scratch.get()), recvbuff, recvcount,
+                             loomDataType_t(datatype), red.op, lc, s);
+  });
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclBroadcast, const void* sendbuff, void* recvbuff, size_t count,
@@ -135,8 +135,8 @@ NCCL_SHIM_API(ncclResult_t, ncclBroadcast, const void* sendbuff, void* recvbuff,
   if (ncclResult_t r = prologue(call, comm, stream)) return r;
   if (ncclResult_t r = moveType(call, datatype, &t)) return r;
   loomComm_t lc = comm->loom;
-  return submit(
-      {comm, call, [=](loomStream_t s) { return loomBroadcast(sendbuff, recvbuff, count, t, root, lc, s); }});
+  return submit(comm, call,
+                [=](loomStream_t s) { return loomBroadcast(sendbuff, recvbuff, count, t, root, lc, s); });
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclBcast, void* buff, size_t count, ncclDataType_t datatype, int root,
@@ -151,8 +151,8 @@ NCCL_SHIM_API(ncclResult_t, ncclAllGather, const void* sendbuff, void* recvbuff,
   if (ncclResult_t r = prologue(call, comm, stream)) return r;
   if (ncclResult_t r = moveType(call, datatype, &t)) return r;
   loomComm_t lc = comm->loom;
-  return submit(
-      {comm, call, [=](loomStream_t s) { return loomAllGather(sendbuff, recvbuff, sendcount, t, lc, s); }});
+  return submit(comm, call,
+                [=](loomStream_t s) { return loomAllGather(sendbuff, recvbuff, sendcount, t, lc, s); });
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclAlltoAll, const void* sendbuff, void* recvbuff, size_t count,
@@ -163,9 +163,8 @@ NCCL_SHIM_API(ncclResult_t, ncclAlltoAll, const void* sendbuff, void* recvbuff, 
   if (ncclResult_t r = moveType(call, datatype, &t)) return r;
   if (ncclResult_t r = blocks(call, comm, count, true, sendbuff, true, recvbuff)) return r;
   size_t esz = typeSize(datatype);
-  return submit({comm, call, [=](loomStream_t s) {
-                   return composedAlltoAll(sendbuff, recvbuff, count, t, esz, comm, s);
-                 }});
+  return submit(comm, call,
+                [=](loomStream_t s) { return composedAlltoAll(sendbuff, recvbuff, count, t, esz, comm, s); });
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclGather, const void* sendbuff, void* recvbuff, size_t count,
@@ -178,9 +177,9 @@ NCCL_SHIM_API(ncclResult_t, ncclGather, const void* sendbuff, void* recvbuff, si
     return fail(ncclInvalidArgument, "%s: root %d is out of range [0, %d)", call, root, comm->nranks);
   if (ncclResult_t r = blocks(call, comm, count, true, sendbuff, comm->rank == root, recvbuff)) return r;
   size_t esz = typeSize(datatype);
-  return submit({comm, call, [=](loomStream_t s) {
-                   return composedGather(sendbuff, recvbuff, count, t, esz, root, comm, s);
-                 }});
+  return submit(comm, call, [=](loomStream_t s) {
+    return composedGather(sendbuff, recvbuff, count, t, esz, root, comm, s);
+  });
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclScatter, const void* sendbuff, void* recvbuff, size_t count,
@@ -193,9 +192,9 @@ NCCL_SHIM_API(ncclResult_t, ncclScatter, const void* sendbuff, void* recvbuff, s
     return fail(ncclInvalidArgument, "%s: root %d is out of range [0, %d)", call, root, comm->nranks);
   if (ncclResult_t r = blocks(call, comm, count, comm->rank == root, sendbuff, true, recvbuff)) return r;
   size_t esz = typeSize(datatype);
-  return submit({comm, call, [=](loomStream_t s) {
-                   return composedScatter(sendbuff, recvbuff, count, t, esz, root, comm, s);
-                 }});
+  return submit(comm, call, [=](loomStream_t s) {
+    return composedScatter(sendbuff, recvbuff, count, t, esz, root, comm, s);
+  });
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclSend, const void* sendbuff, size_t count, ncclDataType_t datatype, int peer,
@@ -205,7 +204,7 @@ NCCL_SHIM_API(ncclResult_t, ncclSend, const void* sendbuff, size_t count, ncclDa
   if (ncclResult_t r = prologue(call, comm, stream)) return r;
   if (ncclResult_t r = moveType(call, datatype, &t)) return r;
   loomComm_t lc = comm->loom;
-  return submit({comm, call, [=](loomStream_t s) { return loomSend(sendbuff, count, t, peer, lc, s); }});
+  return submit(comm, call, [=](loomStream_t s) { return loomSend(sendbuff, count, t, peer, lc, s); });
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclRecv, void* recvbuff, size_t count, ncclDataType_t datatype, int peer,
@@ -215,5 +214,5 @@ NCCL_SHIM_API(ncclResult_t, ncclRecv, void* recvbuff, size_t count, ncclDataType
   if (ncclResult_t r = prologue(call, comm, stream)) return r;
   if (ncclResult_t r = moveType(call, datatype, &t)) return r;
   loomComm_t lc = comm->loom;
-  return submit({comm, call, [=](loomStream_t s) { return loomRecv(recvbuff, count, t, peer, lc, s); }});
+  return submit(comm, call, [=](loomStream_t s) { return loomRecv(recvbuff, count, t, peer, lc, s); });
 }

@@ -125,16 +125,11 @@ ncclResult_t fromLoom(loomResult_t r, const char* call) {
 void clearLastError() { tlsError.clear(); }
 const char* lastError() { return tlsError.c_str(); }
 
-ncclResult_t submit(PendingOp op) {
-  Group& g = tlsGroup;
-  if (g.depth > 0) {
-    g.ops.push_back(std::move(op));
-    return ncclSuccess;
-  }
-  if (op.comm->finalized)
-    return fail(ncclInvalidUsage, "%s: the communicator was finalized (ncclCommFinalize); only destroy it",
-                op.name);
-  return fromLoom(op.issue(nullptr), op.name);
+bool inGroup() { return tlsGroup.depth > 0; }
+
+ncclResult_t enqueue(PendingOp op) {
+  tlsGroup.ops.push_back(std::move(op));
+  return ncclSuccess;
 }
 
 ncclResult_t checkComm(const char* call, ncclComm_t comm) {

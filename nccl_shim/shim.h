@@ -11,6 +11,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "loom.h"
@@ -68,9 +69,18 @@ struct PendingOp {
   std::function<loomResult_t(loomStream_t)> issue;
 };
 
-// Runs op now (outside a group: a blocking call on loom's NULL stream) or
-// queues it for ncclGroupEnd.
-ncclResult_t submit(PendingOp op);
+bool inGroup();
+// Queues op for ncclGroupEnd.
+ncclResult_t enqueue(PendingOp op);
+
+// Runs issue now, outside a group (a blocking call on loom's NULL stream,
+// with nothing allocated: the latency path), or queues it for ncclGroupEnd.
+// The caller has checked the communicator (checkComm).
+template <class Issue>
+ncclResult_t submit(ncclComm* comm, const char* name, Issue&& issue) {
+  if (inGroup()) return enqueue(PendingOp{comm, name, std::forward<Issue>(issue)});
+  return fromLoom(issue(nullptr), name);
+}
 
 // Argument checks shared by the entry points.  Each returns ncclSuccess or
 // records the reason (fail) and returns the NCCL code.
