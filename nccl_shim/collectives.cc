@@ -163,8 +163,10 @@ NCCL_SHIM_API(ncclResult_t, ncclAlltoAll, const void* sendbuff, void* recvbuff, 
   if (ncclResult_t r = moveType(call, datatype, &t)) return r;
   if (ncclResult_t r = blocks(call, comm, count, true, sendbuff, true, recvbuff)) return r;
   size_t esz = typeSize(datatype);
-  return submit(comm, call,
-                [=](loomStream_t s) { return composedAlltoAll(sendbuff, recvbuff, count, t, esz, comm, s); });
+  Peers peers{comm->loom, comm->rank, comm->nranks};
+  return submit(comm, call, [=](loomStream_t s) {
+    return composedAlltoAll(sendbuff, recvbuff, count, t, esz, peers, s);
+  });
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclGather, const void* sendbuff, void* recvbuff, size_t count,
@@ -177,8 +179,9 @@ NCCL_SHIM_API(ncclResult_t, ncclGather, const void* sendbuff, void* recvbuff, si
     return fail(ncclInvalidArgument, "%s: root %d is out of range [0, %d)", call, root, comm->nranks);
   if (ncclResult_t r = blocks(call, comm, count, true, sendbuff, comm->rank == root, recvbuff)) return r;
   size_t esz = typeSize(datatype);
+  Peers peers{comm->loom, comm->rank, comm->nranks};
   return submit(comm, call, [=](loomStream_t s) {
-    return composedGather(sendbuff, recvbuff, count, t, esz, root, comm, s);
+    return composedGather(sendbuff, recvbuff, count, t, esz, root, peers, s);
   });
 }
 
@@ -192,8 +195,9 @@ NCCL_SHIM_API(ncclResult_t, ncclScatter, const void* sendbuff, void* recvbuff, s
     return fail(ncclInvalidArgument, "%s: root %d is out of range [0, %d)", call, root, comm->nranks);
   if (ncclResult_t r = blocks(call, comm, count, comm->rank == root, sendbuff, true, recvbuff)) return r;
   size_t esz = typeSize(datatype);
+  Peers peers{comm->loom, comm->rank, comm->nranks};
   return submit(comm, call, [=](loomStream_t s) {
-    return composedScatter(sendbuff, recvbuff, count, t, esz, root, comm, s);
+    return composedScatter(sendbuff, recvbuff, count, t, esz, root, peers, s);
   });
 }
 

@@ -28,47 +28,47 @@ loomResult_t endGroup(loomResult_t first) {
 }  // namespace
 
 loomResult_t composedAlltoAll(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t type,
-                              size_t esz, const ncclComm* comm, loomStream_t stream) {
+                              size_t esz, Peers comm, loomStream_t stream) {
   size_t bytes = count * esz;
   loomResult_t first = loomGroupStart();
-  for (int p = 0; p < comm->nranks && first == loomSuccess; ++p) {
-    first = loomSend(at(sendbuff, size_t(p), bytes), count, type, p, comm->loom, stream);
+  for (int p = 0; p < comm.nranks && first == loomSuccess; ++p) {
+    first = loomSend(at(sendbuff, size_t(p), bytes), count, type, p, comm.loom, stream);
     if (first == loomSuccess)
-      first = loomRecv(at(recvbuff, size_t(p), bytes), count, type, p, comm->loom, stream);
+      first = loomRecv(at(recvbuff, size_t(p), bytes), count, type, p, comm.loom, stream);
   }
   return endGroup(first);
 }
 
 loomResult_t composedGather(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t type,
-                            size_t esz, int root, const ncclComm* comm, loomStream_t stream) {
+                            size_t esz, int root, Peers comm, loomStream_t stream) {
   size_t bytes = count * esz;
   loomResult_t first = loomGroupStart();
-  if (comm->rank != root) {
-    first = loomSend(sendbuff, count, type, root, comm->loom, stream);
+  if (comm.rank != root) {
+    first = loomSend(sendbuff, count, type, root, comm.loom, stream);
     return endGroup(first);
   }
-  for (int p = 0; p < comm->nranks && first == loomSuccess; ++p) {
+  for (int p = 0; p < comm.nranks && first == loomSuccess; ++p) {
     char* dst = at(recvbuff, size_t(p), bytes);
     if (p == root && dst == sendbuff) continue;  // in place
-    if (p == root) first = loomSend(sendbuff, count, type, root, comm->loom, stream);
-    if (first == loomSuccess) first = loomRecv(dst, count, type, p, comm->loom, stream);
+    if (p == root) first = loomSend(sendbuff, count, type, root, comm.loom, stream);
+    if (first == loomSuccess) first = loomRecv(dst, count, type, p, comm.loom, stream);
   }
   return endGroup(first);
 }
 
 loomResult_t composedScatter(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t type,
-                             size_t esz, int root, const ncclComm* comm, loomStream_t stream) {
+                             size_t esz, int root, Peers comm, loomStream_t stream) {
   size_t bytes = count * esz;
   loomResult_t first = loomGroupStart();
-  if (comm->rank != root) {
-    first = loomRecv(recvbuff, count, type, root, comm->loom, stream);
+  if (comm.rank != root) {
+    first = loomRecv(recvbuff, count, type, root, comm.loom, stream);
     return endGroup(first);
   }
-  for (int p = 0; p < comm->nranks && first == loomSuccess; ++p) {
+  for (int p = 0; p < comm.nranks && first == loomSuccess; ++p) {
     const char* src = at(sendbuff, size_t(p), bytes);
     if (p == root && src == recvbuff) continue;  // in place
-    first = loomSend(src, count, type, p, comm->loom, stream);
-    if (first == loomSuccess && p == root) first = loomRecv(recvbuff, count, type, root, comm->loom, stream);
+    first = loomSend(src, count, type, p, comm.loom, stream);
+    if (first == loomSuccess && p == root) first = loomRecv(recvbuff, count, type, root, comm.loom, stream);
   }
   return endGroup(first);
 }

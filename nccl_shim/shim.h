@@ -91,13 +91,18 @@ ncclResult_t moveType(const char* call, ncclDataType_t in, loomDataType_t* out);
 size_t typeSize(ncclDataType_t t);
 
 // The composed collectives (composed.cc): the one place that says how
-// AlltoAll, Gather and Scatter reach loom.
+// AlltoAll, Gather and Scatter reach loom.  They get the communicator's
+// values, not the ncclComm, which ncclCommAbort on another thread may free.
+struct Peers {
+  loomComm_t loom;
+  int rank, nranks;
+};
 loomResult_t composedAlltoAll(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t type,
-                              size_t esz, const ncclComm* comm, loomStream_t stream);
+                              size_t esz, Peers comm, loomStream_t stream);
 loomResult_t composedGather(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t type,
-                            size_t esz, int root, const ncclComm* comm, loomStream_t stream);
+                            size_t esz, int root, Peers comm, loomStream_t stream);
 loomResult_t composedScatter(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t type,
-                             size_t esz, int root, const ncclComm* comm, loomStream_t stream);
+                             size_t esz, int root, Peers comm, loomStream_t stream);
 
 // PreMulSum (premulsum.cc): dst[i] = scalar * src[i] in the operator's type.
 void scaleInto(void* dst, const void* src, size_t count, ncclDataType_t type, const void* scalar);
