@@ -1,0 +1,301 @@
+// Versions, errors, memory, registration and communicators of the NCCL API on
+// loom's communicators.
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "nccl_shim/shim.h"
+
+using namespace nccl_shim;
+
+namespace {
+
+// What ncclCommRegister's handle points to.
+struct Registration {
+  void* buff;
+  size_t size;
+};
+
+// What ncclComm_t wraps: loom's communicator and the shim's own state.
+ncclResult_t wrap(loomComm_t loom, ncclComm_t* out, const char* call) {
+  ncclComm* c = new (std::nothrow) ncclComm;
+  if (!c) {
+    loomCommAbort(loom);
+    return fail(ncclSystemError, "%s: out of memory", call);
+  }
+  c->loom = loom;
+  loomCommCount(loom, &c->nranks);
+  loomCommUserRank(loom, &c->rank);
+  *out = c;
+  logf(Level::Info, "%s: rank %d of %d ready (loom communicator %p)", call, c->rank, c->nranks,
+       static_cast<void*>(loom));
+  return ncclSuccess;
+}
+
+void unwrap(ncclComm_t comm) {
+  if (comm->groupStream) loomStreamDestroy(comm->groupStream);
+  for (void* reg : comm->registrations) delete static_cast<Registration*>(reg);
+  delete comm;
+}
+
+// ncclConfig_t: the initializer's size, magic and version must be there (as
+// NCCL checks).  Its fields tune CUDA launches (CTAs, clusters, NVLS) or
+// name things; loom uses none of them, and blocking=0 is accepted because a
+// blocking init is a valid non-blocking one (it returns ncclSuccess, never
+// ncclInProgress).
+ncclResult_t checkConfig(const char* call, const ncclConfig_t* config) {
+  if (!config) return ncclSuccess;
+  if (config->magic != 0xcafebeef || config->size < offsetof(ncclConfig_t, cgaClusterSize))
+    return fail(ncclInvalidArgument, "%s: config was not initialised with NCCL_CONFIG_INITIALIZER", call);
+  if (config->blocking == 0)
+    logf(Level::Info, "%s: blocking=0: loom initialises blocking and returns ncclSuccess", call);
+  return ncclSuccess;
+}
+
+}  // namespace
+
+NCCL_SHIM_API(ncclResult_t, ncclGetVersion, int* version) {
+  ensureEnv();
+  if (!version) return fail(ncclInvalidArgument, "ncclGetVersion: version is NULL");
+  *version = NCCL_VERSION_CODE;  // the API this shim implements, which PyTorch and nccl-tests check
+  return ncclSuccess;
+}
+
+NCCL_SHIM_API(const char*, ncclGetErrorString, ncclResult_t result) {
+  switch (result) {
+    case ncclSuccess:
+      return "no error";
+    case ncclUnhandledCudaError:
+      return "unhandled cuda error (run with NCCL_DEBUG=INFO for details)";
+    case ncclSystemError:
+      return "unhandled system error (run with NCCL_DEBUG=INFO for details)";
+    case ncclInternalError:
+      return "internal error - please report this issue to the loom developers";
+    case ncclInvalidArgument:
+      return "invalid argument (run with NCCL_DEBUG=WARN for details)";
+    case ncclInvalidUsage:
+      return "invalid usage (run with NCCL_DEBUG=WARN for details)";
+    case ncclRemoteError:
+      return "remote process exited or there was a network error";
+    case ncclInProgress:
+      return "NCCL operation in progress";
+    default:
+      return "unknown result code";
+  }
+}
+
+// The thread's last error (the shim's or loom's message), else the
+// communicator's own (an asynchronous failure), else "".
+NCCL_SHIM_API(const char*, ncclGetLastError, ncclComm_t comm) {
+  const char* mine = lastError();
+  if (*mine || !comm) return mine;
+  return loomGetLastError(comm->loom);
+}
+
+NCCL_SHIM_API(ncclResult_t, ncclGetUniqueId, ncclUniqueId* uniqueId) {
+  ensureEnv();
+  if (!uniqueId) return fail(ncclInvalidArgument, "ncclGetUniqueId: uniqueId is NULL");
+  static_assert(sizeof(ncclUniqueId) == sizeof(loomUniqueId), "the ids have one size");
+  loomUniqueId id;
+  loomResult_t r = loomGetUniqueId(&id);
+  if (r == loomSuccess) memcpy(uniqueId, &id, sizeof id);
+  return fromLoom(r, "ncclGetUniqueId");
+}
+
+NCCL_SHIM_API(ncclResult_t, ncclCommInitRankConfig, ncclComm_t* comm, int nranks, ncclUniqueId commId,
+              int rank, ncclConfig_t* config) {
+  ensureEnv();
+  if (!comm) return fail(ncclInvalidArgument, "ncclCommInitRankConfig: comm is NULL");
+  *comm = nullptr;
+  if (ncclResult_t r = checkConfig("ncclCommInitRankConfig", config)) return r;
+  loomUniqueId id;
+  memcpy(&id, &commId, sizeof id);
+  loomComm_t loom = nullptr;
+  loomResult_t r = loomCommInitRank(&loom, nranks, id, rank);
+  if (r != loomSuccess) return fromLoom(r, "ncclCommInitRank");
+  return wrap(loom, comm, "ncclCommInitRank");
+}
+
+NCCL_SHIM_API(ncclResult_t, ncclCommInitRank, ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank) {
+  return pncclCommInitRankConfig(comm, nranks, commId, rank, nullptr);
+}
+
+// loom's bootstrap has one root: the id made by rank 0 (commIds[0]) is used
+// and the others are ignored, so rank 0 must be the one that made commIds[0].
+NCCL_SHIM_API(ncclResult_t, ncclCommInitRankScalable, ncclComm_t* newcomm, int nranks, int myrank, int nId,
+              ncclUniqueId* commIds, ncclConfig_t* config) {
+  ensureEnv();
+  if (nId < 1 || !commIds)
+    return fail(ncclInvalidArgument, "ncclCommInitRankScalable: needs nId >= 1 ids (nId %d, commIds %p)", nId,
+                static_cast<void*>(commIds));
+  return pncclCommInitRankConfig(newcomm, nranks, commIds[0], myrank, config);
+}
+
+NCCL_SHIM_API(ncclResult_t, ncclCommInitAll, ncclComm_t* comm, int ndev, const int* devlist) {
+  ensureEnv();
+  (void)comm, (void)devlist;
+  return fail(ncclInvalidUsage,
+              "ncclCommInitAll(ndev %d): one process driving several CUDA devices needs CUDA communicators, "
+              "which loom does not have yet; start one rank per process or thread with ncclCommInitRank",
+              ndev);
+}
+
+NCCL_SHIM_API(ncclResult_t, ncclCommSplit, ncclComm_t comm, int color, int key, ncclComm_t* newcomm,
+              ncclConfig_t* config) {
+  ensureEnv();
+  if (ncclResult_t r = checkComm("ncclCommSplit", comm)) return r;
+  if (!newcomm) return fail(ncclInvalidArgument, "ncclCommSplit: newcomm is NULL");
+  *newcomm = nullptr;
+  if (ncclResult_t r = checkConfig("ncclCommSplit", config)) return r;
+  loomComm_t loom = nullptr;
+  loomResult_t r =
+      loomCommSplit(comm->loom, color == NCCL_SPLIT_NOCOLOR ? LOOM_SPLIT_NOCOLOR : color, key, &loom);
+  if (r != loomSuccess) return fromLoom(r, "ncclCommSplit");
+  if (!loom) return ncclSuccess;  // NCCL_SPLIT_NOCOLOR
+  return wrap(loom, newcomm, "ncclCommSplit");
+}
+
+// The ranks that remain would call it without the excluded ones, but loom's
+// split needs every rank of the communicator.
+NCCL_SHIM_API(ncclResult_t, ncclCommShrink, ncclComm_t comm, int* excludeRanksList, int excludeRanksCount,
+              ncclComm_t* newcomm, ncclConfig_t* config, int shrinkFlags) {
+  ensureEnv();
+  (void)comm, (void)excludeRanksList, (void)newcomm, (void)config, (void)shrinkFlags;
+  return fail(
+      ncclInvalidUsage,
+      "ncclCommShrink (%d ranks excluded): loom cannot build a communicator without the excluded ranks "
+      "taking part; abort the communicator and make a new one with ncclCommInitRank",
+      excludeRanksCount);
+}
+
+// Operations through the shim complete before their call returns, so nothing
+// is in flight: finalizing marks the communicator so later operations fail.
+NCCL_SHIM_API(ncclResult_t, ncclCommFinalize, ncclComm_t comm) {
+  ensureEnv();
+  if (ncclResult_t r = checkComm("ncclCommFinalize", comm)) return r;
+  comm->finalized = true;
+  return ncclSuccess;
+}
+
+NCCL_SHIM_API(ncclResult_t, ncclCommRevoke, ncclComm_t comm, int revokeFlags) {
+  ensureEnv();
+  (void)comm;
+  return fail(ncclInvalidUsage,
+              "ncclCommRevoke(flags %d): loom cannot stop a communicator's operations and keep it; use "
+              "ncclCommAbort",
+              revokeFlags);
+}
+
+NCCL_SHIM_API(ncclResult_t, ncclCommDestroy, ncclComm_t comm) {
+  ensureEnv();
+  if (!comm) return ncclSuccess;
+  loomResult_t r = loomCommDestroy(comm->loom);
+  unwrap(comm);
+  return fromLoom(r, "ncclCommDestroy");
+}
+
+NCCL_SHIM_API(ncclResult_t, ncclCommAbort, ncclComm_t comm) {
+  ensureEnv();
+  if (!comm) return ncclSuccess;
+  loomResult_t r = loomCommAbort(comm->loom);
+  unwrap(comm);
+  return fromLoom(r, "ncclCommAbort");
+}
+
+NCCL_SHIM_API(ncclResult_t, ncclCommGetAsyncError, ncclComm_t comm, ncclResult_t* asyncError) {
+  ensureEnv();
+  if (!comm || !asyncError) return fail(ncclInvalidArgument, "ncclCommGetAsyncError: NULL argument");
+  loomResult_t e = loomSuccess;
+  loomResult_t r = loomCommGetAsyncError(comm->loom, &e);
+  if (r != loomSuccess) return fromLoom(r, "ncclCommGetAsyncError");
+  *asyncError = toNccl(e);  // the reason stays on the communicator: ncclGetLastError(comm)
+  return ncclSuccess;
+}
+
+NCCL_SHIM_API(ncclResult_t, ncclCommCount, const ncclComm_t comm, int* count) {
+  ensureEnv();
+  if (!comm || !count) return fail(ncclInvalidArgument, "ncclCommCount: NULL argument");
+  *count = comm->nranks;
+  return ncclSuccess;
+}
+
+NCCL_SHIM_API(ncclResult_t, ncclCommUserRank, const ncclComm_t comm, int* rank) {
+  ensureEnv();
+  if (!comm || !rank) return fail(ncclInvalidArgument, "ncclCommUserRank: NULL argument");
+  *rank = comm->rank;
+  return ncclSuccess;
+}
+
+NCCL_SHIM_API(ncclResult_t, ncclCommCuDevice, const ncclComm_t comm, int* device) {
+  ensureEnv();
+  (void)comm, (void)device;
+  return fail(ncclInvalidUsage,
+              "ncclCommCuDevice: a loom host communicator has no CUDA device (host buffers)");
+}
+
+// Host memory: loom's host transports read any host buffer; the 4096-byte
+// alignment is NCCL's NCCL_WIN_REQUIRED_ALIGNMENT.
+NCCL_SHIM_API(ncclResult_t, ncclMemAlloc, void** ptr, size_t size) {
+  ensureEnv();
+  if (!ptr) return fail(ncclInvalidArgument, "ncclMemAlloc: ptr is NULL");
+  *ptr = nullptr;
+  if (size == 0) return fail(ncclInvalidArgument, "ncclMemAlloc: size is 0");
+  if (posix_memalign(ptr, NCCL_WIN_REQUIRED_ALIGNMENT, size) != 0) {
+    *ptr = nullptr;
+    return fail(ncclSystemError, "ncclMemAlloc: cannot allocate %zu bytes of host memory", size);
+  }
+  return ncclSuccess;
+}
+
+NCCL_SHIM_API(ncclResult_t, ncclMemFree, void* ptr) {
+  ensureEnv();
+  free(ptr);
+  return ncclSuccess;
+}
+
+// loom's host transports copy through their own slots and need no
+// registration: the handle only records the buffer, and deregistration checks
+// it was one of this communicator's.
+NCCL_SHIM_API(ncclResult_t, ncclCommRegister, const ncclComm_t comm, void* buff, size_t size, void** handle) {
+  ensureEnv();
+  if (ncclResult_t r = checkComm("ncclCommRegister", comm)) return r;
+  if (!buff || !handle || size == 0)
+    return fail(ncclInvalidArgument, "ncclCommRegister: NULL buffer, handle or size 0");
+  Registration* reg = new (std::nothrow) Registration{buff, size};
+  if (!reg) return fail(ncclSystemError, "ncclCommRegister: out of memory");
+  std::lock_guard<std::mutex> lock(comm->mu);
+  comm->registrations.insert(reg);
+  *handle = reg;
+  logf(Level::Info, "ncclCommRegister(%p, %zu): host buffer; loom's host transports need no registration",
+       buff, size);
+  return ncclSuccess;
+}
+
+NCCL_SHIM_API(ncclResult_t, ncclCommDeregister, const ncclComm_t comm, void* handle) {
+  ensureEnv();
+  if (!comm) return fail(ncclInvalidArgument, "ncclCommDeregister: comm is NULL");
+  std::lock_guard<std::mutex> lock(comm->mu);
+  if (!comm->registrations.erase(handle))
+    return fail(ncclInvalidArgument, "ncclCommDeregister: %p is not a registration of this communicator",
+                handle);
+  delete static_cast<Registration*>(handle);
+  return ncclSuccess;
+}
+
+NCCL_SHIM_API(ncclResult_t, ncclCommWindowRegister, ncclComm_t comm, void* buff, size_t size,
+              ncclWindow_t* win, int winFlags) {
+  ensureEnv();
+  (void)comm, (void)buff, (void)win, (void)winFlags;
+  return fail(
+      ncclInvalidUsage,
+      "ncclCommWindowRegister(%zu bytes): symmetric memory windows need CUDA memory and NCCL's device "
+      "API, which loom does not have",
+      size);
+}
+
+NCCL_SHIM_API(ncclResult_t, ncclCommWindowDeregister, ncclComm_t comm, ncclWindow_t win) {
+  ensureEnv();
+  (void)comm, (void)win;
+  return fail(ncclInvalidUsage,
+              "ncclCommWindowDeregister: loom registers no windows (see ncclCommWindowRegister)");
+}

@@ -1,0 +1,226 @@
+// Errors, argument checks and groups: how an NCCL call becomes loom calls.
+//
+// Outside a group an operation runs at once on loom's NULL stream (the call
+// returns when it is complete).  Inside ncclGroupStart/ncclGroupEnd the shim
+// queues operations itself and launches them at the outermost ncclGroupEnd:
+// that way a call the shim refuses (a CUDA stream, a float8 reduction)
+// cancels the whole group as NCCL does, and a group may span communicators.
+// One communicator: one loom group on the NULL stream.  Several: one loom
+// group per communicator on that communicator's host stream, so they progress
+// together, then the shim waits for all of them.
+#include <cstdarg>
+#include <cstdio>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "nccl_shim/shim.h"
+
+namespace nccl_shim {
+namespace {
+
+thread_local std::string tlsError;
+
+struct Group {
+  int depth = 0;
+  std::vector<PendingOp> ops;
+  ncclResult_t error = ncclSuccess;
+  std::string errorMsg;
+};
+thread_local Group tlsGroup;
+
+// Launches the queued operations of one communicator as one loom group.
+loomResult_t launch(const std::vector<PendingOp*>& ops, loomStream_t stream) {
+  loomResult_t first = loomGroupStart();
+  for (PendingOp* op : ops) {
+    loomResult_t r = op->issue(stream);
+    if (first == loomSuccess) first = r;
+  }
+  // loom does not launch a group that had a failed member: ending it is safe.
+  loomResult_t r = loomGroupEnd();
+  return first != loomSuccess ? first : r;
+}
+
+ncclResult_t endGroup(std::vector<PendingOp> ops) {
+  std::vector<ncclComm*> comms;
+  for (const PendingOp& op : ops) {
+    bool seen = false;
+    for (ncclComm* c : comms) seen |= c == op.comm;
+    if (!seen) comms.push_back(op.comm);
+  }
+  auto opsOf = [&](ncclComm* c) {
+    std::vector<PendingOp*> mine;
+    for (PendingOp& op : ops)
+      if (op.comm == c) mine.push_back(&op);
+    return mine;
+  };
+  if (comms.size() == 1) return fromLoom(launch(opsOf(comms[0]), nullptr), "ncclGroupEnd");
+  ncclResult_t result = ncclSuccess;
+  std::vector<ncclComm*> launched;
+  for (ncclComm* c : comms) {
+    loomResult_t r = c->groupStream ? loomSuccess : loomStreamCreate(&c->groupStream);
+    if (r == loomSuccess) r = launch(opsOf(c), c->groupStream);
+    if (r == loomSuccess)
+      launched.push_back(c);
+    else if (result == ncclSuccess)
+      result = fromLoom(r, "ncclGroupEnd");
+  }
+  for (ncclComm* c : launched) {
+    loomResult_t r = loomStreamSynchronize(c->groupStream);
+    if (r != loomSuccess && result == ncclSuccess) result = fromLoom(r, "ncclGroupEnd");
+  }
+  return result;
+}
+
+}  // namespace
+
+ncclResult_t toNccl(loomResult_t r) {
+  switch (r) {
+    case loomSuccess:
+      return ncclSuccess;
+    case loomUnhandledCudaError:
+      return ncclUnhandledCudaError;
+    case loomSystemError:
+      return ncclSystemError;
+    case loomInternalError:
+      return ncclInternalError;
+    case loomInvalidArgument:
+      return ncclInvalidArgument;
+    case loomInvalidUsage:
+      return ncclInvalidUsage;
+    case loomInProgress:
+      return ncclInProgress;
+    // NCCL has no timeout code; a peer that stops answering is a remote error.
+    case loomRemoteError:
+    case loomTimeout:
+      return ncclRemoteError;
+    default:
+      return ncclInternalError;
+  }
+}
+
+ncclResult_t fail(ncclResult_t r, const char* fmt, ...) {
+  char msg[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  tlsError = msg;
+  Group& g = tlsGroup;
+  if (g.depth > 0 && g.error == ncclSuccess) {
+    g.error = r;
+    g.errorMsg = msg;
+  }
+  logf(Level::Info, "%s: %s", ncclGetErrorString(r), msg);
+  return r;
+}
+
+ncclResult_t fromLoom(loomResult_t r, const char* call) {
+  if (r == loomSuccess) return ncclSuccess;
+  tlsError = std::string(call) + ": " + loomGetLastError(nullptr);
+  logf(Level::Info, "%s", tlsError.c_str());
+  return toNccl(r);
+}
+
+void clearLastError() { tlsError.clear(); }
+const char* lastError() { return tlsError.c_str(); }
+
+bool inGroup() { return tlsGroup.depth > 0; }
+
+ncclResult_t enqueue(PendingOp op) {
+  tlsGroup.ops.push_back(std::move(op));
+  return ncclSuccess;
+}
+
+ncclResult_t checkComm(const char* call, ncclComm_t comm) {
+  if (!comm) return fail(ncclInvalidArgument, "%s: comm is NULL", call);
+  if (comm->finalized)
+    return fail(ncclInvalidUsage, "%s: the communicator was finalized (ncclCommFinalize); only destroy it",
+                call);
+  return ncclSuccess;
+}
+
+ncclResult_t checkStream(const char* call, cudaStream_t stream) {
+  if (!stream) return ncclSuccess;
+  return fail(ncclInvalidUsage,
+              "%s: stream %p is a CUDA stream, and loom cannot order work on CUDA streams yet: this build "
+              "takes host buffers with stream 0 (NULL), where each call returns when it is complete",
+              call, static_cast<void*>(stream));
+}
+
+size_t typeSize(ncclDataType_t t) {
+  switch (t) {
+    case ncclInt8:
+    case ncclUint8:
+    case ncclFloat8e4m3:
+    case ncclFloat8e5m2:
+      return 1;
+    case ncclFloat16:
+    case ncclBfloat16:
+      return 2;
+    case ncclInt32:
+    case ncclUint32:
+    case ncclFloat32:
+      return 4;
+    case ncclInt64:
+    case ncclUint64:
+    case ncclFloat64:
+      return 8;
+    default:
+      return 0;
+  }
+}
+
+ncclResult_t moveType(const char* call, ncclDataType_t in, loomDataType_t* out) {
+  int t = int(in);
+  if (t == ncclFloat8e4m3 || t == ncclFloat8e5m2) {
+    *out = loomUint8;  // bytes move unchanged; only reductions need the type
+    return ncclSuccess;
+  }
+  if (t < 0 || t >= int(loomNumTypes)) return fail(ncclInvalidArgument, "%s: unknown datatype %d", call, t);
+  *out = loomDataType_t(t);  // ncclInt8..ncclBfloat16 have loom's numbering
+  return ncclSuccess;
+}
+
+}  // namespace nccl_shim
+
+using namespace nccl_shim;
+
+NCCL_SHIM_API(ncclResult_t, ncclGroupStart) {
+  ensureEnv();
+  ++tlsGroup.depth;
+  return ncclSuccess;
+}
+
+NCCL_SHIM_API(ncclResult_t, ncclGroupEnd) {
+  ensureEnv();
+  Group& g = tlsGroup;
+  if (g.depth == 0) return fail(ncclInvalidUsage, "ncclGroupEnd: no matching ncclGroupStart");
+  if (--g.depth > 0) return ncclSuccess;
+  Group done = std::move(g);
+  g = Group();
+  if (done.error != ncclSuccess) {
+    tlsError = "ncclGroupEnd: the group was not launched because one of its calls failed: " + done.errorMsg;
+    return done.error;
+  }
+  for (const PendingOp& op : done.ops)
+    if (op.comm->finalized)
+      return fail(ncclInvalidUsage,
+                  "ncclGroupEnd: %s on a finalized communicator; the group was not launched", op.name);
+  if (done.ops.empty()) return ncclSuccess;
+  return endGroup(std::move(done.ops));
+}
+
+// loom has no cost estimate for a group through its API: the group is ended
+// without launching anything and the call says so.
+NCCL_SHIM_API(ncclResult_t, ncclGroupSimulateEnd, ncclSimInfo_t* simInfo) {
+  ensureEnv();
+  Group& g = tlsGroup;
+  if (g.depth == 0) return fail(ncclInvalidUsage, "ncclGroupSimulateEnd: no matching ncclGroupStart");
+  if (--g.depth == 0) g = Group();
+  if (simInfo) simInfo->estimatedTime = NCCL_UNDEF_FLOAT;
+  return fail(
+      ncclInvalidUsage,
+      "ncclGroupSimulateEnd: loom cannot simulate a group (loom-topo prints its cost model); the group "
+      "was ended without launching anything");
+}

@@ -1,0 +1,116 @@
+// What the NCCL shim's files share: the communicator behind ncclComm_t, the
+// shim's error and log helpers, and the queue of operations a group holds.
+// The shim uses only loom's C API (loom.h); libloom.so exports nothing else.
+#pragma once
+
+#include <nccl.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "loom.h"
+
+// NCCL's ncclComm_t points to this.  It wraps a loom communicator and keeps
+// what NCCL has and loom does not: PreMulSum operators, registrations, the
+// finalized state, and a host stream for groups that span communicators.
+struct ncclComm {
+  loomComm_t loom = nullptr;
+  int rank = 0;
+  int nranks = 0;
+  bool finalized = false;
+  loomStream_t groupStream = nullptr;  // made on first use by a multi-communicator group
+
+  struct PreMulSum {
+    ncclDataType_t type;
+    ncclScalarResidence_t residence;
+    const void* scalarPtr;  // ncclScalarDevice: read when the collective runs
+    double scalarBytes[2];  // ncclScalarHostImmediate: the scalar, copied at creation
+  };
+  std::mutex mu;  // guards the two tables below
+  std::map<int, PreMulSum> preMulSums;
+  int nextOp = ncclNumOps;
+  std::set<void*> registrations;
+};
+
+namespace nccl_shim {
+
+// Reads the NCCL_* variables once per process and sets the LOOM_* ones they
+// map to (only those the user has not set), before the shim's first loom call.
+// Every exported function calls it first.
+void ensureEnv();
+
+// Logging at the level NCCL_DEBUG / LOOM_DEBUG asks for, prefixed "loom-nccl".
+enum class Level { None = 0, Warn = 1, Info = 2, Trace = 3 };
+bool logOn(Level level);
+void logf(Level level, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+
+// Records a shim error for ncclGetLastError (and the group in progress, whose
+// launch it cancels) and returns r.
+ncclResult_t fail(ncclResult_t r, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+// loom's result code as NCCL's (loomTimeout, which NCCL lacks: ncclRemoteError).
+ncclResult_t toNccl(loomResult_t r);
+// Translates a loom result, taking loom's message for ncclGetLastError.
+ncclResult_t fromLoom(loomResult_t r, const char* call);
+void clearLastError();
+const char* lastError();
+
+// One operation as the shim hands it to loom: issue() makes the loom calls
+// (several for a composed collective) on the given stream.  Scratch memory it
+// needs lives in the closure until the operation has completed.
+struct PendingOp {
+  ncclComm* comm;
+  const char* name;
+  std::function<loomResult_t(loomStream_t)> issue;
+};
+
+bool inGroup();
+// Queues op for ncclGroupEnd.
+ncclResult_t enqueue(PendingOp op);
+
+// Runs issue now, outside a group (a blocking call on loom's NULL stream,
+// with nothing allocated: the latency path), or queues it for ncclGroupEnd.
+// The caller has checked the communicator (checkComm).
+template <class Issue>
+ncclResult_t submit(ncclComm* comm, const char* name, Issue&& issue) {
+  if (inGroup()) return enqueue(PendingOp{comm, name, std::forward<Issue>(issue)});
+  return fromLoom(issue(nullptr), name);
+}
+
+// Argument checks shared by the entry points.  Each returns ncclSuccess or
+// records the reason (fail) and returns the NCCL code.
+ncclResult_t checkComm(const char* call, ncclComm_t comm);
+ncclResult_t checkStream(const char* call, cudaStream_t stream);
+// A datatype that moves bytes only: float8 travels as uint8.
+ncclResult_t moveType(const char* call, ncclDataType_t in, loomDataType_t* out);
+size_t typeSize(ncclDataType_t t);
+
+// The composed collectives (composed.cc): the one place that says how
+// AlltoAll, Gather and Scatter reach loom.  They get the communicator's
+// values, not the ncclComm, which ncclCommAbort on another thread may free.
+struct Peers {
+  loomComm_t loom;
+  int rank, nranks;
+};
+loomResult_t composedAlltoAll(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t type,
+                              size_t esz, Peers comm, loomStream_t stream);
+loomResult_t composedGather(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t type,
+                            size_t esz, int root, Peers comm, loomStream_t stream);
+loomResult_t composedScatter(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t type,
+                             size_t esz, int root, Peers comm, loomStream_t stream);
+
+// PreMulSum (premulsum.cc): dst[i] = scalar * src[i] in the operator's type.
+void scaleInto(void* dst, const void* src, size_t count, ncclDataType_t type, const void* scalar);
+
+}  // namespace nccl_shim
+
+// Defines pnccl<name> and makes nccl<name> a weak alias of it, as NCCL does,
+// so a profiler can interpose nccl<name> and call pnccl<name>.
+#define NCCL_SHIM_API(ret, name, ...)                                                              \
+  extern "C" ret name(__VA_ARGS__) __attribute__((weak, alias("p" #name), visibility("default"))); \
+  extern "C" __attribute__((visibility("default"))) ret p##name(__VA_ARGS__)
