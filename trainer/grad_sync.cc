@@ -83,6 +83,7 @@ GradSync::GradSync(loomComm_t comm, int rank, int nranks, const Layout& L, const
     recv_.resize(r);
     order_.resize(maxLen);
   }
+  if (cfg.hook == Hook::PowerSgd) powerSgd_.reset(new PowerSgd(L, cfg.powersgdRank));
 }
 
 GradSync::~GradSync() {
@@ -130,7 +131,22 @@ const float* GradSync::shardGrads(size_t b) const {
 }
 
 size_t GradSync::bufferBytes() const {
-  return half_.size() * 2 + residual_.size() * 4 + (send_.size() + recv_.size()) * 4 + order_.size() * 4;
+  return half_.size() * 2 + residual_.size() * 4 + (send_.size() + recv_.size()) * 4 + order_.size() * 4 +
+         (powerSgd_ ? powerSgd_->bufferBytes() : 0);
+}
+
+size_t GradSync::wireFloats() const {
+  switch (cfg_.hook) {
+    case Hook::Bf16:
+    case Hook::Fp16:
+      return L_.total / 2;
+    case Hook::TopK:
+      return send_.size();
+    case Hook::PowerSgd:
+      return powerSgd_->wireFloats();
+    default:
+      return L_.total;
+  }
 }
 
 void GradSync::beginSyncPass() {
@@ -204,6 +220,12 @@ void GradSync::launch(int bi) {
       TRAINER_CHECK_LOOM(loomAllGather(s, recv_.data() + recvOff_[bi], 2 * k, loomInt32, comm_, stream_));
       break;
     }
+    case Hook::PowerSgd: {
+      size_t n = 0;
+      float* msg = powerSgd_->first(size_t(bi), g, &n);
+      TRAINER_CHECK_LOOM(loomAllReduce(msg, msg, n, loomFloat32, loomAvg, comm_, stream_));
+      break;
+    }
   }
 }
 
@@ -215,6 +237,15 @@ void GradSync::finish(int bi) {
     const uint16_t* h = half_.data() + b.off;
     bool bf = cfg_.hook == Hook::Bf16;
     for (size_t i = 0; i < b.len; ++i) g[i] = bf ? bf16ToFloat(h[i]) : halfToFloat(h[i]);
+    return;
+  }
+  if (cfg_.hook == Hook::PowerSgd) {  // the second all-reduce needs the first's result: blocking
+    size_t n = 0;
+    float* msg = powerSgd_->second(size_t(bi), &n);
+    double t0 = now();
+    TRAINER_CHECK_LOOM(loomAllReduce(msg, msg, n, loomFloat32, loomAvg, comm_, nullptr));
+    blocked_ += now() - t0;
+    powerSgd_->finish(size_t(bi), g);
     return;
   }
   std::fill(g, g + b.len, 0.0f);

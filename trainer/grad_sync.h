@@ -14,6 +14,8 @@
 //   topk       the k = ratio x len largest magnitudes of gradient + residual,
 //              as (index, value) pairs all-gathered from every rank and summed;
 //              what was not sent stays in the residual (error feedback)
+//   powersgd   rank-r approximations of each weight matrix (trainer/powersgd.h):
+//              P all-reduced while backward runs, Q after it, with error feedback
 // With ZeRO (cfg.zero >= 1) each bucket is reduce-scattered instead: rank r
 // receives the average of shard r of the bucket (trainer/shards.h) and
 // updates those parameters only.
@@ -30,19 +32,22 @@
 //            Every micro-batch synchronises (accumulation is in the shards).
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "include/loom.h"
 #include "trainer/mlp.h"
+#include "trainer/powersgd.h"
 #include "trainer/shards.h"
 
 namespace trainer {
 
-enum class Hook { AllReduce, Bf16, Fp16, TopK };
+enum class Hook { AllReduce, Bf16, Fp16, TopK, PowerSgd };
 
 struct SyncConfig {
   Hook hook = Hook::AllReduce;
   double topkRatio = 0.01;
+  int powersgdRank = 4;
   int zero = 0;  // ZeRO stage 0-3
   bool overlap = true;
 };
@@ -80,8 +85,10 @@ class GradSync {
   const float* shardGrads(size_t b) const;
   double gatherParams(float* params);
 
-  // Top-k error feedback (empty for other hooks), for checkpoints.
+  // Top-k's error feedback (empty for other hooks), for checkpoints.
   std::vector<float>& residual() { return residual_; }
+  // Floats a rank puts on the wire per step, and without compression.
+  size_t wireFloats() const;
   // Bytes of communication buffers this object holds (hooks' buffers).
   size_t bufferBytes() const;
   // Bytes of gradients it holds from stage 2: the packed shards and the
@@ -115,6 +122,7 @@ class GradSync {
   std::vector<size_t> k_, sendOff_, recvOff_;  // topk: per bucket
   std::vector<int32_t> send_, recv_;           // topk: (index, float bits) pairs
   std::vector<uint32_t> order_;                // topk: selection scratch
+  std::unique_ptr<PowerSgd> powerSgd_;
 };
 
 uint16_t floatToBf16(float f);

@@ -57,8 +57,9 @@ const char kUsage[] =
     "                        too, reduce-scattered bucket by bucket during backward; 3: parameters\n"
     "                        sharded too, each layer all-gathered before its forward and backward\n"
     "  --no-prefetch         ZeRO-3: gather each layer when it is needed, not during the previous one\n"
-    "  --hook H              allreduce (default), bf16, fp16 or topk gradient communication\n"
+    "  --hook H              allreduce (default), bf16, fp16, topk or powersgd gradient communication\n"
     "  --topk-ratio F        fraction of each bucket top-k sends (default 0.01)\n"
+    "  --powersgd-rank R     rank of PowerSGD's approximations (default 4)\n"
     "  --bucket-mb M         gradient bucket cap in MB (default 25)\n"
     "  --first-bucket-mb M   cap of the first bucket (default 1)\n"
     "  --no-overlap          issue all buckets after backward instead of during it\n"
@@ -174,10 +175,14 @@ Options parse(int argc, char** argv) {
         o.sync.hook = Hook::Fp16;
       else if (v == "topk")
         o.sync.hook = Hook::TopK;
+      else if (v == "powersgd")
+        o.sync.hook = Hook::PowerSgd;
       else
-        usageError("--hook " + v + ": expected allreduce, bf16, fp16 or topk");
+        usageError("--hook " + v + ": expected allreduce, bf16, fp16, topk or powersgd");
     } else if (a == "--topk-ratio")
       o.sync.topkRatio = number(a, value(), 1e-6, 1);
+    else if (a == "--powersgd-rank")
+      o.sync.powersgdRank = int(number(a, value(), 1, 4096));
     else if (a == "--bucket-mb")
       o.bucketMb = number(a, value(), 1e-3, 1e5);
     else if (a == "--first-bucket-mb")
@@ -204,6 +209,8 @@ Options parse(int argc, char** argv) {
   if (o.lr < 0) o.lr = o.optimizer == OptKind::Adam ? 0.001 : 0.05;
   if (o.sync.zero && o.sync.hook != Hook::AllReduce)
     usageError("--zero reduce-scatters float32 gradients; it does not combine with --hook");
+  if (o.sync.hook == Hook::PowerSgd && (!o.checkpoint.empty() || !o.resume.empty()))
+    usageError("--hook powersgd does not checkpoint its warm-start state: no --checkpoint or --resume");
   if (!o.prefetch && o.sync.zero != 3) usageError("--no-prefetch applies to --zero 3 only");
   return o;
 }
@@ -222,6 +229,8 @@ const char* hookName(Hook h) {
       return "fp16";
     case Hook::TopK:
       return "topk";
+    case Hook::PowerSgd:
+      return "powersgd";
   }
   return "?";
 }
@@ -413,6 +422,9 @@ int main(int argc, char** argv) {
         stage == 3 ? (o.prefetch ? " with prefetch" : " without prefetch") : "",
         o.sync.overlap ? "overlap" : "no overlap", (unsigned long long)totalSteps,
         (unsigned long long)stepsPerEpoch, (unsigned long long)firstStep);
+    if (o.sync.hook != Hook::AllReduce)
+      printf("loom-trainer: hook %s sends %zu floats per rank per step instead of %zu (%.1fx less)\n",
+             hookName(o.sync.hook), sync.wireFloats(), L.total, double(L.total) / double(sync.wireFloats()));
     printf(
         "memory per rank: parameters %.2f MB, gathered layers %.2f MB, gradients %.2f MB, optimizer state "
         "%.2f MB, hook buffers %.2f MB: model state %.2f MB\n",
@@ -573,14 +585,16 @@ int main(int argc, char** argv) {
     printf(
         "summary: dataset=%s ranks=%d steps=%llu timed_steps=%llu global_batch=%d hook=%s zero=%d overlap=%d "
         "samples_per_s=%.1f step_ms=%.2f comm_wait_ms=%.2f compute_ms=%.2f comm_share=%.1f%% "
-        "last_window_loss=%.4f test_accuracy=%.2f prefetch=%d gather_wait_ms=%.2f params_mb=%.2f "
+        "last_window_loss=%.4f test_accuracy=%.2f compression=%.1f prefetch=%d gather_wait_ms=%.2f "
+        "params_mb=%.2f "
         "gathered_mb=%.2f grads_mb=%.2f optim_mb=%.2f model_state_mb=%.2f rss_mb=%.1f peak_rss_mb=%.1f\n",
         data.name.substr(0, data.name.find(' ')).c_str(), nranks, (unsigned long long)totalSteps,
         (unsigned long long)totSteps, o.globalBatch, hookName(o.sync.hook), stage, int(o.sync.overlap),
         totSteps ? o.globalBatch * steps / tmax[0] : 0.0, stepMs, 1e3 * t[0] / nranks / steps,
         1e3 * t[1] / nranks / steps, 100.0 * t[0] / std::max(t[0] + t[1], 1e-12), lastLoss, testAcc,
-        int(stage == 3 && o.prefetch), 1e3 * t[3] / nranks / steps, mem.params / 1e6, mem.gathered / 1e6,
-        mem.grads / 1e6, mem.optim / 1e6, mem.total() / 1e6, tmax[1], tmax[2]);
+        double(L.total) / double(sync.wireFloats()), int(stage == 3 && o.prefetch),
+        1e3 * t[3] / nranks / steps, mem.params / 1e6, mem.gathered / 1e6, mem.grads / 1e6, mem.optim / 1e6,
+        mem.total() / 1e6, tmax[1], tmax[2]);
   }
   if (!o.saveParams.empty()) {
     std::vector<float> full = fullArray(params.data(), stage == 3, L, S, comm);

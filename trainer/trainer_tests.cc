@@ -16,6 +16,7 @@
 
 #include "trainer/grad_sync.h"
 #include "trainer/mlp.h"
+#include "trainer/powersgd.h"
 
 using namespace trainer;
 
@@ -218,6 +219,49 @@ TEST_CASE("hooks: bfloat16 and float16 conversions round to nearest even") {
   }
 }
 
+TEST_CASE("powersgd: a low-rank gradient passes exactly, and what is not sent stays in the residual") {
+  // One layer 40 x 30 (compressed at rank 2: 140 floats instead of 1200) and
+  // one 30 x 2 (rank 2 at most: sent whole).  One rank: the all-reduces
+  // are identities, so first/second/finish run back to back.
+  Layout L = planLayout({40, 30, 2}, 1 << 20, 1 << 20, 16);
+  REQUIRE(L.buckets.size() == 1);
+  PowerSgd p(L, 2);
+  CHECK(p.wireFloats() == (40 + 30) * 2 + 30 + 30 * 2 + 2);
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-1, 1);
+  const Layer& l0 = L.layers[0];
+  std::vector<float> g(L.total, 0.0f), a(40), b(30);
+  for (float& f : a) f = u(rng);
+  for (float& f : b) f = u(rng);
+  for (size_t i = 0; i < 40; ++i)  // rank 1: a b^T
+    for (size_t j = 0; j < 30; ++j) g[l0.w + i * 30 + j] = a[i] * b[j];
+  for (size_t i = l0.b; i < l0.b + 30; ++i) g[i] = u(rng);
+  for (size_t i = L.layers[1].w; i < L.layers[1].b + 2; ++i) g[i] = u(rng);
+  std::vector<float> sent = g;
+  size_t n = 0;
+  p.first(0, g.data(), &n);
+  p.second(0, &n);
+  p.finish(0, g.data());
+  double worst = 0;
+  for (size_t i = 0; i < L.total; ++i) worst = std::max(worst, double(std::fabs(g[i] - sent[i])));
+  CHECK(worst < 1e-5);
+  // A full-rank gradient is approximated; gradient + residual is what was owed.
+  for (size_t i = l0.w; i < l0.w + 1200; ++i) g[i] = sent[i] = u(rng);
+  p.residual().assign(L.total, 0.0f);
+  p.first(0, g.data(), &n);
+  p.second(0, &n);
+  p.finish(0, g.data());
+  double lost = 0, kept = 0;
+  for (size_t i = l0.w; i < l0.w + 1200; ++i) {
+    worst = std::max(worst, double(std::fabs(g[i] + p.residual()[i] - sent[i])));
+    lost += double(p.residual()[i]) * p.residual()[i];
+    kept += double(sent[i]) * sent[i];
+  }
+  CHECK(worst < 1e-5);
+  CHECK(lost > 0.5 * kept);  // rank 2 of a random 40 x 30 matrix misses most of it
+  CHECK(lost < kept);
+}
+
 TEST_CASE("equivalence: plain data parallel on 2 and 3 ranks gives 1 rank's parameters") {
   for (const char* opt : {"sgd", "adam"}) {
     std::string a = std::string("--optimizer ") + opt;
@@ -317,7 +361,7 @@ TEST_CASE(
   INFO("zero 3: " << z3.out);
   REQUIRE(z3.code == 0);
   CHECK(std::fabs(summaryValue(z3.out, "test_accuracy") - base) <= 0.5);
-  for (const char* hook : {"bf16", "fp16", "topk"}) {
+  for (const char* hook : {"bf16", "fp16", "topk", "powersgd"}) {
     Run r = runTrainer(2, kEpoch + " --hook " + hook);
     INFO(hook << ": " << r.out);
     REQUIRE(r.code == 0);
@@ -389,6 +433,9 @@ TEST_CASE("bad input: clear errors, no hang") {
   r = runTrainer(1, "--zero --hook topk");
   CHECK(r.code != 0);
   CHECK(r.out.find("does not combine") != std::string::npos);
+  r = runTrainer(1, "--hook powersgd --checkpoint /tmp/never-written");
+  CHECK(r.code != 0);
+  CHECK(r.out.find("does not checkpoint its warm-start state") != std::string::npos);
   r = runTrainer(1, "--zero 2 --no-prefetch");
   CHECK(r.code != 0);
   CHECK(r.out.find("--no-prefetch applies to --zero 3 only") != std::string::npos);
