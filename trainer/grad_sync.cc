@@ -51,11 +51,20 @@ float halfToFloat(uint16_t h) {
 
 GradSync::GradSync(loomComm_t comm, int rank, int nranks, const Layout& L, const SyncConfig& cfg,
                    float* grads)
-    : comm_(comm), rank_(rank), nranks_(nranks), L_(L), cfg_(cfg), grads_(grads) {
+    : comm_(comm), rank_(rank), nranks_(nranks), L_(L), cfg_(cfg), grads_(grads), shards_(L, rank, nranks) {
   TRAINER_CHECK_LOOM(loomStreamCreate(&stream_));
   size_t nb = L.buckets.size();
   pending_.resize(nb);
   launched_.resize(nb);
+  slotOf_.assign(nb, -1);
+  if (cfg.zero >= 2) {
+    TRAINER_CHECK_LOOM(loomStreamCreate(&stream1_));
+    size_t maxLen = 0;
+    for (const Bucket& b : L.buckets) maxLen = std::max(maxLen, b.len);
+    gradShards_.assign(shards_.total(), 0.0f);
+    staging_[0].assign(maxLen, 0.0f);
+    staging_[1].assign(maxLen, 0.0f);
+  }
   if (cfg.hook == Hook::Bf16 || cfg.hook == Hook::Fp16) half_.resize(L.total);
   if (cfg.hook == Hook::TopK) {
     residual_.assign(L.total, 0.0f);
@@ -74,17 +83,76 @@ GradSync::GradSync(loomComm_t comm, int rank, int nranks, const Layout& L, const
     recv_.resize(r);
     order_.resize(maxLen);
   }
+  if (cfg.hook == Hook::PowerSgd) powerSgd_.reset(new PowerSgd(L, cfg.powersgdRank));
 }
 
-GradSync::~GradSync() { loomStreamDestroy(stream_); }
+GradSync::~GradSync() {
+  loomStreamDestroy(stream_);
+  loomStreamDestroy(stream1_);
+}
+
+void GradSync::zeroGrads() {
+  if (cfg_.zero >= 2)
+    std::fill(gradShards_.begin(), gradShards_.end(), 0.0f);
+  else
+    std::fill(grads_, grads_ + L_.total, 0.0f);
+}
+
+float* GradSync::layerGrads(int l) {
+  const Layer& ly = L_.layers[l];
+  if (cfg_.zero < 2) return grads_ + ly.w;
+  int b = L_.bucketOf[l];
+  if (slotOf_[b] < 0) {  // the bucket's first layer in backward: give it a staging buffer
+    int s = nextSlot_;
+    nextSlot_ ^= 1;
+    if (slotBucket_[s] >= 0) retire(s);
+    std::fill(staging_[s].begin(), staging_[s].begin() + long(L_.buckets[b].len), 0.0f);
+    slotBucket_[s] = b;
+    slotOf_[b] = s;
+  }
+  return staging_[slotOf_[b]].data() + (ly.w - L_.buckets[b].off);
+}
+
+void GradSync::retire(int s) {
+  int b = slotBucket_[s];
+  // --no-overlap: a bucket of this pass is issued when its buffer is needed.
+  if (slotOf_[b] == s && !launched_[b]) launch(b);
+  double t0 = now();
+  TRAINER_CHECK_LOOM(loomStreamSynchronize(s ? stream1_ : stream_));
+  blocked_ += now() - t0;
+  const float* part = staging_[s].data() + size_t(rank_) * shards_.len(size_t(b));
+  float* acc = gradShards_.data() + shards_.packedOff(size_t(b));
+  for (size_t i = 0; i < shards_.len(size_t(b)); ++i) acc[i] += part[i];
+  slotBucket_[s] = -1;
+}
+
+const float* GradSync::shardGrads(size_t b) const {
+  return cfg_.zero >= 2 ? gradShards_.data() + shards_.packedOff(b) : grads_ + shards_.flatOff(b);
+}
 
 size_t GradSync::bufferBytes() const {
-  return half_.size() * 2 + residual_.size() * 4 + (send_.size() + recv_.size()) * 4 + order_.size() * 4;
+  return half_.size() * 2 + residual_.size() * 4 + (send_.size() + recv_.size()) * 4 + order_.size() * 4 +
+         (powerSgd_ ? powerSgd_->bufferBytes() : 0);
+}
+
+size_t GradSync::wireFloats() const {
+  switch (cfg_.hook) {
+    case Hook::Bf16:
+    case Hook::Fp16:
+      return L_.total / 2;
+    case Hook::TopK:
+      return send_.size();
+    case Hook::PowerSgd:
+      return powerSgd_->wireFloats();
+    default:
+      return L_.total;
+  }
 }
 
 void GradSync::beginSyncPass() {
   std::fill(pending_.begin(), pending_.end(), 0);
   std::fill(launched_.begin(), launched_.end(), 0);
+  std::fill(slotOf_.begin(), slotOf_.end(), -1);
   for (size_t l = 0; l < L_.layers.size(); ++l) ++pending_[L_.bucketOf[l]];
 }
 
@@ -103,10 +171,18 @@ void GradSync::endBackward() {
 void GradSync::launch(int bi) {
   const Bucket& b = L_.buckets[bi];
   launched_[bi] = 1;
+  size_t shard = shards_.len(size_t(bi));
+  if (cfg_.zero >= 2) {
+    int s = slotOf_[bi];
+    float* g = staging_[s].data();
+    TRAINER_CHECK_LOOM(loomReduceScatter(g, g + size_t(rank_) * shard, shard, loomFloat32, loomAvg, comm_,
+                                         s ? stream1_ : stream_));
+    return;
+  }
   float* g = grads_ + b.off;
-  if (cfg_.zero) {
-    TRAINER_CHECK_LOOM(
-        loomReduceScatter(g, grads_ + shardOff(b), shardLen(b), loomFloat32, loomAvg, comm_, stream_));
+  if (cfg_.zero == 1) {
+    TRAINER_CHECK_LOOM(loomReduceScatter(g, grads_ + shards_.flatOff(size_t(bi)), shard, loomFloat32, loomAvg,
+                                         comm_, stream_));
     return;
   }
   switch (cfg_.hook) {
@@ -144,17 +220,32 @@ void GradSync::launch(int bi) {
       TRAINER_CHECK_LOOM(loomAllGather(s, recv_.data() + recvOff_[bi], 2 * k, loomInt32, comm_, stream_));
       break;
     }
+    case Hook::PowerSgd: {
+      size_t n = 0;
+      float* msg = powerSgd_->first(size_t(bi), g, &n);
+      TRAINER_CHECK_LOOM(loomAllReduce(msg, msg, n, loomFloat32, loomAvg, comm_, stream_));
+      break;
+    }
   }
 }
 
 void GradSync::finish(int bi) {
+  if (cfg_.zero || cfg_.hook == Hook::AllReduce) return;
   const Bucket& b = L_.buckets[bi];
   float* g = grads_ + b.off;
-  if (cfg_.zero || cfg_.hook == Hook::AllReduce) return;
   if (cfg_.hook == Hook::Bf16 || cfg_.hook == Hook::Fp16) {
     const uint16_t* h = half_.data() + b.off;
     bool bf = cfg_.hook == Hook::Bf16;
     for (size_t i = 0; i < b.len; ++i) g[i] = bf ? bf16ToFloat(h[i]) : halfToFloat(h[i]);
+    return;
+  }
+  if (cfg_.hook == Hook::PowerSgd) {  // the second all-reduce needs the first's result: blocking
+    size_t n = 0;
+    float* msg = powerSgd_->second(size_t(bi), &n);
+    double t0 = now();
+    TRAINER_CHECK_LOOM(loomAllReduce(msg, msg, n, loomFloat32, loomAvg, comm_, nullptr));
+    blocked_ += now() - t0;
+    powerSgd_->finish(size_t(bi), g);
     return;
   }
   std::fill(g, g + b.len, 0.0f);
@@ -170,18 +261,25 @@ void GradSync::finish(int bi) {
 }
 
 double GradSync::wait() {
-  double t0 = now();
-  TRAINER_CHECK_LOOM(loomStreamSynchronize(stream_));
-  double waited = now() - t0;
-  for (size_t b = 0; b < L_.buckets.size(); ++b) finish(int(b));
+  if (cfg_.zero >= 2) {
+    for (int s : {nextSlot_, nextSlot_ ^ 1})  // the older bucket first
+      if (slotBucket_[s] >= 0) retire(s);
+  } else {
+    double t0 = now();
+    TRAINER_CHECK_LOOM(loomStreamSynchronize(stream_));
+    blocked_ += now() - t0;
+    for (size_t b = 0; b < L_.buckets.size(); ++b) finish(int(b));
+  }
+  double waited = blocked_;
+  blocked_ = 0;
   return waited;
 }
 
 double GradSync::gatherParams(float* params) {
   double t0 = now();
-  for (const Bucket& b : L_.buckets)
-    TRAINER_CHECK_LOOM(
-        loomAllGather(params + shardOff(b), params + b.off, shardLen(b), loomFloat32, comm_, stream_));
+  for (size_t b = 0; b < L_.buckets.size(); ++b)
+    TRAINER_CHECK_LOOM(loomAllGather(params + shards_.flatOff(b), params + L_.buckets[b].off, shards_.len(b),
+                                     loomFloat32, comm_, stream_));
   TRAINER_CHECK_LOOM(loomStreamSynchronize(stream_));
   return now() - t0;
 }

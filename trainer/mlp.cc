@@ -71,10 +71,12 @@ void fromLogical(const Layout& L, const float* logical, float* flat) {
 void initParams(const Layout& L, uint64_t seed, float* flat) {
   std::fill(flat, flat + L.total, 0.0f);
   std::mt19937_64 rng(seed);
-  for (const Layer& l : L.layers) {
-    std::normal_distribution<float> dist(0.0f, std::sqrt(2.0f / float(l.in)));
-    for (size_t i = 0; i < size_t(l.in) * l.out; ++i) flat[l.w + i] = dist(rng);
-  }
+  for (const Layer& l : L.layers) initLayerWeights(l, rng, flat + l.w);
+}
+
+void initLayerWeights(const Layer& l, std::mt19937_64& rng, float* w) {
+  std::normal_distribution<float> dist(0.0f, std::sqrt(2.0f / float(l.in)));
+  for (size_t i = 0; i < size_t(l.in) * l.out; ++i) w[i] = dist(rng);
 }
 
 // The three kernels keep the innermost loop over contiguous, independent
@@ -157,13 +159,32 @@ Mlp::Mlp(const Layout& L, int maxBatch) : L_(L) {
   deltaPrev_.resize(size_t(maxBatch) * maxWidth);
 }
 
+LayerAccess flatAccess(const Layout& L, const float* params, float* grads) {
+  LayerAccess a;
+  a.params = [&L, params](int l) { return params + L.layers[l].w; };
+  a.grads = [&L, grads](int l) { return grads + L.layers[l].w; };
+  return a;
+}
+
 double Mlp::forward(const float* params, const float* x, const uint8_t* labels, int batch, int* correct) {
+  return forward(flatAccess(L_, params, nullptr), x, labels, batch, correct);
+}
+
+void Mlp::backward(const float* params, float* grads, const uint8_t* labels, int batch, float scale,
+                   const std::function<void(int)>& onLayerReady) {
+  LayerAccess a = flatAccess(L_, params, grads);
+  a.gradsReady = onLayerReady;
+  backward(a, labels, batch, scale);
+}
+
+double Mlp::forward(const LayerAccess& a, const float* x, const uint8_t* labels, int batch, int* correct) {
   size_t nl = L_.layers.size();
   std::memcpy(acts_[0].data(), x, size_t(batch) * L_.layers[0].in * sizeof(float));
   for (size_t l = 0; l < nl; ++l) {
     const Layer& ly = L_.layers[l];
     float* y = acts_[l + 1].data();
-    gemmForward(batch, ly.in, ly.out, acts_[l].data(), params + ly.w, params + ly.b, y);
+    const float* p = a.params(int(l));
+    gemmForward(batch, ly.in, ly.out, acts_[l].data(), p, p + (ly.b - ly.w), y);
     if (l + 1 < nl)
       for (size_t i = 0; i < size_t(batch) * ly.out; ++i) y[i] = y[i] > 0.0f ? y[i] : 0.0f;
   }
@@ -185,8 +206,7 @@ double Mlp::forward(const float* params, const float* x, const uint8_t* labels, 
   return loss;
 }
 
-void Mlp::backward(const float* params, float* grads, const uint8_t* labels, int batch, float scale,
-                   const std::function<void(int)>& onLayerReady) {
+void Mlp::backward(const LayerAccess& a, const uint8_t* labels, int batch, float scale) {
   int nl = int(L_.layers.size());
   int classes = L_.layers[nl - 1].out;
   const float* p = acts_[nl].data();
@@ -195,11 +215,13 @@ void Mlp::backward(const float* params, float* grads, const uint8_t* labels, int
       delta_[size_t(r) * classes + c] = (p[size_t(r) * classes + c] - (c == labels[r])) * scale;
   for (int l = nl - 1; l >= 0; --l) {
     const Layer& ly = L_.layers[l];
-    gemmBackwardWeights(batch, ly.in, ly.out, acts_[l].data(), delta_.data(), grads + ly.w, grads + ly.b);
-    if (onLayerReady) onLayerReady(l);
+    // Asked first, so that a prefetch it starts runs during both products.
+    const float* p = l > 0 ? a.params(l) : nullptr;
+    float* g = a.grads(l);
+    gemmBackwardWeights(batch, ly.in, ly.out, acts_[l].data(), delta_.data(), g, g + (ly.b - ly.w));
+    if (a.gradsReady) a.gradsReady(l);
     if (l > 0) {
-      gemmBackwardDataMasked(batch, ly.in, ly.out, delta_.data(), params + ly.w, acts_[l].data(),
-                             deltaPrev_.data());
+      gemmBackwardDataMasked(batch, ly.in, ly.out, delta_.data(), p, acts_[l].data(), deltaPrev_.data());
       delta_.swap(deltaPrev_);
     }
   }

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <random>
 #include <vector>
 
 namespace trainer {
@@ -45,11 +46,36 @@ void fromLogical(const Layout& L, const float* logical, float* flat);
 
 // He-initialised weights, zero biases, from `seed`.
 void initParams(const Layout& L, uint64_t seed, float* flat);
+// The same one layer at a time: layer l's weights into w, drawn from rng,
+// which must have drawn layers 0..l-1 before (initParams' sequence).
+void initLayerWeights(const Layer& l, std::mt19937_64& rng, float* w);
+
+// Where the model finds a layer's parameters and puts its gradients, so that
+// they may live in one flat buffer (plain data parallelism), in gradient
+// staging buffers (ZeRO-2) or in buffers all-gathered layer by layer (ZeRO-3).
+// Both return the start of layer l's block: W at 0, b at Layer::b - Layer::w.
+struct LayerAccess {
+  // Called before layer l's forward and before its backward (l > 0 only: the
+  // first layer's backward needs no weights).  The block must stay valid
+  // until the next call.
+  std::function<const float*(int l)> params;
+  // Called before layer l's gradients are accumulated (backward only).
+  std::function<float*(int l)> grads;
+  // Layer l's gradients are final (may be empty).
+  std::function<void(int l)> gradsReady;
+};
+
+// The access of a flat buffer laid out as L says.
+LayerAccess flatAccess(const Layout& L, const float* params, float* grads);
 
 // Activations of one micro-batch; sized once for the largest batch.
 class Mlp {
  public:
   Mlp(const Layout& L, int maxBatch);
+
+  // The passes below, with parameters and gradients wherever `a` says.
+  double forward(const LayerAccess& a, const float* x, const uint8_t* labels, int batch, int* correct);
+  void backward(const LayerAccess& a, const uint8_t* labels, int batch, float scale);
 
   // Forward pass of `batch` samples x [batch x in]; returns the summed loss
   // and stores the number of correct predictions.

@@ -5,7 +5,8 @@
 //   - a distributed sampler gives each rank a disjoint slice of every global
 //     batch (per-epoch shuffle from a shared seed);
 //   - gradient buckets are synchronised while backward runs (grad_sync.h),
-//     with gradient accumulation, a sharded optimizer and compression hooks;
+//     with gradient accumulation, compression hooks and ZeRO stages 1-3
+//     (optimizer state, gradients and parameters sharded; param_gather.h);
 //   - linear learning-rate scaling with warm-up; checkpoint and resume.
 // Run it with: loom-run -n N loom-trainer [flags]   (loom-trainer -h lists them)
 #include <unistd.h>
@@ -16,6 +17,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -26,6 +29,8 @@
 #include "trainer/grad_sync.h"
 #include "trainer/mlp.h"
 #include "trainer/optimizer.h"
+#include "trainer/param_gather.h"
+#include "trainer/shards.h"
 
 using namespace trainer;
 
@@ -36,7 +41,8 @@ const char kUsage[] =
     "  --data DIR            Fashion-MNIST IDX files, gzip'd or not\n"
     "                        (default /usr/share/datasets/fashion-mnist; synthetic data if absent)\n"
     "  --synthetic           use the generated dataset even if Fashion-MNIST is present\n"
-    "  --hidden W1,W2,...    hidden layer widths (default 1024,1024,1024: 2.9M parameters)\n"
+    "  --hidden W1,W2,...    hidden layer widths (default 1024,1024,1024: 2.9M parameters);\n"
+    "                        WxK stands for K layers of width W (2048x16: a deep model)\n"
     "  --epochs E            epochs to train (default 1)\n"
     "  --steps S             stop after S optimizer steps in all (overrides --epochs)\n"
     "  --global-batch B      samples per optimizer step over all ranks (default 256)\n"
@@ -46,10 +52,14 @@ const char kUsage[] =
     "  --lr-ref-batch R      linear scaling: lr = X * B / R (default 256)\n"
     "  --warmup W            linear warm-up over the first W steps (default 50)\n"
     "  --momentum M          SGD momentum (default 0.9)\n"
-    "  --zero                sharded optimizer: reduce-scatter gradients, update this rank's\n"
-    "                        shard, all-gather parameters (ZeRO stage 1/2)\n"
-    "  --hook H              allreduce (default), bf16, fp16 or topk gradient communication\n"
+    "  --zero [1|2|3]        ZeRO stage (--zero alone: 1). 1: optimizer state sharded\n"
+    "                        (reduce-scatter, shard update, all-gather); 2: gradients sharded\n"
+    "                        too, reduce-scattered bucket by bucket during backward; 3: parameters\n"
+    "                        sharded too, each layer all-gathered before its forward and backward\n"
+    "  --no-prefetch         ZeRO-3: gather each layer when it is needed, not during the previous one\n"
+    "  --hook H              allreduce (default), bf16, fp16, topk or powersgd gradient communication\n"
     "  --topk-ratio F        fraction of each bucket top-k sends (default 0.01)\n"
+    "  --powersgd-rank R     rank of PowerSGD's approximations (default 4)\n"
     "  --bucket-mb M         gradient bucket cap in MB (default 25)\n"
     "  --first-bucket-mb M   cap of the first bucket (default 1)\n"
     "  --no-overlap          issue all buckets after backward instead of during it\n"
@@ -74,6 +84,7 @@ struct Options {
   double lr = -1, lrRefBatch = 256, momentum = 0.9;
   int warmup = 50;
   SyncConfig sync;
+  bool prefetch = true;
   double bucketMb = 25, firstBucketMb = 1;
   uint64_t seed = 1;
   int logEvery = 50;
@@ -117,7 +128,11 @@ Options parse(int argc, char** argv) {
       for (size_t p = 0; p <= s.size();) {
         size_t q = s.find(',', p);
         if (q == std::string::npos) q = s.size();
-        o.hidden.push_back(int(number(a, s.substr(p, q - p).c_str(), 1, 65536)));
+        std::string item = s.substr(p, q - p);
+        size_t x = item.find('x');
+        int repeat = x == std::string::npos ? 1 : int(number(a, item.substr(x + 1).c_str(), 1, 1000));
+        int width = int(number(a, item.substr(0, x).c_str(), 1, 65536));
+        o.hidden.insert(o.hidden.end(), size_t(repeat), width);
         p = q + 1;
       }
     } else if (a == "--epochs")
@@ -144,8 +159,12 @@ Options parse(int argc, char** argv) {
       o.warmup = int(number(a, value(), 0, 1e9));
     else if (a == "--momentum")
       o.momentum = number(a, value(), 0, 1);
-    else if (a == "--zero")
-      o.sync.zero = true;
+    else if (a == "--zero") {
+      o.sync.zero = 1;
+      if (i + 1 < argc && strlen(argv[i + 1]) == 1 && argv[i + 1][0] >= '0' && argv[i + 1][0] <= '3')
+        o.sync.zero = argv[++i][0] - '0';
+    } else if (a == "--no-prefetch")
+      o.prefetch = false;
     else if (a == "--hook") {
       std::string v = value();
       if (v == "allreduce")
@@ -156,10 +175,14 @@ Options parse(int argc, char** argv) {
         o.sync.hook = Hook::Fp16;
       else if (v == "topk")
         o.sync.hook = Hook::TopK;
+      else if (v == "powersgd")
+        o.sync.hook = Hook::PowerSgd;
       else
-        usageError("--hook " + v + ": expected allreduce, bf16, fp16 or topk");
+        usageError("--hook " + v + ": expected allreduce, bf16, fp16, topk or powersgd");
     } else if (a == "--topk-ratio")
       o.sync.topkRatio = number(a, value(), 1e-6, 1);
+    else if (a == "--powersgd-rank")
+      o.sync.powersgdRank = int(number(a, value(), 1, 4096));
     else if (a == "--bucket-mb")
       o.bucketMb = number(a, value(), 1e-3, 1e5);
     else if (a == "--first-bucket-mb")
@@ -186,22 +209,14 @@ Options parse(int argc, char** argv) {
   if (o.lr < 0) o.lr = o.optimizer == OptKind::Adam ? 0.001 : 0.05;
   if (o.sync.zero && o.sync.hook != Hook::AllReduce)
     usageError("--zero reduce-scatters float32 gradients; it does not combine with --hook");
+  if (o.sync.hook == Hook::PowerSgd && (!o.checkpoint.empty() || !o.resume.empty()))
+    usageError("--hook powersgd does not checkpoint its warm-start state: no --checkpoint or --resume");
+  if (!o.prefetch && o.sync.zero != 3) usageError("--no-prefetch applies to --zero 3 only");
   return o;
 }
 
 double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-double peakRssMb() {
-  FILE* f = fopen("/proc/self/status", "r");
-  if (!f) return 0;
-  char line[256];
-  double kb = 0;
-  while (fgets(line, sizeof line, f))
-    if (strncmp(line, "VmHWM:", 6) == 0) kb = atof(line + 6);
-  fclose(f);
-  return kb / 1024.0;
 }
 
 const char* hookName(Hook h) {
@@ -214,34 +229,65 @@ const char* hookName(Hook h) {
       return "fp16";
     case Hook::TopK:
       return "topk";
+    case Hook::PowerSgd:
+      return "powersgd";
   }
   return "?";
 }
 
-// Optimizer state: with --zero only this rank's shard of each bucket, packed.
+// Optimizer state: with --zero only this rank's shards, packed (shards.h).
 struct OptimizerState {
   std::vector<float> data;
-  size_t perArray = 0;            // floats per state array
-  std::vector<size_t> bucketOff;  // zero: where bucket b's shard starts in an array
+  size_t perArray = 0;  // floats per state array
   float* array(int i) { return data.data() + size_t(i) * perArray; }
 };
 
-// Full-size (flat layout) copy of state array i, gathered from the shards when sharded.
-std::vector<float> fullState(OptimizerState& st, int i, const Layout& L, GradSync& sync, bool zero,
+// Full-size (flat layout) copy of an array: a copy, or gathered from every
+// rank's packed shards when sharded.
+std::vector<float> fullArray(const float* a, bool sharded, const Layout& L, const Shards& S,
                              loomComm_t comm) {
   std::vector<float> full(L.total, 0.0f);
-  if (!zero) {
-    std::copy(st.array(i), st.array(i) + L.total, full.begin());
+  if (!sharded) {
+    std::copy(a, a + L.total, full.begin());
     return full;
   }
   for (size_t b = 0; b < L.buckets.size(); ++b) {
-    const Bucket& bk = L.buckets[b];
-    std::copy(st.array(i) + st.bucketOff[b], st.array(i) + st.bucketOff[b] + sync.shardLen(bk),
-              full.begin() + long(sync.shardOff(bk)));
-    TRAINER_CHECK_LOOM(loomAllGather(full.data() + sync.shardOff(bk), full.data() + bk.off, sync.shardLen(bk),
+    std::copy(a + S.packedOff(b), a + S.packedOff(b) + S.len(b), full.begin() + long(S.flatOff(b)));
+    TRAINER_CHECK_LOOM(loomAllGather(full.data() + S.flatOff(b), full.data() + L.buckets[b].off, S.len(b),
                                      loomFloat32, comm, nullptr));
   }
   return full;
+}
+
+// The other way: this rank's part of a full-size array (all of it, or its shards).
+void fromFullArray(const float* full, bool sharded, const Layout& L, const Shards& S, float* a) {
+  if (!sharded) {
+    std::copy(full, full + L.total, a);
+    return;
+  }
+  for (size_t b = 0; b < L.buckets.size(); ++b)
+    std::copy(full + S.flatOff(b), full + S.flatOff(b) + S.len(b), a + S.packedOff(b));
+}
+
+// Memory of the model state on one rank, in bytes, as held during training.
+struct MemoryUse {
+  size_t params = 0;    // the parameters it keeps (all of them, or its shards)
+  size_t gathered = 0;  // ZeRO-3: the two buffers layers are all-gathered into
+  size_t grads = 0;     // the gradient buffer, or the shards plus two staging buffers
+  size_t optim = 0;     // optimizer state
+  size_t buffers = 0;   // hooks' communication buffers
+  size_t total() const { return params + gathered + grads + optim + buffers; }
+};
+
+double rssMb(const char* field) {
+  FILE* f = fopen("/proc/self/status", "r");
+  if (!f) return 0;
+  char line[256];
+  double kb = 0;
+  while (fgets(line, sizeof line, f))
+    if (strncmp(line, field, strlen(field)) == 0) kb = atof(line + strlen(field));
+  fclose(f);
+  return kb / 1024.0;
 }
 
 }  // namespace
@@ -280,28 +326,25 @@ int main(int argc, char** argv) {
   std::vector<int> widths = {data.pixels()};
   widths.insert(widths.end(), o.hidden.begin(), o.hidden.end());
   widths.push_back(data.classes);
-  // Buckets are padded to a multiple of 16 floats per rank: equal, aligned shards.
-  Layout L = planLayout(widths, size_t(o.firstBucketMb * 1e6), size_t(o.bucketMb * 1e6), 16 * size_t(nranks));
+  // Buckets are padded to a multiple of 16 floats per rank: equal, aligned
+  // shards.  ZeRO-3 gathers layer by layer: one bucket per layer.
+  const int stage = o.sync.zero;
+  Layout L = stage == 3 ? planLayout(widths, 0, 0, 16 * size_t(nranks))
+                        : planLayout(widths, size_t(o.firstBucketMb * 1e6), size_t(o.bucketMb * 1e6),
+                                     16 * size_t(nranks));
+  Shards S(L, rank, nranks);
 
   OptConfig oc;
   oc.kind = o.optimizer;
   oc.momentum = float(o.momentum);
-  std::vector<float> params(L.total), grads(L.total, 0.0f);
-  GradSync sync(comm, rank, nranks, L, o.sync, grads.data());
+  // What this rank keeps: stage 3 only its parameter shards, stage 2+ no full gradients.
+  std::vector<float> params(stage == 3 ? S.total() : L.total), grads(stage >= 2 ? 0 : L.total, 0.0f);
+  GradSync sync(comm, rank, nranks, L, o.sync, grads.empty() ? nullptr : grads.data());
   OptimizerState st;
-  if (o.sync.zero) {
-    for (const Bucket& b : L.buckets) {
-      st.bucketOff.push_back(st.perArray);
-      st.perArray += sync.shardLen(b);
-    }
-  } else {
-    st.perArray = L.total;
-  }
+  st.perArray = stage ? S.total() : L.total;
   int nStateArrays = stateArrays(o.optimizer);
   st.data.assign(st.perArray * size_t(nStateArrays), 0.0f);
 
-  // Different seeds per rank on purpose: only the broadcast makes them agree.
-  initParams(L, o.seed + uint64_t(rank) * 1000003, params.data());
   uint64_t firstStep = 0;
   if (!o.resume.empty()) {
     Checkpoint c;
@@ -311,18 +354,12 @@ int main(int argc, char** argv) {
       trainerFail("--resume: the checkpoint was written with another --optimizer or --hook");
     if (c.params.size() != L.logical || c.state.size() != L.logical * size_t(nStateArrays))
       trainerFail("--resume: the checkpoint's arrays have the wrong sizes");
-    fromLogical(L, c.params.data(), params.data());
     std::vector<float> full(L.total, 0.0f);
+    fromLogical(L, c.params.data(), full.data());
+    fromFullArray(full.data(), stage == 3, L, S, params.data());
     for (int i = 0; i < nStateArrays; ++i) {
       fromLogical(L, c.state.data() + size_t(i) * L.logical, full.data());
-      if (!o.sync.zero) {
-        std::copy(full.begin(), full.end(), st.array(i));
-      } else {
-        for (size_t b = 0; b < L.buckets.size(); ++b)
-          std::copy(full.begin() + long(sync.shardOff(L.buckets[b])),
-                    full.begin() + long(sync.shardOff(L.buckets[b]) + sync.shardLen(L.buckets[b])),
-                    st.array(i) + st.bucketOff[b]);
-      }
+      fromFullArray(full.data(), stage > 0, L, S, st.array(i));
     }
     if (o.sync.hook == Hook::TopK) {
       if (c.nranks != nranks || c.residual.size() != L.logical * size_t(nranks))
@@ -330,30 +367,69 @@ int main(int argc, char** argv) {
       fromLogical(L, c.residual.data() + size_t(rank) * L.logical, sync.residual().data());
     }
     firstStep = c.nextStep;
+  } else if (stage < 3) {
+    // Different seeds per rank on purpose: only the broadcast makes them agree.
+    initParams(L, o.seed + uint64_t(rank) * 1000003, params.data());
+  } else {
+    // Rank 0 draws the same values as initParams, one layer at a time, and
+    // each layer is broadcast and cut to shards: no rank holds the full model.
+    size_t maxLen = 0;
+    for (const Bucket& b : L.buckets) maxLen = std::max(maxLen, b.len);
+    std::vector<float> layer(maxLen);
+    std::mt19937_64 rng(o.seed);
+    for (size_t l = 0; l < L.layers.size(); ++l) {
+      size_t b = size_t(L.bucketOf[l]);
+      std::fill(layer.begin(), layer.end(), 0.0f);
+      if (root) initLayerWeights(L.layers[l], rng, layer.data() + (L.layers[l].w - L.buckets[b].off));
+      TRAINER_CHECK_LOOM(
+          loomBroadcast(layer.data(), layer.data(), L.buckets[b].len, loomFloat32, 0, comm, nullptr));
+      std::copy(layer.begin() + long(size_t(rank) * S.len(b)),
+                layer.begin() + long(size_t(rank + 1) * S.len(b)), params.begin() + long(S.packedOff(b)));
+    }
   }
-  TRAINER_CHECK_LOOM(loomBroadcast(params.data(), params.data(), L.total, loomFloat32, 0, comm, nullptr));
+  if (stage < 3)
+    TRAINER_CHECK_LOOM(loomBroadcast(params.data(), params.data(), L.total, loomFloat32, 0, comm, nullptr));
 
   DistributedSampler sampler(data.trainCount(), o.globalBatch, rank, nranks, o.seed);
   const uint64_t stepsPerEpoch = sampler.stepsPerEpoch();
   const uint64_t totalSteps = o.steps > 0 ? uint64_t(o.steps) : stepsPerEpoch * uint64_t(o.epochs);
   const double lrScaled = o.lr * o.globalBatch / o.lrRefBatch;
 
-  size_t stateBytes = (params.size() + grads.size() + st.data.size()) * sizeof(float) + sync.bufferBytes();
+  std::unique_ptr<ParamGather> gather;
+  if (stage == 3) gather.reset(new ParamGather(comm, L, S, params.data(), o.prefetch));
+  MemoryUse mem;
+  mem.params = params.size() * sizeof(float);
+  mem.gathered = gather ? gather->bufferBytes() : 0;
+  mem.grads = grads.size() * sizeof(float) + sync.shardGradBytes() + sync.stagingBytes();
+  mem.optim = st.data.size() * sizeof(float);
+  mem.buffers = sync.bufferBytes();
+  size_t maxLayer = 0;
+  for (const Layer& ly : L.layers) maxLayer = std::max(maxLayer, size_t(ly.in) * ly.out + ly.out);
   if (root) {
     std::string arch;
     for (size_t i = 0; i < widths.size(); ++i) arch += (i ? "-" : "") + std::to_string(widths[i]);
     printf("loom-trainer: %d ranks, dataset %s: %zu train / %zu test images\n", nranks, data.name.c_str(),
            data.trainCount(), data.testCount());
-    printf("loom-trainer: model %s, %zu parameters (%.1f MB), %zu buckets:", arch.c_str(), L.logical,
-           L.logical * 4 / 1e6, L.buckets.size());
-    for (const Bucket& b : L.buckets) printf(" [layers %d-%d %.2f MB]", b.first, b.last, b.len * 4 / 1e6);
+    printf("loom-trainer: model %s, %zu parameters (%.1f MB, largest layer %.2f MB), %zu buckets:",
+           arch.c_str(), L.logical, L.logical * 4 / 1e6, maxLayer * 4 / 1e6, L.buckets.size());
+    if (L.buckets.size() <= 8)
+      for (const Bucket& b : L.buckets) printf(" [layers %d-%d %.2f MB]", b.first, b.last, b.len * 4 / 1e6);
     printf(
         "\nloom-trainer: global batch %d = %d ranks x %d micro-batches x %d, %s lr %g (scaled %g, "
-        "warm-up %d), hook %s, %s, %s, %llu steps (%llu per epoch) from step %llu\n",
+        "warm-up %d), hook %s, ZeRO stage %d%s, %s, %llu steps (%llu per epoch) from step %llu\n",
         o.globalBatch, nranks, o.accum, micro, o.optimizer == OptKind::Adam ? "adam" : "sgd", o.lr, lrScaled,
-        o.warmup, hookName(o.sync.hook), o.sync.zero ? "sharded optimizer" : "replicated optimizer",
+        o.warmup, hookName(o.sync.hook), stage,
+        stage == 3 ? (o.prefetch ? " with prefetch" : " without prefetch") : "",
         o.sync.overlap ? "overlap" : "no overlap", (unsigned long long)totalSteps,
         (unsigned long long)stepsPerEpoch, (unsigned long long)firstStep);
+    if (o.sync.hook != Hook::AllReduce)
+      printf("loom-trainer: hook %s sends %zu floats per rank per step instead of %zu (%.1fx less)\n",
+             hookName(o.sync.hook), sync.wireFloats(), L.total, double(L.total) / double(sync.wireFloats()));
+    printf(
+        "memory per rank: parameters %.2f MB, gathered layers %.2f MB, gradients %.2f MB, optimizer state "
+        "%.2f MB, hook buffers %.2f MB: model state %.2f MB\n",
+        mem.params / 1e6, mem.gathered / 1e6, mem.grads / 1e6, mem.optim / 1e6, mem.buffers / 1e6,
+        mem.total() / 1e6);
   }
 
   Mlp model(L, std::max(micro, 256));
@@ -361,10 +437,25 @@ int main(int argc, char** argv) {
   std::vector<float> x(size_t(std::max(micro, 256)) * px);
   std::vector<uint8_t> labels(std::max(micro, 256));
   const float lossScale = 1.0f / float(micro * o.accum);
+  const int nl = int(L.layers.size());
+
+  // Where the model reads parameters and writes gradients.  Forward
+  // prefetches the next layer, backward the previous one (not layer 0: its
+  // backward needs no weights).
+  LayerAccess fwd, bwd;
+  if (gather) {
+    fwd.params = [&](int l) { return gather->acquire(l, l + 1 < nl ? l + 1 : -1); };
+    bwd.params = [&](int l) { return gather->acquire(l, l - 1 >= 1 ? l - 1 : -1); };
+  } else {
+    fwd.params = bwd.params = [&](int l) { return params.data() + L.layers[size_t(l)].w; };
+  }
+  bwd.grads = [&](int l) { return sync.layerGrads(l); };
+  LayerAccess bwdSync = bwd;
+  bwdSync.gradsReady = [&](int l) { sync.layerReady(l); };
 
   // Window statistics (summed over ranks at each progress line) and totals.
   double winLoss = 0, winCorrect = 0, winSamples = 0, winComm = 0, winCompute = 0, winStart = now();
-  double totComm = 0, totCompute = 0, totTime = 0, lastLoss = 0;
+  double totComm = 0, totCompute = 0, totTime = 0, totGather = 0, lastLoss = 0;
   uint64_t totSteps = 0;
   const uint64_t skipSteps = 2;  // the first steps fault pages and open connections
 
@@ -376,12 +467,11 @@ int main(int argc, char** argv) {
     c.nextStep = nextStep;
     c.nranks = nranks;
     c.params.resize(L.logical);
-    toLogical(L, params.data(), c.params.data());
+    toLogical(L, fullArray(params.data(), stage == 3, L, S, comm).data(), c.params.data());
     c.state.resize(L.logical * size_t(nStateArrays));
-    for (int i = 0; i < nStateArrays; ++i) {
-      std::vector<float> full = fullState(st, i, L, sync, o.sync.zero, comm);
-      toLogical(L, full.data(), c.state.data() + size_t(i) * L.logical);
-    }
+    for (int i = 0; i < nStateArrays; ++i)
+      toLogical(L, fullArray(st.array(i), stage > 0, L, S, comm).data(),
+                c.state.data() + size_t(i) * L.logical);
     if (o.sync.hook == Hook::TopK) {
       std::vector<float> all(L.total * size_t(nranks));
       TRAINER_CHECK_LOOM(
@@ -398,39 +488,40 @@ int main(int argc, char** argv) {
 
   for (uint64_t step = firstStep; step < totalSteps; ++step) {
     double t0 = now();
-    std::fill(grads.begin(), grads.end(), 0.0f);
+    sync.zeroGrads();
     const uint32_t* idx = sampler.shard(step);
     for (int k = 0; k < o.accum; ++k) {
       const uint32_t* mi = idx + size_t(k) * micro;
       toFloat(data, data.trainImages, mi, micro, x.data());
       for (int i = 0; i < micro; ++i) labels[i] = data.trainLabels[mi[i]];
       int correct = 0;
-      winLoss += model.forward(params.data(), x.data(), labels.data(), micro, &correct);
+      winLoss += model.forward(fwd, x.data(), labels.data(), micro, &correct);
       winCorrect += correct;
       winSamples += micro;
-      if (k + 1 < o.accum) {
-        model.backward(params.data(), grads.data(), labels.data(), micro, lossScale, nullptr);
+      if (k + 1 < o.accum && !sync.syncsEveryPass()) {
+        model.backward(bwd, labels.data(), micro, lossScale);
       } else {
         sync.beginSyncPass();
-        model.backward(params.data(), grads.data(), labels.data(), micro, lossScale,
-                       [&](int l) { sync.layerReady(l); });
+        model.backward(bwdSync, labels.data(), micro, lossScale);
         sync.endBackward();
       }
     }
     double comm_s = sync.wait();
     double lr = lrScaled * (o.warmup > 0 ? std::min(1.0, double(step + 1) / o.warmup) : 1.0);
-    if (o.sync.zero) {
+    if (stage) {
+      if (gather) gather->invalidate();  // no all-gather may read the shards while they change
       for (size_t b = 0; b < L.buckets.size(); ++b) {
-        const Bucket& bk = L.buckets[b];
-        optimizerStep(oc, float(lr), step + 1, params.data() + sync.shardOff(bk),
-                      grads.data() + sync.shardOff(bk), st.array(0) + st.bucketOff[b],
-                      nStateArrays > 1 ? st.array(1) + st.bucketOff[b] : nullptr, sync.shardLen(bk));
+        float* p = params.data() + (stage == 3 ? S.packedOff(b) : S.flatOff(b));
+        optimizerStep(oc, float(lr), step + 1, p, sync.shardGrads(b), st.array(0) + S.packedOff(b),
+                      nStateArrays > 1 ? st.array(1) + S.packedOff(b) : nullptr, S.len(b));
       }
-      comm_s += sync.gatherParams(params.data());
+      if (stage < 3) comm_s += sync.gatherParams(params.data());
     } else {
       optimizerStep(oc, float(lr), step + 1, params.data(), grads.data(), st.array(0),
                     nStateArrays > 1 ? st.array(1) : nullptr, L.total);
     }
+    double gather_s = gather ? gather->takeBlocked() : 0.0;
+    comm_s += gather_s;
     double dt = now() - t0;
     winComm += comm_s;
     winCompute += dt - comm_s;
@@ -438,9 +529,9 @@ int main(int argc, char** argv) {
       totComm += comm_s;
       totCompute += dt - comm_s;
       totTime += dt;
+      totGather += gather_s;
       ++totSteps;
     }
-
     bool last = step + 1 == totalSteps;
     if ((step + 1) % uint64_t(o.logEvery) == 0 || last) {
       double stats[5] = {winLoss, winCorrect, winSamples, winComm, winCompute};
@@ -475,36 +566,42 @@ int main(int argc, char** argv) {
       for (int j = 0; j < b; ++j) ids[j] = uint32_t(i + j), labels[j] = data.testLabels[i + j];
       toFloat(data, data.testImages, ids.data(), b, x.data());
       int c = 0;
-      model.forward(params.data(), x.data(), labels.data(), b, &c);
+      model.forward(fwd, x.data(), labels.data(), b, &c);
       correct += c;
     }
     TRAINER_CHECK_LOOM(loomAllReduce(&correct, &correct, 1, loomFloat64, loomSum, comm, nullptr));
     testAcc = 100.0 * correct / double(n);
   }
 
-  // Times: averaged over ranks; the step time is the slowest rank's.
-  double t[4] = {totComm, totCompute, totTime, peakRssMb()};
-  double tmax[2] = {totTime, t[3]};
-  TRAINER_CHECK_LOOM(loomAllReduce(t, t, 3, loomFloat64, loomSum, comm, nullptr));
-  TRAINER_CHECK_LOOM(loomAllReduce(tmax, tmax, 2, loomFloat64, loomMax, comm, nullptr));
+  // Times: averaged over ranks; the step time is the slowest rank's; memory
+  // the largest rank's (RSS now, after training, and at its peak).
+  double t[4] = {totComm, totCompute, totTime, totGather};
+  double tmax[3] = {totTime, rssMb("VmRSS:"), rssMb("VmHWM:")};
+  TRAINER_CHECK_LOOM(loomAllReduce(t, t, 4, loomFloat64, loomSum, comm, nullptr));
+  TRAINER_CHECK_LOOM(loomAllReduce(tmax, tmax, 3, loomFloat64, loomMax, comm, nullptr));
   if (root) {
     double steps = double(std::max<uint64_t>(totSteps, 1));
     double stepMs = 1e3 * tmax[0] / steps;
     printf(
         "summary: dataset=%s ranks=%d steps=%llu timed_steps=%llu global_batch=%d hook=%s zero=%d overlap=%d "
         "samples_per_s=%.1f step_ms=%.2f comm_wait_ms=%.2f compute_ms=%.2f comm_share=%.1f%% "
-        "last_window_loss=%.4f test_accuracy=%.2f model_state_mb=%.2f peak_rss_mb=%.1f\n",
+        "last_window_loss=%.4f test_accuracy=%.2f compression=%.1f prefetch=%d gather_wait_ms=%.2f "
+        "params_mb=%.2f "
+        "gathered_mb=%.2f grads_mb=%.2f optim_mb=%.2f model_state_mb=%.2f rss_mb=%.1f peak_rss_mb=%.1f\n",
         data.name.substr(0, data.name.find(' ')).c_str(), nranks, (unsigned long long)totalSteps,
-        (unsigned long long)totSteps, o.globalBatch, hookName(o.sync.hook), int(o.sync.zero),
-        int(o.sync.overlap), totSteps ? o.globalBatch * steps / tmax[0] : 0.0, stepMs,
-        1e3 * t[0] / nranks / steps, 1e3 * t[1] / nranks / steps, 100.0 * t[0] / std::max(t[0] + t[1], 1e-12),
-        lastLoss, testAcc, stateBytes / 1e6, tmax[1]);
+        (unsigned long long)totSteps, o.globalBatch, hookName(o.sync.hook), stage, int(o.sync.overlap),
+        totSteps ? o.globalBatch * steps / tmax[0] : 0.0, stepMs, 1e3 * t[0] / nranks / steps,
+        1e3 * t[1] / nranks / steps, 100.0 * t[0] / std::max(t[0] + t[1], 1e-12), lastLoss, testAcc,
+        double(L.total) / double(sync.wireFloats()), int(stage == 3 && o.prefetch),
+        1e3 * t[3] / nranks / steps, mem.params / 1e6, mem.gathered / 1e6, mem.grads / 1e6, mem.optim / 1e6,
+        mem.total() / 1e6, tmax[1], tmax[2]);
   }
-  if (root && !o.saveParams.empty()) {
+  if (!o.saveParams.empty()) {
+    std::vector<float> full = fullArray(params.data(), stage == 3, L, S, comm);
     std::vector<float> logical(L.logical);
-    toLogical(L, params.data(), logical.data());
-    FILE* f = fopen(o.saveParams.c_str(), "wb");
-    if (!f || fwrite(logical.data(), 4, logical.size(), f) != logical.size() || fclose(f) != 0)
+    toLogical(L, full.data(), logical.data());
+    FILE* f = root ? fopen(o.saveParams.c_str(), "wb") : nullptr;
+    if (root && (!f || fwrite(logical.data(), 4, logical.size(), f) != logical.size() || fclose(f) != 0))
       trainerFail(("--save-params: cannot write " + o.saveParams).c_str());
   }
   TRAINER_CHECK_LOOM(loomCommDestroy(comm));

@@ -16,6 +16,7 @@
 
 #include "trainer/grad_sync.h"
 #include "trainer/mlp.h"
+#include "trainer/powersgd.h"
 
 using namespace trainer;
 
@@ -218,6 +219,49 @@ TEST_CASE("hooks: bfloat16 and float16 conversions round to nearest even") {
   }
 }
 
+TEST_CASE("powersgd: a low-rank gradient passes exactly, and what is not sent stays in the residual") {
+  // One layer 40 x 30 (compressed at rank 2: 140 floats instead of 1200) and
+  // one 30 x 2 (rank 2 at most: sent whole).  One rank: the all-reduces
+  // are identities, so first/second/finish run back to back.
+  Layout L = planLayout({40, 30, 2}, 1 << 20, 1 << 20, 16);
+  REQUIRE(L.buckets.size() == 1);
+  PowerSgd p(L, 2);
+  CHECK(p.wireFloats() == (40 + 30) * 2 + 30 + 30 * 2 + 2);
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-1, 1);
+  const Layer& l0 = L.layers[0];
+  std::vector<float> g(L.total, 0.0f), a(40), b(30);
+  for (float& f : a) f = u(rng);
+  for (float& f : b) f = u(rng);
+  for (size_t i = 0; i < 40; ++i)  // rank 1: a b^T
+    for (size_t j = 0; j < 30; ++j) g[l0.w + i * 30 + j] = a[i] * b[j];
+  for (size_t i = l0.b; i < l0.b + 30; ++i) g[i] = u(rng);
+  for (size_t i = L.layers[1].w; i < L.layers[1].b + 2; ++i) g[i] = u(rng);
+  std::vector<float> sent = g;
+  size_t n = 0;
+  p.first(0, g.data(), &n);
+  p.second(0, &n);
+  p.finish(0, g.data());
+  double worst = 0;
+  for (size_t i = 0; i < L.total; ++i) worst = std::max(worst, double(std::fabs(g[i] - sent[i])));
+  CHECK(worst < 1e-5);
+  // A full-rank gradient is approximated; gradient + residual is what was owed.
+  for (size_t i = l0.w; i < l0.w + 1200; ++i) g[i] = sent[i] = u(rng);
+  p.residual().assign(L.total, 0.0f);
+  p.first(0, g.data(), &n);
+  p.second(0, &n);
+  p.finish(0, g.data());
+  double lost = 0, kept = 0;
+  for (size_t i = l0.w; i < l0.w + 1200; ++i) {
+    worst = std::max(worst, double(std::fabs(g[i] + p.residual()[i] - sent[i])));
+    lost += double(p.residual()[i]) * p.residual()[i];
+    kept += double(sent[i]) * sent[i];
+  }
+  CHECK(worst < 1e-5);
+  CHECK(lost > 0.5 * kept);  // rank 2 of a random 40 x 30 matrix misses most of it
+  CHECK(lost < kept);
+}
+
 TEST_CASE("equivalence: plain data parallel on 2 and 3 ranks gives 1 rank's parameters") {
   for (const char* opt : {"sgd", "adam"}) {
     std::string a = std::string("--optimizer ") + opt;
@@ -238,18 +282,61 @@ TEST_CASE("equivalence: gradient accumulation on N ranks gives 1 rank's paramete
   CHECK(maxAbsDiff(trainAndSave(3, "--accum 2 --optimizer sgd", "a"), one) <= kTolerance);
 }
 
-TEST_CASE("equivalence: the sharded optimizer on N ranks gives 1 rank's parameters") {
+TEST_CASE("equivalence: every ZeRO stage with SGD and Adam on 1-4 ranks gives 1 rank's parameters") {
   for (const char* opt : {"sgd", "adam"}) {
     std::string a = std::string("--optimizer ") + opt;
     std::vector<float> one = trainAndSave(1, a, "one");
-    // One rank sharding over itself does the same arithmetic: bit-identical.
-    CHECK(maxAbsDiff(trainAndSave(1, a + " --zero", "z"), one) == 0.0);
-    for (int n : {2, 4}) {
-      INFO(opt << " --zero on " << n << " ranks");
-      CHECK(maxAbsDiff(trainAndSave(n, a + " --zero", "z"), one) <= kTolerance);
+    for (int stage : {0, 1, 2, 3}) {
+      std::string z = a + " --zero " + std::to_string(stage);
+      // One rank sharding over itself does the same arithmetic: bit-identical.
+      INFO(opt << " --zero " << stage << " on 1 rank");
+      CHECK(maxAbsDiff(trainAndSave(1, z, "z"), one) == 0.0);
+      for (int n : {2, 3, 4}) {
+        INFO(opt << " --zero " << stage << " on " << n << " ranks");
+        CHECK(maxAbsDiff(trainAndSave(n, z, "z"), one) <= kTolerance);
+      }
     }
-    CHECK(maxAbsDiff(trainAndSave(3, a + " --zero --accum 2", "z"), one) <= kTolerance);
+    // Accumulation: stage 1 reduce-scatters once per step, stages 2 and 3
+    // every micro-batch into the gradient shards.
+    for (int stage : {1, 2, 3}) {
+      INFO(opt << " --zero " << stage << " --accum 2 on 3 ranks");
+      CHECK(maxAbsDiff(trainAndSave(3, a + " --zero " + std::to_string(stage) + " --accum 2", "z"), one) <=
+            kTolerance);
+    }
   }
+}
+
+TEST_CASE("equivalence: ZeRO-3 prefetch and ZeRO-2 overlap change timing, not results") {
+  std::string a = "--optimizer adam --zero 3";
+  CHECK(maxAbsDiff(trainAndSave(2, a, "p"), trainAndSave(2, a + " --no-prefetch", "np")) == 0.0);
+  a = "--optimizer adam --zero 2";
+  CHECK(maxAbsDiff(trainAndSave(2, a, "o"), trainAndSave(2, a + " --no-overlap", "no")) == 0.0);
+}
+
+TEST_CASE("memory: ZeRO-2 keeps 1/N of the gradients, ZeRO-3 1/N of the model state plus a few layers") {
+  // 16 hidden layers of 512 (the largest 784 x 512 + 512 floats, 1.6 MB), 4 ranks.
+  const std::string m = "--hidden 512x16 --steps 3 --global-batch 16 --no-eval --optimizer adam --zero ";
+  Run r0 = runTrainer(4, m + "0"), r2 = runTrainer(4, m + "2 --bucket-mb 1"), r3 = runTrainer(4, m + "3");
+  INFO(r0.out << r2.out << r3.out);
+  REQUIRE(r0.code == 0);
+  REQUIRE(r2.code == 0);
+  REQUIRE(r3.code == 0);
+  const double largest = (784.0 * 512 + 512) * 4 / 1e6;
+  double params0 = summaryValue(r0.out, "params_mb"), grads0 = summaryValue(r0.out, "grads_mb");
+  double state0 = summaryValue(r0.out, "model_state_mb");
+  // Stage 2: the gradient shards (1/4, padding aside) and two staging buffers
+  // of the largest bucket (with 1 MB buckets: the largest layer).
+  CHECK(summaryValue(r2.out, "grads_mb") <= grads0 / 4 + 2 * largest + 0.01);
+  CHECK(summaryValue(r2.out, "grads_mb") < grads0 / 2);
+  CHECK(summaryValue(r2.out, "params_mb") == params0);
+  // Stage 3: parameters, gradients and Adam state at 1/4, plus two gathered
+  // and two gradient staging buffers of the largest layer.
+  CHECK(summaryValue(r3.out, "params_mb") <= params0 / 4 + 0.01);
+  CHECK(summaryValue(r3.out, "gathered_mb") <= 2 * largest + 0.01);
+  CHECK(summaryValue(r3.out, "model_state_mb") <= state0 / 4 + 4 * largest + 0.05);
+  CHECK(summaryValue(r3.out, "model_state_mb") < state0 / 2);
+  // What the process holds follows: less resident memory than stage 0.
+  CHECK(summaryValue(r3.out, "rss_mb") < summaryValue(r0.out, "rss_mb"));
 }
 
 TEST_CASE("equivalence: another seed does not match (the check has teeth)") {
@@ -260,7 +347,9 @@ TEST_CASE("equivalence: another seed does not match (the check has teeth)") {
 // One epoch of a 784-128-10 MLP with global batch 256 on 2 ranks (234 steps).
 const std::string kEpoch = "--hidden 128 --epochs 1 --log-every 1000";
 
-TEST_CASE("fashion-mnist: one epoch on 2 ranks gets past 80% test accuracy and the hooks come close") {
+TEST_CASE(
+    "fashion-mnist: one epoch on 2 ranks gets past 80% test accuracy, ZeRO-3 within 0.5 points, the hooks "
+    "close") {
   Run plain = runTrainer(2, kEpoch);
   INFO(plain.out);
   REQUIRE(plain.code == 0);
@@ -268,7 +357,11 @@ TEST_CASE("fashion-mnist: one epoch on 2 ranks gets past 80% test accuracy and t
   REQUIRE(plain.out.find("dataset=fashion-mnist") != std::string::npos);
   double base = summaryValue(plain.out, "test_accuracy");
   CHECK(base > 80.0);
-  for (const char* hook : {"bf16", "fp16", "topk"}) {
+  Run z3 = runTrainer(2, kEpoch + " --zero 3");
+  INFO("zero 3: " << z3.out);
+  REQUIRE(z3.code == 0);
+  CHECK(std::fabs(summaryValue(z3.out, "test_accuracy") - base) <= 0.5);
+  for (const char* hook : {"bf16", "fp16", "topk", "powersgd"}) {
     Run r = runTrainer(2, kEpoch + " --hook " + hook);
     INFO(hook << ": " << r.out);
     REQUIRE(r.code == 0);
@@ -289,7 +382,9 @@ TEST_CASE("synthetic data: used when the IDX files are absent, and said so") {
 
 TEST_CASE("checkpoint: a resumed run follows the uninterrupted trajectory exactly") {
   std::string ck = tmpPath("ckpt");
-  for (const char* a : {"--optimizer sgd", "--optimizer adam --zero", "--hook topk --topk-ratio 0.05"}) {
+  for (const char* a : {"--optimizer sgd", "--optimizer adam --zero", "--optimizer sgd --zero 2",
+                        "--optimizer adam --zero 2 --accum 2", "--optimizer sgd --zero 3",
+                        "--optimizer adam --zero 3", "--hook topk --topk-ratio 0.05"}) {
     INFO(a);
     std::string common = std::string(kSmall) + " " + a + " --log-every 10";
     std::string full = tmpPath("full"), res = tmpPath("res");
@@ -311,14 +406,21 @@ TEST_CASE("checkpoint: a resumed run follows the uninterrupted trajectory exactl
     std::remove(full.c_str());
     std::remove(res.c_str());
   }
-  // A sharded checkpoint from 2 ranks resumes on 3 (the state is saved whole).
-  std::string common = std::string(kSmall) + " --optimizer adam --zero";
-  std::string full = tmpPath("full"), res = tmpPath("res");
-  REQUIRE(runTrainer(2, common + " --steps 40 --save-params " + full).code == 0);
-  REQUIRE(runTrainer(2, common + " --steps 20 --checkpoint " + ck).code == 0);
-  REQUIRE(runTrainer(3, common + " --steps 40 --resume " + ck + " --save-params " + res).code == 0);
-  CHECK(maxAbsDiff(readFloats(full), readFloats(res)) <= kTolerance);
-  for (const std::string& p : {ck, full, res}) std::remove(p.c_str());
+  // A sharded checkpoint from 2 ranks resumes on 3 (the state is saved
+  // whole), and one of ZeRO-3 at stage 1.
+  for (const char* z : {"--zero", "--zero 3"}) {
+    INFO(z);
+    std::string common = std::string(kSmall) + " --optimizer adam " + z;
+    std::string full = tmpPath("full"), res = tmpPath("res");
+    REQUIRE(runTrainer(2, common + " --steps 40 --save-params " + full).code == 0);
+    REQUIRE(runTrainer(2, common + " --steps 20 --checkpoint " + ck).code == 0);
+    REQUIRE(runTrainer(3, common + " --steps 40 --resume " + ck + " --save-params " + res).code == 0);
+    CHECK(maxAbsDiff(readFloats(full), readFloats(res)) <= kTolerance);
+    std::string other = std::string(kSmall) + " --optimizer adam --zero 1";
+    REQUIRE(runTrainer(2, other + " --steps 40 --resume " + ck + " --save-params " + res).code == 0);
+    CHECK(maxAbsDiff(readFloats(full), readFloats(res)) <= kTolerance);
+    for (const std::string& p : {ck, full, res}) std::remove(p.c_str());
+  }
 }
 
 TEST_CASE("bad input: clear errors, no hang") {
@@ -331,6 +433,12 @@ TEST_CASE("bad input: clear errors, no hang") {
   r = runTrainer(1, "--zero --hook topk");
   CHECK(r.code != 0);
   CHECK(r.out.find("does not combine") != std::string::npos);
+  r = runTrainer(1, "--hook powersgd --checkpoint /tmp/never-written");
+  CHECK(r.code != 0);
+  CHECK(r.out.find("does not checkpoint its warm-start state") != std::string::npos);
+  r = runTrainer(1, "--zero 2 --no-prefetch");
+  CHECK(r.code != 0);
+  CHECK(r.out.find("--no-prefetch applies to --zero 3 only") != std::string::npos);
   // A data directory with broken IDX files is an error, not a silent fallback.
   std::string dir = tmpPath("data");
   REQUIRE(std::system(("mkdir -p " + dir + " && echo garbage > " + dir +
