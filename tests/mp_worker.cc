@@ -8,6 +8,7 @@
 //   mp-worker streams      many operations on a stream, one synchronize
 //   mp-worker badargs      wrong arguments fail cleanly and do no harm
 //   mp-worker mismatch     ranks calling different collectives get an error, no hang
+//   mp-worker a2amismatch  an all-to-all whose counts disagree: an error, no hang
 //   mp-worker split        loomCommSplit into even/odd ranks
 //   mp-worker soak SEED N SECONDS   N random operations (collective, size,
 //                          type, op, root, in-place, stream), all checked
@@ -369,6 +370,18 @@ static void scenarioMismatch(loomComm_t comm) {
   expect(r != loomSuccess, "calls after a failure fail");
 }
 
+// All-to-all with counts that disagree (rank 0's blocks are one element
+// shorter): every rank fails with an error, none hangs.
+static void scenarioExchangeMismatch(loomComm_t comm) {
+  size_t count = size_t(1) << 16;  // larger than a connection's slots
+  if (gRank == 0) --count;
+  std::vector<float> send(size_t(gSize) * count, 1.0f), recv(size_t(gSize) * count);
+  loomResult_t r = loomAllToAll(send.data(), recv.data(), count, loomFloat32, comm, nullptr);
+  printf("rank %d: %s: %s\n", gRank, loomGetErrorString(r), loomGetLastError(comm));
+  expect(r == loomInvalidUsage || r == loomRemoteError,
+         "all-to-all with disagreeing counts fails with invalid usage or remote error");
+}
+
 static void scenarioSplit(loomComm_t comm) {
   loomComm_t half;
   CHECK_LOOM(loomCommSplit(comm, gRank % 2, gRank, &half));
@@ -619,6 +632,7 @@ int main(int argc, char** argv) {
   else if (sc == "streams") scenarioStreams(comm);
   else if (sc == "badargs") scenarioBadArgs(comm);
   else if (sc == "mismatch") scenarioMismatch(comm);
+  else if (sc == "a2amismatch") scenarioExchangeMismatch(comm);
   else if (sc == "split") scenarioSplit(comm);
   else if (sc == "dump") scenarioDump(comm);
   else if (sc == "soak")
@@ -628,7 +642,7 @@ int main(int argc, char** argv) {
     fprintf(stderr, "unknown scenario %s\n", sc.c_str());
     return 2;
   }
-  if (sc == "mismatch" || sc == "dump") loomCommAbort(comm);
+  if (sc == "mismatch" || sc == "a2amismatch" || sc == "dump") loomCommAbort(comm);
   else CHECK_LOOM(loomCommDestroy(comm));
   if (gFailures) fprintf(stderr, "rank %d: %d checks failed\n", gRank, gFailures);
   return gFailures ? 1 : 0;
