@@ -38,6 +38,20 @@ void hierarchicalSchedule(const OpDesc& op, int opIndex, int rank, const std::ve
                           const Plan& plan, Schedule* out);
 void hierarchicalEstimate(const CostInput& in, std::vector<Estimate>* out);
 
+// All-to-all, all-to-allv, gather and scatter as one group of point-to-point
+// operations each (algorithms/pairwise_exchange.cc), for `rank` of `nranks`;
+// arguments already checked by the caller, buffers in host memory (the
+// caller sets sendMem/recvMem).  Empty when there is nothing to move.
+std::vector<OpDesc> allToAllOps(const void* sendbuf, void* recvbuf, size_t count, loomDataType_t dtype, int rank,
+                                int nranks);
+std::vector<OpDesc> allToAllvOps(const void* sendbuf, const size_t* sendcounts, const size_t* sdispls, void* recvbuf,
+                                 const size_t* recvcounts, const size_t* rdispls, loomDataType_t dtype, int rank,
+                                 int nranks);
+std::vector<OpDesc> gatherOps(const void* sendbuf, void* recvbuf, size_t count, loomDataType_t dtype, int root,
+                              int rank, int nranks);
+std::vector<OpDesc> scatterOps(const void* sendbuf, void* recvbuf, size_t count, loomDataType_t dtype, int root,
+                               int rank, int nranks);
+
 // A single loomSend or loomRecv.
 void p2pSchedule(const OpDesc& op, int opIndex, Schedule* out);
 

@@ -173,6 +173,14 @@ LOOM_API loomResult_t loomCommUserRank(const loomComm_t comm, int* rank);
  * later call on it returns that error; destroy or abort it. */
 LOOM_API loomResult_t loomCommGetAsyncError(loomComm_t comm, loomResult_t* asyncError);
 
+/* Sets how long an operation of comm may make no progress before it fails
+ * with loomTimeout, naming the rank it was waiting for (every rank's calls
+ * then fail, as with any error).  The default is LOOM_TIMEOUT_MS; a framework
+ * passes its own per-group timeout here (the PyTorch backend does).  May be
+ * called at any time; operations waiting now use the new value.
+ * loomInvalidArgument on a NULL comm or timeoutMs < 1. */
+LOOM_API loomResult_t loomCommSetTimeout(loomComm_t comm, int64_t timeoutMs);
+
 /* Describes what this rank of comm is doing, for debugging a hang: the
  * operations issued and completed, the one running now (collective, sequence
  * number, count, type, op, root) and for how long, the peer it waits for and
@@ -218,6 +226,46 @@ LOOM_API loomResult_t loomBroadcast(const void* sendbuff, void* recvbuff, size_t
 LOOM_API loomResult_t loomReduce(const void* sendbuff, void* recvbuff, size_t count,
                                  loomDataType_t datatype, loomRedOp_t op, int root, loomComm_t comm,
                                  loomStream_t stream);
+
+/* The exchanges below are, as in NCCL, one group of sends and receives
+ * between every pair that exchanges data (a rank's own block is copied
+ * locally); every rank must call the same one with matching counts, or the
+ * ranks get loomInvalidUsage (counts that disagree) or, for calls that do not
+ * match at all, the communicator's timeout.  Inside a loomGroupStart/End
+ * group they join that group. */
+
+/* All-to-all: rank r sends sendbuff + j*count (count elements) to rank j and
+ * receives rank i's block r at recvbuff + i*count.  Both buffers hold
+ * nranks*count elements; they must not overlap (no in-place form, as in
+ * NCCL: loomInvalidArgument). */
+LOOM_API loomResult_t loomAllToAll(const void* sendbuff, void* recvbuff, size_t count,
+                                   loomDataType_t datatype, loomComm_t comm, loomStream_t stream);
+
+/* All-to-all with a size per pair (MPI_Alltoallv's shape, in elements):
+ * sendcounts[j] elements from sendbuff + sdispls[j] go to rank j, and
+ * recvcounts[i] elements from rank i land at recvbuff + rdispls[i].  Each
+ * array has nranks entries; rank i's sendcounts[r] must equal rank r's
+ * recvcounts[i] (loomInvalidUsage otherwise).  The send and receive regions
+ * must not overlap each other; receive regions must not overlap one another
+ * (loomInvalidArgument). */
+LOOM_API loomResult_t loomAllToAllv(const void* sendbuff, const size_t sendcounts[], const size_t sdispls[],
+                                    void* recvbuff, const size_t recvcounts[], const size_t rdispls[],
+                                    loomDataType_t datatype, loomComm_t comm, loomStream_t stream);
+
+/* Gather: every rank sends count elements from sendbuff to root, which
+ * places rank i's at recvbuff + i*count (nranks*count elements; recvbuff is
+ * not used elsewhere and may be NULL).  In place on root when
+ * sendbuff == recvbuff + root*count (NCCL's rule); any other overlap is
+ * loomInvalidArgument. */
+LOOM_API loomResult_t loomGather(const void* sendbuff, void* recvbuff, size_t count,
+                                 loomDataType_t datatype, int root, loomComm_t comm, loomStream_t stream);
+
+/* Scatter: root sends sendbuff + i*count (count elements) to rank i, which
+ * receives it in recvbuff.  sendbuff is only read on root (NULL elsewhere is
+ * fine).  In place on root when recvbuff == sendbuff + root*count (NCCL's
+ * rule); any other overlap is loomInvalidArgument. */
+LOOM_API loomResult_t loomScatter(const void* sendbuff, void* recvbuff, size_t count,
+                                  loomDataType_t datatype, int root, loomComm_t comm, loomStream_t stream);
 
 /* Point to point.  A send must be matched by a recv of the same count and
  * datatype on the peer; several sends/recvs between a pair match in order.

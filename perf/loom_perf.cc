@@ -22,7 +22,11 @@
 //           the per-rank count (rounded down so that a block is 16 B aligned);
 //   algbw = size / time;
 //   busbw = algbw * 2(n-1)/n (all_reduce), (n-1)/n (all_gather,
-//           reduce_scatter), 1 (broadcast, reduce, sendrecv).
+//           reduce_scatter, alltoall, gather, scatter), 1 (broadcast,
+//           reduce, sendrecv).
+// alltoall, gather and scatter take nranks*count-element buffers on the
+// side that holds every rank's block (both sides for alltoall), count per
+// rank being rounded down to a 16-byte-aligned block, as for all_gather.
 //
 // Check data (-c 1) is made of small integers chosen so that every
 // reduction is exact in every datatype (int8 and bfloat16 included), in any
@@ -57,7 +61,7 @@ namespace {
 // Collectives, datatypes, ops
 // ---------------------------------------------------------------------------
 
-enum Coll { kAllReduce, kReduceScatter, kAllGather, kBroadcast, kReduce, kSendRecv };
+enum Coll { kAllReduce, kReduceScatter, kAllGather, kBroadcast, kReduce, kSendRecv, kAllToAll, kGather, kScatter };
 
 struct CollInfo {
   Coll coll;
@@ -70,6 +74,8 @@ const CollInfo kColls[] = {
     {kAllReduce, "all_reduce", true, false},  {kReduceScatter, "reduce_scatter", true, false},
     {kAllGather, "all_gather", false, false}, {kBroadcast, "broadcast", false, true},
     {kReduce, "reduce", true, true},          {kSendRecv, "sendrecv", false, false},
+    {kAllToAll, "alltoall", false, false},    {kGather, "gather", false, true},
+    {kScatter, "scatter", false, true},
 };
 
 enum Kind { kSigned, kUnsigned, kF16, kBF16, kF32, kF64 };
@@ -438,7 +444,8 @@ bool envRankIsZero() {
 void usage(FILE* f) {
   std::fprintf(f,
                "usage: loom-perf COLLECTIVE [options]\n"
-               "  COLLECTIVE: all_reduce, reduce_scatter, all_gather, broadcast, reduce, sendrecv\n"
+               "  COLLECTIVE: all_reduce, reduce_scatter, all_gather, broadcast, reduce, sendrecv, alltoall,\n"
+               "              gather, scatter\n"
                "  -b, --minbytes N      smallest size (default 8; suffixes K, M, G)\n"
                "  -e, --maxbytes N      largest size (default 64M)\n"
                "  -f, --stepfactor N    multiply the size by N each step (default 2, >= 2)\n"
@@ -450,7 +457,7 @@ void usage(FILE* f) {
                "                        (default float32)\n"
                "  -o, --op OP           sum prod max min avg, a list, or all (default sum;\n"
                "                        reducing collectives only)\n"
-               "  -r, --root R          root of broadcast and reduce (default 0)\n"
+               "  -r, --root R          root of broadcast, reduce, gather, scatter (default 0)\n"
                "  -s, --stream 0|1      0 (default): blocking calls (NULL stream), as MPI_Allreduce\n"
                "                        is measured; 1: issue on a loom host stream and\n"
                "                        loomStreamSynchronize each iteration\n"
@@ -641,11 +648,14 @@ Options parseArgs(int argc, char** argv) {
         badArgs("unknown option %s", argv[optind - 1]);
     }
   }
-  if (optind >= argc) badArgs("missing the collective (all_reduce, reduce_scatter, all_gather, broadcast, reduce, sendrecv)");
+  if (optind >= argc)
+    badArgs("missing the collective (all_reduce, reduce_scatter, all_gather, broadcast, reduce, sendrecv, "
+            "alltoall, gather, scatter)");
   if (argc - optind > 1) badArgs("unexpected argument '%s'", argv[optind + 1]);
   o.coll = parseColl(argv[optind]);
   if (!o.coll)
-    badArgs("unknown collective '%s' (all_reduce, reduce_scatter, all_gather, broadcast, reduce, sendrecv)",
+    badArgs("unknown collective '%s' (all_reduce, reduce_scatter, all_gather, broadcast, reduce, sendrecv, "
+            "alltoall, gather, scatter)",
             argv[optind]);
   if (o.minBytes > o.maxBytes) badArgs("-b %zu is larger than -e %zu", o.minBytes, o.maxBytes);
   if (sawOp && !o.coll->reducing && envRankIsZero())
@@ -774,13 +784,17 @@ class Bench {
     size_t count = bytes / elt;
     switch (o_.coll->coll) {
       case kAllGather:
-      case kReduceScatter: {
+      case kReduceScatter:
+      case kAllToAll:
+      case kGather:
+      case kScatter: {
         size_t align = 16 / elt;  // per-rank block 16-byte aligned
         size_t base = (count / static_cast<size_t>(n_)) & ~(align - 1);
+        size_t all = base * static_cast<size_t>(n_);
+        Coll c = o_.coll->coll;
         g.count = base;
-        bool ag = o_.coll->coll == kAllGather;
-        g.sendCount = ag ? base : base * static_cast<size_t>(n_);
-        g.recvCount = ag ? base * static_cast<size_t>(n_) : base;
+        g.sendCount = (c == kAllGather || c == kGather) ? base : all;
+        g.recvCount = (c == kReduceScatter || c == kScatter) ? base : all;
         break;
       }
       default:
@@ -796,7 +810,10 @@ class Bench {
     switch (o_.coll->coll) {
       case kAllReduce: return 2.0 * (n - 1) / n;
       case kAllGather:
-      case kReduceScatter: return (n - 1) / n;
+      case kReduceScatter:
+      case kAllToAll:
+      case kGather:
+      case kScatter: return (n - 1) / n;
       default: return 1.0;
     }
   }
@@ -833,6 +850,17 @@ class Bench {
         LOOMCHECK(loomGroupEnd());
         break;
       }
+      case kAllToAll:  // no in-place form
+        LOOMCHECK(loomAllToAll(sb, rb, g.count, ti.type, comm_, stream_));
+        break;
+      case kGather:  // in place: sendbuff = recvbuff + root*count
+        if (inPlace) sb = recv_ + static_cast<size_t>(o_.root) * g.count * elt;
+        LOOMCHECK(loomGather(sb, rb, g.count, ti.type, o_.root, comm_, stream_));
+        break;
+      case kScatter:  // in place: recvbuff = sendbuff + rank*count
+        if (inPlace) rb = recv_ + static_cast<size_t>(rank_) * g.count * elt;
+        LOOMCHECK(loomScatter(sb, rb, g.count, ti.type, o_.root, comm_, stream_));
+        break;
     }
   }
 
@@ -872,7 +900,18 @@ class Bench {
           fillConstT(t, recv_, total, p.sentinel);
           fillValuesT(t, recv_ + me * g.count * elt, g.count, p, rank_, 0);
           break;
-        case kSendRecv: break;  // no in-place sendrecv
+        case kGather:
+          fillConstT(t, recv_, total, p.sentinel);
+          fillValuesT(t, recv_ + static_cast<size_t>(root) * g.count * elt, g.count, p, rank_, 0);
+          break;
+        case kScatter:
+          if (rank_ == root)
+            fillValuesT(t, recv_, total, p, root, 0);
+          else
+            fillConstT(t, recv_, total, p.sentinel);
+          break;
+        case kSendRecv:
+        case kAllToAll: break;  // no in-place form
       }
       fillGuard(recv_ + total * elt);
     }
@@ -902,6 +941,18 @@ class Bench {
         case kSendRecv:
           wrong += verifyValuesT(t, recv_, g.count, p, (rank_ + n_ - 1) % n_, 0);
           break;
+        case kAllToAll:
+          for (size_t r = 0; r < n; ++r)
+            wrong += verifyValuesT(t, recv_ + r * g.count * elt, g.count, p, static_cast<int>(r), me * g.count);
+          break;
+        case kGather:
+          if (rank_ == root)
+            for (size_t r = 0; r < n; ++r)
+              wrong += verifyValuesT(t, recv_ + r * g.count * elt, g.count, p, static_cast<int>(r), 0);
+          else  // recvbuff is only written on root
+            oob += verifyConstT(t, recv_, g.recvCount, p.sentinel);
+          break;
+        case kScatter: wrong += verifyValuesT(t, recv_, g.count, p, root, me * g.count); break;
       }
     } else {
       size_t total = std::max(g.sendCount, g.recvCount);
@@ -922,7 +973,16 @@ class Bench {
             wrong += verifyValuesT(t, recv_ + r * g.count * elt, g.count, p, static_cast<int>(r), 0);
           break;
         case kBroadcast: wrong += verifyValuesT(t, recv_, g.count, p, root, 0); break;
-        case kSendRecv: break;
+        case kGather:
+          if (rank_ == root)
+            for (size_t r = 0; r < n; ++r)
+              wrong += verifyValuesT(t, recv_ + r * g.count * elt, g.count, p, static_cast<int>(r), 0);
+          else  // the buffer is only read on other ranks: it must still hold the input
+            oob += verifyValuesT(t, recv_ + static_cast<size_t>(root) * g.count * elt, g.count, p, rank_, 0);
+          break;
+        case kScatter: wrong += verifyValuesT(t, recv_ + me * g.count * elt, g.count, p, root, me * g.count); break;
+        case kSendRecv:
+        case kAllToAll: break;
       }
     }
     *wrongOut = wrong;
@@ -980,7 +1040,7 @@ class Bench {
             lastSize = g.sizeBytes;
             Row row{g.sizeBytes, g.count, ti.name, opName, root, Cell(), Cell()};
             row.oop = measure(g, ti, op, false);
-            if (o_.coll->coll != kSendRecv) row.ip = measure(g, ti, op, true);
+            if (o_.coll->coll != kSendRecv && o_.coll->coll != kAllToAll) row.ip = measure(g, ti, op, true);
             printRow(row);
             rows_.push_back(row);
           }

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# torch.distributed all_reduce latency/bandwidth and DDP step time, backend
+# torch.distributed all_reduce, all_to_all_single, reduce_scatter_tensor and
+# all_gather_into_tensor latency/bandwidth and DDP step time, backend
 # loom vs gloo in the same job, for 2 and 4 ranks (perf/torch_compare.py has
 # the method). Needs a build with loom_torch (python3-torch, libtorch-dev,
 # pybind11-dev). Extra arguments go to torch_compare.py (e.g. --max-bytes).

@@ -1,50 +1,80 @@
+// Python.h first, as Python asks (it defines feature macros).
+#include <Python.h>
+
 #include "python/process_group_loom.h"
 
-#include <string>
-
+#include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <numeric>
+#include <string>
 
 namespace loom_torch {
 namespace {
 
 const char kUniqueIdKey[] = "loom_unique_id";
 
-// torch dtype -> loom datatype. bool travels as uint8 (see redOpFor).
+// torch dtype -> loom datatype, for a tensor as it travels (see wire()):
+// bool as uint8 (see redOpFor).
 loomDataType_t dtypeFor(const at::Tensor& t) {
   switch (t.scalar_type()) {
-    case at::kChar: return loomInt8;
-    case at::kByte: return loomUint8;
-    case at::kBool: return loomUint8;
-    case at::kInt: return loomInt32;
-    case at::kLong: return loomInt64;
-    case at::kHalf: return loomFloat16;
-    case at::kBFloat16: return loomBfloat16;
-    case at::kFloat: return loomFloat32;
-    case at::kDouble: return loomFloat64;
+    case at::kChar:
+      return loomInt8;
+    case at::kByte:
+      return loomUint8;
+    case at::kBool:
+      return loomUint8;
+    case at::kInt:
+      return loomInt32;
+    case at::kLong:
+      return loomInt64;
+    case at::kHalf:
+      return loomFloat16;
+    case at::kBFloat16:
+      return loomBfloat16;
+    case at::kFloat:
+      return loomFloat32;
+    case at::kDouble:
+      return loomFloat64;
     default:
-      TORCH_CHECK(false, "loom backend: dtype ", t.scalar_type(),
-                  " is not supported (supported: int8, uint8, bool, int32, int64, float16, bfloat16, float32, "
-                  "float64)");
+      TORCH_CHECK(
+          false, "loom backend: dtype ", t.scalar_type(),
+          " is not supported (supported: int8, uint8, bool, int32, int64, float16, bfloat16, float32, "
+          "float64, and complex64/complex128 as pairs of reals)");
   }
 }
 
+// What loom moves for a tensor: complex tensors as their real views (two
+// reals per element; sums and averages stay exact per component).
+at::Tensor wire(const at::Tensor& t) { return t.is_complex() ? at::view_as_real(t) : t; }
+
 // torch reduce op -> loom op. As NCCL does for bool: sum is logical or (max),
-// product is logical and (min).
+// product is logical and (min). Complex: only SUM and AVG are component-wise.
 loomRedOp_t redOpFor(const c10d::ReduceOp& op, const at::Tensor& t) {
   bool isBool = t.scalar_type() == at::kBool;
+  if (t.is_complex())
+    TORCH_CHECK(op.op_ == c10d::ReduceOp::SUM || op.op_ == c10d::ReduceOp::AVG,
+                "loom backend: complex tensors reduce with SUM or AVG only (PRODUCT, MIN, MAX are not "
+                "component-wise)");
   switch (op.op_) {
-    case c10d::ReduceOp::SUM: return isBool ? loomMax : loomSum;
-    case c10d::ReduceOp::PRODUCT: return isBool ? loomMin : loomProd;
-    case c10d::ReduceOp::MIN: return loomMin;
-    case c10d::ReduceOp::MAX: return loomMax;
+    case c10d::ReduceOp::SUM:
+      return isBool ? loomMax : loomSum;
+    case c10d::ReduceOp::PRODUCT:
+      return isBool ? loomMin : loomProd;
+    case c10d::ReduceOp::MIN:
+      return loomMin;
+    case c10d::ReduceOp::MAX:
+      return loomMax;
     case c10d::ReduceOp::AVG:
       TORCH_CHECK(!isBool, "loom backend: ReduceOp.AVG is not defined for bool tensors");
       return loomAvg;
     case c10d::ReduceOp::BAND:
     case c10d::ReduceOp::BOR:
     case c10d::ReduceOp::BXOR:
-      TORCH_CHECK(false, "loom backend: bitwise reductions (BAND, BOR, BXOR) are not supported "
+      TORCH_CHECK(false,
+                  "loom backend: bitwise reductions (BAND, BOR, BXOR) are not supported "
                   "(supported: SUM, AVG, PRODUCT, MIN, MAX)");
     default:
       TORCH_CHECK(false, "loom backend: reduce op ", int(op.op_),
@@ -54,19 +84,21 @@ loomRedOp_t redOpFor(const c10d::ReduceOp& op, const at::Tensor& t) {
 
 void checkTensor(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.defined(), "loom backend: ", what, ": undefined tensor");
-  TORCH_CHECK(t.device().is_cpu(), "loom backend: ", what, ": only CPU tensors are supported, got a tensor on ",
-              t.device());
-  TORCH_CHECK(t.layout() == at::kStrided, "loom backend: ", what, ": only dense (strided) tensors are supported");
+  TORCH_CHECK(t.device().is_cpu(), "loom backend: ", what,
+              ": only CPU tensors are supported, got a tensor on ", t.device());
+  TORCH_CHECK(t.layout() == at::kStrided, "loom backend: ", what,
+              ": only dense (strided) tensors are supported");
   TORCH_CHECK(t.is_contiguous(), "loom backend: ", what,
               ": the tensor must be contiguous (pass tensor.contiguous() and copy back)");
-  dtypeFor(t);
+  dtypeFor(wire(t));
 }
 
-const at::Tensor& single(const std::vector<at::Tensor>& tensors, const char* what) {
+// The one tensor of `tensors`, checked, as it travels.
+at::Tensor single(const std::vector<at::Tensor>& tensors, const char* what) {
   TORCH_CHECK(tensors.size() == 1, "loom backend: ", what, " takes exactly one tensor per rank, got ",
               tensors.size());
   checkTensor(tensors[0], what);
-  return tensors[0];
+  return wire(tensors[0]);
 }
 
 void checkSameKind(const at::Tensor& a, const at::Tensor& b, const char* what) {
@@ -74,29 +106,68 @@ void checkSameKind(const at::Tensor& a, const at::Tensor& b, const char* what) {
               a.scalar_type(), " and ", b.scalar_type(), ")");
 }
 
-// One contiguous tensor holding `parts` back to back.
+// An output tensor of a list: defined, on the CPU, of `like`'s dtype and size.
+void checkOutput(const at::Tensor& o, const at::Tensor& like, const char* what) {
+  TORCH_CHECK(o.defined() && o.device().is_cpu() && o.layout() == at::kStrided, "loom backend: ", what,
+              ": every tensor of the list must be a dense CPU tensor");
+  checkSameKind(like, o, what);
+  TORCH_CHECK(o.numel() == like.numel(), "loom backend: ", what, ": a tensor of the list has ", o.numel(),
+              " elements, expected ", like.numel());
+}
+
+// One contiguous tensor holding `parts` (as they travel) back to back.
 at::Tensor flatten(const std::vector<at::Tensor>& parts) {
   std::vector<at::Tensor> flat;
   flat.reserve(parts.size());
-  for (const at::Tensor& p : parts) flat.push_back(p.reshape({-1}));
+  for (const at::Tensor& p : parts) flat.push_back(wire(p).reshape({-1}));
   return at::cat(flat);
+}
+
+// dst = the `n` traveling elements of flat from `offset` (dst any layout).
+void copyInto(at::Tensor& dst, const at::Tensor& flat, int64_t offset) {
+  at::Tensor src = flat.narrow(0, offset, wire(dst).numel());
+  if (dst.is_complex()) src = at::view_as_complex(src.view({-1, 2}));
+  dst.copy_(src.view(dst.sizes()));
+}
+
+// Releases the GIL for its scope if this thread holds it. torch 1.13 can
+// drop the last reference to a group with the GIL held (destroy_process_group),
+// while the completer thread may need the GIL to finish: a tensor whose last
+// reference it releases has a Python object to free, a future callback may be
+// Python. Joining it with the GIL held would deadlock.
+class GilRelease {
+ public:
+  GilRelease() : state_(Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
+  ~GilRelease() {
+    if (state_) PyEval_RestoreThread(state_);
+  }
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
+
+[[noreturn]] void failInit(const char* what, loomResult_t r, loomComm_t comm) {
+  std::string detail = comm ? loomGetLastError(comm) : "";
+  if (detail.empty()) detail = loomGetLastError(nullptr);
+  TORCH_CHECK(false, "loom backend: ", what, " failed: ", loomGetErrorString(r), detail.empty() ? "" : ": ",
+              detail);
 }
 
 }  // namespace
 
-LoomWork::LoomWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, std::vector<at::Tensor> keepAlive,
-                   std::function<void()> copyOut)
-    : c10d::Work(rank, type),
+LoomWork::LoomWork(int rank, c10d::OpType type, const char* profilingTitle,
+                   const std::vector<at::Tensor>& inputs, std::vector<at::Tensor> outputs,
+                   std::vector<at::Tensor> keepAlive, std::function<void()> copyOut)
+    : c10d::Work(rank, type, profilingTitle, c10::optional<std::vector<at::Tensor>>(inputs)),
       outputs_(std::move(outputs)),
       keepAlive_(std::move(keepAlive)),
       copyOut_(std::move(copyOut)),
       future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
 
 bool LoomWork::wait(std::chrono::milliseconds timeout) {
-  if (timeout == kNoTimeout && !isCompleted()) {
-    if (c10::intrusive_ptr<c10d::ProcessGroup> group = group_.lock())
-      static_cast<ProcessGroupLoom*>(group.get())->drain();
-  }
+  if (timeout == kNoTimeout && !isCompleted() && queue_) queue_->drain();
   return c10d::Work::wait(timeout);
 }
 
@@ -111,65 +182,21 @@ void LoomWork::complete(std::exception_ptr error) {
   copyOut_ = nullptr;
   keepAlive_.clear();
   finish(error);
-  if (error) future_->setError(error);
-  else future_->markCompleted(c10::IValue(outputs_));
+  if (error)
+    future_->setError(error);
+  else
+    future_->markCompleted(c10::IValue(outputs_));
 }
 
-ProcessGroupLoom::ProcessGroupLoom(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                   std::chrono::milliseconds timeout)
-    : c10d::ProcessGroup(rank, size) {
-  loomUniqueId id;
-  if (rank == 0) {
-    loomResult_t r = loomGetUniqueId(&id);
-    if (r != loomSuccess) fail("loomGetUniqueId", r);
-    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(id.internal);
-    store->set(kUniqueIdKey, std::vector<uint8_t>(bytes, bytes + sizeof id.internal));
-  } else {
-    store->wait({kUniqueIdKey}, timeout);
-    std::vector<uint8_t> bytes = store->get(kUniqueIdKey);
-    TORCH_CHECK(bytes.size() == sizeof id.internal, "loom backend: the unique id in the store has ", bytes.size(),
-                " bytes, expected ", sizeof id.internal);
-    memcpy(id.internal, bytes.data(), sizeof id.internal);
-  }
-  loomResult_t r = loomCommInitRank(&comm_, size, id, rank);
-  if (r != loomSuccess) fail("loomCommInitRank", r);
-  r = loomStreamCreate(&stream_);
-  if (r != loomSuccess) {
-    loomCommAbort(comm_);
-    fail("loomStreamCreate", r);
-  }
-  completer_ = std::thread([this] { completerLoop(); });
-  init();
-}
-
-ProcessGroupLoom::~ProcessGroupLoom() {
-  {
-    std::lock_guard<std::mutex> lock(m_);
-    stop_ = true;
-  }
-  cv_.notify_all();
-  completer_.join();
-  loomStreamDestroy(stream_);
-  loomCommDestroy(comm_);
-}
-
-c10::intrusive_ptr<c10d::ProcessGroup> ProcessGroupLoom::create(const c10::intrusive_ptr<c10d::Store>& store,
-                                                                int rank, int size,
-                                                                std::chrono::milliseconds timeout) {
-  return c10::make_intrusive<ProcessGroupLoom>(store, rank, size, timeout);
-}
-
-void ProcessGroupLoom::fail(const char* what, loomResult_t r) const {
+void LoomQueue::fail(const char* what, loomResult_t r) const {
   std::string detail = loomGetLastError(comm_);
   if (detail.empty()) detail = loomGetLastError(nullptr);
-  TORCH_CHECK(false, "loom backend: ", what, " failed: ", loomGetErrorString(r),
-              detail.empty() ? "" : ": ", detail);
+  TORCH_CHECK(false, "loom backend: ", what, " failed: ", loomGetErrorString(r), detail.empty() ? "" : ": ",
+              detail);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::issue(const char* what, c10::intrusive_ptr<LoomWork> work,
-                                                       const std::function<loomResult_t()>& launch) {
-  work->setGroup(c10::weak_intrusive_ptr<c10d::ProcessGroup>(
-      c10::intrusive_ptr<c10d::ProcessGroup>::unsafe_reclaim_from_nonowning(this)));
+void LoomQueue::issue(const char* what, const c10::intrusive_ptr<LoomWork>& work,
+                      const std::function<loomResult_t()>& launch) {
   std::lock_guard<std::mutex> lock(m_);
   loomResult_t r = launch();
   if (r != loomSuccess) fail(what, r);
@@ -179,28 +206,34 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::issue(const char* what, c10::in
     pending_.push_back(work);
     cv_.notify_one();
   }
-  return work;
 }
 
 // Everything in `batch` was enqueued on the stream before the synchronize
 // started, so it is complete when the synchronize returns. The stream reports
 // the first error since the last synchronize; the whole batch carries it (a
 // failed communicator fails every later call anyway). Several threads may
-// synchronize at once: each completes the batch it took.
-void ProcessGroupLoom::completeBatch(std::deque<c10::intrusive_ptr<LoomWork>>& batch) {
-  loomResult_t r = loomStreamSynchronize(stream_);
+// synchronize at once: each completes the batch it took. The works complete
+// outside streamLock_: their callbacks may drop the last reference to the
+// group, whose destructor takes that lock exclusively.
+void LoomQueue::completeBatch(std::deque<c10::intrusive_ptr<LoomWork>>& batch) {
   std::exception_ptr error;
-  if (r != loomSuccess) {
-    try {
-      fail("operation", r);
-    } catch (...) {
-      error = std::current_exception();
+  {
+    std::shared_lock<std::shared_mutex> lock(streamLock_);
+    // Once closed, close() synchronized the stream: the batch is done.
+    loomResult_t r = closed_ ? loomSuccess : loomStreamSynchronize(stream_);
+    if (r != loomSuccess) {
+      try {
+        fail("operation", r);
+      } catch (...) {
+        error = std::current_exception();
+      }
     }
   }
   for (auto& w : batch) w->complete(error);
+  batch.clear();
 }
 
-void ProcessGroupLoom::drain() {
+void LoomQueue::drain() {
   std::deque<c10::intrusive_ptr<LoomWork>> batch;
   {
     std::lock_guard<std::mutex> lock(m_);
@@ -209,7 +242,7 @@ void ProcessGroupLoom::drain() {
   completeBatch(batch);
 }
 
-void ProcessGroupLoom::completerLoop() {
+void LoomQueue::completerLoop() {
   for (;;) {
     std::deque<c10::intrusive_ptr<LoomWork>> batch;
     {
@@ -222,7 +255,42 @@ void ProcessGroupLoom::completerLoop() {
   }
 }
 
-void ProcessGroupLoom::startCoalescing() {
+void LoomQueue::stop() {
+  {
+    std::lock_guard<std::mutex> lock(m_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+}
+
+void LoomQueue::close() {
+  std::deque<c10::intrusive_ptr<LoomWork>> batch;
+  std::exception_ptr error;
+  {
+    std::unique_lock<std::shared_mutex> lock(streamLock_);
+    if (closed_) return;
+    {
+      std::lock_guard<std::mutex> l(m_);
+      batch.swap(pending_);
+      for (auto& w : coalesced_) batch.push_back(w);
+      coalesced_.clear();
+    }
+    loomResult_t r = loomStreamSynchronize(stream_);
+    if (r != loomSuccess) {
+      try {
+        fail("operation", r);
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    loomStreamDestroy(stream_);
+    loomCommDestroy(comm_);
+    closed_ = true;
+  }
+  for (auto& w : batch) w->complete(error);
+}
+
+void LoomQueue::startCoalescing() {
   std::lock_guard<std::mutex> lock(m_);
   TORCH_CHECK(!coalescing_, "loom backend: coalescing is already on");
   loomResult_t r = loomGroupStart();
@@ -230,7 +298,7 @@ void ProcessGroupLoom::startCoalescing() {
   coalescing_ = true;
 }
 
-void ProcessGroupLoom::endCoalescing(std::vector<c10::intrusive_ptr<c10d::Work>>& /*reqs*/) {
+void LoomQueue::endCoalescing() {
   std::lock_guard<std::mutex> lock(m_);
   TORCH_CHECK(coalescing_, "loom backend: endCoalescing without startCoalescing");
   coalescing_ = false;
@@ -251,32 +319,124 @@ void ProcessGroupLoom::endCoalescing(std::vector<c10::intrusive_ptr<c10d::Work>>
   cv_.notify_one();
 }
 
+ProcessGroupLoom::ProcessGroupLoom(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                   std::chrono::milliseconds timeout)
+    : c10d::ProcessGroup(rank, size) {
+  loomUniqueId id;
+  if (rank == 0) {
+    loomResult_t r = loomGetUniqueId(&id);
+    if (r != loomSuccess) failInit("loomGetUniqueId", r, nullptr);
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(id.internal);
+    store->set(kUniqueIdKey, std::vector<uint8_t>(bytes, bytes + sizeof id.internal));
+  } else {
+    store->wait({kUniqueIdKey}, timeout);
+    std::vector<uint8_t> bytes = store->get(kUniqueIdKey);
+    TORCH_CHECK(bytes.size() == sizeof id.internal, "loom backend: the unique id in the store has ",
+                bytes.size(), " bytes, expected ", sizeof id.internal);
+    memcpy(id.internal, bytes.data(), sizeof id.internal);
+  }
+  loomResult_t r = loomCommInitRank(&comm_, size, id, rank);
+  if (r != loomSuccess) failInit("loomCommInitRank", r, comm_);
+  // The group's timeout bounds every operation: one that makes no progress
+  // for that long fails, naming the rank it waited for.
+  r = loomCommSetTimeout(comm_, std::max<int64_t>(1, timeout.count()));
+  if (r != loomSuccess) {
+    loomCommAbort(comm_);
+    failInit("loomCommSetTimeout", r, nullptr);
+  }
+  r = loomStreamCreate(&stream_);
+  if (r != loomSuccess) {
+    loomCommAbort(comm_);
+    failInit("loomStreamCreate", r, nullptr);
+  }
+  queue_ = std::make_shared<LoomQueue>(comm_, stream_);
+  // The thread holds the queue, not the group.
+  completer_ = std::thread([q = queue_] { q->completerLoop(); });
+  init();
+}
+
+// Runs on whichever thread drops the last reference to the group. That is
+// never the completer through loom's own works (they hold the queue only);
+// a user's future callback that owns the group could still make it so, and
+// then the thread is detached instead of joining itself: it holds the queue
+// and exits once nothing is pending.
+ProcessGroupLoom::~ProcessGroupLoom() {
+  GilRelease unlocked;
+  queue_->stop();
+  if (completer_.get_id() == std::this_thread::get_id())
+    completer_.detach();
+  else
+    completer_.join();
+  queue_->close();
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> ProcessGroupLoom::create(const c10::intrusive_ptr<c10d::Store>& store,
+                                                                int rank, int size,
+                                                                std::chrono::milliseconds timeout) {
+  return c10::make_intrusive<ProcessGroupLoom>(store, rank, size, timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::issue(const char* what, c10::intrusive_ptr<LoomWork> work,
+                                                       const std::function<loomResult_t()>& launch) {
+  work->setQueue(queue_);
+  queue_->issue(what, work, launch);
+  return work;
+}
+
+void ProcessGroupLoom::startCoalescing() { queue_->startCoalescing(); }
+
+void ProcessGroupLoom::endCoalescing(std::vector<c10::intrusive_ptr<c10d::Work>>& /*reqs*/) {
+  queue_->endCoalescing();
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::broadcast(std::vector<at::Tensor>& tensors,
                                                            const c10d::BroadcastOptions& opts) {
   at::Tensor t = single(tensors, "broadcast");
   TORCH_CHECK(opts.rootTensor == 0, "loom backend: broadcast: rootTensor must be 0");
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "loom backend: broadcast: root ", opts.rootRank,
               " is not a rank of this group of ", size_);
-  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::BROADCAST, tensors, tensors, nullptr);
+  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::BROADCAST, "loom:broadcast", tensors, tensors,
+                                         tensors, nullptr);
   return issue("loomBroadcast", w, [&] {
-    return loomBroadcast(t.data_ptr(), t.data_ptr(), size_t(t.numel()), dtypeFor(t), int(opts.rootRank), comm_,
-                         stream_);
+    return loomBroadcast(t.data_ptr(), t.data_ptr(), size_t(t.numel()), dtypeFor(t), int(opts.rootRank),
+                         comm_, stream_);
   });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::allreduce(std::vector<at::Tensor>& tensors,
                                                            const c10d::AllreduceOptions& opts) {
+  TORCH_CHECK(tensors.size() == 1, "loom backend: allreduce takes exactly one tensor per rank, got ",
+              tensors.size());
+  if (tensors[0].defined() && tensors[0].is_sparse()) {
+    // loom reduces dense buffers: the sparse tensor's dense form is reduced
+    // and the sum stored back (as a coalesced sparse tensor).
+    TORCH_WARN_ONCE("loom backend: all_reduce of a sparse tensor reduces its dense form (",
+                    tensors[0].sizes(), "); gloo exchanges only the nonzeros");
+    at::Tensor sparse = tensors[0];
+    at::Tensor dense = sparse.to_dense();
+    TORCH_CHECK(dense.device().is_cpu(), "loom backend: allreduce: only CPU tensors are supported");
+    at::Tensor t = wire(dense);
+    loomRedOp_t op = redOpFor(opts.reduceOp, dense);
+    dtypeFor(t);
+    auto copyOut = [sparse, dense]() mutable { sparse.copy_(dense.to_sparse(sparse.sparse_dim())); };
+    auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::ALLREDUCE, "loom:all_reduce", tensors,
+                                           tensors, std::vector<at::Tensor>{dense}, copyOut);
+    return issue("loomAllReduce", w, [&] {
+      return loomAllReduce(t.data_ptr(), t.data_ptr(), size_t(t.numel()), dtypeFor(t), op, comm_, stream_);
+    });
+  }
   at::Tensor t = single(tensors, "allreduce");
-  loomRedOp_t op = redOpFor(opts.reduceOp, t);
-  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::ALLREDUCE, tensors, tensors, nullptr);
+  loomRedOp_t op = redOpFor(opts.reduceOp, tensors[0]);
+  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::ALLREDUCE, "loom:all_reduce", tensors, tensors,
+                                         tensors, nullptr);
   return issue("loomAllReduce", w, [&] {
     return loomAllReduce(t.data_ptr(), t.data_ptr(), size_t(t.numel()), dtypeFor(t), op, comm_, stream_);
   });
 }
 
 // One all-reduce over the tensors concatenated, then copied back.
-c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::allreduce_coalesced(std::vector<at::Tensor>& tensors,
-                                                                     const c10d::AllreduceCoalescedOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   TORCH_CHECK(!tensors.empty(), "loom backend: allreduce_coalesced: no tensors");
   for (const at::Tensor& t : tensors) {
     checkTensor(t, "allreduce_coalesced");
@@ -288,12 +448,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::allreduce_coalesced(std::vector
   auto copyOut = [flat, outs]() mutable {
     int64_t off = 0;
     for (at::Tensor& o : outs) {
-      o.view({-1}).copy_(flat.narrow(0, off, o.numel()));
-      off += o.numel();
+      copyInto(o, flat, off);
+      off += wire(o).numel();
     }
   };
-  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::ALLREDUCE_COALESCED, tensors,
-                                         std::vector<at::Tensor>{flat}, copyOut);
+  auto w =
+      c10::make_intrusive<LoomWork>(rank_, c10d::OpType::ALLREDUCE_COALESCED, "loom:all_reduce_coalesced",
+                                    tensors, tensors, std::vector<at::Tensor>{flat}, copyOut);
   return issue("loomAllReduce", w, [&] {
     return loomAllReduce(flat.data_ptr(), flat.data_ptr(), size_t(flat.numel()), dtypeFor(flat), op, comm_,
                          stream_);
@@ -306,11 +467,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::reduce(std::vector<at::Tensor>&
   TORCH_CHECK(opts.rootTensor == 0, "loom backend: reduce: rootTensor must be 0");
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "loom backend: reduce: root ", opts.rootRank,
               " is not a rank of this group of ", size_);
-  loomRedOp_t op = redOpFor(opts.reduceOp, t);
-  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::REDUCE, tensors, tensors, nullptr);
+  loomRedOp_t op = redOpFor(opts.reduceOp, tensors[0]);
+  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::REDUCE, "loom:reduce", tensors, tensors,
+                                         tensors, nullptr);
   return issue("loomReduce", w, [&] {
-    return loomReduce(t.data_ptr(), t.data_ptr(), size_t(t.numel()), dtypeFor(t), op, int(opts.rootRank), comm_,
-                      stream_);
+    return loomReduce(t.data_ptr(), t.data_ptr(), size_t(t.numel()), dtypeFor(t), op, int(opts.rootRank),
+                      comm_, stream_);
   });
 }
 
@@ -318,25 +480,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::allgather(std::vector<std::vect
                                                            std::vector<at::Tensor>& inputs,
                                                            const c10d::AllgatherOptions& /*opts*/) {
   at::Tensor in = single(inputs, "allgather");
-  TORCH_CHECK(outputs.size() == 1, "loom backend: allgather takes one output list per rank, got ", outputs.size());
+  TORCH_CHECK(outputs.size() == 1, "loom backend: allgather takes one output list per rank, got ",
+              outputs.size());
   std::vector<at::Tensor> outs = outputs[0];
   TORCH_CHECK(int(outs.size()) == size_, "loom backend: allgather: the output list has ", outs.size(),
               " tensors, expected the group size ", size_);
-  for (const at::Tensor& o : outs) {
-    TORCH_CHECK(o.defined() && o.device().is_cpu(), "loom backend: allgather: outputs must be CPU tensors");
-    checkSameKind(in, o, "allgather");
-    TORCH_CHECK(o.numel() == in.numel(), "loom backend: allgather: an output has ", o.numel(),
-                " elements, the input ", in.numel());
-  }
-  at::Tensor flat = at::empty({int64_t(size_) * in.numel()}, in.options());
-  auto copyOut = [flat, outs]() mutable {
-    for (size_t i = 0; i < outs.size(); ++i)
-      outs[i].copy_(flat.narrow(0, int64_t(i) * outs[i].numel(), outs[i].numel()).view(outs[i].sizes()));
+  for (const at::Tensor& o : outs) checkOutput(o, inputs[0], "allgather");
+  int64_t m = in.numel();
+  at::Tensor flat = at::empty({int64_t(size_) * m}, in.options());
+  auto copyOut = [flat, outs, m]() mutable {
+    for (size_t i = 0; i < outs.size(); ++i) copyInto(outs[i], flat, int64_t(i) * m);
   };
-  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::ALLGATHER, outs, std::vector<at::Tensor>{in, flat},
-                                         copyOut);
+  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::ALLGATHER, "loom:all_gather", inputs, outs,
+                                         std::vector<at::Tensor>{in, flat}, copyOut);
   return issue("loomAllGather", w, [&] {
-    return loomAllGather(in.data_ptr(), flat.data_ptr(), size_t(in.numel()), dtypeFor(in), comm_, stream_);
+    return loomAllGather(in.data_ptr(), flat.data_ptr(), size_t(m), dtypeFor(in), comm_, stream_);
   });
 }
 
@@ -345,13 +503,211 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::_allgather_base(at::Tensor& out
   checkTensor(input, "all_gather_into_tensor");
   checkTensor(output, "all_gather_into_tensor");
   checkSameKind(input, output, "all_gather_into_tensor");
-  TORCH_CHECK(output.numel() == int64_t(size_) * input.numel(), "loom backend: all_gather_into_tensor: the output has ",
-              output.numel(), " elements, expected group size x input = ", int64_t(size_) * input.numel());
-  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::_ALLGATHER_BASE, std::vector<at::Tensor>{output},
+  TORCH_CHECK(output.numel() == int64_t(size_) * input.numel(),
+              "loom backend: all_gather_into_tensor: the output has ", output.numel(),
+              " elements, expected group size x input = ", int64_t(size_) * input.numel());
+  at::Tensor in = wire(input), out = wire(output);
+  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::_ALLGATHER_BASE, "loom:all_gather_into_tensor",
+                                         std::vector<at::Tensor>{input}, std::vector<at::Tensor>{output},
                                          std::vector<at::Tensor>{input, output}, nullptr);
   return issue("loomAllGather", w, [&] {
-    return loomAllGather(input.data_ptr(), output.data_ptr(), size_t(input.numel()), dtypeFor(input), comm_,
-                         stream_);
+    return loomAllGather(in.data_ptr(), out.data_ptr(), size_t(in.numel()), dtypeFor(in), comm_, stream_);
+  });
+}
+
+// One all-gather of every input concatenated; outputLists[r][j] receives
+// rank r's input j.
+c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputLists, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& /*opts*/) {
+  TORCH_CHECK(!inputs.empty(), "loom backend: allgather_coalesced: no input tensors");
+  for (const at::Tensor& t : inputs) {
+    checkTensor(t, "allgather_coalesced");
+    checkSameKind(inputs[0], t, "allgather_coalesced");
+  }
+  TORCH_CHECK(int(outputLists.size()) == size_, "loom backend: allgather_coalesced: ", outputLists.size(),
+              " output lists, expected one per rank (", size_, ")");
+  for (const auto& list : outputLists) {
+    TORCH_CHECK(list.size() == inputs.size(), "loom backend: allgather_coalesced: an output list has ",
+                list.size(), " tensors, expected one per input (", inputs.size(), ")");
+    for (size_t j = 0; j < list.size(); ++j) checkOutput(list[j], inputs[j], "allgather_coalesced");
+  }
+  at::Tensor in = flatten(inputs);
+  int64_t total = in.numel();
+  at::Tensor flat = at::empty({int64_t(size_) * total}, in.options());
+  std::vector<std::vector<at::Tensor>> outs = outputLists;
+  auto copyOut = [flat, outs, total]() mutable {
+    for (size_t r = 0; r < outs.size(); ++r) {
+      int64_t off = int64_t(r) * total;
+      for (at::Tensor& o : outs[r]) {
+        copyInto(o, flat, off);
+        off += wire(o).numel();
+      }
+    }
+  };
+  std::vector<at::Tensor> results;
+  for (const auto& list : outputLists) results.insert(results.end(), list.begin(), list.end());
+  auto w =
+      c10::make_intrusive<LoomWork>(rank_, c10d::OpType::ALLGATHER_COALESCED, "loom:all_gather_coalesced",
+                                    inputs, results, std::vector<at::Tensor>{in, flat}, copyOut);
+  return issue("loomAllGather", w, [&] {
+    return loomAllGather(in.data_ptr(), flat.data_ptr(), size_t(total), dtypeFor(in), comm_, stream_);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                        std::vector<at::Tensor>& inputs,
+                                                        const c10d::GatherOptions& opts) {
+  at::Tensor in = single(inputs, "gather");
+  int root = int(opts.rootRank);
+  TORCH_CHECK(root >= 0 && root < size_, "loom backend: gather: root ", root,
+              " is not a rank of this group of ", size_);
+  std::vector<at::Tensor> outs;
+  at::Tensor flat;
+  int64_t m = in.numel();
+  if (rank_ == root) {
+    TORCH_CHECK(outputs.size() == 1, "loom backend: gather: the root takes one output list, got ",
+                outputs.size());
+    outs = outputs[0];
+    TORCH_CHECK(int(outs.size()) == size_, "loom backend: gather: the output list has ", outs.size(),
+                " tensors, expected the group size ", size_);
+    for (const at::Tensor& o : outs) checkOutput(o, inputs[0], "gather");
+    flat = at::empty({int64_t(size_) * m}, in.options());
+  } else {
+    TORCH_CHECK(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
+                "loom backend: gather: only the root (rank ", root, ") takes an output list");
+  }
+  std::function<void()> copyOut;
+  if (rank_ == root)
+    copyOut = [flat, outs, m]() mutable {
+      for (size_t i = 0; i < outs.size(); ++i) copyInto(outs[i], flat, int64_t(i) * m);
+    };
+  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::GATHER, "loom:gather", inputs, outs,
+                                         std::vector<at::Tensor>{in, flat}, copyOut);
+  return issue("loomGather", w, [&] {
+    return loomGather(in.data_ptr(), flat.defined() ? flat.data_ptr() : nullptr, size_t(m), dtypeFor(in),
+                      root, comm_, stream_);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::scatter(std::vector<at::Tensor>& outputs,
+                                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                                         const c10d::ScatterOptions& opts) {
+  at::Tensor out = single(outputs, "scatter");
+  int root = int(opts.rootRank);
+  TORCH_CHECK(root >= 0 && root < size_, "loom backend: scatter: root ", root,
+              " is not a rank of this group of ", size_);
+  at::Tensor flat;
+  if (rank_ == root) {
+    TORCH_CHECK(inputs.size() == 1, "loom backend: scatter: the root takes one input list, got ",
+                inputs.size());
+    TORCH_CHECK(int(inputs[0].size()) == size_, "loom backend: scatter: the input list has ",
+                inputs[0].size(), " tensors, expected the group size ", size_);
+    for (const at::Tensor& i : inputs[0]) checkOutput(i, outputs[0], "scatter");
+    flat = flatten(inputs[0]);
+  } else {
+    TORCH_CHECK(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()),
+                "loom backend: scatter: only the root (rank ", root, ") takes an input list");
+  }
+  std::vector<at::Tensor> ins = rank_ == root ? inputs[0] : std::vector<at::Tensor>{};
+  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::SCATTER, "loom:scatter", ins, outputs,
+                                         std::vector<at::Tensor>{flat, out}, nullptr);
+  return issue("loomScatter", w, [&] {
+    return loomScatter(flat.defined() ? flat.data_ptr() : nullptr, out.data_ptr(), size_t(out.numel()),
+                       dtypeFor(out), root, comm_, stream_);
+  });
+}
+
+// all_to_all_single: equal blocks through loomAllToAll, splits (rows of dim
+// 0 per rank) through loomAllToAllv.
+c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                               std::vector<int64_t>& outputSplits,
+                                                               std::vector<int64_t>& inputSplits,
+                                                               const c10d::AllToAllOptions& /*opts*/) {
+  checkTensor(input, "all_to_all_single");
+  checkTensor(output, "all_to_all_single");
+  checkSameKind(input, output, "all_to_all_single");
+  at::Tensor in = wire(input), out = wire(output);
+  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::ALLTOALL_BASE, "loom:all_to_all_single",
+                                         std::vector<at::Tensor>{input}, std::vector<at::Tensor>{output},
+                                         std::vector<at::Tensor>{input, output}, nullptr);
+  if (outputSplits.empty() && inputSplits.empty()) {
+    TORCH_CHECK(
+        input.numel() == output.numel() && in.numel() % size_ == 0, "loom backend: all_to_all_single: ",
+        "without splits, input and output need the same number of elements, a multiple of the group size ",
+        size_, " (got ", input.numel(), " and ", output.numel(), ")");
+    return issue("loomAllToAll", w, [&] {
+      return loomAllToAll(in.data_ptr(), out.data_ptr(), size_t(in.numel() / size_), dtypeFor(in), comm_,
+                          stream_);
+    });
+  }
+  // Counts and displacements in traveling elements, from rows of dim 0.
+  auto layout = [&](const at::Tensor& t, const at::Tensor& travel, const std::vector<int64_t>& splits,
+                    const char* which, std::vector<size_t>* counts, std::vector<size_t>* displs) {
+    TORCH_CHECK(t.dim() > 0, "loom backend: all_to_all_single: a 0-dim ", which, " cannot be split");
+    int64_t rows = t.size(0), rowElems = rows ? travel.numel() / rows : 0;
+    std::vector<int64_t> s = splits;
+    if (s.empty()) {
+      TORCH_CHECK(rows % size_ == 0, "loom backend: all_to_all_single: the ", which, "'s ", rows,
+                  " rows do not split evenly over ", size_, " ranks");
+      s.assign(size_t(size_), rows / size_);
+    }
+    TORCH_CHECK(int(s.size()) == size_, "loom backend: all_to_all_single: ", s.size(), " ", which,
+                " split sizes, expected one per rank (", size_, ")");
+    int64_t sum = 0;
+    for (int64_t x : s) {
+      TORCH_CHECK(x >= 0, "loom backend: all_to_all_single: negative ", which, " split size ", x);
+      counts->push_back(size_t(x * rowElems));
+      displs->push_back(size_t(sum * rowElems));
+      sum += x;
+    }
+    TORCH_CHECK(sum == rows, "loom backend: all_to_all_single: the ", which, " split sizes add up to ", sum,
+                " rows, the ", which, " has ", rows);
+  };
+  std::vector<size_t> sc, sd, rc, rd;
+  layout(input, in, inputSplits, "input", &sc, &sd);
+  layout(output, out, outputSplits, "output", &rc, &rd);
+  return issue("loomAllToAllv", w, [&] {
+    return loomAllToAllv(in.data_ptr(), sc.data(), sd.data(), out.data_ptr(), rc.data(), rd.data(),
+                         dtypeFor(in), comm_, stream_);
+  });
+}
+
+// all_to_all on lists: inputs[j] goes to rank j, outputs[i] comes from rank
+// i; one loomAllToAllv over the lists packed into one buffer each.
+c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::alltoall(std::vector<at::Tensor>& outputs,
+                                                          std::vector<at::Tensor>& inputs,
+                                                          const c10d::AllToAllOptions& /*opts*/) {
+  TORCH_CHECK(int(inputs.size()) == size_ && int(outputs.size()) == size_,
+              "loom backend: all_to_all: ", inputs.size(), " inputs and ", outputs.size(),
+              " outputs, expected one per rank (", size_, ")");
+  for (const at::Tensor& t : inputs) {
+    checkTensor(t, "all_to_all");
+    checkSameKind(inputs[0], t, "all_to_all");
+  }
+  for (const at::Tensor& t : outputs) {
+    TORCH_CHECK(t.defined() && t.device().is_cpu() && t.layout() == at::kStrided,
+                "loom backend: all_to_all: outputs must be dense CPU tensors");
+    checkSameKind(inputs[0], t, "all_to_all");
+  }
+  at::Tensor in = flatten(inputs);
+  std::vector<size_t> sc, sd, rc, rd;
+  size_t off = 0;
+  for (const at::Tensor& t : inputs)
+    sc.push_back(size_t(wire(t).numel())), sd.push_back(off), off += sc.back();
+  off = 0;
+  for (const at::Tensor& t : outputs)
+    rc.push_back(size_t(wire(t).numel())), rd.push_back(off), off += rc.back();
+  at::Tensor flat = at::empty({int64_t(off)}, in.options());
+  std::vector<at::Tensor> outs = outputs;
+  auto copyOut = [flat, outs, rd]() mutable {
+    for (size_t i = 0; i < outs.size(); ++i) copyInto(outs[i], flat, int64_t(rd[i]));
+  };
+  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::ALLTOALL, "loom:all_to_all", inputs, outputs,
+                                         std::vector<at::Tensor>{in, flat}, copyOut);
+  return issue("loomAllToAllv", w, [&] {
+    return loomAllToAllv(in.data_ptr(), sc.data(), sd.data(), flat.data_ptr(), rc.data(), rd.data(),
+                         dtypeFor(in), comm_, stream_);
   });
 }
 
@@ -359,71 +715,80 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::reduce_scatter(std::vector<at::
                                                                 std::vector<std::vector<at::Tensor>>& inputs,
                                                                 const c10d::ReduceScatterOptions& opts) {
   at::Tensor out = single(outputs, "reduce_scatter");
-  TORCH_CHECK(inputs.size() == 1, "loom backend: reduce_scatter takes one input list per rank, got ", inputs.size());
+  TORCH_CHECK(inputs.size() == 1, "loom backend: reduce_scatter takes one input list per rank, got ",
+              inputs.size());
   const std::vector<at::Tensor>& ins = inputs[0];
   TORCH_CHECK(int(ins.size()) == size_, "loom backend: reduce_scatter: the input list has ", ins.size(),
               " tensors, expected the group size ", size_);
-  for (const at::Tensor& i : ins) {
-    TORCH_CHECK(i.defined() && i.device().is_cpu(), "loom backend: reduce_scatter: inputs must be CPU tensors");
-    checkSameKind(out, i, "reduce_scatter");
-    TORCH_CHECK(i.numel() == out.numel(), "loom backend: reduce_scatter: an input has ", i.numel(),
-                " elements, the output ", out.numel());
-  }
-  loomRedOp_t op = redOpFor(opts.reduceOp, out);
+  for (const at::Tensor& i : ins) checkOutput(i, outputs[0], "reduce_scatter");
+  loomRedOp_t op = redOpFor(opts.reduceOp, outputs[0]);
   at::Tensor flat = flatten(ins);
-  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::REDUCE_SCATTER, outputs,
-                                         std::vector<at::Tensor>{flat, out}, nullptr);
+  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::REDUCE_SCATTER, "loom:reduce_scatter", ins,
+                                         outputs, std::vector<at::Tensor>{flat, out}, nullptr);
   return issue("loomReduceScatter", w, [&] {
     return loomReduceScatter(flat.data_ptr(), out.data_ptr(), size_t(out.numel()), dtypeFor(out), op, comm_,
                              stream_);
   });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
-                                                                      const c10d::ReduceScatterOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   checkTensor(input, "reduce_scatter_tensor");
   checkTensor(output, "reduce_scatter_tensor");
   checkSameKind(input, output, "reduce_scatter_tensor");
-  TORCH_CHECK(input.numel() == int64_t(size_) * output.numel(), "loom backend: reduce_scatter_tensor: the input has ",
-              input.numel(), " elements, expected group size x output = ", int64_t(size_) * output.numel());
+  TORCH_CHECK(input.numel() == int64_t(size_) * output.numel(),
+              "loom backend: reduce_scatter_tensor: the input has ", input.numel(),
+              " elements, expected group size x output = ", int64_t(size_) * output.numel());
   loomRedOp_t op = redOpFor(opts.reduceOp, output);
-  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::_REDUCE_SCATTER_BASE, std::vector<at::Tensor>{output},
-                                         std::vector<at::Tensor>{input, output}, nullptr);
+  at::Tensor in = wire(input), out = wire(output);
+  auto w = c10::make_intrusive<LoomWork>(
+      rank_, c10d::OpType::_REDUCE_SCATTER_BASE, "loom:reduce_scatter_tensor", std::vector<at::Tensor>{input},
+      std::vector<at::Tensor>{output}, std::vector<at::Tensor>{input, output}, nullptr);
   return issue("loomReduceScatter", w, [&] {
-    return loomReduceScatter(input.data_ptr(), output.data_ptr(), size_t(output.numel()), dtypeFor(output), op,
-                             comm_, stream_);
+    return loomReduceScatter(in.data_ptr(), out.data_ptr(), size_t(out.numel()), dtypeFor(out), op, comm_,
+                             stream_);
   });
 }
 
 // A one-byte all-reduce: returns on every rank only once all have entered.
 c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::barrier(const c10d::BarrierOptions& /*opts*/) {
   at::Tensor token = at::zeros({1}, at::TensorOptions().dtype(at::kByte));
-  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::BARRIER, std::vector<at::Tensor>{},
-                                         std::vector<at::Tensor>{token}, nullptr);
+  auto w =
+      c10::make_intrusive<LoomWork>(rank_, c10d::OpType::BARRIER, "loom:barrier", std::vector<at::Tensor>{},
+                                    std::vector<at::Tensor>{}, std::vector<at::Tensor>{token}, nullptr);
   return issue("loomAllReduce (barrier)", w, [&] {
     return loomAllReduce(token.data_ptr(), token.data_ptr(), 1, loomUint8, loomMax, comm_, stream_);
   });
 }
 
 // loom matches the sends and recvs of a pair in issue order; it has no tags.
-c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::send(std::vector<at::Tensor>& tensors, int dstRank,
+                                                      int tag) {
   at::Tensor t = single(tensors, "send");
-  TORCH_CHECK(tag == 0, "loom backend: send: tags are not supported (messages between two ranks match in order); "
-              "got tag ", tag);
-  TORCH_CHECK(dstRank >= 0 && dstRank < size_ && dstRank != rank_, "loom backend: send: bad destination rank ",
-              dstRank);
-  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::SEND, std::vector<at::Tensor>{}, tensors, nullptr);
+  TORCH_CHECK(tag == 0,
+              "loom backend: send: tags are not supported (messages between two ranks match in order); "
+              "got tag ",
+              tag);
+  TORCH_CHECK(dstRank >= 0 && dstRank < size_ && dstRank != rank_,
+              "loom backend: send: bad destination rank ", dstRank);
+  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::SEND, "loom:send", tensors,
+                                         std::vector<at::Tensor>{}, tensors, nullptr);
   return issue("loomSend", w, [&] {
     return loomSend(t.data_ptr(), size_t(t.numel()), dtypeFor(t), dstRank, comm_, stream_);
   });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::recv(std::vector<at::Tensor>& tensors, int srcRank,
+                                                      int tag) {
   at::Tensor t = single(tensors, "recv");
-  TORCH_CHECK(tag == 0, "loom backend: recv: tags are not supported (messages between two ranks match in order); "
-              "got tag ", tag);
-  TORCH_CHECK(srcRank >= 0 && srcRank < size_ && srcRank != rank_, "loom backend: recv: bad source rank ", srcRank);
-  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::RECV, tensors, tensors, nullptr);
+  TORCH_CHECK(tag == 0,
+              "loom backend: recv: tags are not supported (messages between two ranks match in order); "
+              "got tag ",
+              tag);
+  TORCH_CHECK(srcRank >= 0 && srcRank < size_ && srcRank != rank_, "loom backend: recv: bad source rank ",
+              srcRank);
+  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::RECV, "loom:recv", std::vector<at::Tensor>{},
+                                         tensors, tensors, nullptr);
   return issue("loomRecv", w, [&] {
     return loomRecv(t.data_ptr(), size_t(t.numel()), dtypeFor(t), srcRank, comm_, stream_);
   });

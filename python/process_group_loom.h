@@ -3,12 +3,23 @@
 // loom host stream per group; a completer thread waits for the stream
 // (loomStreamSynchronize) and then completes the Work objects of everything
 // that had been enqueued before it started waiting, in issue order.
+//
+// Lifetimes: a work holds the group's LoomQueue (communicator, stream,
+// pending works), never the group itself, not even weakly. A c10 weak
+// reference keeps the object's memory, and the thread that drops the last one
+// runs its destructor: a work released on the completer thread after
+// destroy_process_group would run ~ProcessGroupLoom there, which joins that
+// very thread (std::system_error "Resource deadlock avoided"). The group's
+// destructor is the only place that stops the completer and destroys the
+// communicator.
 #pragma once
 
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <thread>
 #include <vector>
 
@@ -19,18 +30,22 @@
 
 namespace loom_torch {
 
+class LoomQueue;
+
 // One operation: keeps its tensors alive until loom is done with them, runs an
 // optional copy-out step, then completes both the Work and its Future.
 class LoomWork : public c10d::Work {
  public:
-  LoomWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, std::vector<at::Tensor> keepAlive,
-           std::function<void()> copyOut);
+  // profilingTitle ("loom:all_reduce") names the operation's profiler event:
+  // c10d::Work opens it here and closes it when the work finishes.
+  LoomWork(int rank, c10d::OpType type, const char* profilingTitle, const std::vector<at::Tensor>& inputs,
+           std::vector<at::Tensor> outputs, std::vector<at::Tensor> keepAlive, std::function<void()> copyOut);
   std::vector<at::Tensor> result() override { return outputs_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   // An untimed wait synchronizes the stream on the caller's thread (which
   // then runs the operation itself) instead of waiting for the completer.
   bool wait(std::chrono::milliseconds timeout) override;
-  void setGroup(c10::weak_intrusive_ptr<c10d::ProcessGroup> group) { group_ = std::move(group); }
+  void setQueue(std::shared_ptr<LoomQueue> queue) { queue_ = std::move(queue); }
   // Called once, by the completer, after loom finished the operation.
   void complete(std::exception_ptr error);
 
@@ -39,8 +54,47 @@ class LoomWork : public c10d::Work {
   std::vector<at::Tensor> keepAlive_;
   std::function<void()> copyOut_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
-  // The ProcessGroupLoom that issued this work (weak: a work may outlive it).
-  c10::weak_intrusive_ptr<c10d::ProcessGroup> group_{c10::intrusive_ptr<c10d::ProcessGroup>()};
+  // The queue of the group that issued this work (see the lifetimes above).
+  std::shared_ptr<LoomQueue> queue_;
+};
+
+// What a group shares with its works and its completer thread.
+class LoomQueue {
+ public:
+  LoomQueue(loomComm_t comm, loomStream_t stream) : comm_(comm), stream_(stream) {}
+  // Runs launch() (a loom call on stream()) and queues `work` for the
+  // completer (or for endCoalescing while coalescing); throws with loom's
+  // message if the call is refused.
+  void issue(const char* what, const c10::intrusive_ptr<LoomWork>& work,
+             const std::function<loomResult_t()>& launch);
+  // Completes every work queued so far: the completer's loop body, also run
+  // by LoomWork::wait on the waiting thread. Does nothing once closed.
+  void drain();
+  // The completer thread: drains until stop() and nothing is pending.
+  void completerLoop();
+  void stop();
+  // Completes what is pending, then destroys the stream and the communicator.
+  void close();
+  void startCoalescing();
+  void endCoalescing();
+  loomComm_t comm() const { return comm_; }
+  loomStream_t stream() const { return stream_; }
+  [[noreturn]] void fail(const char* what, loomResult_t r) const;
+
+ private:
+  void completeBatch(std::deque<c10::intrusive_ptr<LoomWork>>& batch);
+
+  loomComm_t comm_;
+  loomStream_t stream_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::deque<c10::intrusive_ptr<LoomWork>> pending_;
+  std::vector<c10::intrusive_ptr<LoomWork>> coalesced_;
+  bool coalescing_ = false;
+  bool stop_ = false;
+  // Shared while synchronizing the stream, exclusive to destroy it.
+  std::shared_mutex streamLock_;
+  bool closed_ = false;
 };
 
 class ProcessGroupLoom : public c10d::ProcessGroup {
@@ -75,31 +129,32 @@ class ProcessGroupLoom : public c10d::ProcessGroup {
                                                 const c10d::ReduceScatterOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                       const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputLists,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplits,
+                                               std::vector<int64_t>& inputSplits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
 
-  // Completes every work queued so far: the completer's loop body, also run
-  // by LoomWork::wait on the waiting thread.
-  void drain();
-
  private:
-  // Calls launch() (a loom call on stream_) and queues `work` for the
-  // completer; throws with loom's message if the call is refused.
   c10::intrusive_ptr<c10d::Work> issue(const char* what, c10::intrusive_ptr<LoomWork> work,
                                        const std::function<loomResult_t()>& launch);
-  void completerLoop();
-  void completeBatch(std::deque<c10::intrusive_ptr<LoomWork>>& batch);
-  [[noreturn]] void fail(const char* what, loomResult_t r) const;
 
   loomComm_t comm_ = nullptr;
   loomStream_t stream_ = nullptr;
-  std::mutex m_;
-  std::condition_variable cv_;
-  std::deque<c10::intrusive_ptr<LoomWork>> pending_;
-  std::vector<c10::intrusive_ptr<LoomWork>> coalesced_;
-  bool coalescing_ = false;
-  bool stop_ = false;
+  std::shared_ptr<LoomQueue> queue_;
   std::thread completer_;
 };
 

@@ -126,6 +126,13 @@ TEST_CASE("ranks that call different collectives fail with an error instead of h
   CHECK(loomRun(std::string(kTcp) + " LOOM_TIMEOUT_MS=20000", n, "mismatch", 60) == 0);
 }
 
+TEST_CASE("ranks whose all-to-all counts disagree fail with an error instead of hanging", "[mp][fault]") {
+  int n = GENERATE(2, 3);
+  INFO("nranks " << n);
+  CHECK(loomRun(std::string(kShm) + " LOOM_TIMEOUT_MS=20000", n, "a2amismatch", 60) == 0);
+  CHECK(loomRun(std::string(kTcp) + " LOOM_TIMEOUT_MS=20000", n, "a2amismatch", 60) == 0);
+}
+
 TEST_CASE("soak: thousands of random operations on 3-5 ranks are all exact", "[mp][soak]") {
   // A fixed seed per run of the suite would test one sequence forever; the
   // seed is the time, printed by rank 0 so that a failure can be replayed:

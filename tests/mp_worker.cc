@@ -8,6 +8,7 @@
 //   mp-worker streams      many operations on a stream, one synchronize
 //   mp-worker badargs      wrong arguments fail cleanly and do no harm
 //   mp-worker mismatch     ranks calling different collectives get an error, no hang
+//   mp-worker a2amismatch  an all-to-all whose counts disagree: an error, no hang
 //   mp-worker split        loomCommSplit into even/odd ranks
 //   mp-worker soak SEED N SECONDS   N random operations (collective, size,
 //                          type, op, root, in-place, stream), all checked
@@ -66,16 +67,29 @@ static const loomDataType_t kTypes[] = {loomInt8,    loomUint8,    loomInt32,   
                                         loomUint64,  loomFloat16,  loomBfloat16, loomFloat32, loomFloat64};
 static const loomRedOp_t kOps[] = {loomSum, loomProd, loomMax, loomMin, loomAvg};
 
-enum Coll { AR, RS, AG, BC, RED };
-static const char* kCollNames[] = {"allreduce", "reducescatter", "allgather", "broadcast", "reduce"};
+enum Coll { AR, RS, AG, BC, RED, A2A, GATHER, SCATTER, A2AV };
+static const char* kCollNames[] = {"allreduce", "reducescatter", "allgather", "broadcast", "reduce",
+                                   "alltoall",  "gather",        "scatter",   "alltoallv"};
+// loomAllToAllv's layout in the matrix: rank r sends count + (r + j) % 3
+// elements to rank j, blocks packed in rank order from the start.
+static size_t a2avCount(size_t count, int from, int to) { return count + size_t((from + to) % 3); }
 
 // Runs one collective and checks it exactly.  Returns false on a loom error.
 static void runChecked(loomComm_t comm, loomStream_t stream, Coll coll, loomDataType_t t, loomRedOp_t op,
                        size_t count, bool inPlace, int root) {
   size_t esz = typeSize(t);
   int n = gSize, me = gRank;
-  size_t sendCount = coll == RS ? count * size_t(n) : count;
-  size_t recvCount = coll == AG ? count * size_t(n) : count;
+  size_t sendCount = (coll == RS || coll == A2A || coll == SCATTER) ? count * size_t(n) : count;
+  size_t recvCount = (coll == AG || coll == A2A || coll == GATHER) ? count * size_t(n) : count;
+  const size_t ranks = size_t(n);
+  std::vector<size_t> scounts(ranks), sdispls(ranks), rcounts(ranks), rdispls(ranks);
+  if (coll == A2AV) {
+    sendCount = recvCount = 0;
+    for (int j = 0; j < n; ++j) {
+      scounts[size_t(j)] = a2avCount(count, me, j), sdispls[size_t(j)] = sendCount, sendCount += scounts[size_t(j)];
+      rcounts[size_t(j)] = a2avCount(count, j, me), rdispls[size_t(j)] = recvCount, recvCount += rcounts[size_t(j)];
+    }
+  }
   std::vector<char> sbuf(sendCount * esz + 64), rbuf(recvCount * esz + 64, 0x5a), want(recvCount * esz + 8);
   void* send = sbuf.data();
   void* recv = rbuf.data();
@@ -84,11 +98,16 @@ static void runChecked(loomComm_t comm, loomStream_t stream, Coll coll, loomData
     // NCCL's in-place layouts.
     if (coll == AG) send = rbuf.data() + size_t(me) * count * esz;
     else if (coll == RS) recv = sbuf.data() + size_t(me) * count * esz, send = sbuf.data();
-    else send = recv;
+    else if (coll == GATHER) send = rbuf.data() + size_t(root) * count * esz;
+    else if (coll == SCATTER) recv = sbuf.data() + size_t(me) * count * esz;
+    else if (coll != A2A && coll != A2AV) send = recv;  // all-to-all has no in-place form
   }
   if (coll == RS) fillInput(send, op, t, me, sendCount);
-  else if (coll == AG) fillInput(send, fillOp, t, me, count, size_t(me) * count);
-  else fillInput(send, fillOp, t, me, count);
+  else if (coll == AG || coll == GATHER) fillInput(send, loomMax, t, me, count, size_t(me) * count);
+  else if (coll == A2A || coll == A2AV) fillInput(send, loomMax, t, me, sendCount);
+  else if (coll == SCATTER) {
+    if (me == root) fillInput(send, loomMax, t, me, sendCount);
+  } else fillInput(send, fillOp, t, me, count);
   loomResult_t r = loomSuccess;
   switch (coll) {
     case AR: r = loomAllReduce(send, recv, count, t, op, comm, stream); break;
@@ -96,6 +115,12 @@ static void runChecked(loomComm_t comm, loomStream_t stream, Coll coll, loomData
     case AG: r = loomAllGather(send, recv, count, t, comm, stream); break;
     case BC: r = loomBroadcast(send, recv, count, t, root, comm, stream); break;
     case RED: r = loomReduce(send, recv, count, t, op, root, comm, stream); break;
+    case A2A: r = loomAllToAll(send, recv, count, t, comm, stream); break;
+    case GATHER: r = loomGather(send, recv, count, t, root, comm, stream); break;
+    case SCATTER: r = loomScatter(send, recv, count, t, root, comm, stream); break;
+    case A2AV:
+      r = loomAllToAllv(send, scounts.data(), sdispls.data(), recv, rcounts.data(), rdispls.data(), t, comm, stream);
+      break;
   }
   if (r == loomSuccess && stream) r = loomStreamSynchronize(stream);
   std::string what = std::string(kCollNames[coll]) + " " + typeName(t) + " " + opName(op) +
@@ -106,14 +131,27 @@ static void runChecked(loomComm_t comm, loomStream_t stream, Coll coll, loomData
             loomGetLastError(comm));
     exit(4);
   }
-  if (coll == RED && me != root) return;
-  for (size_t i = 0; i < recvCount; ++i) {
+  if ((coll == RED || coll == GATHER) && me != root) return;
+  if (coll == A2AV) {
+    // Rank j's block to me: its elements sdispls_j[me].. of its input.
+    for (int j = 0; j < n; ++j) {
+      size_t from = 0;
+      for (int k = 0; k < me; ++k) from += a2avCount(count, j, k);
+      for (size_t i = 0; i < rcounts[size_t(j)]; ++i)
+        store(want.data(), t, rdispls[size_t(j)] + i, inputValue(loomMax, t, j, from + i));
+    }
+  }
+  for (size_t i = 0; i < recvCount && coll != A2AV; ++i) {
     switch (coll) {
       case AR:
       case RED: storeExpected(want.data(), op, t, n, i, i); break;
       case RS: storeExpected(want.data(), op, t, n, i, size_t(me) * count + i); break;
       case AG: store(want.data(), t, i, inputValue(loomMax, t, int(i / count), i)); break;
       case BC: store(want.data(), t, i, inputValue(loomMax, t, root, i)); break;
+      case GATHER: store(want.data(), t, i, inputValue(loomMax, t, int(i / count), i)); break;
+      case A2A: store(want.data(), t, i, inputValue(loomMax, t, int(i / count), size_t(me) * count + i % count)); break;
+      case SCATTER: store(want.data(), t, i, inputValue(loomMax, t, root, size_t(me) * count + i)); break;
+      case A2AV: break;
     }
   }
   size_t wrong = countWrong(recv, want.data(), recvCount, t);
@@ -137,11 +175,13 @@ static void scenarioMatrix(loomComm_t comm, int argc, char** argv) {
   int checks = 0;
   for (size_t count : counts)
     for (loomDataType_t t : types)
-      for (int c = AR; c <= RED; ++c)
+      for (int c = AR; c <= A2AV; ++c)
         for (loomRedOp_t op : ops) {
-          if ((c == AG || c == BC) && op != ops[0]) continue;  // no op involved
+          if (c != AR && c != RS && c != RED && op != ops[0]) continue;  // no op involved
           for (int inPlace = 0; inPlace < 2; ++inPlace) {
-            int root = (c == BC || c == RED) ? int((count + size_t(op)) % size_t(gSize)) : 0;
+            if ((c == A2A || c == A2AV) && inPlace) continue;
+            bool rooted = c == BC || c == RED || c == GATHER || c == SCATTER;
+            int root = rooted ? int((count + size_t(op) + size_t(c)) % size_t(gSize)) : 0;
             // Alternate the NULL stream and a loom stream.
             runChecked(comm, (checks % 2) ? stream : nullptr, Coll(c), t, op, count, inPlace, root);
             ++checks;
@@ -268,6 +308,31 @@ static void scenarioBadArgs(loomComm_t comm) {
   expectInvalid(loomSend(buf, 4, loomFloat32, gSize + 3, comm, nullptr), "peer out of range");
   expectInvalid(loomAllReduce(buf, buf + 1, 4, loomFloat32, loomSum, comm, nullptr), "overlapping buffers");
   expectInvalid(loomAllReduce(buf, buf, 4, loomFloat32, loomSum, nullptr, nullptr), "null comm");
+  // All-to-all, gather, scatter (issue 17): checked before anything is sent.
+  std::vector<float> big(size_t(gSize) * 8);
+  expectInvalid(loomAllToAll(big.data(), big.data(), 4, loomFloat32, comm, nullptr), "in-place all-to-all");
+  expectInvalid(loomAllToAll(nullptr, big.data(), 4, loomFloat32, comm, nullptr), "all-to-all null sendbuff");
+  expectInvalid(loomAllToAll(buf, big.data(), SIZE_MAX / 3, loomFloat64, comm, nullptr), "all-to-all count overflow");
+  expectInvalid(loomAllToAll(buf, big.data(), 4, loomDataType_t(99), comm, nullptr), "all-to-all unknown datatype");
+  expectInvalid(loomGather(buf, big.data(), 4, loomFloat32, gSize, comm, nullptr), "gather root out of range");
+  expectInvalid(loomScatter(big.data(), buf, 4, loomFloat32, -2, comm, nullptr), "scatter negative root");
+  expectInvalid(loomScatter(big.data(), nullptr, 4, loomFloat32, 0, comm, nullptr), "scatter null recvbuff");
+  if (gRank == 0) {
+    expectInvalid(loomGather(big.data() + 1, big.data(), 4, loomFloat32, 0, comm, nullptr),
+                  "gather overlap off NCCL's in-place offset");
+    expectInvalid(loomScatter(big.data(), big.data() + 1, 4, loomFloat32, 0, comm, nullptr),
+                  "scatter overlap off NCCL's in-place offset");
+    expectInvalid(loomGather(buf, nullptr, 4, loomFloat32, 0, comm, nullptr), "gather null recvbuff on root");
+  }
+  std::vector<size_t> counts(size_t(gSize), 2), displs(size_t(gSize), 0);
+  expectInvalid(loomAllToAllv(buf, counts.data(), displs.data(), big.data(), counts.data(), nullptr, loomFloat32,
+                              comm, nullptr),
+                "all-to-allv null rdispls");
+  if (gSize > 1)
+    expectInvalid(loomAllToAllv(buf, counts.data(), displs.data(), big.data(), counts.data(), displs.data(),
+                                loomFloat32, comm, nullptr),
+                  "all-to-allv overlapping receive regions");
+  expectInvalid(loomCommSetTimeout(comm, 0), "zero timeout");
   expectInvalid(loomCommCount(comm, nullptr), "null count");
   expectInvalid(loomCommInitRank(nullptr, 2, loomUniqueId{}, 0), "null comm pointer");
   loomComm_t c2;
@@ -303,6 +368,18 @@ static void scenarioMismatch(loomComm_t comm) {
   // Later calls fail fast instead of hanging.
   r = loomAllReduce(buf.data(), buf.data(), 10, loomFloat32, loomSum, comm, nullptr);
   expect(r != loomSuccess, "calls after a failure fail");
+}
+
+// All-to-all with counts that disagree (rank 0's blocks are one element
+// shorter): every rank fails with an error, none hangs.
+static void scenarioExchangeMismatch(loomComm_t comm) {
+  size_t count = size_t(1) << 16;  // larger than a connection's slots
+  if (gRank == 0) --count;
+  std::vector<float> send(size_t(gSize) * count, 1.0f), recv(size_t(gSize) * count);
+  loomResult_t r = loomAllToAll(send.data(), recv.data(), count, loomFloat32, comm, nullptr);
+  printf("rank %d: %s: %s\n", gRank, loomGetErrorString(r), loomGetLastError(comm));
+  expect(r == loomInvalidUsage || r == loomRemoteError,
+         "all-to-all with disagreeing counts fails with invalid usage or remote error");
 }
 
 static void scenarioSplit(loomComm_t comm) {
@@ -555,6 +632,7 @@ int main(int argc, char** argv) {
   else if (sc == "streams") scenarioStreams(comm);
   else if (sc == "badargs") scenarioBadArgs(comm);
   else if (sc == "mismatch") scenarioMismatch(comm);
+  else if (sc == "a2amismatch") scenarioExchangeMismatch(comm);
   else if (sc == "split") scenarioSplit(comm);
   else if (sc == "dump") scenarioDump(comm);
   else if (sc == "soak")
@@ -564,7 +642,7 @@ int main(int argc, char** argv) {
     fprintf(stderr, "unknown scenario %s\n", sc.c_str());
     return 2;
   }
-  if (sc == "mismatch" || sc == "dump") loomCommAbort(comm);
+  if (sc == "mismatch" || sc == "a2amismatch" || sc == "dump") loomCommAbort(comm);
   else CHECK_LOOM(loomCommDestroy(comm));
   if (gFailures) fprintf(stderr, "rank %d: %d checks failed\n", gRank, gFailures);
   return gFailures ? 1 : 0;

@@ -5,16 +5,26 @@
 
 Works with torchrun's environment (or any init_method / c10d store): rank 0
 creates loom's unique id and puts it in the store, the others read it there.
-CPU tensors; all_reduce (SUM, AVG, PRODUCT, MIN, MAX), broadcast, reduce,
-all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor,
-barrier, send, recv and batch_isend_irecv.
+CPU tensors; all_reduce (SUM, AVG, PRODUCT, MIN, MAX; sparse tensors through
+their dense form), broadcast, reduce, all_gather, all_gather_into_tensor,
+all_gather_coalesced, reduce_scatter, reduce_scatter_tensor, gather, scatter,
+all_to_all, all_to_all_single (equal or unequal splits), barrier, send, recv
+and batch_isend_irecv; every dtype gloo takes (complex as pairs of reals).
+Every operation fails within about the group's timeout when a peer does not
+take part, naming that rank; the autograd profiler shows "loom:<operation>".
+
+torch 1.13 refuses dist.monitored_barrier for any backend but gloo: use
+loom_torch.monitored_barrier(group, timeout, wait_all_ranks) instead.
 """
+import collections
+import datetime
+
 import torch  # loads libtorch_python before the extension needs it
 import torch.distributed as dist
 
 from . import _C
 
-__all__ = ["BACKEND_NAME", "loom_version"]
+__all__ = ["BACKEND_NAME", "loom_version", "monitored_barrier"]
 
 BACKEND_NAME = "loom"
 loom_version = _C.loom_version
@@ -26,3 +36,49 @@ def _create_process_group(store, rank, size, timeout):
 
 if not hasattr(dist.Backend, BACKEND_NAME.upper()):
     dist.Backend.register_backend(BACKEND_NAME, _create_process_group)
+
+
+_monitored_barrier_calls = collections.Counter()
+
+
+def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
+    """gloo's monitored_barrier for any group: rank 0 of the group waits up to
+    `timeout` for every other rank to check in through the default store,
+    then releases them. A rank that does not arrive in time makes rank 0 raise
+    RuntimeError("Rank R failed to pass monitoredBarrier in T ms"), naming
+    every late rank when wait_all_ranks; the other ranks raise when rank 0
+    does not release them in time. Collective: every rank of the group calls it.
+    """
+    group = group or dist.group.WORLD
+    if timeout is None:
+        timeout = datetime.timedelta(minutes=30)
+    ranks = sorted(dist.get_process_group_ranks(group)) if hasattr(dist, "get_process_group_ranks") else \
+        sorted(dist.distributed_c10d._pg_group_ranks[group].keys())
+    me, n = dist.get_rank(group), len(ranks)
+    call = ",".join(map(str, ranks))
+    seq = _monitored_barrier_calls[call]
+    _monitored_barrier_calls[call] += 1
+    store = dist.PrefixStore(f"loom_monitored_barrier/{call}/{seq}/", dist.distributed_c10d._get_default_store())
+    ms = int(timeout.total_seconds() * 1000)
+    deadline = datetime.datetime.now() + timeout
+    if me != 0:
+        store.set(f"arrived/{me}", "1")
+        try:
+            store.wait(["released"], timeout)
+        except RuntimeError as e:
+            raise RuntimeError(f"Rank {me} was not released by rank 0 of the group from monitoredBarrier in "
+                               f"{ms} ms: {e}") from None
+        return
+    late = []
+    for r in range(1, n):
+        left = max(deadline - datetime.datetime.now(), datetime.timedelta(milliseconds=1))
+        try:
+            store.wait([f"arrived/{r}"], left)
+        except RuntimeError:
+            late.append(r)
+            if not wait_all_ranks:
+                break
+    if late:
+        who = f"Rank {late[0]}" if len(late) == 1 else "Ranks " + ", ".join(map(str, late))
+        raise RuntimeError(f"{who} failed to pass monitoredBarrier in {ms} ms")
+    store.set("released", "1")

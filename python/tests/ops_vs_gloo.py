@@ -153,6 +153,119 @@ check("future value", fut.wait()[0], torch.full((10,), float(n)), True)
 
 dist.barrier()
 
+# gather, scatter, all_to_all_single (equal and unequal splits), all_to_all,
+# all_gather_coalesced: bit-exact against gloo (on the same bytes as uint8,
+# since gloo lacks bool, bfloat16 and complex) or, where gloo has no such
+# operation (all_to_all of lists), against the values every rank can compute.
+def make_of(r, dtype, shape, salt):
+    g = torch.Generator().manual_seed(1000 * salt + r)
+    if dtype.is_complex:
+        return torch.complex(torch.rand(shape, generator=g, dtype=torch.float64),
+                             torch.rand(shape, generator=g, dtype=torch.float64)).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    return torch.randint(0, 100, shape, generator=g).to(dtype)
+
+
+def raw(t):
+    return (torch.view_as_real(t) if t.is_complex() else t).contiguous().view(torch.uint8)
+
+
+MOVE_DTYPES = [torch.float32, torch.int64, torch.uint8, torch.bool, torch.bfloat16, torch.float64, torch.complex64,
+               torch.complex128]
+for dtype in MOVE_DTYPES:
+    for count in (1, 7, 1000, 70001):
+        salt += 1
+        root = salt % n
+        x = make_of(rank, dtype, (count,), salt)
+        got = [torch.empty_like(x) for _ in range(n)] if rank == root else None
+        dist.gather(x, got, dst=root)
+        want = [torch.empty_like(raw(x)) for _ in range(n)] if rank == root else None
+        dist.gather(raw(x), want, dst=root, group=gloo)
+        if rank == root:
+            for i in range(n):
+                check(f"gather block {i} root {root} {dtype} x{count}", raw(got[i]), want[i], True)
+
+        parts = [make_of(rank, dtype, (count,), salt * 3 + i) for i in range(n)] if rank == root else None
+        got = torch.empty_like(x)
+        dist.scatter(got, parts, src=root)
+        want = torch.empty_like(raw(x))
+        dist.scatter(want, [raw(p) for p in parts] if rank == root else None, src=root, group=gloo)
+        check(f"scatter root {root} {dtype} x{count}", raw(got), want, True)
+
+        # all_to_all_single, equal blocks: 2-D so that rows split whole.
+        rows = 2 * n
+        xin = make_of(rank, dtype, (rows, (count + 1) // 2), salt)
+        got = torch.empty_like(xin)
+        dist.all_to_all_single(got, xin)
+        want = torch.empty_like(raw(xin))
+        dist.all_to_all_single(want, raw(xin), group=gloo)
+        check(f"all_to_all_single equal {dtype} x{count}", raw(got), want, True)
+
+        # Unequal splits: rank r sends (r + j) % 3 rows to rank j (some empty).
+        cols = max(1, count // 50)
+        send_splits = [(rank + j) % 3 for j in range(n)]
+        recv_splits = [(j + rank) % 3 for j in range(n)]
+        xin = make_of(rank, dtype, (sum(send_splits), cols), salt + 1)
+        got = torch.empty((sum(recv_splits), cols), dtype=dtype)
+        dist.all_to_all_single(got, xin, recv_splits, send_splits)
+        want = torch.empty_like(raw(got))
+        dist.all_to_all_single(want, raw(xin), recv_splits, send_splits, group=gloo)
+        check(f"all_to_all_single unequal {dtype} x{cols}", raw(got), want, True)
+
+        # all_to_all of lists (gloo has none): block j of rank r goes to rank j.
+        sizes = lambda a, b: (a + 2 * b) % 4 + (count % 5)  # noqa: E731
+        ins = [make_of(rank, dtype, (sizes(rank, j),), salt * 5 + j) for j in range(n)]
+        outs = [torch.empty(sizes(i, rank), dtype=dtype) for i in range(n)]
+        dist.all_to_all(outs, ins)
+        for i in range(n):
+            check(f"all_to_all from {i} {dtype}", raw(outs[i]),
+                  raw(make_of(i, dtype, (sizes(i, rank),), salt * 5 + rank)), True)
+
+    # all_gather_coalesced: three tensors of different shapes per rank.
+    salt += 1
+    ins = [make_of(rank, dtype, shape, salt + k) for k, shape in enumerate([(3,), (2, 5), (1000,)])]
+    got = [[torch.empty_like(t) for t in ins] for _ in range(n)]
+    dist.all_gather_coalesced(got, ins)
+    for i in range(n):
+        for k, shape in enumerate([(3,), (2, 5), (1000,)]):
+            check(f"all_gather_coalesced rank {i} tensor {k} {dtype}", raw(got[i][k]),
+                  raw(make_of(i, dtype, shape, salt + k)), True)
+
+# Complex all_reduce (SUM, AVG) against gloo's float all_reduce of the real views.
+for dtype in (torch.complex64, torch.complex128):
+    for count in (1, 1000, 70001):
+        salt += 1
+        x = make_of(rank, dtype, (count,), salt)
+        got = x.clone()
+        dist.all_reduce(got)
+        want = torch.view_as_real(x.clone()).contiguous()
+        dist.all_reduce(want, group=gloo)
+        check(f"all_reduce SUM {dtype} x{count}", torch.view_as_real(got), want, False)
+        got = x.clone()
+        dist.all_reduce(got, op=dist.ReduceOp.AVG)
+        check(f"all_reduce AVG {dtype} x{count}", torch.view_as_real(got), want / n, False)
+
+# Sparse all_reduce (loom reduces the dense form, with a warning) equals gloo's.
+i = torch.tensor([[rank, (rank * 3) % 7], [1, 2]])
+v = torch.tensor([1.5 + rank, -2.0], dtype=torch.float32)
+sp = torch.sparse_coo_tensor(i, v, (8, 4))
+got = sp.clone()
+dist.all_reduce(got)
+want = sp.clone()
+dist.all_reduce(want, group=gloo)
+check("sparse all_reduce", got.to_dense(), want.to_dense(), False)
+
+# Profiler: each operation records "loom:<operation>".
+with torch.autograd.profiler.profile() as prof:
+    dist.all_reduce(torch.ones(10))
+    dist.all_to_all_single(torch.empty(2 * n), torch.ones(2 * n))
+names = {e.name for e in prof.function_events}
+for want_name in ("loom:all_reduce", "loom:all_to_all_single"):
+    if want_name not in names:
+        failures.append(f"profiler event {want_name}")
+        print(f"[rank {rank}] FAIL profiler: no {want_name} in {sorted(names)[:20]}", flush=True)
+
 # Clear errors for what loom does not support.
 def expect_error(name, fn, words):
     try:
@@ -171,8 +284,10 @@ expect_error("BAND is refused", lambda: dist.all_reduce(torch.ones(4, dtype=torc
 expect_error("int16 is refused", lambda: dist.all_reduce(torch.ones(4, dtype=torch.int16)), ["loom", "dtype"])
 expect_error("non-contiguous is refused", lambda: dist.all_reduce(torch.ones(4, 4).t()), ["loom", "contiguous"])
 expect_error("tags are refused", lambda: dist.send(torch.ones(4), right, tag=3), ["loom", "tag"])
-expect_error("gather is refused", lambda: dist.gather(torch.ones(4), [torch.ones(4)] * n if rank == 0 else None),
-             ["loom", "gather"])
+expect_error("complex MAX is refused", lambda: dist.all_reduce(torch.ones(4, dtype=torch.complex64),
+                                                                 op=dist.ReduceOp.MAX), ["complex"])
+expect_error("all_to_all_single splits that do not add up are refused",
+             lambda: dist.all_to_all_single(torch.empty(n), torch.ones(n), [1] * n, [2] * n), ["loom", "split"])
 
 # The group still works after refused calls.
 t = torch.ones(3)

@@ -234,6 +234,49 @@ loomResult_t issueOp(const char* call, loomComm* comm, loomStream_t stream, cons
   });
 }
 
+// All-to-all, gather and scatter are, as in NCCL, one group of point-to-point
+// operations (algorithms/pairwise_exchange.cc). Issues them as one group (or
+// into the caller's group); check() validates the arguments first and returns
+// the operations.
+template <class Check>
+loomResult_t issueExchange(const char* call, loomComm* comm, loomStream_t stream, Check&& check) {
+  return guarded(call, comm, [&]() -> loomResult_t {
+    GroupState& g = tlsGroup;
+    std::vector<OpDesc> ops;
+    HostStream* hostStream;
+    try {
+      checkComm(comm);
+      ops = check(comm->nranks(), comm->rank());
+      for (OpDesc& op : ops) {
+        if (op.sendbuf) op.sendMem = memoryKindOf(op.sendbuf);
+        if (op.recvbuf) op.recvMem = memoryKindOf(op.recvbuf);
+        validate(comm, op);
+      }
+      hostStream = hostStreamOf(stream);
+    } catch (const Error& e) {
+      if (g.depth > 0 && g.error == loomSuccess) {
+        g.error = e.code();
+        g.errorMsg = std::string(call) + ": " + e.what();
+      }
+      throw;
+    }
+    if (ops.empty()) return loomSuccess;
+    if (g.depth > 0) {
+      if (g.ops.empty()) {
+        g.comm = comm;
+        g.stream = stream;
+      } else if (g.comm != comm || g.stream != stream) {
+        fail(loomInvalidUsage, "all operations of a group must use one communicator and one stream");
+      }
+      g.ops.insert(g.ops.end(), ops.begin(), ops.end());
+      return loomSuccess;
+    }
+    return submit(comm, hostStream, std::move(ops));
+  });
+}
+
+const char* at(const void* base, size_t bytes) { return static_cast<const char*>(base) + bytes; }
+
 }  // namespace
 
 extern "C" {
@@ -497,6 +540,15 @@ loomResult_t loomCommGetAsyncError(loomComm_t comm, loomResult_t* asyncError) {
   });
 }
 
+loomResult_t loomCommSetTimeout(loomComm_t comm, int64_t timeoutMs) {
+  return guarded("loomCommSetTimeout", nullptr, [&] {
+    checkComm(comm);
+    if (timeoutMs < 1) fail(loomInvalidArgument, "timeoutMs %lld is not positive", (long long)timeoutMs);
+    comm->setTimeoutMs(timeoutMs);
+    return loomSuccess;
+  });
+}
+
 loomResult_t loomAllReduce(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t datatype,
                            loomRedOp_t op, loomComm_t comm, loomStream_t stream) {
   if (loomResult_t r = checkEnums("loomAllReduce", &datatype, &op)) return r;
@@ -599,6 +651,107 @@ loomResult_t loomRecv(void* recvbuff, size_t count, loomDataType_t datatype, int
   d.peer = peer;
   d.isSend = false;
   return issueOp("loomRecv", comm, stream, d);
+}
+
+loomResult_t loomAllToAll(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t datatype,
+                          loomComm_t comm, loomStream_t stream) {
+  if (loomResult_t r = checkEnums("loomAllToAll", &datatype, nullptr)) return r;
+  return issueExchange("loomAllToAll", comm, stream, [&](int n, int me) {
+    size_t all = checkedBytes(count, datatype, size_t(n));
+    if (count > 0) {
+      if (!sendbuff) fail(loomInvalidArgument, "sendbuff is NULL");
+      if (!recvbuff) fail(loomInvalidArgument, "recvbuff is NULL");
+      if (overlaps(sendbuff, all, recvbuff, all))
+        fail(loomInvalidArgument,
+             "sendbuff and recvbuff overlap: all-to-all has no in-place form (as in NCCL)");
+    }
+    return allToAllOps(sendbuff, recvbuff, count, datatype, me, n);
+  });
+}
+
+loomResult_t loomAllToAllv(const void* sendbuff, const size_t sendcounts[], const size_t sdispls[],
+                           void* recvbuff, const size_t recvcounts[], const size_t rdispls[],
+                           loomDataType_t datatype, loomComm_t comm, loomStream_t stream) {
+  if (loomResult_t r = checkEnums("loomAllToAllv", &datatype, nullptr)) return r;
+  return issueExchange("loomAllToAllv", comm, stream, [&](int n, int me) {
+    if (!sendcounts || !sdispls || !recvcounts || !rdispls)
+      fail(loomInvalidArgument,
+           "sendcounts, sdispls, recvcounts and rdispls must all be given (nranks entries each)");
+    // [begin, end) in bytes of region j, failing on overflow.
+    auto region = [&](const char* what, const size_t* counts, const size_t* displs, int j) {
+      size_t end = checkedBytes(counts[j], datatype, 1);
+      size_t begin = checkedBytes(displs[j], datatype, 1);
+      if (begin > size_t(PTRDIFF_MAX) - end)
+        fail(loomInvalidArgument, "%s[%d]: displacement + count overflows", what, j);
+      return std::pair<size_t, size_t>(begin, begin + end);
+    };
+    std::vector<std::pair<size_t, size_t>> sends, recvs;
+    bool anySend = false, anyRecv = false;
+    for (int j = 0; j < n; ++j) {
+      sends.push_back(region("sendcounts/sdispls", sendcounts, sdispls, j));
+      recvs.push_back(region("recvcounts/rdispls", recvcounts, rdispls, j));
+      anySend |= sendcounts[j] > 0;
+      anyRecv |= recvcounts[j] > 0;
+    }
+    if (anySend && !sendbuff) fail(loomInvalidArgument, "sendbuff is NULL");
+    if (anyRecv && !recvbuff) fail(loomInvalidArgument, "recvbuff is NULL");
+    if (sendcounts[me] != recvcounts[me])
+      fail(loomInvalidArgument,
+           "sendcounts[%d] = %zu but recvcounts[%d] = %zu: a rank's block to itself must match", me,
+           sendcounts[me], me, recvcounts[me]);
+    std::vector<int> order;
+    for (int j = 0; j < n; ++j)
+      if (recvcounts[j] > 0) order.push_back(j);
+    std::sort(order.begin(), order.end(),
+              [&](int a, int b) { return recvs[size_t(a)].first < recvs[size_t(b)].first; });
+    for (size_t k = 1; k < order.size(); ++k)
+      if (recvs[size_t(order[k])].first < recvs[size_t(order[k - 1])].second)
+        fail(loomInvalidArgument, "the receive regions of ranks %d and %d overlap", order[k - 1], order[k]);
+    for (int j : order)
+      for (int i = 0; i < n; ++i)
+        if (sendcounts[i] > 0 &&
+            overlaps(at(sendbuff, sends[size_t(i)].first), sends[size_t(i)].second - sends[size_t(i)].first,
+                     at(recvbuff, recvs[size_t(j)].first), recvs[size_t(j)].second - recvs[size_t(j)].first))
+          fail(loomInvalidArgument, "the send region for rank %d overlaps the receive region from rank %d", i,
+               j);
+    return allToAllvOps(sendbuff, sendcounts, sdispls, recvbuff, recvcounts, rdispls, datatype, me, n);
+  });
+}
+
+loomResult_t loomGather(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t datatype, int root,
+                        loomComm_t comm, loomStream_t stream) {
+  if (loomResult_t r = checkEnums("loomGather", &datatype, nullptr)) return r;
+  return issueExchange("loomGather", comm, stream, [&](int n, int me) {
+    checkRank("root", root, n);
+    size_t all = checkedBytes(count, datatype, size_t(n)), block = count * dtypeSize(datatype);
+    if (count == 0) return std::vector<OpDesc>();
+    if (!sendbuff) fail(loomInvalidArgument, "sendbuff is NULL");
+    if (me == root) {
+      if (!recvbuff) fail(loomInvalidArgument, "recvbuff is NULL on the root");
+      if (sendbuff != at(recvbuff, size_t(root) * block) && overlaps(sendbuff, block, recvbuff, all))
+        fail(loomInvalidArgument,
+             "sendbuff overlaps recvbuff but is not at NCCL's in-place offset recvbuff + root*count");
+    }
+    return gatherOps(sendbuff, recvbuff, count, datatype, root, me, n);
+  });
+}
+
+loomResult_t loomScatter(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t datatype,
+                         int root, loomComm_t comm, loomStream_t stream) {
+  if (loomResult_t r = checkEnums("loomScatter", &datatype, nullptr)) return r;
+  return issueExchange("loomScatter", comm, stream, [&](int n, int me) {
+    checkRank("root", root, n);
+    size_t all = checkedBytes(count, datatype, size_t(n)), block = count * dtypeSize(datatype);
+    if (count == 0) return std::vector<OpDesc>();
+    if (!recvbuff) fail(loomInvalidArgument, "recvbuff is NULL");
+    if (me == root) {
+      if (!sendbuff) fail(loomInvalidArgument, "sendbuff is NULL on the root");
+      if (recvbuff != at(sendbuff, size_t(root) * block) && overlaps(sendbuff, all, recvbuff, block))
+        fail(loomInvalidArgument,
+             "recvbuff overlaps sendbuff but is not at NCCL's in-place offset sendbuff + root*count");
+    }
+    return scatterOps(sendbuff, recvbuff, count, datatype, root, me, n);
+  });
 }
 
 loomResult_t loomGroupStart(void) {

@@ -101,7 +101,9 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
   void sleepWait(uint32_t token, std::vector<pollfd>& fds, bool doorbell, int64_t timeoutUs) override;
   void sleepEnd() override;
   void checkAborted() override;  // also ConnectHost's
-  int64_t timeoutMs() const override { return timeoutMs_; }
+  int64_t timeoutMs() const override { return timeoutMs_.load(std::memory_order_relaxed); }
+  // loomCommSetTimeout: read by operations while they wait, so atomic.
+  void setTimeoutMs(int64_t ms) { timeoutMs_.store(ms, std::memory_order_relaxed); }
   int64_t spinUs() const override { return spinUs_; }
   bool oversubscribed() const override { return oversubscribed_; }
   bool checkMode() const override { return checkMode_; }
@@ -129,7 +131,8 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
   loom::DirectContext directContext();
 
   int rank_ = 0, nranks_ = 0;
-  int64_t timeoutMs_ = 0, spinUs_ = 0;
+  std::atomic<int64_t> timeoutMs_{0};
+  int64_t spinUs_ = 0;
   bool checkMode_ = true;
   int maxChannels_ = 4;
   bool oversubscribed_ = false;
