@@ -115,6 +115,7 @@ mount -t overlay overlay -o lowerdir=/lower,upperdir=/rw/up,workdir=/rw/work /ro
 for d in proc sys dev; do mount --move /\$d /root/\$d; done
 mount -t tmpfs tmpfs /root/tmp; mkdir -p /root/dev/shm /root/dev/pts; mount -t tmpfs tmpfs /root/dev/shm
 mount -t devpts devpts /root/dev/pts
+ln -sf /proc/self/fd /root/dev/fd; ln -sf /proc/self/fd/0 /root/dev/stdin; ln -sf /proc/self/fd/1 /root/dev/stdout; ln -sf /proc/self/fd/2 /root/dev/stderr
 cp /lower$cmdfile /root/tmp/loom-vm-cmd.sh
 hostname loom-vm
 echo LOOM_VM_START
