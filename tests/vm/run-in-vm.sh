@@ -88,6 +88,7 @@ cmdfile="$WORK/cmd.sh"
   if ((RXE)); then
     echo "modprobe -a crc32_generic rdma_rxe ib_uverbs veth || exit 90"
     if [[ -n "$NETSOCK" ]]; then
+      echo "modprobe virtio_net; i=0; until [ -e /sys/class/net/eth0 ]; do i=\$((i+1)); [ \$i -gt 50 ] && exit 91; sleep 0.1; done"
       echo "ip link set lo up; ip link set eth0 up; ip addr add ${IP:-10.0.9.1}/24 dev eth0 || exit 91"
       echo "rdma link add rxe0 type rxe netdev eth0 || exit 92"
     else
