@@ -7,8 +7,9 @@
 # The files are globbed, so new sources are picked up: src/*/*.cc,
 # algorithms/*.cc, transports/*.cc and transports/<name>/*.cc, except
 # transports/ucx (it needs UCX's headers for aarch64; this machine has the
-# x86 ones only).  That is what CMakeLists.txt compiles into loom_objs, ucx
-# aside.
+# x86 ones only) and transports/ibverbs unless libibverbs-dev:arm64 is
+# installed (its headers then come from /usr/include/infiniband).  That is
+# what CMakeLists.txt compiles into loom_objs, ucx aside.
 #
 # hwloc: its headers in /usr/include are arch-independent, apart from
 # hwloc/autogen/config.h under the multiarch directory, which holds only the
@@ -42,9 +43,17 @@ ln -s "$hwloc_arch/hwloc/autogen/config.h" "$inc/hwloc/autogen/config.h"
 
 shopt -s nullglob
 files=()
+verbs_arm64=0
+if dpkg-query -W -f='${Status}' libibverbs-dev:arm64 2>/dev/null | grep -q "install ok installed"; then
+  verbs_arm64=1
+  ln -s /usr/include/infiniband "$inc/infiniband"
+fi
 for f in src/*/*.cc algorithms/*.cc transports/*.cc transports/*/*.cc; do
-  [[ "$f" == transports/ucx/* ]] || files+=("$f")
+  [[ "$f" == transports/ucx/* ]] && continue
+  [[ "$f" == transports/ibverbs/* ]] && ((!verbs_arm64)) && continue
+  files+=("$f")
 done
+((verbs_arm64)) || echo "cross-aarch64: skipping transports/ibverbs (no libibverbs-dev:arm64)"
 ((${#files[@]})) || { echo "cross-aarch64: no sources found" >&2; exit 1; }
 
 start=$(date +%s)

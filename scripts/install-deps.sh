@@ -18,6 +18,8 @@ PACKAGES=(
   catch2                             # tests
   libucx-dev ucx-utils               # UCX transport (optional at build time)
   libibverbs-dev                     # ibverbs transport (optional at build time)
+  qemu-system-x86 linux-image-amd64 busybox-static  # tests/vm/: Soft-RoCE (rdma_rxe) in a VM
+  rdma-core ibverbs-utils perftest   # rxe's provider, ibv_devices / ibv_rc_pingpong, ib_write_bw
   libopenmpi-dev openmpi-bin         # the MPI comparison in perf/
   iproute2 procps python3            # multi-host rig, perf scripts
   zlib1g-dev dataset-fashion-mnist   # the reference trainer (gzip'd IDX files, its dataset)

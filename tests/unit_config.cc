@@ -47,6 +47,8 @@ TEST_CASE("every default in config.cc's table is the value config() uses when th
       {"LOOM_TIMEOUT_MS", [&] { return num(c.timeoutMs); }},
       {"LOOM_TRANSPORTS", [&] { return c.transports; }},
       {"LOOM_UCX_TLS", [&] { return c.ucxTls; }},
+      {"LOOM_IB_HCA", [&] { return c.ibHca; }},
+      {"LOOM_IB_GID_INDEX", [&] { return num(c.ibGidIndex); }},
       {"LOOM_SOCKET_IFNAME", [&] { return c.socketIfname; }},
       {"LOOM_HOST_ID", [&] { return c.hostId; }},
       {"LOOM_TOPO_FILE", [&] { return c.topoFile; }},

@@ -10,6 +10,9 @@
 #ifdef LOOM_HAVE_UCX
 #include "transports/ucx/ucx_transport.h"
 #endif
+#ifdef LOOM_HAVE_IBVERBS
+#include "transports/ibverbs/ib_transport.h"
+#endif
 
 namespace loom {
 
@@ -20,6 +23,9 @@ std::vector<TransportEntry> builtinTransports() {
       {"shm", "shared-memory slot rings between ranks of one host", makeShmTransport},
 #ifdef LOOM_HAVE_UCX
       {"ucx", "UCX (UCP tagged messages): any pair, whatever UCX finds", makeUcxTransport},
+#endif
+#ifdef LOOM_HAVE_IBVERBS
+      {"ibverbs", "RDMA verbs (RoCE, InfiniBand): RC QPs between ranks that have an RDMA device", makeIbTransport},
 #endif
       {"tcp", "loom's own sockets: any pair", makeTcpTransport},
   };
@@ -75,6 +81,11 @@ std::vector<std::string> parseTransports(const std::string& spec) {
       if (t == "ucx")
         fail(loomInvalidArgument, "LOOM_TRANSPORTS=%s: this loom was built without UCX (pkg-config found no "
              "ucx), so it has only %s", spec.c_str(), names.c_str());
+#endif
+#ifndef LOOM_HAVE_IBVERBS
+      if (t == "ibverbs")
+        fail(loomInvalidArgument, "LOOM_TRANSPORTS=%s: this loom was built without libibverbs (CMake found no "
+             "infiniband/verbs.h), so it has only %s", spec.c_str(), names.c_str());
 #endif
       fail(loomInvalidArgument, "LOOM_TRANSPORTS=%s: unknown transport '%s' (this build has %s)", spec.c_str(),
            t.c_str(), names.c_str());

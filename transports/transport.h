@@ -138,7 +138,7 @@ class ConnectHost {
 };
 
 // The cost model's link classes (src/tuner/cost_model.h prices each).
-enum class CostLink : int { Shm = 0, ShmCrossNuma = 1, Tcp = 2, Ucx = 3 };
+enum class CostLink : int { Shm = 0, ShmCrossNuma = 1, Tcp = 2, Ucx = 3, Verbs = 4 };
 
 class Transport {
  public:

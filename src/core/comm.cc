@@ -169,7 +169,7 @@ void loomComm::initTransports(Bootstrap& boot, const TransportEnv& env) {
     for (int r = 0; r < N; ++r) {
       std::string reason;
       if (want[size_t(r)]) ok[size_t(r)] = t->accept(r, recs.data() + size_t(r) * rec.size(), &reason);
-      else if (r != rank_ && !via_[size_t(r)]) reason = "not on this host";
+      else if (r != rank_ && !via_[size_t(r)]) reason = t->unavailable().empty() ? "not on this host" : t->unavailable();
       if (!ok[size_t(r)] && r != rank_ && !via_[size_t(r)])
         why[size_t(r)] += strf("%s%s: %s", why[size_t(r)].empty() ? "" : "; ", name.c_str(), reason.c_str());
     }

@@ -27,10 +27,16 @@ const std::vector<ConfigVar>& configTable() {
        "an operation or init that makes no progress for this long fails with loomTimeout"},
       {"LOOM_TRANSPORTS", "list", kDefaultTransports,
        "transports loom may use, in order of preference: each takes the peers it reaches that no earlier one "
-       "took (shm: same host; ucx: any pair, builds with UCX only; tcp: any pair; more with registerTransport); "
+       "took (shm: same host; ucx: any pair, builds with UCX only; ibverbs: pairs with RDMA devices, builds with libibverbs only; tcp: any pair; more with registerTransport); "
        "e.g. tcp forces tcp, shm,ucx,tcp puts UCX between hosts"},
       {"LOOM_UCX_TLS", "list", "(UCX_TLS)",
        "UCX transports for the ucx transport (passed to UCX as UCX_TLS, e.g. tcp or sm); unset: UCX_TLS / UCX's choice"},
+      {"LOOM_IB_HCA", "list", "(first active port)",
+       "RDMA devices for the ibverbs transport, device[:port] in order of preference (e.g. mlx5_0:1,rxe0); "
+       "unset: the first device with an active port"},
+      {"LOOM_IB_GID_INDEX", "int", "-1 (automatic)",
+       "GID index for the ibverbs transport on RoCE; -1: the first RoCE v2 IPv4-mapped GID (read from sysfs), "
+       "skipping unset and link-local ones"},
       {"LOOM_SOCKET_IFNAME", "name", "(route to root)",
        "network interface for bootstrap and tcp; default: loopback for ranks on one machine, else the one "
        "that reaches the root"},
@@ -123,6 +129,8 @@ static Config readConfig() {
   c.timeoutMs = envInt("LOOM_TIMEOUT_MS", 600000, 1, int64_t(1) << 40);
   c.transports = envStr("LOOM_TRANSPORTS", kDefaultTransports);
   c.ucxTls = envStr("LOOM_UCX_TLS");
+  c.ibHca = envStr("LOOM_IB_HCA");
+  c.ibGidIndex = envInt("LOOM_IB_GID_INDEX", -1, -1, 65535);
   c.socketIfname = envStr("LOOM_SOCKET_IFNAME");
   c.hostId = envStr("LOOM_HOST_ID");
   c.topoFile = envStr("LOOM_TOPO_FILE");

@@ -25,6 +25,8 @@ struct Config {
   int64_t timeoutMs;          // LOOM_TIMEOUT_MS
   std::string transports;     // LOOM_TRANSPORTS
   std::string ucxTls;         // LOOM_UCX_TLS
+  std::string ibHca;          // LOOM_IB_HCA
+  int64_t ibGidIndex;         // LOOM_IB_GID_INDEX (-1 = automatic)
   std::string socketIfname;   // LOOM_SOCKET_IFNAME
   std::string hostId;         // LOOM_HOST_ID
   std::string topoFile;       // LOOM_TOPO_FILE

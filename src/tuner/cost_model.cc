@@ -27,6 +27,11 @@ namespace {
 //              A 1 Gbit/s link is 0.125 GB/s: calibrate on real networks.
 //   ucx        alpha 12 us, beta 0.9 GB/s: loom over UCX_TLS=tcp at N=2
 //              (perf/ucx_compare.sh: 0.87-0.90 GB/s at 256 KiB-2 MiB).
+//   verbs      alpha 3 us, beta 11 GB/s: not measurable here (the only RDMA
+//              stack is Soft-RoCE under qemu TCG, tests/vm/, whose numbers
+//              measure the emulator); assumed for a 100 Gbit/s RoCE/IB NIC:
+//              ib_write_bw peaks near 11.5 GB/s on such links and ib_send_lat
+//              is 1-2 us, plus loom's step overhead.  Calibrate on real NICs.
 //   reduce     20 GB/s: float32 sum of 64 MiB buffers (23 GB/s measured with
 //              reduceHost; loom-topo --calibrate reports 15-18 under load).
 //   oneshot    0.2 us: one-shot all-reduce of 8 B at N=2.
@@ -34,7 +39,7 @@ namespace {
 //              cost 2.5 us at N=4 and 4.3 us at N=8 on 2 cores (0.4 + 1.0 x
 //              N/2); shm bandwidth and reductions are divided by N/cores.
 const CostParams kDefaults = {
-    {{0.4, 22.0}, {0.6, 13.0}, {9.0, 1.9}, {12.0, 0.9}}, 20.0, 0.2, 1.0, "defaults"};
+    {{0.4, 22.0}, {0.6, 13.0}, {9.0, 1.9}, {12.0, 0.9}, {3.0, 11.0}}, 20.0, 0.2, 1.0, "defaults"};
 
 }  // namespace
 
@@ -44,6 +49,7 @@ const char* costLinkName(CostLink c) {
     case CostLink::ShmCrossNuma: return "shm_xnuma";
     case CostLink::Tcp: return "tcp";
     case CostLink::Ucx: return "ucx";
+    case CostLink::Verbs: return "verbs";
   }
   return "?";
 }

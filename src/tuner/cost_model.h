@@ -23,8 +23,8 @@
 
 namespace loom {
 
-constexpr int kCostLinks = 4;
-const char* costLinkName(CostLink c);  // "shm", "shm_xnuma", "tcp", "ucx"
+constexpr int kCostLinks = 5;
+const char* costLinkName(CostLink c);  // "shm", "shm_xnuma", "tcp", "ucx", "verbs"
 
 struct LinkParams {
   double alphaUs;
@@ -40,7 +40,7 @@ struct CostParams {
 
   static CostParams defaults();
   // Reads `key = value` lines ('#' comments) over the defaults: shm.alpha_us,
-  // shm.beta_GBps, shm_xnuma.*, tcp.*, ucx.*, reduce.GBps, oneshot.us,
+  // shm.beta_GBps, shm_xnuma.*, tcp.*, ucx.*, verbs.*, reduce.GBps, oneshot.us,
   // oversub.step_us.  Returns false and says why for an unreadable file,
   // an unknown key or a bad value.
   bool load(const std::string& path, std::string* why);

@@ -1,0 +1,298 @@
+// One RC QP between this rank and a peer on one channel: the slot rings,
+// RDMA WRITE WITH IMMEDIATE, credits (the protocol: ib_transport.h).
+#include "transports/ibverbs/ib_connection.h"
+
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+
+#include "src/core/error.h"
+#include "src/core/log.h"
+
+namespace loom {
+
+namespace {
+
+constexpr uint32_t kCreditBit = 0x80000000u;
+constexpr uint64_t kRecvWr = 1, kDataWr = 2, kCreditWr = 3;
+
+size_t roundUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+}  // namespace
+
+IbConnection::IbConnection(std::shared_ptr<IbDevice> dev, int rank, int peer, int channel, size_t slotBytes,
+                           int slots)
+    : dev_(std::move(dev)), rank_(rank), peer_(peer), channel_(channel), slotBytes_(slotBytes), slots_(slots) {
+  stride_ = roundUp(sizeof(SlotTag) + slotBytes, 64);
+  ringBytes_ = roundUp(stride_ * size_t(slots), 4096);
+  recvDepth_ = slots + 8;
+  sendDepth_ = slots + 8;
+  try {
+    setup();
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+void IbConnection::setup() {
+  auto sys = [&](const char* what) {
+    fail(loomSystemError, "rank %d: ibverbs %s for rank %d on %s: %s", rank_, what, peer_, dev_->name.c_str(),
+         strerror(errno));
+  };
+  if (posix_memalign(reinterpret_cast<void**>(&sendRing_), 4096, ringBytes_) ||
+      posix_memalign(reinterpret_cast<void**>(&recvRing_), 4096, ringBytes_))
+    fail(loomSystemError, "rank %d: cannot allocate %zu bytes of ibverbs rings", rank_, 2 * ringBytes_);
+  memset(sendRing_, 0, ringBytes_);
+  memset(recvRing_, 0, ringBytes_);
+  sendMr_ = ibv_reg_mr(dev_->pd, sendRing_, ringBytes_, IBV_ACCESS_LOCAL_WRITE);
+  if (!sendMr_) sys("ibv_reg_mr (send ring)");
+  recvMr_ = ibv_reg_mr(dev_->pd, recvRing_, ringBytes_, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+  if (!recvMr_) sys("ibv_reg_mr (receive ring)");
+  chan_ = ibv_create_comp_channel(dev_->ctx);
+  if (!chan_) sys("ibv_create_comp_channel");
+  fcntl(chan_->fd, F_SETFL, fcntl(chan_->fd, F_GETFL) | O_NONBLOCK);
+  cq_ = ibv_create_cq(dev_->ctx, recvDepth_ + sendDepth_, nullptr, chan_, 0);
+  if (!cq_) sys("ibv_create_cq");
+  ibv_qp_init_attr qa{};
+  qa.send_cq = cq_;
+  qa.recv_cq = cq_;
+  qa.qp_type = IBV_QPT_RC;
+  qa.cap.max_send_wr = uint32_t(sendDepth_);
+  qa.cap.max_recv_wr = uint32_t(recvDepth_);
+  qa.cap.max_send_sge = 1;
+  qa.cap.max_recv_sge = 1;
+  qp_ = ibv_create_qp(dev_->pd, &qa);
+  if (!qp_) sys("ibv_create_qp");
+  ibv_qp_attr a{};
+  a.qp_state = IBV_QPS_INIT;
+  a.pkey_index = 0;
+  a.port_num = uint8_t(dev_->port);
+  a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE;
+  if (ibv_modify_qp(qp_, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
+    sys("ibv_modify_qp(INIT)");
+  for (int i = 0; i < recvDepth_; ++i) postRecv();
+  std::random_device rd;
+  psn_ = rd() & 0xffffff;
+}
+
+void IbConnection::fillRecord(IbConnRecord* r) const {
+  r->qpn = qp_->qp_num;
+  r->psn = psn_;
+  r->ringAddr = uint64_t(uintptr_t(recvRing_));
+  r->ringRkey = recvMr_->rkey;
+  r->slots = uint32_t(slots_);
+  r->stride = uint32_t(stride_);
+}
+
+void IbConnection::start(const IbConnRecord& remote, const IbRecord& peerDev, int sockFd) {
+  sock_ = sockFd;
+  remoteAddr_ = remote.ringAddr;
+  remoteRkey_ = remote.ringRkey;
+  ibv_qp_attr a{};
+  a.qp_state = IBV_QPS_RTR;
+  a.path_mtu = ibv_mtu(std::min(int(dev_->mtu), int(peerDev.mtu)));
+  a.dest_qp_num = remote.qpn;
+  a.rq_psn = remote.psn;
+  a.max_dest_rd_atomic = 1;
+  a.min_rnr_timer = 12;
+  a.ah_attr.port_num = uint8_t(dev_->port);
+  if (dev_->linkLayer == 1) a.ah_attr.dlid = peerDev.lid;
+  if (dev_->linkLayer == 2 || peerDev.linkLayer == 2) {
+    a.ah_attr.is_global = 1;
+    memcpy(a.ah_attr.grh.dgid.raw, peerDev.gid, 16);
+    a.ah_attr.grh.sgid_index = uint8_t(dev_->gidIndex);
+    a.ah_attr.grh.hop_limit = 64;
+  }
+  if (ibv_modify_qp(qp_, &a,
+                    IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                        IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
+    fail(loomRemoteError, "rank %d: ibverbs QP to rank %d (channel %d) cannot go to RTR: %s", rank_, peer_, channel_,
+         strerror(errno));
+  ibv_qp_attr s{};
+  s.qp_state = IBV_QPS_RTS;
+  s.timeout = 14;
+  s.retry_cnt = 7;
+  s.rnr_retry = 7;
+  s.sq_psn = psn_;
+  s.max_rd_atomic = 1;
+  if (ibv_modify_qp(qp_, &s,
+                    IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
+                        IBV_QP_MAX_QP_RD_ATOMIC))
+    fail(loomRemoteError, "rank %d: ibverbs QP to rank %d (channel %d) cannot go to RTS: %s", rank_, peer_, channel_,
+         strerror(errno));
+}
+
+IbConnection::~IbConnection() { release(); }
+
+void IbConnection::release() {
+  if (qp_) ibv_destroy_qp(qp_);
+  if (cq_) {
+    if (unackedEvents_) ibv_ack_cq_events(cq_, unackedEvents_);
+    ibv_destroy_cq(cq_);
+  }
+  if (chan_) ibv_destroy_comp_channel(chan_);
+  if (sendMr_) ibv_dereg_mr(sendMr_);
+  if (recvMr_) ibv_dereg_mr(recvMr_);
+  free(sendRing_);
+  free(recvRing_);
+  if (sock_ >= 0) close(sock_);
+  qp_ = nullptr, cq_ = nullptr, chan_ = nullptr, sendMr_ = recvMr_ = nullptr;
+  sendRing_ = recvRing_ = nullptr;
+  sock_ = -1;
+}
+
+void IbConnection::postRecv() {
+  ibv_recv_wr wr{}, *bad = nullptr;
+  wr.wr_id = kRecvWr;
+  wr.num_sge = 0;
+  if (ibv_post_recv(qp_, &wr, &bad))
+    fail(loomRemoteError, "rank %d: ibv_post_recv for rank %d failed: %s", rank_, peer_, strerror(errno));
+}
+
+void IbConnection::postWrite(uint64_t wrId, uint64_t offset, uint32_t bytes, uint32_t imm) {
+  ibv_sge sge{uint64_t(uintptr_t(sendRing_ + offset)), bytes, sendMr_->lkey};
+  ibv_send_wr wr{}, *bad = nullptr;
+  wr.wr_id = wrId;
+  wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+  wr.send_flags = IBV_SEND_SIGNALED;
+  wr.imm_data = htonl(imm);
+  wr.sg_list = bytes ? &sge : nullptr;
+  wr.num_sge = bytes ? 1 : 0;
+  wr.wr.rdma.remote_addr = remoteAddr_ + offset;
+  wr.wr.rdma.rkey = remoteRkey_;
+  if (ibv_post_send(qp_, &wr, &bad))
+    fail(loomRemoteError, "rank %d: ibv_post_send to rank %d (channel %d) failed: %s", rank_, peer_, channel_,
+         strerror(errno));
+  ++sendOutstanding_;
+}
+
+void* IbConnection::sendAcquire() {
+  poll();
+  if (posted_ - credited_ >= uint64_t(slots_) || sendOutstanding_ + 2 > sendDepth_) return nullptr;
+  return sendRing_ + (posted_ % uint64_t(slots_)) * stride_ + sizeof(SlotTag);
+}
+
+void IbConnection::sendPost(const SlotTag& tag) {
+  uint64_t off = (posted_ % uint64_t(slots_)) * stride_;
+  memcpy(sendRing_ + off, &tag, sizeof tag);
+  postWrite(kDataWr, off, uint32_t(sizeof tag + tag.bytes), uint32_t(posted_ & 0x7fffffff));
+  ++posted_;
+  ++dataOutstanding_;
+}
+
+bool IbConnection::sendIdle() {
+  poll();
+  return dataOutstanding_ == 0;
+}
+
+const void* IbConnection::recvPeek(SlotTag* tag) {
+  poll();
+  if (consumed_ == arrived_) return nullptr;
+  const uint8_t* slot = recvRing_ + (consumed_ % uint64_t(slots_)) * stride_;
+  memcpy(tag, slot, sizeof *tag);
+  if (tag->bytes > slotBytes_)
+    fail(loomRemoteError, "rank %d: rank %d sent a slot of %u bytes over ibverbs (slots hold %zu)", rank_, peer_,
+         tag->bytes, slotBytes_);
+  return slot + sizeof(SlotTag);
+}
+
+void IbConnection::recvRelease() {
+  ++consumed_;
+  sendCredits();
+}
+
+void IbConnection::sendCredits() {
+  // Half a ring at a time: the sender can always run ahead by the other half.
+  uint64_t due = consumed_ - creditSent_;
+  if (due == 0 || (due < uint64_t(std::max(1, slots_ / 2)) && consumed_ != arrived_)) return;
+  if (sendOutstanding_ + 1 > sendDepth_) return;  // poll() retries
+  postWrite(kCreditWr, 0, 0, kCreditBit | uint32_t(consumed_ & 0x7fffffff));
+  creditSent_ = consumed_;
+}
+
+void IbConnection::poll() {
+  ibv_wc wc[16];
+  for (;;) {
+    int n = ibv_poll_cq(cq_, 16, wc);
+    if (n < 0) fail(loomRemoteError, "rank %d: ibv_poll_cq for rank %d failed", rank_, peer_);
+    for (int i = 0; i < n; ++i) complete(wc[i]);
+    if (n < 16) break;
+  }
+  if (creditSent_ != consumed_) sendCredits();
+}
+
+void IbConnection::complete(const ibv_wc& wc) {
+  if (wc.status != IBV_WC_SUCCESS) {
+    // The peer's death usually shows first as the closed setup socket; say so if it is.
+    checkSocket();
+    fail(loomRemoteError, "rank %d: ibverbs connection to rank %d (channel %d) failed: %s (vendor error 0x%x)", rank_,
+         peer_, channel_, ibv_wc_status_str(wc.status), wc.vendor_err);
+  }
+  if (wc.wr_id == kRecvWr) {
+    uint32_t imm = ntohl(wc.imm_data);
+    postRecv();
+    if (imm & kCreditBit) {
+      // 31-bit cumulative count: extend it by the distance from what we know.
+      uint32_t delta = (imm - uint32_t(credited_)) & 0x7fffffff;
+      if (credited_ + delta > posted_)
+        fail(loomRemoteError, "rank %d: rank %d returned credit for %llu slots over ibverbs, %llu were sent", rank_,
+             peer_, (unsigned long long)(credited_ + delta), (unsigned long long)posted_);
+      credited_ += delta;
+    } else {
+      if (imm != uint32_t(arrived_ & 0x7fffffff))
+        fail(loomRemoteError, "rank %d: rank %d wrote slot %u over ibverbs where %llu was next", rank_, peer_, imm,
+             (unsigned long long)arrived_);
+      if (arrived_ - consumed_ >= uint64_t(slots_))
+        fail(loomRemoteError, "rank %d: rank %d overran the ibverbs ring", rank_, peer_);
+      ++arrived_;
+    }
+  } else {
+    --sendOutstanding_;
+    if (wc.wr_id == kDataWr) --dataOutstanding_;
+  }
+}
+
+void IbConnection::progress() {
+  ibv_cq* cq;
+  void* ctx;
+  while (ibv_get_cq_event(chan_, &cq, &ctx) == 0) ++unackedEvents_;
+  if (unackedEvents_ >= 64) {
+    ibv_ack_cq_events(cq_, unackedEvents_);
+    unackedEvents_ = 0;
+  }
+  poll();
+}
+
+void IbConnection::addPollFds(std::vector<pollfd>& fds) {
+  // Armed before the executor's last look for work (executor.cc): a
+  // completion after that look raises the channel's fd.
+  ibv_req_notify_cq(cq_, 0);
+  fds.push_back({chan_->fd, POLLIN, 0});
+  if (sock_ >= 0) fds.push_back({sock_, POLLIN, 0});
+}
+
+void IbConnection::checkSocket() {
+  if (sock_ < 0) return;
+  char c;
+  ssize_t n = recv(sock_, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+  if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK))
+    fail(loomRemoteError, "rank %d: rank %d closed its ibverbs connection (channel %d): it exited, was killed or "
+         "aborted", rank_, peer_, channel_);
+}
+
+void IbConnection::checkPeer() {
+  checkSocket();
+  dev_->checkAsyncEvents(rank_);
+}
+
+void IbConnection::shutdownSocket() {
+  if (sock_ >= 0) shutdown(sock_, SHUT_RDWR);
+}
+
+}  // namespace loom
