@@ -20,6 +20,8 @@ if ! echo 'extern "C" int LLVMFuzzerTestOneInput(const char*, unsigned long) { r
 fi
 rm -f /tmp/loom-fuzz-probe.$$
 targets=(fuzz_bootstrap fuzz_tcp_hello fuzz_tcp_frames fuzz_env)
+# The ibverbs records' target exists when CMake finds libibverbs (as the transport).
+[[ -f /usr/include/infiniband/verbs.h ]] && targets+=(fuzz_ib_records)
 # -Werror stays off: the project's warnings are policed by the GCC build.
 cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER="$cc" \
   -DCMAKE_CXX_COMPILER="$cxx" -DLOOM_FUZZ=ON -DLOOM_BUILD_TESTS=OFF \
