@@ -38,19 +38,22 @@ void hierarchicalSchedule(const OpDesc& op, int opIndex, int rank, const std::ve
                           const Plan& plan, Schedule* out);
 void hierarchicalEstimate(const CostInput& in, std::vector<Estimate>* out);
 
-// All-to-all, all-to-allv, gather and scatter as one group of point-to-point
-// operations each (algorithms/pairwise_exchange.cc), for `rank` of `nranks`;
-// arguments already checked by the caller, buffers in host memory (the
-// caller sets sendMem/recvMem).  Empty when there is nothing to move.
-std::vector<OpDesc> allToAllOps(const void* sendbuf, void* recvbuf, size_t count, loomDataType_t dtype, int rank,
-                                int nranks);
+// All-to-all, gather and scatter as pairwise exchange: every pair at once,
+// one block each way (algorithms/pairwise_exchange.cc).
+void pairwiseSchedule(const OpDesc& op, int opIndex, int rank, int nranks, const Plan& plan, Schedule* out);
+void pairwiseEstimate(const CostInput& in, std::vector<Estimate>* out);
+
+// Bruck's all-to-all in ceil(log2 N) rounds, for small blocks
+// (algorithms/bruck.cc).
+void bruckSchedule(const OpDesc& op, int opIndex, int rank, int nranks, const Plan& plan, Schedule* out);
+void bruckEstimate(const CostInput& in, std::vector<Estimate>* out);
+
+// All-to-allv as one group of sends and receives for `rank` of `nranks`
+// (pairwise order), arguments already checked by the caller, buffers in host
+// memory (the caller sets sendMem/recvMem).  Empty when nothing moves.
 std::vector<OpDesc> allToAllvOps(const void* sendbuf, const size_t* sendcounts, const size_t* sdispls, void* recvbuf,
                                  const size_t* recvcounts, const size_t* rdispls, loomDataType_t dtype, int rank,
                                  int nranks);
-std::vector<OpDesc> gatherOps(const void* sendbuf, void* recvbuf, size_t count, loomDataType_t dtype, int root,
-                              int rank, int nranks);
-std::vector<OpDesc> scatterOps(const void* sendbuf, void* recvbuf, size_t count, loomDataType_t dtype, int root,
-                               int rank, int nranks);
 
 // A single loomSend or loomRecv.
 void p2pSchedule(const OpDesc& op, int opIndex, Schedule* out);

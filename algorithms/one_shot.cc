@@ -24,7 +24,9 @@ const char* oneShotEligible(const Eligibility& q) {
   return nullptr;
 }
 
-// One-shot: every rank reads every other rank's block from its mailbox.
+// One-shot: every rank reads every other rank's block from its mailbox
+// (all-to-all: every rank writes N-1 blocks too; gather and scatter: only the
+// root handles N-1 blocks).
 void oneShotEstimate(const CostInput& in, std::vector<Estimate>* out) {
   const double n = in.n, block = in.block;
   double us = in.p.oneShotUs + 1.5 * in.osUs + xfer((n - 1) * block, in.lp(CostLink::Shm).betaGBps) +
@@ -139,6 +141,37 @@ void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
         if (q == me) continue;
         ctx.device.copy(recv + size_t(q) * block, take(q), block, CopyHint::Cached);
         ack(q);
+      }
+      break;
+    case Collective::AllToAll:
+      // My block for p goes to p's mailbox from me; mine to me is copied.
+      for (int i = 1; i < N; ++i) post((me + i) % N, send + size_t((me + i) % N) * block);
+      ctx.device.copy(recv + size_t(me) * block, send + size_t(me) * block, block, CopyHint::Cached);
+      for (int i = 1; i < N; ++i) {
+        int q = (me - i + N) % N;
+        ctx.device.copy(recv + size_t(q) * block, take(q), block, CopyHint::Cached);
+        ack(q);
+      }
+      break;
+    case Collective::Gather:
+      if (me != op.root) {
+        post(op.root, send);
+        break;
+      }
+      if (recv + size_t(me) * block != send) ctx.device.copy(recv + size_t(me) * block, send, block, CopyHint::Cached);
+      for (int q = 0; q < N; ++q) {
+        if (q == me) continue;
+        ctx.device.copy(recv + size_t(q) * block, take(q), block, CopyHint::Cached);
+        ack(q);
+      }
+      break;
+    case Collective::Scatter:
+      if (me == op.root) {
+        for (int i = 1; i < N; ++i) post((me + i) % N, send + size_t((me + i) % N) * block);
+        if (recv != send + size_t(me) * block) ctx.device.copy(recv, send + size_t(me) * block, block, CopyHint::Cached);
+      } else {
+        ctx.device.copy(recv, take(op.root), block, CopyHint::Cached);
+        ack(op.root);
       }
       break;
     case Collective::P2P:

@@ -13,6 +13,8 @@ namespace {
 constexpr CollectiveSet kTuned = collectiveBit(Collective::AllReduce) | collectiveBit(Collective::ReduceScatter) |
                                  collectiveBit(Collective::AllGather) | collectiveBit(Collective::Broadcast) |
                                  collectiveBit(Collective::Reduce);
+constexpr CollectiveSet kExchanges = collectiveBit(Collective::AllToAll) | collectiveBit(Collective::Gather) |
+                                     collectiveBit(Collective::Scatter);
 constexpr CollectiveSet kAllReduceOnly = collectiveBit(Collective::AllReduce);
 constexpr CollectiveSet kReduceScatterGather = collectiveBit(Collective::AllReduce) |
                                                collectiveBit(Collective::ReduceScatter) |
@@ -34,17 +36,26 @@ void buildTree(const OpDesc& op, int opIndex, int rank, int nranks, const std::v
                Schedule* out) {
   doubleBinaryTreeSchedule(op, opIndex, rank, nranks, plan, out);
 }
+void buildPairwise(const OpDesc& op, int opIndex, int rank, int nranks, const std::vector<int>&, const Plan& plan,
+                   Schedule* out) {
+  pairwiseSchedule(op, opIndex, rank, nranks, plan, out);
+}
+void buildBruck(const OpDesc& op, int opIndex, int rank, int nranks, const std::vector<int>&, const Plan& plan,
+                Schedule* out) {
+  bruckSchedule(op, opIndex, rank, nranks, plan, out);
+}
 void buildHierarchical(const OpDesc& op, int opIndex, int rank, int, const std::vector<int>& hostOf,
                        const Plan& plan, Schedule* out) {
   hierarchicalSchedule(op, opIndex, rank, hostOf, plan, out);
 }
 
 std::vector<AlgorithmEntry> makeRegistry() {
-  std::vector<AlgorithmEntry> t(6);
+  std::vector<AlgorithmEntry> t(8);
   AlgorithmEntry* e = t.data();
-  *e++ = {"oneshot", Algorithm::OneShot, kTuned, oneShotEligible, oneShotEstimate, nullptr, nullptr, true, oneShotRun,
-          "every collective, when every rank shares memory and a rank's block is at most `LOOM_SHM_SMALL_BYTES` "
-          "(16 KiB)",
+  *e++ = {"oneshot", Algorithm::OneShot, kTuned | kExchanges, oneShotEligible, oneShotEstimate, nullptr, nullptr,
+          true, oneShotRun,
+          "every collective (all-to-all, gather and scatter too), when every rank shares memory and a rank's block "
+          "is at most `LOOM_SHM_SMALL_BYTES` (16 KiB)",
           "each rank writes its block into a mailbox in each reader's peer-memory window and reads the blocks addressed "
           "to it; no lock, no system call unless a rank sleeps",
           "1 round"};
@@ -75,6 +86,16 @@ std::vector<AlgorithmEntry> makeRegistry() {
           "intra-host ring all-gather; RS/AG use the rails directly",
           "each host sends 2(H-1)/H x S across hosts (flat ring over contiguous hosts: 2(N-1)/N x S from each "
           "host)"};
+  *e++ = {"pairwise", Algorithm::Pairwise, kExchanges, nullptr, pairwiseEstimate, nullptr, buildPairwise, false,
+          nullptr, "all-to-all, gather, scatter",
+          "every pair at once: a send lane to r+k and a receive lane from r-k for each k; gather and scatter: the "
+          "root's N-1 lanes",
+          "1 step, (N-1)/N x S (all-to-all; the root of gather/scatter likewise, other ranks S/N)"};
+  *e++ = {"bruck", Algorithm::Bruck, collectiveBit(Collective::AllToAll), nullptr, bruckEstimate, nullptr,
+          buildBruck, false, nullptr, "all-to-all (small blocks)",
+          "Bruck: rotate, then in round k send the blocks whose index has bit k set to r+2^k (packed in scratch), "
+          "then put the blocks in place",
+          "ceil(log2 N) steps, about log2 N / 2 x S"};
   return t;
 }
 
@@ -157,8 +178,9 @@ std::string algorithmNames() {
 }
 
 std::string collectiveList(CollectiveSet set) {
-  static const char* kNames[kCollectiveValues] = {"",       "all-reduce", "reduce-scatter", "all-gather",
-                                                  "broadcast", "reduce",     "send/recv"};
+  static const char* kNames[kCollectiveValues] = {"",          "all-reduce", "reduce-scatter", "all-gather",
+                                                  "broadcast", "reduce",     "send/recv",      "all-to-all",
+                                                  "gather",    "scatter"};
   std::vector<std::string> v;
   for (int c = 1; c < kCollectiveValues; ++c)
     if (set & collectiveBit(Collective(c))) v.push_back(kNames[c]);
@@ -177,10 +199,17 @@ std::string whyIneligible(const AlgorithmEntry& a, const Eligibility& q) {
   return why ? why : "";
 }
 
+Algorithm scheduledFallback(Collective c) {
+  for (const AlgorithmEntry& e : algorithmRegistry())
+    if (e.build && (e.serves & collectiveBit(c)) && !e.eligible) return e.algo;
+  fail(loomInternalError, "no scheduled algorithm serves %s", collectiveName(c));
+}
+
 void buildSchedule(const OpDesc& op, int opIndex, int rank, int nranks, const std::vector<int>& hostOf,
                    const Plan& plan, Schedule* out) {
   const AlgorithmEntry& e = algorithmEntry(plan.algo);
-  BuildFn build = e.build ? e.build : algorithmEntry(Algorithm::Ring).build;
+  BuildFn build = e.build && (e.serves & collectiveBit(op.coll)) ? e.build
+                                                                 : algorithmEntry(scheduledFallback(op.coll)).build;
   build(op, opIndex, rank, nranks, hostOf, plan, out);
 }
 

@@ -107,8 +107,13 @@ bool usable(const AlgorithmEntry& a, const Eligibility& q);
 // Why not ("" when usable): "it serves ..." or the eligibility rule's reason.
 std::string whyIneligible(const AlgorithmEntry& a, const Eligibility& q);
 
-// The plan's schedule: its algorithm's builder, or the ring's for a direct
-// path (which runs alone; inside a group the ring serves).
+// The first algorithm with a schedule that serves c whatever the shape (the
+// ring; pairwise for all-to-all, gather and scatter): what serves a
+// collective inside a group, or when LOOM_ALGO names one that cannot.
+Algorithm scheduledFallback(Collective c);
+
+// The plan's schedule: its algorithm's builder, or scheduledFallback's for a
+// direct path (which runs alone) or an algorithm that does not serve op.
 void buildSchedule(const OpDesc& op, int opIndex, int rank, int nranks, const std::vector<int>& hostOf,
                    const Plan& plan, Schedule* out);
 

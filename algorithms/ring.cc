@@ -17,6 +17,7 @@
 #include <algorithm>
 
 #include "algorithms/algorithms.h"
+#include "src/core/error.h"
 #include "src/device/host_reduce.h"
 
 namespace loom {
@@ -95,13 +96,15 @@ void allGatherLane(const Ctx& c, size_t sc, bool inPlace, size_t begin, size_t e
 
 size_t sendBytes(const OpDesc& op, int nranks) {
   size_t esz = dtypeSize(op.dtype);
-  if (op.coll == Collective::ReduceScatter) return op.count * size_t(nranks) * esz;
+  if (op.coll == Collective::ReduceScatter || op.coll == Collective::AllToAll || op.coll == Collective::Scatter)
+    return op.count * size_t(nranks) * esz;
   return op.count * esz;
 }
 
 size_t recvBytes(const OpDesc& op, int nranks) {
   size_t esz = dtypeSize(op.dtype);
-  if (op.coll == Collective::AllGather) return op.count * size_t(nranks) * esz;
+  if (op.coll == Collective::AllGather || op.coll == Collective::AllToAll || op.coll == Collective::Gather)
+    return op.count * size_t(nranks) * esz;
   return op.count * esz;
 }
 
@@ -170,7 +173,10 @@ void ringSchedule(const OpDesc& op, int opIndex, int rank, int nranks, const Pla
           break;
         }
         case Collective::P2P:
-          break;
+        case Collective::AllToAll:
+        case Collective::Gather:
+        case Collective::Scatter:
+          fail(loomInternalError, "the ring does not serve %s", collectiveName(op.coll));
       }
     }
     if (!lane.steps.empty()) out->lanes.push_back(std::move(lane));

@@ -12,6 +12,9 @@ const char* collectiveName(Collective c) {
     case Collective::Broadcast: return "Broadcast";
     case Collective::Reduce: return "Reduce";
     case Collective::P2P: return "Send/Recv";
+    case Collective::AllToAll: return "AllToAll";
+    case Collective::Gather: return "Gather";
+    case Collective::Scatter: return "Scatter";
   }
   return "?";
 }

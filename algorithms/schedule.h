@@ -23,13 +23,17 @@ enum class Collective : uint8_t {
   Broadcast = 4,
   Reduce = 5,
   P2P = 6,  // a loomSend or loomRecv (matched per pair)
+  AllToAll = 7,
+  Gather = 8,
+  Scatter = 9,
 };
 const char* collectiveName(Collective c);
 // Arrays indexed by a Collective's value (0 is unused).
-constexpr int kCollectiveValues = int(Collective::P2P) + 1;
+constexpr int kCollectiveValues = int(Collective::Scatter) + 1;
 // The collectives the tuner decides (every one but P2P), in value order.
 constexpr Collective kTunedCollectives[] = {Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather,
-                                            Collective::Broadcast, Collective::Reduce};
+                                            Collective::Broadcast, Collective::Reduce,        Collective::AllToAll,
+                                            Collective::Gather,    Collective::Scatter};
 // A set of collectives, one bit per value.
 using CollectiveSet = unsigned;
 constexpr CollectiveSet collectiveBit(Collective c) { return 1u << unsigned(c); }
@@ -37,18 +41,34 @@ constexpr CollectiveSet collectiveBit(Collective c) { return 1u << unsigned(c); 
 inline bool reduces(Collective c) {
   return c == Collective::AllReduce || c == Collective::ReduceScatter || c == Collective::Reduce;
 }
+// Collectives with a root (OpDesc::root, part of the slot tag).
+inline bool rooted(Collective c) {
+  return c == Collective::Broadcast || c == Collective::Reduce || c == Collective::Gather || c == Collective::Scatter;
+}
+// Collectives whose count is per rank and whose buffer (as nccl-tests and
+// the tuner's size buckets count it) is N blocks: reduce-scatter, all-gather,
+// all-to-all, gather and scatter.
+inline bool perRankCount(Collective c) {
+  return c == Collective::ReduceScatter || c == Collective::AllGather || c == Collective::AllToAll ||
+         c == Collective::Gather || c == Collective::Scatter;
+}
 
 // One call as the user made it.
 struct OpDesc {
   Collective coll = Collective::AllReduce;
   const void* sendbuf = nullptr;
   void* recvbuf = nullptr;
-  size_t count = 0;  // AllReduce/Broadcast/Reduce/P2P: count; RS: recvcount; AG: sendcount
+  // AllReduce/Broadcast/Reduce/P2P: count; RS: recvcount; AG: sendcount;
+  // AllToAll, Gather, Scatter: elements per rank's block.
+  size_t count = 0;
   loomDataType_t dtype = loomFloat32;
   loomRedOp_t op = loomSum;
   int root = 0;
   int peer = -1;        // P2P only
   bool isSend = false;  // P2P only
+  // P2P only: part of a loomAllToAllv (a group of sends and receives), said
+  // in its tag so that a mismatch with a plain send or receive names it.
+  bool inAllToAllv = false;
   // Where sendbuf and recvbuf live (set by the API layer).
   MemoryKind sendMem = MemoryKind::Host;
   MemoryKind recvMem = MemoryKind::Host;
@@ -119,6 +139,8 @@ enum class Algorithm : uint8_t {
   HalvingDoubling = 3,
   Tree = 4,
   Hierarchical = 5,
+  Pairwise = 6,
+  Bruck = 7,
 };
 const char* algorithmName(Algorithm a);
 

@@ -70,16 +70,6 @@ ncclResult_t reduction(const char* call, ncclComm_t comm, ncclDataType_t type, n
   return ncclSuccess;
 }
 
-// The composed calls index buffers themselves, so they check what loom would.
-ncclResult_t blocks(const char* call, ncclComm_t comm, size_t count, bool needSend, const void* sendbuff,
-                    bool needRecv, const void* recvbuff) {
-  if (count > SIZE_MAX / 8 / size_t(comm->nranks > 0 ? comm->nranks : 1))
-    return fail(ncclInvalidArgument, "%s: count %zu is too large", call, count);
-  if (count && needSend && !sendbuff) return fail(ncclInvalidArgument, "%s: sendbuff is NULL", call);
-  if (count && needRecv && !recvbuff) return fail(ncclInvalidArgument, "%s: recvbuff is NULL", call);
-  return ncclSuccess;
-}
-
 }  // namespace
 
 NCCL_SHIM_API(ncclResult_t, ncclAllReduce, const void* sendbuff, void* recvbuff, size_t count,
@@ -161,12 +151,8 @@ NCCL_SHIM_API(ncclResult_t, ncclAlltoAll, const void* sendbuff, void* recvbuff, 
   loomDataType_t t;
   if (ncclResult_t r = prologue(call, comm, stream)) return r;
   if (ncclResult_t r = moveType(call, datatype, &t)) return r;
-  if (ncclResult_t r = blocks(call, comm, count, true, sendbuff, true, recvbuff)) return r;
-  size_t esz = typeSize(datatype);
-  Peers peers{comm->loom, comm->rank, comm->nranks};
-  return submit(comm, call, [=](loomStream_t s) {
-    return composedAlltoAll(sendbuff, recvbuff, count, t, esz, peers, s);
-  });
+  loomComm_t lc = comm->loom;
+  return submit(comm, call, [=](loomStream_t s) { return loomAllToAll(sendbuff, recvbuff, count, t, lc, s); });
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclGather, const void* sendbuff, void* recvbuff, size_t count,
@@ -177,12 +163,9 @@ NCCL_SHIM_API(ncclResult_t, ncclGather, const void* sendbuff, void* recvbuff, si
   if (ncclResult_t r = moveType(call, datatype, &t)) return r;
   if (root < 0 || root >= comm->nranks)
     return fail(ncclInvalidArgument, "%s: root %d is out of range [0, %d)", call, root, comm->nranks);
-  if (ncclResult_t r = blocks(call, comm, count, true, sendbuff, comm->rank == root, recvbuff)) return r;
-  size_t esz = typeSize(datatype);
-  Peers peers{comm->loom, comm->rank, comm->nranks};
-  return submit(comm, call, [=](loomStream_t s) {
-    return composedGather(sendbuff, recvbuff, count, t, esz, root, peers, s);
-  });
+  loomComm_t lc = comm->loom;
+  return submit(comm, call,
+                [=](loomStream_t s) { return loomGather(sendbuff, recvbuff, count, t, root, lc, s); });
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclScatter, const void* sendbuff, void* recvbuff, size_t count,
@@ -193,12 +176,9 @@ NCCL_SHIM_API(ncclResult_t, ncclScatter, const void* sendbuff, void* recvbuff, s
   if (ncclResult_t r = moveType(call, datatype, &t)) return r;
   if (root < 0 || root >= comm->nranks)
     return fail(ncclInvalidArgument, "%s: root %d is out of range [0, %d)", call, root, comm->nranks);
-  if (ncclResult_t r = blocks(call, comm, count, comm->rank == root, sendbuff, true, recvbuff)) return r;
-  size_t esz = typeSize(datatype);
-  Peers peers{comm->loom, comm->rank, comm->nranks};
-  return submit(comm, call, [=](loomStream_t s) {
-    return composedScatter(sendbuff, recvbuff, count, t, esz, root, peers, s);
-  });
+  loomComm_t lc = comm->loom;
+  return submit(comm, call,
+                [=](loomStream_t s) { return loomScatter(sendbuff, recvbuff, count, t, root, lc, s); });
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclSend, const void* sendbuff, size_t count, ncclDataType_t datatype, int peer,

@@ -60,8 +60,8 @@ ncclResult_t fromLoom(loomResult_t r, const char* call);
 void clearLastError();
 const char* lastError();
 
-// One operation as the shim hands it to loom: issue() makes the loom calls
-// (several for a composed collective) on the given stream.  Scratch memory it
+// One operation as the shim hands it to loom: issue() makes the loom call
+// on the given stream.  Scratch memory it
 // needs lives in the closure until the operation has completed.
 struct PendingOp {
   ncclComm* comm;
@@ -89,20 +89,6 @@ ncclResult_t checkStream(const char* call, cudaStream_t stream);
 // A datatype that moves bytes only: float8 travels as uint8.
 ncclResult_t moveType(const char* call, ncclDataType_t in, loomDataType_t* out);
 size_t typeSize(ncclDataType_t t);
-
-// The composed collectives (composed.cc): the one place that says how
-// AlltoAll, Gather and Scatter reach loom.  They get the communicator's
-// values, not the ncclComm, which ncclCommAbort on another thread may free.
-struct Peers {
-  loomComm_t loom;
-  int rank, nranks;
-};
-loomResult_t composedAlltoAll(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t type,
-                              size_t esz, Peers comm, loomStream_t stream);
-loomResult_t composedGather(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t type,
-                            size_t esz, int root, Peers comm, loomStream_t stream);
-loomResult_t composedScatter(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t type,
-                             size_t esz, int root, Peers comm, loomStream_t stream);
 
 // PreMulSum (premulsum.cc): dst[i] = scalar * src[i] in the operator's type.
 void scaleInto(void* dst, const void* src, size_t count, ncclDataType_t type, const void* scalar);

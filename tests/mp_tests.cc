@@ -32,6 +32,19 @@ TEST_CASE("forced algorithms (tree and rhd) are exact over shm and tcp; others f
   CHECK(loomRun(kTcp + env, n, "matrix 0,7,70001 all 0,2") == 0);
 }
 
+TEST_CASE("all-to-all, gather and scatter are exact with each of their algorithms forced, over shm and tcp",
+          "[mp][algo][exchange]") {
+  // pairwise and oneshot serve all three; bruck all-to-all only (gather and
+  // scatter then fall back to pairwise); oneshot over tcp falls back too.
+  const char* algo = GENERATE("alltoall:pairwise,gather:pairwise,scatter:pairwise", "alltoall:bruck",
+                              "alltoall:oneshot,gather:oneshot,scatter:oneshot");
+  int n = GENERATE(2, 3, 5, 8);
+  INFO("LOOM_ALGO=" << algo << ", nranks " << n);
+  std::string env = std::string(" LOOM_ALGO=") + algo;
+  CHECK(loomRun(kShm + env, n, "matrix 0,1,7,1027,70001 7,2") == 0);
+  CHECK(loomRun(kTcp + env, n, "matrix 0,7,1027,70001 7") == 0);
+}
+
 TEST_CASE("a chunk larger than a connection's slot ring does not deadlock the ring", "[mp][shm]") {
   // LOOM_CHUNK_SIZE >= LOOM_SLOTS x LOOM_SLOT_BYTES used to fill every ring at
   // once (each rank's first step of a loop only sends); the tuner caps it.

@@ -380,6 +380,8 @@ static void scenarioExchangeMismatch(loomComm_t comm) {
   printf("rank %d: %s: %s\n", gRank, loomGetErrorString(r), loomGetLastError(comm));
   expect(r == loomInvalidUsage || r == loomRemoteError,
          "all-to-all with disagreeing counts fails with invalid usage or remote error");
+  if (r == loomInvalidUsage)
+    expect(strstr(loomGetLastError(comm), "called AllToAll") != nullptr, "the mismatch names the all-to-all");
 }
 
 static void scenarioSplit(loomComm_t comm) {

@@ -152,7 +152,8 @@ def case_algorithms():
                                  "`loom-topo --algorithms`:\n" + "\n".join(rows))
     # Every name in the table is one LOOM_ALGO accepts, and the reverse.
     names = set(re.findall(r"`([a-z][a-z-]*)`", "\n".join(r.split(" | ")[0] for r in rows[2:])))
-    assert names == {"oneshot", "staged", "ring", "rhd", "tree", "hier", "hier-ring", "hier-rhd", "hier-tree"}, names
+    assert names == {"oneshot", "staged", "ring", "rhd", "tree", "hier", "pairwise", "bruck", "hier-ring", "hier-rhd",
+                     "hier-tree"}, names
 
 
 def case_usage():

@@ -24,8 +24,6 @@ using loomsim::kTypes;
 const Collective kColls[] = {Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather,
                              Collective::Broadcast, Collective::Reduce};
 
-bool rooted(Collective c) { return c == Collective::Broadcast || c == Collective::Reduce; }
-
 const loomsim::AlgorithmFn kRing = loom::ringSchedule;
 
 // A ring's first step fills its outgoing connection with one block before

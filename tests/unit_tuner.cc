@@ -158,7 +158,7 @@ TEST_CASE("tuner: LOOM_ALGO wins over the model and decisions are per size bucke
 }
 
 TEST_CASE("registry: every LOOM_ALGO name parses to its entry and back", "[tuner][registry]") {
-  CHECK(loom::algorithmNames() == "oneshot, staged, ring, rhd, tree, hier, hier-ring, hier-rhd, hier-tree");
+  CHECK(loom::algorithmNames() == "oneshot, staged, ring, rhd, tree, hier, pairwise, bruck, hier-ring, hier-rhd, hier-tree");
   for (const loom::AlgorithmEntry& e : loom::algorithmRegistry()) {
     loom::AlgorithmChoice c;
     REQUIRE(loom::parseAlgorithmName(e.name, &c));
@@ -231,7 +231,9 @@ TEST_CASE("registry: the model's decisions and numbers are pinned", "[tuner][reg
     got += loom::strf("%s=%.6g ", loom::choiceName(e.algo, e.inner).c_str(), e.us);
   }
   loom::CommShape two = shape(2, 2);
-  for (Collective c : loom::kTunedCollectives)
+  // The collectives the model had then (all-to-all, gather and scatter came later).
+  for (Collective c : {Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather, Collective::Broadcast,
+                       Collective::Reduce})
     for (size_t bytes : {size_t(8), size_t(1) << 20, size_t(256) << 20}) {
       loom::Estimate e = pick(c, bytes, two, p);
       got += loom::strf("%s=%.6g ", loom::choiceName(e.algo, e.inner).c_str(), e.us);
@@ -241,4 +243,35 @@ TEST_CASE("registry: the model's decisions and numbers are pinned", "[tuner][reg
   CHECK(usOf(Collective::AllReduce, size_t(1) << 20, two, Algorithm::Hierarchical, Algorithm::Tree) == PINNED_HIER_TREE_US);
   CHECK(usOf(Collective::ReduceScatter, size_t(1) << 20, two, Algorithm::HalvingDoubling, Algorithm::Ring) ==
         PINNED_RHD_RS_US);
+}
+
+TEST_CASE("tuner: all-to-all goes one-shot, pairwise or Bruck as the model says; gather and scatter never Bruck",
+          "[tuner][exchange]") {
+  loom::CostParams p = loom::CostParams::defaults();
+  loom::CommShape one = shape(1, 8);
+  one.oneShotBytes = 16 << 10;
+  one.stageBytes = 256 << 10;
+  // One host: small blocks through the mailboxes, large ones pairwise.
+  CHECK(pick(Collective::AllToAll, 8 * 64, one, p).algo == Algorithm::OneShot);
+  CHECK(pick(Collective::AllToAll, size_t(64) << 20, one, p).algo == Algorithm::Pairwise);
+  // 32 hosts over tcp: 31 messages cost more than 5 rounds for small blocks;
+  // for large ones Bruck's extra bytes (about log2 N / 2 x S) lose.
+  loom::CommShape wide = shape(32, 1);
+  CHECK(pick(Collective::AllToAll, 32 * 8, wide, p).algo == Algorithm::Bruck);
+  CHECK(pick(Collective::AllToAll, size_t(32) << 20, wide, p).algo == Algorithm::Pairwise);
+  // 4 hosts: few messages, pairwise at every size.
+  loom::CommShape four = shape(4, 1);
+  for (size_t bytes : {size_t(32), size_t(1) << 20})
+    CHECK(pick(Collective::AllToAll, bytes, four, p).algo == Algorithm::Pairwise);
+  for (Collective c : {Collective::Gather, Collective::Scatter}) {
+    CHECK(pick(c, 32 * 8, wide, p).algo == Algorithm::Pairwise);
+    CHECK(pick(c, 8 * 64, one, p).algo == Algorithm::OneShot);
+    CHECK(loom::whyIneligible(loom::algorithmEntry(Algorithm::Bruck), loom::Eligibility{c, 8, 8, true, 0, 0}) ==
+          "it serves all-to-all");
+  }
+  // Inside a group, and where LOOM_ALGO names something that cannot serve
+  // them, the schedule comes from pairwise.
+  CHECK(loom::scheduledFallback(Collective::AllToAll) == Algorithm::Pairwise);
+  CHECK(loom::scheduledFallback(Collective::Gather) == Algorithm::Pairwise);
+  CHECK(loom::scheduledFallback(Collective::AllReduce) == Algorithm::Ring);
 }

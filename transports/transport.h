@@ -40,6 +40,8 @@ struct SlotTag {
   uint32_t reserved;
 };
 static_assert(sizeof(SlotTag) == 32, "SlotTag is a wire format");
+// SlotTag::flags: a send or receive of a loomAllToAllv.
+constexpr uint8_t kTagPartOfAllToAllv = 1;
 
 class Connection {
  public:

@@ -122,10 +122,12 @@ void validate(loomComm* comm, const OpDesc& op) {
   checkType(op.dtype);
   if (reduces(op.coll)) checkOp(op.op);
   int n = comm->nranks(), me = comm->rank();
-  size_t factor = (op.coll == Collective::AllGather || op.coll == Collective::ReduceScatter) ? size_t(n) : 1;
+  size_t factor = perRankCount(op.coll) ? size_t(n) : 1;
   size_t big = checkedBytes(op.count, op.dtype, factor);
   size_t small = op.count * dtypeSize(op.dtype);
-  if (op.coll == Collective::Broadcast || op.coll == Collective::Reduce) checkRank("root", op.root, n);
+  if (rooted(op.coll)) checkRank("root", op.root, n);
+  // All-to-all, gather and scatter: their calls checked the buffers.
+  if (op.coll == Collective::AllToAll || op.coll == Collective::Gather || op.coll == Collective::Scatter) return;
   if (op.coll == Collective::P2P) checkRank("peer", op.peer, n);
   if (op.count == 0) return;
   bool needSend = true, needRecv = true;
@@ -234,10 +236,10 @@ loomResult_t issueOp(const char* call, loomComm* comm, loomStream_t stream, cons
   });
 }
 
-// All-to-all, gather and scatter are, as in NCCL, one group of point-to-point
-// operations (algorithms/pairwise_exchange.cc). Issues them as one group (or
-// into the caller's group); check() validates the arguments first and returns
-// the operations.
+// All-to-all, gather and scatter (one collective each) and all-to-allv (a
+// group of sends and receives, algorithms/pairwise_exchange.cc): issues what
+// check() returns after it validated the arguments, as one group or into the
+// caller's group.
 template <class Check>
 loomResult_t issueExchange(const char* call, loomComm* comm, loomStream_t stream, Check&& check) {
   return guarded(call, comm, [&]() -> loomResult_t {
@@ -276,6 +278,21 @@ loomResult_t issueExchange(const char* call, loomComm* comm, loomStream_t stream
 }
 
 const char* at(const void* base, size_t bytes) { return static_cast<const char*>(base) + bytes; }
+
+// All-to-all, gather or scatter as one collective (the registry's pairwise,
+// bruck or one-shot algorithms run it); nothing when count is 0.
+std::vector<OpDesc> exchange(Collective coll, const void* sendbuff, void* recvbuff, size_t count,
+                             loomDataType_t datatype, int root) {
+  if (count == 0) return {};
+  OpDesc d;
+  d.coll = coll;
+  d.sendbuf = sendbuff;
+  d.recvbuf = recvbuff;
+  d.count = count;
+  d.dtype = datatype;
+  d.root = root;
+  return {d};
+}
 
 }  // namespace
 
@@ -665,7 +682,8 @@ loomResult_t loomAllToAll(const void* sendbuff, void* recvbuff, size_t count, lo
         fail(loomInvalidArgument,
              "sendbuff and recvbuff overlap: all-to-all has no in-place form (as in NCCL)");
     }
-    return allToAllOps(sendbuff, recvbuff, count, datatype, me, n);
+    (void)me;
+    return exchange(Collective::AllToAll, sendbuff, recvbuff, count, datatype, 0);
   });
 }
 
@@ -732,7 +750,7 @@ loomResult_t loomGather(const void* sendbuff, void* recvbuff, size_t count, loom
         fail(loomInvalidArgument,
              "sendbuff overlaps recvbuff but is not at NCCL's in-place offset recvbuff + root*count");
     }
-    return gatherOps(sendbuff, recvbuff, count, datatype, root, me, n);
+    return exchange(Collective::Gather, sendbuff, recvbuff, count, datatype, root);
   });
 }
 
@@ -750,7 +768,7 @@ loomResult_t loomScatter(const void* sendbuff, void* recvbuff, size_t count, loo
         fail(loomInvalidArgument,
              "recvbuff overlaps sendbuff but is not at NCCL's in-place offset sendbuff + root*count");
     }
-    return scatterOps(sendbuff, recvbuff, count, datatype, root, me, n);
+    return exchange(Collective::Scatter, sendbuff, recvbuff, count, datatype, root);
   });
 }
 

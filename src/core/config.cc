@@ -62,8 +62,10 @@ const std::vector<ConfigVar>& configTable() {
        "tuner's default, 1"},
       {"LOOM_ALGO", "string", "(tuner)",
        "force an algorithm (the names loom-topo --algorithms lists; an unknown one is ignored with a warning, "
-       "one that cannot serve a collective falls back to the ring with a warning), globally or per collective "
-       "(allreduce:tree,allgather:ring); hier-X: hierarchical with X between hosts"},
+       "one that cannot serve a collective falls back to the ring, or pairwise for all-to-all/gather/scatter, "
+       "with a warning), globally or per collective (allreduce:tree,allgather:ring,alltoall:bruck; keys allreduce, "
+       "reducescatter, allgather, broadcast, reduce, alltoall, gather, scatter); hier-X: hierarchical with X "
+       "between hosts"},
       {"LOOM_TUNING_FILE", "path", "(built-in)",
        "cost-model parameters (key = value lines, as written by loom-topo --calibrate) replacing the "
        "built-in ones; rank 0's decisions are used by all ranks"},

@@ -17,7 +17,8 @@ std::string describeTag(const SlotTag& t) {
   std::string s = strf("%s #%llu (count %llu, %s", collectiveName(c), (unsigned long long)t.seq,
                        (unsigned long long)t.count, dtypeName(loomDataType_t(t.dtype)));
   if (reduces(c)) s += strf(", %s", redOpName(loomRedOp_t(t.op)));
-  if (c == Collective::Broadcast || c == Collective::Reduce) s += strf(", root %d", t.root);
+  if (rooted(c)) s += strf(", root %d", t.root);
+  if (t.flags & kTagPartOfAllToAllv) s += ", part of AllToAllv";
   return s + ")";
 }
 
@@ -28,13 +29,15 @@ SlotTag operationTag(const OpDesc& op, uint64_t seq) {
   t.count = op.count;
   t.dtype = uint8_t(op.dtype);
   t.op = reduces(op.coll) ? uint8_t(op.op) : 0;
-  t.root = (op.coll == Collective::Broadcast || op.coll == Collective::Reduce) ? op.root : 0;
+  t.root = rooted(op.coll) ? op.root : 0;
+  if (op.coll == Collective::P2P && op.inAllToAllv) t.flags |= kTagPartOfAllToAllv;
   return t;
 }
 
 bool sameOperation(const SlotTag& got, const SlotTag& want) {
   return got.seq == want.seq && got.count == want.count && got.coll == want.coll && got.dtype == want.dtype &&
-         got.op == want.op && got.root == want.root;
+         got.op == want.op && got.root == want.root &&
+         (got.flags & kTagPartOfAllToAllv) == (want.flags & kTagPartOfAllToAllv);
 }
 
 void failMismatch(int me, int peer, const SlotTag& got, const SlotTag& want) {

@@ -143,7 +143,7 @@ CostInput::CostInput(Collective c, size_t bytes, const CommShape& shape, const C
     : s(shape), p(params), coll(c), S(double(bytes)), N(shape.nranks), H(shape.hosts()), L(shape.mostPerHost()),
       n(double(N)), f(shape.oversubscription()), osUs(f > 1 ? params.oversubStepUs * f : 0),
       allShm(H == 1 && shape.shmWithinHost && N > 1), reducing(reduces(c)),
-      rsag(c == Collective::ReduceScatter || c == Collective::AllGather), block(rsag ? S / n : S) {}
+      rsag(c == Collective::ReduceScatter || c == Collective::AllGather), block(perRankCount(c) ? S / n : S) {}
 
 LinkParams CostInput::lp(CostLink c) const {
   LinkParams l = p.link[int(c)];

@@ -12,7 +12,8 @@ namespace loom {
 namespace {
 
 // LOOM_ALGO's collective keys, per Collective value.
-const char* kCollKeys[kCollectiveValues] = {"", "allreduce", "reducescatter", "allgather", "broadcast", "reduce", "p2p"};
+const char* kCollKeys[kCollectiveValues] = {"",       "allreduce", "reducescatter", "allgather", "broadcast",
+                                            "reduce", "p2p",       "alltoall",      "gather",    "scatter"};
 
 }  // namespace
 
@@ -116,21 +117,20 @@ Plan Tuner::choose(const OpDesc& op, int nranks, const TunerLimits& limits) cons
       plan.algo = forced.choice.algo;
       plan.inner = forced.choice.inner;
     } else {
-      plan.algo = Algorithm::Ring;
+      plan.algo = scheduledFallback(op.coll);
       // Once per collective and process: the reason, not a line per call.
       static std::atomic<unsigned> warned{0};
       unsigned bit = 1u << unsigned(op.coll);
       if (!(warned.fetch_or(bit) & bit))
-        LOOM_WARN("TUNE", "LOOM_ALGO=%s cannot serve %s (%s); using ring", forced.name.c_str(),
-                  collectiveName(op.coll), whyIneligible(a, q).c_str());
+        LOOM_WARN("TUNE", "LOOM_ALGO=%s cannot serve %s (%s); using %s", forced.name.c_str(),
+                  collectiveName(op.coll), whyIneligible(a, q).c_str(), algorithmName(plan.algo));
     }
     return plan;
   }
   if (haveShape_ && nranks == shape_.nranks && op.coll != Collective::P2P) {
     // The cost model's choice for this size bucket (whole-buffer bytes, as
     // loom-perf and the model count them).
-    bool wholeBuffer = op.coll == Collective::ReduceScatter || op.coll == Collective::AllGather;
-    size_t bytes = wholeBuffer ? block * size_t(nranks) : block;
+    size_t bytes = perRankCount(op.coll) ? block * size_t(nranks) : block;
     const Estimate& e = decided_[int(op.coll)][bucketOf(bytes)];
     // The decision is per bucket; a direct path's limit is checked against this block.
     if (e.us >= 0 && usable(algorithmEntry(e.algo), q)) {
