@@ -5,7 +5,9 @@
 
 namespace trainer {
 
-static const char kMagic[8] = {'L', 'O', 'O', 'M', 'C', 'K', 'P', '1'};
+// Version 2 added PowerSGD's warm start; version 1 files (without it) still read.
+static const char kMagic[8] = {'L', 'O', 'O', 'M', 'C', 'K', 'P', '2'};
+static const char kMagicV1[8] = {'L', 'O', 'O', 'M', 'C', 'K', 'P', '1'};
 
 namespace {
 struct File {
@@ -49,7 +51,7 @@ bool writeCheckpoint(const std::string& path, const Checkpoint& c, std::string* 
     for (int w : c.widths) ok = ok && put(f.f, int32_t(w));
     ok = ok && put(f.f, int32_t(c.optimizer)) && put(f.f, int32_t(c.hook)) && put(f.f, c.nextStep) &&
          put(f.f, int32_t(c.nranks)) && putVec(f.f, c.params) && putVec(f.f, c.state) &&
-         putVec(f.f, c.residual);
+         putVec(f.f, c.residual) && putVec(f.f, c.warmStart);
     ok = ok && fflush(f.f) == 0;
   }
   if (!ok || rename(tmp.c_str(), path.c_str()) != 0) {
@@ -68,8 +70,9 @@ bool readCheckpoint(const std::string& path, Checkpoint* c, std::string* error) 
   }
   char magic[8];
   uint32_t nw = 0;
-  if (fread(magic, 1, 8, f.f) != 8 || std::memcmp(magic, kMagic, 8) != 0 || !get(f.f, &nw) || nw < 2 ||
-      nw > 64) {
+  bool read = fread(magic, 1, 8, f.f) == 8;
+  bool v1 = read && std::memcmp(magic, kMagicV1, 8) == 0;
+  if (!read || (!v1 && std::memcmp(magic, kMagic, 8) != 0) || !get(f.f, &nw) || nw < 2 || nw > 64) {
     *error = path + ": not a loom-trainer checkpoint";
     return false;
   }
@@ -83,6 +86,8 @@ bool readCheckpoint(const std::string& path, Checkpoint* c, std::string* error) 
   int32_t opt = 0, hook = 0, nranks = 0;
   ok = ok && get(f.f, &opt) && get(f.f, &hook) && get(f.f, &c->nextStep) && get(f.f, &nranks) &&
        getVec(f.f, &c->params) && getVec(f.f, &c->state) && getVec(f.f, &c->residual);
+  c->warmStart.clear();
+  if (!v1) ok = ok && getVec(f.f, &c->warmStart);
   if (!ok) {
     *error = path + ": truncated or corrupt checkpoint";
     return false;

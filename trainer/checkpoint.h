@@ -15,7 +15,8 @@ struct Checkpoint {
   int nranks = 0;               // ranks of the run that wrote it
   std::vector<float> params;    // logical order
   std::vector<float> state;     // optimizer state arrays, each in logical order
-  std::vector<float> residual;  // top-k error feedback: nranks arrays, logical order
+  std::vector<float> residual;  // top-k or PowerSGD error feedback: nranks arrays, logical order
+  std::vector<float> warmStart; // PowerSGD's Q matrices (the same on every rank), its own layout
 };
 
 // Written to path.tmp and renamed, so a crash never leaves half a checkpoint.

@@ -284,4 +284,8 @@ double GradSync::gatherParams(float* params) {
   return now() - t0;
 }
 
+std::vector<float>& GradSync::residual() { return powerSgd_ ? powerSgd_->residual() : residual_; }
+
+std::vector<float>* GradSync::warmStart() { return powerSgd_ ? &powerSgd_->warmStart() : nullptr; }
+
 }  // namespace trainer

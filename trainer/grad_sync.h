@@ -85,8 +85,11 @@ class GradSync {
   const float* shardGrads(size_t b) const;
   double gatherParams(float* params);
 
-  // Top-k's error feedback (empty for other hooks), for checkpoints.
-  std::vector<float>& residual() { return residual_; }
+  // The hook's error feedback, for checkpoints: top-k's or PowerSGD's (flat
+  // layout, per rank), empty for other hooks.
+  std::vector<float>& residual();
+  // PowerSGD's warm start (the same on every rank); nullptr for other hooks.
+  std::vector<float>* warmStart();
   // Floats a rank puts on the wire per step, and without compression.
   size_t wireFloats() const;
   // Bytes of communication buffers this object holds (hooks' buffers).

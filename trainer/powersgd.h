@@ -33,6 +33,9 @@ class PowerSgd {
   void finish(size_t b, float* g);
 
   std::vector<float>& residual() { return residual_; }  // flat layout
+  // The Q matrices the next step's power iteration starts from: the same on
+  // every rank (each step all-reduces them), part of a checkpoint.
+  std::vector<float>& warmStart() { return qState_; }
   size_t wireFloats() const { return wire_; }           // per step, both messages
   size_t bufferBytes() const;
 

@@ -209,8 +209,6 @@ Options parse(int argc, char** argv) {
   if (o.lr < 0) o.lr = o.optimizer == OptKind::Adam ? 0.001 : 0.05;
   if (o.sync.zero && o.sync.hook != Hook::AllReduce)
     usageError("--zero reduce-scatters float32 gradients; it does not combine with --hook");
-  if (o.sync.hook == Hook::PowerSgd && (!o.checkpoint.empty() || !o.resume.empty()))
-    usageError("--hook powersgd does not checkpoint its warm-start state: no --checkpoint or --resume");
   if (!o.prefetch && o.sync.zero != 3) usageError("--no-prefetch applies to --zero 3 only");
   return o;
 }
@@ -361,10 +359,15 @@ int main(int argc, char** argv) {
       fromLogical(L, c.state.data() + size_t(i) * L.logical, full.data());
       fromFullArray(full.data(), stage > 0, L, S, st.array(i));
     }
-    if (o.sync.hook == Hook::TopK) {
+    if (o.sync.hook == Hook::TopK || o.sync.hook == Hook::PowerSgd) {
       if (c.nranks != nranks || c.residual.size() != L.logical * size_t(nranks))
-        trainerFail("--resume: top-k error feedback is per rank; resume with the same number of ranks");
+        trainerFail("--resume: the hook's error feedback is per rank; resume with the same number of ranks");
       fromLogical(L, c.residual.data() + size_t(rank) * L.logical, sync.residual().data());
+    }
+    if (std::vector<float>* q = sync.warmStart()) {
+      if (c.warmStart.size() != q->size())
+        trainerFail("--resume: the checkpoint has no PowerSGD warm start of this model and --powersgd-rank");
+      *q = c.warmStart;
     }
     firstStep = c.nextStep;
   } else if (stage < 3) {
@@ -472,7 +475,8 @@ int main(int argc, char** argv) {
     for (int i = 0; i < nStateArrays; ++i)
       toLogical(L, fullArray(st.array(i), stage > 0, L, S, comm).data(),
                 c.state.data() + size_t(i) * L.logical);
-    if (o.sync.hook == Hook::TopK) {
+    if (const std::vector<float>* q = sync.warmStart()) c.warmStart = *q;
+    if (o.sync.hook == Hook::TopK || o.sync.hook == Hook::PowerSgd) {
       std::vector<float> all(L.total * size_t(nranks));
       TRAINER_CHECK_LOOM(
           loomAllGather(sync.residual().data(), all.data(), L.total, loomFloat32, comm, nullptr));
