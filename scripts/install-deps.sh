@@ -22,6 +22,7 @@ PACKAGES=(
   rdma-core ibverbs-utils perftest   # rxe's provider, ibv_devices / ibv_rc_pingpong, ib_write_bw
   libopenmpi-dev openmpi-bin         # the MPI comparison in perf/
   iproute2 procps python3            # multi-host rig, perf scripts
+  python3-matplotlib                 # perf/plot_busbw.py
   zlib1g-dev dataset-fashion-mnist   # the reference trainer (gzip'd IDX files, its dataset)
   python3-torch libtorch-dev pybind11-dev  # loom_torch (python/): the torch.distributed backend
   clang libclang-rt-14-dev           # libFuzzer targets (scripts/fuzz.sh)

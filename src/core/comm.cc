@@ -147,6 +147,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
   limits_.stageBytes = peerMem_ ? directLayout_.stageBytes : 0;
   limits_.maxChunkBytes = size_t(root.slots - 1) * root.slotBytes;
   initTuner(boot);
+  if (!cfg.trace.empty()) tracer_ = std::make_unique<Tracer>(cfg.trace, rank, nranks);
   LOOM_INFO("INIT", "rank %d of %d ready: host %s, %d local peers, slots %u x %u B, transports %s", rank, nranks,
             mine.hostId, local, root.slots, root.slotBytes, transportSpec_.c_str());
 }
@@ -331,7 +332,9 @@ loomResult_t loomComm::runOne(const OpDesc& op, const SlotTag& tag) {
   }
   noteRunning(tag, 1);
   try {
+    double t0 = tracer_ ? Tracer::nowUs() : 0;
     runDirect(algo, op, tag);
+    if (tracer_) traceRun(t0, {op}, {tag}, algo);
     noteIdle();
     return loomSuccess;
   } catch (const Error& e) {
@@ -359,12 +362,14 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
     ~Idle() { c->noteIdle(); }
   } idle{this};
   try {
+    double t0 = tracer_ ? Tracer::nowUs() : 0;
     std::vector<ExecOp> eops;
     Schedule sched;
     std::vector<size_t> selfSends, selfRecvs;
     Algorithm alone = ops.size() == 1 ? choose(ops[0]) : Algorithm::Ring;
     if (isDirect(alone)) {
       runDirect(alone, ops[0], tags[0]);
+      if (tracer_) traceRun(t0, ops, tags, alone);
       return loomSuccess;
     }
     for (size_t i = 0; i < ops.size(); ++i) {
@@ -415,6 +420,7 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
       sched.lanes.push_back(lane);
     }
     execute(*this, eops, sched);
+    if (tracer_) traceRun(t0, ops, tags, alone);
     return loomSuccess;
   } catch (const Error& e) {
     setFailed(e.code(), e.what());
@@ -423,6 +429,27 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
     setFailed(loomInternalError, strf("rank %d: internal error: %s", rank_, e.what()));
     return loomInternalError;
   }
+}
+
+void loomComm::traceRun(double beginUs, const std::vector<OpDesc>& ops, const std::vector<SlotTag>& tags,
+                        Algorithm algo) {
+  double end = Tracer::nowUs();
+  if (ops.empty()) return;
+  const OpDesc& op = ops[0];
+  size_t bytes = op.count * dtypeSize(op.dtype);
+  if (ops.size() > 1) {
+    std::string list;
+    for (size_t i = 0; i < ops.size() && i < 8; ++i) list += (i ? ", " : "") + describeTag(tags[i]);
+    if (ops.size() > 8) list += strf(", ... (%zu in all)", ops.size());
+    tracer_->op(beginUs, end, strf("Group of %zu", ops.size()), "\"ops\": " + jsonString(list));
+    return;
+  }
+  std::string name = collectiveName(op.coll);
+  std::string args = strf("\"op\": %s, \"bytes\": %zu, \"seq\": %llu", jsonString(describeTag(tags[0])).c_str(),
+                          bytes, (unsigned long long)tags[0].seq);
+  if (op.coll == Collective::P2P) args += strf(", \"%s\": %d", op.isSend ? "to" : "from", op.peer);
+  else args += strf(", \"algorithm\": %s", jsonString(algorithmName(algo)).c_str());
+  tracer_->op(beginUs, end, name, args);
 }
 
 void loomComm::setFailed(loomResult_t code, const std::string& msg) {

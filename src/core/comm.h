@@ -16,6 +16,7 @@
 #include "loom.h"
 #include "src/core/bootstrap.h"
 #include "src/core/executor.h"
+#include "src/core/trace.h"
 #include "src/topology/comm_topology.h"
 #include "src/tuner/tuner.h"
 #include "transports/transport.h"
@@ -109,6 +110,7 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
   bool checkMode() const override { return checkMode_; }
   void checkStalled(const loom::SlotTag& mine, int peer) override;
   void checkOtherPath(const loom::SlotTag& mine, int peer) override;
+  loom::Tracer* tracer() override { return tracer_.get(); }
 
   // ---- debugging (comm_dump.cc) ----
   // What this rank runs and waits for, as loomCommDump and LOOM_DUMP_SIGNAL
@@ -129,6 +131,9 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
   void initTuner(loom::Bootstrap& boot);
   void runDirect(loom::Algorithm algo, const loom::OpDesc& op, const loom::SlotTag& tag);
   loom::DirectContext directContext();
+  // LOOM_TRACE: one event for a run of ops that started at beginUs.
+  void traceRun(double beginUs, const std::vector<loom::OpDesc>& ops, const std::vector<loom::SlotTag>& tags,
+                loom::Algorithm algo);
 
   int rank_ = 0, nranks_ = 0;
   std::atomic<int64_t> timeoutMs_{0};
@@ -163,6 +168,7 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
   std::mutex errMutex_;
   std::string lastError_;
   std::shared_ptr<loomComm> self_;  // the handle's reference
+  std::unique_ptr<loom::Tracer> tracer_;  // LOOM_TRACE
   // The operation running now (comm_dump.cc); actStartNs_ == 0: none.
   std::atomic<int64_t> actStartNs_{0}, actWaitNs_{0}, actNoteNs_{0};
   std::atomic<uint64_t> actSeq_{0}, actCount_{0};

@@ -74,6 +74,10 @@ const std::vector<ConfigVar>& configTable() {
        "perf/check_mode_cost.sh measures its cost"},
       {"LOOM_DUMP_SIGNAL", "int", "0 (none)",
        "signal number (e.g. 10 = SIGUSR1) that makes loom print every communicator's pending operation to stderr"},
+      {"LOOM_TRACE", "path", "(off)",
+       "write a Chrome-trace/Perfetto JSON timeline of operations and executor steps (waiting, moving, reducing) "
+       "per rank to PATH.<rank> (or PATH with %r replaced by the rank) when the communicator is destroyed; "
+       "tools/loom_trace_merge.py merges the ranks"},
       {"LOOM_RANK", "int", "-", "this process's rank; set by loom-run, read by loomCommInitFromEnv"},
       {"LOOM_WORLD_SIZE", "int", "-", "number of ranks; set by loom-run, read by loomCommInitFromEnv"},
       {"LOOM_LOCAL_RANK", "int", "-", "rank within its host; set by loom-run for the program (loom does not read it)"},
@@ -147,6 +151,7 @@ static Config readConfig() {
   c.tuningFile = envStr("LOOM_TUNING_FILE");
   c.checkMode = envBool("LOOM_CHECK_MODE", true);
   c.dumpSignal = envInt("LOOM_DUMP_SIGNAL", 0, 0, 64);
+  c.trace = envStr("LOOM_TRACE");
   c.rank = envStr("LOOM_RANK");
   c.worldSize = envStr("LOOM_WORLD_SIZE");
   c.rootAddr = envStr("LOOM_ROOT_ADDR");

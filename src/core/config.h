@@ -41,6 +41,7 @@ struct Config {
   std::string tuningFile;     // LOOM_TUNING_FILE
   bool checkMode;             // LOOM_CHECK_MODE
   int64_t dumpSignal;         // LOOM_DUMP_SIGNAL (0 = none)
+  std::string trace;          // LOOM_TRACE (empty = off)
   // Set by loom-run for loomCommInitFromEnv, which checks them (as text: a
   // bad value is an init error there, not a warning and a default here).
   std::string rank;           // LOOM_RANK

@@ -7,6 +7,7 @@
 #include "src/core/backoff.h"
 #include "src/core/clock.h"
 #include "src/core/error.h"
+#include "src/core/trace.h"
 #include "src/device/device.h"
 #include "src/device/host_reduce.h"
 
@@ -69,13 +70,16 @@ struct LaneState {
   size_t cur = 0;   // current step
   size_t done = 0;  // bytes of the current step done
   bool finished = false;
+  // LOOM_TRACE: when the current step started, and its time moving and reducing.
+  bool stepStarted = false;
+  double stepBeginUs = 0, moveUs = 0, reduceUs = 0;
   std::vector<size_t> blockers;  // lanes that must finish first (shared connections)
   std::vector<Connection*> sendConn, recvConn;  // per step
 };
 
 class Runner {
  public:
-  Runner(ExecEnv& env, const std::vector<ExecOp>& ops, const Schedule& sched) : env_(env) {
+  Runner(ExecEnv& env, const std::vector<ExecOp>& ops, const Schedule& sched) : env_(env), tracer_(env.tracer()) {
     std::vector<std::pair<int, int>> needed;
     for (const Lane& l : sched.lanes)
       for (const Step& s : l.steps) {
@@ -246,10 +250,17 @@ class Runner {
       const Step& s = l.lane->steps[l.cur];
       Connection* sc = l.sendConn[l.cur];
       Connection* rc = l.recvConn[l.cur];
+      if (tracer_ && !l.stepStarted) {
+        l.stepStarted = true;
+        l.stepBeginUs = Tracer::nowUs();
+        l.moveUs = l.reduceUs = 0;
+      }
       if (s.kind == StepKind::Copy) {
+        double t0 = tracer_ ? Tracer::nowUs() : 0;
         if (s.bytes && ptr(l, s.src) != ptr(l, s.dst))
           dev.copy(ptr(l, s.dst), ptr(l, s.src), s.bytes, CopyHint::Cached);
         l.done = s.bytes;
+        if (tracer_) l.moveUs += Tracer::nowUs() - t0;
       }
       while (l.done < s.bytes) {
         size_t slot = (sc ? sc : rc)->slotBytes();
@@ -269,6 +280,7 @@ class Runner {
         uint8_t* src = ptr(l, s.src);
         uint8_t* dst = ptr(l, s.dst);
         size_t off = l.done;
+        double t0 = tracer_ ? Tracer::nowUs() : 0;
         switch (s.kind) {
           case StepKind::Send:
             dev.copy(out, src + off, n, CopyHint::Cached);
@@ -292,6 +304,10 @@ class Runner {
           case StepKind::Copy:
             break;
         }
+        if (tracer_) {
+          double us = Tracer::nowUs() - t0;
+          (s.kind == StepKind::RecvReduce || s.kind == StepKind::RecvReduceSend ? l.reduceUs : l.moveUs) += us;
+        }
         if (sc) {
           SlotTag t = l.op->tag;
           t.bytes = uint32_t(n);
@@ -302,12 +318,19 @@ class Runner {
         l.done += n;
         progressed = true;
       }
+      if (tracer_) traceStep(l, s);
       ++l.cur;
       l.done = 0;
       progressed = true;
     }
     l.finished = true;
     return progressed;
+  }
+
+  void traceStep(LaneState& l, const Step& s) {
+    l.stepStarted = false;
+    tracer_->step(int(&l - lanes_.data()), l.stepBeginUs, Tracer::nowUs(), stepKindName(s.kind), s.recvPeer,
+                  s.sendPeer, s.bytes, l.moveUs, l.reduceUs, describeTag(l.op->tag));
   }
 
   [[noreturn]] void timeout() {
@@ -327,6 +350,7 @@ class Runner {
   }
 
   ExecEnv& env_;
+  Tracer* tracer_;  // LOOM_TRACE; nullptr when off
   std::vector<LaneState> lanes_;
   std::vector<Connection*> conns_;
   std::vector<Connection*> pollers_;

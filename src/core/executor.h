@@ -16,6 +16,8 @@
 
 namespace loom {
 
+class Tracer;
+
 // One operation of a run, with its buffers and the tag its slots carry.
 // `device` copies and reduces its data and provides its scratch; it must be
 // able to access both buffers' memory kinds (execute() checks).  All
@@ -55,6 +57,8 @@ class ExecEnv {
   // True when this host runs more ranks than cores (spin by yielding).
   virtual bool oversubscribed() const { return false; }
   virtual bool checkMode() const = 0;
+  // LOOM_TRACE's recorder (src/core/trace.h), nullptr when not tracing.
+  virtual Tracer* tracer() { return nullptr; }
   // Called while this rank waits on `peer` for an operation tagged `mine`:
   // throws if the peer is visibly running a different operation.
   virtual void checkStalled(const SlotTag& mine, int peer) { (void)mine, (void)peer; }
