@@ -1,5 +1,6 @@
 // Fault tests: a rank is killed with SIGKILL during init, in the middle of a
-// 64 MiB all-reduce, or between two operations, over shm and over tcp.
+// 64 MiB all-reduce or all-to-all, or between two operations, over shm and
+// over tcp.
 // Every surviving rank must return loomRemoteError or loomTimeout within the
 // timeout, loomCommAbort must return promptly, and /dev/shm must be left as
 // it was.  Each case prints one row of the fault table (fault | transport |
@@ -78,7 +79,7 @@ const char* shortName(int code) {
   }
 }
 
-// Kills `victim` of n ranks at `phase` (init, allreduce, between) and checks
+// Kills `victim` of n ranks at `phase` (init, allreduce, alltoall, between) and checks
 // every other rank.  timeoutMs is LOOM_TIMEOUT_MS.
 void killRank(const std::string& phase, const std::string& transports, int n, int victim, int timeoutMs) {
   std::set<std::string> before = devShm();
@@ -142,6 +143,11 @@ TEST_CASE("a rank killed during a 64 MiB all-reduce fails the others cleanly (sh
 
 TEST_CASE("a rank killed during a 64 MiB all-reduce fails the others cleanly (tcp)", "[fault][tcp]") {
   killRank("allreduce", "tcp", 3, 2, 20000);
+}
+
+TEST_CASE("a rank killed during a 64 MiB all-to-all fails the others cleanly (shm and tcp)", "[fault][exchange]") {
+  std::string transports = GENERATE("shm,tcp", "tcp");
+  killRank("alltoall", transports, 4, 2, 20000);
 }
 
 TEST_CASE("a rank killed between operations fails the others' next operation cleanly (shm and tcp)", "[fault]") {

@@ -481,29 +481,37 @@ static int scenarioFault(const std::string& phase, int victim, size_t bytes, con
   CHECK_LOOM(loomCommInitFromEnv(&comm));
   CHECK_LOOM(loomCommUserRank(comm, &gRank));
   CHECK_LOOM(loomCommCount(comm, &gSize));
-  std::vector<float> buf(bytes / 4, 1.0f);
+  std::vector<float> buf(bytes / 4, 1.0f), out(bytes / 4);
+  // "alltoall": the same with all-to-alls of the same buffer (pairwise: every
+  // pair at once, so the victim dies with messages to and from everyone).
+  const bool a2a = phase == "alltoall";
+  const char* call = a2a ? "loomAllToAll" : "loomAllReduce";
+  auto collective = [&](size_t elems) {
+    if (a2a) return loomAllToAll(buf.data(), out.data(), elems / size_t(gSize), loomFloat32, comm, nullptr);
+    return loomAllReduce(buf.data(), buf.data(), elems, loomFloat32, loomSum, comm, nullptr);
+  };
   for (int it = 0; it < 1000; ++it) {
     if (gRank == victim && it == 2) {
-      if (phase == "allreduce") kill9(2000);  // in the middle of this all-reduce
-      else raise(SIGKILL);                    // between the second and the third
+      if (phase == "allreduce" || a2a) kill9(2000);  // in the middle of this operation
+      else raise(SIGKILL);                           // between the second and the third
     }
     if (phase == "between" && it == 2) usleep(300000);  // the victim is surely dead now
     t0 = std::chrono::steady_clock::now();
-    loomResult_t r = loomAllReduce(buf.data(), buf.data(), buf.size(), loomFloat32, loomSum, comm, nullptr);
+    loomResult_t r = collective(buf.size());
     if (r != loomSuccess) {
       double ms = msSince(t0);
       std::string msg = loomGetLastError(comm);
       // A later call fails at once with the same error.
-      loomResult_t again = loomAllReduce(buf.data(), buf.data(), 16, loomFloat32, loomSum, comm, nullptr);
+      loomResult_t again = collective(16 * size_t(gSize));
       expect(again == r, "a call after the failure returns the same error");
       auto ta = std::chrono::steady_clock::now();
       CHECK_LOOM(loomCommAbort(comm));
-      record("loomAllReduce", r, ms, msSince(ta), msg.c_str());
+      record(call, r, ms, msSince(ta), msg.c_str());
       if (leftThreads()) return 1;
       return (r == loomRemoteError || r == loomTimeout) && !gFailures ? 0 : 1;
     }
   }
-  record("loomAllReduce", loomSuccess, 0, 0, "1000 all-reduces succeeded although a rank died");
+  record(call, loomSuccess, 0, 0, "1000 operations succeeded although a rank died");
   return 1;
 }
 
