@@ -225,7 +225,7 @@ bool check(loomsim::SimDeviceWorld& w, const Case& c, size_t slotBytes, uint64_t
 }  // namespace
 
 TEST_CASE("stream programs: every collective and variant is exact for N = 1..8, on one shared device and on several",
-          "[stream]") {
+          "[streamprog]") {
   const size_t slot = 1024;  // small slots: many rounds, both slots, the reuse guard
   uint64_t seed = 1;
   for (int n = 1; n <= 8; ++n)
@@ -248,7 +248,7 @@ TEST_CASE("stream programs: every collective and variant is exact for N = 1..8, 
 }
 
 TEST_CASE("stream programs: every datatype and op is exact, floats bit for bit with the host arithmetic",
-          "[stream]") {
+          "[streamprog]") {
   const size_t slot = 4096;
   uint64_t seed = 100;
   for (int gpus : {1, 2}) {
@@ -273,7 +273,7 @@ TEST_CASE("stream programs: every datatype and op is exact, floats bit for bit w
 }
 
 TEST_CASE("stream programs: large all-reduce (4 Mi float32, 4 and 8 ranks) is exact with both variants",
-          "[stream]") {
+          "[streamprog]") {
   const size_t slot = 256 << 10;
   for (int n : {4, 8}) {
     loomsim::SimDeviceOptions o;
@@ -292,7 +292,7 @@ TEST_CASE("stream programs: large all-reduce (4 Mi float32, 4 and 8 ranks) is ex
 }
 
 TEST_CASE("stream programs: a collective reads its input only after the caller's earlier work, and later work follows it",
-          "[stream]") {
+          "[streamprog]") {
   const size_t slot = 512;
   for (const Variant& v : kVariants) {
     const int N = 4;
@@ -354,7 +354,7 @@ TEST_CASE("stream programs: a collective reads its input only after the caller's
   }
 }
 
-TEST_CASE("stream programs: a killed rank makes the others fail within the deadline, not hang", "[stream]") {
+TEST_CASE("stream programs: a killed rank makes the others fail within the deadline, not hang", "[streamprog]") {
   for (StreamAlgorithm a : {StreamAlgorithm::OneShot, StreamAlgorithm::ReduceScatterAllGather})
     for (bool dies : {true, false}) {
       loomsim::SimDeviceOptions o;
@@ -395,7 +395,7 @@ TEST_CASE("stream programs: a killed rank makes the others fail within the deadl
 }
 
 TEST_CASE("stream programs: flag values only grow, every wait is answered by a set, and each round uses one slot",
-          "[stream]") {
+          "[streamprog]") {
   for (const Variant& v : kVariants)
     for (int n : {2, 5}) {
       std::vector<uint64_t> round(size_t(n), 0);
@@ -440,7 +440,7 @@ TEST_CASE("stream programs: flag values only grow, every wait is answered by a s
 }
 
 TEST_CASE("stream programs: a program that would touch memory outside its buffers is refused before anything runs",
-          "[stream]") {
+          "[streamprog]") {
   loomsim::SimDeviceWorld w(2, 1, 4096);
   std::vector<float> a(100), b(100);
   loom::OpDesc op;
