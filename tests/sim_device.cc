@@ -102,12 +102,15 @@ SimRank::Event& SimRank::event(int e) {
 }
 
 void SimRank::failWith(loomResult_t code, const std::string& msg) {
-  std::lock_guard<std::mutex> g(failMu_);
-  if (failCode_ == loomSuccess) {
-    failCode_ = code;
-    failMsg_ = msg;
+  {
+    std::lock_guard<std::mutex> g(failMu_);
+    if (failCode_ == loomSuccess) {
+      failCode_ = code;
+      failMsg_ = msg;
+    }
+    failed_.store(true, std::memory_order_release);
   }
-  failed_.store(true, std::memory_order_release);
+  world_.notify();
 }
 
 std::string SimRank::failure() const {
@@ -132,8 +135,8 @@ template <class Ready>
 void SimRank::await(Ready ready, int peer, const char* what) {
   const int64_t start = loom::nowMs();
   int spins = 0;
-  int64_t sleepUs = 10;
   for (;;) {
+    const uint64_t gen = world_.generation();
     if (ready()) return;
     if (world_.dead(rank_) || failed()) loom::fail(loomInternalError, "rank %d stopped", rank_);
     if (world_.dead(peer))
@@ -144,12 +147,8 @@ void SimRank::await(Ready ready, int peer, const char* what) {
     if (loom::nowMs() - start > world_.options().deadlineMs)
       loom::fail(loomTimeout, "rank %d: no progress for %lld ms waiting for %s of rank %d", rank_,
                  (long long)world_.options().deadlineMs, what, peer);
-    if (++spins < 64) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(sleepUs));
-      sleepUs = std::min<int64_t>(sleepUs * 2, 1000);
-    }
+    if (++spins < 16) std::this_thread::yield();
+    else world_.sleepUnless(gen);
   }
 }
 
@@ -164,7 +163,12 @@ void SimRank::waitFlag(int s, const uint64_t* flag, uint64_t value, int ownerRan
 
 void SimRank::setFlag(int s, uint64_t* flag, uint64_t value) {
   auto* f = reinterpret_cast<std::atomic<uint64_t>*>(flag);
-  stream(s).enqueue([f, value] { f->store(value, std::memory_order_release); }, true);
+  stream(s).enqueue(
+      [this, f, value] {
+        f->store(value, std::memory_order_release);
+        world_.notify();
+      },
+      true);
 }
 
 void SimRank::copy(int s, void* dst, const void* src, size_t bytes) {
@@ -194,7 +198,12 @@ void SimRank::divide(int s, void* dst, const void* src, size_t count, loomDataTy
 void SimRank::recordEvent(int s, int e) {
   Event& ev = event(e);
   uint64_t gen = ++ev.recorded;
-  stream(s).enqueue([&ev, gen] { ev.completed.store(gen, std::memory_order_release); }, false);
+  stream(s).enqueue(
+      [this, &ev, gen] {
+        ev.completed.store(gen, std::memory_order_release);
+        world_.notify();
+      },
+      false);
 }
 
 void SimRank::waitEvent(int s, int e) {
@@ -220,6 +229,19 @@ SimDeviceWorld::SimDeviceWorld(int nranks, int gpus, size_t windowBytes, SimDevi
 }
 
 SimDeviceWorld::~SimDeviceWorld() { ranks_.clear(); }
+
+void SimDeviceWorld::notify() {
+  {
+    std::lock_guard<std::mutex> g(wakeMu_);
+    generation_.fetch_add(1, std::memory_order_acq_rel);
+  }
+  wakeCv_.notify_all();
+}
+
+void SimDeviceWorld::sleepUnless(uint64_t gen) {
+  std::unique_lock<std::mutex> g(wakeMu_);
+  wakeCv_.wait_for(g, std::chrono::milliseconds(2), [&] { return generation_.load(std::memory_order_acquire) != gen; });
+}
 
 loom::ProgramBuffers SimDeviceWorld::buffers(int r, const void* send, size_t sendBytes, void* recv,
                                              size_t recvBytes) {

@@ -143,8 +143,17 @@ class SimDeviceWorld {
   uint64_t flag(int r, int f) const { return flags_[size_t(r)][size_t(f)].load(); }
 
   // Rank r dies: its streams run nothing more; waits on its flags fail.
-  void kill(int r) { dead_[size_t(r)].store(true, std::memory_order_release); }
+  void kill(int r) {
+    dead_[size_t(r)].store(true, std::memory_order_release);
+    notify();
+  }
   bool dead(int r) const { return dead_[size_t(r)].load(std::memory_order_acquire); }
+
+  // Waiting streams sleep here until something they may wait for changed
+  // (a flag set, an event completed, a rank failed) or 2 ms passed.
+  uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
+  void notify();
+  void sleepUnless(uint64_t generation);
 
  private:
   int nranks_;
@@ -155,6 +164,9 @@ class SimDeviceWorld {
   std::vector<std::unique_ptr<std::atomic<uint64_t>[]>> flags_;
   std::unique_ptr<std::atomic<bool>[]> dead_;
   std::vector<uint64_t> rounds_;
+  std::atomic<uint64_t> generation_{0};
+  std::mutex wakeMu_;
+  std::condition_variable wakeCv_;
   std::vector<std::unique_ptr<SimRank>> ranks_;
 };
 
