@@ -35,8 +35,10 @@ namespace loom {
 
 const char* streamAlgorithmName(StreamAlgorithm a) {
   switch (a) {
-    case StreamAlgorithm::OneShot: return "one-shot";
-    case StreamAlgorithm::ReduceScatterAllGather: return "reduce-scatter+all-gather";
+    case StreamAlgorithm::OneShot:
+      return "one-shot";
+    case StreamAlgorithm::ReduceScatterAllGather:
+      return "reduce-scatter+all-gather";
   }
   return "?";
 }
@@ -115,8 +117,8 @@ size_t perRound(size_t bytes, size_t esz) {
 
 }  // namespace
 
-StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo, size_t slotBytes,
-                                   uint64_t* round) {
+StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo,
+                                   size_t slotBytes, uint64_t* round) {
   StreamProgram p;
   p.rank = rank;
   p.nranks = nranks;
@@ -125,7 +127,8 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
   p.firstRound = *round;
   const size_t esz = dtypeSize(op.dtype);
   if (!esz) fail(loomInternalError, "stream program of unknown datatype %d", int(op.dtype));
-  if (nranks < 1 || rank < 0 || rank >= nranks) fail(loomInternalError, "stream program for rank %d of %d", rank, nranks);
+  if (nranks < 1 || rank < 0 || rank >= nranks)
+    fail(loomInternalError, "stream program for rank %d of %d", rank, nranks);
   const size_t n = op.count;
   const int N = nranks, me = rank;
   const bool inPlace = op.sendbuf == op.recvbuf;
@@ -142,13 +145,19 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
   const bool rsag = op.coll == Collective::AllReduce && algo == StreamAlgorithm::ReduceScatterAllGather;
   size_t m = 0;  // elements per round (of each block for reduce-scatter)
   switch (op.coll) {
-    case Collective::ReduceScatter: m = perRound(slotBytes / size_t(N), esz); break;
-    case Collective::AllReduce: m = perRound(rsag ? slotBytes / 2 : slotBytes, esz); break;
-    default: m = perRound(slotBytes, esz); break;
+    case Collective::ReduceScatter:
+      m = perRound(slotBytes / size_t(N), esz);
+      break;
+    case Collective::AllReduce:
+      m = perRound(rsag ? slotBytes / 2 : slotBytes, esz);
+      break;
+    default:
+      m = perRound(slotBytes, esz);
+      break;
   }
   if (m == 0 || (rsag && m < size_t(N)))
-    fail(loomInternalError, "stream program: slots of %zu bytes cannot hold a round of %s x %d ranks", slotBytes,
-         dtypeName(op.dtype), N);
+    fail(loomInternalError, "stream program: slots of %zu bytes cannot hold a round of %s x %d ranks",
+         slotBytes, dtypeName(op.dtype), N);
   if (op.coll == Collective::P2P) fail(loomInternalError, "stream programs do not serve send/recv");
   if (rsag) {
     p.streams = 2;
@@ -243,7 +252,8 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         }
         b.set(0, kFlagDone, v);
         break;
-      case Collective::P2P: break;
+      case Collective::P2P:
+        break;
     }
   }
   if (rsag) {

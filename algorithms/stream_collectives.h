@@ -31,7 +31,7 @@ inline size_t streamWindowBytes(size_t slotBytes) { return 2 * slotBytes; }
 // algorithm matters for all-reduce only; the other collectives have one
 // program each.  loomInternalError if slotBytes cannot hold one element per
 // rank.
-StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo, size_t slotBytes,
-                                   uint64_t* round);
+StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo,
+                                   size_t slotBytes, uint64_t* round);
 
 }  // namespace loom

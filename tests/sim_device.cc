@@ -65,7 +65,8 @@ void SimStream::loop() {
         if (task.second) {
           std::lock_guard<std::mutex> g(gpu_.busy());
           if (int(nextRandom(rng_) % 1000) < o.pausePermille)
-            std::this_thread::sleep_for(std::chrono::microseconds(nextRandom(rng_) % uint64_t(o.maxPauseUs + 1)));
+            std::this_thread::sleep_for(
+                std::chrono::microseconds(nextRandom(rng_) % uint64_t(o.maxPauseUs + 1)));
           task.first();
         } else {
           task.first();
@@ -92,12 +93,14 @@ SimRank::SimRank(SimDeviceWorld& world, int rank, SimGpu& gpu, int streams, uint
 SimRank::~SimRank() { streams_.clear(); }
 
 SimStream& SimRank::stream(int s) {
-  if (s < 0 || size_t(s) >= streams_.size()) loom::fail(loomInternalError, "sim rank %d has no stream %d", rank_, s);
+  if (s < 0 || size_t(s) >= streams_.size())
+    loom::fail(loomInternalError, "sim rank %d has no stream %d", rank_, s);
   return *streams_[size_t(s)];
 }
 
 SimRank::Event& SimRank::event(int e) {
-  if (e < 0 || size_t(e) >= events_.size()) loom::fail(loomInternalError, "sim rank %d has no event %d", rank_, e);
+  if (e < 0 || size_t(e) >= events_.size())
+    loom::fail(loomInternalError, "sim rank %d has no event %d", rank_, e);
   return *events_[size_t(e)];
 }
 
@@ -142,13 +145,15 @@ void SimRank::await(Ready ready, int peer, const char* what) {
     if (world_.dead(peer))
       loom::fail(loomRemoteError, "rank %d: rank %d died while this rank waited for %s", rank_, peer, what);
     if (peer != rank_ && world_.rank(peer).failed())
-      loom::fail(loomRemoteError, "rank %d: rank %d failed while this rank waited for %s: %s", rank_, peer, what,
-                 world_.rank(peer).failure().c_str());
+      loom::fail(loomRemoteError, "rank %d: rank %d failed while this rank waited for %s: %s", rank_, peer,
+                 what, world_.rank(peer).failure().c_str());
     if (loom::nowMs() - start > world_.options().deadlineMs)
       loom::fail(loomTimeout, "rank %d: no progress for %lld ms waiting for %s of rank %d", rank_,
                  (long long)world_.options().deadlineMs, what, peer);
-    if (++spins < 16) std::this_thread::yield();
-    else world_.sleepUnless(gen);
+    if (++spins < 16)
+      std::this_thread::yield();
+    else
+      world_.sleepUnless(gen);
   }
 }
 
@@ -210,7 +215,9 @@ void SimRank::waitEvent(int s, int e) {
   Event& ev = event(e);
   uint64_t gen = ev.recorded;
   stream(s).enqueue(
-      [this, &ev, gen] { await([&] { return ev.completed.load(std::memory_order_acquire) >= gen; }, rank_, "an event"); },
+      [this, &ev, gen] {
+        await([&] { return ev.completed.load(std::memory_order_acquire) >= gen; }, rank_, "an event");
+      },
       false);
 }
 
@@ -225,7 +232,8 @@ SimDeviceWorld::SimDeviceWorld(int nranks, int gpus, size_t windowBytes, SimDevi
     rounds_.push_back(0);
   }
   for (int r = 0; r < nranks; ++r)
-    ranks_.push_back(std::make_unique<SimRank>(*this, r, *gpus_[size_t(r % gpus)], 2, opts.seed + uint64_t(r)));
+    ranks_.push_back(
+        std::make_unique<SimRank>(*this, r, *gpus_[size_t(r % gpus)], 2, opts.seed + uint64_t(r)));
 }
 
 SimDeviceWorld::~SimDeviceWorld() { ranks_.clear(); }
@@ -240,7 +248,8 @@ void SimDeviceWorld::notify() {
 
 void SimDeviceWorld::sleepUnless(uint64_t gen) {
   std::unique_lock<std::mutex> g(wakeMu_);
-  wakeCv_.wait_for(g, std::chrono::milliseconds(2), [&] { return generation_.load(std::memory_order_acquire) != gen; });
+  wakeCv_.wait_for(g, std::chrono::milliseconds(2),
+                   [&] { return generation_.load(std::memory_order_acquire) != gen; });
 }
 
 loom::ProgramBuffers SimDeviceWorld::buffers(int r, const void* send, size_t sendBytes, void* recv,

@@ -101,7 +101,8 @@ class SimRank final : public loom::StreamBackend {
   void copy(int stream, void* dst, const void* src, size_t bytes) override;
   void reduce(int stream, void* dst, const void* const* srcs, int nsrcs, size_t count, loomDataType_t type,
               loomRedOp_t op) override;
-  void divide(int stream, void* dst, const void* src, size_t count, loomDataType_t type, int divisor) override;
+  void divide(int stream, void* dst, const void* src, size_t count, loomDataType_t type,
+              int divisor) override;
   void recordEvent(int stream, int event) override;
   void waitEvent(int stream, int event) override;
 

@@ -5,7 +5,6 @@
 // devices where there is no GPU, LOOM_DEVICE at init, and device pointers
 // given to a host communicator.
 #include <catch2/catch.hpp>
-
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -72,8 +71,9 @@ void* handle(uintptr_t v) { return reinterpret_cast<void*>(v); }
 
 }  // namespace
 
-TEST_CASE("CUDA backend: every stream-program op becomes its one CUDA call, on the right stream and addresses",
-          "[cuda]") {
+TEST_CASE(
+    "CUDA backend: every stream-program op becomes its one CUDA call, on the right stream and addresses",
+    "[cuda]") {
   // Rank 1 of 3, reduce-scatter + all-gather all-reduce: two streams, both
   // events, waits, writes, copies, reductions and the avg divide.
   const int N = 3, me = 1;
@@ -97,7 +97,7 @@ TEST_CASE("CUDA backend: every stream-program op becomes its one CUDA call, on t
     b.windows.push_back(win[size_t(r)].data());
     b.flags.push_back(flags[size_t(r)].data());
   }
-  void* s0 = handle(0x5000), *s1 = handle(0x5100), *e0 = handle(0xe000), *e1 = handle(0xe100);
+  void *s0 = handle(0x5000), *s1 = handle(0x5100), *e0 = handle(0xe000), *e1 = handle(0xe100);
   loom::CudaStreamBackend be(kRecording, {s0, s1}, {e0, e1});
   g_calls.clear();
   loom::enqueueProgram(be, p, b);
@@ -110,24 +110,35 @@ TEST_CASE("CUDA backend: every stream-program op becomes its one CUDA call, on t
     INFO("op " << i << ": " << c);
     switch (o.kind) {
       case loom::StreamOpKind::WaitFlag:
-        CHECK(c == "wait " + ptr(s) + " " + ptr(&flags[size_t(o.flagRank)][o.flag]) + " >= " + std::to_string(o.value));
+        CHECK(c == "wait " + ptr(s) + " " + ptr(&flags[size_t(o.flagRank)][o.flag]) +
+                       " >= " + std::to_string(o.value));
         break;
       case loom::StreamOpKind::SetFlag:
         CHECK(c == "write " + ptr(s) + " " + ptr(&flags[me][o.flag]) + " = " + std::to_string(o.value));
         break;
-      case loom::StreamOpKind::Copy: CHECK(c.rfind("memcpy " + ptr(s), 0) == 0); break;
+      case loom::StreamOpKind::Copy:
+        CHECK(c.rfind("memcpy " + ptr(s), 0) == 0);
+        break;
       case loom::StreamOpKind::Reduce:
         CHECK(c.rfind("reduce " + ptr(s), 0) == 0);
-        CHECK(c.find(loom::strf("n=%zu t=%d op=%d", o.count, int(loomFloat32), int(loomAvg))) != std::string::npos);
+        CHECK(c.find(loom::strf("n=%zu t=%d op=%d", o.count, int(loomFloat32), int(loomAvg))) !=
+              std::string::npos);
         break;
-      case loom::StreamOpKind::Divide: CHECK(c.find(loom::strf("/%d", N)) != std::string::npos); break;
-      case loom::StreamOpKind::RecordEvent: CHECK(c == "record " + ptr(o.event ? e1 : e0) + " on " + ptr(s)); break;
-      case loom::StreamOpKind::WaitEvent: CHECK(c == "waitevent " + ptr(s) + " on " + ptr(o.event ? e1 : e0)); break;
+      case loom::StreamOpKind::Divide:
+        CHECK(c.find(loom::strf("/%d", N)) != std::string::npos);
+        break;
+      case loom::StreamOpKind::RecordEvent:
+        CHECK(c == "record " + ptr(o.event ? e1 : e0) + " on " + ptr(s));
+        break;
+      case loom::StreamOpKind::WaitEvent:
+        CHECK(c == "waitevent " + ptr(s) + " on " + ptr(o.event ? e1 : e0));
+        break;
     }
   }
 }
 
-TEST_CASE("CUDA backend: a reduction of more sources than one launch takes is chained in source order", "[cuda]") {
+TEST_CASE("CUDA backend: a reduction of more sources than one launch takes is chained in source order",
+          "[cuda]") {
   std::vector<const void*> srcs;
   for (uintptr_t i = 0; i < 19; ++i) srcs.push_back(handle(0x10000 + i * 0x100));
   void* dst = handle(0x90000);
@@ -159,12 +170,14 @@ TEST_CASE("CUDA backend: a failing CUDA call is loomUnhandledCudaError with CUDA
     FAIL("no error");
   } catch (const loom::Error& e) {
     CHECK(e.code() == loomUnhandledCudaError);
-    CHECK(std::string(e.what()) == "cudaMemcpyAsync failed: an illegal memory access was encountered (CUDA error 700)");
+    CHECK(std::string(e.what()) ==
+          "cudaMemcpyAsync failed: an illegal memory access was encountered (CUDA error 700)");
   }
   g_failMemcpy = 0;
 }
 
-TEST_CASE("CUDA plug-in: loaded where it was built; no GPU counts as zero devices, with CUDA's reason", "[cuda]") {
+TEST_CASE("CUDA plug-in: loaded where it was built; no GPU counts as zero devices, with CUDA's reason",
+          "[cuda]") {
   std::string why;
   const loom::CudaApi* api = loom::cudaPlugin(&why);
 #ifdef LOOM_HAVE_CUDA_PLUGIN
@@ -222,7 +235,8 @@ TEST_CASE("LOOM_DEVICE: cuda without a usable GPU, or any other value but host, 
     CHECK(rc == loomInvalidUsage);
     std::string why;
     if (loom::cudaDeviceCount(&why) == 0) {
-      CHECK(msg.find("LOOM_DEVICE=cuda, but this process has no usable CUDA device: " + why) != std::string::npos);
+      CHECK(msg.find("LOOM_DEVICE=cuda, but this process has no usable CUDA device: " + why) !=
+            std::string::npos);
     } else {
       CHECK(msg.find("CUDA communicators are not implemented yet") != std::string::npos);
     }
@@ -249,7 +263,8 @@ int classify(const void* p) {
 }
 }  // namespace
 
-TEST_CASE("a CUDA device pointer given to a host communicator is loomInvalidArgument, naming the buffer", "[cuda]") {
+TEST_CASE("a CUDA device pointer given to a host communicator is loomInvalidArgument, naming the buffer",
+          "[cuda]") {
   // The classifier stands in for cudaPointerGetAttributes, which needs a GPU;
   // what is tested is the API's answer to device memory.
   loomUniqueId id;
@@ -260,7 +275,8 @@ TEST_CASE("a CUDA device pointer given to a host communicator is loomInvalidArgu
   float host[16] = {};
   CHECK(loomAllReduce(g_deviceBuf, host, 16, loomFloat32, loomSum, comm, nullptr) == loomInvalidArgument);
   std::string msg = loomGetLastError(comm);
-  CHECK(msg.find("sendbuff " + ptr(g_deviceBuf) + " is CUDA device memory (cuda:3), but this communicator runs on the host") !=
+  CHECK(msg.find("sendbuff " + ptr(g_deviceBuf) +
+                 " is CUDA device memory (cuda:3), but this communicator runs on the host") !=
         std::string::npos);
   CHECK(loomBroadcast(host, g_deviceBuf + 4, 4, loomFloat32, 0, comm, nullptr) == loomInvalidArgument);
   msg = loomGetLastError(comm);

@@ -9,7 +9,6 @@
 // into an error within the deadline; bad programs refused before anything
 // is enqueued.
 #include <catch2/catch.hpp>
-
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -29,7 +28,7 @@ namespace {
 using loom::Collective;
 using loom::StreamAlgorithm;
 
-const loomDataType_t kAllTypes[] = {loomInt8,  loomUint8,   loomInt32,   loomUint32,  loomInt64,
+const loomDataType_t kAllTypes[] = {loomInt8,   loomUint8,   loomInt32,   loomUint32,  loomInt64,
                                     loomUint64, loomFloat16, loomFloat32, loomFloat64, loomBfloat16};
 const loomRedOp_t kAllOps[] = {loomSum, loomProd, loomMax, loomMin, loomAvg};
 
@@ -38,9 +37,12 @@ struct Variant {
   StreamAlgorithm algo;
 };
 const Variant kVariants[] = {
-    {Collective::AllReduce, StreamAlgorithm::OneShot},   {Collective::AllReduce, StreamAlgorithm::ReduceScatterAllGather},
-    {Collective::ReduceScatter, StreamAlgorithm::OneShot}, {Collective::AllGather, StreamAlgorithm::OneShot},
-    {Collective::Broadcast, StreamAlgorithm::OneShot},   {Collective::Reduce, StreamAlgorithm::OneShot},
+    {Collective::AllReduce, StreamAlgorithm::OneShot},
+    {Collective::AllReduce, StreamAlgorithm::ReduceScatterAllGather},
+    {Collective::ReduceScatter, StreamAlgorithm::OneShot},
+    {Collective::AllGather, StreamAlgorithm::OneShot},
+    {Collective::Broadcast, StreamAlgorithm::OneShot},
+    {Collective::Reduce, StreamAlgorithm::OneShot},
 };
 
 bool reducing(Collective c) {
@@ -58,8 +60,8 @@ struct Case {
 
 std::string caseName(const Case& c, int n) {
   return loom::strf("%s/%s N=%d %s %s count=%zu root=%d %s", loom::collectiveName(c.v.coll),
-                    loom::streamAlgorithmName(c.v.algo), n, loom::dtypeName(c.type), loom::redOpName(c.op), c.count,
-                    c.root, c.inPlace ? "in-place" : "out-of-place");
+                    loom::streamAlgorithmName(c.v.algo), n, loom::dtypeName(c.type), loom::redOpName(c.op),
+                    c.count, c.root, c.inPlace ? "in-place" : "out-of-place");
 }
 
 // Random inputs with no special values: floats of mixed magnitudes, so a
@@ -87,7 +89,9 @@ void fillRandom(uint8_t* p, size_t n, loomDataType_t t, std::mt19937_64& rng) {
         memcpy(e, &f, 4);
         break;
       }
-      case loomFloat64: memcpy(e, &x, 8); break;
+      case loomFloat64:
+        memcpy(e, &x, 8);
+        break;
       default: {
         uint64_t r = rng();
         memcpy(e, &r, esz);
@@ -158,24 +162,34 @@ std::string runCase(loomsim::SimDeviceWorld& w, const Case& c, size_t slotBytes,
   loom::Device& host = loom::hostDevice();
   auto fold = [&](size_t blockOff, std::vector<uint8_t>* out) {
     out->assign(input[0].begin() + long(blockOff), input[0].begin() + long(blockOff + n * esz));
-    for (int q = 1; q < N; ++q) host.reduce(out->data(), out->data(), input[size_t(q)].data() + blockOff, n, c.type, c.op);
+    for (int q = 1; q < N; ++q)
+      host.reduce(out->data(), out->data(), input[size_t(q)].data() + blockOff, n, c.type, c.op);
     if (c.op == loomAvg) host.divide(out->data(), out->data(), n, c.type, N);
   };
   std::vector<std::vector<uint8_t>> expect(static_cast<size_t>(N));
   for (int r = 0; r < N; ++r) {
     std::vector<uint8_t>& e = expect[size_t(r)];
     switch (c.v.coll) {
-      case Collective::AllReduce: fold(0, &e); break;
-      case Collective::ReduceScatter: fold(size_t(r) * n * esz, &e); break;
+      case Collective::AllReduce:
+        fold(0, &e);
+        break;
+      case Collective::ReduceScatter:
+        fold(size_t(r) * n * esz, &e);
+        break;
       case Collective::AllGather:
         for (int q = 0; q < N; ++q) e.insert(e.end(), input[size_t(q)].begin(), input[size_t(q)].end());
         break;
-      case Collective::Broadcast: e = input[size_t(c.root)]; break;
-      case Collective::Reduce:
-        if (r == c.root) fold(0, &e);
-        else e = before[size_t(r)];  // untouched
+      case Collective::Broadcast:
+        e = input[size_t(c.root)];
         break;
-      case Collective::P2P: break;
+      case Collective::Reduce:
+        if (r == c.root)
+          fold(0, &e);
+        else
+          e = before[size_t(r)];  // untouched
+        break;
+      case Collective::P2P:
+        break;
     }
   }
 
@@ -189,7 +203,8 @@ std::string runCase(loomsim::SimDeviceWorld& w, const Case& c, size_t slotBytes,
     op.op = c.op;
     op.root = c.root;
     loom::StreamProgram p = loom::compileStreamProgram(op, r, N, c.v.algo, slotBytes, &w.round(r));
-    loom::enqueueProgram(w.rank(r), p, w.buffers(r, send[size_t(r)], sendElems * esz, recv[size_t(r)], recvElems * esz));
+    loom::enqueueProgram(w.rank(r), p,
+                         w.buffers(r, send[size_t(r)], sendElems * esz, recv[size_t(r)], recvElems * esz));
   }
   std::string problems;
   for (int r = 0; r < N; ++r) {
@@ -224,15 +239,18 @@ bool check(loomsim::SimDeviceWorld& w, const Case& c, size_t slotBytes, uint64_t
 
 }  // namespace
 
-TEST_CASE("stream programs: every collective and variant is exact for N = 1..8, on one shared device and on several",
-          "[streamprog]") {
+TEST_CASE(
+    "stream programs: every collective and variant is exact for N = 1..8, on one shared device and on "
+    "several",
+    "[streamprog]") {
   const size_t slot = 2048;  // small slots: many rounds, both slots, the reuse guard
   uint64_t seed = 1;
   for (int n = 1; n <= 8; ++n)
     for (int gpus : std::vector<int>(n == 1 ? std::vector<int>{1} : std::vector<int>{1, n})) {
       loomsim::SimDeviceWorld w(n, gpus, loom::streamWindowBytes(slot));
       for (const Variant& v : kVariants)
-        for (loomDataType_t t : {loomBfloat16, loomInt64})  // 2- and 8-byte elements (every type: the next test)
+        for (loomDataType_t t :
+             {loomBfloat16, loomInt64})  // 2- and 8-byte elements (every type: the next test)
           for (size_t count : {size_t(0), size_t(1), size_t(37), size_t(2053)})
             for (bool inPlace : {false, true}) {
               Case c;
@@ -291,8 +309,10 @@ TEST_CASE("stream programs: large all-reduce (4 Mi float32, 4 and 8 ranks) is ex
   }
 }
 
-TEST_CASE("stream programs: a collective reads its input only after the caller's earlier work, and later work follows it",
-          "[streamprog]") {
+TEST_CASE(
+    "stream programs: a collective reads its input only after the caller's earlier work, and later work "
+    "follows it",
+    "[streamprog]") {
   const size_t slot = 512;
   for (const Variant& v : kVariants) {
     const int N = 4;
@@ -318,7 +338,9 @@ TEST_CASE("stream programs: a collective reads its input only after the caller's
       op.op = loomSum;
       op.root = 2;
       loom::StreamProgram p = loom::compileStreamProgram(op, r, N, v.algo, slot, &w.round(r));
-      loom::enqueueProgram(w.rank(r), p, w.buffers(r, send[size_t(r)].data(), sendElems * 4, recv[size_t(r)].data(), recvElems * 4));
+      loom::enqueueProgram(
+          w.rank(r), p,
+          w.buffers(r, send[size_t(r)].data(), sendElems * 4, recv[size_t(r)].data(), recvElems * 4));
       // ... and the next "kernel" on the caller's stream snapshots the output.
       w.rank(r).enqueueWork(0, [&, r] { seen[size_t(r)] = recv[size_t(r)]; });
     }
@@ -336,16 +358,25 @@ TEST_CASE("stream programs: a collective reads its input only after the caller's
         int32_t want = 0;
         int32_t e = int32_t(i % n % 997);
         switch (v.coll) {
-          case Collective::AllReduce: want = N * e + 1000 * (0 + 1 + 2 + 3); break;
+          case Collective::AllReduce:
+            want = N * e + 1000 * (0 + 1 + 2 + 3);
+            break;
           case Collective::ReduceScatter: {
             int32_t g = int32_t((size_t(r) * n + i) % 997);
             want = N * g + 1000 * 6;
             break;
           }
-          case Collective::AllGather: want = int32_t(1000 * (i / n)) + e; break;
-          case Collective::Broadcast: want = 2000 + e; break;
-          case Collective::Reduce: want = r == 2 ? N * e + 6000 : -7; break;
-          case Collective::P2P: break;
+          case Collective::AllGather:
+            want = int32_t(1000 * (i / n)) + e;
+            break;
+          case Collective::Broadcast:
+            want = 2000 + e;
+            break;
+          case Collective::Reduce:
+            want = r == 2 ? N * e + 6000 : -7;
+            break;
+          case Collective::P2P:
+            break;
         }
         if (recv[size_t(r)][i] != want) ++bad;
       }
@@ -354,7 +385,8 @@ TEST_CASE("stream programs: a collective reads its input only after the caller's
   }
 }
 
-TEST_CASE("stream programs: a killed rank makes the others fail within the deadline, not hang", "[streamprog]") {
+TEST_CASE("stream programs: a killed rank makes the others fail within the deadline, not hang",
+          "[streamprog]") {
   for (StreamAlgorithm a : {StreamAlgorithm::OneShot, StreamAlgorithm::ReduceScatterAllGather})
     for (bool dies : {true, false}) {
       loomsim::SimDeviceOptions o;
@@ -372,7 +404,9 @@ TEST_CASE("stream programs: a killed rank makes the others fail within the deadl
         op.count = n;
         loom::StreamProgram p = loom::compileStreamProgram(op, r, N, a, slot, &w.round(r));
         // Without `dies` the victim is alive but never joins.
-        if (r != victim || dies) loom::enqueueProgram(w.rank(r), p, w.buffers(r, buf[size_t(r)].data(), n * 4, buf[size_t(r)].data(), n * 4));
+        if (r != victim || dies)
+          loom::enqueueProgram(w.rank(r), p,
+                               w.buffers(r, buf[size_t(r)].data(), n * 4, buf[size_t(r)].data(), n * 4));
       }
       for (int r = 0; r < N; ++r) {
         if (r == victim) continue;
@@ -394,8 +428,9 @@ TEST_CASE("stream programs: a killed rank makes the others fail within the deadl
     }
 }
 
-TEST_CASE("stream programs: flag values only grow, every wait is answered by a set, and each round uses one slot",
-          "[streamprog]") {
+TEST_CASE(
+    "stream programs: flag values only grow, every wait is answered by a set, and each round uses one slot",
+    "[streamprog]") {
   for (const Variant& v : kVariants)
     for (int n : {2, 5}) {
       std::vector<uint64_t> round(size_t(n), 0);
@@ -439,8 +474,9 @@ TEST_CASE("stream programs: flag values only grow, every wait is answered by a s
     }
 }
 
-TEST_CASE("stream programs: a program that would touch memory outside its buffers is refused before anything runs",
-          "[streamprog]") {
+TEST_CASE(
+    "stream programs: a program that would touch memory outside its buffers is refused before anything runs",
+    "[streamprog]") {
   loomsim::SimDeviceWorld w(2, 1, 4096);
   std::vector<float> a(100), b(100);
   loom::OpDesc op;
@@ -464,8 +500,9 @@ TEST_CASE("stream programs: a program that would touch memory outside its buffer
   CHECK(w.flag(0, loom::kFlagInput) == 0);
 }
 
-TEST_CASE("stream programs: ranks on their own threads, each compiling, enqueueing and synchronizing, stay exact",
-          "[streamprog]") {
+TEST_CASE(
+    "stream programs: ranks on their own threads, each compiling, enqueueing and synchronizing, stay exact",
+    "[streamprog]") {
   const int N = 8, kOpsPerRank = 24;
   const size_t slot = 1024, n = 777;
   loomsim::SimDeviceWorld w(N, 3, loom::streamWindowBytes(slot));  // 3 devices: some shared by 3 ranks

@@ -26,7 +26,8 @@ struct CudaApi {
   // cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream)
   int (*memcpyAsync)(void* dst, const void* src, size_t bytes, void* stream);
   // The reduction kernel: dst = srcs[0] op ... op srcs[nsrcs-1], 1 <= nsrcs <= kCudaMaxReduceSources
-  int (*launchReduce)(void* dst, const void* const* srcs, int nsrcs, size_t count, int dtype, int op, void* stream);
+  int (*launchReduce)(void* dst, const void* const* srcs, int nsrcs, size_t count, int dtype, int op,
+                      void* stream);
   // dst = src / divisor (loomAvg)
   int (*launchDivide)(void* dst, const void* src, size_t count, int dtype, int divisor, void* stream);
   int (*eventRecord)(void* event, void* stream);

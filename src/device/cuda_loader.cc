@@ -64,8 +64,7 @@ const Plugin& plugin() {
     } else if (x.devices == 0) {
       x.devicesWhy = "cudaGetDeviceCount found no CUDA device";
     }
-    LOOM_INFO("INIT", "CUDA: %d device(s)%s%s", x.devices, x.devices ? "" : ": ",
-             x.devicesWhy.c_str());
+    LOOM_INFO("INIT", "CUDA: %d device(s)%s%s", x.devices, x.devices ? "" : ": ", x.devicesWhy.c_str());
     return x;
   }();
   return p;
@@ -95,6 +94,8 @@ int cudaPointerDevice(const void* ptr) {
   return p.api->pointerDevice(ptr, &device) == 0 ? device : -1;
 }
 
-void setCudaPointerClassifierForTesting(int (*fn)(const void*)) { g_classifier.store(fn, std::memory_order_release); }
+void setCudaPointerClassifierForTesting(int (*fn)(const void*)) {
+  g_classifier.store(fn, std::memory_order_release);
+}
 
 }  // namespace loom

@@ -46,16 +46,20 @@ void CudaStreamBackend::reduce(int s, void* dst, const void* const* srcs, int ns
     int take = std::min(nsrcs - used, kCudaMaxReduceSources - 1);
     chain[0] = dst;
     for (int i = 0; i < take; ++i) chain[i + 1] = srcs[used + i];
-    check(api_.launchReduce(dst, chain, take + 1, count, int(type), int(op), stream(s)), "reduction kernel launch");
+    check(api_.launchReduce(dst, chain, take + 1, count, int(type), int(op), stream(s)),
+          "reduction kernel launch");
     used += take;
   }
 }
 
-void CudaStreamBackend::divide(int s, void* dst, const void* src, size_t count, loomDataType_t type, int divisor) {
+void CudaStreamBackend::divide(int s, void* dst, const void* src, size_t count, loomDataType_t type,
+                               int divisor) {
   check(api_.launchDivide(dst, src, count, int(type), divisor, stream(s)), "divide kernel launch");
 }
 
-void CudaStreamBackend::recordEvent(int s, int e) { check(api_.eventRecord(event(e), stream(s)), "cudaEventRecord"); }
+void CudaStreamBackend::recordEvent(int s, int e) {
+  check(api_.eventRecord(event(e), stream(s)), "cudaEventRecord");
+}
 
 void CudaStreamBackend::waitEvent(int s, int e) {
   check(api_.streamWaitEvent(stream(s), event(e)), "cudaStreamWaitEvent");

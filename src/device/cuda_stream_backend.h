@@ -22,7 +22,8 @@ class CudaStreamBackend final : public StreamBackend {
   // left-to-right order (dst = dst op next sources).
   void reduce(int stream, void* dst, const void* const* srcs, int nsrcs, size_t count, loomDataType_t type,
               loomRedOp_t op) override;
-  void divide(int stream, void* dst, const void* src, size_t count, loomDataType_t type, int divisor) override;
+  void divide(int stream, void* dst, const void* src, size_t count, loomDataType_t type,
+              int divisor) override;
   void recordEvent(int stream, int event) override;
   void waitEvent(int stream, int event) override;
 

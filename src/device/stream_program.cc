@@ -11,18 +11,24 @@ namespace {
 
 const char* flagName(int f) {
   switch (f) {
-    case kFlagInput: return "input";
-    case kFlagReduced: return "reduced";
-    case kFlagDone: return "done";
+    case kFlagInput:
+      return "input";
+    case kFlagReduced:
+      return "reduced";
+    case kFlagDone:
+      return "done";
   }
   return "?";
 }
 
 std::string refName(const ProgramRef& r) {
   switch (r.space) {
-    case Space::Send: return strf("send+%zu", r.offset);
-    case Space::Recv: return strf("recv+%zu", r.offset);
-    case Space::Window: return strf("win[%d]+%zu", r.rank, r.offset);
+    case Space::Send:
+      return strf("send+%zu", r.offset);
+    case Space::Recv:
+      return strf("recv+%zu", r.offset);
+    case Space::Window:
+      return strf("win[%d]+%zu", r.rank, r.offset);
   }
   return "?";
 }
@@ -40,18 +46,24 @@ std::string StreamProgram::describe() const {
       case StreamOpKind::SetFlag:
         s += strf("set flag[%d].%s = %llu", rank, flagName(o.flag), (unsigned long long)o.value);
         break;
-      case StreamOpKind::Copy: s += strf("copy %s <- %s, %zu B", refName(o.dst).c_str(), refName(src(o, 0)).c_str(), o.count); break;
+      case StreamOpKind::Copy:
+        s += strf("copy %s <- %s, %zu B", refName(o.dst).c_str(), refName(src(o, 0)).c_str(), o.count);
+        break;
       case StreamOpKind::Reduce:
         s += strf("reduce %s <-", refName(o.dst).c_str());
         for (uint32_t i = 0; i < o.srcCount; ++i) s += " " + refName(src(o, i));
         s += strf(", %zu x %s %s", o.count, dtypeName(dtype), redOpName(op));
         break;
       case StreamOpKind::Divide:
-        s += strf("divide %s <- %s / %d, %zu x %s", refName(o.dst).c_str(), refName(src(o, 0)).c_str(), o.divisor,
-                  o.count, dtypeName(dtype));
+        s += strf("divide %s <- %s / %d, %zu x %s", refName(o.dst).c_str(), refName(src(o, 0)).c_str(),
+                  o.divisor, o.count, dtypeName(dtype));
         break;
-      case StreamOpKind::RecordEvent: s += strf("record event %d", o.event); break;
-      case StreamOpKind::WaitEvent: s += strf("wait event %d", o.event); break;
+      case StreamOpKind::RecordEvent:
+        s += strf("record event %d", o.event);
+        break;
+      case StreamOpKind::WaitEvent:
+        s += strf("wait event %d", o.event);
+        break;
     }
     s += "\n";
   }
@@ -130,14 +142,24 @@ void enqueueProgram(StreamBackend& be, const StreamProgram& p, const ProgramBuff
         case StreamOpKind::WaitFlag:
           be.waitFlag(o.stream, b.flags[size_t(o.flagRank)] + o.flag, o.value, o.flagRank);
           break;
-        case StreamOpKind::SetFlag: be.setFlag(o.stream, b.flags[size_t(p.rank)] + o.flag, o.value); break;
-        case StreamOpKind::Copy: be.copy(o.stream, dst, srcs[0], o.count); break;
+        case StreamOpKind::SetFlag:
+          be.setFlag(o.stream, b.flags[size_t(p.rank)] + o.flag, o.value);
+          break;
+        case StreamOpKind::Copy:
+          be.copy(o.stream, dst, srcs[0], o.count);
+          break;
         case StreamOpKind::Reduce:
           be.reduce(o.stream, dst, srcs.data(), int(srcs.size()), o.count, p.dtype, p.op);
           break;
-        case StreamOpKind::Divide: be.divide(o.stream, dst, srcs[0], o.count, p.dtype, o.divisor); break;
-        case StreamOpKind::RecordEvent: be.recordEvent(o.stream, o.event); break;
-        case StreamOpKind::WaitEvent: be.waitEvent(o.stream, o.event); break;
+        case StreamOpKind::Divide:
+          be.divide(o.stream, dst, srcs[0], o.count, p.dtype, o.divisor);
+          break;
+        case StreamOpKind::RecordEvent:
+          be.recordEvent(o.stream, o.event);
+          break;
+        case StreamOpKind::WaitEvent:
+          be.waitEvent(o.stream, o.event);
+          break;
       }
     }
   }

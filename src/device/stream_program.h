@@ -93,7 +93,7 @@ struct ProgramBuffers {
   size_t recvBytes = 0;
   std::vector<uint8_t*> windows;  // per rank, windowBytes each
   size_t windowBytes = 0;
-  std::vector<uint64_t*> flags;   // per rank, kFlagCount each
+  std::vector<uint64_t*> flags;  // per rank, kFlagCount each
 };
 
 // What executes stream operations: one call per op, in program order per
