@@ -405,9 +405,14 @@ int main(int argc, char** argv) {
   std::printf("device 0: %s (sm_%d%d), %d device(s)\n", prop.name, prop.major, prop.minor, devices);
   const loom::CudaApi* api = loomCudaPluginApi(loom::kCudaApiVersion);
   std::printf("%-10s %-64s %8s  %s\n", "check", "cases", "wrong", "result");
-  testKernels(*api);
-  testPrograms(*api, ranks, maxCount);
-  for (int N : ranks) testOrder(*api, N);
+  try {
+    testKernels(*api);
+    testPrograms(*api, ranks, maxCount);
+    for (int N : ranks) testOrder(*api, N);
+  } catch (const loom::Error& e) {  // a CUDA call failed (CudaStreamBackend says which, with CUDA's message)
+    std::printf("ERROR %s: %s\n", loomGetErrorString(e.code()), e.what());
+    return 1;
+  }
   std::printf("%s\n", g_failures ? "FAILED" : "all passed");
   return g_failures ? 1 : 0;
 }
