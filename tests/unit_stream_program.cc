@@ -541,3 +541,33 @@ TEST_CASE(
     CHECK(errors[size_t(r)].empty());
   }
 }
+
+TEST_CASE(
+    "simulated device: a kernel spinning on a peer's flag starves the peer that shares its device (why "
+    "programs "
+    "only use stream waits)",
+    "[streamprog]") {
+  for (int gpus : {1, 2}) {
+    loomsim::SimDeviceOptions o;
+    o.pausePermille = 0;
+    loomsim::SimDeviceWorld w(2, gpus, 4096, o);
+    loom::ProgramBuffers b = w.buffers(1, nullptr, 0, nullptr, 0);
+    auto* flag = reinterpret_cast<std::atomic<uint64_t>*>(b.flags[1] + loom::kFlagInput);
+    bool seen = false;
+    std::atomic<bool> running{false};
+    // Rank 0's "kernel" polls rank 1's flag for 300 ms; rank 1 sets it with
+    // a stream write, which needs its device.
+    w.rank(0).enqueueWork(0, [&] {
+      running = true;
+      auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);
+      while (!seen && std::chrono::steady_clock::now() < end) seen = flag->load() >= 1;
+    });
+    while (!running) std::this_thread::yield();
+    w.rank(1).setFlag(0, b.flags[1] + loom::kFlagInput, 1);
+    std::string msg;
+    REQUIRE(w.rank(0).synchronize(&msg) == loomSuccess);
+    REQUIRE(w.rank(1).synchronize(&msg) == loomSuccess);
+    INFO(gpus << " device(s)");
+    CHECK(seen == (gpus == 2));  // one device: the write waits for the spinning kernel to give up
+  }
+}
