@@ -176,7 +176,7 @@ TEST_CASE("CUDA backend: a failing CUDA call is loomUnhandledCudaError with CUDA
   g_failMemcpy = 0;
 }
 
-TEST_CASE("CUDA plug-in: loaded where it was built; no GPU counts as zero devices, with CUDA's reason",
+TEST_CASE("CUDA plug-in: loaded where it was built, and no GPU counts as zero devices with CUDA's reason",
           "[cuda]") {
   std::string why;
   const loom::CudaApi* api = loom::cudaPlugin(&why);
