@@ -21,6 +21,8 @@
 #include "src/core/config.h"
 #include "src/core/error.h"
 #include "src/core/stream.h"
+#include "src/device/cuda_loader.h"
+#include "src/device/device_choice.h"
 #include "src/device/host_reduce.h"
 
 using namespace loom;
@@ -129,6 +131,16 @@ void validate(loomComm* comm, const OpDesc& op) {
   // All-to-all, gather and scatter: their calls checked the buffers.
   if (op.coll == Collective::AllToAll || op.coll == Collective::Gather || op.coll == Collective::Scatter) return;
   if (op.coll == Collective::P2P) checkRank("peer", op.peer, n);
+  // Every communicator runs on the host today; host kernels given device
+  // memory would fault.
+  if (op.sendMem == MemoryKind::CudaDevice || op.recvMem == MemoryKind::CudaDevice) {
+    const bool s = op.sendMem == MemoryKind::CudaDevice;
+    const void* p = s ? op.sendbuf : op.recvbuf;
+    fail(loomInvalidArgument,
+         "%s %p is CUDA device memory (cuda:%d), but this communicator runs on the host: pass host memory "
+         "(CUDA communicators are not implemented yet)",
+         s ? "sendbuff" : "recvbuff", p, cudaPointerDevice(p));
+  }
   if (op.count == 0) return;
   bool needSend = true, needRecv = true;
   if (op.coll == Collective::Broadcast) needSend = me == op.root;
@@ -171,11 +183,10 @@ HostStream* hostStreamOf(loomStream_t stream) {
        static_cast<void*>(stream));
 }
 
-// Where a buffer the caller passed lives.  Host memory for now; CUDA
-// communicators will ask CUDA, registered buffers the registration table.
+// Where a buffer the caller passed lives: CUDA device memory if CUDA says
+// so (only asked when the process has a CUDA device), else host memory.
 MemoryKind memoryKindOf(const void* buf) {
-  (void)buf;
-  return MemoryKind::Host;
+  return cudaPointerDevice(buf) >= 0 ? MemoryKind::CudaDevice : MemoryKind::Host;
 }
 
 // Issues a batch of operations on comm/stream (NULL stream: runs it now).
@@ -344,6 +355,7 @@ loomResult_t loomCommInitRank(loomComm_t* comm, int nranks, loomUniqueId commId,
     if (nranks < 1) fail(loomInvalidArgument, "nranks %d must be at least 1", nranks);
     checkRank("rank", rank, nranks);
     configReload();
+    checkDeviceChoice();
     UniqueIdData id = decodeUniqueId(commId);
     std::shared_ptr<loomComm> c = loomComm::create(id, nranks, rank);
     *comm = c.get();
@@ -394,6 +406,7 @@ loomResult_t loomCommInitFromEnv(loomComm_t* comm) {
     if (!comm) fail(loomInvalidArgument, "comm is NULL");
     *comm = nullptr;
     configReload();
+    checkDeviceChoice();
     int rank, size;
     std::string jobKey;
     if (env("LOOM_RANK") && env("LOOM_WORLD_SIZE")) {

@@ -69,6 +69,9 @@ const std::vector<ConfigVar>& configTable() {
       {"LOOM_TUNING_FILE", "path", "(built-in)",
        "cost-model parameters (key = value lines, as written by loom-topo --calibrate) replacing the "
        "built-in ones; rank 0's decisions are used by all ranks"},
+      {"LOOM_DEVICE", "host|cuda", "host",
+       "where a new communicator's collectives run: host memory, or CUDA device memory (cuda fails init with "
+       "the reason while CUDA communicators are not implemented, and on machines without a usable GPU)"},
       {"LOOM_CHECK_MODE", "on|off", "on",
        "check that ranks call the same operation (sequence number + signature per slot); also 1|0; "
        "perf/check_mode_cost.sh measures its cost"},
@@ -150,6 +153,7 @@ static Config readConfig() {
   c.algo = envStr("LOOM_ALGO");
   c.tuningFile = envStr("LOOM_TUNING_FILE");
   c.checkMode = envBool("LOOM_CHECK_MODE", true);
+  c.device = envStr("LOOM_DEVICE", "host");
   c.dumpSignal = envInt("LOOM_DUMP_SIGNAL", 0, 0, 64);
   c.trace = envStr("LOOM_TRACE");
   c.rank = envStr("LOOM_RANK");

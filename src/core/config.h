@@ -40,6 +40,7 @@ struct Config {
   std::string algo;           // LOOM_ALGO
   std::string tuningFile;     // LOOM_TUNING_FILE
   bool checkMode;             // LOOM_CHECK_MODE
+  std::string device;         // LOOM_DEVICE (checked by checkDeviceChoice)
   int64_t dumpSignal;         // LOOM_DUMP_SIGNAL (0 = none)
   std::string trace;          // LOOM_TRACE (empty = off)
   // Set by loom-run for loomCommInitFromEnv, which checks them (as text: a

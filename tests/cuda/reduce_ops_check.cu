@@ -1,5 +1,5 @@
-// Compiled (not run) by the ctest "unit: reduce_ops.h compiles unchanged in a
-// CUDA kernel": the element-wise arithmetic the host kernels use, instantiated
+// Compiled (not run) by the ctest "cuda: tests/cuda/reduce_ops_check.cu
+// compiles for sm ...": the element-wise arithmetic the host kernels use, instantiated
 // in device code for every loom datatype and op, including avg's division.
 #include "src/device/reduce_ops.h"
 

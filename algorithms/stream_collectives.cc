@@ -1,0 +1,268 @@
+// Compiles a collective into per-rank stream programs over peer windows.
+//
+// The data is cut into rounds that fit one window slot.  Round g of the
+// communicator uses slot g % 2 of every window and flag value v = g + 1.
+// Per round each rank:
+//   1. waits until every rank's done flag is >= g - 1 (everyone finished
+//      reading round g - 2, which used the same slot) before writing its own
+//      slot, so a slot is never overwritten while someone reads it;
+//   2. copies its input for the round into its slot, sets input = v;
+//   3. waits for the inputs it needs (input >= v of those ranks) and reduces
+//      or copies straight out of their windows;
+//   4. sets done = v once it reads no window of round g any more.
+// The reduce-scatter + all-gather all-reduce adds a step between 3 and 4:
+// each rank reduces its 1/N part into the second half of its slot, sets
+// reduced = v, and a second stream gathers every rank's part once all
+// reduced flags reach v.  Stream 1 is forked from the caller's stream at the
+// start and joined back at the end (events), so the caller's earlier work
+// precedes everything and its later work follows everything.
+//
+// Reductions combine the ranks' blocks in rank order, one rounding per step,
+// so every rank (and the host one-shot path) computes bit-identical results.
+// Bytes read per rank and round of m elements (s = element size):
+//   one-shot all-reduce N*m*s; reduce-scatter + all-gather m*s + m*s;
+//   reduce-scatter N*m*s copied in, N*m*s read; all-gather N*m*s;
+//   broadcast m*s; reduce (root) N*m*s.
+// With one rank a program is at most one local copy and uses no round.
+#include "algorithms/stream_collectives.h"
+
+#include <algorithm>
+
+#include "src/core/error.h"
+#include "src/device/host_reduce.h"  // dtypeSize
+
+namespace loom {
+
+const char* streamAlgorithmName(StreamAlgorithm a) {
+  switch (a) {
+    case StreamAlgorithm::OneShot:
+      return "one-shot";
+    case StreamAlgorithm::ReduceScatterAllGather:
+      return "reduce-scatter+all-gather";
+  }
+  return "?";
+}
+
+namespace {
+
+ProgramRef sendAt(size_t off) { return ProgramRef{Space::Send, 0, off}; }
+ProgramRef recvAt(size_t off) { return ProgramRef{Space::Recv, 0, off}; }
+ProgramRef winAt(int r, size_t off) { return ProgramRef{Space::Window, r, off}; }
+
+class Builder {
+ public:
+  Builder(StreamProgram& p) : p_(p) {}
+
+  void wait(int s, int r, FlagIndex f, uint64_t v) {
+    StreamOp o;
+    o.kind = StreamOpKind::WaitFlag;
+    o.stream = uint8_t(s);
+    o.flagRank = r;
+    o.flag = f;
+    o.value = v;
+    p_.ops.push_back(o);
+  }
+  void waitAll(int s, FlagIndex f, uint64_t v) {
+    for (int r = 0; r < p_.nranks; ++r) wait(s, r, f, v);
+  }
+  void set(int s, FlagIndex f, uint64_t v) {
+    StreamOp o;
+    o.kind = StreamOpKind::SetFlag;
+    o.stream = uint8_t(s);
+    o.flagRank = p_.rank;
+    o.flag = f;
+    o.value = v;
+    p_.ops.push_back(o);
+  }
+  void copy(int s, ProgramRef dst, ProgramRef src, size_t bytes) {
+    if (bytes) data(StreamOpKind::Copy, s, dst, {src}, bytes);
+  }
+  void reduce(int s, ProgramRef dst, const std::vector<ProgramRef>& srcs, size_t n) {
+    if (n) data(StreamOpKind::Reduce, s, dst, srcs, n);
+  }
+  void divide(int s, ProgramRef dst, size_t n, int divisor) {
+    if (!n) return;
+    data(StreamOpKind::Divide, s, dst, {dst}, n);
+    p_.ops.back().divisor = divisor;
+  }
+  void event(StreamOpKind kind, int s, int e) {
+    StreamOp o;
+    o.kind = kind;
+    o.stream = uint8_t(s);
+    o.event = e;
+    p_.ops.push_back(o);
+  }
+
+ private:
+  void data(StreamOpKind kind, int s, ProgramRef dst, const std::vector<ProgramRef>& srcs, size_t count) {
+    StreamOp o;
+    o.kind = kind;
+    o.stream = uint8_t(s);
+    o.dst = dst;
+    o.srcBegin = uint32_t(p_.srcs.size());
+    o.srcCount = uint32_t(srcs.size());
+    o.count = count;
+    p_.srcs.insert(p_.srcs.end(), srcs.begin(), srcs.end());
+    p_.ops.push_back(o);
+  }
+  StreamProgram& p_;
+};
+
+// Elements per round: what fits in `bytes`, rounded down to whole 256-byte
+// lines when there is room (rounds then start aligned for vector loads).
+size_t perRound(size_t bytes, size_t esz) {
+  size_t m = bytes / esz, line = 256 / esz;
+  return m >= line ? m / line * line : m;
+}
+
+}  // namespace
+
+StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo,
+                                   size_t slotBytes, uint64_t* round) {
+  StreamProgram p;
+  p.rank = rank;
+  p.nranks = nranks;
+  p.dtype = op.dtype;
+  p.op = op.op;
+  p.firstRound = *round;
+  const size_t esz = dtypeSize(op.dtype);
+  if (!esz) fail(loomInternalError, "stream program of unknown datatype %d", int(op.dtype));
+  if (nranks < 1 || rank < 0 || rank >= nranks)
+    fail(loomInternalError, "stream program for rank %d of %d", rank, nranks);
+  const size_t n = op.count;
+  const int N = nranks, me = rank;
+  const bool inPlace = op.sendbuf == op.recvbuf;
+  const bool avg = op.op == loomAvg;
+  Builder b(p);
+
+  if (n == 0) return p;
+  if (N == 1) {
+    // One rank: the result is the input (avg divides by 1).
+    if (!inPlace) b.copy(0, recvAt(0), sendAt(0), n * esz);
+    return p;
+  }
+
+  const bool rsag = op.coll == Collective::AllReduce && algo == StreamAlgorithm::ReduceScatterAllGather;
+  size_t m = 0;  // elements per round (of each block for reduce-scatter)
+  switch (op.coll) {
+    case Collective::ReduceScatter:
+      m = perRound(slotBytes / size_t(N), esz);
+      break;
+    case Collective::AllReduce:
+      m = perRound(rsag ? slotBytes / 2 : slotBytes, esz);
+      break;
+    default:
+      m = perRound(slotBytes, esz);
+      break;
+  }
+  if (m == 0 || (rsag && m < size_t(N)))
+    fail(loomInternalError, "stream program: slots of %zu bytes cannot hold a round of %s x %d ranks",
+         slotBytes, dtypeName(op.dtype), N);
+  if (op.coll == Collective::P2P) fail(loomInternalError, "stream programs do not serve send/recv");
+  if (rsag) {
+    p.streams = 2;
+    p.events = 2;
+    b.event(StreamOpKind::RecordEvent, 0, 0);  // fork: stream 1 follows the caller's earlier work
+    b.event(StreamOpKind::WaitEvent, 1, 0);
+  }
+
+  const size_t half = slotBytes / 2;
+  uint64_t g = *round;
+  for (size_t off = 0; off < n; off += m, ++g) {
+    const size_t c = std::min(m, n - off);  // elements this round
+    const uint64_t v = g + 1;
+    const size_t base = size_t(g % 2) * slotBytes;
+    auto guard = [&] {
+      if (g >= 2) b.waitAll(0, kFlagDone, g - 1);
+    };
+    std::vector<ProgramRef> all;
+    switch (op.coll) {
+      case Collective::AllReduce: {
+        guard();
+        b.copy(0, winAt(me, base), sendAt(off * esz), c * esz);
+        b.set(0, kFlagInput, v);
+        b.waitAll(0, kFlagInput, v);
+        if (!rsag) {
+          for (int q = 0; q < N; ++q) all.push_back(winAt(q, base));
+          b.reduce(0, recvAt(off * esz), all, c);
+          if (avg) b.divide(0, recvAt(off * esz), c, N);
+          b.set(0, kFlagDone, v);
+          break;
+        }
+        // Part q of the round: elements [c*q/N, c*(q+1)/N).
+        auto partStart = [&](int q) { return c * size_t(q) / size_t(N); };
+        const size_t ps = partStart(me), pl = partStart(me + 1) - ps;
+        for (int q = 0; q < N; ++q) all.push_back(winAt(q, base + ps * esz));
+        b.reduce(0, winAt(me, base + half + ps * esz), all, pl);
+        if (avg) b.divide(0, winAt(me, base + half + ps * esz), pl, N);
+        b.set(0, kFlagReduced, v);
+        b.waitAll(1, kFlagReduced, v);
+        for (int q = 0; q < N; ++q) {
+          size_t qs = partStart(q), ql = partStart(q + 1) - qs;
+          b.copy(1, recvAt((off + qs) * esz), winAt(q, base + half + qs * esz), ql * esz);
+        }
+        b.set(1, kFlagDone, v);
+        break;
+      }
+      case Collective::ReduceScatter: {
+        guard();
+        if (c == n) {  // one round: the whole input is one contiguous copy
+          b.copy(0, winAt(me, base), sendAt(0), size_t(N) * n * esz);
+        } else {
+          for (int q = 0; q < N; ++q)
+            b.copy(0, winAt(me, base + size_t(q) * c * esz), sendAt((size_t(q) * n + off) * esz), c * esz);
+        }
+        b.set(0, kFlagInput, v);
+        b.waitAll(0, kFlagInput, v);
+        for (int q = 0; q < N; ++q) all.push_back(winAt(q, base + size_t(me) * c * esz));
+        b.reduce(0, recvAt(off * esz), all, c);
+        if (avg) b.divide(0, recvAt(off * esz), c, N);
+        b.set(0, kFlagDone, v);
+        break;
+      }
+      case Collective::AllGather:
+        guard();
+        b.copy(0, winAt(me, base), sendAt(off * esz), c * esz);
+        b.set(0, kFlagInput, v);
+        b.waitAll(0, kFlagInput, v);
+        for (int q = 0; q < N; ++q) b.copy(0, recvAt((size_t(q) * n + off) * esz), winAt(q, base), c * esz);
+        b.set(0, kFlagDone, v);
+        break;
+      case Collective::Broadcast:
+        if (me == op.root) {
+          guard();
+          b.copy(0, winAt(me, base), sendAt(off * esz), c * esz);
+          b.set(0, kFlagInput, v);
+          if (!inPlace) b.copy(0, recvAt(off * esz), sendAt(off * esz), c * esz);
+        } else {
+          b.wait(0, op.root, kFlagInput, v);
+          b.copy(0, recvAt(off * esz), winAt(op.root, base), c * esz);
+        }
+        b.set(0, kFlagDone, v);
+        break;
+      case Collective::Reduce:
+        guard();
+        b.copy(0, winAt(me, base), sendAt(off * esz), c * esz);
+        b.set(0, kFlagInput, v);
+        if (me == op.root) {
+          b.waitAll(0, kFlagInput, v);
+          for (int q = 0; q < N; ++q) all.push_back(winAt(q, base));
+          b.reduce(0, recvAt(off * esz), all, c);
+          if (avg) b.divide(0, recvAt(off * esz), c, N);
+        }
+        b.set(0, kFlagDone, v);
+        break;
+      case Collective::P2P:
+        break;
+    }
+  }
+  if (rsag) {
+    b.event(StreamOpKind::RecordEvent, 1, 1);  // join: the caller's later work follows stream 1
+    b.event(StreamOpKind::WaitEvent, 0, 1);
+  }
+  p.rounds = g - *round;
+  *round = g;
+  return p;
+}
+
+}  // namespace loom

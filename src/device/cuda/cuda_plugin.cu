@@ -1,0 +1,120 @@
+// libloom_cuda.so: the CUDA plug-in.  Fills the CudaApi table
+// (src/device/cuda_api.h) from the CUDA runtime (linked statically, so the
+// plug-in needs only the driver, libcuda.so.1, at run time) and the
+// kernels.  Driver calls (stream memory operations) are found through
+// cudaGetDriverEntryPointByVersion, so nothing links libcuda directly.
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include "src/device/cuda/kernels.h"
+#include "src/device/cuda_api.h"
+
+namespace loom {
+namespace cuda {
+namespace {
+
+// Driver errors are reported as kDriverBase + CUresult, runtime errors as
+// the cudaError_t itself, so errorString can tell them apart.
+constexpr int kDriverBase = 100000;
+
+using StreamValue64Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+using GetErrorStringFn = CUresult (*)(CUresult, const char**);
+
+struct Driver {
+  StreamValue64Fn waitValue64 = nullptr;
+  StreamValue64Fn writeValue64 = nullptr;
+  GetErrorStringFn getErrorString = nullptr;
+  cudaError_t status = cudaErrorNotReady;  // of the lookup
+};
+
+template <class Fn>
+cudaError_t lookup(const char* name, Fn* fn) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  cudaError_t rc = cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &q);
+  if (rc == cudaSuccess && (q != cudaDriverEntryPointSuccess || !p)) rc = cudaErrorSymbolNotFound;
+  *fn = reinterpret_cast<Fn>(p);
+  return rc;
+}
+
+const Driver& driver() {
+  static const Driver d = [] {
+    Driver x;
+    x.status = lookup("cuStreamWaitValue64", &x.waitValue64);
+    if (x.status == cudaSuccess) x.status = lookup("cuStreamWriteValue64", &x.writeValue64);
+    if (x.status == cudaSuccess) x.status = lookup("cuGetErrorString", &x.getErrorString);
+    return x;
+  }();
+  return d;
+}
+
+int waitValue64(void* stream, const uint64_t* addr, uint64_t value) {
+  const Driver& d = driver();
+  if (d.status != cudaSuccess) return int(d.status);
+  CUresult r = d.waitValue64(static_cast<CUstream>(stream), CUdeviceptr(reinterpret_cast<uintptr_t>(addr)), value,
+                             CU_STREAM_WAIT_VALUE_GEQ);
+  return r == CUDA_SUCCESS ? 0 : kDriverBase + int(r);
+}
+
+int writeValue64(void* stream, uint64_t* addr, uint64_t value) {
+  const Driver& d = driver();
+  if (d.status != cudaSuccess) return int(d.status);
+  CUresult r = d.writeValue64(static_cast<CUstream>(stream), CUdeviceptr(reinterpret_cast<uintptr_t>(addr)), value,
+                              CU_STREAM_WRITE_VALUE_DEFAULT);
+  return r == CUDA_SUCCESS ? 0 : kDriverBase + int(r);
+}
+
+int memcpyAsync(void* dst, const void* src, size_t bytes, void* stream) {
+  return int(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
+}
+
+int eventRecord(void* event, void* stream) {
+  return int(cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
+}
+
+int streamWaitEvent(void* stream, void* event) {
+  return int(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0));
+}
+
+const char* errorString(int e) {
+  if (e >= kDriverBase) {
+    const char* s = nullptr;
+    const Driver& d = driver();
+    if (d.getErrorString && d.getErrorString(CUresult(e - kDriverBase), &s) == CUDA_SUCCESS && s) return s;
+    return "unknown CUDA driver error";
+  }
+  return cudaGetErrorString(cudaError_t(e));
+}
+
+int deviceCount(int* count) {
+  *count = 0;
+  cudaError_t rc = cudaGetDeviceCount(count);
+  if (rc != cudaSuccess) {
+    *count = 0;
+    cudaGetLastError();  // not sticky: clear it for the caller's next call
+  }
+  return int(rc);
+}
+
+int pointerDevice(const void* ptr, int* device) {
+  *device = -1;
+  cudaPointerAttributes a;
+  cudaError_t rc = cudaPointerGetAttributes(&a, ptr);
+  if (rc != cudaSuccess) {
+    cudaGetLastError();
+    return int(rc);
+  }
+  if (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged) *device = a.device;
+  return 0;
+}
+
+const CudaApi kApi = {kCudaApiVersion, waitValue64,     writeValue64, memcpyAsync, launchReduce, launchDivide,
+                      eventRecord,     streamWaitEvent, errorString,  deviceCount, pointerDevice};
+
+}  // namespace
+}  // namespace cuda
+}  // namespace loom
+
+extern "C" __attribute__((visibility("default"))) const loom::CudaApi* loomCudaPluginApi(int abiVersion) {
+  return abiVersion == loom::kCudaApiVersion ? &loom::cuda::kApi : nullptr;
+}

@@ -1,0 +1,15 @@
+// Launchers of the CUDA kernels (reduce_kernels.cu); semantics as
+// CudaApi::launchReduce and CudaApi::launchDivide (src/device/cuda_api.h).
+#pragma once
+#include <stddef.h>
+
+#include "src/device/cuda_api.h"
+
+namespace loom {
+namespace cuda {
+
+int launchReduce(void* dst, const void* const* srcs, int nsrcs, size_t count, int dtype, int op, void* stream);
+int launchDivide(void* dst, const void* src, size_t count, int dtype, int divisor, void* stream);
+
+}  // namespace cuda
+}  // namespace loom

@@ -1,0 +1,152 @@
+// The reduction and divide kernels of the CUDA device path, for every
+// datatype and op.  The arithmetic is reduce_ops.h, the header the host
+// kernels use, so a CUDA reduction gives the host's bits: sources combine
+// left to right, float16/bfloat16 through float32 with one rounding per step.
+//
+// When the destination and every source are 16-byte aligned, each thread
+// loads 16 bytes per source (one uint4) and combines 16/sizeof(element)
+// elements; the tail that does not fill a vector, and unaligned buffers,
+// take the one-element-per-thread kernel.  Both are grid-stride loops over
+// at most kMaxBlocks blocks of kThreads threads.
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "src/device/cuda/kernels.h"
+#include "src/device/reduce_ops.h"
+
+namespace loom {
+namespace cuda {
+namespace {
+
+using namespace elementwise;
+
+constexpr int kThreads = 256;
+constexpr size_t kMaxBlocks = 1024;
+
+template <class Ty>
+struct Sources {
+  const typename Ty::Store* p[kCudaMaxReduceSources];
+};
+
+template <class Ty, class Op>
+__global__ void reduceElements(typename Ty::Store* dst, Sources<Ty> s, int nsrcs, size_t n) {
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    typename Ty::Store acc = s.p[0][i];
+    for (int k = 1; k < nsrcs; ++k) acc = reduce<Ty, Op>(acc, s.p[k][i]);
+    dst[i] = acc;
+  }
+}
+
+template <class Ty, class Op>
+__global__ void reduceVectors(typename Ty::Store* dst, Sources<Ty> s, int nsrcs, size_t nvec) {
+  using S = typename Ty::Store;
+  constexpr int V = 16 / sizeof(S);
+  union Pack {
+    uint4 v;
+    S e[V];
+  };
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < nvec; i += size_t(gridDim.x) * blockDim.x) {
+    Pack acc, in;
+    acc.v = reinterpret_cast<const uint4*>(s.p[0])[i];
+    for (int k = 1; k < nsrcs; ++k) {
+      in.v = reinterpret_cast<const uint4*>(s.p[k])[i];
+#pragma unroll
+      for (int j = 0; j < V; ++j) acc.e[j] = reduce<Ty, Op>(acc.e[j], in.e[j]);
+    }
+    reinterpret_cast<uint4*>(dst)[i] = acc.v;
+  }
+}
+
+template <class Ty>
+__global__ void divideElements(typename Ty::Store* dst, const typename Ty::Store* src, size_t n,
+                               typename Ty::Divisor q) {
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    dst[i] = divide<Ty>(src[i], q);
+}
+
+unsigned blocksFor(size_t work) {
+  size_t b = (work + kThreads - 1) / kThreads;
+  return unsigned(b < kMaxBlocks ? b : kMaxBlocks);
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+template <class Ty, class Op>
+cudaError_t launchReduceTyped(void* dst, const void* const* srcs, int nsrcs, size_t n, cudaStream_t st) {
+  using S = typename Ty::Store;
+  constexpr size_t V = 16 / sizeof(S);
+  Sources<Ty> s;
+  bool vec = aligned16(dst);
+  for (int k = 0; k < nsrcs; ++k) {
+    s.p[k] = static_cast<const S*>(srcs[k]);
+    vec = vec && aligned16(srcs[k]);
+  }
+  for (int k = nsrcs; k < kCudaMaxReduceSources; ++k) s.p[k] = nullptr;
+  S* d = static_cast<S*>(dst);
+  size_t nvec = vec ? n / V : 0;
+  if (nvec) reduceVectors<Ty, Op><<<blocksFor(nvec), kThreads, 0, st>>>(d, s, nsrcs, nvec);
+  size_t done = nvec * V;
+  if (done < n) {
+    for (int k = 0; k < nsrcs; ++k) s.p[k] += done;
+    reduceElements<Ty, Op><<<blocksFor(n - done), kThreads, 0, st>>>(d + done, s, nsrcs, n - done);
+  }
+  return cudaGetLastError();
+}
+
+template <class Ty>
+cudaError_t launchReduceOp(void* dst, const void* const* srcs, int nsrcs, size_t n, int op, cudaStream_t st) {
+  switch (op) {
+    case loomSum: return launchReduceTyped<Ty, Sum>(dst, srcs, nsrcs, n, st);
+    case loomProd: return launchReduceTyped<Ty, Prod>(dst, srcs, nsrcs, n, st);
+    case loomMax: return launchReduceTyped<Ty, Max>(dst, srcs, nsrcs, n, st);
+    case loomMin: return launchReduceTyped<Ty, Min>(dst, srcs, nsrcs, n, st);
+    case loomAvg: return launchReduceTyped<Ty, Sum>(dst, srcs, nsrcs, n, st);  // divided at the end
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <class Ty>
+cudaError_t launchDivideTyped(void* dst, const void* src, size_t n, int divisor, cudaStream_t st) {
+  using S = typename Ty::Store;
+  if (divisor <= 1)  // as the host: dividing by one rank copies
+    return dst == src ? cudaSuccess : cudaMemcpyAsync(dst, src, n * sizeof(S), cudaMemcpyDefault, st);
+  divideElements<Ty><<<blocksFor(n), kThreads, 0, st>>>(static_cast<S*>(dst), static_cast<const S*>(src), n,
+                                                         typename Ty::Divisor(divisor));
+  return cudaGetLastError();
+}
+
+// Calls f(ElemType{}) for a loomDataType_t; cudaErrorInvalidValue if unknown.
+template <class F>
+cudaError_t withType(int dtype, F f) {
+  switch (dtype) {
+    case loomInt8: return f(ElemOf<loomInt8>::type{});
+    case loomUint8: return f(ElemOf<loomUint8>::type{});
+    case loomInt32: return f(ElemOf<loomInt32>::type{});
+    case loomUint32: return f(ElemOf<loomUint32>::type{});
+    case loomInt64: return f(ElemOf<loomInt64>::type{});
+    case loomUint64: return f(ElemOf<loomUint64>::type{});
+    case loomFloat16: return f(ElemOf<loomFloat16>::type{});
+    case loomFloat32: return f(ElemOf<loomFloat32>::type{});
+    case loomFloat64: return f(ElemOf<loomFloat64>::type{});
+    case loomBfloat16: return f(ElemOf<loomBfloat16>::type{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+int launchReduce(void* dst, const void* const* srcs, int nsrcs, size_t n, int dtype, int op, void* stream) {
+  if (nsrcs < 1 || nsrcs > kCudaMaxReduceSources) return int(cudaErrorInvalidValue);
+  if (n == 0) return 0;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  return int(withType(dtype, [&](auto ty) { return launchReduceOp<decltype(ty)>(dst, srcs, nsrcs, n, op, st); }));
+}
+
+int launchDivide(void* dst, const void* src, size_t n, int dtype, int divisor, void* stream) {
+  if (n == 0) return 0;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  return int(withType(dtype, [&](auto ty) { return launchDivideTyped<decltype(ty)>(dst, src, n, divisor, st); }));
+}
+
+}  // namespace cuda
+}  // namespace loom

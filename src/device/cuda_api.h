@@ -1,0 +1,48 @@
+// The CUDA calls loom makes, as a table of function pointers filled by the
+// CUDA plug-in (libloom_cuda.so, src/device/cuda/).  libloom.so never links
+// a CUDA library: it loads the plug-in at run time (cuda_loader.cc) and, if
+// that fails, runs host collectives only.  Everything above this table
+// (cuda_stream_backend.cc) is plain C++ and unit-tested on machines without
+// a GPU; the table itself only runs where CUDA does (tests/gpu/run.sh).
+//
+// Handles are opaque: streams are cudaStream_t, events cudaEvent_t.  Every
+// call returns 0 or a CUDA error code that errorString() turns into CUDA's
+// own message.
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+namespace loom {
+
+// Sources one launchReduce call takes; the backend chains calls for more.
+constexpr int kCudaMaxReduceSources = 8;
+
+struct CudaApi {
+  int abiVersion;  // kCudaApiVersion
+  // cuStreamWaitValue64(stream, addr, value, CU_STREAM_WAIT_VALUE_GEQ)
+  int (*waitValue64)(void* stream, const uint64_t* addr, uint64_t value);
+  // cuStreamWriteValue64(stream, addr, value, 0): after the stream's earlier work
+  int (*writeValue64)(void* stream, uint64_t* addr, uint64_t value);
+  // cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream)
+  int (*memcpyAsync)(void* dst, const void* src, size_t bytes, void* stream);
+  // The reduction kernel: dst = srcs[0] op ... op srcs[nsrcs-1], 1 <= nsrcs <= kCudaMaxReduceSources
+  int (*launchReduce)(void* dst, const void* const* srcs, int nsrcs, size_t count, int dtype, int op,
+                      void* stream);
+  // dst = src / divisor (loomAvg)
+  int (*launchDivide)(void* dst, const void* src, size_t count, int dtype, int divisor, void* stream);
+  int (*eventRecord)(void* event, void* stream);
+  int (*streamWaitEvent)(void* stream, void* event);
+  const char* (*errorString)(int error);
+  // cudaGetDeviceCount
+  int (*deviceCount)(int* count);
+  // cudaPointerGetAttributes: *device >= 0 for device (or managed) memory, -1 otherwise
+  int (*pointerDevice)(const void* ptr, int* device);
+};
+
+constexpr int kCudaApiVersion = 1;
+
+}  // namespace loom
+
+// The plug-in's one exported symbol: its table for `abiVersion`, or NULL.
+extern "C" typedef const loom::CudaApi* (*LoomCudaPluginFn)(int abiVersion);
+#define LOOM_CUDA_PLUGIN_SYMBOL "loomCudaPluginApi"

@@ -1,0 +1,29 @@
+// Finding CUDA at run time.  libloom.so links no CUDA library: the first
+// question about CUDA loads the plug-in libloom_cuda.so (built where nvcc
+// is found, src/device/cuda/) next to libloom, in ../lib from the program,
+// or through the library path.  Without it, or without a driver, or when
+// cudaGetDeviceCount fails (a machine with the toolkit but no GPU), the
+// process has zero CUDA devices and every buffer is host memory.
+#pragma once
+#include <string>
+
+#include "src/device/cuda_api.h"
+
+namespace loom {
+
+// The plug-in's table, or nullptr with the reason in *why.  Loaded once.
+const CudaApi* cudaPlugin(std::string* why);
+
+// CUDA devices this process can use; 0, with the reason in *why, if none.
+int cudaDeviceCount(std::string* why);
+
+// The CUDA device whose memory `p` points into, or -1 for host memory (and
+// whenever the process has no CUDA device: nothing is asked then).
+int cudaPointerDevice(const void* p);
+
+// Tests only: classify pointers with fn instead of CUDA (nullptr: CUDA
+// again), so that the API's handling of device pointers is tested on
+// machines without a GPU.
+void setCudaPointerClassifierForTesting(int (*fn)(const void*));
+
+}  // namespace loom

@@ -1,0 +1,68 @@
+// CudaStreamBackend: program ops -> CUDA calls (cuda_stream_backend.h).
+#include "src/device/cuda_stream_backend.h"
+
+#include <algorithm>
+
+#include "src/core/error.h"
+
+namespace loom {
+
+void* CudaStreamBackend::stream(int s) const {
+  if (s < 0 || size_t(s) >= streams_.size()) fail(loomInternalError, "CUDA backend has no stream %d", s);
+  return streams_[size_t(s)];
+}
+
+void* CudaStreamBackend::event(int e) const {
+  if (e < 0 || size_t(e) >= events_.size()) fail(loomInternalError, "CUDA backend has no event %d", e);
+  return events_[size_t(e)];
+}
+
+void CudaStreamBackend::check(int rc, const char* call) const {
+  if (rc != 0) fail(loomUnhandledCudaError, "%s failed: %s (CUDA error %d)", call, api_.errorString(rc), rc);
+}
+
+void CudaStreamBackend::waitFlag(int s, const uint64_t* flag, uint64_t value, int ownerRank) {
+  (void)ownerRank;
+  check(api_.waitValue64(stream(s), flag, value), "cuStreamWaitValue64");
+}
+
+void CudaStreamBackend::setFlag(int s, uint64_t* flag, uint64_t value) {
+  check(api_.writeValue64(stream(s), flag, value), "cuStreamWriteValue64");
+}
+
+void CudaStreamBackend::copy(int s, void* dst, const void* src, size_t bytes) {
+  check(api_.memcpyAsync(dst, src, bytes, stream(s)), "cudaMemcpyAsync");
+}
+
+void CudaStreamBackend::reduce(int s, void* dst, const void* const* srcs, int nsrcs, size_t count,
+                               loomDataType_t type, loomRedOp_t op) {
+  if (nsrcs < 1) fail(loomInternalError, "CUDA reduce with %d sources", nsrcs);
+  // First launch: up to kCudaMaxReduceSources sources; each next one takes
+  // dst (the partial result so far) and kCudaMaxReduceSources - 1 more.
+  int used = std::min(nsrcs, kCudaMaxReduceSources);
+  check(api_.launchReduce(dst, srcs, used, count, int(type), int(op), stream(s)), "reduction kernel launch");
+  const void* chain[kCudaMaxReduceSources];
+  while (used < nsrcs) {
+    int take = std::min(nsrcs - used, kCudaMaxReduceSources - 1);
+    chain[0] = dst;
+    for (int i = 0; i < take; ++i) chain[i + 1] = srcs[used + i];
+    check(api_.launchReduce(dst, chain, take + 1, count, int(type), int(op), stream(s)),
+          "reduction kernel launch");
+    used += take;
+  }
+}
+
+void CudaStreamBackend::divide(int s, void* dst, const void* src, size_t count, loomDataType_t type,
+                               int divisor) {
+  check(api_.launchDivide(dst, src, count, int(type), divisor, stream(s)), "divide kernel launch");
+}
+
+void CudaStreamBackend::recordEvent(int s, int e) {
+  check(api_.eventRecord(event(e), stream(s)), "cudaEventRecord");
+}
+
+void CudaStreamBackend::waitEvent(int s, int e) {
+  check(api_.streamWaitEvent(stream(s), event(e)), "cudaStreamWaitEvent");
+}
+
+}  // namespace loom

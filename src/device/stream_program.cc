@@ -1,0 +1,168 @@
+// Printing a stream program and handing it to a backend, after checking
+// every address it will touch against the buffers it runs on.
+#include "src/device/stream_program.h"
+
+#include "src/core/error.h"
+#include "src/device/host_reduce.h"
+
+namespace loom {
+
+namespace {
+
+const char* flagName(int f) {
+  switch (f) {
+    case kFlagInput:
+      return "input";
+    case kFlagReduced:
+      return "reduced";
+    case kFlagDone:
+      return "done";
+  }
+  return "?";
+}
+
+std::string refName(const ProgramRef& r) {
+  switch (r.space) {
+    case Space::Send:
+      return strf("send+%zu", r.offset);
+    case Space::Recv:
+      return strf("recv+%zu", r.offset);
+    case Space::Window:
+      return strf("win[%d]+%zu", r.rank, r.offset);
+  }
+  return "?";
+}
+
+}  // namespace
+
+std::string StreamProgram::describe() const {
+  std::string s;
+  for (const StreamOp& o : ops) {
+    s += strf("s%d ", o.stream);
+    switch (o.kind) {
+      case StreamOpKind::WaitFlag:
+        s += strf("wait flag[%d].%s >= %llu", o.flagRank, flagName(o.flag), (unsigned long long)o.value);
+        break;
+      case StreamOpKind::SetFlag:
+        s += strf("set flag[%d].%s = %llu", rank, flagName(o.flag), (unsigned long long)o.value);
+        break;
+      case StreamOpKind::Copy:
+        s += strf("copy %s <- %s, %zu B", refName(o.dst).c_str(), refName(src(o, 0)).c_str(), o.count);
+        break;
+      case StreamOpKind::Reduce:
+        s += strf("reduce %s <-", refName(o.dst).c_str());
+        for (uint32_t i = 0; i < o.srcCount; ++i) s += " " + refName(src(o, i));
+        s += strf(", %zu x %s %s", o.count, dtypeName(dtype), redOpName(op));
+        break;
+      case StreamOpKind::Divide:
+        s += strf("divide %s <- %s / %d, %zu x %s", refName(o.dst).c_str(), refName(src(o, 0)).c_str(),
+                  o.divisor, o.count, dtypeName(dtype));
+        break;
+      case StreamOpKind::RecordEvent:
+        s += strf("record event %d", o.event);
+        break;
+      case StreamOpKind::WaitEvent:
+        s += strf("wait event %d", o.event);
+        break;
+    }
+    s += "\n";
+  }
+  return s;
+}
+
+namespace {
+
+// Resolves refs of one program against its buffers; fails on anything out of bounds.
+struct Resolver {
+  const StreamProgram& p;
+  const ProgramBuffers& b;
+  size_t index = 0;
+
+  [[noreturn]] void bad(const char* why) const {
+    fail(loomInternalError, "rank %d: stream program op %zu: %s", p.rank, index, why);
+  }
+  uint8_t* at(const ProgramRef& r, size_t bytes, bool write) const {
+    switch (r.space) {
+      case Space::Send:
+        if (write) bad("writes the send buffer");
+        if (r.offset > b.sendBytes || bytes > b.sendBytes - r.offset) bad("reads past the send buffer");
+        return static_cast<uint8_t*>(const_cast<void*>(b.send)) + r.offset;
+      case Space::Recv:
+        if (r.offset > b.recvBytes || bytes > b.recvBytes - r.offset) bad("goes past the recv buffer");
+        return static_cast<uint8_t*>(b.recv) + r.offset;
+      case Space::Window:
+        if (r.rank < 0 || size_t(r.rank) >= b.windows.size()) bad("names a rank with no window");
+        if (r.offset > b.windowBytes || bytes > b.windowBytes - r.offset) bad("goes past a window");
+        return b.windows[size_t(r.rank)] + r.offset;
+    }
+    bad("names an unknown buffer");
+  }
+};
+
+}  // namespace
+
+void enqueueProgram(StreamBackend& be, const StreamProgram& p, const ProgramBuffers& b) {
+  const size_t esz = dtypeSize(p.dtype);
+  if (!esz) fail(loomInternalError, "rank %d: stream program of unknown datatype %d", p.rank, int(p.dtype));
+  if (b.flags.size() != size_t(p.nranks) || b.windows.size() != size_t(p.nranks))
+    fail(loomInternalError, "rank %d: stream program for %d ranks given buffers of %zu", p.rank, p.nranks,
+         b.flags.size());
+  Resolver res{p, b};
+  // Two passes: a bad program must not leave half of itself enqueued.
+  std::vector<const void*> srcs;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (res.index = 0; res.index < p.ops.size(); ++res.index) {
+      const StreamOp& o = p.ops[res.index];
+      if (o.stream >= p.streams) res.bad("uses a stream the program does not declare");
+      const size_t bytes = o.kind == StreamOpKind::Copy ? o.count : o.count * esz;
+      void* dst = nullptr;
+      srcs.clear();
+      switch (o.kind) {
+        case StreamOpKind::WaitFlag:
+        case StreamOpKind::SetFlag:
+          if (o.flag >= kFlagCount || o.flagRank < 0 || o.flagRank >= p.nranks) res.bad("names no flag");
+          if (o.kind == StreamOpKind::SetFlag && o.flagRank != p.rank) res.bad("sets another rank's flag");
+          break;
+        case StreamOpKind::RecordEvent:
+        case StreamOpKind::WaitEvent:
+          if (o.event < 0 || o.event >= p.events) res.bad("uses an event the program does not declare");
+          break;
+        case StreamOpKind::Copy:
+        case StreamOpKind::Reduce:
+        case StreamOpKind::Divide:
+          if (o.srcCount == 0 || size_t(o.srcBegin) + o.srcCount > p.srcs.size()) res.bad("has no sources");
+          if (o.kind != StreamOpKind::Reduce && o.srcCount != 1) res.bad("has more than one source");
+          if (o.kind == StreamOpKind::Divide && o.divisor < 1) res.bad("divides by less than 1");
+          dst = res.at(o.dst, bytes, true);
+          for (uint32_t i = 0; i < o.srcCount; ++i) srcs.push_back(res.at(p.src(o, i), bytes, false));
+          break;
+      }
+      if (pass == 0) continue;
+      switch (o.kind) {
+        case StreamOpKind::WaitFlag:
+          be.waitFlag(o.stream, b.flags[size_t(o.flagRank)] + o.flag, o.value, o.flagRank);
+          break;
+        case StreamOpKind::SetFlag:
+          be.setFlag(o.stream, b.flags[size_t(p.rank)] + o.flag, o.value);
+          break;
+        case StreamOpKind::Copy:
+          be.copy(o.stream, dst, srcs[0], o.count);
+          break;
+        case StreamOpKind::Reduce:
+          be.reduce(o.stream, dst, srcs.data(), int(srcs.size()), o.count, p.dtype, p.op);
+          break;
+        case StreamOpKind::Divide:
+          be.divide(o.stream, dst, srcs[0], o.count, p.dtype, o.divisor);
+          break;
+        case StreamOpKind::RecordEvent:
+          be.recordEvent(o.stream, o.event);
+          break;
+        case StreamOpKind::WaitEvent:
+          be.waitEvent(o.stream, o.event);
+          break;
+      }
+    }
+  }
+}
+
+}  // namespace loom

@@ -1,0 +1,121 @@
+// A stream program: what one rank enqueues on its streams for one collective
+// on device memory.  Plain data, printed and checked on the host; executed by
+// a StreamBackend (the CUDA one maps each op onto one CUDA call, the
+// simulated one in tests/sim_device.* runs them on host threads).
+//
+// Synchronisation is by 64-bit flags that only ever grow: a rank sets its own
+// flag to a value, peers wait until the flag is >= that value.  Waits are
+// stream waits (cuStreamWaitValue64), never a kernel spinning on a peer, so
+// ranks that time-slice one GPU cannot deadlock: a waiting stream holds no
+// SMs.  Values come from a per-communicator round counter that every rank
+// advances identically, so no flag is ever reset.
+//
+// Memory a program touches: the caller's send and recv buffers (this rank's
+// only) and the windows of every rank (peer memory: this rank's own and the
+// others' mapped here).  Each window holds two slots, used by alternate
+// rounds, and each rank owns kFlagCount flags that every rank can read.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "loom.h"
+
+namespace loom {
+
+enum class Space : uint8_t {
+  Send,    // this rank's send buffer
+  Recv,    // this rank's recv buffer
+  Window,  // rank `rank`'s window (peer memory)
+};
+
+struct ProgramRef {
+  Space space = Space::Send;
+  int32_t rank = 0;   // Window only
+  size_t offset = 0;  // bytes
+};
+
+// A rank's flags.  Each is set only by its owner and read by everyone.
+enum FlagIndex : uint8_t {
+  kFlagInput = 0,    // the owner's input for a round is in its window
+  kFlagReduced = 1,  // the owner's reduced part of a round is in its window
+  kFlagDone = 2,     // the owner has finished reading every window for a round
+  kFlagCount = 3,
+};
+
+enum class StreamOpKind : uint8_t {
+  WaitFlag,     // stream waits until flag(flagRank, flag) >= value
+  SetFlag,      // flag(owner = this rank, flag) = value, after all earlier work on the stream
+  Copy,         // dst = src[0], `bytes` bytes (never overlapping)
+  Reduce,       // dst = src[0] op src[1] op ... (left to right, rounded each step), `count` elements
+  Divide,       // dst = src[0] / divisor, `count` elements (loomAvg's last step)
+  RecordEvent,  // event `event` completes when the stream's earlier work has
+  WaitEvent,    // stream waits for the last record of `event` enqueued before this op
+};
+
+struct StreamOp {
+  StreamOpKind kind = StreamOpKind::Copy;
+  uint8_t stream = 0;  // 0: the caller's stream; 1..: the communicator's side streams
+  uint8_t flag = 0;
+  int32_t flagRank = 0;
+  uint64_t value = 0;
+  ProgramRef dst;
+  uint32_t srcBegin = 0;  // sources: program.srcs[srcBegin, srcBegin + srcCount)
+  uint32_t srcCount = 0;
+  size_t count = 0;  // Reduce/Divide: elements; Copy: bytes
+  int32_t divisor = 0;
+  int32_t event = 0;
+};
+
+struct StreamProgram {
+  int rank = 0;
+  int nranks = 0;
+  int streams = 1;  // streams used (0 .. streams-1)
+  int events = 0;   // events used (0 .. events-1)
+  loomDataType_t dtype = loomFloat32;
+  loomRedOp_t op = loomSum;
+  uint64_t firstRound = 0;  // rounds [firstRound, firstRound + rounds) of the communicator
+  uint64_t rounds = 0;
+  std::vector<StreamOp> ops;
+  std::vector<ProgramRef> srcs;
+
+  const ProgramRef& src(const StreamOp& o, uint32_t i) const { return srcs[o.srcBegin + i]; }
+  // One line per op, e.g. "s0 wait flag[2].done >= 7".
+  std::string describe() const;
+};
+
+// The memory a program runs on, as this rank sees it.
+struct ProgramBuffers {
+  const void* send = nullptr;
+  void* recv = nullptr;
+  size_t sendBytes = 0;
+  size_t recvBytes = 0;
+  std::vector<uint8_t*> windows;  // per rank, windowBytes each
+  size_t windowBytes = 0;
+  std::vector<uint64_t*> flags;  // per rank, kFlagCount each
+};
+
+// What executes stream operations: one call per op, in program order per
+// stream.  Calls enqueue and return; nothing here waits on the host.
+// Pointers are resolved (ProgramBuffers); `stream` is the program's index.
+class StreamBackend {
+ public:
+  virtual ~StreamBackend() = default;
+  virtual void waitFlag(int stream, const uint64_t* flag, uint64_t value, int ownerRank) = 0;
+  virtual void setFlag(int stream, uint64_t* flag, uint64_t value) = 0;
+  virtual void copy(int stream, void* dst, const void* src, size_t bytes) = 0;
+  virtual void reduce(int stream, void* dst, const void* const* srcs, int nsrcs, size_t count,
+                      loomDataType_t type, loomRedOp_t op) = 0;
+  virtual void divide(int stream, void* dst, const void* src, size_t count, loomDataType_t type,
+                      int divisor) = 0;
+  virtual void recordEvent(int stream, int event) = 0;
+  virtual void waitEvent(int stream, int event) = 0;
+};
+
+// Checks every op of `p` against `b` (bounds, ranks, streams, events; a
+// bad program is loomInternalError naming the op) before enqueueing any,
+// then enqueues them on `be` in order.
+void enqueueProgram(StreamBackend& be, const StreamProgram& p, const ProgramBuffers& b);
+
+}  // namespace loom

@@ -1,0 +1,418 @@
+// The CUDA device path on a real GPU (run by tests/gpu/run.sh; needs a GPU,
+// so it is not a ctest).  Prints one table row per check and exits non-zero
+// on any wrong value, error or hang.
+//
+//   kernels   every type x op x source count (1..8, and 19 chained through
+//             CudaStreamBackend), aligned and misaligned, sizes 0..1 Mi:
+//             bit for bit against the host arithmetic (reduce_ops.h via
+//             reduceHost, left to right), and the avg divide
+//   programs  every collective x program variant x N ranks (threads of this
+//             process, one stream each plus a side stream, all on one GPU,
+//             windows and flags in device memory) x types x ops, in and out
+//             of place: exact against the host reference in rank order
+//   order     a slow kernel writes the input, the all-reduce follows on the
+//             same stream, a kernel snapshots the output: no host sync
+//             between them
+//
+// Usage: loom-gpu-tests [--ranks 1,2,4] [--max-count N]
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "algorithms/stream_collectives.h"
+#include "src/core/error.h"
+#include "src/device/cuda_api.h"
+#include "src/device/cuda_stream_backend.h"
+#include "src/device/host_reduce.h"
+
+extern "C" const loom::CudaApi* loomCudaPluginApi(int abiVersion);
+
+namespace {
+
+using loom::Collective;
+using loom::StreamAlgorithm;
+
+int g_failures = 0;
+
+#define CK(call)                                                                                   \
+  do {                                                                                             \
+    cudaError_t e_ = (call);                                                                       \
+    if (e_ != cudaSuccess) {                                                                       \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+      std::exit(2);                                                                                \
+    }                                                                                              \
+  } while (0)
+
+void row(const char* what, const std::string& cases, long wrong, const std::string& note) {
+  std::printf("%-10s %-64s %8ld  %s\n", what, cases.c_str(), wrong, wrong ? ("FAIL " + note).c_str() : "ok");
+  std::fflush(stdout);
+  if (wrong) ++g_failures;
+}
+
+// Waits for a stream with a deadline: a program that never completes is a
+// failure, reported, not a hang of the test.
+bool finish(cudaStream_t s, double seconds) {
+  auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    cudaError_t e = cudaStreamQuery(s);
+    if (e == cudaSuccess) return true;
+    if (e != cudaErrorNotReady) {
+      std::fprintf(stderr, "stream error: %s\n", cudaGetErrorString(e));
+      std::exit(2);
+    }
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > seconds) return false;
+  }
+}
+
+void fillRandom(std::vector<uint8_t>& v, loomDataType_t t, std::mt19937_64& rng) {
+  const size_t esz = loom::dtypeSize(t);
+  std::uniform_real_distribution<float> u(-4.0f, 4.0f);
+  for (size_t i = 0; i + esz <= v.size(); i += esz) {
+    float f = u(rng);
+    double d = double(f) * 1.0000001;
+    uint16_t h;
+    uint64_t r = rng();
+    switch (t) {
+      case loomFloat16: h = loom::floatToHalf(f); std::memcpy(&v[i], &h, 2); break;
+      case loomBfloat16: h = loom::floatToBf16(f); std::memcpy(&v[i], &h, 2); break;
+      case loomFloat32: std::memcpy(&v[i], &f, 4); break;
+      case loomFloat64: std::memcpy(&v[i], &d, 8); break;
+      default: std::memcpy(&v[i], &r, esz);
+    }
+  }
+}
+
+const loomDataType_t kTypes[] = {loomInt8,  loomUint8,   loomInt32,   loomUint32,  loomInt64,
+                                 loomUint64, loomFloat16, loomFloat32, loomFloat64, loomBfloat16};
+const loomRedOp_t kOps[] = {loomSum, loomProd, loomMax, loomMin, loomAvg};
+
+void testKernels(const loom::CudaApi& api) {
+  cudaStream_t st;
+  CK(cudaStreamCreate(&st));
+  loom::CudaStreamBackend be(api, {st}, {});
+  std::mt19937_64 rng(1);
+  long cases = 0, wrong = 0;
+  std::string firstBad;
+  for (loomDataType_t t : kTypes)
+    for (loomRedOp_t op : kOps)
+      for (int nsrcs : {1, 2, 3, 8, 19})
+        for (size_t n : {size_t(0), size_t(1), size_t(4097), size_t(1) << 20})
+          for (size_t misalign : {size_t(0), size_t(1)}) {
+            const size_t esz = loom::dtypeSize(t), bytes = (n + misalign) * esz;
+            std::vector<std::vector<uint8_t>> in(static_cast<size_t>(nsrcs), std::vector<uint8_t>(bytes));
+            std::vector<void*> dev(static_cast<size_t>(nsrcs));
+            std::vector<const void*> srcs(static_cast<size_t>(nsrcs));
+            for (int k = 0; k < nsrcs; ++k) {
+              fillRandom(in[size_t(k)], t, rng);
+              CK(cudaMalloc(&dev[size_t(k)], bytes + 16));
+              CK(cudaMemcpy(dev[size_t(k)], in[size_t(k)].data(), bytes, cudaMemcpyHostToDevice));
+              srcs[size_t(k)] = static_cast<uint8_t*>(dev[size_t(k)]) + misalign * esz;
+            }
+            void* dst;
+            CK(cudaMalloc(&dst, bytes + 16));
+            uint8_t* d = static_cast<uint8_t*>(dst) + misalign * esz;
+            be.reduce(0, d, srcs.data(), nsrcs, n, t, op);
+            if (op == loomAvg) be.divide(0, d, d, n, t, nsrcs);
+            if (!finish(st, 60)) {
+              row("kernels", "reduction did not finish", 1, "hang");
+              std::exit(1);
+            }
+            std::vector<uint8_t> got(n * esz), want(n * esz);
+            CK(cudaMemcpy(got.data(), d, n * esz, cudaMemcpyDeviceToHost));
+            if (n) {
+              std::memcpy(want.data(), in[0].data() + misalign * esz, n * esz);
+              for (int k = 1; k < nsrcs; ++k)
+                loom::reduceHost(want.data(), want.data(), in[size_t(k)].data() + misalign * esz, n, t, op);
+              if (op == loomAvg) loom::divideHost(want.data(), want.data(), n, t, nsrcs);
+            }
+            ++cases;
+            if (got != want) {
+              ++wrong;
+              if (firstBad.empty())
+                firstBad = loom::strf("%s %s nsrcs=%d n=%zu misalign=%zu", loom::dtypeName(t), loom::redOpName(op),
+                                      nsrcs, n, misalign);
+            }
+            for (void* p : dev) CK(cudaFree(p));
+            CK(cudaFree(dst));
+          }
+  row("kernels", loom::strf("%ld cases: 10 types x 5 ops x 1..19 sources x sizes", cases), wrong, firstBad);
+  CK(cudaStreamDestroy(st));
+}
+
+struct Ranks {
+  int n;
+  size_t slot;
+  std::vector<cudaStream_t> streams;  // 2 per rank
+  std::vector<cudaEvent_t> events;    // 2 per rank
+  std::vector<uint8_t*> windows;
+  uint64_t* flags = nullptr;  // n * kFlagCount, device memory
+  std::vector<uint64_t> rounds;
+  Ranks(int n_, size_t slot_) : n(n_), slot(slot_), rounds(size_t(n_), 0) {
+    for (int i = 0; i < 2 * n; ++i) {
+      cudaStream_t s;
+      cudaEvent_t e;
+      CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+      CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      streams.push_back(s);
+      events.push_back(e);
+    }
+    for (int r = 0; r < n; ++r) {
+      void* w;
+      CK(cudaMalloc(&w, loom::streamWindowBytes(slot)));
+      windows.push_back(static_cast<uint8_t*>(w));
+    }
+    CK(cudaMalloc(&flags, size_t(n) * loom::kFlagCount * 8));
+    CK(cudaMemset(flags, 0, size_t(n) * loom::kFlagCount * 8));
+  }
+  ~Ranks() {
+    for (cudaStream_t s : streams) cudaStreamDestroy(s);
+    for (cudaEvent_t e : events) cudaEventDestroy(e);
+    for (uint8_t* w : windows) cudaFree(w);
+    cudaFree(flags);
+  }
+  loom::ProgramBuffers buffers(const void* send, size_t sb, void* recv, size_t rb) {
+    loom::ProgramBuffers b;
+    b.send = send;
+    b.sendBytes = sb;
+    b.recv = recv;
+    b.recvBytes = rb;
+    b.windowBytes = loom::streamWindowBytes(slot);
+    for (int q = 0; q < n; ++q) {
+      b.windows.push_back(windows[size_t(q)]);
+      b.flags.push_back(flags + size_t(q) * loom::kFlagCount);
+    }
+    return b;
+  }
+  bool finishAll(double seconds) {
+    for (cudaStream_t s : streams)
+      if (!finish(s, seconds)) return false;
+    return true;
+  }
+};
+
+struct Variant {
+  Collective coll;
+  StreamAlgorithm algo;
+};
+const Variant kVariants[] = {
+    {Collective::AllReduce, StreamAlgorithm::OneShot},     {Collective::AllReduce, StreamAlgorithm::ReduceScatterAllGather},
+    {Collective::ReduceScatter, StreamAlgorithm::OneShot}, {Collective::AllGather, StreamAlgorithm::OneShot},
+    {Collective::Broadcast, StreamAlgorithm::OneShot},     {Collective::Reduce, StreamAlgorithm::OneShot},
+};
+
+bool reducing(Collective c) {
+  return c == Collective::AllReduce || c == Collective::ReduceScatter || c == Collective::Reduce;
+}
+
+// One collective on every rank; returns "" or what was wrong.
+std::string runProgram(const loom::CudaApi& api, Ranks& R, const Variant& v, loomDataType_t t, loomRedOp_t op,
+                       size_t n, bool inPlace, std::mt19937_64& rng) {
+  const int N = R.n;
+  const size_t esz = loom::dtypeSize(t);
+  const size_t sendElems = v.coll == Collective::ReduceScatter ? size_t(N) * n : n;
+  const size_t recvElems = v.coll == Collective::AllGather ? size_t(N) * n : n;
+  const size_t bufElems = std::max(sendElems, recvElems);
+  const int root = N - 1;
+  std::vector<std::vector<uint8_t>> input(static_cast<size_t>(N), std::vector<uint8_t>(sendElems * esz)),
+      recvInit(static_cast<size_t>(N), std::vector<uint8_t>(bufElems * esz));
+  std::vector<void*> sendDev(static_cast<size_t>(N), nullptr), recvDev(static_cast<size_t>(N), nullptr);
+  std::vector<const uint8_t*> send(static_cast<size_t>(N));
+  std::vector<uint8_t*> recv(static_cast<size_t>(N));
+  for (int r = 0; r < N; ++r) {
+    fillRandom(input[size_t(r)], t, rng);
+    fillRandom(recvInit[size_t(r)], t, rng);
+    CK(cudaMalloc(&recvDev[size_t(r)], bufElems * esz + 1));
+    uint8_t* rb = static_cast<uint8_t*>(recvDev[size_t(r)]);
+    CK(cudaMemcpy(rb, recvInit[size_t(r)].data(), bufElems * esz, cudaMemcpyHostToDevice));
+    if (inPlace) {
+      uint8_t* in = rb;
+      recv[size_t(r)] = rb;
+      if (v.coll == Collective::ReduceScatter) recv[size_t(r)] = rb + size_t(r) * n * esz;
+      if (v.coll == Collective::AllGather) in = rb + size_t(r) * n * esz;
+      send[size_t(r)] = in;
+      CK(cudaMemcpy(in, input[size_t(r)].data(), sendElems * esz, cudaMemcpyHostToDevice));
+    } else {
+      CK(cudaMalloc(&sendDev[size_t(r)], sendElems * esz + 1));
+      CK(cudaMemcpy(sendDev[size_t(r)], input[size_t(r)].data(), sendElems * esz, cudaMemcpyHostToDevice));
+      send[size_t(r)] = static_cast<uint8_t*>(sendDev[size_t(r)]);
+      recv[size_t(r)] = rb;
+    }
+  }
+  for (int r = 0; r < N; ++r) {
+    loom::OpDesc o;
+    o.coll = v.coll;
+    o.sendbuf = send[size_t(r)];
+    o.recvbuf = recv[size_t(r)];
+    o.count = n;
+    o.dtype = t;
+    o.op = op;
+    o.root = root;
+    loom::StreamProgram p = loom::compileStreamProgram(o, r, N, v.algo, R.slot, &R.rounds[size_t(r)]);
+    loom::CudaStreamBackend be(api, {R.streams[size_t(2 * r)], R.streams[size_t(2 * r + 1)]},
+                               {R.events[size_t(2 * r)], R.events[size_t(2 * r + 1)]});
+    loom::enqueueProgram(be, p, R.buffers(send[size_t(r)], sendElems * esz, recv[size_t(r)], recvElems * esz));
+  }
+  std::string bad;
+  if (!R.finishAll(120)) {
+    std::printf("HANG: %s N=%d: streams did not finish in 120 s\n", loom::collectiveName(v.coll), N);
+    std::exit(1);
+  }
+  auto fold = [&](size_t off, std::vector<uint8_t>* out) {
+    out->assign(input[0].begin() + long(off), input[0].begin() + long(off + n * esz));
+    for (int q = 1; q < N; ++q) loom::reduceHost(out->data(), out->data(), input[size_t(q)].data() + off, n, t, op);
+    if (op == loomAvg) loom::divideHost(out->data(), out->data(), n, t, N);
+  };
+  for (int r = 0; r < N && bad.empty(); ++r) {
+    std::vector<uint8_t> want, got(recvElems * esz);
+    switch (v.coll) {
+      case Collective::AllReduce: fold(0, &want); break;
+      case Collective::ReduceScatter: fold(size_t(r) * n * esz, &want); break;
+      case Collective::AllGather:
+        for (int q = 0; q < N; ++q) want.insert(want.end(), input[size_t(q)].begin(), input[size_t(q)].end());
+        break;
+      case Collective::Broadcast: want = input[size_t(root)]; break;
+      case Collective::Reduce:
+        if (r == root) fold(0, &want);
+        else if (inPlace) want = input[size_t(r)];
+        else want.assign(recvInit[size_t(r)].begin(), recvInit[size_t(r)].begin() + long(recvElems * esz));
+        break;
+      case Collective::P2P: break;
+    }
+    CK(cudaMemcpy(got.data(), recv[size_t(r)], got.size(), cudaMemcpyDeviceToHost));
+    if (got != want) bad = loom::strf("rank %d wrong", r);
+  }
+  for (int r = 0; r < N; ++r) {
+    if (sendDev[size_t(r)]) CK(cudaFree(sendDev[size_t(r)]));
+    CK(cudaFree(recvDev[size_t(r)]));
+  }
+  return bad;
+}
+
+void testPrograms(const loom::CudaApi& api, const std::vector<int>& rankCounts, size_t maxCount) {
+  std::mt19937_64 rng(2);
+  for (int N : rankCounts) {
+    Ranks R(N, size_t(4) << 20);
+    for (const Variant& v : kVariants) {
+      long cases = 0, wrong = 0;
+      std::string firstBad;
+      for (loomDataType_t t : kTypes)
+        for (loomRedOp_t op : kOps) {
+          if (!reducing(v.coll) && op != loomSum) continue;
+          for (size_t n : {size_t(0), size_t(1), size_t(1031), size_t(1) << 20, maxCount}) {
+            if (n > maxCount) continue;
+            if (n == maxCount && n > (size_t(1) << 20) && (t != loomFloat32 || op != loomSum)) continue;
+            for (bool inPlace : {false, true}) {
+              std::string bad = runProgram(api, R, v, t, op, n, inPlace, rng);
+              ++cases;
+              if (!bad.empty()) {
+                ++wrong;
+                if (firstBad.empty())
+                  firstBad = loom::strf("%s %s n=%zu %s: %s", loom::dtypeName(t), loom::redOpName(op), n,
+                                        inPlace ? "in-place" : "out-of-place", bad.c_str());
+              }
+            }
+          }
+        }
+      row("programs",
+          loom::strf("%s/%s N=%d: %ld cases", loom::collectiveName(v.coll), loom::streamAlgorithmName(v.algo), N, cases),
+          wrong, firstBad);
+    }
+  }
+}
+
+__global__ void slowFill(float* p, size_t n, float value, long long spinCycles) {
+  long long t0 = clock64();
+  while (clock64() - t0 < spinCycles) {
+  }
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = value;
+}
+
+__global__ void snapshot(float* dst, const float* src, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    dst[i] = src[i];
+}
+
+void testOrder(const loom::CudaApi& api, int N) {
+  const size_t n = size_t(3) << 20;
+  long wrong = 0;
+  for (StreamAlgorithm a : {StreamAlgorithm::OneShot, StreamAlgorithm::ReduceScatterAllGather}) {
+    Ranks R(N, size_t(1) << 20);
+    std::vector<float*> buf(static_cast<size_t>(N)), snap(static_cast<size_t>(N));
+    for (int r = 0; r < N; ++r) {
+      CK(cudaMalloc(&buf[size_t(r)], n * 4));
+      CK(cudaMalloc(&snap[size_t(r)], n * 4));
+      CK(cudaMemset(buf[size_t(r)], 0, n * 4));
+    }
+    for (int r = 0; r < N; ++r) {
+      cudaStream_t s = R.streams[size_t(2 * r)];
+      slowFill<<<256, 256, 0, s>>>(buf[size_t(r)], n, float(r + 1), 50000000LL);
+      loom::OpDesc o;
+      o.sendbuf = o.recvbuf = buf[size_t(r)];
+      o.count = n;
+      loom::StreamProgram p = loom::compileStreamProgram(o, r, N, a, R.slot, &R.rounds[size_t(r)]);
+      loom::CudaStreamBackend be(api, {s, R.streams[size_t(2 * r + 1)]}, {R.events[size_t(2 * r)], R.events[size_t(2 * r + 1)]});
+      loom::enqueueProgram(be, p, R.buffers(buf[size_t(r)], n * 4, buf[size_t(r)], n * 4));
+      snapshot<<<256, 256, 0, s>>>(snap[size_t(r)], buf[size_t(r)], n);
+    }
+    if (!R.finishAll(120)) {
+      std::printf("HANG: order test\n");
+      std::exit(1);
+    }
+    const float want = float(N * (N + 1) / 2);
+    for (int r = 0; r < N; ++r) {
+      std::vector<float> got(n);
+      CK(cudaMemcpy(got.data(), snap[size_t(r)], n * 4, cudaMemcpyDeviceToHost));
+      for (float x : got)
+        if (x != want) {
+          ++wrong;
+          break;
+        }
+      CK(cudaFree(buf[size_t(r)]));
+      CK(cudaFree(snap[size_t(r)]));
+    }
+  }
+  row("order", loom::strf("slow kernel -> all-reduce -> snapshot kernel, one stream, N=%d", N), wrong,
+      "a snapshot saw input or partial results");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int> ranks = {1, 2, 4};
+  size_t maxCount = size_t(64) << 20;  // 256 MiB of float32
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--ranks")) {
+      ranks.clear();
+      for (char* s = argv[i + 1]; *s;) {
+        ranks.push_back(int(std::strtol(s, &s, 10)));
+        if (*s == ',') ++s;
+      }
+    } else if (!std::strcmp(argv[i], "--max-count")) {
+      maxCount = std::strtoull(argv[i + 1], nullptr, 10);
+    }
+  }
+  int devices = 0;
+  CK(cudaGetDeviceCount(&devices));
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device 0: %s (sm_%d%d), %d device(s)\n", prop.name, prop.major, prop.minor, devices);
+  const loom::CudaApi* api = loomCudaPluginApi(loom::kCudaApiVersion);
+  std::printf("%-10s %-64s %8s  %s\n", "check", "cases", "wrong", "result");
+  try {
+    testKernels(*api);
+    testPrograms(*api, ranks, maxCount);
+    for (int N : ranks) testOrder(*api, N);
+  } catch (const loom::Error& e) {  // a CUDA call failed (CudaStreamBackend says which, with CUDA's message)
+    std::printf("ERROR %s: %s\n", loomGetErrorString(e.code()), e.what());
+    return 1;
+  }
+  std::printf("%s\n", g_failures ? "FAILED" : "all passed");
+  return g_failures ? 1 : 0;
+}

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU suite, one command on a machine with an NVIDIA GPU:
+#   tests/gpu/run.sh [build-dir]        (default: build-gpu)
+# Builds loom with the CUDA plug-in for the GPU found (its compute
+# capability), runs the host-side CUDA unit tests, the GPU checks
+# (loom-gpu-tests: kernels bit for bit against the host, every collective x
+# program variant with 1, 2 and 4 ranks on the one GPU, stream order), a short
+# run under compute-sanitizer when it is installed, and prints a table.
+# Exits non-zero on any wrong value, error or hang.
+set -uo pipefail
+here=$(cd "$(dirname "$0")/../.." && pwd)
+build=${1:-$here/build-gpu}
+nvsmi=$(command -v nvidia-smi || true)
+if [[ -z "$nvsmi" ]] || ! "$nvsmi" -L >/dev/null 2>&1; then
+  echo "run.sh: no GPU (nvidia-smi -L fails): nothing to run" >&2
+  exit 77
+fi
+"$nvsmi" -L
+cap=$("$nvsmi" --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .')
+export PATH=/usr/local/cuda/bin:$PATH
+echo "== build for sm_$cap in $build"
+cmake -S "$here" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_BUILD_TORCH=OFF \
+  -DLOOM_CUDA_ARCHS="$cap" >"$build.cmake.log" 2>&1 || { tail -20 "$build.cmake.log"; exit 1; }
+cmake --build "$build" -j"$(nproc)" --target loom loom_cuda loom-unit-tests loom-gpu-tests \
+  >"$build.build.log" 2>&1 || { tail -40 "$build.build.log"; exit 1; }
+
+declare -a names results
+status=0
+step() {  # step NAME COMMAND...: runs it, records ok/FAIL
+  local name=$1; shift
+  echo "== $name: $*"
+  if "$@"; then results+=("ok"); else results+=("FAIL ($?)"); status=1; fi
+  names+=("$name")
+}
+step "host-side CUDA unit tests" "$build/bin/loom-unit-tests" "[cuda]"
+step "stream programs (simulated device)" "$build/bin/loom-unit-tests" "[streamprog]"
+step "GPU: kernels, programs (1,2,4 ranks), order" timeout 1800 "$build/bin/loom-gpu-tests" --ranks 1,2,4
+if command -v compute-sanitizer >/dev/null; then
+  step "compute-sanitizer (memcheck, short run)" timeout 1800 compute-sanitizer --error-exitcode 1 \
+    "$build/bin/loom-gpu-tests" --ranks 2 --max-count 4096
+else
+  names+=("compute-sanitizer"); results+=("not installed")
+fi
+echo
+printf '%-50s %s\n' "step" "result"
+for i in "${!names[@]}"; do printf '%-50s %s\n' "${names[$i]}" "${results[$i]}"; done
+exit $status

@@ -1,0 +1,273 @@
+// The simulated device of tests/sim_device.h.
+#include "tests/sim_device.h"
+
+#include <chrono>
+#include <cstring>
+
+#include "src/core/clock.h"
+#include "src/core/error.h"
+#include "src/device/device.h"
+#include "src/device/host_reduce.h"
+
+namespace loomsim {
+
+namespace {
+
+uint64_t nextRandom(uint64_t& s) {  // xorshift64*
+  s ^= s >> 12;
+  s ^= s << 25;
+  s ^= s >> 27;
+  return s * 2685821657736338717ull;
+}
+
+}  // namespace
+
+SimStream::SimStream(SimRank& rank, SimGpu& gpu, uint64_t seed)
+    : rank_(rank), gpu_(gpu), rng_(seed | 1), thread_([this] { loop(); }) {}
+
+SimStream::~SimStream() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void SimStream::enqueue(std::function<void()> fn, bool usesGpu) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    queue_.emplace_back(std::move(fn), usesGpu);
+  }
+  cv_.notify_all();
+}
+
+void SimStream::drain() {
+  std::unique_lock<std::mutex> g(mu_);
+  cv_.wait(g, [&] { return queue_.empty() && !busy_; });
+}
+
+void SimStream::loop() {
+  const SimDeviceOptions& o = rank_.world_.options();
+  for (;;) {
+    std::pair<std::function<void()>, bool> task;
+    {
+      std::unique_lock<std::mutex> g(mu_);
+      cv_.wait(g, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      task = std::move(queue_.front());
+      queue_.pop_front();
+      busy_ = true;
+    }
+    // A dead rank runs nothing; a failed one skips the rest of its work.
+    if (!rank_.world_.dead(rank_.rank()) && !rank_.failed()) {
+      try {
+        if (task.second) {
+          std::lock_guard<std::mutex> g(gpu_.busy());
+          if (int(nextRandom(rng_) % 1000) < o.pausePermille)
+            std::this_thread::sleep_for(
+                std::chrono::microseconds(nextRandom(rng_) % uint64_t(o.maxPauseUs + 1)));
+          task.first();
+        } else {
+          task.first();
+        }
+      } catch (const loom::Error& e) {
+        rank_.failWith(e.code(), e.what());
+      }
+    }
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      busy_ = false;
+    }
+    cv_.notify_all();
+  }
+}
+
+SimRank::SimRank(SimDeviceWorld& world, int rank, SimGpu& gpu, int streams, uint64_t seed)
+    : world_(world), rank_(rank), gpu_(gpu) {
+  for (int s = 0; s < streams; ++s)
+    streams_.push_back(std::make_unique<SimStream>(*this, gpu, seed * 1000003u + uint64_t(s) * 7919u + 1));
+  for (int e = 0; e < 8; ++e) events_.push_back(std::make_unique<Event>());
+}
+
+SimRank::~SimRank() { streams_.clear(); }
+
+SimStream& SimRank::stream(int s) {
+  if (s < 0 || size_t(s) >= streams_.size())
+    loom::fail(loomInternalError, "sim rank %d has no stream %d", rank_, s);
+  return *streams_[size_t(s)];
+}
+
+SimRank::Event& SimRank::event(int e) {
+  if (e < 0 || size_t(e) >= events_.size())
+    loom::fail(loomInternalError, "sim rank %d has no event %d", rank_, e);
+  return *events_[size_t(e)];
+}
+
+void SimRank::failWith(loomResult_t code, const std::string& msg) {
+  {
+    std::lock_guard<std::mutex> g(failMu_);
+    if (failCode_ == loomSuccess) {
+      failCode_ = code;
+      failMsg_ = msg;
+    }
+    failed_.store(true, std::memory_order_release);
+  }
+  world_.notify();
+}
+
+std::string SimRank::failure() const {
+  std::lock_guard<std::mutex> g(failMu_);
+  return failMsg_;
+}
+
+loomResult_t SimRank::synchronize(std::string* msg) {
+  for (auto& s : streams_) s->drain();
+  if (world_.dead(rank_)) {
+    if (msg) *msg = loom::strf("rank %d was killed", rank_);
+    return loomRemoteError;
+  }
+  std::lock_guard<std::mutex> g(failMu_);
+  if (msg) *msg = failMsg_;
+  return failCode_;
+}
+
+void SimRank::enqueueWork(int s, std::function<void()> fn) { stream(s).enqueue(std::move(fn), true); }
+
+template <class Ready>
+void SimRank::await(Ready ready, int peer, const char* what) {
+  const int64_t start = loom::nowMs();
+  int spins = 0;
+  for (;;) {
+    const uint64_t gen = world_.generation();
+    if (ready()) return;
+    if (world_.dead(rank_) || failed()) loom::fail(loomInternalError, "rank %d stopped", rank_);
+    if (world_.dead(peer))
+      loom::fail(loomRemoteError, "rank %d: rank %d died while this rank waited for %s", rank_, peer, what);
+    if (peer != rank_ && world_.rank(peer).failed())
+      loom::fail(loomRemoteError, "rank %d: rank %d failed while this rank waited for %s: %s", rank_, peer,
+                 what, world_.rank(peer).failure().c_str());
+    if (loom::nowMs() - start > world_.options().deadlineMs)
+      loom::fail(loomTimeout, "rank %d: no progress for %lld ms waiting for %s of rank %d", rank_,
+                 (long long)world_.options().deadlineMs, what, peer);
+    if (++spins < 16)
+      std::this_thread::yield();
+    else
+      world_.sleepUnless(gen);
+  }
+}
+
+void SimRank::waitFlag(int s, const uint64_t* flag, uint64_t value, int ownerRank) {
+  auto* f = reinterpret_cast<const std::atomic<uint64_t>*>(flag);
+  stream(s).enqueue(
+      [this, f, value, ownerRank] {
+        await([&] { return f->load(std::memory_order_acquire) >= value; }, ownerRank, "a flag");
+      },
+      false);
+}
+
+void SimRank::setFlag(int s, uint64_t* flag, uint64_t value) {
+  auto* f = reinterpret_cast<std::atomic<uint64_t>*>(flag);
+  stream(s).enqueue(
+      [this, f, value] {
+        f->store(value, std::memory_order_release);
+        world_.notify();
+      },
+      true);
+}
+
+void SimRank::copy(int s, void* dst, const void* src, size_t bytes) {
+  stream(s).enqueue([=] { memcpy(dst, src, bytes); }, true);
+}
+
+void SimRank::reduce(int s, void* dst, const void* const* srcs, int nsrcs, size_t count, loomDataType_t type,
+                     loomRedOp_t op) {
+  std::vector<const void*> in(srcs, srcs + nsrcs);
+  stream(s).enqueue(
+      [=] {
+        loom::Device& dev = loom::hostDevice();
+        if (in.size() == 1) {
+          memcpy(dst, in[0], count * loom::dtypeSize(type));
+          return;
+        }
+        dev.reduce(dst, in[0], in[1], count, type, op);
+        for (size_t i = 2; i < in.size(); ++i) dev.reduce(dst, dst, in[i], count, type, op);
+      },
+      true);
+}
+
+void SimRank::divide(int s, void* dst, const void* src, size_t count, loomDataType_t type, int divisor) {
+  stream(s).enqueue([=] { loom::hostDevice().divide(dst, src, count, type, divisor); }, true);
+}
+
+void SimRank::recordEvent(int s, int e) {
+  Event& ev = event(e);
+  uint64_t gen = ++ev.recorded;
+  stream(s).enqueue(
+      [this, &ev, gen] {
+        ev.completed.store(gen, std::memory_order_release);
+        world_.notify();
+      },
+      false);
+}
+
+void SimRank::waitEvent(int s, int e) {
+  Event& ev = event(e);
+  uint64_t gen = ev.recorded;
+  stream(s).enqueue(
+      [this, &ev, gen] {
+        await([&] { return ev.completed.load(std::memory_order_acquire) >= gen; }, rank_, "an event");
+      },
+      false);
+}
+
+SimDeviceWorld::SimDeviceWorld(int nranks, int gpus, size_t windowBytes, SimDeviceOptions opts)
+    : nranks_(nranks), windowBytes_(windowBytes), opts_(opts), dead_(new std::atomic<bool>[size_t(nranks)]) {
+  for (int g = 0; g < gpus; ++g) gpus_.push_back(std::make_unique<SimGpu>(g));
+  for (int r = 0; r < nranks; ++r) {
+    windows_.emplace_back(windowBytes + 256);
+    flags_.emplace_back(new std::atomic<uint64_t>[loom::kFlagCount]);
+    for (int f = 0; f < loom::kFlagCount; ++f) flags_.back()[size_t(f)].store(0);
+    dead_[size_t(r)].store(false);
+    rounds_.push_back(0);
+  }
+  for (int r = 0; r < nranks; ++r)
+    ranks_.push_back(
+        std::make_unique<SimRank>(*this, r, *gpus_[size_t(r % gpus)], 2, opts.seed + uint64_t(r)));
+}
+
+SimDeviceWorld::~SimDeviceWorld() { ranks_.clear(); }
+
+void SimDeviceWorld::notify() {
+  {
+    std::lock_guard<std::mutex> g(wakeMu_);
+    generation_.fetch_add(1, std::memory_order_acq_rel);
+  }
+  wakeCv_.notify_all();
+}
+
+void SimDeviceWorld::sleepUnless(uint64_t gen) {
+  std::unique_lock<std::mutex> g(wakeMu_);
+  wakeCv_.wait_for(g, std::chrono::milliseconds(2),
+                   [&] { return generation_.load(std::memory_order_acquire) != gen; });
+}
+
+loom::ProgramBuffers SimDeviceWorld::buffers(int r, const void* send, size_t sendBytes, void* recv,
+                                             size_t recvBytes) {
+  (void)r;
+  loom::ProgramBuffers b;
+  b.send = send;
+  b.sendBytes = sendBytes;
+  b.recv = recv;
+  b.recvBytes = recvBytes;
+  b.windowBytes = windowBytes_;
+  for (int q = 0; q < nranks_; ++q) {
+    // Windows start on a 256-byte boundary, as device allocations do.
+    uintptr_t p = reinterpret_cast<uintptr_t>(windows_[size_t(q)].data());
+    b.windows.push_back(reinterpret_cast<uint8_t*>((p + 255) & ~uintptr_t(255)));
+    b.flags.push_back(reinterpret_cast<uint64_t*>(&flags_[size_t(q)][0]));
+  }
+  return b;
+}
+
+}  // namespace loomsim

@@ -1,0 +1,174 @@
+// A simulated device that executes stream programs (src/device/stream_program.h)
+// on host memory, so that the device path's logic is tested without a GPU.
+//
+// - Every stream is a thread running its queue in order; enqueueing never
+//   waits (as with CUDA, the host returns at once).
+// - A SimGpu is one device.  Ranks may share one: copies, reductions and the
+//   caller's own work ("kernels") of all its streams run one at a time under
+//   the device's lock, paused at random while holding it (time-slicing), but
+//   waits hold nothing, as stream waits hold no SMs.  A program that spun on
+//   a peer inside a "kernel" would deadlock here as it would on a GPU.
+// - Flags are std::atomic<uint64_t> in memory every rank reads; setFlag is a
+//   release store after the stream's earlier work, waitFlag an acquire load.
+// - Events follow CUDA: a wait waits for the last record enqueued before it.
+// - Reductions use the host device's arithmetic (reduce_ops.h), pairwise in
+//   source order, which is what the CUDA kernels compute too.
+// - kill(r) stops rank r's streams; a wait on a flag of a dead or failed rank
+//   fails with loomRemoteError, any other wait with loomTimeout after the
+//   deadline, so a lost peer is an error, never a hang.  A failed stream
+//   skips the rest of its rank's work.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "loom.h"
+#include "src/device/stream_program.h"
+
+namespace loomsim {
+
+struct SimDeviceOptions {
+  int64_t deadlineMs = 20000;  // a stream wait fails with loomTimeout after this
+  int pausePermille = 50;      // chance per op of a pause while holding the device
+  int maxPauseUs = 200;
+  uint64_t seed = 1;
+};
+
+class SimGpu {
+ public:
+  explicit SimGpu(int id) : id_(id) {}
+  int id() const { return id_; }
+  std::mutex& busy() { return busy_; }
+
+ private:
+  int id_;
+  std::mutex busy_;
+};
+
+class SimDeviceWorld;
+class SimRank;
+
+class SimStream {
+ public:
+  SimStream(SimRank& rank, SimGpu& gpu, uint64_t seed);
+  ~SimStream();
+  // fn runs in stream order; a loom::Error it throws fails the rank.  With
+  // usesGpu it holds the device (a kernel or a copy), else it is a wait.
+  void enqueue(std::function<void()> fn, bool usesGpu);
+  // Returns once everything enqueued so far has run or been skipped.
+  void drain();
+
+ private:
+  void loop();
+  SimRank& rank_;
+  SimGpu& gpu_;
+  uint64_t rng_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<std::function<void()>, bool>> queue_;
+  bool busy_ = false;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+// One rank's device side: its streams and events, and the StreamBackend
+// that enqueueProgram drives.  Stream 0 is the caller's stream.
+class SimRank final : public loom::StreamBackend {
+ public:
+  SimRank(SimDeviceWorld& world, int rank, SimGpu& gpu, int streams, uint64_t seed);
+  ~SimRank() override;
+  int rank() const { return rank_; }
+  SimGpu& gpu() { return gpu_; }
+
+  // The caller's own work on one of its streams (a "kernel").
+  void enqueueWork(int stream, std::function<void()> fn);
+  // Waits for every stream; loomSuccess or the first error (message in *msg).
+  loomResult_t synchronize(std::string* msg);
+
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
+  std::string failure() const;
+  void failWith(loomResult_t code, const std::string& msg);
+
+  void waitFlag(int stream, const uint64_t* flag, uint64_t value, int ownerRank) override;
+  void setFlag(int stream, uint64_t* flag, uint64_t value) override;
+  void copy(int stream, void* dst, const void* src, size_t bytes) override;
+  void reduce(int stream, void* dst, const void* const* srcs, int nsrcs, size_t count, loomDataType_t type,
+              loomRedOp_t op) override;
+  void divide(int stream, void* dst, const void* src, size_t count, loomDataType_t type,
+              int divisor) override;
+  void recordEvent(int stream, int event) override;
+  void waitEvent(int stream, int event) override;
+
+ private:
+  friend class SimStream;
+  struct Event {
+    uint64_t recorded = 0;  // records enqueued (host side)
+    std::atomic<uint64_t> completed{0};
+  };
+  SimStream& stream(int s);
+  Event& event(int e);
+  // Polls ready() until true, failing on a dead/failed peer or the deadline.
+  template <class Ready>
+  void await(Ready ready, int peer, const char* what);
+
+  SimDeviceWorld& world_;
+  int rank_;
+  SimGpu& gpu_;
+  std::vector<std::unique_ptr<SimStream>> streams_;
+  std::vector<std::unique_ptr<Event>> events_;
+  std::atomic<bool> failed_{false};
+  mutable std::mutex failMu_;
+  loomResult_t failCode_ = loomSuccess;
+  std::string failMsg_;
+};
+
+// N ranks, their windows and flags, spread over `gpus` simulated devices
+// (rank r on device r % gpus; gpus = 1: all ranks share one device).
+class SimDeviceWorld {
+ public:
+  SimDeviceWorld(int nranks, int gpus, size_t windowBytes, SimDeviceOptions opts = {});
+  ~SimDeviceWorld();
+  int nranks() const { return nranks_; }
+  const SimDeviceOptions& options() const { return opts_; }
+  SimRank& rank(int r) { return *ranks_[size_t(r)]; }
+  // The communicator's round counter as rank r keeps it.
+  uint64_t& round(int r) { return rounds_[size_t(r)]; }
+  loom::ProgramBuffers buffers(int r, const void* send, size_t sendBytes, void* recv, size_t recvBytes);
+  uint64_t flag(int r, int f) const { return flags_[size_t(r)][size_t(f)].load(); }
+
+  // Rank r dies: its streams run nothing more; waits on its flags fail.
+  void kill(int r) {
+    dead_[size_t(r)].store(true, std::memory_order_release);
+    notify();
+  }
+  bool dead(int r) const { return dead_[size_t(r)].load(std::memory_order_acquire); }
+
+  // Waiting streams sleep here until something they may wait for changed
+  // (a flag set, an event completed, a rank failed) or 2 ms passed.
+  uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
+  void notify();
+  void sleepUnless(uint64_t generation);
+
+ private:
+  int nranks_;
+  size_t windowBytes_;
+  SimDeviceOptions opts_;
+  std::vector<std::unique_ptr<SimGpu>> gpus_;
+  std::vector<std::vector<uint8_t>> windows_;
+  std::vector<std::unique_ptr<std::atomic<uint64_t>[]>> flags_;
+  std::unique_ptr<std::atomic<bool>[]> dead_;
+  std::vector<uint64_t> rounds_;
+  std::atomic<uint64_t> generation_{0};
+  std::mutex wakeMu_;
+  std::condition_variable wakeCv_;
+  std::vector<std::unique_ptr<SimRank>> ranks_;
+};
+
+}  // namespace loomsim

@@ -1,0 +1,573 @@
+// Stream programs (src/device/stream_program.h, algorithms/stream_collectives.cc)
+// run on the simulated device (tests/sim_device.h): exact results for every
+// collective and program variant, N = 1..8, ranks sharing one device and
+// spread over several, every datatype and op (floats bit for bit against the
+// host arithmetic combined in rank order, which is what the host one-shot
+// path computes), in and out of place, counts 0, 1, odd and large, many
+// rounds per operation and operations back to back on one world; stream
+// ordering against the caller's own work; a killed or absent rank turning
+// into an error within the deadline; bad programs refused before anything
+// is enqueued.
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "algorithms/stream_collectives.h"
+#include "src/core/error.h"
+#include "src/device/device.h"
+#include "src/device/host_reduce.h"
+#include "tests/sim_device.h"
+
+namespace {
+
+using loom::Collective;
+using loom::StreamAlgorithm;
+
+const loomDataType_t kAllTypes[] = {loomInt8,   loomUint8,   loomInt32,   loomUint32,  loomInt64,
+                                    loomUint64, loomFloat16, loomFloat32, loomFloat64, loomBfloat16};
+const loomRedOp_t kAllOps[] = {loomSum, loomProd, loomMax, loomMin, loomAvg};
+
+struct Variant {
+  Collective coll;
+  StreamAlgorithm algo;
+};
+const Variant kVariants[] = {
+    {Collective::AllReduce, StreamAlgorithm::OneShot},
+    {Collective::AllReduce, StreamAlgorithm::ReduceScatterAllGather},
+    {Collective::ReduceScatter, StreamAlgorithm::OneShot},
+    {Collective::AllGather, StreamAlgorithm::OneShot},
+    {Collective::Broadcast, StreamAlgorithm::OneShot},
+    {Collective::Reduce, StreamAlgorithm::OneShot},
+};
+
+bool reducing(Collective c) {
+  return c == Collective::AllReduce || c == Collective::ReduceScatter || c == Collective::Reduce;
+}
+
+struct Case {
+  Variant v;
+  loomDataType_t type = loomFloat32;
+  loomRedOp_t op = loomSum;
+  size_t count = 0;
+  int root = 0;
+  bool inPlace = false;
+};
+
+std::string caseName(const Case& c, int n) {
+  return loom::strf("%s/%s N=%d %s %s count=%zu root=%d %s", loom::collectiveName(c.v.coll),
+                    loom::streamAlgorithmName(c.v.algo), n, loom::dtypeName(c.type), loom::redOpName(c.op),
+                    c.count, c.root, c.inPlace ? "in-place" : "out-of-place");
+}
+
+// Random inputs with no special values: floats of mixed magnitudes, so a
+// different combining order gives different bits.
+void fillRandom(uint8_t* p, size_t n, loomDataType_t t, std::mt19937_64& rng) {
+  std::uniform_real_distribution<double> mant(-1.0, 1.0);
+  std::uniform_int_distribution<int> ex(-6, 6);
+  const size_t esz = loom::dtypeSize(t);
+  for (size_t i = 0; i < n; ++i) {
+    double x = std::ldexp(mant(rng), ex(rng));
+    uint8_t* e = p + i * esz;
+    switch (t) {
+      case loomFloat16: {
+        uint16_t h = loom::floatToHalf(float(x));
+        memcpy(e, &h, 2);
+        break;
+      }
+      case loomBfloat16: {
+        uint16_t h = loom::floatToBf16(float(x));
+        memcpy(e, &h, 2);
+        break;
+      }
+      case loomFloat32: {
+        float f = float(x);
+        memcpy(e, &f, 4);
+        break;
+      }
+      case loomFloat64:
+        memcpy(e, &x, 8);
+        break;
+      default: {
+        uint64_t r = rng();
+        memcpy(e, &r, esz);
+      }
+    }
+  }
+}
+
+// A rank's memory: one block with guard bytes on both sides.
+struct Guarded {
+  static constexpr size_t kGuard = 64;
+  std::vector<uint8_t> mem;
+  explicit Guarded(size_t bytes) : mem(bytes + 2 * kGuard) {
+    for (size_t i = 0; i < mem.size(); ++i) mem[i] = uint8_t(0xA5 ^ i);
+  }
+  uint8_t* data() { return mem.data() + kGuard; }
+  size_t size() const { return mem.size() - 2 * kGuard; }
+  bool guardsIntact() const {
+    for (size_t i = 0; i < kGuard; ++i) {
+      if (mem[i] != uint8_t(0xA5 ^ i)) return false;
+      size_t j = mem.size() - 1 - i;
+      if (mem[j] != uint8_t(0xA5 ^ j)) return false;
+    }
+    return true;
+  }
+};
+
+// Runs one collective on every rank of `w` and checks it; "" when right.
+std::string runCase(loomsim::SimDeviceWorld& w, const Case& c, size_t slotBytes, uint64_t seed) {
+  const int N = w.nranks();
+  const size_t esz = loom::dtypeSize(c.type), n = c.count;
+  size_t sendElems = n, recvElems = n;
+  if (c.v.coll == Collective::ReduceScatter) sendElems = size_t(N) * n;
+  if (c.v.coll == Collective::AllGather) recvElems = size_t(N) * n;
+  const size_t bufElems = std::max(sendElems, recvElems);
+  std::mt19937_64 rng(seed);
+
+  std::vector<Guarded> sendMem, recvMem;
+  std::vector<const uint8_t*> send(static_cast<size_t>(N));
+  std::vector<uint8_t*> recv(static_cast<size_t>(N));
+  std::vector<std::vector<uint8_t>> input(static_cast<size_t>(N)), before(static_cast<size_t>(N));
+  for (int r = 0; r < N; ++r) {
+    sendMem.emplace_back(c.inPlace ? 0 : sendElems * esz);
+    recvMem.emplace_back(c.inPlace ? bufElems * esz : recvElems * esz);
+    Guarded& rm = recvMem.back();
+    fillRandom(rm.data(), rm.size() / esz, c.type, rng);  // recv starts as garbage
+    uint8_t* in;
+    if (!c.inPlace) {
+      in = sendMem.back().data();
+      recv[size_t(r)] = rm.data();
+    } else if (c.v.coll == Collective::ReduceScatter) {
+      in = rm.data();
+      recv[size_t(r)] = rm.data() + size_t(r) * n * esz;
+    } else if (c.v.coll == Collective::AllGather) {
+      in = rm.data() + size_t(r) * n * esz;
+      recv[size_t(r)] = rm.data();
+    } else {
+      in = rm.data();
+      recv[size_t(r)] = rm.data();
+    }
+    fillRandom(in, sendElems, c.type, rng);
+    send[size_t(r)] = in;
+    input[size_t(r)].assign(in, in + sendElems * esz);
+    before[size_t(r)].assign(recv[size_t(r)], recv[size_t(r)] + recvElems * esz);
+  }
+
+  // Expected outputs: the host arithmetic, ranks combined in rank order.
+  loom::Device& host = loom::hostDevice();
+  auto fold = [&](size_t blockOff, std::vector<uint8_t>* out) {
+    out->assign(input[0].begin() + long(blockOff), input[0].begin() + long(blockOff + n * esz));
+    for (int q = 1; q < N; ++q)
+      host.reduce(out->data(), out->data(), input[size_t(q)].data() + blockOff, n, c.type, c.op);
+    if (c.op == loomAvg) host.divide(out->data(), out->data(), n, c.type, N);
+  };
+  std::vector<std::vector<uint8_t>> expect(static_cast<size_t>(N));
+  for (int r = 0; r < N; ++r) {
+    std::vector<uint8_t>& e = expect[size_t(r)];
+    switch (c.v.coll) {
+      case Collective::AllReduce:
+        fold(0, &e);
+        break;
+      case Collective::ReduceScatter:
+        fold(size_t(r) * n * esz, &e);
+        break;
+      case Collective::AllGather:
+        for (int q = 0; q < N; ++q) e.insert(e.end(), input[size_t(q)].begin(), input[size_t(q)].end());
+        break;
+      case Collective::Broadcast:
+        e = input[size_t(c.root)];
+        break;
+      case Collective::Reduce:
+        if (r == c.root)
+          fold(0, &e);
+        else
+          e = before[size_t(r)];  // untouched
+        break;
+      case Collective::P2P:
+        break;
+    }
+  }
+
+  for (int r = 0; r < N; ++r) {
+    loom::OpDesc op;
+    op.coll = c.v.coll;
+    op.sendbuf = send[size_t(r)];
+    op.recvbuf = recv[size_t(r)];
+    op.count = n;
+    op.dtype = c.type;
+    op.op = c.op;
+    op.root = c.root;
+    loom::StreamProgram p = loom::compileStreamProgram(op, r, N, c.v.algo, slotBytes, &w.round(r));
+    loom::enqueueProgram(w.rank(r), p,
+                         w.buffers(r, send[size_t(r)], sendElems * esz, recv[size_t(r)], recvElems * esz));
+  }
+  std::string problems;
+  for (int r = 0; r < N; ++r) {
+    std::string msg;
+    loomResult_t res = w.rank(r).synchronize(&msg);
+    if (res != loomSuccess) problems += loom::strf("rank %d failed (%d): %s; ", r, int(res), msg.c_str());
+  }
+  if (!problems.empty()) return problems;
+  for (int r = 0; r < N; ++r) {
+    const std::vector<uint8_t>& e = expect[size_t(r)];
+    if (memcmp(recv[size_t(r)], e.data(), e.size()) != 0) {
+      size_t i = 0;
+      while (recv[size_t(r)][i] == e[i]) ++i;
+      return loom::strf("rank %d: wrong result at element %zu of %zu", r, i / esz, e.size() / esz);
+    }
+    if (!recvMem[size_t(r)].guardsIntact()) return loom::strf("rank %d: recv guard overwritten", r);
+    if (!c.inPlace) {
+      if (memcmp(send[size_t(r)], input[size_t(r)].data(), input[size_t(r)].size()) != 0)
+        return loom::strf("rank %d: send buffer changed", r);
+      if (!sendMem[size_t(r)].guardsIntact()) return loom::strf("rank %d: send guard overwritten", r);
+    }
+  }
+  return "";
+}
+
+bool check(loomsim::SimDeviceWorld& w, const Case& c, size_t slotBytes, uint64_t seed) {
+  std::string why = runCase(w, c, slotBytes, seed);
+  INFO(caseName(c, w.nranks()) << ": " << why);
+  CHECK(why.empty());
+  return why.empty();
+}
+
+}  // namespace
+
+TEST_CASE(
+    "stream programs: every collective and variant is exact for N = 1..8, on one shared device and on "
+    "several",
+    "[streamprog]") {
+  const size_t slot = 2048;  // small slots: many rounds, both slots, the reuse guard
+  uint64_t seed = 1;
+  for (int n = 1; n <= 8; ++n)
+    for (int gpus : std::vector<int>(n == 1 ? std::vector<int>{1} : std::vector<int>{1, n})) {
+      loomsim::SimDeviceWorld w(n, gpus, loom::streamWindowBytes(slot));
+      for (const Variant& v : kVariants)
+        for (loomDataType_t t :
+             {loomBfloat16, loomInt64})  // 2- and 8-byte elements (every type: the next test)
+          for (size_t count : {size_t(0), size_t(1), size_t(37), size_t(2053)})
+            for (bool inPlace : {false, true}) {
+              Case c;
+              c.v = v;
+              c.type = t;
+              c.op = loomSum;
+              c.count = count;
+              c.root = (n - 1) / 2;
+              c.inPlace = inPlace;
+              if (!check(w, c, slot, seed++)) return;
+            }
+    }
+}
+
+TEST_CASE("stream programs: every datatype and op is exact, floats bit for bit with the host arithmetic",
+          "[streamprog]") {
+  const size_t slot = 4096;
+  uint64_t seed = 100;
+  for (int gpus : {1, 2}) {
+    const int n = 3;
+    loomsim::SimDeviceWorld w(n, gpus, loom::streamWindowBytes(slot));
+    for (const Variant& v : kVariants) {
+      if (!reducing(v.coll)) continue;
+      for (loomDataType_t t : kAllTypes)
+        for (loomRedOp_t op : kAllOps)
+          for (bool inPlace : {false, true}) {
+            Case c;
+            c.v = v;
+            c.type = t;
+            c.op = op;
+            c.count = 1031;
+            c.root = 1;
+            c.inPlace = inPlace;
+            if (!check(w, c, slot, seed++)) return;
+          }
+    }
+  }
+}
+
+TEST_CASE(
+    "stream programs: large sizes are exact (all-reduce 1 Mi float32 with 4 and 8 ranks, the others 256 Ki)",
+    "[streamprog]") {
+  const size_t slot = 256 << 10;
+  for (int n : {4, 8}) {
+    loomsim::SimDeviceOptions o;
+    o.pausePermille = 0;  // thousands of ops: pauses would only make it slow
+    loomsim::SimDeviceWorld w(n, 2, loom::streamWindowBytes(slot), o);
+    for (const Variant& v : kVariants) {
+      if (v.coll != Collective::AllReduce && n != 4) continue;
+      Case c;
+      c.v = v;
+      c.type = loomFloat32;
+      c.op = loomSum;
+      c.count = v.coll == Collective::AllReduce ? (size_t(1) << 20) + 3 : (size_t(1) << 18) + 3;
+      c.root = 1;
+      c.inPlace = v.algo == StreamAlgorithm::OneShot;
+      check(w, c, slot, 7);
+    }
+  }
+}
+
+TEST_CASE(
+    "stream programs: a collective reads its input only after the caller's earlier work, and later work "
+    "follows it",
+    "[streamprog]") {
+  const size_t slot = 512;
+  for (const Variant& v : kVariants) {
+    const int N = 4;
+    loomsim::SimDeviceWorld w(N, 1, loom::streamWindowBytes(slot));
+    const size_t n = 1000;
+    size_t sendElems = v.coll == Collective::ReduceScatter ? N * n : n;
+    size_t recvElems = v.coll == Collective::AllGather ? N * n : n;
+    std::vector<std::vector<int32_t>> send(N, std::vector<int32_t>(sendElems, -1)),
+        recv(N, std::vector<int32_t>(recvElems, -7)), seen(N);
+    for (int r = 0; r < N; ++r) {
+      // The caller's "kernel" produces the input late (while the program is
+      // already enqueued behind it) ...
+      w.rank(r).enqueueWork(0, [&, r] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        for (size_t i = 0; i < sendElems; ++i) send[size_t(r)][i] = int32_t(1000 * r + int(i % 997));
+      });
+      loom::OpDesc op;
+      op.coll = v.coll;
+      op.sendbuf = send[size_t(r)].data();
+      op.recvbuf = recv[size_t(r)].data();
+      op.count = n;
+      op.dtype = loomInt32;
+      op.op = loomSum;
+      op.root = 2;
+      loom::StreamProgram p = loom::compileStreamProgram(op, r, N, v.algo, slot, &w.round(r));
+      loom::enqueueProgram(
+          w.rank(r), p,
+          w.buffers(r, send[size_t(r)].data(), sendElems * 4, recv[size_t(r)].data(), recvElems * 4));
+      // ... and the next "kernel" on the caller's stream snapshots the output.
+      w.rank(r).enqueueWork(0, [&, r] { seen[size_t(r)] = recv[size_t(r)]; });
+    }
+    for (int r = 0; r < N; ++r) {
+      std::string msg;
+      REQUIRE(w.rank(r).synchronize(&msg) == loomSuccess);
+    }
+    for (int r = 0; r < N; ++r) {
+      INFO(loom::collectiveName(v.coll) << "/" << loom::streamAlgorithmName(v.algo) << " rank " << r);
+      // The snapshot taken after the collective in stream order is the final
+      // result, and the result is of the late input, not of the -1s.
+      CHECK(seen[size_t(r)] == recv[size_t(r)]);
+      size_t bad = 0;
+      for (size_t i = 0; i < recvElems; ++i) {
+        int32_t want = 0;
+        int32_t e = int32_t(i % n % 997);
+        switch (v.coll) {
+          case Collective::AllReduce:
+            want = N * e + 1000 * (0 + 1 + 2 + 3);
+            break;
+          case Collective::ReduceScatter: {
+            int32_t g = int32_t((size_t(r) * n + i) % 997);
+            want = N * g + 1000 * 6;
+            break;
+          }
+          case Collective::AllGather:
+            want = int32_t(1000 * (i / n)) + e;
+            break;
+          case Collective::Broadcast:
+            want = 2000 + e;
+            break;
+          case Collective::Reduce:
+            want = r == 2 ? N * e + 6000 : -7;
+            break;
+          case Collective::P2P:
+            break;
+        }
+        if (recv[size_t(r)][i] != want) ++bad;
+      }
+      CHECK(bad == 0);
+    }
+  }
+}
+
+TEST_CASE("stream programs: a killed rank makes the others fail within the deadline, not hang",
+          "[streamprog]") {
+  for (StreamAlgorithm a : {StreamAlgorithm::OneShot, StreamAlgorithm::ReduceScatterAllGather})
+    for (bool dies : {true, false}) {
+      loomsim::SimDeviceOptions o;
+      o.deadlineMs = 1500;
+      const int N = 4, victim = 2;
+      const size_t slot = 1024, n = 5000;
+      loomsim::SimDeviceWorld w(N, 1, loom::streamWindowBytes(slot), o);
+      if (dies) w.kill(victim);
+      std::vector<std::vector<float>> buf(N, std::vector<float>(n, 1.0f));
+      auto start = std::chrono::steady_clock::now();
+      for (int r = 0; r < N; ++r) {
+        loom::OpDesc op;
+        op.coll = Collective::AllReduce;
+        op.sendbuf = op.recvbuf = buf[size_t(r)].data();
+        op.count = n;
+        loom::StreamProgram p = loom::compileStreamProgram(op, r, N, a, slot, &w.round(r));
+        // Without `dies` the victim is alive but never joins.
+        if (r != victim || dies)
+          loom::enqueueProgram(w.rank(r), p,
+                               w.buffers(r, buf[size_t(r)].data(), n * 4, buf[size_t(r)].data(), n * 4));
+      }
+      for (int r = 0; r < N; ++r) {
+        if (r == victim) continue;
+        std::string msg;
+        loomResult_t res = w.rank(r).synchronize(&msg);
+        INFO(loom::streamAlgorithmName(a) << (dies ? " killed" : " absent") << " rank " << r << ": " << msg);
+        if (dies) {
+          CHECK(res == loomRemoteError);
+        } else {
+          // Ranks waiting on the absent one time out; the rest may see that
+          // failure first (remote error).
+          CHECK((res == loomTimeout || res == loomRemoteError));
+        }
+        CHECK(!msg.empty());
+      }
+      double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      // Each wait gives up after deadlineMs; a chain of failures takes about one.
+      CHECK(s < 10.0);
+    }
+}
+
+TEST_CASE(
+    "stream programs: flag values only grow, every wait is answered by a set, and each round uses one slot",
+    "[streamprog]") {
+  for (const Variant& v : kVariants)
+    for (int n : {2, 5}) {
+      std::vector<uint64_t> round(size_t(n), 0);
+      std::vector<std::vector<loom::StreamProgram>> progs(static_cast<size_t>(n));
+      for (int k = 0; k < 3; ++k)
+        for (int r = 0; r < n; ++r) {
+          loom::OpDesc op;
+          op.coll = v.coll;
+          op.sendbuf = reinterpret_cast<void*>(0x1000);
+          op.recvbuf = reinterpret_cast<void*>(0x900000);
+          op.count = 700 + size_t(k);
+          op.root = k % n;
+          progs[size_t(r)].push_back(loom::compileStreamProgram(op, r, n, v.algo, 1024, &round[size_t(r)]));
+        }
+      for (int r = 1; r < n; ++r) CHECK(round[size_t(r)] == round[0]);
+      // Every (rank, flag) value set is strictly larger than the one before;
+      // every wait names a value its owner sets in the same operation.
+      for (int k = 0; k < 3; ++k) {
+        for (int r = 0; r < n; ++r) {
+          const loom::StreamProgram& p = progs[size_t(r)][size_t(k)];
+          for (const loom::StreamOp& o : p.ops) {
+            if (o.kind != loom::StreamOpKind::WaitFlag) continue;
+            if (o.flag == loom::kFlagDone && o.value < p.firstRound + 1) continue;  // an earlier op's round
+            bool answered = false;
+            for (const loom::StreamOp& s : progs[size_t(o.flagRank)][size_t(k)].ops)
+              answered |= s.kind == loom::StreamOpKind::SetFlag && s.flag == o.flag && s.value == o.value;
+            INFO(loom::collectiveName(v.coll) << " rank " << r << " op " << k << "\n" << p.describe());
+            CHECK(answered);
+          }
+        }
+      }
+      for (int r = 0; r < n; ++r) {
+        uint64_t last[loom::kFlagCount] = {};
+        for (const loom::StreamProgram& p : progs[size_t(r)])
+          for (const loom::StreamOp& o : p.ops)
+            if (o.kind == loom::StreamOpKind::SetFlag) {
+              CHECK(o.value > last[o.flag]);
+              last[o.flag] = o.value;
+            }
+      }
+    }
+}
+
+TEST_CASE(
+    "stream programs: a program that would touch memory outside its buffers is refused before anything runs",
+    "[streamprog]") {
+  loomsim::SimDeviceWorld w(2, 1, 4096);
+  std::vector<float> a(100), b(100);
+  loom::OpDesc op;
+  op.coll = Collective::AllReduce;
+  op.sendbuf = a.data();
+  op.recvbuf = b.data();
+  op.count = 100;
+  uint64_t round = 0;
+  loom::StreamProgram p = loom::compileStreamProgram(op, 0, 2, StreamAlgorithm::OneShot, 2048, &round);
+  // The buffers are smaller than the program's count.
+  try {
+    loom::enqueueProgram(w.rank(0), p, w.buffers(0, a.data(), 50 * 4, b.data(), 100 * 4));
+    FAIL("no error");
+  } catch (const loom::Error& e) {
+    CHECK(e.code() == loomInternalError);
+    CHECK(std::string(e.what()).find("past the send buffer") != std::string::npos);
+  }
+  // Nothing of it was enqueued: no flag was set.
+  std::string msg;
+  CHECK(w.rank(0).synchronize(&msg) == loomSuccess);
+  CHECK(w.flag(0, loom::kFlagInput) == 0);
+}
+
+TEST_CASE(
+    "stream programs: ranks on their own threads, each compiling, enqueueing and synchronizing, stay exact",
+    "[streamprog]") {
+  const int N = 8, kOpsPerRank = 24;
+  const size_t slot = 1024, n = 777;
+  loomsim::SimDeviceWorld w(N, 3, loom::streamWindowBytes(slot));  // 3 devices: some shared by 3 ranks
+  std::vector<std::string> errors(static_cast<size_t>(N));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < N; ++r)
+    threads.emplace_back([&, r] {
+      std::vector<int32_t> buf(n);
+      for (int k = 0; k < kOpsPerRank && errors[size_t(r)].empty(); ++k) {
+        for (size_t i = 0; i < n; ++i) buf[i] = int32_t(r + 1 + k + int(i));
+        loom::OpDesc op;
+        op.sendbuf = op.recvbuf = buf.data();
+        op.count = n;
+        op.dtype = loomInt32;
+        StreamAlgorithm a = k % 2 ? StreamAlgorithm::OneShot : StreamAlgorithm::ReduceScatterAllGather;
+        loom::StreamProgram p = loom::compileStreamProgram(op, r, N, a, slot, &w.round(r));
+        loom::enqueueProgram(w.rank(r), p, w.buffers(r, buf.data(), n * 4, buf.data(), n * 4));
+        std::string msg;
+        if (w.rank(r).synchronize(&msg) != loomSuccess) {
+          errors[size_t(r)] = msg;
+          break;
+        }
+        for (size_t i = 0; i < n; ++i)
+          if (buf[i] != int32_t(N * (N + 1) / 2 + N * (k + int(i)))) {
+            errors[size_t(r)] = loom::strf("op %d: wrong element %zu", k, i);
+            break;
+          }
+      }
+    });
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < N; ++r) {
+    INFO("rank " << r << ": " << errors[size_t(r)]);
+    CHECK(errors[size_t(r)].empty());
+  }
+}
+
+TEST_CASE(
+    "simulated device: a kernel spinning on a peer's flag starves the peer that shares its device (why "
+    "programs "
+    "only use stream waits)",
+    "[streamprog]") {
+  for (int gpus : {1, 2}) {
+    loomsim::SimDeviceOptions o;
+    o.pausePermille = 0;
+    loomsim::SimDeviceWorld w(2, gpus, 4096, o);
+    loom::ProgramBuffers b = w.buffers(1, nullptr, 0, nullptr, 0);
+    auto* flag = reinterpret_cast<std::atomic<uint64_t>*>(b.flags[1] + loom::kFlagInput);
+    bool seen = false;
+    std::atomic<bool> running{false};
+    // Rank 0's "kernel" polls rank 1's flag for 300 ms; rank 1 sets it with
+    // a stream write, which needs its device.
+    w.rank(0).enqueueWork(0, [&] {
+      running = true;
+      auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);
+      while (!seen && std::chrono::steady_clock::now() < end) seen = flag->load() >= 1;
+    });
+    while (!running) std::this_thread::yield();
+    w.rank(1).setFlag(0, b.flags[1] + loom::kFlagInput, 1);
+    std::string msg;
+    REQUIRE(w.rank(0).synchronize(&msg) == loomSuccess);
+    REQUIRE(w.rank(1).synchronize(&msg) == loomSuccess);
+    INFO(gpus << " device(s)");
+    CHECK(seen == (gpus == 2));  // one device: the write waits for the spinning kernel to give up
+  }
+}
