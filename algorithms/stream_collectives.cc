@@ -158,7 +158,9 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
   if (m == 0 || (rsag && m < size_t(N)))
     fail(loomInternalError, "stream program: slots of %zu bytes cannot hold a round of %s x %d ranks",
          slotBytes, dtypeName(op.dtype), N);
-  if (op.coll == Collective::P2P) fail(loomInternalError, "stream programs do not serve send/recv");
+  if (op.coll == Collective::P2P || op.coll == Collective::AllToAll || op.coll == Collective::Gather ||
+      op.coll == Collective::Scatter)
+    fail(loomInternalError, "stream programs do not serve %s yet", collectiveName(op.coll));
   if (rsag) {
     p.streams = 2;
     p.events = 2;
@@ -253,7 +255,10 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         b.set(0, kFlagDone, v);
         break;
       case Collective::P2P:
-        break;
+      case Collective::AllToAll:
+      case Collective::Gather:
+      case Collective::Scatter:
+        break;  // refused above
     }
   }
   if (rsag) {

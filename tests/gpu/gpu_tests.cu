@@ -282,7 +282,10 @@ std::string runProgram(const loom::CudaApi& api, Ranks& R, const Variant& v, loo
         else if (inPlace) want = input[size_t(r)];
         else want.assign(recvInit[size_t(r)].begin(), recvInit[size_t(r)].begin() + long(recvElems * esz));
         break;
-      case Collective::P2P: break;
+      case Collective::P2P:  // stream programs do not serve these
+      case Collective::AllToAll:
+      case Collective::Gather:
+      case Collective::Scatter: break;
     }
     CK(cudaMemcpy(got.data(), recv[size_t(r)], got.size(), cudaMemcpyDeviceToHost));
     if (got != want) bad = loom::strf("rank %d wrong", r);
