@@ -103,15 +103,17 @@ void pairwiseSchedule(const OpDesc& op, int opIndex, int rank, int nranks, const
   }
 }
 
-// Cost: every message is in flight at once, so one dependent step (its
-// latency, with the wake-up of a shared core) plus a quarter of that for
-// each further message (the executor posts and polls one more lane, and with
-// ranks sharing cores the peers' blocks arrive as each gets a core), and the
-// (N-1) blocks at the link's rate.  Against bruck.cc's ceil(log2 N) dependent rounds this favours
-// pairwise on shared memory and on fast links, and Bruck for small blocks
-// at large N over slow ones, which is what loom-perf alltoall shows with
-// LOOM_ALGO=alltoall:pairwise and :bruck at N = 4 and 8 (pairwise 50-75 us
-// against bruck's 92-160 us at 512 B-4 KiB over shm on 2 cores).
+// Cost: every message is in flight at once, so one dependent step (the
+// link's latency, with the wake-up of a shared core) plus, for each further
+// message, a quarter of the link's latency (the executor posts and polls one
+// more lane) and, with ranks sharing cores, one more wake-up (the peers'
+// blocks arrive as each gets a core); then the (N-1) blocks at the link's
+// rate.  Against bruck.cc's ceil(log2 N) dependent rounds this favours
+// pairwise on fast links and few ranks per core, and Bruck for small blocks
+// at larger N or oversubscribed hosts.  Fit to loom-perf alltoall with
+// LOOM_ALGO=alltoall:pairwise / :bruck on the 2-core dev VM, quiet, over
+// tcp at 1 KiB: N=4 pairwise 133 us, Bruck 155 us; N=8 pairwise 385 us,
+// Bruck 252 us (the model's ratios: 0.83 and 1.4).
 constexpr double kPerMessage = 0.25;
 
 void pairwiseEstimate(const CostInput& in, std::vector<Estimate>* out) {
@@ -120,7 +122,7 @@ void pairwiseEstimate(const CostInput& in, std::vector<Estimate>* out) {
   in.anyPair(&a, &b);
   double us;
   if (in.N == 1) us = xfer(in.block, 10.0);
-  else us = a + (n - 2) * kPerMessage * a + xfer((n - 1) * in.block, b);
+  else us = a + (n - 2) * (kPerMessage * (a - in.osUs) + in.osUs) + xfer((n - 1) * in.block, b);
   out->push_back(Estimate{Algorithm::Pairwise, Algorithm::Ring, us, ""});
 }
 
