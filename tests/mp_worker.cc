@@ -315,6 +315,17 @@ static void scenarioBadArgs(loomComm_t comm) {
   expectInvalid(loomSend(buf, 4, loomFloat32, gSize + 3, comm, nullptr), "peer out of range");
   expectInvalid(loomAllReduce(buf, buf + 1, 4, loomFloat32, loomSum, comm, nullptr), "overlapping buffers");
   expectInvalid(loomAllReduce(buf, buf, 4, loomFloat32, loomSum, nullptr, nullptr), "null comm");
+  {
+    loomComm_t nc = comm;
+    int bad[2] = {0, gSize};
+    expectInvalid(loomCommShrink(comm, nullptr, 1, &nc), "shrink: null exclusion list with a count");
+    expect(nc == nullptr, "a refused shrink sets *newcomm to NULL");
+    expectInvalid(loomCommShrink(comm, bad, 2, &nc), "shrink: excluded rank out of range");
+    expectInvalid(loomCommShrink(comm, bad, -1, &nc), "shrink: negative count");
+    expectInvalid(loomCommShrink(comm, nullptr, 0, nullptr), "shrink: null newcomm");
+    expectInvalid(loomCommShrink(nullptr, nullptr, 0, &nc), "shrink: null comm");
+    expectInvalid(loomCommRevoke(nullptr), "revoke: null comm");
+  }
   // All-to-all, gather, scatter (issue 17): checked before anything is sent.
   std::vector<float> big(size_t(gSize) * 8);
   expectInvalid(loomAllToAll(big.data(), big.data(), 4, loomFloat32, comm, nullptr), "in-place all-to-all");

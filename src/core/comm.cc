@@ -452,6 +452,10 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
 }
 
 void loomComm::setFailed(loomResult_t code, const std::string& msg, CtlType notice) {
+  if (!failFirst(code, msg, notice)) setLastError(msg);
+}
+
+bool loomComm::failFirst(loomResult_t code, const std::string& msg, CtlType notice) {
   int expected = loomSuccess;
   if (asyncError_.compare_exchange_strong(expected, code)) {
     setLastError(msg);
@@ -463,9 +467,9 @@ void loomComm::setFailed(loomResult_t code, const std::string& msg, CtlType noti
     if (notice != CtlType::Revoke)
       for (const auto& t : transports_) t->abort();
     notifyPeers(notice);
-  } else {
-    setLastError(msg);
+    return true;
   }
+  return false;
 }
 
 void loomComm::notifyPeers(CtlType type) {
@@ -499,11 +503,13 @@ void loomComm::onNotice(const CtlMsg& m) {
     for (int r : m.ranks)
       if (r >= 0 && r < nranks_ && r != rank_) dead_.insert(r);
   }
+  // A communicator that failed already keeps the message of its own failure.
   if (m.type == CtlType::Revoke) {
-    revoked_.store(true);
-    setFailed(loomRemoteError, strf("rank %d: rank %d revoked the communicator", rank_, m.from), CtlType::Revoke);
+    if (!revoked_.exchange(true))
+      if (!failFirst(loomRemoteError, strf("rank %d: rank %d revoked the communicator", rank_, m.from), CtlType::Revoke))
+        notifyPeers(CtlType::Revoke);  // failed before: still pass the revoke on
   } else {
-    setFailed(loomRemoteError, strf("rank %d: the communicator failed on rank %d", rank_, m.from));
+    failFirst(loomRemoteError, strf("rank %d: the communicator failed on rank %d", rank_, m.from));
   }
 }
 

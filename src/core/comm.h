@@ -145,6 +145,8 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
  private:
   loomComm() = default;
   void init(const loom::UniqueIdData& id, int nranks, int rank, const loom::BootCheck& bootCheck);
+  // Fails the communicator if it has not failed yet (true) and tells the peers.
+  bool failFirst(loomResult_t code, const std::string& msg, loom::CtlType notice = loom::CtlType::Fail);
   void onNotice(const loom::CtlMsg& m);  // on the control thread
   void markDead(const std::vector<loom::Reach>& reach);
   void notifyPeers(loom::CtlType type);

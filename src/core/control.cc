@@ -168,9 +168,15 @@ void Control::broadcastAsync(const CtlMsg& m, const std::vector<bool>& to, int64
   job->cb = std::move(done);
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (stop_) return;
-    ++active_;
-    newJobs_.push_back(job);
+    if (!stop_) {
+      ++active_;
+      newJobs_.push_back(job);
+      job = nullptr;
+    }
+  }
+  if (job) {  // stopping: nobody is reached
+    if (job->cb) job->cb(job->result);
+    return;
   }
   wake();
 }
@@ -317,7 +323,8 @@ void Control::loop() {
                jobs.end());
 
     int64_t now = nowMs();
-    int timeout = 100;
+    // Idle: sleep until a connection or a wake-up (no periodic wake-ups).
+    int timeout = outs.empty() && ins.empty() ? -1 : 100;
     for (const Out& o : outs) timeout = int(std::max<int64_t>(0, std::min<int64_t>(timeout, o.job->deadline - now)));
     pfds.clear();
     pfds.push_back({wakeFd_[0], POLLIN, 0});
