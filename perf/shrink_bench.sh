@@ -42,7 +42,7 @@ run_one() {  # transports n -> appends "transports n killToWorking errorMs shrin
       timeout 60 "$BIN/mp-worker" shrink allreduce $victim $((1 << 20)) "$dir" >/dev/null 2>"$dir/err$r" &
     pids+=($!)
   done
-  for p in "${pids[@]}"; do wait "$p" || true; done
+  for p in "${pids[@]}"; do { wait "$p"; } 2>/dev/null || true; done
   python3 - "$dir" "$n" "$victim" "$tr" >>"$RESULTS" <<'PY'
 import sys, os
 d, n, victim, tr = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
