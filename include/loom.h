@@ -185,8 +185,9 @@ LOOM_API loomResult_t loomCommRevoke(loomComm_t comm);
  * in order, renumbered from 0; the new communicator has its own connections,
  * tuning and topology, and comm's timeout.  comm is usually revoked or
  * failed first; it is not freed (destroy or abort it afterwards).  A rank
- * that is alive but left out (it did not call in time) gets
- * *newcomm = NULL.  Returns loomInvalidArgument for a rank out of range,
+ * that is alive but did not call within the timeout is left out: if it calls
+ * while the others still agree it gets *newcomm = NULL, later it gets
+ * loomTimeout.  Returns loomInvalidArgument for a rank out of range,
  * loomInvalidUsage inside a group, loomTimeout or loomRemoteError when no
  * agreement could be reached. */
 LOOM_API loomResult_t loomCommShrink(loomComm_t comm, const int* excludeRanks, int nExclude, loomComm_t* newcomm);
