@@ -653,6 +653,20 @@ static int scenarioShrink(const std::string& mode, const std::vector<size_t>& vi
     }).detach();
     if (!afterUs) pause();
   };
+  // Descriptors open before init (the dead rank's memfds and pidfds, the
+  // control sockets: all must be closed once both communicators are freed).
+  auto openFds = [] {
+    int n = 0;
+    if (DIR* d = opendir("/proc/self/fd")) {
+      while (dirent* e = readdir(d))
+        if (e->d_name[0] != '.') ++n;
+      closedir(d);
+    }
+    return n;
+  };
+  const int fdsBefore = openFds();
+  const char* tr = getenv("LOOM_TRANSPORTS");
+  const bool countFds = tr && std::string(tr).find("ucx") == std::string::npos;  // UCX keeps its own
   loomComm_t comm = nullptr;
   CHECK_LOOM(loomCommInitFromEnv(&comm));
   CHECK_LOOM(loomCommCount(comm, &gSize));
@@ -776,6 +790,11 @@ static int scenarioShrink(const std::string& mode, const std::vector<size_t>& vi
          message.c_str());
   if (cur) CHECK_LOOM(loomCommDestroy(cur));
   CHECK_LOOM(loomCommAbort(comm));
+  if (countFds) {
+    int after = openFds();
+    expect(after == fdsBefore, "no descriptor left open after both communicators are freed (" +
+                                   std::to_string(fdsBefore) + " before init, " + std::to_string(after) + " after)");
+  }
   return gFailures ? 1 : 0;
 }
 
