@@ -68,6 +68,7 @@ long ctlMissing(const uint8_t* bytes, size_t n, const uint8_t secret[16], uint64
   if (h.type < uint32_t(CtlType::Probe) || h.type > uint32_t(CtlType::Excluded))
     return *why = strf("unknown type %u", h.type), -1;
   if (h.from < 0 || h.from >= nranks) return *why = strf("sender rank %d", h.from), -1;
+  if (h.pad != 0) return *why = "reserved bytes set", -1;
   if (h.count < 0 || h.count > nranks || h.extra > kMaxExtra)
     return *why = strf("%d ranks, %u extra bytes", h.count, h.extra), -1;
   size_t total = sizeof h + size_t(h.count) * 4 + h.extra;
