@@ -43,7 +43,7 @@ inline void shrinkCase(const std::string& mode, const std::string& transports, i
   bool timedOut = false;
   std::vector<std::string> env = {"LOOM_TRANSPORTS=" + transports, "LOOM_TIMEOUT_MS=5000"};
   env.insert(env.end(), extraEnv.begin(), extraEnv.end());
-  auto res = loomtest::spawnRanks(n, {"shrink", mode, vlist, std::to_string(bytes), dir}, env, 60, &timedOut);
+  auto res = loomtest::spawnRanks(n, {"shrink", mode, vlist, std::to_string(bytes), dir}, env, 120, &timedOut);
   CHECK_FALSE(timedOut);
   std::set<int> dead(victims.begin(), victims.end());
   if (mode == "revoke") dead.clear();

@@ -15,15 +15,15 @@ TEST_CASE("revoke stops a pending all-reduce on the other ranks, then all shrink
   shrinkCase("revoke", "tcp", 4, {});
 }
 
-TEST_CASE("a rank killed between operations: survivors name it, shrink and agree (shm)", "[shrink][shm]") {
+TEST_CASE("survivors of a rank killed between operations name it, shrink and agree (shm)", "[shrink][shm]") {
   for (int n = 3; n <= 6; ++n) shrinkCase("between", "shm,tcp", n, {n / 2});
 }
 
-TEST_CASE("a rank killed between operations: survivors name it, shrink and agree (tcp)", "[shrink][tcp]") {
+TEST_CASE("survivors of a rank killed between operations name it, shrink and agree (tcp)", "[shrink][tcp]") {
   for (int n = 3; n <= 6; ++n) shrinkCase("between", "tcp", n, {0});
 }
 
-TEST_CASE("a rank killed during a 64 MiB all-reduce: survivors shrink and agree (shm and tcp)", "[shrink]") {
+TEST_CASE("survivors of a rank killed during a 64 MiB all-reduce shrink and agree (shm and tcp)", "[shrink]") {
   shrinkCase("allreduce", "shm,tcp", 4, {1}, 64 << 20);
   shrinkCase("allreduce", "tcp", 3, {2}, 64 << 20);
 }

@@ -171,6 +171,18 @@ SockAddr rootAddress(const UniqueIdData& id) {
 
 Bootstrap::Bootstrap(const UniqueIdData& id, int rank, int nranks, int64_t deadlineMs, BootCheck check)
     : rank_(rank), nranks_(nranks), deadline_(deadlineMs) {
+  // A constructor that throws runs no destructor: close what is open here.
+  try {
+    join(id, check);
+  } catch (...) {
+    closeFd(rootFd_);
+    for (int& fd : fds_) closeFd(fd);
+    throw;
+  }
+}
+
+void Bootstrap::join(const UniqueIdData& id, const BootCheck& check) {
+  const int rank = rank_, nranks = nranks_;
   if (rank == 0) {
     serve(id, check);
     return;

@@ -97,6 +97,7 @@ class Bootstrap {
   SockAddr localAddress() const { return local_; }
 
  private:
+  void join(const UniqueIdData& id, const BootCheck& check);
   void serve(const UniqueIdData& id, const BootCheck& check);
   int rank_, nranks_;
   int64_t deadline_;
