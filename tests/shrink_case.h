@@ -31,8 +31,9 @@ inline std::set<std::string> shmNames() {
 }
 
 // Runs n ranks of `mp-worker shrink mode victims` and checks what the survivors agreed on.
-inline void shrinkCase(const std::string& mode, const std::string& transports, int n, const std::vector<int>& victims,
-                       size_t bytes = 1 << 20, const std::vector<std::string>& extraEnv = {}) {
+inline void shrinkCase(const std::string& mode, const std::string& transports, int n,
+                       const std::vector<int>& victims, size_t bytes = 1 << 20,
+                       const std::vector<std::string>& extraEnv = {}) {
   std::set<std::string> before = shmNames();
   char dirTemplate[] = "/tmp/loom-shrink-XXXXXX";
   REQUIRE(mkdtemp(dirTemplate) != nullptr);
@@ -43,13 +44,15 @@ inline void shrinkCase(const std::string& mode, const std::string& transports, i
   bool timedOut = false;
   std::vector<std::string> env = {"LOOM_TRANSPORTS=" + transports, "LOOM_TIMEOUT_MS=5000"};
   env.insert(env.end(), extraEnv.begin(), extraEnv.end());
-  auto res = loomtest::spawnRanks(n, {"shrink", mode, vlist, std::to_string(bytes), dir}, env, 120, &timedOut);
+  auto res =
+      loomtest::spawnRanks(n, {"shrink", mode, vlist, std::to_string(bytes), dir}, env, 120, &timedOut);
   CHECK_FALSE(timedOut);
   std::set<int> dead(victims.begin(), victims.end());
   if (mode == "revoke") dead.clear();
   std::string expected;
   for (int r = 0; r < n; ++r)
-    if (!dead.count(r) && !(mode == "revoke" && r == n - 1)) expected += (expected.empty() ? "" : ",") + std::to_string(r);
+    if (!dead.count(r) && !(mode == "revoke" && r == n - 1))
+      expected += (expected.empty() ? "" : ",") + std::to_string(r);
   std::string times, shrinks;
   for (int r = 0; r < n; ++r) {
     INFO("rank " << r << " of " << n << ", " << mode << ", " << transports);

@@ -10,7 +10,8 @@
 
 using loomtest::shrinkCase;
 
-TEST_CASE("revoke stops a pending all-reduce on the other ranks, then all shrink without the last rank", "[shrink]") {
+TEST_CASE("revoke stops a pending all-reduce on the other ranks, then all shrink without the last rank",
+          "[shrink]") {
   shrinkCase("revoke", "shm,tcp", 3, {});
   shrinkCase("revoke", "tcp", 4, {});
 }
@@ -23,7 +24,8 @@ TEST_CASE("survivors of a rank killed between operations name it, shrink and agr
   for (int n = 3; n <= 6; ++n) shrinkCase("between", "tcp", n, {0});
 }
 
-TEST_CASE("survivors of a rank killed during a 64 MiB all-reduce shrink and agree (shm and tcp)", "[shrink]") {
+TEST_CASE("survivors of a rank killed during a 64 MiB all-reduce shrink and agree (shm and tcp)",
+          "[shrink]") {
   shrinkCase("allreduce", "shm,tcp", 4, {1}, 64 << 20);
   shrinkCase("allreduce", "tcp", 3, {2}, 64 << 20);
 }

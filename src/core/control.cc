@@ -118,7 +118,8 @@ struct Control::In {
   std::vector<uint8_t> buf;
 };
 
-Control::Control(int rank, int nranks, const uint8_t secret[16], const SockAddr& bindAddr, const SockAddr& advertise)
+Control::Control(int rank, int nranks, const uint8_t secret[16], const SockAddr& bindAddr,
+                 const SockAddr& advertise)
     : rank_(rank), nranks_(nranks) {
   memcpy(secret_, secret, 16);
   SockAddr b = bindAddr;
@@ -146,7 +147,8 @@ Control::~Control() {
   closeQuiet(wakeFd_[1]);
 }
 
-void Control::start(uint64_t commTag, std::vector<SockAddr> peers, std::function<void(const CtlMsg&)> onNotice) {
+void Control::start(uint64_t commTag, std::vector<SockAddr> peers,
+                    std::function<void(const CtlMsg&)> onNotice) {
   commTag_.store(commTag);
   peers_ = std::move(peers);
   onNotice_ = std::move(onNotice);
@@ -199,14 +201,18 @@ std::vector<Reach> Control::broadcast(const CtlMsg& m, const std::vector<bool>& 
   });
   std::unique_lock<std::mutex> lock(s->mu);
   // The control thread ends every job by its deadline; the margin covers scheduling.
-  s->cv.wait_until(lock, std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max<int64_t>(0, deadlineMs - nowMs()) + 2000),
+  s->cv.wait_until(lock,
+                   std::chrono::steady_clock::now() +
+                       std::chrono::milliseconds(std::max<int64_t>(0, deadlineMs - nowMs()) + 2000),
                    [&] { return s->done; });
   return s->result;
 }
 
 void Control::waitQuiet(int64_t deadlineMs) {
   std::unique_lock<std::mutex> lock(mutex_);
-  cv_.wait_until(lock, std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max<int64_t>(0, deadlineMs - nowMs())),
+  cv_.wait_until(lock,
+                 std::chrono::steady_clock::now() +
+                     std::chrono::milliseconds(std::max<int64_t>(0, deadlineMs - nowMs())),
                  [&] { return active_ == 0 || stop_; });
 }
 
@@ -221,7 +227,9 @@ void Control::finish(const std::shared_ptr<Job>& job) {
 
 bool Control::nextJoin(int* fd, CtlMsg* m, int64_t deadlineMs) {
   std::unique_lock<std::mutex> lock(mutex_);
-  cv_.wait_until(lock, std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max<int64_t>(0, deadlineMs - nowMs())),
+  cv_.wait_until(lock,
+                 std::chrono::steady_clock::now() +
+                     std::chrono::milliseconds(std::max<int64_t>(0, deadlineMs - nowMs())),
                  [&] { return !joins_.empty() || stop_; });
   if (joins_.empty()) return false;
   *fd = joins_.front().first;
@@ -320,13 +328,15 @@ void Control::loop() {
       }
       if (!job->open) finish(job);
     }
-    jobs.erase(std::remove_if(jobs.begin(), jobs.end(), [](const std::shared_ptr<Job>& j) { return j->done; }),
-               jobs.end());
+    jobs.erase(
+        std::remove_if(jobs.begin(), jobs.end(), [](const std::shared_ptr<Job>& j) { return j->done; }),
+        jobs.end());
 
     int64_t now = nowMs();
     // Idle: sleep until a connection or a wake-up (no periodic wake-ups).
     int timeout = outs.empty() && ins.empty() ? -1 : 100;
-    for (const Out& o : outs) timeout = int(std::max<int64_t>(0, std::min<int64_t>(timeout, o.job->deadline - now)));
+    for (const Out& o : outs)
+      timeout = int(std::max<int64_t>(0, std::min<int64_t>(timeout, o.job->deadline - now)));
     pfds.clear();
     pfds.push_back({wakeFd_[0], POLLIN, 0});
     pfds.push_back({listenFd_, POLLIN, 0});
@@ -358,8 +368,10 @@ void Control::loop() {
           in.buf.resize(at + size_t(want));
           ssize_t got = ::recv(in.fd, in.buf.data() + at, size_t(want), MSG_DONTWAIT);
           in.buf.resize(at + size_t(std::max<ssize_t>(got, 0)));
-          if (got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR)) drop = true;
-          else want = ctlMissing(in.buf.data(), in.buf.size(), secret_, commTag_.load(), nranks_, &why);
+          if (got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR))
+            drop = true;
+          else
+            want = ctlMissing(in.buf.data(), in.buf.size(), secret_, commTag_.load(), nranks_, &why);
         }
         if (!drop && want < 0) {
           LOOM_WARN("CTL", "rank %d: dropped a control connection (%s)", rank_, why.c_str());
@@ -383,8 +395,10 @@ void Control::loop() {
         }
       }
       if (!drop && !handed && now > in.deadline) drop = true;
-      if (drop) close(in.fd);
-      else if (!handed) keptIns.push_back(std::move(in));
+      if (drop)
+        close(in.fd);
+      else if (!handed)
+        keptIns.push_back(std::move(in));
     }
     ins.swap(keptIns);
     // Outgoing messages.
@@ -407,15 +421,20 @@ void Control::loop() {
         }
       }
       if (!resolved && o.state == 1 && (ev || o.sent == 0)) {
-        ssize_t w = ::send(o.fd, o.job->bytes.data() + o.sent, o.job->bytes.size() - o.sent, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (w > 0) o.sent += size_t(w);
-        else if (w < 0 && errno != EAGAIN && errno != EINTR) resolved = true, verdict = Reach::Refused;
+        ssize_t w = ::send(o.fd, o.job->bytes.data() + o.sent, o.job->bytes.size() - o.sent,
+                           MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w > 0)
+          o.sent += size_t(w);
+        else if (w < 0 && errno != EAGAIN && errno != EINTR)
+          resolved = true, verdict = Reach::Refused;
         if (o.sent == o.job->bytes.size()) o.state = 2;
       } else if (!resolved && o.state == 2 && ev) {
         char c;
         ssize_t got = ::recv(o.fd, &c, 1, MSG_DONTWAIT);
-        if (got == 1) resolved = true, verdict = Reach::Acked;
-        else if (got == 0 || (errno != EAGAIN && errno != EINTR)) resolved = true, verdict = Reach::Refused;
+        if (got == 1)
+          resolved = true, verdict = Reach::Acked;
+        else if (got == 0 || (errno != EAGAIN && errno != EINTR))
+          resolved = true, verdict = Reach::Refused;
       }
       if (!resolved && now >= o.job->deadline) resolved = true, verdict = Reach::Timeout;
       if (resolved) {

@@ -28,14 +28,14 @@
 namespace loom {
 
 enum class CtlType : uint32_t {
-  Probe = 1,    // are you there? (answered)
-  Fail = 2,     // the sender's communicator failed (answered)
-  Revoke = 3,   // the sender revoked the communicator (answered)
-  Join = 4,     // shrink: a member joins the coordinator (handed over)
-  Propose = 5,  // shrink: coordinator -> member, the proposed excluded set
-  Ack = 6,      // shrink: member -> coordinator, its own excluded set
-  Commit = 7,   // shrink: coordinator -> member, the final set and the new unique id
-  Excluded = 8, // shrink: coordinator -> member, you are not in the new communicator
+  Probe = 1,     // are you there? (answered)
+  Fail = 2,      // the sender's communicator failed (answered)
+  Revoke = 3,    // the sender revoked the communicator (answered)
+  Join = 4,      // shrink: a member joins the coordinator (handed over)
+  Propose = 5,   // shrink: coordinator -> member, the proposed excluded set
+  Ack = 6,       // shrink: member -> coordinator, its own excluded set
+  Commit = 7,    // shrink: coordinator -> member, the final set and the new unique id
+  Excluded = 8,  // shrink: coordinator -> member, you are not in the new communicator
 };
 
 struct CtlMsg {
@@ -59,7 +59,8 @@ enum class Reach : uint8_t { Acked, Refused, Timeout };
 class Control {
  public:
   // Opens the listener (before the communicator's first all-gather).
-  Control(int rank, int nranks, const uint8_t secret[16], const SockAddr& bindAddr, const SockAddr& advertise);
+  Control(int rank, int nranks, const uint8_t secret[16], const SockAddr& bindAddr,
+          const SockAddr& advertise);
   ~Control();
   const SockAddr& address() const { return advertise_; }
 

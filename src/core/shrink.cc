@@ -107,7 +107,9 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
             if (r != me && !out.count(r) && !joined.count(r)) pending.insert(r);
           if (pending.empty()) break;
           int64_t now = nowMs();
-          if (now >= deadline) fail(loomTimeout, "rank %d: loomCommShrink: ranks%s never joined", me, listRanks(pending).c_str());
+          if (now >= deadline)
+            fail(loomTimeout, "rank %d: loomCommShrink: ranks%s never joined", me,
+                 listRanks(pending).c_str());
           if (now >= agreeBy) {
             LOOM_WARN("SHRINK", "rank %d: ranks%s did not join the shrink in %lld ms; leaving them out", me,
                       listRanks(pending).c_str(), (long long)T);
@@ -165,8 +167,10 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
           for (auto& kv : joined) {
             if (std::find(broken.begin(), broken.end(), kv.first) != broken.end()) continue;
             CtlMsg ack;
-            if (!ctl.recv(kv.second, &ack, deadline) || ack.type != CtlType::Ack) broken.push_back(kv.first);
-            else grew |= merge(ack.ranks);
+            if (!ctl.recv(kv.second, &ack, deadline) || ack.type != CtlType::Ack)
+              broken.push_back(kv.first);
+            else
+              grew |= merge(ack.ranks);
           }
           if (!broken.empty()) {
             for (int r : broken) dropMember(r, false);
@@ -185,7 +189,8 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
         makeUniqueId(&uid);
         *id = decodeUniqueId(uid);
         CtlMsg commit = outMsg(CtlType::Commit);
-        commit.extra.assign(reinterpret_cast<const uint8_t*>(&uid), reinterpret_cast<const uint8_t*>(&uid) + sizeof uid);
+        commit.extra.assign(reinterpret_cast<const uint8_t*>(&uid),
+                            reinterpret_cast<const uint8_t*>(&uid) + sizeof uid);
         for (auto& kv : joined) {
           try {
             ctl.send(kv.second, commit, nowMs() + 1000);
@@ -228,8 +233,10 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
     for (;;) {
       CtlMsg m;
       if (!ctl.recv(fd, &m, deadline)) {
-        if (!probe({coord}, 500).empty()) out.insert(coord);
-        else usleep(10000);  // it started over: join again
+        if (!probe({coord}, 500).empty())
+          out.insert(coord);
+        else
+          usleep(10000);  // it started over: join again
         return false;
       }
       if (m.type == CtlType::Propose) {
@@ -237,7 +244,8 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
         ctl.send(fd, outMsg(CtlType::Ack), deadline);
       } else if (m.type == CtlType::Commit) {
         if (m.extra.size() != sizeof(loomUniqueId))
-          fail(loomRemoteError, "rank %d: loomCommShrink: the coordinator (rank %d) sent a bad commit", me, coord);
+          fail(loomRemoteError, "rank %d: loomCommShrink: the coordinator (rank %d) sent a bad commit", me,
+               coord);
         out.clear();
         for (int r : m.ranks)
           if (r >= 0 && r < N) out.insert(r);
@@ -293,8 +301,8 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
       for (int r : members)
         if (r != me) alive.insert(r);
       std::set<int> gone = probe(alive, 500);
-      LOOM_WARN("SHRINK", "rank %d: building the shrunken communicator failed (%s); gone since:%s", me, e.what(),
-                listRanks(gone).c_str());
+      LOOM_WARN("SHRINK", "rank %d: building the shrunken communicator failed (%s); gone since:%s", me,
+                e.what(), listRanks(gone).c_str());
       out.insert(gone.begin(), gone.end());
       if (gone.empty() && ++fruitless >= 3) throw;
     }
