@@ -14,8 +14,9 @@
 #    frame reader), the staged all-reduce across chunks, mixed collectives
 #    on two communicators from two threads, groups, streams, bad arguments,
 #    mismatched calls, split, the fault tests (a rank killed during init,
-#    during an all-reduce and between operations: the error and abort paths)
-#    and loomCommDump / the dump signal;
+#    during an all-reduce and between operations: the error and abort paths),
+#    loomCommDump / the dump signal, and the shrink tests but the 64 MiB
+#    one (revoke, shrink after kills: the control thread and the agreement);
 #  - left out: the 1 MiB/64 MiB matrices, forced algorithms at every N, the
 #    soak and the multi-host mixes: the same code paths at larger sizes, run
 #    unsanitized by the main suite.
@@ -25,14 +26,15 @@
 #    the large-count ones (the same code as N <= 8, 5-20x slower under TSan);
 #  - the multi-process tests whose ranks run several threads: two
 #    communicators from two threads, streams (a worker thread per stream),
-#    groups, mismatched calls, the fault tests (the killer thread, abort) and
-#    loomCommDump from a second thread plus the dump-signal thread.
+#    groups, mismatched calls, the fault tests (the killer thread, abort),
+#    loomCommDump from a second thread plus the dump-signal thread, and the
+#    shrink tests (the control thread's notices against running operations).
 # Usage: scripts/sanitize.sh [asan|tsan]...  (default: both)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs="$(getconf _NPROCESSORS_ONLN)"
-asan_subset='^unit:|^mp: ?(every collective type and op is exact at small sizes|the staged all-reduce|mixed collectives|group calls|many operations on a stream|wrong arguments|loomCommSplit|ranks that call different|a rank killed|loomCommDump)'
-tsan_subset='^unit:|^mp: ?(mixed collectives|group calls|many operations on a stream|ranks that call different|a rank killed|loomCommDump)'
+asan_subset='^unit:|^mp: ?(every collective type and op is exact at small sizes|the staged all-reduce|mixed collectives|group calls|many operations on a stream|wrong arguments|loomCommSplit|ranks that call different|a rank killed|loomCommDump|revoke stops|survivors of a rank killed between|two ranks killed)'
+tsan_subset='^unit:|^mp: ?(mixed collectives|group calls|many operations on a stream|ranks that call different|a rank killed|loomCommDump|revoke stops|survivors of a rank killed between|two ranks killed)'
 tsan_exclude='N = 1\.\.64|N up to 64|every N to 64|large counts'
 
 

@@ -12,6 +12,7 @@
 
 #include "include/loom.h"
 #include "tests/proc_util.h"
+#include "tests/shrink_case.h"
 
 using loomtest::loomRun;
 
@@ -138,4 +139,11 @@ TEST_CASE("killing a rank during a 64 MiB all-reduce over ucx gives the others l
     INFO("left in /dev/shm: " << name);
     CHECK(before.count(name) == 1);
   }
+}
+
+TEST_CASE("over ucx, the survivors of a killed rank name it, shrink, agree and go on exactly", "[ucx][shrink]") {
+  const char* tls = GENERATE("tcp", "sm");
+  INFO("UCX_TLS=" << tls);
+  loomtest::shrinkCase("between", "ucx", 4, {1}, 1 << 20, {kQuiet, std::string("UCX_TLS=") + tls});
+  loomtest::shrinkCase("allreduce", "ucx", 3, {0}, 64 << 20, {kQuiet, std::string("UCX_TLS=") + tls});
 }

@@ -1,11 +1,13 @@
 // Fuzzes the records that open a data connection and that every rank sends
 // during init: the tcp hello (checkTcpHello), the rank record
-// (checkRankInfo) and the tcp transport's record (checkTcpRecord), all taken
-// from a peer's bytes.
+// (checkRankInfo) and the tcp transport's record (checkTcpRecord), and the
+// control socket's messages (ctlMissing / decodeCtl: notices and the shrink
+// agreement), all taken from a peer's bytes.
 #include <cstring>
 #include <string>
 
 #include "src/core/comm.h"
+#include "src/core/control.h"
 #include "src/core/error.h"
 #include "tests/fuzz/fuzz_common.h"
 #include "transports/tcp/tcp_transport.h"
@@ -46,6 +48,28 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (rec.len > sizeof rec.addr || (rec.addr.ss_family != AF_INET && rec.addr.ss_family != AF_INET6)) abort();
   } catch (const loom::Error& e) {
     if (e.code() != loomRemoteError) abort();
+  }
+  // A control message read the way the control thread reads it: ask how
+  // many bytes are missing, take that many, until complete or refused.
+  const uint8_t* msg = data + 1;
+  size_t have = 0, left = size - 1;
+  std::string ctlWhy;
+  for (;;) {
+    long want = loom::ctlMissing(msg, have, loomfuzz::kSecret, commTag, nranks, &ctlWhy);
+    if (want < 0) {
+      if (ctlWhy.empty()) abort();
+      break;
+    }
+    if (want == 0) {
+      loom::CtlMsg m = loom::decodeCtl(msg, have);
+      if (m.from < 0 || m.from >= nranks || int(m.ranks.size()) > nranks || m.extra.size() > 256) abort();
+      std::vector<uint8_t> again = loom::encodeCtl(m, loomfuzz::kSecret, commTag);
+      if (again.size() != have || memcmp(again.data(), msg, have) != 0) abort();
+      break;
+    }
+    if (size_t(want) > left) break;  // truncated: the reader waits for more
+    have += size_t(want);
+    left -= size_t(want);
   }
   return 0;
 }

@@ -1,0 +1,98 @@
+// The shrink tests' driver (tests/shrink_tests.cc, tests/ucx_tests.cc): runs
+// n ranks of `mp-worker shrink MODE VICTIMS` and checks that every survivor
+// ended with the same membership (the ranks that are left), that revoke
+// reached a pending operation long before the timeout, and that /dev/shm is
+// left as it was.  Prints one row: shrink table | case | transport | members
+// | ms to error | ms in loomCommShrink.
+#pragma once
+#include <dirent.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tests/proc_util.h"
+
+namespace loomtest {
+
+inline std::set<std::string> shmNames() {
+  std::set<std::string> names;
+  if (DIR* d = opendir("/dev/shm")) {
+    while (dirent* e = readdir(d)) names.insert(e->d_name);
+    closedir(d);
+  }
+  return names;
+}
+
+// Runs n ranks of `mp-worker shrink mode victims` and checks what the survivors agreed on.
+inline void shrinkCase(const std::string& mode, const std::string& transports, int n,
+                       const std::vector<int>& victims, size_t bytes = 1 << 20,
+                       const std::vector<std::string>& extraEnv = {}) {
+  std::set<std::string> before = shmNames();
+  char dirTemplate[] = "/tmp/loom-shrink-XXXXXX";
+  REQUIRE(mkdtemp(dirTemplate) != nullptr);
+  std::string dir = dirTemplate;
+  std::string vlist;
+  for (int v : victims) vlist += (vlist.empty() ? "" : ",") + std::to_string(v);
+  if (vlist.empty()) vlist = "0";
+  bool timedOut = false;
+  std::vector<std::string> env = {"LOOM_TRANSPORTS=" + transports, "LOOM_TIMEOUT_MS=5000"};
+  env.insert(env.end(), extraEnv.begin(), extraEnv.end());
+  auto res =
+      loomtest::spawnRanks(n, {"shrink", mode, vlist, std::to_string(bytes), dir}, env, 120, &timedOut);
+  CHECK_FALSE(timedOut);
+  std::set<int> dead(victims.begin(), victims.end());
+  if (mode == "revoke") dead.clear();
+  std::string expected;
+  for (int r = 0; r < n; ++r)
+    if (!dead.count(r) && !(mode == "revoke" && r == n - 1))
+      expected += (expected.empty() ? "" : ",") + std::to_string(r);
+  std::string times, shrinks;
+  for (int r = 0; r < n; ++r) {
+    INFO("rank " << r << " of " << n << ", " << mode << ", " << transports);
+    std::string path = dir + "/rank" + std::to_string(r);
+    unlink((dir + "/killed" + std::to_string(r)).c_str());
+    if (dead.count(r)) {
+      CHECK(res[size_t(r)].signal == SIGKILL);
+      continue;
+    }
+    CHECK(res[size_t(r)].exited);
+    CHECK(res[size_t(r)].code == 0);
+    if (mode == "revoke" && r == n - 1) continue;  // excluded: got NULL (the worker checks it)
+    std::ifstream f(path);
+    std::string line;
+    REQUIRE(std::getline(f, line));
+    unlink(path.c_str());
+    std::stringstream ss(line);
+    std::string members, detect, shrinkMs, doneAt, message;
+    std::getline(ss, members, '|');
+    std::getline(ss, detect, '|');
+    std::getline(ss, shrinkMs, '|');
+    std::getline(ss, doneAt, '|');
+    std::getline(ss, message);
+    INFO("error: " << message);
+    // Every survivor ends with the same membership: the ranks that are left.
+    CHECK(members == expected);
+    // Revoke reaches a pending operation long before the 5 s timeout.
+    if (mode == "revoke" && r != 0) CHECK(atof(detect.c_str()) < 2000);
+    CHECK(atof(shrinkMs.c_str()) < 10000);
+    times += " " + std::to_string(int(atof(detect.c_str())));
+    shrinks += " " + std::to_string(int(atof(shrinkMs.c_str())));
+  }
+  rmdir(dir.c_str());
+  for (const std::string& name : shmNames()) {
+    INFO("left in /dev/shm: " << name);
+    CHECK(before.count(name) == 1);
+  }
+  printf("shrink table | %s, victims %s of %d | %s | members %s | error ms%s | shrink ms%s\n", mode.c_str(),
+         vlist.c_str(), n, transports.c_str(), expected.c_str(), times.c_str(), shrinks.c_str());
+  fflush(stdout);
+}
+
+}  // namespace loomtest
