@@ -164,13 +164,42 @@ LOOM_API loomResult_t loomCommDestroy(loomComm_t comm);
  * too.  Never blocks on peers.  NULL is a no-op. */
 LOOM_API loomResult_t loomCommAbort(loomComm_t comm);
 
+/* Revokes the communicator: this rank's pending and later operations on it
+ * fail with loomRemoteError, and every peer that can still be reached is
+ * told to do the same (its waiting operations return within milliseconds,
+ * not at the timeout).  Never blocks on peers.  The communicator stays valid
+ * for loomCommShrink, loomCommGetAsyncError and loomCommDump; free it with
+ * loomCommDestroy or loomCommAbort.  Calling it again is a no-op. */
+LOOM_API loomResult_t loomCommRevoke(loomComm_t comm);
+
+/* Builds a new communicator from the ranks of comm that are alive, less the
+ * nExclude ranks listed in excludeRanks (may be NULL when nExclude is 0).
+ * Ranks found dead (killed, crashed, or whose communicator was destroyed or
+ * aborted) are always left out, so loomCommShrink(comm, NULL, 0, &newcomm)
+ * is "continue with whoever is left".  Every surviving rank that is not
+ * excluded must call it, with the same list; a listed rank need not call
+ * (if it does, it gets *newcomm = NULL at once).  The callers run a
+ * fault-tolerant agreement on who is alive: they all return the same
+ * membership even if another rank dies during the shrink, and none waits
+ * past about twice the communicator's timeout.  New ranks are the old ones
+ * in order, renumbered from 0; the new communicator has its own connections,
+ * tuning and topology, and comm's timeout.  comm is usually revoked or
+ * failed first; it is not freed (destroy or abort it afterwards).  A rank
+ * that is alive but left out (it did not call in time) gets
+ * *newcomm = NULL.  Returns loomInvalidArgument for a rank out of range,
+ * loomInvalidUsage inside a group, loomTimeout or loomRemoteError when no
+ * agreement could be reached. */
+LOOM_API loomResult_t loomCommShrink(loomComm_t comm, const int* excludeRanks, int nExclude, loomComm_t* newcomm);
+
 /* Number of ranks / this rank's index.  loomInvalidArgument on NULL. */
 LOOM_API loomResult_t loomCommCount(const loomComm_t comm, int* count);
 LOOM_API loomResult_t loomCommUserRank(const loomComm_t comm, int* rank);
 
 /* Stores in *asyncError the error that failed the communicator in the
  * background (loomSuccess when none).  Once a communicator has failed every
- * later call on it returns that error; destroy or abort it. */
+ * later call on it returns that error; destroy or abort it, or shrink it.
+ * When it has failed, loomGetLastError(comm) then says why and names the
+ * ranks known to be dead or unreachable ("dead or unreachable ranks: 2"). */
 LOOM_API loomResult_t loomCommGetAsyncError(loomComm_t comm, loomResult_t* asyncError);
 
 /* Sets how long an operation of comm may make no progress before it fails

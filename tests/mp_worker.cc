@@ -17,6 +17,13 @@
 //                          writes what it got and how fast to DIR/rank<r>
 //   mp-worker dump         rank 1 is late: rank 0 checks loomCommDump, the
 //                          LOOM_DUMP_SIGNAL output and its timeout message
+//   mp-worker shrink MODE VICTIMS B DIR   the survivors of dead ranks revoke
+//                          and shrink, then check the new communicator; MODE:
+//                          between (VICTIMS die between two B-byte all-reduces),
+//                          allreduce (during one), during (the first dies between,
+//                          the second during the shrink), revoke (no death: rank 0
+//                          revokes while the others wait; all shrink without the
+//                          last rank).  Each survivor writes DIR/rank<r>.
 #include <fcntl.h>
 #include <dirent.h>
 #include <signal.h>
@@ -618,6 +625,159 @@ static void scenarioSoak(loomComm_t comm, uint64_t seed, int count, double secon
   if (gRank == 0) printf("soak: %d operations checked, seed %llu\n", done, (unsigned long long)seed);
 }
 
+static double realMs() {
+  timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return double(ts.tv_sec) * 1e3 + double(ts.tv_nsec) / 1e6;
+}
+
+// See the usage above.  A survivor's line: members (old ranks, in new rank
+// order) | ms from the failed call to its error | ms in loomCommShrink (all
+// attempts) | wall-clock ms when the shrunken communicator's first all-reduce
+// was checked | the error message.  A victim writes DIR/killed<r> (the
+// wall-clock ms just before it dies).
+static int scenarioShrink(const std::string& mode, const std::vector<size_t>& victims, size_t bytes,
+                          const std::string& dir) {
+  int rank = atoi(getenv("LOOM_RANK"));
+  gRank = rank;
+  auto isVictim = [&](int r, size_t which) { return victims.size() > which && int(victims[which]) == r; };
+  auto die = [&](int afterUs) {
+    std::thread([afterUs, rank, dir] {
+      if (afterUs) usleep(useconds_t(afterUs));
+      if (FILE* f = fopen((dir + "/killed" + std::to_string(rank)).c_str(), "w")) {
+        fprintf(f, "%.3f\n", realMs());
+        fclose(f);
+      }
+      raise(SIGKILL);
+    }).detach();
+    if (!afterUs) pause();
+  };
+  loomComm_t comm = nullptr;
+  CHECK_LOOM(loomCommInitFromEnv(&comm));
+  CHECK_LOOM(loomCommCount(comm, &gSize));
+  const int n0 = gSize;
+  std::vector<float> buf(bytes / 4, 1.0f);
+  double detectMs = 0;
+  std::string message;
+  if (mode == "revoke") {
+    // Rank 0 never joins the all-reduce: it revokes; the others must be told.
+    if (rank == 0) {
+      usleep(300000);
+      CHECK_LOOM(loomCommRevoke(comm));
+      CHECK_LOOM(loomCommRevoke(comm));  // a no-op the second time
+      loomResult_t r = loomAllReduce(buf.data(), buf.data(), 16, loomFloat32, loomSum, comm, nullptr);
+      expect(r == loomRemoteError, "an operation on a revoked communicator fails with loomRemoteError");
+    } else {
+      auto t0 = std::chrono::steady_clock::now();
+      loomResult_t r = loomAllReduce(buf.data(), buf.data(), buf.size(), loomFloat32, loomSum, comm, nullptr);
+      detectMs = msSince(t0);
+      message = loomGetLastError(comm);
+      expect(r == loomRemoteError, "a pending all-reduce on a revoked communicator returns loomRemoteError: " +
+                                       std::string(loomGetErrorString(r)));
+      expect(message.find("revoked") != std::string::npos, "the message says revoked: " + message);
+    }
+  } else {
+    for (int it = 0;; ++it) {
+      if (it == 2 && isVictim(rank, 0)) die(mode == "allreduce" ? 2000 : 0);
+      if (mode != "allreduce" && it == 2) usleep(200000);  // the victim is surely dead now
+      auto t0 = std::chrono::steady_clock::now();
+      loomResult_t r = loomAllReduce(buf.data(), buf.data(), buf.size(), loomFloat32, loomSum, comm, nullptr);
+      if (r == loomSuccess) {
+        if (it > 50) {
+          expect(false, "50 all-reduces succeeded although a rank died");
+          return 1;
+        }
+        continue;
+      }
+      detectMs = msSince(t0);
+      expect(r == loomRemoteError || r == loomTimeout, "a dead rank fails the all-reduce cleanly");
+      break;
+    }
+    // The async error's message names the dead rank (each survivor finds it on its own).
+    std::string want = " " + std::to_string(victims[0]);
+    for (int i = 0; i < 200; ++i) {
+      loomResult_t async = loomSuccess;
+      CHECK_LOOM(loomCommGetAsyncError(comm, &async));
+      expect(async != loomSuccess, "the async error is set");
+      message = loomGetLastError(nullptr);
+      size_t at = message.find("dead or unreachable ranks:");
+      if (at != std::string::npos && (message.substr(at) + " ").find(want + " ") != std::string::npos) break;
+      if (i == 199) expect(false, "loomCommGetAsyncError's message names dead rank" + want + ": " + message);
+      usleep(10000);
+    }
+    char dump[4096];
+    CHECK_LOOM(loomCommDump(comm, dump, sizeof dump));
+    expect(strstr(dump, "dead or unreachable ranks:") != nullptr, std::string("loomCommDump names the dead: ") + dump);
+  }
+  CHECK_LOOM(loomCommRevoke(comm));
+  // Shrink, check, and shrink again if a rank died meanwhile.
+  auto ts = std::chrono::steady_clock::now();
+  double shrinkMs = 0, doneAt = 0;
+  std::vector<int> members;
+  loomComm_t cur = comm;
+  std::vector<int> exclude;
+  if (mode == "revoke") exclude.push_back(n0 - 1);
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    if (mode == "during" && isVictim(rank, 1) && attempt == 0) die(1000 + 1000 * int(getpid() % 20));
+    loomComm_t next = nullptr;
+    ts = std::chrono::steady_clock::now();
+    loomResult_t r = loomCommShrink(cur, exclude.data(), int(exclude.size()), &next);
+    shrinkMs += msSince(ts);
+    if (r != loomSuccess) {
+      fprintf(stderr, "rank %d: loomCommShrink: %s: %s\n", rank, loomGetErrorString(r), loomGetLastError(nullptr));
+      expect(false, "loomCommShrink succeeds");
+      return 1;
+    }
+    exclude.clear();
+    if (cur != comm) loomCommAbort(cur);
+    cur = next;
+    if (!next) {
+      expect(mode == "revoke" && rank == n0 - 1, "only an excluded rank gets NULL");
+      CHECK_LOOM(loomCommAbort(comm));
+      return gFailures ? 1 : 0;
+    }
+    if (mode == "during" && isVictim(rank, 1)) pause();  // dies in a moment
+    int nn, nr;
+    CHECK_LOOM(loomCommCount(next, &nn));
+    CHECK_LOOM(loomCommUserRank(next, &nr));
+    int32_t mine = rank;
+    std::vector<int32_t> all(size_t(nn), -1);
+    loomResult_t g = loomAllGather(&mine, all.data(), 1, loomInt32, next, nullptr);
+    std::vector<double> v(bytes / 8 + 1000, double(rank + 1));
+    loomResult_t a = g == loomSuccess
+                         ? loomAllReduce(v.data(), v.data(), v.size(), loomFloat64, loomSum, next, nullptr)
+                         : g;
+    if (a != loomSuccess) {
+      // A rank of the new communicator died too: revoke it and shrink again.
+      CHECK_LOOM(loomCommRevoke(next));
+      continue;
+    }
+    doneAt = realMs();
+    members.assign(all.begin(), all.end());
+    double want = 0;
+    for (int m : members) want += m + 1;
+    bool exact = true;
+    for (double x : v) exact &= x == want;
+    expect(exact, "the shrunken communicator's all-reduce is exact");
+    expect(all[size_t(nr)] == rank, "the new ranks are the old ones in order");
+    for (size_t i = 1; i < members.size(); ++i) expect(members[i - 1] < members[i], "new ranks keep the old order");
+    break;
+  }
+  std::string list;
+  for (int m : members) list += (list.empty() ? "" : ",") + std::to_string(m);
+  for (char& c : message)
+    if (c == '\n' || c == '|') c = ' ';
+  if (FILE* f = fopen((dir + "/rank" + std::to_string(rank)).c_str(), "w")) {
+    fprintf(f, "%s|%.1f|%.1f|%.3f|%s\n", list.c_str(), detectMs, shrinkMs, doneAt, message.c_str());
+    fclose(f);
+  }
+  printf("rank %d: members %s, error after %.0f ms, shrink %.0f ms: %s\n", rank, list.c_str(), detectMs, shrinkMs,
+         message.c_str());
+  if (cur) CHECK_LOOM(loomCommDestroy(cur));
+  CHECK_LOOM(loomCommAbort(comm));
+  return gFailures ? 1 : 0;
+}
+
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   if (argc < 2) {
@@ -631,6 +791,13 @@ int main(int argc, char** argv) {
       return 2;
     }
     return scenarioFault(argv[2], atoi(argv[3]), strtoull(argv[4], nullptr, 10), argv[5]);
+  }
+  if (sc == "shrink") {
+    if (argc < 6) {
+      fprintf(stderr, "usage: mp-worker shrink between|allreduce|during|revoke VICTIMS BYTES DIR\n");
+      return 2;
+    }
+    return scenarioShrink(argv[2], parseList(argv[3]), strtoull(argv[4], nullptr, 10), argv[5]);
   }
   loomComm_t comm;
   CHECK_LOOM(loomCommInitFromEnv(&comm));

@@ -14,6 +14,7 @@
 #include "src/core/bootstrap.h"
 #include "src/core/clock.h"
 #include "src/core/comm.h"
+#include "src/core/control.h"
 #include "src/core/config.h"
 #include "src/core/error.h"
 #include "transports/tcp/tcp_transport.h"
@@ -110,6 +111,8 @@ TEST_CASE("rank records: rank 0's settings are bounded before use", "[parsers]")
   snprintf(info.transports, sizeof info.transports, "shm,tcp");
   info.mailBytes = 16384;
   info.stageBytes = 262144;
+  info.ctlAddr.ss_family = AF_INET;
+  info.ctlLen = sizeof(sockaddr_in);
   CHECK_NOTHROW(loom::checkRankInfo(&info, 0));
   CHECK(strlen(info.hostId) == sizeof info.hostId - 1);
   loom::RankInfo bad = info;
@@ -126,6 +129,42 @@ TEST_CASE("rank records: rank 0's settings are bounded before use", "[parsers]")
   bad = info;
   snprintf(bad.transports, sizeof bad.transports, ",");
   CHECK_THROWS_AS(loom::checkRankInfo(&bad, 0), loom::Error);
+  // Every rank's control address is checked (any rank's, not only rank 0's).
+  bad = info;
+  bad.ctlLen = sizeof bad.ctlAddr + 1;
+  CHECK_THROWS_AS(loom::checkRankInfo(&bad, 1), loom::Error);
+  bad = info;
+  bad.ctlAddr.ss_family = AF_UNIX;
+  CHECK_THROWS_AS(loom::checkRankInfo(&bad, 2), loom::Error);
+}
+
+TEST_CASE("control messages: framing, secret and bounds are checked before use", "[parsers]") {
+  const uint8_t secret[16] = {1, 2, 3};
+  loom::CtlMsg m;
+  m.type = loom::CtlType::Commit;
+  m.from = 2;
+  m.ranks = {0, 3};
+  m.extra = {9, 8, 7};
+  std::vector<uint8_t> b = loom::encodeCtl(m, secret, 77);
+  std::string why;
+  CHECK(loom::ctlMissing(b.data(), 0, secret, 77, 4, &why) == 48);
+  CHECK(loom::ctlMissing(b.data(), 48, secret, 77, 4, &why) == long(b.size() - 48));
+  REQUIRE(loom::ctlMissing(b.data(), b.size(), secret, 77, 4, &why) == 0);
+  loom::CtlMsg d = loom::decodeCtl(b.data(), b.size());
+  CHECK(d.type == loom::CtlType::Commit);
+  CHECK(d.from == 2);
+  CHECK(d.ranks == std::vector<int>{0, 3});
+  CHECK(d.extra == std::vector<uint8_t>{9, 8, 7});
+  CHECK(loom::ctlMissing(b.data(), b.size(), secret, 78, 4, &why) == -1);  // another communicator
+  CHECK(why == "another communicator");
+  const uint8_t other[16] = {1, 2, 4};
+  CHECK(loom::ctlMissing(b.data(), b.size(), other, 77, 4, &why) == -1);
+  CHECK(loom::ctlMissing(b.data(), b.size(), secret, 77, 2, &why) == -1);  // sender 2 of 2 ranks
+  m.ranks.assign(5, 0);  // more ranks than the communicator has
+  b = loom::encodeCtl(m, secret, 77);
+  CHECK(loom::ctlMissing(b.data(), 48, secret, 77, 4, &why) == -1);
+  b[4] = 99;  // unknown type
+  CHECK(loom::ctlMissing(b.data(), 48, secret, 77, 8, &why) == -1);
 }
 
 TEST_CASE("tcp records: a peer's listener address is checked before use", "[parsers]") {

@@ -46,7 +46,7 @@ template <class F>
 loomResult_t guarded(const char* call, loomComm* comm, F&& f) {
   try {
     loomResult_t r = f();
-    if (r != loomSuccess && comm) tlsLastError = std::string(call) + ": " + comm->lastError();
+    if (r != loomSuccess && comm) tlsLastError = std::string(call) + ": " + comm->lastError() + comm->deadSuffix();
     return r;
   } catch (const Error& e) {
     tlsLastError = std::string(call) + ": " + e.what();
@@ -514,6 +514,35 @@ loomResult_t loomCommAbort(loomComm_t comm) {
   });
 }
 
+loomResult_t loomCommRevoke(loomComm_t comm) {
+  return guarded("loomCommRevoke", nullptr, [&] {
+    checkComm(comm);
+    comm->revoke();
+    return loomSuccess;
+  });
+}
+
+loomResult_t loomCommShrink(loomComm_t comm, const int* excludeRanks, int nExclude, loomComm_t* newcomm) {
+  return guarded("loomCommShrink", nullptr, [&] {
+    checkComm(comm);
+    if (!newcomm) fail(loomInvalidArgument, "newcomm is NULL");
+    *newcomm = nullptr;
+    if (tlsGroup.depth > 0) fail(loomInvalidUsage, "loomCommShrink cannot be called inside a group");
+    if (nExclude < 0) fail(loomInvalidArgument, "nExclude %d is negative", nExclude);
+    if (nExclude > 0 && !excludeRanks) fail(loomInvalidArgument, "excludeRanks is NULL but nExclude is %d", nExclude);
+    std::vector<int> exclude;
+    for (int i = 0; i < nExclude; ++i) {
+      if (excludeRanks[i] < 0 || excludeRanks[i] >= comm->nranks())
+        fail(loomInvalidArgument, "excludeRanks[%d] = %d is not a rank of a communicator of %d", i, excludeRanks[i],
+             comm->nranks());
+      exclude.push_back(excludeRanks[i]);
+    }
+    std::shared_ptr<loomComm> c = comm->shrink(exclude);
+    *newcomm = c.get();
+    return loomSuccess;
+  });
+}
+
 loomResult_t loomCommDump(loomComm_t comm, char* buf, size_t size) {
   return guarded("loomCommDump", nullptr, [&] {
     checkComm(comm);
@@ -553,6 +582,9 @@ loomResult_t loomCommGetAsyncError(loomComm_t comm, loomResult_t* asyncError) {
     checkComm(comm);
     if (!asyncError) fail(loomInvalidArgument, "asyncError is NULL");
     *asyncError = comm->asyncError();
+    // What failed it, and which ranks are known to be dead, for loomGetLastError.
+    if (*asyncError != loomSuccess)
+      tlsLastError = "loomCommGetAsyncError: " + comm->lastError() + comm->deadSuffix();
     return loomSuccess;
   });
 }

@@ -5,6 +5,7 @@
 #include <sys/random.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -168,15 +169,15 @@ SockAddr rootAddress(const UniqueIdData& id) {
   return resolveAddr(id.host, id.port);
 }
 
-Bootstrap::Bootstrap(const UniqueIdData& id, int rank, int nranks, int64_t deadlineMs)
+Bootstrap::Bootstrap(const UniqueIdData& id, int rank, int nranks, int64_t deadlineMs, BootCheck check)
     : rank_(rank), nranks_(nranks), deadline_(deadlineMs) {
   if (rank == 0) {
-    serve(id);
+    serve(id, check);
     return;
   }
   SockAddr root = rootAddress(id);
   try {
-    rootFd_ = connectTo(root, deadline_);
+    rootFd_ = connectTo(root, check ? std::min(deadline_, nowMs() + 2000) : deadline_);
   } catch (const Error& e) {
     fail(e.code(), "rank %d cannot reach the bootstrap root at %s: %s", rank, root.str().c_str(), e.what());
   }
@@ -198,7 +199,7 @@ Bootstrap::~Bootstrap() {
   for (int& fd : fds_) closeFd(fd);
 }
 
-void Bootstrap::serve(const UniqueIdData& id) {
+void Bootstrap::serve(const UniqueIdData& id, const BootCheck& check) {
   int listenFd = -1;
   {
     std::lock_guard<std::mutex> lock(gListenMutex);
@@ -254,6 +255,11 @@ void Bootstrap::serve(const UniqueIdData& id) {
       for (size_t i = 0; i < pending.size();) {
         if (now > pending[i].deadline) drop(i, "no complete hello within 5 s");
         else ++i;
+      }
+      if (check) {
+        std::vector<bool> joinedRanks(fds_.size());
+        for (size_t r = 0; r < fds_.size(); ++r) joinedRanks[r] = r == 0 || fds_[r] >= 0;
+        check(joinedRanks);
       }
       std::vector<pollfd> pfds{{listenFd, POLLIN, 0}};
       for (auto& p : pending) pfds.push_back({p.fd, POLLIN, 0});

@@ -8,6 +8,7 @@
 // the connections close when init is done.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -77,11 +78,17 @@ JoinCheck checkJoinHello(const void* bytes, size_t n, const uint8_t secret[16], 
 // bytes that are not a reply.
 void checkJoinReply(const void* bytes, size_t n, int rank);
 
+// Called by the root about every 100 ms while it waits for ranks to join,
+// with who has joined; throws to give up (the shrink uses it to notice a
+// member that died after agreeing).  Set, it also bounds a joining rank's
+// attempts to reach a root that refuses (one that exists already) to 2 s.
+using BootCheck = std::function<void(const std::vector<bool>& joined)>;
+
 class Bootstrap {
  public:
   // Joins the communicator (rank 0 serves).  Blocks until every rank has
   // joined or deadlineMs passes.
-  Bootstrap(const UniqueIdData& id, int rank, int nranks, int64_t deadlineMs);
+  Bootstrap(const UniqueIdData& id, int rank, int nranks, int64_t deadlineMs, BootCheck check = nullptr);
   ~Bootstrap();
   // Every rank contributes `bytes` bytes; returns nranks*bytes in rank order.
   std::vector<uint8_t> allGather(const void* mine, size_t bytes);
@@ -90,7 +97,7 @@ class Bootstrap {
   SockAddr localAddress() const { return local_; }
 
  private:
-  void serve(const UniqueIdData& id);
+  void serve(const UniqueIdData& id, const BootCheck& check);
   int rank_, nranks_;
   int64_t deadline_;
   int rootFd_ = -1;         // rank > 0

@@ -25,6 +25,10 @@ namespace loom {
 void checkRankInfo(RankInfo* info, int r) {
   info->hostId[sizeof info->hostId - 1] = 0;
   info->transports[sizeof info->transports - 1] = 0;
+  if (info->ctlLen == 0 || info->ctlLen > sizeof info->ctlAddr ||
+      (info->ctlAddr.ss_family != AF_INET && info->ctlAddr.ss_family != AF_INET6))
+    fail(loomRemoteError, "rank %d sent a control address of %u bytes, family %u, during init", r, info->ctlLen,
+         unsigned(info->ctlAddr.ss_family));
   if (r != 0) return;
   // The bounds config.cc enforces on rank 0's own environment.
   if (info->slots < 2 || info->slots > 1024 || info->slotBytes < 4096 || info->slotBytes > (64u << 20) ||
@@ -44,11 +48,11 @@ void checkRankInfo(RankInfo* info, int r) {
 
 }  // namespace loom
 
-std::shared_ptr<loomComm> loomComm::create(const UniqueIdData& id, int nranks, int rank) {
+std::shared_ptr<loomComm> loomComm::create(const UniqueIdData& id, int nranks, int rank, BootCheck bootCheck) {
   std::shared_ptr<loomComm> c(new loomComm());
   c->self_ = c;
   try {
-    c->init(id, nranks, rank);
+    c->init(id, nranks, rank, bootCheck);
   } catch (...) {
     c->self_.reset();
     throw;
@@ -58,12 +62,13 @@ std::shared_ptr<loomComm> loomComm::create(const UniqueIdData& id, int nranks, i
 }
 
 loomComm::~loomComm() {
+  ctl_.reset();  // its thread may call into this communicator
   dumpUnregister(this);
   conns_.clear();  // before the transports whose memory they use
   transports_.clear();
 }
 
-void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
+void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootCheck& bootCheck) {
   const Config& cfg = config();
   rank_ = rank;
   nranks_ = nranks;
@@ -79,7 +84,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
          sizeof RankInfo::transports - 1);
   parseTransports(cfg.transports);  // a bad list fails here, before any peer waits for us
 
-  Bootstrap boot(id, rank, nranks, deadline);
+  Bootstrap boot(id, rank, nranks, deadline, bootCheck);
 
   // This rank's network address: the interface LOOM_SOCKET_IFNAME names,
   // else the one the bootstrap root sees us on.
@@ -101,6 +106,13 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
   snprintf(mine.transports, sizeof mine.transports, "%s", cfg.transports.c_str());
   fillRandom(&mine.commTag, sizeof mine.commTag);
   mine.topo = localRankTopo(advertise.ss);
+  // The control socket listens where the tcp transport would.
+  ctl_ = std::make_unique<Control>(rank, nranks, id.secret,
+                                   cfg.socketIfname.empty() ? resolveAddr(advertise.ss.ss_family == AF_INET6 ? "::" : "0.0.0.0", 0)
+                                                            : advertise,
+                                   advertise);
+  memcpy(&mine.ctlAddr, &ctl_->address().ss, sizeof mine.ctlAddr);
+  mine.ctlLen = ctl_->address().len;
 
   std::vector<uint8_t> all = boot.allGather(&mine, sizeof mine);
   peers_.resize(size_t(nranks));
@@ -109,6 +121,17 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank) {
   // Communicator-wide settings come from rank 0 so every pair agrees.
   const RankInfo& root = peers_[0];
   transportSpec_ = root.transports;
+  {
+    std::vector<SockAddr> ctlAddrs;
+    for (const RankInfo& p : peers_) {
+      SockAddr a;
+      memcpy(&a.ss, &p.ctlAddr, sizeof a.ss);
+      a.len = socklen_t(p.ctlLen);
+      if (p.localKey == mine.localKey) a = resolveAddr(a.ss.ss_family == AF_INET6 ? "::1" : "127.0.0.1", a.port());
+      ctlAddrs.push_back(a);
+    }
+    ctl_->start(root.commTag, ctlAddrs, [this](const CtlMsg& m) { onNotice(m); });
+  }
   // Which ranks share a host, and where each sits (the tuner reads it).
   std::vector<std::string> hostIds;
   std::vector<RankTopo> rankTopos;
@@ -340,6 +363,7 @@ loomResult_t loomComm::runOne(const OpDesc& op, const SlotTag& tag) {
   } catch (const Error& e) {
     noteIdle();
     setFailed(e.code(), e.what());
+    settleNotices(nowMs() + 500);
     return e.code();
   }
 }
@@ -424,6 +448,8 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
     return loomSuccess;
   } catch (const Error& e) {
     setFailed(e.code(), e.what());
+    // The notices' answers say which peers are gone (for the message).
+    settleNotices(nowMs() + 500);
     return e.code();
   } catch (const std::exception& e) {
     setFailed(loomInternalError, strf("rank %d: internal error: %s", rank_, e.what()));
@@ -452,16 +478,86 @@ void loomComm::traceRun(double beginUs, const std::vector<OpDesc>& ops, const st
   tracer_->op(beginUs, end, name, args);
 }
 
-void loomComm::setFailed(loomResult_t code, const std::string& msg) {
+void loomComm::setFailed(loomResult_t code, const std::string& msg, CtlType notice) {
   int expected = loomSuccess;
   if (asyncError_.compare_exchange_strong(expected, code)) {
     setLastError(msg);
     LOOM_WARN("COLL", "%s", msg.c_str());
-    // Tell the peers at once rather than letting them wait for a timeout.
-    for (const auto& t : transports_) t->abort();
+    // Tell the peers at once rather than letting them wait for a timeout,
+    // then on the control sockets, which also finds out who is dead.  A
+    // revoke travels on the control sockets alone, so that every rank's
+    // error says "revoked" rather than whichever broken connection it saw first.
+    if (notice != CtlType::Revoke)
+      for (const auto& t : transports_) t->abort();
+    notifyPeers(notice);
   } else {
     setLastError(msg);
   }
+}
+
+void loomComm::notifyPeers(CtlType type) {
+  if (!ctl_) return;
+  CtlMsg m;
+  m.type = type;
+  m.from = rank_;
+  std::vector<bool> to(size_t(nranks_), true);
+  to[size_t(rank_)] = false;
+  {
+    std::lock_guard<std::mutex> lock(errMutex_);
+    for (int r : dead_) {
+      m.ranks.push_back(r);
+      to[size_t(r)] = false;
+    }
+  }
+  // A peer whose control socket refuses is gone; one that does not answer
+  // in time is not called dead here (it may only be slow).
+  ctl_->broadcastAsync(m, to, nowMs() + 1000, [this](const std::vector<Reach>& reach) { markDead(reach); });
+}
+
+void loomComm::markDead(const std::vector<Reach>& reach) {
+  std::lock_guard<std::mutex> lock(errMutex_);
+  for (int r = 0; r < nranks_; ++r)
+    if (reach[size_t(r)] == Reach::Refused) dead_.insert(r);
+}
+
+void loomComm::onNotice(const CtlMsg& m) {
+  {
+    std::lock_guard<std::mutex> lock(errMutex_);
+    for (int r : m.ranks)
+      if (r >= 0 && r < nranks_ && r != rank_) dead_.insert(r);
+  }
+  if (m.type == CtlType::Revoke) {
+    revoked_.store(true);
+    setFailed(loomRemoteError, strf("rank %d: rank %d revoked the communicator", rank_, m.from), CtlType::Revoke);
+  } else {
+    setFailed(loomRemoteError, strf("rank %d: the communicator failed on rank %d", rank_, m.from));
+  }
+}
+
+void loomComm::revoke() {
+  if (revoked_.exchange(true)) return;
+  int expected = loomSuccess;
+  std::string msg = strf("rank %d: the communicator was revoked on this rank", rank_);
+  if (asyncError_.compare_exchange_strong(expected, loomRemoteError)) setLastError(msg);
+  // Even when the communicator had failed already: peers learn it is revoked.
+  notifyPeers(CtlType::Revoke);
+}
+
+std::set<int> loomComm::deadRanks() {
+  std::lock_guard<std::mutex> lock(errMutex_);
+  return dead_;
+}
+
+std::string loomComm::deadSuffix() {
+  std::set<int> d = deadRanks();
+  if (d.empty()) return "";
+  std::string s = "; dead or unreachable ranks:";
+  for (int r : d) s += strf(" %d", r);
+  return s;
+}
+
+void loomComm::settleNotices(int64_t deadlineMs) {
+  if (ctl_) ctl_->waitQuiet(deadlineMs);
 }
 
 void loomComm::setLastError(const std::string& msg) {
@@ -481,6 +577,7 @@ void loomComm::abort() {
 
 void loomComm::checkAborted() {
   if (aborted_.load()) fail(loomRemoteError, "rank %d: the communicator was aborted", rank_);
+  if (revoked_.load()) fail(loomRemoteError, "rank %d: the communicator was revoked", rank_);
 }
 
 void loomComm::prepare(const std::vector<std::pair<int, int>>& needed) {

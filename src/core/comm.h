@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,7 @@
 #include "algorithms/schedule.h"
 #include "loom.h"
 #include "src/core/bootstrap.h"
+#include "src/core/control.h"
 #include "src/core/executor.h"
 #include "src/core/trace.h"
 #include "src/topology/comm_topology.h"
@@ -37,6 +39,9 @@ struct RankInfo {
   uint64_t commTag;    // rank 0's value is used by all
   char transports[64]; // rank 0's LOOM_TRANSPORTS is used by all
   RankTopo topo;       // this rank's machine and placement (topology())
+  sockaddr_storage ctlAddr;  // this rank's control socket (src/core/control.h)
+  uint32_t ctlLen;
+  uint32_t pad2;
 };
 
 // Checks the record rank `r` sent during init (bytes from the network):
@@ -48,8 +53,9 @@ void checkRankInfo(RankInfo* info, int r);
 
 struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::enable_shared_from_this<loomComm> {
  public:
-  // Creates and joins; throws loom::Error.
-  static std::shared_ptr<loomComm> create(const loom::UniqueIdData& id, int nranks, int rank);
+  // Creates and joins; throws loom::Error.  bootCheck: see Bootstrap.
+  static std::shared_ptr<loomComm> create(const loom::UniqueIdData& id, int nranks, int rank,
+                                          loom::BootCheck bootCheck = nullptr);
   ~loomComm() override;
 
   int nranks() const { return nranks_; }
@@ -78,12 +84,29 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
   loomResult_t runOps(const std::vector<loom::OpDesc>& ops, const std::vector<loom::SlotTag>& tags);
 
   // ---- errors ----
-  void setFailed(loomResult_t code, const std::string& msg);
+  // The first failure tells every peer (transports' abort, then a notice on
+  // the control socket that names the ranks this rank knows to be dead).
+  void setFailed(loomResult_t code, const std::string& msg, loom::CtlType notice = loom::CtlType::Fail);
   loomResult_t asyncError() const { return loomResult_t(asyncError_.load()); }
   void setLastError(const std::string& msg);
   std::string lastError();
 
   void abort();
+  // loomCommRevoke: fails this rank's pending and later operations and tells
+  // every reachable peer to do the same; never blocks.
+  void revoke();
+  bool isRevoked() const { return revoked_.load(); }
+  // Ranks known to be dead or unreachable (their control socket refused us).
+  std::set<int> deadRanks();
+  // "; dead or unreachable ranks: 1 3" ("" when none is known).
+  std::string deadSuffix();
+  // Waits (at most until deadlineMs) for this rank's failure notices to be
+  // answered, so that deadRanks() includes what they found.
+  void settleNotices(int64_t deadlineMs);
+  // loomCommShrink (src/core/shrink.cc): the survivors without `exclude`
+  // and without the dead agree on who is left and build a new communicator;
+  // nullptr for a rank left out.
+  std::shared_ptr<loomComm> shrink(const std::vector<int>& exclude);
   void releaseHandle() { self_.reset(); }
   bool isAborted() const { return aborted_.load(); }
   const std::vector<loom::RankInfo>& peers() const { return peers_; }
@@ -123,7 +146,10 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
 
  private:
   loomComm() = default;
-  void init(const loom::UniqueIdData& id, int nranks, int rank);
+  void init(const loom::UniqueIdData& id, int nranks, int rank, const loom::BootCheck& bootCheck);
+  void onNotice(const loom::CtlMsg& m);  // on the control thread
+  void markDead(const std::vector<loom::Reach>& reach);
+  void notifyPeers(loom::CtlType type);
   loom::SlotTag tagFor(const loom::OpDesc& op);  // under seqMutex_
   // Sets up the transports in rank 0's LOOM_TRANSPORTS order: each takes
   // the peers it reaches that no earlier one took.
@@ -165,8 +191,11 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
 
   std::atomic<int> asyncError_{loomSuccess};
   std::atomic<bool> aborted_{false};
+  std::atomic<bool> revoked_{false};
   std::mutex errMutex_;
   std::string lastError_;
+  std::set<int> dead_;                   // under errMutex_
+  std::unique_ptr<loom::Control> ctl_;   // destroyed first: its thread calls onNotice
   std::shared_ptr<loomComm> self_;  // the handle's reference
   std::unique_ptr<loom::Tracer> tracer_;  // LOOM_TRACE
   // The operation running now (comm_dump.cc); actStartNs_ == 0: none.

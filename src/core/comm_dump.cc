@@ -76,7 +76,14 @@ std::string loomComm::dump() {
                        (unsigned long long)served);
   int err = asyncError_.load();
   if (err != loomSuccess) s += strf("; failed (%s): %s", loomGetErrorString(loomResult_t(err)), lastError().c_str());
+  if (revoked_.load()) s += "; revoked";
   s += "\n";
+  std::set<int> dead = deadRanks();
+  if (!dead.empty()) {
+    s += "  dead or unreachable ranks:";
+    for (int r : dead) s += strf(" %d", r);
+    s += "\n";
+  }
   int64_t start = actStartNs_.load(std::memory_order_acquire);
   int64_t now = nowNs();
   if (start) {

@@ -1,0 +1,117 @@
+// The control plane: a small TCP side channel every communicator keeps
+// beside its transports, for what must still work when the data paths are
+// broken.  Each rank listens on one socket (its address travels in RankInfo)
+// and runs one thread that accepts connections, reads one message from each
+// and answers it with one byte.  It carries:
+//  - failure and revoke notices (which ranks the sender knows to be dead),
+//  - liveness probes: a rank whose process is gone refuses the connection
+//    (the kernel closed its listener), so "refused" means dead for certain,
+//  - the shrink agreement (src/core/shrink.cc): Join connections are handed
+//    to the shrinking thread instead of being answered.
+// Outgoing messages also go through the thread's event loop (non-blocking
+// sockets), so two ranks notifying each other at once never wait on each
+// other.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "src/core/socket.h"
+
+namespace loom {
+
+enum class CtlType : uint32_t {
+  Probe = 1,    // are you there? (answered)
+  Fail = 2,     // the sender's communicator failed (answered)
+  Revoke = 3,   // the sender revoked the communicator (answered)
+  Join = 4,     // shrink: a member joins the coordinator (handed over)
+  Propose = 5,  // shrink: coordinator -> member, the proposed excluded set
+  Ack = 6,      // shrink: member -> coordinator, its own excluded set
+  Commit = 7,   // shrink: coordinator -> member, the final set and the new unique id
+  Excluded = 8, // shrink: coordinator -> member, you are not in the new communicator
+};
+
+struct CtlMsg {
+  CtlType type = CtlType::Probe;
+  int from = -1;
+  std::vector<int> ranks;      // a set of ranks (dead, or excluded)
+  std::vector<uint8_t> extra;  // Commit: the new unique id
+};
+
+// The wire format, as pure functions of bytes (tests/fuzz can drive them).
+std::vector<uint8_t> encodeCtl(const CtlMsg& m, const uint8_t secret[16], uint64_t commTag);
+// Bytes needed before the message is complete (0: complete, -1: invalid;
+// *why says why).  `n` bytes are at `bytes`.
+long ctlMissing(const uint8_t* bytes, size_t n, const uint8_t secret[16], uint64_t commTag, int nranks,
+                std::string* why);
+CtlMsg decodeCtl(const uint8_t* bytes, size_t n);
+
+// What happened to one message of a broadcast.
+enum class Reach : uint8_t { Acked, Refused, Timeout };
+
+class Control {
+ public:
+  // Opens the listener (before the communicator's first all-gather).
+  Control(int rank, int nranks, const uint8_t secret[16], const SockAddr& bindAddr, const SockAddr& advertise);
+  ~Control();
+  const SockAddr& address() const { return advertise_; }
+
+  // Starts the thread once every rank's address is known.  onNotice runs on
+  // the control thread for Fail and Revoke messages: it must not block.
+  void start(uint64_t commTag, std::vector<SockAddr> peers, std::function<void(const CtlMsg&)> onNotice);
+
+  // Sends m to every rank r with to[r] at once and waits until each answered,
+  // refused, or deadlineMs passed.  Safe from any thread but the control one.
+  std::vector<Reach> broadcast(const CtlMsg& m, const std::vector<bool>& to, int64_t deadlineMs);
+  // The same without waiting; `done` runs on the control thread.
+  void broadcastAsync(const CtlMsg& m, const std::vector<bool>& to, int64_t deadlineMs,
+                      std::function<void(const std::vector<Reach>&)> done);
+  // Until every broadcast issued so far has finished, or deadlineMs.
+  void waitQuiet(int64_t deadlineMs);
+
+  // ---- shrink: blocking point-to-point messages on connections of its own ----
+  // The oldest Join connection received (the caller owns *fd), or false at deadlineMs.
+  bool nextJoin(int* fd, CtlMsg* m, int64_t deadlineMs);
+  // Connects to rank r's listener (one attempt): -1 if refused.  Throws
+  // loomTimeout when deadlineMs passes first.
+  int dial(int r, int64_t deadlineMs);
+  void send(int fd, const CtlMsg& m, int64_t deadlineMs);
+  // Reads one message; false on end of stream, garbage or a reset.  Throws
+  // loomTimeout at deadlineMs.
+  bool recv(int fd, CtlMsg* m, int64_t deadlineMs);
+  int nranks() const { return nranks_; }
+
+ private:
+  struct Out;
+  struct In;
+  struct Job;
+  void loop();
+  void wake();
+  void finish(const std::shared_ptr<Job>& job);
+
+  int rank_, nranks_;
+  uint8_t secret_[16];
+  std::atomic<uint64_t> commTag_{0};
+  int listenFd_ = -1;
+  int wakeFd_[2] = {-1, -1};
+  SockAddr advertise_;
+  std::vector<SockAddr> peers_;
+  std::function<void(const CtlMsg&)> onNotice_;
+  std::thread thread_;
+
+  std::mutex mutex_;  // guards everything below
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::deque<std::shared_ptr<Job>> newJobs_;
+  int active_ = 0;  // broadcasts issued and not finished
+  std::deque<std::pair<int, CtlMsg>> joins_;
+};
+
+}  // namespace loom

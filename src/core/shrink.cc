@@ -1,0 +1,302 @@
+// loomCommShrink: the surviving ranks agree on who is left, then build a new
+// communicator of those ranks.
+//
+// The agreement runs on the old communicator's control sockets
+// (src/core/control.h), which work whatever state its transports are in.
+// Each rank keeps `out`, the set of ranks left out (the caller's exclusions,
+// the dead it knows of); it only ever grows.  The coordinator is the lowest
+// rank not in `out`:
+//  1. every other rank connects to it and sends Join with its `out`;
+//  2. the coordinator merges what it hears and waits until every rank not
+//     in `out` has joined; meanwhile it probes the missing ones, and one
+//     whose control socket refuses (its process is gone) joins `out`.  A rank
+//     still missing when the communicator's timeout passes joins it too;
+//  3. it sends Propose(out) to every member; each merges and answers Ack
+//     with its own set; if an Ack adds ranks, or a member's connection
+//     breaks, it starts over (at 2, for a broken connection);
+//  4. when every member acked the proposed set unchanged it sends
+//     Commit(out, new unique id); the new communicator's bootstrap root is
+//     the coordinator (new rank 0).
+// A member whose coordinator's connection breaks probes it: gone, it joins
+// `out` and the next lowest rank coordinates; alive (it started over), the
+// member joins again.  A member that dies after agreeing makes the new
+// communicator's bootstrap fail (the root probes the ranks it waits for),
+// and everyone starts over with that rank out.  Every wait is bounded by
+// the deadline, twice the communicator's timeout.
+#include <poll.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+
+#include "src/core/clock.h"
+#include "src/core/comm.h"
+#include "src/core/error.h"
+#include "src/core/log.h"
+
+using namespace loom;
+
+namespace {
+
+std::string listRanks(const std::set<int>& s) {
+  std::string t;
+  for (int r : s) t += strf(" %d", r);
+  return t.empty() ? " none" : t;
+}
+
+}  // namespace
+
+std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
+  const int N = nranks_, me = rank_;
+  std::set<int> out(exclude.begin(), exclude.end());
+  if (out.count(me)) return nullptr;
+  const int64_t T = timeoutMs();
+  const int64_t deadline = nowMs() + 2 * T;
+  for (int r : deadRanks()) out.insert(r);
+  Control& ctl = *ctl_;
+  auto merge = [&](const std::vector<int>& v) {
+    bool grew = false;
+    for (int r : v)
+      if (r >= 0 && r < N && r != me) grew |= out.insert(r).second;
+    return grew;
+  };
+  auto probe = [&](const std::set<int>& who, int64_t ms) {
+    std::vector<bool> to(size_t(N), false);
+    for (int r : who) to[size_t(r)] = r != me;
+    std::vector<Reach> reach = ctl.broadcast(CtlMsg{CtlType::Probe, me, {}, {}}, to, nowMs() + ms);
+    std::set<int> gone;
+    for (int r : who)
+      if (r != me && reach[size_t(r)] == Reach::Refused) gone.insert(r);
+    return gone;
+  };
+  auto outMsg = [&](CtlType t) {
+    CtlMsg m;
+    m.type = t;
+    m.from = me;
+    m.ranks.assign(out.begin(), out.end());
+    return m;
+  };
+
+  // The coordinator's side; true with *id once committed.
+  auto coordinate = [&](UniqueIdData* id) {
+    std::map<int, int> joined;  // rank -> its Join connection
+    auto dropMember = [&](int r, bool excluded) {
+      auto it = joined.find(r);
+      if (it == joined.end()) return;
+      if (excluded) {
+        try {
+          ctl.send(it->second, outMsg(CtlType::Excluded), nowMs() + 200);
+        } catch (const Error&) {
+        }
+      }
+      close(it->second);
+      joined.erase(it);
+    };
+    auto dropOut = [&]() {
+      for (int r : std::vector<int>(out.begin(), out.end())) dropMember(r, true);
+    };
+    try {
+      const int64_t agreeBy = std::min(deadline, nowMs() + T);
+      int64_t nextProbe = nowMs() + 20;
+      for (;;) {
+        // ---- 2: wait for every rank not out ----
+        for (;;) {
+          std::set<int> pending;
+          for (int r = 0; r < N; ++r)
+            if (r != me && !out.count(r) && !joined.count(r)) pending.insert(r);
+          if (pending.empty()) break;
+          int64_t now = nowMs();
+          if (now >= deadline) fail(loomTimeout, "rank %d: loomCommShrink: ranks%s never joined", me, listRanks(pending).c_str());
+          if (now >= agreeBy) {
+            LOOM_WARN("SHRINK", "rank %d: ranks%s did not join the shrink in %lld ms; leaving them out", me,
+                      listRanks(pending).c_str(), (long long)T);
+            for (int r : pending) out.insert(r);
+            dropOut();
+            continue;
+          }
+          int fd;
+          CtlMsg m;
+          if (ctl.nextJoin(&fd, &m, std::min(agreeBy, now + 20))) {
+            if (out.count(m.from)) {
+              try {
+                ctl.send(fd, outMsg(CtlType::Excluded), nowMs() + 200);
+              } catch (const Error&) {
+              }
+              close(fd);
+              continue;
+            }
+            dropMember(m.from, false);  // an older connection of the same rank
+            joined[m.from] = fd;
+            if (merge(m.ranks)) dropOut();
+          }
+          // A member sends nothing after Join: anything readable is its end.
+          for (auto it = joined.begin(); it != joined.end();) {
+            pollfd p{it->second, POLLIN, 0};
+            if (poll(&p, 1, 0) > 0) {
+              close(it->second);
+              it = joined.erase(it);
+            } else {
+              ++it;
+            }
+          }
+          if (nowMs() >= nextProbe && !pending.empty()) {
+            std::set<int> gone = probe(pending, 300);
+            if (!gone.empty()) {
+              LOOM_INFO("SHRINK", "rank %d: ranks%s are gone", me, listRanks(gone).c_str());
+              out.insert(gone.begin(), gone.end());
+            }
+            nextProbe = nowMs() + 100;
+          }
+        }
+        // ---- 3: propose until every member acks the same set ----
+        bool restart = false;
+        for (;;) {
+          CtlMsg prop = outMsg(CtlType::Propose);
+          std::vector<int> broken;
+          bool grew = false;
+          for (auto& kv : joined) {
+            try {
+              ctl.send(kv.second, prop, std::min(deadline, nowMs() + T));
+            } catch (const Error&) {
+              broken.push_back(kv.first);
+            }
+          }
+          for (auto& kv : joined) {
+            if (std::find(broken.begin(), broken.end(), kv.first) != broken.end()) continue;
+            CtlMsg ack;
+            if (!ctl.recv(kv.second, &ack, deadline) || ack.type != CtlType::Ack) broken.push_back(kv.first);
+            else grew |= merge(ack.ranks);
+          }
+          if (!broken.empty()) {
+            for (int r : broken) dropMember(r, false);
+            std::set<int> gone = probe(std::set<int>(broken.begin(), broken.end()), 500);
+            out.insert(gone.begin(), gone.end());
+            dropOut();
+            restart = true;
+            break;
+          }
+          if (!grew) break;
+          dropOut();
+        }
+        if (restart) continue;
+        // ---- 4: commit ----
+        loomUniqueId uid;
+        makeUniqueId(&uid);
+        *id = decodeUniqueId(uid);
+        CtlMsg commit = outMsg(CtlType::Commit);
+        commit.extra.assign(reinterpret_cast<const uint8_t*>(&uid), reinterpret_cast<const uint8_t*>(&uid) + sizeof uid);
+        for (auto& kv : joined) {
+          try {
+            ctl.send(kv.second, commit, nowMs() + 1000);
+          } catch (const Error&) {
+            // It will be missing from the new communicator's bootstrap.
+          }
+          close(kv.second);
+        }
+        joined.clear();
+        return true;
+      }
+    } catch (...) {
+      for (auto& kv : joined) close(kv.second);
+      throw;
+    }
+  };
+
+  // A member's side: true with *id once committed, *excluded when left out;
+  // false to start over (with `out` updated).
+  auto follow = [&](int coord, UniqueIdData* id, bool* excluded) {
+    int fd;
+    try {
+      fd = ctl.dial(coord, std::min(deadline, nowMs() + 2000));
+    } catch (const Error&) {
+      fd = -1;  // no answer at all: unreachable
+    }
+    if (fd < 0) {
+      out.insert(coord);
+      return false;
+    }
+    struct Closer {
+      int fd;
+      ~Closer() { close(fd); }
+    } closer{fd};
+    try {
+      ctl.send(fd, outMsg(CtlType::Join), std::min(deadline, nowMs() + 2000));
+    } catch (const Error& e) {
+      if (e.code() == loomTimeout) throw;
+    }
+    for (;;) {
+      CtlMsg m;
+      if (!ctl.recv(fd, &m, deadline)) {
+        if (!probe({coord}, 500).empty()) out.insert(coord);
+        else usleep(10000);  // it started over: join again
+        return false;
+      }
+      if (m.type == CtlType::Propose) {
+        merge(m.ranks);
+        ctl.send(fd, outMsg(CtlType::Ack), deadline);
+      } else if (m.type == CtlType::Commit) {
+        if (m.extra.size() != sizeof(loomUniqueId))
+          fail(loomRemoteError, "rank %d: loomCommShrink: the coordinator (rank %d) sent a bad commit", me, coord);
+        out.clear();
+        for (int r : m.ranks)
+          if (r >= 0 && r < N) out.insert(r);
+        loomUniqueId uid;
+        memcpy(&uid, m.extra.data(), sizeof uid);
+        *id = decodeUniqueId(uid);
+        if (out.count(me)) *excluded = true;
+        return true;
+      } else if (m.type == CtlType::Excluded) {
+        *excluded = true;
+        return true;
+      }
+    }
+  };
+
+  int fruitless = 0;
+  for (;;) {
+    if (nowMs() >= deadline)
+      fail(loomTimeout, "rank %d: loomCommShrink reached no agreement in %lld ms (left out so far:%s)", me,
+           (long long)(2 * T), listRanks(out).c_str());
+    int coord = 0;
+    while (out.count(coord)) ++coord;
+    UniqueIdData id{};
+    bool excluded = false;
+    bool agreed = coord == me ? coordinate(&id) : follow(coord, &id, &excluded);
+    if (!agreed) continue;
+    if (excluded) {
+      LOOM_WARN("SHRINK", "rank %d: left out of the shrunken communicator", me);
+      return nullptr;
+    }
+    std::vector<int> members;
+    for (int r = 0; r < N; ++r)
+      if (!out.count(r)) members.push_back(r);
+    int newRank = int(std::find(members.begin(), members.end(), me) - members.begin());
+    // The root gives up on a member whose process is gone (it agreed, then died).
+    BootCheck check = [&](const std::vector<bool>& joined) {
+      std::set<int> missing;
+      for (size_t i = 0; i < joined.size() && i < members.size(); ++i)
+        if (!joined[i]) missing.insert(members[i]);
+      if (missing.empty()) return;
+      std::set<int> gone = probe(missing, 200);
+      if (!gone.empty())
+        fail(loomRemoteError, "rank %d: ranks%s died during loomCommShrink", me, listRanks(gone).c_str());
+    };
+    try {
+      std::shared_ptr<loomComm> c = create(id, int(members.size()), newRank, check);
+      c->setTimeoutMs(T);
+      LOOM_INFO("SHRINK", "rank %d: now rank %d of %d; left out:%s", me, newRank, int(members.size()),
+                listRanks(out).c_str());
+      return c;
+    } catch (const Error& e) {
+      std::set<int> alive;
+      for (int r : members)
+        if (r != me) alive.insert(r);
+      std::set<int> gone = probe(alive, 500);
+      LOOM_WARN("SHRINK", "rank %d: building the shrunken communicator failed (%s); gone since:%s", me, e.what(),
+                listRanks(gone).c_str());
+      out.insert(gone.begin(), gone.end());
+      if (gone.empty() && ++fruitless >= 3) throw;
+    }
+  }
+}
