@@ -1,6 +1,7 @@
 // The _C extension module of loom_torch: exposes the creator function that
 // torch.distributed.Backend.register_backend calls.
 #include <pybind11/chrono.h>
+#include <pybind11/stl.h>
 #include <torch/python.h>
 
 #include "python/process_group_loom.h"
@@ -11,6 +12,23 @@ PYBIND11_MODULE(_C, m) {
         pybind11::arg("rank"), pybind11::arg("size"), pybind11::arg("timeout"),
         pybind11::call_guard<pybind11::gil_scoped_release>(),
         "Creates a loom process group; the ranks meet through the c10d store.");
+  m.def(
+      "shrink",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const std::vector<int64_t>& exclude) {
+        auto* loom = dynamic_cast<loom_torch::ProcessGroupLoom*>(pg.get());
+        TORCH_CHECK(loom, "loom_torch.shrink: the group's backend is ", pg->getBackendName(), ", not loom");
+        return c10::intrusive_ptr<c10d::ProcessGroup>(loom->shrink(exclude));
+      },
+      pybind11::arg("group"), pybind11::arg("exclude"),
+      "Revokes a loom group and returns the group of its survivors (None on a rank left out).");
+  m.def(
+      "parent_ranks",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+        auto* loom = dynamic_cast<loom_torch::ProcessGroupLoom*>(pg.get());
+        TORCH_CHECK(loom, "loom_torch: not a loom group");
+        return loom->parentRanks();
+      },
+      pybind11::arg("group"));
   m.def("loom_version", [] {
     int v = 0;
     loomGetVersion(&v);

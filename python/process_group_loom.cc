@@ -344,7 +344,11 @@ ProcessGroupLoom::ProcessGroupLoom(const c10::intrusive_ptr<c10d::Store>& store,
     loomCommAbort(comm_);
     failInit("loomCommSetTimeout", r, nullptr);
   }
-  r = loomStreamCreate(&stream_);
+  start();
+}
+
+void ProcessGroupLoom::start() {
+  loomResult_t r = loomStreamCreate(&stream_);
   if (r != loomSuccess) {
     loomCommAbort(comm_);
     failInit("loomStreamCreate", r, nullptr);
@@ -353,6 +357,40 @@ ProcessGroupLoom::ProcessGroupLoom(const c10::intrusive_ptr<c10d::Store>& store,
   // The thread holds the queue, not the group.
   completer_ = std::thread([q = queue_] { q->completerLoop(); });
   init();
+}
+
+ProcessGroupLoom::ProcessGroupLoom(FromShrink, loomComm_t comm, int rank, int size, std::vector<int64_t> parentRanks)
+    : c10d::ProcessGroup(rank, size), parentRanks_(std::move(parentRanks)) {
+  comm_ = comm;
+  start();
+}
+
+c10::intrusive_ptr<ProcessGroupLoom> ProcessGroupLoom::shrink(const std::vector<int64_t>& exclude) {
+  std::vector<int> ex;
+  for (int64_t r : exclude) {
+    TORCH_CHECK(r >= 0 && r < size_, "loom backend: shrink: rank ", r, " is not a rank of this group of ", size_);
+    ex.push_back(int(r));
+  }
+  GilRelease unlocked;
+  loomCommRevoke(comm_);
+  loomComm_t next = nullptr;
+  loomResult_t r = loomCommShrink(comm_, ex.empty() ? nullptr : ex.data(), int(ex.size()), &next);
+  TORCH_CHECK(r == loomSuccess, "loom backend: shrink: loomCommShrink: ", loomGetErrorString(r), ": ",
+              loomGetLastError(comm_));
+  if (!next) return c10::intrusive_ptr<ProcessGroupLoom>();
+  int me = 0, n = 0;
+  loomCommUserRank(next, &me);
+  loomCommCount(next, &n);
+  // Which rank of this group each new rank was.
+  int64_t mine = rank_;
+  std::vector<int64_t> parents(size_t(n), -1);
+  r = loomAllGather(&mine, parents.data(), 1, loomInt64, next, nullptr);
+  if (r != loomSuccess) {
+    std::string why = loomGetLastError(next);
+    loomCommAbort(next);
+    TORCH_CHECK(false, "loom backend: shrink: exchanging ranks on the new communicator: ", why);
+  }
+  return c10::make_intrusive<ProcessGroupLoom>(FromShrink{}, next, me, n, std::move(parents));
 }
 
 // Runs on whichever thread drops the last reference to the group. That is

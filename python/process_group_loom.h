@@ -107,6 +107,20 @@ class ProcessGroupLoom : public c10d::ProcessGroup {
   static c10::intrusive_ptr<c10d::ProcessGroup> create(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                                        int size, std::chrono::milliseconds timeout);
 
+  // A group over a communicator loomCommShrink made (see shrink()).
+  struct FromShrink {};
+  ProcessGroupLoom(FromShrink, loomComm_t comm, int rank, int size, std::vector<int64_t> parentRanks);
+
+  // After a rank died: revokes this group's communicator (its pending works
+  // fail at once) and builds a group of the survivors, less `exclude` (ranks
+  // of this group), with loomCommShrink.  Collective over the survivors.
+  // nullptr on a rank that is left out.  This group stays usable only to be
+  // destroyed.
+  c10::intrusive_ptr<ProcessGroupLoom> shrink(const std::vector<int64_t>& exclude);
+  // For a group made by shrink(): each of its ranks' rank in the group it
+  // was shrunk from; empty otherwise.
+  const std::vector<int64_t>& parentRanks() const { return parentRanks_; }
+
   const std::string getBackendName() const override { return "loom"; }
 
   void startCoalescing() override;
@@ -152,10 +166,14 @@ class ProcessGroupLoom : public c10d::ProcessGroup {
   c10::intrusive_ptr<c10d::Work> issue(const char* what, c10::intrusive_ptr<LoomWork> work,
                                        const std::function<loomResult_t()>& launch);
 
+  // The stream, the queue and the completer thread, once comm_ exists.
+  void start();
+
   loomComm_t comm_ = nullptr;
   loomStream_t stream_ = nullptr;
   std::shared_ptr<LoomQueue> queue_;
   std::thread completer_;
+  std::vector<int64_t> parentRanks_;
 };
 
 }  // namespace loom_torch

@@ -32,13 +32,16 @@
 namespace {
 
 const char kUsage[] =
-    "usage: loom-run -n N [--hosts K] [--timeout SEC] [--] program [args...]\n"
+    "usage: loom-run -n N [--hosts K] [--timeout SEC] [--keep-going] [--] program [args...]\n"
     "\n"
     "Starts N local ranks of `program` and waits for them.\n"
     "  -n N           number of ranks (N >= 1)\n"
     "  --hosts K      split the ranks into K contiguous, near-equal blocks that pose\n"
     "                 as separate hosts (1 <= K <= N)\n"
     "  --timeout SEC  stop the job and exit 124 if it runs longer (0 = no limit)\n"
+    "  --keep-going   a rank killed by a signal does not stop the others (elastic jobs\n"
+    "                 that continue without it, loomCommShrink); the exit status is 0\n"
+    "                 when every other rank exits 0\n"
     "  -h, --help     show this help\n"
     "\n"
     "Each rank gets:\n"
@@ -51,7 +54,8 @@ const char kUsage[] =
     "  LOOM_SECRET      32 random hex digits (kept if already set)\n"
     "\n"
     "Rank output is forwarded line by line as \"[rank] line\"; stdin is /dev/null.\n"
-    "If a rank fails, the others get SIGTERM (SIGKILL 3 s later) and loom-run exits\n"
+    "If a rank fails (without --keep-going: exits non-zero or is killed; with it:\n"
+    "exits non-zero), the others get SIGTERM (SIGKILL 3 s later) and loom-run exits\n"
     "1, or 128+signal if the rank was killed by a signal. SIGINT/SIGTERM to loom-run\n"
     "are forwarded to the ranks as SIGTERM.\n";
 
@@ -261,6 +265,7 @@ void signalRanks(std::vector<Rank>& ranks, int sig) {
 int main(int argc, char** argv) {
   // ---- arguments -----------------------------------------------------------
   long n = -1, hosts = 0;
+  bool keepGoing = false;
   double timeout = 0;
   const char* timeoutArg = "0";
   int progIdx = -1;
@@ -296,6 +301,8 @@ int main(int argc, char** argv) {
       if (!*v || *end || !std::isfinite(timeout) || timeout < 0)
         usageError("--timeout: '%s' is not a number of seconds >= 0", v);
       timeoutArg = v;
+    } else if (a == "--keep-going") {
+      keepGoing = true;
     } else if (a.size() > 1 && a[0] == '-') {
       usageError("unknown option '%s'", a.c_str());
     } else {
@@ -481,6 +488,10 @@ int main(int argc, char** argv) {
         pump(int(r), rk.out, 1, true);
         pump(int(r), rk.err, 2, true);
         bool bad = !(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+        if (bad && !stopping && keepGoing && WIFSIGNALED(st)) {
+          say("loom-run: rank %zu killed by signal %d (--keep-going: the others continue)", r, WTERMSIG(st));
+          continue;
+        }
         if (bad && !stopping) {
           // Every failure found before we start stopping is a real one: report all.
           if (WIFSIGNALED(st)) say("loom-run: rank %zu killed by signal %d", r, WTERMSIG(st));

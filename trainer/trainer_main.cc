@@ -9,6 +9,7 @@
 //     (optimizer state, gradients and parameters sharded; param_gather.h);
 //   - linear learning-rate scaling with warm-up; checkpoint and resume.
 // Run it with: loom-run -n N loom-trainer [flags]   (loom-trainer -h lists them)
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,10 +17,12 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <climits>
 #include <cstring>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "include/loom.h"
@@ -71,6 +74,10 @@ const char kUsage[] =
     "  --checkpoint-every N  (default 0: only at the end)\n"
     "  --resume FILE         continue from a checkpoint (readable by every rank)\n"
     "  --save-params FILE    rank 0 writes the final parameters (float32, logical order)\n"
+    "  --elastic             survive dead ranks: on a failed step revoke, shrink to the survivors, take\n"
+    "                        the state of the most advanced one and continue (launch with\n"
+    "                        loom-run --keep-going; not with --zero, topk or powersgd)\n"
+    "  --kill-rank R --kill-at-step S  testing --elastic: rank R SIGKILLs itself during step S\n"
     "  -h, --help            this text\n";
 
 struct Options {
@@ -91,6 +98,9 @@ struct Options {
   bool eval = true;
   std::string checkpoint, resume, saveParams;
   long checkpointEvery = 0;
+  bool elastic = false;
+  int killRank = -1;  // testing --elastic: this rank SIGKILLs itself during step killStep
+  long killStep = -1;
 };
 
 [[noreturn]] void usageError(const std::string& msg) {
@@ -203,6 +213,12 @@ Options parse(int argc, char** argv) {
       o.resume = value();
     else if (a == "--save-params")
       o.saveParams = value();
+    else if (a == "--elastic")
+      o.elastic = true;
+    else if (a == "--kill-rank")
+      o.killRank = int(number(a, value(), 0, 1 << 20));
+    else if (a == "--kill-at-step")
+      o.killStep = long(number(a, value(), 0, 1e12));
     else
       usageError("unknown flag " + a);
   }
@@ -210,6 +226,10 @@ Options parse(int argc, char** argv) {
   if (o.sync.zero && o.sync.hook != Hook::AllReduce)
     usageError("--zero reduce-scatters float32 gradients; it does not combine with --hook");
   if (!o.prefetch && o.sync.zero != 3) usageError("--no-prefetch applies to --zero 3 only");
+  if (o.elastic && (o.sync.zero || o.sync.hook == Hook::TopK || o.sync.hook == Hook::PowerSgd))
+    usageError("--elastic needs replicated state: it does not combine with --zero or with the topk and powersgd "
+               "hooks (their error feedback is per rank)");
+  if ((o.killRank >= 0) != (o.killStep >= 0)) usageError("--kill-rank and --kill-at-step go together");
   return o;
 }
 
@@ -290,21 +310,10 @@ double rssMb(const char* field) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  Options o = parse(argc, argv);
-  setvbuf(stdout, nullptr, _IOLBF, 0);
-
-  loomComm_t comm;
-  bool launched = false;
-  for (const char* v : {"LOOM_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"})
-    launched |= getenv(v) != nullptr;
-  if (launched) {
-    TRAINER_CHECK_LOOM(loomCommInitFromEnv(&comm));
-  } else {  // started by hand: a communicator of one rank
-    loomUniqueId id;
-    TRAINER_CHECK_LOOM(loomGetUniqueId(&id));
-    TRAINER_CHECK_LOOM(loomCommInitRank(&comm, 1, id, 0));
-  }
+// One run of training on comm: from the start, from --resume, or (elastic)
+// from `restart` after a shrink.  In elastic mode `snap` receives the state
+// at the start of every step.  firstRun: not a restart (--kill-* apply).
+int runTraining(const Options& o, loomComm_t comm, const Checkpoint* restart, Checkpoint* snap, bool firstRun) {
   int rank = 0, nranks = 1;
   TRAINER_CHECK_LOOM(loomCommUserRank(comm, &rank));
   TRAINER_CHECK_LOOM(loomCommCount(comm, &nranks));
@@ -344,9 +353,10 @@ int main(int argc, char** argv) {
   st.data.assign(st.perArray * size_t(nStateArrays), 0.0f);
 
   uint64_t firstStep = 0;
-  if (!o.resume.empty()) {
+  if (restart || !o.resume.empty()) {
     Checkpoint c;
-    if (!readCheckpoint(o.resume, &c, &err)) trainerFail(err.c_str());
+    if (restart) c = *restart;
+    else if (!readCheckpoint(o.resume, &c, &err)) trainerFail(err.c_str());
     if (c.widths != widths) trainerFail("--resume: the checkpoint's model has other layer widths");
     if (c.optimizer != int(o.optimizer) || c.hook != int(o.sync.hook))
       trainerFail("--resume: the checkpoint was written with another --optimizer or --hook");
@@ -490,8 +500,29 @@ int main(int argc, char** argv) {
     }
   };
 
+  if (snap) {  // elastic: the parts of a snapshot that do not change
+    snap->widths = widths;
+    snap->optimizer = int(o.optimizer);
+    snap->hook = int(o.sync.hook);
+    snap->params.resize(L.logical);
+    snap->state.resize(L.logical * size_t(nStateArrays));
+  }
   for (uint64_t step = firstStep; step < totalSteps; ++step) {
     double t0 = now();
+    if (snap) {  // elastic (stage 0: params and state are whole on every rank)
+      snap->nextStep = step;
+      snap->nranks = nranks;
+      toLogical(L, params.data(), snap->params.data());
+      for (int i = 0; i < nStateArrays; ++i) toLogical(L, st.array(i), snap->state.data() + size_t(i) * L.logical);
+    }
+    if (firstRun && rank == o.killRank && step == uint64_t(o.killStep)) {
+      // Testing --elastic: die in the middle of this step's communication.
+      printf("loom-trainer: rank %d kills itself during step %llu (--kill-rank)\n", rank, (unsigned long long)step);
+      std::thread([] {
+        usleep(3000);
+        raise(SIGKILL);
+      }).detach();
+    }
     sync.zeroGrads();
     const uint32_t* idx = sampler.shard(step);
     for (int k = 0; k < o.accum; ++k) {
@@ -608,6 +639,77 @@ int main(int argc, char** argv) {
     if (root && (!f || fwrite(logical.data(), 4, logical.size(), f) != logical.size() || fclose(f) != 0))
       trainerFail(("--save-params: cannot write " + o.saveParams).c_str());
   }
-  TRAINER_CHECK_LOOM(loomCommDestroy(comm));
   return 0;
+}
+
+int main(int argc, char** argv) {
+  Options o = parse(argc, argv);
+  setvbuf(stdout, nullptr, _IOLBF, 0);
+
+  loomComm_t comm;
+  bool launched = false;
+  for (const char* v : {"LOOM_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"})
+    launched |= getenv(v) != nullptr;
+  if (launched) {
+    TRAINER_CHECK_LOOM(loomCommInitFromEnv(&comm));
+  } else {  // started by hand: a communicator of one rank
+    loomUniqueId id;
+    TRAINER_CHECK_LOOM(loomGetUniqueId(&id));
+    TRAINER_CHECK_LOOM(loomCommInitRank(&comm, 1, id, 0));
+  }
+  if (!o.elastic) {
+    int code = runTraining(o, comm, nullptr, nullptr, true);
+    TRAINER_CHECK_LOOM(loomCommDestroy(comm));
+    return code;
+  }
+  // Elastic: a failed loom call revokes comm and throws; the survivors shrink
+  // it, agree on the most advanced step any of them started (its state is in
+  // that rank's snapshot: the state is replicated), and train on from there.
+  Checkpoint snap, restart;
+  bool restarted = false;
+  for (;;) {
+    elasticComm() = comm;
+    try {
+      int code = runTraining(o, comm, restarted ? &restart : nullptr, &snap, !restarted);
+      elasticComm() = nullptr;
+      TRAINER_CHECK_LOOM(loomCommDestroy(comm));
+      return code;
+    } catch (const LoomFailure& f) {
+      double t0 = now();
+      int oldRank = -1, oldN = 0;
+      loomCommUserRank(comm, &oldRank);
+      loomCommCount(comm, &oldN);
+      elasticComm() = nullptr;
+      fprintf(stderr, "loom-trainer: rank %d: %s\n", oldRank, f.what());
+      loomCommRevoke(comm);
+      loomComm_t next = nullptr;
+      loomResult_t r = loomCommShrink(comm, nullptr, 0, &next);
+      std::string why = loomGetLastError(comm);
+      loomCommAbort(comm);
+      if (r != loomSuccess) trainerFail(("--elastic: loomCommShrink failed: " + why).c_str());
+      if (!next) trainerFail("--elastic: this rank was left out of the shrunken communicator");
+      comm = next;
+      int me = 0, n = 1;
+      TRAINER_CHECK_LOOM(loomCommUserRank(comm, &me));
+      TRAINER_CHECK_LOOM(loomCommCount(comm, &n));
+      if (snap.params.empty()) trainerFail("--elastic: failed before the first step; nothing to continue from");
+      // The most advanced snapshot, and the lowest rank that holds it.
+      uint64_t step = snap.nextStep;
+      TRAINER_CHECK_LOOM(loomAllReduce(&step, &step, 1, loomUint64, loomMax, comm, nullptr));
+      int32_t src = snap.nextStep == step ? me : INT32_MAX;
+      TRAINER_CHECK_LOOM(loomAllReduce(&src, &src, 1, loomInt32, loomMin, comm, nullptr));
+      restart = snap;
+      TRAINER_CHECK_LOOM(loomBroadcast(restart.params.data(), restart.params.data(), restart.params.size(),
+                                       loomFloat32, src, comm, nullptr));
+      TRAINER_CHECK_LOOM(loomBroadcast(restart.state.data(), restart.state.data(), restart.state.size(),
+                                       loomFloat32, src, comm, nullptr));
+      restart.nextStep = step;
+      restart.nranks = n;
+      restarted = true;
+      if (me == 0)
+        printf("elastic: lost %d of %d ranks; continuing on %d from step %llu (revoke, shrink and state "
+               "agreement took %.0f ms)\n",
+               oldN - n, oldN, n, (unsigned long long)step, 1e3 * (now() - t0));
+    }
+  }
 }

@@ -34,9 +34,9 @@ struct Run {
 };
 
 // Runs loom-trainer on n ranks; returns the exit status and everything printed.
-Run runTrainer(int n, const std::string& args) {
+Run runTrainer(int n, const std::string& args, const std::string& launcherFlags = "") {
   std::string log = tmpPath("log");
-  std::string cmd = bin() + "/loom-run -n " + std::to_string(n) + " --timeout 300 -- " + bin() +
+  std::string cmd = bin() + "/loom-run -n " + std::to_string(n) + " --timeout 300 " + launcherFlags + " -- " + bin() +
                     "/loom-trainer " + args + " > " + log + " 2>&1";
   Run r;
   int st = std::system(cmd.c_str());
@@ -422,6 +422,33 @@ TEST_CASE("checkpoint: a resumed run follows the uninterrupted trajectory exactl
     CHECK(maxAbsDiff(readFloats(full), readFloats(res)) <= kTolerance);
     for (const std::string& p : {ck, full, res}) std::remove(p.c_str());
   }
+}
+
+TEST_CASE("elastic: 4 ranks with one killed mid-epoch finish on 3 at the undisturbed run's test accuracy") {
+  // Fashion-MNIST (or the synthetic set where it is absent), 300 steps of 48.
+  const std::string common = "--hidden 64 --global-batch 48 --steps 300 --log-every 50 --elastic";
+  Run whole = runTrainer(4, common, "--keep-going");
+  INFO(whole.out);
+  REQUIRE(whole.code == 0);
+  double want = summaryValue(whole.out, "test_accuracy");
+  Run cut = runTrainer(4, common + " --kill-rank 2 --kill-at-step 120", "--keep-going");
+  INFO(cut.out);
+  REQUIRE(cut.code == 0);
+  CHECK(cut.out.find("rank 2 killed by signal 9") != std::string::npos);
+  CHECK(cut.out.find("elastic: lost 1 of 4 ranks; continuing on 3") != std::string::npos);
+  CHECK(summaryValue(cut.out, "ranks") == 3);
+  double got = summaryValue(cut.out, "test_accuracy");
+  CHECK(want > 50);  // it learned something
+  CHECK(std::fabs(got - want) <= 1.0);
+  // The global batch is the same samples on 3 ranks: the last window's loss
+  // matches the undisturbed run's up to summation order.
+  CHECK(std::fabs(summaryValue(cut.out, "last_window_loss") - summaryValue(whole.out, "last_window_loss")) < 0.01);
+  // Without --keep-going the launcher stops the job, as before.
+  Run stopped = runTrainer(4, common + " --kill-rank 2 --kill-at-step 120");
+  CHECK(stopped.code != 0);
+  Run bad = runTrainer(1, "--elastic --zero");
+  CHECK(bad.code != 0);
+  CHECK(bad.out.find("--elastic needs replicated state") != std::string::npos);
 }
 
 TEST_CASE("bad input: clear errors, no hang") {

@@ -15,6 +15,10 @@ take part, naming that rank; the autograd profiler shows "loom:<operation>".
 
 torch 1.13 refuses dist.monitored_barrier for any backend but gloo: use
 loom_torch.monitored_barrier(group, timeout, wait_all_ranks) instead.
+
+After a rank dies, loom_torch.shrink(group) returns the group of the
+survivors (loomCommRevoke + loomCommShrink); torch.distributed calls take it
+as group=..., with the ranks of the group it was shrunk from.
 """
 import collections
 import datetime
@@ -24,7 +28,7 @@ import torch.distributed as dist
 
 from . import _C
 
-__all__ = ["BACKEND_NAME", "loom_version", "monitored_barrier"]
+__all__ = ["BACKEND_NAME", "loom_version", "monitored_barrier", "shrink"]
 
 BACKEND_NAME = "loom"
 loom_version = _C.loom_version
@@ -82,3 +86,60 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
         who = f"Rank {late[0]}" if len(late) == 1 else "Ranks " + ", ".join(map(str, late))
         raise RuntimeError(f"{who} failed to pass monitoredBarrier in {ms} ms")
     store.set("released", "1")
+
+
+_shrunk = collections.Counter()
+
+
+def _c10d_tables():
+    """torch.distributed's group tables: module globals in torch 1.13, _world's in 2.x."""
+    c10d = dist.distributed_c10d
+    world = getattr(c10d, "_world", None)
+    if world is not None and hasattr(world, "pg_group_ranks"):
+        return world.pg_map, world.pg_names, world.pg_group_ranks
+    return c10d._pg_map, c10d._pg_names, c10d._pg_group_ranks
+
+
+def shrink(group=None, exclude=()):
+    """Continue without the dead: revokes `group` (default: the world) and
+    returns a new loom group of the ranks still alive, less `exclude` (ranks
+    numbered as in the default group), or None on a rank that is left out.
+
+    Every surviving rank calls it (a collective over the survivors; they
+    agree on the membership even if another rank dies meanwhile). Pending
+    operations on `group` fail at once. The new group's ranks are the
+    survivors in order; torch.distributed calls take it as group=new with
+    default-group ranks (src=, dst=), and dist.get_rank(new) /
+    dist.get_world_size(new) say where this rank is in it. The job's c10d
+    store (TCPStore) lives in rank 0's process: that rank must survive, or
+    the store must live elsewhere. Launch with a launcher that lets the
+    others run on when one dies (loom-run --keep-going; torchrun stops the
+    job instead).
+    """
+    c10d = dist.distributed_c10d
+    pg = group if group is not None else c10d._get_default_group()
+    pg_map, pg_names, pg_group_ranks = _c10d_tables()
+    # global (default-group) rank of each rank of pg
+    if pg is c10d._get_default_group():
+        globals_of = list(range(pg.size()))
+    else:
+        to_global = {g: r for g, r in pg_group_ranks[pg].items()}
+        globals_of = [None] * pg.size()
+        for g, r in to_global.items():
+            globals_of[r] = g
+    local_exclude = []
+    for g in exclude:
+        if g not in globals_of:
+            raise ValueError(f"loom_torch.shrink: rank {g} is not in the group")
+        local_exclude.append(globals_of.index(g))
+    new = _C.shrink(pg, local_exclude)
+    if new is None:
+        return None
+    members = [globals_of[p] for p in _C.parent_ranks(new)]
+    key = ",".join(map(str, members))
+    name = f"loom_shrunk_{key}_{_shrunk[key]}"
+    _shrunk[key] += 1
+    pg_map[new] = pg_map.get(pg, (BACKEND_NAME, None)) if isinstance(pg_map, dict) else (BACKEND_NAME, None)
+    pg_names[new] = name
+    pg_group_ranks[new] = {g: i for i, g in enumerate(members)}
+    return new
