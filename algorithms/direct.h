@@ -40,9 +40,14 @@ struct DirectStageHeader {
 };
 static_assert(sizeof(DirectStageHeader) == 64, "stage header is one cache line");
 
+// SlotTag::flags of a staging header: the owner's input is not staged; it
+// is read in place from the buffer the header's PeerBuffer line describes
+// (zero-copy: memory from loomMemAlloc).
+constexpr uint8_t kTagInputInPlace = 1;
+
 // Where things are in one rank's window: acknowledgements (a cache line per
 // reader), two mailboxes per sender, staging control (two headers, an ack
-// line per reader), two staging buffers.
+// line per reader, two input descriptions), two staging buffers.
 struct DirectLayout {
   int nranks = 0;
   size_t mailBytes = 0;   // payload of one mailbox (LOOM_SHM_SMALL_BYTES)
@@ -50,7 +55,9 @@ struct DirectLayout {
   size_t mailStride() const { return 64 + mailBytes; }
   size_t mailOffset() const { return size_t(nranks) * 64; }
   size_t stageCtlOffset() const { return mailOffset() + size_t(nranks) * 2 * mailStride(); }
-  size_t stageOffset() const { return stageCtlOffset() + 2 * 64 + size_t(nranks) * 64; }
+  size_t stageInputOffset() const { return stageCtlOffset() + 2 * 64 + size_t(nranks) * 64; }
+  size_t zeroCopyOffset() const { return stageInputOffset() + 2 * 64; }
+  size_t stageOffset() const { return zeroCopyOffset() + 64; }
   // Window bytes the direct algorithms need (0: neither is enabled).
   size_t bytes() const { return mailBytes || stageBytes ? stageOffset() + 2 * stageBytes : 0; }
 };
@@ -74,6 +81,15 @@ struct DirectWindow {
   }
   std::atomic<uint64_t>* stageAck(int reader) const {
     return reinterpret_cast<std::atomic<uint64_t>*>(base + l->stageCtlOffset() + 128 + size_t(reader) * 64);
+  }
+  // Where the owner's input is when its header has kTagInputInPlace.
+  PeerBuffer* stageInput(int parity) const {
+    return reinterpret_cast<PeerBuffer*>(base + l->stageInputOffset() + size_t(parity) * 64);
+  }
+  // (seq + 1) << 1 | 1 if this rank's input of operation seq can be read
+  // in place (stagedZeroCopyAgreed).
+  std::atomic<uint64_t>* zeroCopyVote() const {
+    return reinterpret_cast<std::atomic<uint64_t>*>(base + l->zeroCopyOffset());
   }
   uint8_t* stage(int parity) const { return base + l->stageOffset() + size_t(parity) * l->stageBytes; }
 };
@@ -110,6 +126,15 @@ struct DirectContext {
 void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag);
 // algorithms/staged.cc: all-reduce of any size, in chunks of stageBytes.
 void stagedRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag);
+
+// For an all-reduce the tuner gave to a schedule: whether every rank's
+// input can be read in place (memory from loomMemAlloc), in which case all
+// of them run stagedRun instead, straight out of each other's buffers.
+// Operations smaller than a staging buffer, and other collectives, answer
+// false at once on every rank alike; the others cost one round of flags:
+// each rank publishes its vote in its window and reads everyone's, so all
+// ranks decide alike without a message.
+bool stagedZeroCopyAgreed(DirectContext& ctx, const OpDesc& op, const SlotTag& tag);
 
 // Their registry entries' rules and costs (algorithms/registry.cc).
 struct Eligibility;

@@ -48,6 +48,30 @@ void stagedEstimate(const CostInput& in, std::vector<Estimate>* out) {
 }
 
 
+bool stagedZeroCopyAgreed(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
+  const int N = ctx.nranks;
+  const size_t bytes = op.count * dtypeSize(op.dtype);
+  if (op.coll != Collective::AllReduce || N < 2 || !ctx.layout.stageBytes || bytes < ctx.layout.stageBytes)
+    return false;
+  PeerBuffer unused;
+  const bool mine = ctx.mem.exportBuffer(op.sendbuf, bytes, &unused);
+  const uint64_t stamp = (tag.seq + 1) << 1;
+  // The vote of operation seq is read by every rank before any of them can
+  // finish it, so the next vote never overwrites one still unread.
+  ctx.win(ctx.rank).zeroCopyVote()->store(stamp | uint64_t(mine), std::memory_order_release);
+  for (int q = 0; q < N; ++q)
+    if (q != ctx.rank) ctx.mem.wake(q);
+  bool all = mine;
+  for (int q = 0; q < N; ++q) {
+    if (q == ctx.rank) continue;
+    std::atomic<uint64_t>* vote = ctx.win(q).zeroCopyVote();
+    directWait(ctx, [&] { return (vote->load(std::memory_order_acquire) | 1) == (stamp | 1); }, q, tag,
+               "its zero-copy vote");
+    all &= (vote->load(std::memory_order_acquire) & 1) != 0;
+  }
+  return all;
+}
+
 void stagedRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
   const int N = ctx.nranks, me = ctx.rank;
   const size_t esz = dtypeSize(op.dtype);
@@ -67,6 +91,18 @@ void stagedRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
     for (int q = 0; q < N; ++q) ctx.mem.wake(q);
   };
   const DirectWindow myWin = ctx.win(me);
+  // Zero-copy: when the peers can map my input (memory from loomMemAlloc)
+  // I publish where it is instead of staging it, and they reduce straight
+  // out of it.  Each rank decides for itself and says so in its header, so
+  // registered and unregistered ranks mix.  My input stays valid long
+  // enough: a reader finishes with my part-p bytes of chunk k before it
+  // stamps its result for k, and I wait for every result before I write
+  // that part of my output (in place, my input) or return.
+  PeerBuffer myInput;
+  const bool inPlace = N > 1 && ctx.mem.exportBuffer(send, op.count * esz, &myInput);
+  SlotTag myTag = tag;
+  if (inPlace) myTag.flags |= kTagInputInPlace;
+  std::vector<const uint8_t*> peerInput(size_t(N), nullptr);  // mapped in-place inputs, per op
 
   for (size_t off = 0; off < op.count; off += chunkElems) {
     const size_t n = std::min(chunkElems, op.count - off);
@@ -85,9 +121,13 @@ void stagedRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
     // Only the parts the others reduce are staged; my own part is read
     // straight from my input below.
     const size_t pb = partBegin(n, N, me), pn = partBegin(n, N, me + 1) - pb;
-    copyIn(myWin.stage(parity), send + off * esz, pb * esz);
-    copyIn(myWin.stage(parity) + (pb + pn) * esz, send + (off + pb + pn) * esz, (n - pb - pn) * esz);
-    memcpy(&mine->tag, &tag, sizeof tag);
+    if (inPlace) {
+      memcpy(myWin.stageInput(parity), &myInput, sizeof myInput);
+    } else {
+      copyIn(myWin.stage(parity), send + off * esz, pb * esz);
+      copyIn(myWin.stage(parity) + (pb + pn) * esz, send + (off + pb + pn) * esz, (n - pb - pn) * esz);
+    }
+    memcpy(&mine->tag, &myTag, sizeof myTag);
     mine->input.store(k, std::memory_order_release);
     wakeAll();
 
@@ -105,7 +145,16 @@ void stagedRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
       SlotTag t;
       memcpy(&t, &h->tag, sizeof t);
       if (ctx.checkMode && !sameOperation(t, tag)) failMismatch(me, q, t, tag);
-      ctx.device.reduce(acc, i == 1 ? own : acc, box(q).stage(parity) + pb * esz, pn, op.dtype, op.op);
+      const uint8_t* theirs = box(q).stage(parity) + pb * esz;
+      if (t.flags & kTagInputInPlace) {
+        if (!peerInput[size_t(q)]) {
+          PeerBuffer b;
+          memcpy(&b, box(q).stageInput(parity), sizeof b);
+          peerInput[size_t(q)] = ctx.mem.importBuffer(q, b, op.count * esz);
+        }
+        theirs = peerInput[size_t(q)] + (off + pb) * esz;
+      }
+      ctx.device.reduce(acc, i == 1 ? own : acc, theirs, pn, op.dtype, op.op);
     }
     if (op.op == loomAvg) ctx.device.divide(acc, acc, pn, op.dtype, N);
     mine->result.store(k, std::memory_order_release);

@@ -121,3 +121,63 @@ TEST_CASE("direct algorithms: ranks that call different operations get an error 
   CHECK(res.problem.find("mismatched operations") != std::string::npos);
   CHECK(res.problem.find("count 32") != std::string::npos);
 }
+
+// Zero-copy (issue 18): ranks whose input comes from loomMemAlloc publish
+// where it is instead of staging it, and the others map it (through
+// /proc/<pid>/fd, as between processes) and reduce straight out of it.
+// Every mix of such ranks and ordinary ones must give exact results; the
+// number of imports shows that the in-place path ran.
+TEST_CASE("staged all-reduce reads loomMemAlloc inputs in place: exact for all, mixed and no such ranks, at offsets",
+          "[direct][staged][registered]") {
+  for (int n : {2, 3, 5}) {
+    loomsim::SimOptions opts;
+    opts.stageBytes = 4096;  // many chunks
+    loomsim::SimWorld world(n, opts);
+    const uint64_t all = (uint64_t(1) << n) - 1;
+    for (uint64_t mask : {all, uint64_t(1), all & 0x5, uint64_t(0)})
+      for (size_t offset : {size_t(0), size_t(4160), size_t(24)})
+        for (loomDataType_t t : {loomFloat32, loomBfloat16, loomInt64})
+          for (bool inPlace : {false, true}) {
+            CollCase c;
+            c.dtype = t;
+            c.op = t == loomInt64 ? loomMax : loomSum;
+            c.nranks = n;
+            c.count = 70001;
+            c.inPlace = inPlace;
+            c.sim = opts;
+            c.sharedRanks = mask;
+            c.sharedOffset = offset;
+            size_t before = world.peerMemory() ? world.peerMemory()->imports() : 0;
+            if (!runCase(kStaged, c, &world)) return;
+            // Every rank imports each other exporting rank once per operation.
+            size_t exporters = size_t(__builtin_popcountll(mask));
+            size_t want = 0;
+            for (int r = 0; r < n; ++r) want += exporters - ((mask >> r) & 1);
+            INFO(loomsim::caseName(c));
+            CHECK(world.peerMemory()->imports() - before == want);
+          }
+    // The buffers of each case were freed before the next was allocated:
+    // the free epoch made the importers drop stale mappings, so at most the
+    // last case's are left (one per (importer's view of) exporting rank).
+    CHECK(world.peerMemory()->mappings() <= size_t(n));
+  }
+}
+
+TEST_CASE("registered inputs then ordinary ones on one world, back to back (stage parity, free epoch)",
+          "[direct][staged][registered]") {
+  loomsim::SimOptions opts;
+  opts.stageBytes = 4096;
+  loomsim::SimWorld world(3, opts);
+  for (int i = 0; i < 10; ++i) {
+    CollCase c;
+    c.nranks = 3;
+    c.sim = opts;
+    const bool oneShot = i % 4 == 3;
+    c.count = oneShot ? size_t(1 + 97 * i) : size_t(1 + 977 * i);  // the one-shot path's blocks fit a mailbox
+    c.op = i % 2 ? loomMax : loomSum;
+    c.inPlace = i % 3 == 0;
+    c.sharedRanks = uint64_t(i % 8);  // none, some, all ranks in turn
+    c.sharedOffset = size_t(64 * i);
+    if (!runCase(oneShot ? kOneShot : kStaged, c, &world)) return;
+  }
+}

@@ -59,6 +59,7 @@ std::shared_ptr<loomComm> loomComm::create(const UniqueIdData& id, int nranks, i
 
 loomComm::~loomComm() {
   dumpUnregister(this);
+  registrations_.clear();  // their transport handles, before the transports
   conns_.clear();  // before the transports whose memory they use
   transports_.clear();
 }
@@ -363,6 +364,12 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
     Schedule sched;
     std::vector<size_t> selfSends, selfRecvs;
     Algorithm alone = ops.size() == 1 ? choose(ops[0]) : Algorithm::Ring;
+    // Zero-copy: an all-reduce whose inputs every rank can read in place
+    // takes the staged path (all ranks vote in their windows, alike).
+    if (ops.size() == 1 && !isDirect(alone) && peerMem_ && !tuner_->forced(ops[0].coll)) {
+      DirectContext ctx = directContext();
+      if (stagedZeroCopyAgreed(ctx, ops[0], tags[0])) alone = Algorithm::Staged;
+    }
     if (isDirect(alone)) {
       runDirect(alone, ops[0], tags[0]);
       return loomSuccess;
