@@ -57,7 +57,7 @@ struct DirectLayout {
   size_t stageCtlOffset() const { return mailOffset() + size_t(nranks) * 2 * mailStride(); }
   size_t stageInputOffset() const { return stageCtlOffset() + 2 * 64 + size_t(nranks) * 64; }
   size_t zeroCopyOffset() const { return stageInputOffset() + 2 * 64; }
-  size_t stageOffset() const { return zeroCopyOffset() + 64; }
+  size_t stageOffset() const { return zeroCopyOffset() + 2 * 64; }
   // Window bytes the direct algorithms need (0: neither is enabled).
   size_t bytes() const { return mailBytes || stageBytes ? stageOffset() + 2 * stageBytes : 0; }
 };
@@ -86,10 +86,15 @@ struct DirectWindow {
   PeerBuffer* stageInput(int parity) const {
     return reinterpret_cast<PeerBuffer*>(base + l->stageInputOffset() + size_t(parity) * 64);
   }
-  // (seq + 1) << 1 | 1 if this rank's input of operation seq can be read
-  // in place (stagedZeroCopyAgreed).
+  // Zero-copy all-reduce (directZeroCopyAllReduce): (seq + 1) << 1, | 1 if
+  // this rank's buffers of operation seq can be mapped (then stageInput(0)
+  // and (1) describe its input and output); and seq + 1 once it wrote its
+  // part into every output and read its last byte of the others' inputs.
   std::atomic<uint64_t>* zeroCopyVote() const {
     return reinterpret_cast<std::atomic<uint64_t>*>(base + l->zeroCopyOffset());
+  }
+  std::atomic<uint64_t>* zeroCopyDone() const {
+    return reinterpret_cast<std::atomic<uint64_t>*>(base + l->zeroCopyOffset() + 64);
   }
   uint8_t* stage(int parity) const { return base + l->stageOffset() + size_t(parity) * l->stageBytes; }
 };
@@ -127,14 +132,16 @@ void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag);
 // algorithms/staged.cc: all-reduce of any size, in chunks of stageBytes.
 void stagedRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag);
 
-// For an all-reduce the tuner gave to a schedule: whether every rank's
-// input can be read in place (memory from loomMemAlloc), in which case all
-// of them run stagedRun instead, straight out of each other's buffers.
-// Operations smaller than a staging buffer, and other collectives, answer
-// false at once on every rank alike; the others cost one round of flags:
-// each rank publishes its vote in its window and reads everyone's, so all
-// ranks decide alike without a message.
-bool stagedZeroCopyAgreed(DirectContext& ctx, const OpDesc& op, const SlotTag& tag);
+// The zero-copy all-reduce (algorithms/staged.cc), tried first by
+// stagedRun and, for an all-reduce the tuner gave to a schedule, by the
+// communicator: when every rank's input and output can be mapped (memory
+// from loomMemAlloc), each rank reduces its 1/N part straight out of all
+// inputs and writes it into every output, and true is returned; otherwise
+// false, and the caller runs its own path.  Operations smaller than a
+// staging buffer, and other collectives, answer false at once on every rank
+// alike; the others cost one round of flags (each rank's vote in its
+// window), which is how all ranks decide alike without a message.
+bool directZeroCopyAllReduce(DirectContext& ctx, const OpDesc& op, const SlotTag& tag);
 
 // Their registry entries' rules and costs (algorithms/registry.cc).
 struct Eligibility;

@@ -48,34 +48,88 @@ void stagedEstimate(const CostInput& in, std::vector<Estimate>* out) {
 }
 
 
-bool stagedZeroCopyAgreed(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
-  const int N = ctx.nranks;
-  const size_t bytes = op.count * dtypeSize(op.dtype);
+bool directZeroCopyAllReduce(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
+  const int N = ctx.nranks, me = ctx.rank;
+  const size_t esz = dtypeSize(op.dtype), bytes = op.count * esz;
   if (op.coll != Collective::AllReduce || N < 2 || !ctx.layout.stageBytes || bytes < ctx.layout.stageBytes)
     return false;
-  PeerBuffer unused;
-  const bool mine = ctx.mem.exportBuffer(op.sendbuf, bytes, &unused);
+  const DirectWindow myWin = ctx.win(me);
+  PeerBuffer in, out;
+  const bool mine = ctx.mem.exportBuffer(op.sendbuf, bytes, &in) && ctx.mem.exportBuffer(op.recvbuf, bytes, &out);
+  if (mine) {
+    memcpy(myWin.stageInput(0), &in, sizeof in);
+    memcpy(myWin.stageInput(1), &out, sizeof out);
+  }
+  // Vote.  The vote of operation seq is read by every rank before any of
+  // them can finish seq, so the next one never overwrites one still unread.
   const uint64_t stamp = (tag.seq + 1) << 1;
-  // The vote of operation seq is read by every rank before any of them can
-  // finish it, so the next vote never overwrites one still unread.
-  ctx.win(ctx.rank).zeroCopyVote()->store(stamp | uint64_t(mine), std::memory_order_release);
+  myWin.zeroCopyVote()->store(stamp | uint64_t(mine), std::memory_order_release);
   for (int q = 0; q < N; ++q)
-    if (q != ctx.rank) ctx.mem.wake(q);
+    if (q != me) ctx.mem.wake(q);
   bool all = mine;
   for (int q = 0; q < N; ++q) {
-    if (q == ctx.rank) continue;
+    if (q == me) continue;
     std::atomic<uint64_t>* vote = ctx.win(q).zeroCopyVote();
     directWait(ctx, [&] { return (vote->load(std::memory_order_acquire) | 1) == (stamp | 1); }, q, tag,
                "its zero-copy vote");
     all &= (vote->load(std::memory_order_acquire) & 1) != 0;
   }
-  return all;
+  if (!all) return false;
+
+  // Everyone's buffers, mapped here (cached by the PeerMemory).
+  std::vector<const uint8_t*> ins(static_cast<size_t>(N));
+  std::vector<uint8_t*> outs(static_cast<size_t>(N));
+  for (int q = 0; q < N; ++q) {
+    if (q == me) {
+      ins[size_t(q)] = static_cast<const uint8_t*>(op.sendbuf);
+      outs[size_t(q)] = static_cast<uint8_t*>(op.recvbuf);
+      continue;
+    }
+    PeerBuffer b;
+    memcpy(&b, ctx.win(q).stageInput(0), sizeof b);
+    ins[size_t(q)] = ctx.mem.importBuffer(q, b, bytes);
+    memcpy(&b, ctx.win(q).stageInput(1), sizeof b);
+    outs[size_t(q)] = const_cast<uint8_t*>(ctx.mem.importBuffer(q, b, bytes));
+  }
+  // My part, a cache-sized piece at a time: reduce the inputs into my
+  // output, then copy the piece (from cache) into the others'.  In
+  // place, the piece of q's output I write is the piece of q's input that
+  // only I read, and I have read it already.
+  const size_t pb = partBegin(op.count, N, me), pn = partBegin(op.count, N, me + 1) - pb;
+  const size_t piece = std::max<size_t>(1, (64u << 10) / esz);
+  const CopyHint hint = bytes >= kStreamingCopyBytes ? CopyHint::Streaming : CopyHint::Cached;
+  for (size_t off = pb; off < pb + pn; off += piece) {
+    const size_t n = std::min(piece, pb + pn - off);
+    uint8_t* dst = outs[size_t(me)] + off * esz;
+    // Mine first (in place it is dst), then the others in rank order after
+    // me, as the staged path reduces.
+    ctx.device.reduce(dst, ins[size_t(me)] + off * esz, ins[size_t((me + 1) % N)] + off * esz, n, op.dtype, op.op);
+    for (int i = 2; i < N; ++i)
+      ctx.device.reduce(dst, dst, ins[size_t((me + i) % N)] + off * esz, n, op.dtype, op.op);
+    if (op.op == loomAvg) ctx.device.divide(dst, dst, n, op.dtype, N);
+    for (int q = 0; q < N; ++q)
+      if (q != me) ctx.device.copy(outs[size_t(q)] + off * esz, dst, n * esz, hint);
+  }
+  // Done; return once everyone is: then all of my output is written and
+  // nobody reads my buffers any more.  (>=: a faster rank may already have
+  // stamped its next operation.)
+  myWin.zeroCopyDone()->store(tag.seq + 1, std::memory_order_release);
+  for (int q = 0; q < N; ++q)
+    if (q != me) ctx.mem.wake(q);
+  for (int q = 0; q < N; ++q) {
+    if (q == me) continue;
+    std::atomic<uint64_t>* done = ctx.win(q).zeroCopyDone();
+    directWait(ctx, [&] { return done->load(std::memory_order_acquire) >= tag.seq + 1; }, q, tag,
+               "it to finish the zero-copy all-reduce");
+  }
+  return true;
 }
 
 void stagedRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
   const int N = ctx.nranks, me = ctx.rank;
   const size_t esz = dtypeSize(op.dtype);
   if (op.coll != Collective::AllReduce) fail(loomInternalError, "the staged path serves all-reduce only");
+  if (directZeroCopyAllReduce(ctx, op, tag)) return;
   const size_t chunkElems = std::max<size_t>(1, ctx.layout.stageBytes / esz);
   const uint8_t* send = static_cast<const uint8_t*>(op.sendbuf);
   uint8_t* recv = static_cast<uint8_t*>(op.recvbuf);

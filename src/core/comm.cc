@@ -364,11 +364,11 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
     Schedule sched;
     std::vector<size_t> selfSends, selfRecvs;
     Algorithm alone = ops.size() == 1 ? choose(ops[0]) : Algorithm::Ring;
-    // Zero-copy: an all-reduce whose inputs every rank can read in place
-    // takes the staged path (all ranks vote in their windows, alike).
+    // Zero-copy: an all-reduce whose buffers every rank can map runs
+    // straight out of them (all ranks vote in their windows, alike).
     if (ops.size() == 1 && !isDirect(alone) && peerMem_ && !tuner_->forced(ops[0].coll)) {
       DirectContext ctx = directContext();
-      if (stagedZeroCopyAgreed(ctx, ops[0], tags[0])) alone = Algorithm::Staged;
+      if (directZeroCopyAllReduce(ctx, ops[0], tags[0])) return loomSuccess;
     }
     if (isDirect(alone)) {
       runDirect(alone, ops[0], tags[0]);
