@@ -16,6 +16,16 @@
 // Each chunk costs three waits whatever N is, where a ring costs 2(N-1)
 // slot hand-offs per chunk: with more ranks than cores every hand-off can
 // be a sleep and a wake-up.
+//
+// Zero-copy (memory from loomMemAlloc, which peers can map): a rank whose
+// input can be mapped skips step (1)'s copy and publishes where its input
+// is; the others reduce straight out of it.  And when every rank's input
+// and output can be mapped (a vote in the windows first, on every all-reduce
+// of at least one staging buffer, also those the tuner gave to the ring),
+// directZeroCopyAllReduce replaces the chunks altogether: each rank reduces
+// its part out of all N inputs into its output, a cache-sized piece at a
+// time, and copies the piece into the N-1 other outputs; per rank N x S/N
+// read, N x S/N written, two waits per operation.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
