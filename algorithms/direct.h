@@ -104,6 +104,7 @@ struct DirectState {
   std::vector<std::array<uint64_t, 2>> lastMail;  // per reader: seq+1 last written per parity
   uint64_t stageChunk = 0;                        // chunks staged so far (stamps of the staging buffers)
   std::vector<uint8_t*> windows;                  // PeerMemory::window(r), looked up once
+  std::vector<uint8_t> piece;                     // zero-copy all-reduce: one reduced piece
 };
 
 // Everything a direct algorithm runs with.

@@ -32,6 +32,7 @@
 
 #include "algorithms/direct.h"
 #include "algorithms/registry.h"
+#include "src/core/log.h"
 #include "src/device/host_copy.h"    // kStreamingCopyBytes
 #include "src/device/host_reduce.h"  // dtypeSize
 
@@ -84,6 +85,9 @@ bool directZeroCopyAllReduce(DirectContext& ctx, const OpDesc& op, const SlotTag
                "its zero-copy vote");
     all &= (vote->load(std::memory_order_acquire) & 1) != 0;
   }
+  LOOM_TRACE("COLL", "rank %d: %s: %s", me, describeTag(tag).c_str(),
+             all ? "every rank's buffers can be mapped: zero-copy all-reduce"
+                 : mine ? "some rank's buffers cannot be mapped: no zero-copy" : "my buffers cannot be mapped");
   if (!all) return false;
 
   // Everyone's buffers, mapped here (cached by the PeerMemory).
@@ -105,20 +109,30 @@ bool directZeroCopyAllReduce(DirectContext& ctx, const OpDesc& op, const SlotTag
   // output, then copy the piece (from cache) into the others'.  In
   // place, the piece of q's output I write is the piece of q's input that
   // only I read, and I have read it already.
+  // In place the piece is reduced where it lies (those lines were just
+  // read); out of place into a cache-resident scratch piece, which is then
+  // copied into every output, mine included, so that no output line is
+  // read for ownership.
   const size_t pb = partBegin(op.count, N, me), pn = partBegin(op.count, N, me + 1) - pb;
-  const size_t piece = std::max<size_t>(1, (64u << 10) / esz);
+  const size_t pieceBytes = 64u << 10, piece = std::max<size_t>(1, pieceBytes / esz);
   const CopyHint hint = bytes >= kStreamingCopyBytes ? CopyHint::Streaming : CopyHint::Cached;
+  const bool inPlace = op.sendbuf == op.recvbuf;
+  uint8_t* scratch = nullptr;
+  if (!inPlace) {
+    if (ctx.state.piece.size() < piece * esz + 64) ctx.state.piece.resize(piece * esz + 64);
+    scratch = ctx.state.piece.data() + (64 - reinterpret_cast<uintptr_t>(ctx.state.piece.data()) % 64) % 64;
+  }
   for (size_t off = pb; off < pb + pn; off += piece) {
     const size_t n = std::min(piece, pb + pn - off);
-    uint8_t* dst = outs[size_t(me)] + off * esz;
-    // Mine first (in place it is dst), then the others in rank order after
+    uint8_t* acc = inPlace ? outs[size_t(me)] + off * esz : scratch;
+    // Mine first (in place it is acc), then the others in rank order after
     // me, as the staged path reduces.
-    ctx.device.reduce(dst, ins[size_t(me)] + off * esz, ins[size_t((me + 1) % N)] + off * esz, n, op.dtype, op.op);
+    ctx.device.reduce(acc, ins[size_t(me)] + off * esz, ins[size_t((me + 1) % N)] + off * esz, n, op.dtype, op.op);
     for (int i = 2; i < N; ++i)
-      ctx.device.reduce(dst, dst, ins[size_t((me + i) % N)] + off * esz, n, op.dtype, op.op);
-    if (op.op == loomAvg) ctx.device.divide(dst, dst, n, op.dtype, N);
+      ctx.device.reduce(acc, acc, ins[size_t((me + i) % N)] + off * esz, n, op.dtype, op.op);
+    if (op.op == loomAvg) ctx.device.divide(acc, acc, n, op.dtype, N);
     for (int q = 0; q < N; ++q)
-      if (q != me) ctx.device.copy(outs[size_t(q)] + off * esz, dst, n * esz, hint);
+      if (q != me || !inPlace) ctx.device.copy(outs[size_t(q)] + off * esz, acc, n * esz, hint);
   }
   // Done; return once everyone is: then all of my output is written and
   // nobody reads my buffers any more.  (>=: a faster rank may already have

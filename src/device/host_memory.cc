@@ -197,7 +197,9 @@ const uint8_t* HostImportCache::import(int r, int pid, const PeerBuffer& b, size
          "rank %d's registered buffer (memfd %d, inode %llu) is gone: was it freed while an operation used it?", r,
          b.fd, (unsigned long long)b.id);
   }
-  void* p = mmap(nullptr, b.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  // Populated: the owner faulted the pages in, so this only fills page
+  // tables, once, rather than faulting page by page in the first operation.
+  void* p = mmap(nullptr, b.bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   int e = errno;
   close(fd);  // the mapping keeps the memory
   if (p == MAP_FAILED) fail(loomSystemError, "cannot map rank %d's registered buffer: %s", r, strerror(e));
