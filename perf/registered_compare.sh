@@ -3,8 +3,10 @@
 # limit, N = 2 float32 sum all-reduce, following ../shared/BENCHMARKING.md:
 # per repeat and size, in turn: loom on ordinary buffers, loom on
 # loomMemAlloc'd registered buffers (loom-perf -R), shm-limit (two processes
-# reducing straight out of one shared pre-faulted mapping), and, given a
-# second build, that build's loom on ordinary buffers (today's numbers).
+# reducing straight out of one shared pre-faulted mapping), loom on ordinary
+# buffers with LOOM_ALGO=ring (the tuner's choice at N = 2 without the
+# zero-copy vote: what the vote costs ordinary buffers) and, given a second
+# build, that build's loom on ordinary buffers (today's numbers).
 # Every cell is the median over the repeats of loom-perf's figure (max over
 # ranks, median over iterations); busbw in GB/s, in place and out of place.
 #
@@ -15,6 +17,7 @@
 # BUILD, BASE_BUILD: build directories holding bin/loom-run, bin/loom-perf
 # (and, in BUILD, bin/shm-limit).
 set -euo pipefail
+unset LOOM_ALGO
 REPEATS=3; SIZES="16M 64M"; ITERS=20; WARMUP=5
 while getopts "r:s:i:w:h" opt; do
   case "$opt" in
@@ -33,7 +36,7 @@ OUT="$(mktemp -d /tmp/loom-registered.XXXXXX)"
 echo "# registered_compare.sh: $B${BASE:+ (base $BASE)}; N=2; sizes $SIZES; $REPEATS repeats;" \
      "iters $ITERS, warmup $WARMUP"
 echo "# date $(date -Is); loadavg at start: $(cat /proc/loadavg); results in $OUT"
-perf() {  # build, tag, size, extra flags
+perf() {  # build, tag, size, extra flags (LOOM_ALGO from the caller's environment)
   "$1/bin/loom-run" -n 2 -- "$1/bin/loom-perf" all_reduce -b "$3" -e "$3" -n "$ITERS" -w "$WARMUP" -c 1 \
     --json "$OUT/$2.json" ${4:-} > "$OUT/$2.log" 2>&1 || { echo "loom-perf failed: $OUT/$2.log" >&2; exit 1; }
 }
@@ -41,6 +44,7 @@ for rep in $(seq 1 "$REPEATS"); do
   for s in $SIZES; do
     perf "$B" "plain-$s-$rep" "$s"
     perf "$B" "reg-$s-$rep" "$s" -R
+    LOOM_ALGO=ring perf "$B" "ring-$s-$rep" "$s"
     "$B/bin/shm-limit" -s "$s" -n "$ITERS" > "$OUT/limit-$s-$rep.txt"
     [[ -n "$BASE" ]] && perf "$BASE" "base-$s-$rep" "$s"
   done
@@ -58,13 +62,14 @@ def limit(s):
         kv = dict(l.split() for l in open(f"{out}/limit-{s}-{r}.txt"))
         vals.append(float(kv["busbw_GBps"]))
     return statistics.median(vals)
-cols = ["size", "limit", "reg in", "reg out", "plain in", "plain out"] + (["base in", "base out"] if base else []) + ["reg/limit"]
+cols = ["size", "limit", "reg in", "reg out", "plain in", "plain out", "ring in", "ring out"] + (["base in", "base out"] if base else []) + ["reg in/limit"]
 print("| " + " | ".join(cols) + " |")
 print("|" + "---|" * len(cols))
 for s in sizes:
     lim = limit(s)
     row = [s, f"{lim:.2f}", f"{loom('reg-' + s, 'in_place'):.2f}", f"{loom('reg-' + s, 'out_of_place'):.2f}",
-           f"{loom('plain-' + s, 'in_place'):.2f}", f"{loom('plain-' + s, 'out_of_place'):.2f}"]
+           f"{loom('plain-' + s, 'in_place'):.2f}", f"{loom('plain-' + s, 'out_of_place'):.2f}",
+           f"{loom('ring-' + s, 'in_place'):.2f}", f"{loom('ring-' + s, 'out_of_place'):.2f}"]
     if base:
         row += [f"{loom('base-' + s, 'in_place'):.2f}", f"{loom('base-' + s, 'out_of_place'):.2f}"]
     row.append(f"{loom('reg-' + s, 'in_place') / lim:.2f}")
