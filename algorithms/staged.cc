@@ -62,8 +62,13 @@ void stagedEstimate(const CostInput& in, std::vector<Estimate>* out) {
 bool directZeroCopyAllReduce(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
   const int N = ctx.nranks, me = ctx.rank;
   const size_t esz = dtypeSize(op.dtype), bytes = op.count * esz;
-  if (op.coll != Collective::AllReduce || N < 2 || !ctx.layout.stageBytes || bytes < ctx.layout.stageBytes)
-    return false;
+  // The vote is a barrier: with more ranks than cores it can cost a sleep
+  // and a wake-up per rank, so there only operations of 4 MiB and more
+  // (where that is a few percent at most) vote.  Every rank of one host
+  // computes the same (oversubscribed() counts the host's ranks and cores).
+  const size_t minBytes = ctx.env.oversubscribed() ? std::max<size_t>(ctx.layout.stageBytes, 4u << 20)
+                                                   : ctx.layout.stageBytes;
+  if (op.coll != Collective::AllReduce || N < 2 || !ctx.layout.stageBytes || bytes < minBytes) return false;
   const DirectWindow myWin = ctx.win(me);
   PeerBuffer in, out;
   const bool mine = ctx.mem.exportBuffer(op.sendbuf, bytes, &in) && ctx.mem.exportBuffer(op.recvbuf, bytes, &out);
