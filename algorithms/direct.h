@@ -138,11 +138,13 @@ void stagedRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag);
 // communicator: when every rank's input and output can be mapped (memory
 // from loomMemAlloc), each rank reduces its 1/N part straight out of all
 // inputs and writes it into every output, and true is returned; otherwise
-// false, and the caller runs its own path.  Operations smaller than a
-// staging buffer, and other collectives, answer false at once on every rank
-// alike; the others cost one round of flags (each rank's vote in its
+// false, and the caller runs its own path.  Operations smaller than
+// directZeroCopyMinBytes, and other collectives, answer false at once on
+// every rank alike; the others cost one round of flags (each rank's vote in its
 // window), which is how all ranks decide alike without a message.
 bool directZeroCopyAllReduce(DirectContext& ctx, const OpDesc& op, const SlotTag& tag);
+// The smallest all-reduce that votes (bytes).
+size_t directZeroCopyMinBytes(size_t stageBytes, bool oversubscribed);
 
 // Their registry entries' rules and costs (algorithms/registry.cc).
 struct Eligibility;
