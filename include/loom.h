@@ -197,11 +197,12 @@ LOOM_API loomResult_t loomCommDump(loomComm_t comm, char* buf, size_t size);
  *
  * loomMemAlloc returns host memory that the other ranks on this host can map
  * (a memfd, whole pages, placed on the caller's NUMA node where the rank is
- * bound to one, every page faulted in).  Collectives whose buffers come from
- * it reduce straight out of the peers' buffers on the shared-memory paths,
- * without copying them into loom's staging memory first; any buffer inside
- * an allocation (at any offset) qualifies, on any communicator, registered
- * or not.  Peers map a buffer the first time they need it and keep the
+ * bound to one, every page faulted in).  All-reduces of 1 MiB and more whose
+ * buffers come from it on every rank reduce straight out of the peers'
+ * buffers over shared memory, without copying them into loom's staging
+ * memory first (docs/usage.md, "Registered memory"); any buffer inside an
+ * allocation (at any offset) qualifies, on any communicator, registered or
+ * not.  Other operations work on it as on any host memory.  Peers map a buffer the first time they need it and keep the
  * mapping; freeing memory a peer has mapped is safe (the peer drops its
  * mapping when it next looks).  Free it only once no operation of any rank
  * still uses it.  Returns loomInvalidArgument for a NULL ptr or size 0,
