@@ -40,9 +40,14 @@ struct DirectStageHeader {
 };
 static_assert(sizeof(DirectStageHeader) == 64, "stage header is one cache line");
 
+// SlotTag::flags of a staging header: the owner's input is not staged; it
+// is read in place from the buffer the header's PeerBuffer line describes
+// (zero-copy: memory from loomMemAlloc).
+constexpr uint8_t kTagInputInPlace = 1;
+
 // Where things are in one rank's window: acknowledgements (a cache line per
 // reader), two mailboxes per sender, staging control (two headers, an ack
-// line per reader), two staging buffers.
+// line per reader, two input descriptions), two staging buffers.
 struct DirectLayout {
   int nranks = 0;
   size_t mailBytes = 0;   // payload of one mailbox (LOOM_SHM_SMALL_BYTES)
@@ -50,7 +55,9 @@ struct DirectLayout {
   size_t mailStride() const { return 64 + mailBytes; }
   size_t mailOffset() const { return size_t(nranks) * 64; }
   size_t stageCtlOffset() const { return mailOffset() + size_t(nranks) * 2 * mailStride(); }
-  size_t stageOffset() const { return stageCtlOffset() + 2 * 64 + size_t(nranks) * 64; }
+  size_t stageInputOffset() const { return stageCtlOffset() + 2 * 64 + size_t(nranks) * 64; }
+  size_t zeroCopyOffset() const { return stageInputOffset() + 2 * 64; }
+  size_t stageOffset() const { return zeroCopyOffset() + 2 * 64; }
   // Window bytes the direct algorithms need (0: neither is enabled).
   size_t bytes() const { return mailBytes || stageBytes ? stageOffset() + 2 * stageBytes : 0; }
 };
@@ -75,6 +82,20 @@ struct DirectWindow {
   std::atomic<uint64_t>* stageAck(int reader) const {
     return reinterpret_cast<std::atomic<uint64_t>*>(base + l->stageCtlOffset() + 128 + size_t(reader) * 64);
   }
+  // Where the owner's input is when its header has kTagInputInPlace.
+  PeerBuffer* stageInput(int parity) const {
+    return reinterpret_cast<PeerBuffer*>(base + l->stageInputOffset() + size_t(parity) * 64);
+  }
+  // Zero-copy all-reduce (directZeroCopyAllReduce): (seq + 1) << 1, | 1 if
+  // this rank's buffers of operation seq can be mapped (then stageInput(0)
+  // and (1) describe its input and output); and seq + 1 once it wrote its
+  // part into every output and read its last byte of the others' inputs.
+  std::atomic<uint64_t>* zeroCopyVote() const {
+    return reinterpret_cast<std::atomic<uint64_t>*>(base + l->zeroCopyOffset());
+  }
+  std::atomic<uint64_t>* zeroCopyDone() const {
+    return reinterpret_cast<std::atomic<uint64_t>*>(base + l->zeroCopyOffset() + 64);
+  }
   uint8_t* stage(int parity) const { return base + l->stageOffset() + size_t(parity) * l->stageBytes; }
 };
 
@@ -83,6 +104,7 @@ struct DirectState {
   std::vector<std::array<uint64_t, 2>> lastMail;  // per reader: seq+1 last written per parity
   uint64_t stageChunk = 0;                        // chunks staged so far (stamps of the staging buffers)
   std::vector<uint8_t*> windows;                  // PeerMemory::window(r), looked up once
+  std::vector<uint8_t> piece;                     // zero-copy all-reduce: one reduced piece
 };
 
 // Everything a direct algorithm runs with.
@@ -110,6 +132,19 @@ struct DirectContext {
 void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag);
 // algorithms/staged.cc: all-reduce of any size, in chunks of stageBytes.
 void stagedRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag);
+
+// The zero-copy all-reduce (algorithms/staged.cc), tried first by
+// stagedRun and, for an all-reduce the tuner gave to a schedule, by the
+// communicator: when every rank's input and output can be mapped (memory
+// from loomMemAlloc), each rank reduces its 1/N part straight out of all
+// inputs and writes it into every output, and true is returned; otherwise
+// false, and the caller runs its own path.  Operations smaller than
+// directZeroCopyMinBytes, and other collectives, answer false at once on
+// every rank alike; the others cost one round of flags (each rank's vote in its
+// window), which is how all ranks decide alike without a message.
+bool directZeroCopyAllReduce(DirectContext& ctx, const OpDesc& op, const SlotTag& tag);
+// The smallest all-reduce that votes (bytes).
+size_t directZeroCopyMinBytes(size_t stageBytes, bool oversubscribed);
 
 // Their registry entries' rules and costs (algorithms/registry.cc).
 struct Eligibility;
@@ -146,7 +181,15 @@ void directWait(DirectContext& ctx, Ready ready, int peer, const SlotTag& tag, c
         if (ready()) return;  // it finished its part before exiting
         throw;
       }
-      ctx.env.checkOtherPath(tag, peer);
+      try {
+        ctx.env.checkOtherPath(tag, peer);
+      } catch (const Error&) {
+        // The zero-copy vote: a peer that saw every vote may already run
+        // the operation on the executor path while this rank, between its
+        // last look and this check, was about to see the last vote.
+        if (ready()) return;
+        throw;
+      }
     }
     if (backoff.waited() / 1000000 > ctx.env.timeoutMs())
       fail(loomTimeout, "rank %d: %s made no progress for %lld ms waiting for rank %d (%s)", ctx.rank,

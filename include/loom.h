@@ -221,6 +221,43 @@ LOOM_API loomResult_t loomCommSetTimeout(loomComm_t comm, int64_t timeoutMs);
  * when signal N arrives.  loomInvalidArgument on a NULL comm. */
 LOOM_API loomResult_t loomCommDump(loomComm_t comm, char* buf, size_t size);
 
+/* ---- Registered memory ------------------------------------------------- */
+/* Shaped like NCCL's ncclMemAlloc / ncclCommRegister; the same calls will
+ * cover CUDA device memory and RDMA registration.
+ *
+ * loomMemAlloc returns host memory that the other ranks on this host can map
+ * (a memfd, whole pages, placed on the caller's NUMA node where the rank is
+ * bound to one, every page faulted in).  All-reduces of 1 MiB and more whose
+ * buffers come from it on every rank reduce straight out of the peers'
+ * buffers over shared memory, without copying them into loom's staging
+ * memory first (docs/usage.md, "Registered memory"); any buffer inside an
+ * allocation (at any offset) qualifies, on any communicator, registered or
+ * not.  Other operations work on it as on any host memory.  Peers map a buffer the first time they need it and keep the
+ * mapping; freeing memory a peer has mapped is safe (the peer drops its
+ * mapping when it next looks).  Free it only once no operation of any rank
+ * still uses it.  Returns loomInvalidArgument for a NULL ptr or size 0,
+ * loomSystemError when the OS refuses. */
+LOOM_API loomResult_t loomMemAlloc(void** ptr, size_t size);
+
+/* Frees memory from loomMemAlloc.  NULL is a no-op; a pointer loomMemAlloc
+ * did not return (or one freed already) is loomInvalidArgument. */
+LOOM_API loomResult_t loomMemFree(void* ptr);
+
+/* Registers [buff, buff + size) for repeated use with comm, for buffers a
+ * framework already owns (gradient buckets).  Local and cheap: no peer is
+ * contacted.  Transports that need registration (RDMA, later) prepare the
+ * memory here; on shared memory, memory from loomMemAlloc is read in place
+ * with or without registration, and other host memory is still copied
+ * through loom's staging buffers (peers cannot map it).  A range may be
+ * registered more than once; each call returns its own handle.  Returns
+ * loomInvalidArgument for a NULL comm, buff or handle, or size 0. */
+LOOM_API loomResult_t loomCommRegister(const loomComm_t comm, void* buff, size_t size, void** handle);
+
+/* Releases a handle loomCommRegister returned for comm.  Operations already
+ * issued on the buffer are not affected.  A handle that is not a live
+ * registration of comm is loomInvalidArgument. */
+LOOM_API loomResult_t loomCommDeregister(const loomComm_t comm, void* handle);
+
 /* ---- Collectives ------------------------------------------------------- */
 /* All collectives are enqueued on `stream` and return before they complete
  * (NULL stream: after).  In-place use is allowed: sendbuff == recvbuff for

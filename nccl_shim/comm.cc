@@ -14,6 +14,7 @@ namespace {
 struct Registration {
   void* buff;
   size_t size;
+  void* loomHandle;  // loomCommRegister's
 };
 
 // What ncclComm_t wraps: loom's communicator and the shim's own state.
@@ -233,41 +234,43 @@ NCCL_SHIM_API(ncclResult_t, ncclCommCuDevice, const ncclComm_t comm, int* device
               "ncclCommCuDevice: a loom host communicator has no CUDA device (host buffers)");
 }
 
-// Host memory: loom's host transports read any host buffer; the 4096-byte
-// alignment is NCCL's NCCL_WIN_REQUIRED_ALIGNMENT.
+// Host memory from loomMemAlloc (whole pages, so NCCL_WIN_REQUIRED_ALIGNMENT
+// holds): peers on the host reduce straight out of it.
 NCCL_SHIM_API(ncclResult_t, ncclMemAlloc, void** ptr, size_t size) {
   ensureEnv();
   if (!ptr) return fail(ncclInvalidArgument, "ncclMemAlloc: ptr is NULL");
   *ptr = nullptr;
   if (size == 0) return fail(ncclInvalidArgument, "ncclMemAlloc: size is 0");
-  if (posix_memalign(ptr, NCCL_WIN_REQUIRED_ALIGNMENT, size) != 0) {
+  if (loomResult_t r = loomMemAlloc(ptr, size)) {
     *ptr = nullptr;
-    return fail(ncclSystemError, "ncclMemAlloc: cannot allocate %zu bytes of host memory", size);
+    return fromLoom(r, "ncclMemAlloc");
   }
   return ncclSuccess;
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclMemFree, void* ptr) {
   ensureEnv();
-  free(ptr);
+  if (loomResult_t r = loomMemFree(ptr)) return fromLoom(r, "ncclMemFree");
   return ncclSuccess;
 }
 
-// loom's host transports copy through their own slots and need no
-// registration: the handle only records the buffer, and deregistration checks
-// it was one of this communicator's.
+// loomCommRegister's handle, wrapped so that deregistration can check it
+// was one of this communicator's.
 NCCL_SHIM_API(ncclResult_t, ncclCommRegister, const ncclComm_t comm, void* buff, size_t size, void** handle) {
   ensureEnv();
   if (ncclResult_t r = checkComm("ncclCommRegister", comm)) return r;
   if (!buff || !handle || size == 0)
     return fail(ncclInvalidArgument, "ncclCommRegister: NULL buffer, handle or size 0");
-  Registration* reg = new (std::nothrow) Registration{buff, size};
+  Registration* reg = new (std::nothrow) Registration{buff, size, nullptr};
   if (!reg) return fail(ncclSystemError, "ncclCommRegister: out of memory");
+  if (loomResult_t r = loomCommRegister(comm->loom, buff, size, &reg->loomHandle)) {
+    delete reg;
+    return fromLoom(r, "ncclCommRegister");
+  }
   std::lock_guard<std::mutex> lock(comm->mu);
   comm->registrations.insert(reg);
   *handle = reg;
-  logf(Level::Info, "ncclCommRegister(%p, %zu): host buffer; loom's host transports need no registration",
-       buff, size);
+  logf(Level::Info, "ncclCommRegister(%p, %zu): registered with loom", buff, size);
   return ncclSuccess;
 }
 
@@ -278,8 +281,10 @@ NCCL_SHIM_API(ncclResult_t, ncclCommDeregister, const ncclComm_t comm, void* han
   if (!comm->registrations.erase(handle))
     return fail(ncclInvalidArgument, "ncclCommDeregister: %p is not a registration of this communicator",
                 handle);
-  delete static_cast<Registration*>(handle);
-  return ncclSuccess;
+  Registration* reg = static_cast<Registration*>(handle);
+  loomResult_t r = loomCommDeregister(comm->loom, reg->loomHandle);
+  delete reg;
+  return r == loomSuccess ? ncclSuccess : fromLoom(r, "ncclCommDeregister");
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclCommWindowRegister, ncclComm_t comm, void* buff, size_t size,

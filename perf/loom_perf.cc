@@ -4,7 +4,7 @@
 //
 // Each rank creates its communicator with loomCommInitFromEnv (loom-run,
 // torchrun, mpirun and srun all work), blocking calls (or with -s 1 one loom
-// host stream), and persistent
+// host stream), and persistent (with -R: from loomMemAlloc, registered)
 // buffers allocated and pre-faulted once at the largest size.  For every
 // (datatype, op, size) it runs, out-of-place and then in-place:
 //   1. (with -c 1) one checked run on freshly generated data, verified
@@ -427,6 +427,7 @@ struct Options {
   std::vector<loomRedOp_t> ops{loomSum};
   int root = 0;
   int stream = 0;  // 1: issue on a loom host stream; 0: blocking calls (NULL stream)
+  bool registered = false;  // -R: buffers from loomMemAlloc, registered with the communicator
   std::string json;
 };
 
@@ -458,6 +459,8 @@ void usage(FILE* f) {
                "  -o, --op OP           sum prod max min avg, a list, or all (default sum;\n"
                "                        reducing collectives only)\n"
                "  -r, --root R          root of broadcast, reduce, gather, scatter (default 0)\n"
+               "  -R, --registered      buffers from loomMemAlloc, registered with loomCommRegister\n"
+               "                        (peers on the host reduce straight out of them)\n"
                "  -s, --stream 0|1      0 (default): blocking calls (NULL stream), as MPI_Allreduce\n"
                "                        is measured; 1: issue on a loom host stream and\n"
                "                        loomStreamSynchronize each iteration\n"
@@ -591,6 +594,7 @@ Options parseArgs(int argc, char** argv) {
       {"root", required_argument, nullptr, 'r'},
       {"json", required_argument, nullptr, 'J'},
       {"stream", required_argument, nullptr, 's'},
+      {"registered", no_argument, nullptr, 'R'},
       {"help", no_argument, nullptr, 'h'},
       {nullptr, 0, nullptr, 0},
   };
@@ -598,7 +602,7 @@ Options parseArgs(int argc, char** argv) {
   bool sawOp = false;
   long v = 0;
   for (;;) {
-    int c = getopt_long(argc, argv, ":b:e:f:n:w:c:d:o:r:s:h", longOpts, nullptr);
+    int c = getopt_long(argc, argv, ":b:e:f:n:w:c:d:o:r:s:Rh", longOpts, nullptr);
     if (c == -1) break;
     switch (c) {
       case 'b':
@@ -635,6 +639,7 @@ Options parseArgs(int argc, char** argv) {
         if (!parseInt(optarg, 0, 1, &v)) badArgs("-s: expected 0 or 1, got '%s'", optarg);
         o.stream = static_cast<int>(v);
         break;
+      case 'R': o.registered = true; break;
       case 'J':
         if (!*optarg) badArgs("--json: empty file name");
         o.json = optarg;
@@ -763,11 +768,30 @@ class Bench {
     // use recvbuff as their only buffer, as nccl-tests does, so it must hold
     // the full buffer of every collective.)
     cap_ = o.maxBytes + kGuardBytes + 64;
-    send_ = static_cast<char*>(allocBuffer(cap_));
-    recv_ = static_cast<char*>(allocBuffer(cap_));
+    if (o.registered) {
+      // Memory the peers map (pre-faulted by loomMemAlloc), registered as a
+      // framework registers its buckets.
+      void* p = nullptr;
+      LOOMCHECK(loomMemAlloc(&p, cap_));
+      send_ = static_cast<char*>(p);
+      LOOMCHECK(loomMemAlloc(&p, cap_));
+      recv_ = static_cast<char*>(p);
+      LOOMCHECK(loomCommRegister(comm_, send_, cap_, &sendReg_));
+      LOOMCHECK(loomCommRegister(comm_, recv_, cap_, &recvReg_));
+    } else {
+      send_ = static_cast<char*>(allocBuffer(cap_));
+      recv_ = static_cast<char*>(allocBuffer(cap_));
+    }
     times_.resize(static_cast<size_t>(o.iters));
   }
   ~Bench() {
+    if (o_.registered) {
+      loomCommDeregister(comm_, sendReg_);
+      loomCommDeregister(comm_, recvReg_);
+      loomMemFree(send_);
+      loomMemFree(recv_);
+      return;
+    }
     std::free(send_);
     std::free(recv_);
   }
@@ -1195,6 +1219,8 @@ class Bench {
   size_t cap_ = 0;
   char* send_ = nullptr;
   char* recv_ = nullptr;
+  void* sendReg_ = nullptr;  // -R: the registrations of send_ and recv_
+  void* recvReg_ = nullptr;
   std::vector<double> times_;
   std::vector<Row> rows_;
   std::vector<std::string> env_;

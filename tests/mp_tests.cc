@@ -125,6 +125,22 @@ TEST_CASE("wrong arguments return invalid-argument with a message and do no harm
   CHECK(loomRun(kShm, 2, "badargs") == 0);
 }
 
+TEST_CASE("loomMemAlloc buffers are read in place by peers: exact for all, mixed and no such ranks", "[mp][shm][registered]") {
+  int n = GENERATE(2, 3, 4);
+  const char* mode = GENERATE("all", "mixed", "none");
+  INFO("nranks " << n << ", " << mode);
+  // Only when every rank's buffer can be mapped do all ranks vote for the
+  // staged path (the tuner picks the ring for these sizes otherwise).
+  std::string args = std::string("registered ") + mode + (std::string(mode) == "all" ? " mapped" : "");
+  CHECK(loomRun(std::string(kShm) + " LOOM_SHM_STAGE_BYTES=65536", n, args) == 0);
+}
+
+TEST_CASE("loomMemAlloc buffers work on every path (forced staged, forced ring, tcp)", "[mp][registered]") {
+  CHECK(loomRun(std::string(kShm) + " LOOM_ALGO=staged", 3, "registered mixed mapped") == 0);
+  CHECK(loomRun(std::string(kShm) + " LOOM_ALGO=ring", 2, "registered all") == 0);
+  CHECK(loomRun(kTcp, 2, "registered all") == 0);
+}
+
 TEST_CASE("loomCommSplit makes working sub-communicators", "[mp]") {
   int n = GENERATE(2, 3, 5);
   INFO("nranks " << n);

@@ -15,6 +15,9 @@
 //   mp-worker fault PHASE R B DIR   rank R dies (SIGKILL) during init, during a
 //                          B-byte all-reduce or between two; every other rank
 //                          writes what it got and how fast to DIR/rank<r>
+//   mp-worker registered all|mixed|none [mapped]   loomMemAlloc / loomCommRegister
+//                          buffers (every rank's, odd ranks', none) are exact; bad
+//                          handles; mapped: peers must have mapped them
 //   mp-worker dump         rank 1 is late: rank 0 checks loomCommDump, the
 //                          LOOM_DUMP_SIGNAL output and its timeout message
 //   mp-worker shrink MODE VICTIMS B DIR   the survivors of dead ranks revoke
@@ -35,6 +38,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -370,6 +374,144 @@ static void scenarioBadArgs(loomComm_t comm) {
   CHECK_LOOM(loomCommGetAsyncError(comm, &async));
   expect(async == loomSuccess, "bad arguments do not fail the communicator");
   runChecked(comm, nullptr, AR, loomFloat32, loomSum, 1000, false, 0);
+}
+
+// Inodes of the loomMemAlloc memory mapped in this process (its own and
+// its peers'), from /proc/self/maps.
+static std::set<unsigned long> loomMemInodes() {
+  std::set<unsigned long> inodes;
+  FILE* f = fopen("/proc/self/maps", "r");
+  if (!f) return inodes;
+  char line[512];
+  while (fgets(line, sizeof line, f)) {
+    unsigned long inode = 0;
+    if (strstr(line, "memfd:loom-mem") && sscanf(line, "%*s %*s %*s %*s %lu", &inode) == 1) inodes.insert(inode);
+  }
+  fclose(f);
+  return inodes;
+}
+
+// A buffer for the registered scenario: from loomMemAlloc (`offset` bytes
+// into the allocation) or from the heap.
+struct TestBuf {
+  void* alloc = nullptr;
+  std::vector<char> heap;
+  char* data = nullptr;
+  TestBuf(bool shared, size_t bytes, size_t offset) {
+    if (shared) {
+      CHECK_LOOM(loomMemAlloc(&alloc, bytes + offset));
+      data = static_cast<char*>(alloc) + offset;
+    } else {
+      heap.resize(bytes + 8);
+      data = heap.data();
+    }
+  }
+  ~TestBuf() {
+    if (alloc) CHECK_LOOM(loomMemFree(alloc));
+  }
+};
+
+// All-reduce of `count` elements from/to `send`/`recv`, checked exactly.
+static void allReduceChecked(loomComm_t comm, void* send, void* recv, size_t count, loomDataType_t t, loomRedOp_t op,
+                             const std::string& what) {
+  fillInput(send, op, t, gRank, count);
+  std::vector<char> want(count * typeSize(t) + 8);
+  for (size_t i = 0; i < count; ++i) storeExpected(want.data(), op, t, gSize, i, i);
+  loomResult_t r = loomAllReduce(send, recv, count, t, op, comm, nullptr);
+  if (r != loomSuccess) {
+    fprintf(stderr, "rank %d: %s returned %s: %s\n", gRank, what.c_str(), loomGetErrorString(r), loomGetLastError(comm));
+    exit(4);
+  }
+  size_t wrong = countWrong(recv, want.data(), count, t);
+  expect(wrong == 0, what + ": " + std::to_string(wrong) + " wrong elements");
+}
+
+// Zero-copy buffers (issue 18).  mode: all (every rank's buffers come from
+// loomMemAlloc), mixed (odd ranks' only), none.
+static void scenarioRegistered(loomComm_t comm, const std::string& mode, bool mapped) {
+  const bool mine = mode == "all" || (mode == "mixed" && gRank % 2 == 1);
+  int others = 0;  // other ranks whose buffers peers map
+  for (int r = 0; r < gSize; ++r) others += r != gRank && (mode == "all" || (mode == "mixed" && r % 2 == 1));
+
+  // The calls' argument checks.
+  void* p = nullptr;
+  float heap[64];
+  void* h = nullptr;
+  expectInvalid(loomMemAlloc(nullptr, 100), "loomMemAlloc with NULL ptr");
+  expectInvalid(loomMemAlloc(&p, 0), "loomMemAlloc of 0 bytes");
+  CHECK_LOOM(loomMemAlloc(&p, 100));
+  expectInvalid(loomMemFree(heap), "loomMemFree of heap memory");
+  expectInvalid(loomMemFree(static_cast<char*>(p) + 64), "loomMemFree of a pointer inside an allocation");
+  expect(loomMemFree(nullptr) == loomSuccess, "loomMemFree(NULL) is a no-op");
+  expectInvalid(loomCommRegister(nullptr, heap, sizeof heap, &h), "loomCommRegister with NULL comm");
+  expectInvalid(loomCommRegister(comm, nullptr, 64, &h), "loomCommRegister of NULL");
+  expectInvalid(loomCommRegister(comm, heap, 0, &h), "loomCommRegister of 0 bytes");
+  expectInvalid(loomCommRegister(comm, heap, sizeof heap, nullptr), "loomCommRegister with NULL handle");
+  CHECK_LOOM(loomCommRegister(comm, heap, sizeof heap, &h));
+  void* h2 = nullptr;
+  CHECK_LOOM(loomCommRegister(comm, p, 100, &h2));
+  expect(h2 != h, "two registrations have two handles");
+  CHECK_LOOM(loomCommDeregister(comm, h));
+  expectInvalid(loomCommDeregister(comm, h), "loomCommDeregister twice");
+  expectInvalid(loomCommDeregister(comm, nullptr), "loomCommDeregister of NULL");
+  expectInvalid(loomCommDeregister(comm, heap), "loomCommDeregister of a pointer that is no handle");
+  expectInvalid(loomCommDeregister(nullptr, h2), "loomCommDeregister with NULL comm");
+  CHECK_LOOM(loomCommDeregister(comm, h2));
+  CHECK_LOOM(loomMemFree(p));
+  expectInvalid(loomMemFree(p), "loomMemFree twice");
+
+  // Exact results: sizes from the one-shot path's to many staged chunks,
+  // in and out of place, at an offset inside the allocation.
+  const loomDataType_t types[] = {loomFloat32, loomBfloat16, loomInt32};
+  const loomRedOp_t ops[] = {loomSum, loomMax, loomAvg};
+  int k = 0;
+  for (size_t count : {size_t(1027), size_t(70001), size_t(262149)})
+    for (size_t offset : {size_t(0), size_t(4160)})
+      for (bool inPlace : {false, true}) {
+        loomDataType_t t = types[k % 3];
+        loomRedOp_t op = ops[(k / 3) % 3];
+        ++k;
+        size_t bytes = count * typeSize(t);
+        TestBuf a(mine, bytes, offset), b(mine, bytes, offset);
+        std::string what = std::string("registered(") + mode + ") allreduce " + typeName(t) + " " + opName(op) +
+                           " count " + std::to_string(count) + " offset " + std::to_string(offset) +
+                           (inPlace ? " in-place" : " out-of-place");
+        allReduceChecked(comm, a.data, inPlace ? a.data : b.data, count, t, op, what);
+      }
+
+  // A registered buffer: used, deregistered, used again; the peers have
+  // mapped it (`mapped`: the caller knows the staged path reads it in
+  // place: every rank's buffer is mappable, or LOOM_ALGO=staged), then it
+  // is freed while they hold the mapping and a new one is allocated (often
+  // with the same descriptor number).
+  const size_t count = 1 << 20;  // 4 MiB of float32
+  {
+    TestBuf a(mine, count * 4, 128);
+    void* handle = nullptr;
+    CHECK_LOOM(loomCommRegister(comm, a.data, count * 4, &handle));
+    std::set<unsigned long> before = loomMemInodes();  // mine included
+    allReduceChecked(comm, a.data, a.data, count, loomFloat32, loomSum, "registered buffer");
+    int fresh = 0;  // peers' buffers mapped during the operation
+    for (unsigned long i : loomMemInodes()) fresh += before.count(i) == 0;
+    if (mapped && mine)
+      expect(fresh >= others, "peers' buffers are mapped here (" + std::to_string(fresh) + " new loom-mem mappings, " +
+                                  std::to_string(others) + " other ranks with such buffers)");
+    if (!mapped && mode == "none") expect(fresh == 0, "no peer memory is mapped when no rank has any");
+    CHECK_LOOM(loomCommDeregister(comm, handle));
+    allReduceChecked(comm, a.data, a.data, count, loomFloat32, loomMax, "the buffer after deregistering it");
+  }  // freed here, while peers still map it
+  for (int round = 0; round < 3; ++round) {
+    TestBuf a(mine, count * 4, size_t(round) * 64);
+    allReduceChecked(comm, a.data, a.data, count, loomFloat32, loomSum,
+                     "a new buffer after the last was freed, round " + std::to_string(round));
+  }
+  // Freed memory does not pile up in the peers: each drops its mappings of
+  // a rank that freed memory when it next maps that rank's memory.
+  int left = int(loomMemInodes().size());
+  expect(left <= others + 1, "stale mappings are dropped (" + std::to_string(left) + " loom-mem mappings left)");
+  loomResult_t async;
+  CHECK_LOOM(loomCommGetAsyncError(comm, &async));
+  expect(async == loomSuccess, "the communicator is healthy after the registered scenario");
 }
 
 static void scenarioMismatch(loomComm_t comm) {
@@ -849,6 +991,7 @@ int main(int argc, char** argv) {
   else if (sc == "a2amismatch") scenarioExchangeMismatch(comm);
   else if (sc == "split") scenarioSplit(comm);
   else if (sc == "dump") scenarioDump(comm);
+  else if (sc == "registered") scenarioRegistered(comm, argc > 2 ? argv[2] : "all", argc > 3 && strcmp(argv[3], "mapped") == 0);
   else if (sc == "soak")
     scenarioSoak(comm, argc > 2 ? strtoull(argv[2], nullptr, 10) : 1, argc > 3 ? atoi(argv[3]) : 1000,
                  argc > 4 ? atof(argv[4]) : 60);

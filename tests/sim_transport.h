@@ -92,6 +92,8 @@
 //   INFO(loomsim::caseName(c) << ": " << out.describe());
 //   CHECK(out.ok());
 #pragma once
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -115,6 +117,7 @@
 #include "algorithms/direct.h"
 #include "src/core/error.h"
 #include "src/core/executor.h"
+#include "src/device/host_memory.h"
 #include "src/device/host_reduce.h"
 #include "tests/mp_common.h"
 #include "transports/transport.h"
@@ -295,10 +298,33 @@ class SimPeerMemory : public loom::PeerMemory {
   void checkPeer(int r) const override {
     if (failed_->load() == r) throw loom::Error(loomRemoteError, loom::strf("rank %d failed", r));
   }
+  // Zero-copy as shm does it: memory from loomMemAlloc is exported, and a
+  // peer maps it anew through /proc/<pid>/fd (this process: a second
+  // mapping of the same memfd), cached; the ranks are threads, so the cache
+  // is shared under a lock.  imports() counts the maps made.
+  bool exportBuffer(const void* p, size_t bytes, loom::PeerBuffer* out) const override {
+    return loom::hostMemExport(p, bytes, out);
+  }
+  const uint8_t* importBuffer(int r, const loom::PeerBuffer& b, size_t need) const override {
+    std::lock_guard<std::mutex> lock(importMu_);
+    ++imports_;
+    return cache_.import(r, int(getpid()), b, need, freeEpoch_.load());
+  }
+  size_t imports() const { return imports_; }
+  size_t mappings() const { return cache_.mappings(); }
 
  private:
   size_t bytes_;
   std::vector<uint8_t*> windows_;
+  mutable std::mutex importMu_;
+  mutable size_t imports_ = 0;
+  mutable loom::HostImportCache cache_;
+  std::atomic<uint64_t> freeEpoch_{0};
+  struct Watch {  // hostMemFree moves freeEpoch_
+    std::atomic<uint64_t>* e;
+    explicit Watch(std::atomic<uint64_t>* x) : e(x) { loom::hostMemWatchFrees(e); }
+    ~Watch() { loom::hostMemUnwatchFrees(e); }
+  } watch_{&freeEpoch_};
   std::vector<std::unique_ptr<SimBell>>* bells_;
   std::atomic<int>* failed_;
 };
@@ -540,6 +566,9 @@ class SimWorld {
     return res;
   }
 
+  // The world's PeerMemory (nullptr before the first runDirect).
+  const detail::SimPeerMemory* peerMemory() const { return mem_.get(); }
+
   // Runs ops[r] (one operation per rank) with a direct algorithm on N
   // threads over this world's PeerMemory.  Tags as comm.cc makes them.
   SimResult runDirect(const DirectFn& fn, const std::vector<std::vector<loom::OpDesc>>& ops) {
@@ -778,6 +807,11 @@ struct CollCase {
   bool inPlace = false;
   loom::Plan plan;
   SimOptions sim;
+  // Ranks (bit r) whose buffers come from loomMemAlloc, `sharedOffset`
+  // bytes (plus the guard) into the allocation: the direct paths may read
+  // them in place.  Other ranks use ordinary memory.
+  uint64_t sharedRanks = 0;
+  size_t sharedOffset = 0;
 };
 
 inline std::string caseName(const CollCase& c) {
@@ -788,6 +822,7 @@ inline std::string caseName(const CollCase& c) {
     s += std::string(" ") + loom::redOpName(c.op);
   if (c.coll == Collective::Broadcast || c.coll == Collective::Reduce) s += loom::strf(" root=%d", c.root);
   s += c.inPlace ? " in-place" : " out-of-place";
+  if (c.sharedRanks) s += loom::strf(" loomMemAlloc ranks 0x%llx at +%zu", (unsigned long long)c.sharedRanks, c.sharedOffset);
   s += loom::strf(" channels=%d chunk=%zu slot=%zux%zu", c.plan.channels, c.plan.chunkBytes,
                   c.sim.slots, c.sim.slotBytes);
   return s;
@@ -850,16 +885,28 @@ constexpr uint8_t kGuardByte = 0xA5;
 
 struct GuardedMem {
   std::vector<uint8_t> raw;
+  std::shared_ptr<uint8_t> shared;  // from loomMemAlloc (CollCase::sharedRanks)
+  size_t sharedOffset = 0;          // where the guarded area starts in it
   size_t bytes = 0;
   void alloc(size_t n) {
     bytes = n;
     raw.assign(n + 2 * kGuard, kGuardByte);
   }
-  uint8_t* data() { return raw.data() + kGuard; }
-  const uint8_t* data() const { return raw.data() + kGuard; }
+  // In memory from loomMemAlloc, `offset` bytes into the allocation.
+  void allocShared(size_t n, size_t offset) {
+    bytes = n;
+    sharedOffset = offset;
+    shared.reset(static_cast<uint8_t*>(loom::hostMemAlloc(offset + n + 2 * kGuard)),
+                 [](uint8_t* p) { loom::hostMemFree(p); });
+    memset(start(), kGuardByte, n + 2 * kGuard);
+  }
+  uint8_t* start() const { return shared ? shared.get() + sharedOffset : const_cast<uint8_t*>(raw.data()); }
+  uint8_t* data() { return start() + kGuard; }
+  const uint8_t* data() const { return start() + kGuard; }
   bool guardsIntact() const {
+    const uint8_t* b = start();
     for (size_t i = 0; i < kGuard; ++i)
-      if (raw[i] != kGuardByte || raw[kGuard + bytes + i] != kGuardByte) return false;
+      if (b[i] != kGuardByte || b[kGuard + bytes + i] != kGuardByte) return false;
     return true;
   }
 };
@@ -880,13 +927,18 @@ class CollBuffers {
     recv_.resize(size_t(N_));
     if (!c.inPlace) send_.resize(size_t(N_));
     for (int r = 0; r < N_; ++r) {
+      const bool shared = r < 64 && (c.sharedRanks >> r & 1);
+      auto alloc = [&](GuardedMem& m, size_t bytes) {
+        if (shared) m.allocShared(bytes, c.sharedOffset);
+        else m.alloc(bytes);
+      };
       if (c.inPlace) {
-        recv_[size_t(r)].alloc(bufE_ * esz_);
+        alloc(recv_[size_t(r)], bufE_ * esz_);
         initialInPlace(r, recv_[size_t(r)].data());
       } else {
-        send_[size_t(r)].alloc(sendE_ * esz_);
+        alloc(send_[size_t(r)], sendE_ * esz_);
         input(r, send_[size_t(r)].data());
-        recv_[size_t(r)].alloc(recvE_ * esz_);
+        alloc(recv_[size_t(r)], recvE_ * esz_);
         junk(r, recv_[size_t(r)].data(), recvE_ * esz_);
       }
     }

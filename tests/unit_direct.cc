@@ -6,6 +6,7 @@
 // acknowledgements); and ranks that call different operations.
 #include <catch2/catch.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "algorithms/direct.h"
@@ -120,4 +121,89 @@ TEST_CASE("direct algorithms: ranks that call different operations get an error 
   INFO(res.problem);
   CHECK(res.problem.find("mismatched operations") != std::string::npos);
   CHECK(res.problem.find("count 32") != std::string::npos);
+}
+
+// Zero-copy (issue 18): when every rank's buffers come from loomMemAlloc,
+// the ranks vote so in their windows and each reduces its part straight out
+// of all inputs into all outputs; when only some do, those publish where
+// their input is instead of staging it, and the others map it (through
+// /proc/<pid>/fd, as between processes) and reduce straight out of it.
+// Every mix of such ranks and ordinary ones must give exact results; the
+// number of imports shows which path ran.
+TEST_CASE("staged all-reduce reads loomMemAlloc buffers in place: exact for all, mixed and no such ranks, at offsets",
+          "[direct][staged][registered]") {
+  for (int n : {2, 3, 5}) {
+    loomsim::SimOptions opts;
+    opts.stageBytes = 4096;  // many chunks
+    loomsim::SimWorld world(n, opts);
+    const uint64_t all = (uint64_t(1) << n) - 1;
+    // Only all-reduces of 1 MiB and more vote (4 MiB with more ranks than cores).
+    const bool oversubscribed = unsigned(n) > std::thread::hardware_concurrency();
+    for (uint64_t mask : {all, uint64_t(1), all & 0x5, uint64_t(0)})
+      for (size_t offset : {size_t(0), size_t(4160), size_t(24)})
+        for (loomDataType_t t : {loomFloat32, loomBfloat16, loomInt64})
+          for (bool inPlace : {false, true}) {
+            CollCase c;
+            c.dtype = t;
+            c.op = t == loomInt64 ? loomMax : loomSum;
+            c.nranks = n;
+            c.count = oversubscribed || t != loomInt64 ? 70001 : 140001;  // int64 on 2 ranks: 1.1 MB, votes
+            c.inPlace = inPlace;
+            c.sim = opts;
+            c.sharedRanks = mask;
+            c.sharedOffset = offset;
+            size_t before = world.peerMemory() ? world.peerMemory()->imports() : 0;
+            if (!runCase(kStaged, c, &world)) return;
+            // Every rank's buffers mappable: the zero-copy all-reduce, where
+            // every rank maps every other's input and output.  Some: the
+            // staged path, where every rank maps each other exporting
+            // rank's input once.
+            size_t exporters = size_t(__builtin_popcountll(mask));
+            size_t want = 0;
+            const bool votes = c.count * loom::dtypeSize(t) >= loom::directZeroCopyMinBytes(opts.stageBytes, oversubscribed);
+            if (mask == all && votes)
+              want = size_t(n) * size_t(n - 1) * 2;
+            else
+              for (int r = 0; r < n; ++r) want += exporters - ((mask >> r) & 1);
+            INFO(loomsim::caseName(c));
+            CHECK(world.peerMemory()->imports() - before == want);
+          }
+    // From 4 MiB every shape votes: the zero-copy all-reduce.
+    for (bool inPlace : {false, true}) {
+      CollCase c;
+      c.nranks = n;
+      c.count = (size_t(4) << 20) / 4 + 1001;
+      c.inPlace = inPlace;
+      c.sim = opts;
+      c.sharedRanks = all;
+      c.sharedOffset = 192;
+      size_t before = world.peerMemory()->imports();
+      if (!runCase(kStaged, c, &world)) return;
+      INFO(loomsim::caseName(c));
+      CHECK(world.peerMemory()->imports() - before == size_t(n) * size_t(n - 1) * 2);
+    }
+    // The buffers of each case were freed before the next was allocated:
+    // the free epoch made the importers drop stale mappings, so at most the
+    // last case's are left (one per (importer's view of) exporting rank).
+    CHECK(world.peerMemory()->mappings() <= size_t(n));
+  }
+}
+
+TEST_CASE("registered inputs then ordinary ones on one world, back to back (stage parity, free epoch)",
+          "[direct][staged][registered]") {
+  loomsim::SimOptions opts;
+  opts.stageBytes = 4096;
+  loomsim::SimWorld world(3, opts);
+  for (int i = 0; i < 10; ++i) {
+    CollCase c;
+    c.nranks = 3;
+    c.sim = opts;
+    const bool oneShot = i % 4 == 3;
+    c.count = oneShot ? size_t(1 + 97 * i) : size_t(1 + 977 * i);  // the one-shot path's blocks fit a mailbox
+    c.op = i % 2 ? loomMax : loomSum;
+    c.inPlace = i % 3 == 0;
+    c.sharedRanks = uint64_t(i % 8);  // none, some, all ranks in turn
+    c.sharedOffset = size_t(64 * i);
+    if (!runCase(oneShot ? kOneShot : kStaged, c, &world)) return;
+  }
 }

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "src/core/socket.h"
+#include "src/device/host_memory.h"  // PeerBuffer
 #include "src/device/memory_kind.h"
 
 namespace loom {
@@ -105,6 +106,19 @@ class PeerMemory {
   // Throws loomRemoteError if rank r died or aborted.
   virtual void checkPeer(int r) const = 0;
   virtual MemoryKind memoryKind() const { return MemoryKind::Host; }
+
+  // Zero-copy buffers (loomMemAlloc, loomCommRegister).  Whether the peers
+  // can read this rank's [p, p + bytes) in place (shm: memory from
+  // loomMemAlloc, which they map through its memfd); fills its description,
+  // which the direct algorithms publish in this rank's window.
+  virtual bool exportBuffer(const void* p, size_t bytes, PeerBuffer* out) const {
+    (void)p, (void)bytes, (void)out;
+    return false;
+  }
+  // Rank r's buffer `b` (as r exported it) mapped here, with `need` bytes
+  // from its start; the mapping is cached for later operations.  Throws
+  // loom::Error when it cannot be mapped.
+  virtual const uint8_t* importBuffer(int r, const PeerBuffer& b, size_t need) const;
 };
 
 // What a transport sees of its communicator.  Filled before setup.

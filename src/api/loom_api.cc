@@ -23,6 +23,7 @@
 #include "src/core/stream.h"
 #include "src/device/cuda_loader.h"
 #include "src/device/device_choice.h"
+#include "src/device/host_memory.h"
 #include "src/device/host_reduce.h"
 
 using namespace loom;
@@ -607,6 +608,38 @@ loomResult_t loomCommSetTimeout(loomComm_t comm, int64_t timeoutMs) {
     checkComm(comm);
     if (timeoutMs < 1) fail(loomInvalidArgument, "timeoutMs %lld is not positive", (long long)timeoutMs);
     comm->setTimeoutMs(timeoutMs);
+    return loomSuccess;
+  });
+}
+
+loomResult_t loomMemAlloc(void** ptr, size_t size) {
+  return guarded("loomMemAlloc", nullptr, [&] {
+    if (!ptr) fail(loomInvalidArgument, "ptr is NULL");
+    *ptr = hostMemAlloc(size);
+    return loomSuccess;
+  });
+}
+
+loomResult_t loomMemFree(void* ptr) {
+  return guarded("loomMemFree", nullptr, [&] {
+    if (ptr) hostMemFree(ptr);
+    return loomSuccess;
+  });
+}
+
+loomResult_t loomCommRegister(const loomComm_t comm, void* buff, size_t size, void** handle) {
+  return guarded("loomCommRegister", nullptr, [&] {
+    checkComm(comm);
+    if (!handle) fail(loomInvalidArgument, "handle is NULL");
+    *handle = comm->registrations().add(buff, size, comm->transportList());
+    return loomSuccess;
+  });
+}
+
+loomResult_t loomCommDeregister(const loomComm_t comm, void* handle) {
+  return guarded("loomCommDeregister", nullptr, [&] {
+    checkComm(comm);
+    comm->registrations().remove(handle);
     return loomSuccess;
   });
 }

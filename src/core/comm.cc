@@ -64,6 +64,7 @@ std::shared_ptr<loomComm> loomComm::create(const UniqueIdData& id, int nranks, i
 loomComm::~loomComm() {
   ctl_.reset();  // its thread may call into this communicator
   dumpUnregister(this);
+  registrations_.clear();  // their transport handles, before the transports
   conns_.clear();  // before the transports whose memory they use
   transports_.clear();
 }
@@ -391,6 +392,12 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
     Schedule sched;
     std::vector<size_t> selfSends, selfRecvs;
     Algorithm alone = ops.size() == 1 ? choose(ops[0]) : Algorithm::Ring;
+    // Zero-copy: an all-reduce whose buffers every rank can map runs
+    // straight out of them (all ranks vote in their windows, alike).
+    if (ops.size() == 1 && !isDirect(alone) && peerMem_ && !tuner_->forced(ops[0].coll)) {
+      DirectContext ctx = directContext();
+      if (directZeroCopyAllReduce(ctx, ops[0], tags[0])) return loomSuccess;
+    }
     if (isDirect(alone)) {
       runDirect(alone, ops[0], tags[0]);
       if (tracer_) traceRun(t0, ops, tags, alone);

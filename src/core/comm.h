@@ -18,6 +18,7 @@
 #include "src/core/bootstrap.h"
 #include "src/core/control.h"
 #include "src/core/executor.h"
+#include "src/core/registration.h"
 #include "src/core/trace.h"
 #include "src/topology/comm_topology.h"
 #include "src/tuner/tuner.h"
@@ -117,6 +118,14 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
   const char* transportTo(int peer) const;
   // The transport of that name this communicator uses (nullptr: none).
   loom::Transport* transportNamed(const std::string& name) const;
+  // loomCommRegister's records (src/core/registration.h), and the
+  // transports a registration is offered to.
+  loom::RegistrationTable& registrations() { return registrations_; }
+  std::vector<loom::Transport*> transportList() const {
+    std::vector<loom::Transport*> v;
+    for (const auto& t : transports_) v.push_back(t.get());
+    return v;
+  }
 
   // ---- ExecEnv ----
   void prepare(const std::vector<std::pair<int, int>>& needed) override;
@@ -181,6 +190,7 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
   loom::DirectLayout directLayout_;
   loom::DirectState directState_;
   std::map<std::pair<int, int>, std::unique_ptr<loom::Connection>> conns_;
+  loom::RegistrationTable registrations_;  // released before the transports
 
   std::mutex turnMutex_;
   std::condition_variable turnCv_;

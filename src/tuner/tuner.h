@@ -45,6 +45,8 @@ class Tuner {
   // The model's estimates for one (collective, bytes) on the shape.
   std::vector<Estimate> estimates(Collective coll, size_t bytes) const;
   const CostParams& params() const { return params_; }
+  // Whether LOOM_ALGO names the algorithm of `coll`.
+  bool forced(Collective coll) const { return !forced_[int(coll)].name.empty(); }
   const CommShape& shape() const { return shape_; }
   bool modelled() const { return haveShape_; }
   // The decision for one bucket, and replacing it (with another rank's, so

@@ -15,6 +15,7 @@
 
 #include "src/core/error.h"
 #include "src/core/log.h"
+#include "src/device/host_memory.h"
 #include "src/topology/numa.h"
 #include "transports/shm/shm_transport.h"
 
@@ -56,6 +57,9 @@ std::unique_ptr<ShmInbox> ShmInbox::create(const ShmLayout& layout, const std::s
   h->bell.store(0);
   h->sleeping.store(0);
   h->aborted.store(0);
+  h->freeEpoch.store(0);
+  box->owner_ = true;
+  hostMemWatchFrees(&h->freeEpoch);
   // The window needs no initialisation: a new memfd reads as zeros.
   for (uint32_t s = 0; s < layout.nranks; ++s)
     for (uint32_t c = 0; c < layout.channels; ++c) new (box->ring(int(s), int(c))) ShmRingCtl{{0}, {0}};
@@ -98,6 +102,7 @@ std::unique_ptr<ShmInbox> ShmInbox::map(int pid, int fd, const std::string& wake
 }
 
 ShmInbox::~ShmInbox() {
+  if (owner_) hostMemUnwatchFrees(&header()->freeEpoch);
   if (base_) munmap(base_, layout_.totalBytes());
   if (fd_ >= 0) close(fd_);
   if (wakeFd_ >= 0) close(wakeFd_);

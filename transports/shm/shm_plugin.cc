@@ -130,6 +130,15 @@ class ShmTransport : public Transport, public Doorbell, public PeerMemory {
   void checkPeer(int r) const override {
     if (r != env_.rank) shmCheckPeer(box(r), r, env_.pid[size_t(r)], pidfds_[size_t(r)]);
   }
+  // Memory from loomMemAlloc: peers map its memfd as they map inboxes.
+  bool exportBuffer(const void* p, size_t bytes, PeerBuffer* out) const override {
+    return hostMemExport(p, bytes, out);
+  }
+  const uint8_t* importBuffer(int r, const PeerBuffer& b, size_t need) const override {
+    if (r == env_.rank) return reinterpret_cast<const uint8_t*>(uintptr_t(b.addr));
+    uint64_t epoch = box(r)->header()->freeEpoch.load(std::memory_order_acquire);
+    return imports_.import(r, env_.pid[size_t(r)], b, need, epoch);
+  }
 
  private:
   std::string wakeName(int r) const { return strf("loom/%016llx/%d", (unsigned long long)env_.commTag, r); }
@@ -144,6 +153,7 @@ class ShmTransport : public Transport, public Doorbell, public PeerMemory {
   std::unique_ptr<ShmInbox> inbox_;
   std::vector<std::unique_ptr<ShmInbox>> peerInbox_;
   std::vector<int> pidfds_;
+  mutable HostImportCache imports_;  // peers' loomMemAlloc buffers mapped here
 };
 
 }  // namespace

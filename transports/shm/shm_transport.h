@@ -46,6 +46,9 @@ struct ShmInboxHeader {
   // its wake-up socket together with tcp sockets.
   std::atomic<uint32_t> sleeping;
   alignas(64) std::atomic<uint32_t> aborted;
+  // Moved by loomMemFree in the owner: peers then drop their mappings of
+  // its buffers (src/device/host_memory.h).
+  alignas(64) std::atomic<uint64_t> freeEpoch;
 };
 
 constexpr uint32_t kSleepFutex = 1;
@@ -91,6 +94,7 @@ class ShmInbox {
   socklen_t wakeLen_ = 0;
   uint8_t* base_ = nullptr;
   ShmLayout layout_;
+  bool owner_ = false;
 };
 
 // Throws loomRemoteError if the peer owning `box` aborted or its process died.

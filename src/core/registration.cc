@@ -1,0 +1,63 @@
+#include "src/core/registration.h"
+
+#include "src/core/error.h"
+#include "src/device/host_memory.h"
+
+namespace loom {
+
+void* RegistrationTable::add(void* buff, size_t bytes, const std::vector<Transport*>& transports) {
+  if (!buff) fail(loomInvalidArgument, "buff is NULL");
+  if (bytes == 0) fail(loomInvalidArgument, "size is 0");
+  if (reinterpret_cast<uintptr_t>(buff) + bytes < reinterpret_cast<uintptr_t>(buff))
+    fail(loomInvalidArgument, "buff %p + size %zu wraps around the address space", buff, bytes);
+  auto reg = std::make_unique<Registration>();
+  reg->base = buff;
+  reg->bytes = bytes;
+  PeerBuffer pb;
+  reg->peerMappable = hostMemExport(buff, bytes, &pb);
+  reg->kind = reg->peerMappable ? MemoryKind::RegisteredHost : MemoryKind::Host;
+  for (Transport* t : transports)
+    if (t->serves(reg->kind == MemoryKind::RegisteredHost ? MemoryKind::Host : reg->kind))
+      if (std::shared_ptr<void> h = t->registerBuffer(buff, bytes, reg->kind)) reg->handles.push_back(std::move(h));
+  std::lock_guard<std::mutex> lock(mu_);
+  void* handle = reg.get();
+  regs_[handle] = std::move(reg);
+  return handle;
+}
+
+void RegistrationTable::remove(void* handle) {
+  std::unique_ptr<Registration> gone;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = regs_.find(handle);
+    if (!handle || it == regs_.end())
+      fail(loomInvalidArgument, "handle %p is not a registration of this communicator (deregistered already?)",
+           handle);
+    gone = std::move(it->second);
+    regs_.erase(it);
+  }
+  // The transports' handles are released here, outside the lock.
+}
+
+const Registration* RegistrationTable::find(const void* p, size_t bytes) const {
+  uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& kv : regs_) {
+    uintptr_t b = reinterpret_cast<uintptr_t>(kv.second->base);
+    if (a >= b && a - b <= kv.second->bytes && bytes <= kv.second->bytes - (a - b)) return kv.second.get();
+  }
+  return nullptr;
+}
+
+size_t RegistrationTable::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return regs_.size();
+}
+
+void RegistrationTable::clear() {
+  std::map<const void*, std::unique_ptr<Registration>> gone;
+  std::lock_guard<std::mutex> lock(mu_);
+  gone.swap(regs_);
+}
+
+}  // namespace loom

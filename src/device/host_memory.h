@@ -1,0 +1,80 @@
+// Host memory that the other ranks of a host can map (loomMemAlloc), and
+// the mappings of other ranks' such memory (the import cache).
+//
+// An allocation is a memfd, sized to whole pages, placed on the caller's
+// NUMA node and pre-faulted, mapped once in the owner.  A peer maps it by
+// opening /proc/<owner pid>/fd/<fd> (the inbox's mechanism, so it works
+// wherever shm does) and keeps the mapping in its import cache, keyed by
+// (rank, inode): a freed and reallocated buffer has a new inode, so a stale
+// mapping is never used for new memory.  A mapping keeps the pages alive, so
+// an owner freeing a buffer a peer has mapped costs the peer nothing but the
+// memory until it drops the mapping; owners bump a free epoch that peers
+// read (shm: in the inbox header) to drop their mappings of that rank.
+#pragma once
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+namespace loom {
+
+// A buffer of one rank that its peers may read in place, as it travels in a
+// PeerMemory window (fixed size, no pointers that mean something only in
+// the owner, except `addr` for in-process PeerMemory).
+struct PeerBuffer {
+  uint64_t id = 0;      // the memory object's identity (memfd: its inode); 0: none
+  uint64_t bytes = 0;   // size of the memory object
+  uint64_t offset = 0;  // where the buffer starts in it
+  uint64_t addr = 0;    // the buffer's address in the owner
+  int32_t fd = -1;      // the memfd's descriptor number in the owner
+  uint32_t kind = 0;    // MemoryKind of the memory
+  uint64_t reserved = 0;
+};
+static_assert(sizeof(PeerBuffer) <= 64, "a PeerBuffer fits one cache line of a window");
+
+// loomMemAlloc / loomMemFree: throw loom::Error (loomInvalidArgument for a
+// pointer that is not an allocation's start, loomSystemError when the OS
+// refuses).
+void* hostMemAlloc(size_t bytes);
+void hostMemFree(void* ptr);
+
+// Describes [ptr, ptr + bytes) when it lies inside one live allocation of
+// this process (false: ordinary memory, which peers cannot map).
+bool hostMemExport(const void* ptr, size_t bytes, PeerBuffer* out);
+
+// The allocation holding `ptr` (base and size), for registrations.
+bool hostMemFind(const void* ptr, void** base, size_t* bytes);
+
+// Words in shared memory that hostMemFree increments (shm: each inbox's
+// free epoch), so that peers learn to drop their mappings of this rank.
+void hostMemWatchFrees(std::atomic<uint64_t>* epoch);
+void hostMemUnwatchFrees(std::atomic<uint64_t>* epoch);
+
+// One communicator's mappings of its peers' allocations.  Not thread-safe:
+// a communicator runs one operation at a time.
+class HostImportCache {
+ public:
+  ~HostImportCache();
+  // The address of rank r's buffer `b` (owner process `pid`) mapped here,
+  // with at least `need` bytes from its start inside the mapping.  `epoch`
+  // is rank r's free epoch now: when it moved, r's older mappings go first.
+  // Throws loomSystemError if the memory cannot be mapped, loomRemoteError
+  // for a description that does not fit the memory it names.
+  const uint8_t* import(int r, int pid, const PeerBuffer& b, size_t need, uint64_t epoch);
+  // Unmaps everything of rank r (everything: r < 0).
+  void drop(int r);
+  size_t mappings() const { return maps_.size(); }
+
+ private:
+  struct Mapping {
+    uint8_t* base;
+    size_t bytes;
+  };
+  std::map<std::pair<int, uint64_t>, Mapping> maps_;  // (rank, id)
+  std::map<int, uint64_t> epochs_;                    // per rank: epoch of its mappings
+};
+
+}  // namespace loom
