@@ -40,10 +40,10 @@ struct DirectStageHeader {
 };
 static_assert(sizeof(DirectStageHeader) == 64, "stage header is one cache line");
 
-// SlotTag::flags of a staging header: the owner's input is not staged; it
-// is read in place from the buffer the header's PeerBuffer line describes
-// (zero-copy: memory from loomMemAlloc).
-constexpr uint8_t kTagInputInPlace = 1;
+// SlotTag::flags of a staging header: kTagInputInPlace (transports/
+// transport.h, beside the other flag bits) says the owner's input is not
+// staged; it is read in place from the buffer the header's PeerBuffer line
+// describes (zero-copy: memory from loomMemAlloc).
 
 // Where things are in one rank's window: acknowledgements (a cache line per
 // reader), two mailboxes per sender, staging control (two headers, an ack

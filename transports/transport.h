@@ -41,8 +41,11 @@ struct SlotTag {
   uint32_t reserved;
 };
 static_assert(sizeof(SlotTag) == 32, "SlotTag is a wire format");
-// SlotTag::flags: a send or receive of a loomAllToAllv.
+// SlotTag::flags bits.  A send or receive of a loomAllToAllv:
 constexpr uint8_t kTagPartOfAllToAllv = 1;
+// In a staging header (algorithms/staged.cc): the owner's input is read in
+// place from its loomMemAlloc buffer.
+constexpr uint8_t kTagInputInPlace = 2;
 
 class Connection {
  public:
