@@ -218,14 +218,15 @@ std::string runCase(loomsim::SimDeviceWorld& w, const Case& c, size_t slotBytes,
   if (!problems.empty()) return problems;
   for (int r = 0; r < N; ++r) {
     const std::vector<uint8_t>& e = expect[size_t(r)];
-    if (memcmp(recv[size_t(r)], e.data(), e.size()) != 0) {
+    if (!e.empty() && memcmp(recv[size_t(r)], e.data(), e.size()) != 0) {
       size_t i = 0;
       while (recv[size_t(r)][i] == e[i]) ++i;
       return loom::strf("rank %d: wrong result at element %zu of %zu", r, i / esz, e.size() / esz);
     }
     if (!recvMem[size_t(r)].guardsIntact()) return loom::strf("rank %d: recv guard overwritten", r);
     if (!c.inPlace) {
-      if (memcmp(send[size_t(r)], input[size_t(r)].data(), input[size_t(r)].size()) != 0)
+      const std::vector<uint8_t>& in = input[size_t(r)];
+      if (!in.empty() && memcmp(send[size_t(r)], in.data(), in.size()) != 0)
         return loom::strf("rank %d: send buffer changed", r);
       if (!sendMem[size_t(r)].guardsIntact()) return loom::strf("rank %d: send guard overwritten", r);
     }
