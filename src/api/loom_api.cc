@@ -125,12 +125,8 @@ void validate(loomComm* comm, const OpDesc& op) {
   checkType(op.dtype);
   if (reduces(op.coll)) checkOp(op.op);
   int n = comm->nranks(), me = comm->rank();
-  size_t factor = perRankCount(op.coll) ? size_t(n) : 1;
-  size_t big = checkedBytes(op.count, op.dtype, factor);
-  size_t small = op.count * dtypeSize(op.dtype);
+  checkedBytes(op.count, op.dtype, perRankCount(op.coll) ? size_t(n) : 1);  // overflow
   if (rooted(op.coll)) checkRank("root", op.root, n);
-  // All-to-all, gather and scatter: their calls checked the buffers.
-  if (op.coll == Collective::AllToAll || op.coll == Collective::Gather || op.coll == Collective::Scatter) return;
   if (op.coll == Collective::P2P) checkRank("peer", op.peer, n);
   // Every communicator runs on the host today; host kernels given device
   // memory would fault.
@@ -143,28 +139,44 @@ void validate(loomComm* comm, const OpDesc& op) {
          s ? "sendbuff" : "recvbuff", p, cudaPointerDevice(p));
   }
   if (op.count == 0) return;
+  const bool root = me == op.root;
   bool needSend = true, needRecv = true;
-  if (op.coll == Collective::Broadcast) needSend = me == op.root;
-  if (op.coll == Collective::Reduce) needRecv = me == op.root;
-  if (op.coll == Collective::P2P) needSend = op.isSend, needRecv = !op.isSend;
+  switch (op.coll) {
+    case Collective::Broadcast: needSend = root; break;
+    case Collective::Scatter: needSend = root; break;
+    case Collective::Reduce: needRecv = root; break;
+    case Collective::Gather: needRecv = root; break;
+    case Collective::P2P: needSend = op.isSend, needRecv = !op.isSend; break;
+    default: break;
+  }
   if (needSend && !op.sendbuf) fail(loomInvalidArgument, "sendbuff is NULL");
   if (needRecv && !op.recvbuf) fail(loomInvalidArgument, "recvbuff is NULL");
   if (!needSend || !needRecv) return;
+  // The buffers may overlap only in NCCL's in-place layouts.
   const char* s = static_cast<const char*>(op.sendbuf);
   const char* r = static_cast<const char*>(op.recvbuf);
+  const size_t block = op.count * dtypeSize(op.dtype);
+  const char* inPlace = nullptr;  // the layout allowed, for the message
+  bool isInPlace = false;
   switch (op.coll) {
     case Collective::AllGather:
-      if (s != r + size_t(me) * small && overlaps(s, small, r, big))
-        fail(loomInvalidArgument, "sendbuff overlaps recvbuff but is not at NCCL's in-place offset recvbuff + rank*sendcount");
+      isInPlace = s == r + size_t(me) * block, inPlace = "sendbuff = recvbuff + rank*sendcount";
       break;
     case Collective::ReduceScatter:
-      if (r != s + size_t(me) * small && overlaps(s, big, r, small))
-        fail(loomInvalidArgument, "recvbuff overlaps sendbuff but is not at NCCL's in-place offset sendbuff + rank*recvcount");
+      isInPlace = r == s + size_t(me) * block, inPlace = "recvbuff = sendbuff + rank*recvcount";
       break;
-    default:
-      if (s != r && overlaps(s, small, r, small))
-        fail(loomInvalidArgument, "sendbuff and recvbuff overlap without being equal");
+    case Collective::Gather:
+      isInPlace = s == r + size_t(op.root) * block, inPlace = "sendbuff = recvbuff + root*count";
+      break;
+    case Collective::Scatter:
+      isInPlace = r == s + size_t(op.root) * block, inPlace = "recvbuff = sendbuff + root*count";
+      break;
+    case Collective::AllToAll: break;  // no in-place form, as in NCCL
+    default: isInPlace = s == r, inPlace = "sendbuff = recvbuff"; break;
   }
+  if (!isInPlace && overlaps(s, sendBytes(op, n), r, recvBytes(op, n)))
+    fail(loomInvalidArgument, "sendbuff and recvbuff overlap outside NCCL's in-place layout (%s)",
+         inPlace ? inPlace : "all-to-all has none");
 }
 
 // The host stream behind a handle, nullptr for NULL.  Anything else fails
@@ -248,10 +260,9 @@ loomResult_t issueOp(const char* call, loomComm* comm, loomStream_t stream, cons
   });
 }
 
-// All-to-all, gather and scatter (one collective each) and all-to-allv (a
-// group of sends and receives, algorithms/pairwise_exchange.cc): issues what
-// check() returns after it validated the arguments, as one group or into the
-// caller's group.
+// All-to-allv: a group of sends and receives (algorithms/pairwise_exchange.cc).
+// Issues what check() returns after it validated the arguments, as one group
+// or into the caller's group.
 template <class Check>
 loomResult_t issueExchange(const char* call, loomComm* comm, loomStream_t stream, Check&& check) {
   return guarded(call, comm, [&]() -> loomResult_t {
@@ -292,18 +303,19 @@ loomResult_t issueExchange(const char* call, loomComm* comm, loomStream_t stream
 const char* at(const void* base, size_t bytes) { return static_cast<const char*>(base) + bytes; }
 
 // All-to-all, gather or scatter as one collective (the registry's pairwise,
-// bruck or one-shot algorithms run it); nothing when count is 0.
-std::vector<OpDesc> exchange(Collective coll, const void* sendbuff, void* recvbuff, size_t count,
-                             loomDataType_t datatype, int root) {
-  if (count == 0) return {};
+// bruck or one-shot algorithms run it); validate() checks it like the rest.
+OpDesc exchange(Collective coll, const void* sendbuff, void* recvbuff, size_t count, loomDataType_t datatype,
+                int root) {
   OpDesc d;
   d.coll = coll;
   d.sendbuf = sendbuff;
+  d.sendMem = memoryKindOf(sendbuff);
   d.recvbuf = recvbuff;
+  d.recvMem = memoryKindOf(recvbuff);
   d.count = count;
   d.dtype = datatype;
   d.root = root;
-  return {d};
+  return d;
 }
 
 }  // namespace
@@ -751,18 +763,7 @@ loomResult_t loomRecv(void* recvbuff, size_t count, loomDataType_t datatype, int
 loomResult_t loomAllToAll(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t datatype,
                           loomComm_t comm, loomStream_t stream) {
   if (loomResult_t r = checkEnums("loomAllToAll", &datatype, nullptr)) return r;
-  return issueExchange("loomAllToAll", comm, stream, [&](int n, int me) {
-    size_t all = checkedBytes(count, datatype, size_t(n));
-    if (count > 0) {
-      if (!sendbuff) fail(loomInvalidArgument, "sendbuff is NULL");
-      if (!recvbuff) fail(loomInvalidArgument, "recvbuff is NULL");
-      if (overlaps(sendbuff, all, recvbuff, all))
-        fail(loomInvalidArgument,
-             "sendbuff and recvbuff overlap: all-to-all has no in-place form (as in NCCL)");
-    }
-    (void)me;
-    return exchange(Collective::AllToAll, sendbuff, recvbuff, count, datatype, 0);
-  });
+  return issueOp("loomAllToAll", comm, stream, exchange(Collective::AllToAll, sendbuff, recvbuff, count, datatype, 0));
 }
 
 loomResult_t loomAllToAllv(const void* sendbuff, const size_t sendcounts[], const size_t sdispls[],
@@ -817,37 +818,13 @@ loomResult_t loomAllToAllv(const void* sendbuff, const size_t sendcounts[], cons
 loomResult_t loomGather(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t datatype, int root,
                         loomComm_t comm, loomStream_t stream) {
   if (loomResult_t r = checkEnums("loomGather", &datatype, nullptr)) return r;
-  return issueExchange("loomGather", comm, stream, [&](int n, int me) {
-    checkRank("root", root, n);
-    size_t all = checkedBytes(count, datatype, size_t(n)), block = count * dtypeSize(datatype);
-    if (count == 0) return std::vector<OpDesc>();
-    if (!sendbuff) fail(loomInvalidArgument, "sendbuff is NULL");
-    if (me == root) {
-      if (!recvbuff) fail(loomInvalidArgument, "recvbuff is NULL on the root");
-      if (sendbuff != at(recvbuff, size_t(root) * block) && overlaps(sendbuff, block, recvbuff, all))
-        fail(loomInvalidArgument,
-             "sendbuff overlaps recvbuff but is not at NCCL's in-place offset recvbuff + root*count");
-    }
-    return exchange(Collective::Gather, sendbuff, recvbuff, count, datatype, root);
-  });
+  return issueOp("loomGather", comm, stream, exchange(Collective::Gather, sendbuff, recvbuff, count, datatype, root));
 }
 
 loomResult_t loomScatter(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t datatype,
                          int root, loomComm_t comm, loomStream_t stream) {
   if (loomResult_t r = checkEnums("loomScatter", &datatype, nullptr)) return r;
-  return issueExchange("loomScatter", comm, stream, [&](int n, int me) {
-    checkRank("root", root, n);
-    size_t all = checkedBytes(count, datatype, size_t(n)), block = count * dtypeSize(datatype);
-    if (count == 0) return std::vector<OpDesc>();
-    if (!recvbuff) fail(loomInvalidArgument, "recvbuff is NULL");
-    if (me == root) {
-      if (!sendbuff) fail(loomInvalidArgument, "sendbuff is NULL on the root");
-      if (recvbuff != at(sendbuff, size_t(root) * block) && overlaps(sendbuff, all, recvbuff, block))
-        fail(loomInvalidArgument,
-             "recvbuff overlaps sendbuff but is not at NCCL's in-place offset sendbuff + root*count");
-    }
-    return exchange(Collective::Scatter, sendbuff, recvbuff, count, datatype, root);
-  });
+  return issueOp("loomScatter", comm, stream, exchange(Collective::Scatter, sendbuff, recvbuff, count, datatype, root));
 }
 
 loomResult_t loomGroupStart(void) {
