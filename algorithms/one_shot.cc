@@ -107,6 +107,25 @@ void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
     for (int q = 0; q < N; ++q) ack(q);
   };
 
+  // Copies q's block from my mailbox to dst and frees the mailbox.
+  auto receive = [&](int q, uint8_t* dst) {
+    ctx.device.copy(dst, take(q), block, CopyHint::Cached);
+    ack(q);
+  };
+  // Posts base + p*block to each other rank p (all-to-all, scatter's root).
+  auto postEach = [&](const uint8_t* base) {
+    for (int i = 1; i < N; ++i) post((me + i) % N, base + size_t((me + i) % N) * block);
+  };
+  // recv + q*block = q's block for every q: mine from `own` unless it is
+  // there already (in place), the others' from my mailboxes.
+  auto collect = [&](const uint8_t* own) {
+    uint8_t* mine = recv + size_t(me) * block;
+    if (mine != own) ctx.device.copy(mine, own, block, CopyHint::Cached);
+    for (int q = 0; q < N; ++q)
+      if (q != me) receive(q, recv + size_t(q) * block);
+  };
+  const bool root = me == op.root;
+
   switch (op.coll) {
     case Collective::AllReduce:
       for (int i = 1; i <= N; ++i) post((me + i) % N, send);
@@ -117,62 +136,37 @@ void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
       combineAll(recv);
       break;
     case Collective::Reduce:
-      if (me != op.root) {
-        post(op.root, send);
-      } else {
-        post(me, send);
-        combineAll(recv);
-      }
+      post(op.root, send);
+      if (root) combineAll(recv);
       break;
     case Collective::Broadcast:
-      if (me == op.root) {
-        for (int p = 0; p < N; ++p)
-          if (p != me) post(p, send);
-        if (recv != send) ctx.device.copy(recv, send, block, CopyHint::Cached);
-      } else {
-        ctx.device.copy(recv, take(op.root), block, CopyHint::Cached);
-        ack(op.root);
+      if (!root) {
+        receive(op.root, recv);
+        break;
       }
+      for (int p = 0; p < N; ++p)
+        if (p != me) post(p, send);
+      if (recv != send) ctx.device.copy(recv, send, block, CopyHint::Cached);
       break;
     case Collective::AllGather:
       for (int i = 1; i < N; ++i) post((me + i) % N, send);
-      if (recv + size_t(me) * block != send) ctx.device.copy(recv + size_t(me) * block, send, block, CopyHint::Cached);
-      for (int q = 0; q < N; ++q) {
-        if (q == me) continue;
-        ctx.device.copy(recv + size_t(q) * block, take(q), block, CopyHint::Cached);
-        ack(q);
-      }
+      collect(send);
       break;
     case Collective::AllToAll:
-      // My block for p goes to p's mailbox from me; mine to me is copied.
-      for (int i = 1; i < N; ++i) post((me + i) % N, send + size_t((me + i) % N) * block);
-      ctx.device.copy(recv + size_t(me) * block, send + size_t(me) * block, block, CopyHint::Cached);
-      for (int i = 1; i < N; ++i) {
-        int q = (me - i + N) % N;
-        ctx.device.copy(recv + size_t(q) * block, take(q), block, CopyHint::Cached);
-        ack(q);
-      }
+      postEach(send);
+      collect(send + size_t(me) * block);
       break;
     case Collective::Gather:
-      if (me != op.root) {
-        post(op.root, send);
-        break;
-      }
-      if (recv + size_t(me) * block != send) ctx.device.copy(recv + size_t(me) * block, send, block, CopyHint::Cached);
-      for (int q = 0; q < N; ++q) {
-        if (q == me) continue;
-        ctx.device.copy(recv + size_t(q) * block, take(q), block, CopyHint::Cached);
-        ack(q);
-      }
+      if (root) collect(send);
+      else post(op.root, send);
       break;
     case Collective::Scatter:
-      if (me == op.root) {
-        for (int i = 1; i < N; ++i) post((me + i) % N, send + size_t((me + i) % N) * block);
-        if (recv != send + size_t(me) * block) ctx.device.copy(recv, send + size_t(me) * block, block, CopyHint::Cached);
-      } else {
-        ctx.device.copy(recv, take(op.root), block, CopyHint::Cached);
-        ack(op.root);
+      if (!root) {
+        receive(op.root, recv);
+        break;
       }
+      postEach(send);
+      if (recv != send + size_t(me) * block) ctx.device.copy(recv, send + size_t(me) * block, block, CopyHint::Cached);
       break;
     case Collective::P2P:
       fail(loomInternalError, "send/recv cannot take the one-shot path");
