@@ -192,29 +192,10 @@ ReduceFn pickOp(loomRedOp_t op, bool avx2) {
   }
 }
 
-// Calls f(Ty{}) with the element type of `type` (reduce_ops.h's ElemOf);
-// an unknown type returns R().
-template <class R, class F>
-R withElem(loomDataType_t type, F f) {
-  using elementwise::ElemOf;
-  switch (type) {
-    case loomInt8: return f(ElemOf<loomInt8>::type{});
-    case loomUint8: return f(ElemOf<loomUint8>::type{});
-    case loomInt32: return f(ElemOf<loomInt32>::type{});
-    case loomUint32: return f(ElemOf<loomUint32>::type{});
-    case loomInt64: return f(ElemOf<loomInt64>::type{});
-    case loomUint64: return f(ElemOf<loomUint64>::type{});
-    case loomFloat16: return f(ElemOf<loomFloat16>::type{});
-    case loomBfloat16: return f(ElemOf<loomBfloat16>::type{});
-    case loomFloat32: return f(ElemOf<loomFloat32>::type{});
-    case loomFloat64: return f(ElemOf<loomFloat64>::type{});
-    default: return R();
-  }
-}
-
 ReduceFn pick(loomDataType_t type, loomRedOp_t op) {
   bool avx2 = useAvx2();
-  return withElem<ReduceFn>(type, [&](auto ty) { return pickOp<decltype(ty)>(op, avx2); });
+  return elementwise::withElem(
+      type, [&](auto ty) { return pickOp<decltype(ty)>(op, avx2); }, ReduceFn(nullptr));
 }
 
 // ---- division (loomAvg's last step; runs once per collective, so only the
@@ -296,7 +277,8 @@ void divideHost(void* dst, const void* src, size_t n, loomDataType_t type, int d
     if (dst != src) memmove(dst, src, n * dtypeSize(type));
     return;
   }
-  withElem<void>(type, [&](auto ty) { divideLoop<decltype(ty)>(dst, src, n, divisor); });
+  elementwise::withElem(
+      type, [&](auto ty) { divideLoop<decltype(ty)>(dst, src, n, divisor); return 0; }, 0);
 }
 
 float halfToFloat(uint16_t h) { return elementwise::h2f(h); }

@@ -157,6 +157,25 @@ template <> struct ElemOf<loomFloat32> { using type = Plain<float>; };
 template <> struct ElemOf<loomFloat64> { using type = Plain<double>; };
 template <> struct ElemOf<loomBfloat16> { using type = BF16; };
 
+// Calls f(Ty{}) with the element type of `type` (host code: the host kernels'
+// and the CUDA launchers' dispatch); `unknown` for a type loom does not have.
+template <class R, class F>
+R withElem(int type, F f, R unknown) {
+  switch (type) {
+    case loomInt8: return f(typename ElemOf<loomInt8>::type{});
+    case loomUint8: return f(typename ElemOf<loomUint8>::type{});
+    case loomInt32: return f(typename ElemOf<loomInt32>::type{});
+    case loomUint32: return f(typename ElemOf<loomUint32>::type{});
+    case loomInt64: return f(typename ElemOf<loomInt64>::type{});
+    case loomUint64: return f(typename ElemOf<loomUint64>::type{});
+    case loomFloat16: return f(typename ElemOf<loomFloat16>::type{});
+    case loomBfloat16: return f(typename ElemOf<loomBfloat16>::type{});
+    case loomFloat32: return f(typename ElemOf<loomFloat32>::type{});
+    case loomFloat64: return f(typename ElemOf<loomFloat64>::type{});
+    default: return unknown;
+  }
+}
+
 // ---- ops ------------------------------------------------------------------
 // Integer sum/prod are done in an unsigned type so overflow wraps instead of
 // being UB; unsigned int (not the narrow type) avoids promotion to signed int.

@@ -115,23 +115,6 @@ cudaError_t launchDivideTyped(void* dst, const void* src, size_t n, int divisor,
   return cudaGetLastError();
 }
 
-// Calls f(ElemType{}) for a loomDataType_t; cudaErrorInvalidValue if unknown.
-template <class F>
-cudaError_t withType(int dtype, F f) {
-  switch (dtype) {
-    case loomInt8: return f(ElemOf<loomInt8>::type{});
-    case loomUint8: return f(ElemOf<loomUint8>::type{});
-    case loomInt32: return f(ElemOf<loomInt32>::type{});
-    case loomUint32: return f(ElemOf<loomUint32>::type{});
-    case loomInt64: return f(ElemOf<loomInt64>::type{});
-    case loomUint64: return f(ElemOf<loomUint64>::type{});
-    case loomFloat16: return f(ElemOf<loomFloat16>::type{});
-    case loomFloat32: return f(ElemOf<loomFloat32>::type{});
-    case loomFloat64: return f(ElemOf<loomFloat64>::type{});
-    case loomBfloat16: return f(ElemOf<loomBfloat16>::type{});
-  }
-  return cudaErrorInvalidValue;
-}
 
 }  // namespace
 
@@ -139,13 +122,17 @@ int launchReduce(void* dst, const void* const* srcs, int nsrcs, size_t n, int dt
   if (nsrcs < 1 || nsrcs > kCudaMaxReduceSources) return int(cudaErrorInvalidValue);
   if (n == 0) return 0;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  return int(withType(dtype, [&](auto ty) { return launchReduceOp<decltype(ty)>(dst, srcs, nsrcs, n, op, st); }));
+  return int(withElem(
+      dtype, [&](auto ty) { return launchReduceOp<decltype(ty)>(dst, srcs, nsrcs, n, op, st); },
+      cudaErrorInvalidValue));
 }
 
 int launchDivide(void* dst, const void* src, size_t n, int dtype, int divisor, void* stream) {
   if (n == 0) return 0;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  return int(withType(dtype, [&](auto ty) { return launchDivideTyped<decltype(ty)>(dst, src, n, divisor, st); }));
+  return int(withElem(
+      dtype, [&](auto ty) { return launchDivideTyped<decltype(ty)>(dst, src, n, divisor, st); },
+      cudaErrorInvalidValue));
 }
 
 }  // namespace cuda
