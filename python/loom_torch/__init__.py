@@ -123,10 +123,7 @@ def shrink(group=None, exclude=()):
     if pg is c10d._get_default_group():
         globals_of = list(range(pg.size()))
     else:
-        to_global = {g: r for g, r in pg_group_ranks[pg].items()}
-        globals_of = [None] * pg.size()
-        for g, r in to_global.items():
-            globals_of[r] = g
+        globals_of = sorted(pg_group_ranks[pg], key=pg_group_ranks[pg].get)
     local_exclude = []
     for g in exclude:
         if g not in globals_of:
@@ -139,7 +136,7 @@ def shrink(group=None, exclude=()):
     key = ",".join(map(str, members))
     name = f"loom_shrunk_{key}_{_shrunk[key]}"
     _shrunk[key] += 1
-    pg_map[new] = pg_map.get(pg, (BACKEND_NAME, None)) if isinstance(pg_map, dict) else (BACKEND_NAME, None)
+    pg_map[new] = pg_map.get(pg, (BACKEND_NAME, None))
     pg_names[new] = name
     pg_group_ranks[new] = {g: i for i, g in enumerate(members)}
     return new

@@ -4,7 +4,8 @@ Run by tests/shrink_continue.sh under loom-run --keep-going (torchrun would
 stop the job when a rank dies).  The last rank SIGKILLs itself after the
 first all-reduce; the others' next operation fails with a RuntimeError
 (loom's remote error), loom_torch.shrink() gives the group of the survivors,
-and collectives on it are exact, with default-group ranks for src/dst.
+and collectives on it are exact, with default-group ranks for src/dst; a
+second shrink of that group with an excluded rank gives that rank None.
 """
 import datetime
 import os
@@ -51,4 +52,16 @@ parts = [torch.zeros(3, dtype=torch.int64) for _ in range(n - 1)]
 dist.all_gather(parts, torch.full((3,), rank, dtype=torch.int64), group=new)
 assert [int(p[0]) for p in parts] == list(range(n - 1)), parts
 dist.barrier(group=new)
+
+# Shrinking the shrunken group, leaving out its last member by its
+# default-group rank: that rank gets None, the others a group of n - 2.
+left_out = n - 2
+smaller = loom_torch.shrink(new, exclude=[left_out])
+if rank == left_out:
+    assert smaller is None, smaller
+else:
+    assert smaller is not None and dist.get_world_size(smaller) == n - 2 and dist.get_rank(smaller) == rank
+    y = torch.full((8,), float(rank + 1))
+    dist.all_reduce(y, group=smaller)
+    assert y.eq(sum(r + 1 for r in range(n - 2))).all(), y
 print(f"rank {rank}: ok")
