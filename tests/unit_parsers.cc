@@ -167,6 +167,36 @@ TEST_CASE("control messages: framing, secret and bounds are checked before use",
   CHECK(loom::ctlMissing(b.data(), 48, secret, 77, 8, &why) == -1);
 }
 
+TEST_CASE("failure causes: code, root rank and printable text survive the wire; garbage is refused", "[parsers]") {
+  loom::CtlCause c;
+  c.code = loomInvalidUsage;
+  c.root = 2;
+  c.msg = "rank 2: mismatched operations";
+  loom::CtlCause d;
+  REQUIRE(loom::decodeCause(loom::encodeCause(c), 4, &d));
+  CHECK(d.code == loomInvalidUsage);
+  CHECK(d.root == 2);
+  CHECK(d.msg == c.msg);
+  CHECK_FALSE(loom::decodeCause(loom::encodeCause(c), 2, &d));  // root 2 of 2 ranks
+  c.code = 77;                                                 // no such result code
+  CHECK_FALSE(loom::decodeCause(loom::encodeCause(c), 4, &d));
+  CHECK_FALSE(loom::decodeCause({1, 2, 3}, 4, &d));  // shorter than code and root
+  c.code = loomRemoteError;
+  c.msg = std::string("line\nbreak\x01") + std::string(5000, 'x');  // control bytes; longer than a message holds
+  REQUIRE(loom::decodeCause(loom::encodeCause(c), 4, &d));
+  CHECK(d.msg.substr(0, 11) == "line?break?");
+  CHECK(d.msg.size() < 2048);
+  // It fits a control message's extra bytes.
+  const uint8_t secret[16] = {5};
+  loom::CtlMsg m;
+  m.type = loom::CtlType::Why;
+  m.from = 1;
+  m.extra = loom::encodeCause(c);
+  std::vector<uint8_t> b = loom::encodeCtl(m, secret, 9);
+  std::string why;
+  CHECK(loom::ctlMissing(b.data(), b.size(), secret, 9, 4, &why) == 0);
+}
+
 TEST_CASE("tcp records: a peer's listener address is checked before use", "[parsers]") {
   loom::TcpRecord rec{};
   rec.addr.ss_family = AF_INET;

@@ -131,7 +131,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
       if (p.localKey == mine.localKey) a = resolveAddr(a.ss.ss_family == AF_INET6 ? "::1" : "127.0.0.1", a.port());
       ctlAddrs.push_back(a);
     }
-    ctl_->start(root.commTag, ctlAddrs, [this](const CtlMsg& m) { onNotice(m); });
+    ctl_->start(root.commTag, ctlAddrs, [this](const CtlMsg& m) { onNotice(m); }, [this] { return cause(); });
   }
   // Which ranks share a host, and where each sits (the tuner reads it).
   std::vector<std::string> hostIds;
@@ -363,9 +363,7 @@ loomResult_t loomComm::runOne(const OpDesc& op, const SlotTag& tag) {
     return loomSuccess;
   } catch (const Error& e) {
     noteIdle();
-    setFailed(e.code(), e.what());
-    settleNotices(nowMs() + 500);
-    return e.code();
+    return failOperation(e);
   }
 }
 
@@ -454,10 +452,7 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
     if (tracer_) traceRun(t0, ops, tags, alone);
     return loomSuccess;
   } catch (const Error& e) {
-    setFailed(e.code(), e.what());
-    // The notices' answers say which peers are gone (for the message).
-    settleNotices(nowMs() + 500);
-    return e.code();
+    return failOperation(e);
   } catch (const std::exception& e) {
     setFailed(loomInternalError, strf("rank %d: internal error: %s", rank_, e.what()));
     return loomInternalError;
@@ -489,10 +484,67 @@ void loomComm::setFailed(loomResult_t code, const std::string& msg, CtlType noti
   if (!failFirst(code, msg, notice)) setLastError(msg);
 }
 
-bool loomComm::failFirst(loomResult_t code, const std::string& msg, CtlType notice) {
-  int expected = loomSuccess;
-  if (asyncError_.compare_exchange_strong(expected, code)) {
-    setLastError(msg);
+// A failure a peer caused (it inherits the peer's cause): ranks that disagree
+// stay loomInvalidUsage everywhere; anything else is remote to this rank.
+static loomResult_t inheritedCode(int code) { return code == loomInvalidUsage ? loomInvalidUsage : loomRemoteError; }
+
+loomResult_t loomComm::failOperation(const Error& e) {
+  loomResult_t code = e.code();
+  std::string msg = e.what();
+  CtlCause from;
+  int peer = e.peer();
+  // A broken connection or a peer's abort is rarely the cause: ask that peer
+  // why it failed, so that every rank reports the root cause (say, the
+  // mismatched call rank 2 found) rather than "rank 1 aborted".
+  if (code == loomRemoteError && peer >= 0 && peer < nranks_ && peer != rank_ && ctl_ &&
+      asyncError() == loomSuccess) {
+    Reach reach = ctl_->askWhy(peer, &from, nowMs() + 1000);
+    if (reach == Reach::Refused) {
+      std::lock_guard<std::mutex> lock(errMutex_);
+      dead_.insert(peer);
+    } else if (reach == Reach::Acked && from.code != loomSuccess && from.root >= 0) {
+      code = inheritedCode(from.code);
+      msg = strf("rank %d: the communicator failed on rank %d: %s", rank_, from.root, from.msg.c_str());
+    } else {
+      from = CtlCause{};
+    }
+  }
+  if (!failFirst(code, msg, CtlType::Fail, from.root, from.msg)) {
+    // The communicator had failed already (a peer's notice, a revoke, another
+    // thread): that failure is this operation's error too.
+    loomResult_t first = asyncError();
+    if (first != loomSuccess) code = first;
+  }
+  // The notices' answers say which peers are gone (for the message).
+  settleNotices(nowMs() + 500);
+  return code;
+}
+
+CtlCause loomComm::cause() {
+  std::lock_guard<std::mutex> lock(errMutex_);
+  CtlCause c;
+  c.code = asyncError_.load();
+  if (c.code == loomSuccess) return c;
+  c.root = causeRoot_;
+  c.msg = causeMsg_;
+  return c;
+}
+
+bool loomComm::failFirst(loomResult_t code, const std::string& msg, CtlType notice, int root,
+                         const std::string& rootMsg) {
+  bool first;
+  {
+    // The cause is recorded with the code, so that a Why question never sees one without the other.
+    std::lock_guard<std::mutex> lock(errMutex_);
+    int expected = loomSuccess;
+    first = asyncError_.compare_exchange_strong(expected, code);
+    if (first) {
+      causeRoot_ = root >= 0 ? root : rank_;
+      causeMsg_ = root >= 0 ? rootMsg : msg;
+      lastError_ = msg;
+    }
+  }
+  if (first) {
     LOOM_WARN("COLL", "%s", msg.c_str());
     // Tell the peers at once rather than letting them wait for a timeout,
     // then on the control sockets, which also finds out who is dead.  A
@@ -511,6 +563,7 @@ void loomComm::notifyPeers(CtlType type) {
   CtlMsg m;
   m.type = type;
   m.from = rank_;
+  if (type == CtlType::Fail) m.extra = encodeCause(cause());
   std::vector<bool> to(size_t(nranks_), true);
   to[size_t(rank_)] = false;
   {
@@ -543,15 +596,26 @@ void loomComm::onNotice(const CtlMsg& m) {
       if (!failFirst(loomRemoteError, strf("rank %d: rank %d revoked the communicator", rank_, m.from), CtlType::Revoke))
         notifyPeers(CtlType::Revoke);  // failed before: still pass the revoke on
   } else {
-    failFirst(loomRemoteError, strf("rank %d: the communicator failed on rank %d", rank_, m.from));
+    CtlCause c;
+    if (decodeCause(m.extra, nranks_, &c) && c.code != loomSuccess && c.root >= 0)
+      failFirst(inheritedCode(c.code), strf("rank %d: the communicator failed on rank %d: %s", rank_, c.root, c.msg.c_str()),
+                CtlType::Fail, c.root, c.msg);
+    else
+      failFirst(loomRemoteError, strf("rank %d: the communicator failed on rank %d", rank_, m.from));
   }
 }
 
 void loomComm::revoke() {
   if (revoked_.exchange(true)) return;
-  int expected = loomSuccess;
-  std::string msg = strf("rank %d: the communicator was revoked on this rank", rank_);
-  if (asyncError_.compare_exchange_strong(expected, loomRemoteError)) setLastError(msg);
+  {
+    std::lock_guard<std::mutex> lock(errMutex_);
+    int expected = loomSuccess;
+    if (asyncError_.compare_exchange_strong(expected, loomRemoteError)) {
+      lastError_ = strf("rank %d: the communicator was revoked on this rank", rank_);
+      causeRoot_ = rank_;
+      causeMsg_ = lastError_;
+    }
+  }
   // Even when the communicator had failed already: peers learn it is revoked.
   notifyPeers(CtlType::Revoke);
 }
@@ -591,6 +655,10 @@ void loomComm::abort() {
 void loomComm::checkAborted() {
   if (aborted_.load()) fail(loomRemoteError, "rank %d: the communicator was aborted", rank_);
   if (revoked_.load()) fail(loomRemoteError, "rank %d: the communicator was revoked", rank_);
+  // Failed on a peer's notice (or on another thread): stop waiting at once;
+  // a connection still being opened may never be answered.
+  int code = asyncError_.load();
+  if (code != loomSuccess) fail(loomResult_t(code), "%s", lastError().c_str());
 }
 
 void loomComm::prepare(const std::vector<std::pair<int, int>>& needed) {

@@ -157,7 +157,13 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
   loomComm() = default;
   void init(const loom::UniqueIdData& id, int nranks, int rank, const loom::BootCheck& bootCheck);
   // Fails the communicator if it has not failed yet (true) and tells the peers.
-  bool failFirst(loomResult_t code, const std::string& msg, loom::CtlType notice = loom::CtlType::Fail);
+  // root/rootMsg: where the failure began when it is inherited from a peer.
+  bool failFirst(loomResult_t code, const std::string& msg, loom::CtlType notice = loom::CtlType::Fail,
+                 int root = -1, const std::string& rootMsg = "");
+  // An operation's error: fails the communicator (asking the peer a broken
+  // connection leads to for the root cause) and returns the code to report.
+  loomResult_t failOperation(const loom::Error& e);
+  loom::CtlCause cause();  // for Why questions and Fail notices
   void onNotice(const loom::CtlMsg& m);  // on the control thread
   void markDead(const std::vector<loom::Reach>& reach);
   void notifyPeers(loom::CtlType type);
@@ -207,6 +213,8 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
   std::mutex errMutex_;
   std::string lastError_;
   std::set<int> dead_;                   // under errMutex_
+  int causeRoot_ = -1;                   // under errMutex_: where the failure began
+  std::string causeMsg_;                 // under errMutex_: the message of the rank where it began
   std::unique_ptr<loom::Control> ctl_;   // destroyed first: its thread calls onNotice
   std::shared_ptr<loomComm> self_;  // the handle's reference
   std::unique_ptr<loom::Tracer> tracer_;  // LOOM_TRACE

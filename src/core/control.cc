@@ -19,7 +19,8 @@ namespace loom {
 namespace {
 
 constexpr uint32_t kCtlMagic = 0x4c43544cu;  // "LCTL"
-constexpr uint32_t kMaxExtra = 256;
+constexpr uint32_t kMaxExtra = 2048;
+constexpr size_t kMaxCauseText = kMaxExtra - 8;
 
 struct CtlHeader {
   uint32_t magic;
@@ -65,7 +66,7 @@ long ctlMissing(const uint8_t* bytes, size_t n, const uint8_t secret[16], uint64
   memcpy(&h, bytes, sizeof h);
   if (h.magic != kCtlMagic) return *why = "bad magic", -1;
   if (memcmp(h.secret, secret, 16) != 0 || h.commTag != commTag) return *why = "another communicator", -1;
-  if (h.type < uint32_t(CtlType::Probe) || h.type > uint32_t(CtlType::Excluded))
+  if (h.type < uint32_t(CtlType::Probe) || h.type > uint32_t(CtlType::Why))
     return *why = strf("unknown type %u", h.type), -1;
   if (h.from < 0 || h.from >= nranks) return *why = strf("sender rank %d", h.from), -1;
   if (h.pad != 0) return *why = "reserved bytes set", -1;
@@ -74,6 +75,30 @@ long ctlMissing(const uint8_t* bytes, size_t n, const uint8_t secret[16], uint64
   size_t total = sizeof h + size_t(h.count) * 4 + h.extra;
   if (n > total) return *why = "trailing bytes", -1;
   return long(total - n);
+}
+
+std::vector<uint8_t> encodeCause(const CtlCause& c) {
+  size_t text = std::min(c.msg.size(), kMaxCauseText);
+  std::vector<uint8_t> out(8 + text);
+  int32_t code = c.code, root = c.root;
+  memcpy(out.data(), &code, 4);
+  memcpy(out.data() + 4, &root, 4);
+  if (text) memcpy(out.data() + 8, c.msg.data(), text);
+  return out;
+}
+
+bool decodeCause(const std::vector<uint8_t>& extra, int nranks, CtlCause* c) {
+  if (extra.size() < 8) return false;
+  int32_t code, root;
+  memcpy(&code, extra.data(), 4);
+  memcpy(&root, extra.data() + 4, 4);
+  if (code < 0 || code >= loomNumResults || root < -1 || root >= nranks) return false;
+  c->code = code;
+  c->root = root;
+  c->msg.clear();
+  for (size_t i = 8; i < extra.size(); ++i)  // printable text only: it ends up in logs
+    c->msg.push_back(extra[i] >= 0x20 && extra[i] < 0x7f ? char(extra[i]) : '?');
+  return true;
 }
 
 CtlMsg decodeCtl(const uint8_t* bytes, size_t n) {
@@ -148,10 +173,11 @@ Control::~Control() {
 }
 
 void Control::start(uint64_t commTag, std::vector<SockAddr> peers,
-                    std::function<void(const CtlMsg&)> onNotice) {
+                    std::function<void(const CtlMsg&)> onNotice, std::function<CtlCause()> cause) {
   commTag_.store(commTag);
   peers_ = std::move(peers);
   onNotice_ = std::move(onNotice);
+  cause_ = std::move(cause);
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -272,6 +298,33 @@ void Control::send(int fd, const CtlMsg& m, int64_t deadlineMs) {
   sendAll(fd, b.data(), b.size(), deadlineMs);
 }
 
+Reach Control::askWhy(int r, CtlCause* c, int64_t deadlineMs) {
+  try {
+    int fd = dial(r, deadlineMs);
+    if (fd < 0) return Reach::Refused;
+    CtlMsg q, a;
+    q.type = CtlType::Why;
+    q.from = rank_;
+    bool ok = false;
+    try {
+      send(fd, q, deadlineMs);
+      ok = recv(fd, &a, deadlineMs);
+    } catch (const Error& e) {
+      close(fd);
+      if (e.code() == loomTimeout) return Reach::Timeout;
+      return Reach::Refused;
+    }
+    close(fd);
+    // A connection accepted and then closed unanswered: the process died
+    // between the two (its listener would refuse the next one).
+    if (!ok) return Reach::Refused;
+    if (a.type != CtlType::Why || a.from != r || !decodeCause(a.extra, nranks_, c)) return Reach::Timeout;
+    return Reach::Acked;
+  } catch (const Error&) {
+    return Reach::Timeout;
+  }
+}
+
 bool Control::recv(int fd, CtlMsg* m, int64_t deadlineMs) {
   std::vector<uint8_t> buf;
   std::string why;
@@ -385,6 +438,16 @@ void Control::loop() {
             joins_.emplace_back(in.fd, m);
             cv_.notify_all();
             handed = true;
+          } else if (m.type == CtlType::Why) {
+            CtlMsg a;
+            a.type = CtlType::Why;
+            a.from = rank_;
+            a.extra = encodeCause(cause_ ? cause_() : CtlCause{});
+            std::vector<uint8_t> b = encodeCtl(a, secret_, commTag_.load());
+            // A fresh connection's send buffer takes it whole; if not, the asker times out.
+            ssize_t w = ::send(in.fd, b.data(), b.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+            (void)w;
+            drop = true;
           } else {
             char ack = 1;
             ssize_t w = ::send(in.fd, &ack, 1, MSG_NOSIGNAL | MSG_DONTWAIT);

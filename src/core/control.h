@@ -36,6 +36,7 @@ enum class CtlType : uint32_t {
   Ack = 6,       // shrink: member -> coordinator, its own excluded set
   Commit = 7,    // shrink: coordinator -> member, the final set and the new unique id
   Excluded = 8,  // shrink: coordinator -> member, you are not in the new communicator
+  Why = 9,       // why did your communicator fail? (answered with a Why message, not a byte)
 };
 
 struct CtlMsg {
@@ -44,6 +45,18 @@ struct CtlMsg {
   std::vector<int> ranks;      // a set of ranks (dead, or excluded)
   std::vector<uint8_t> extra;  // Commit: the new unique id
 };
+
+// Why a communicator failed: the first error, and the rank where the failure
+// began (the rank itself, or the peer whose notice or abort it inherited).
+// It travels in the `extra` bytes of Fail notices and of Why answers, so
+// every rank can report the root cause rather than "rank X aborted".
+struct CtlCause {
+  int code = 0;  // loomResult_t; 0 (loomSuccess): not failed
+  int root = -1;
+  std::string msg;
+};
+std::vector<uint8_t> encodeCause(const CtlCause& c);
+bool decodeCause(const std::vector<uint8_t>& extra, int nranks, CtlCause* c);
 
 // The wire format, as pure functions of bytes (tests/fuzz can drive them).
 std::vector<uint8_t> encodeCtl(const CtlMsg& m, const uint8_t secret[16], uint64_t commTag);
@@ -65,8 +78,14 @@ class Control {
   const SockAddr& address() const { return advertise_; }
 
   // Starts the thread once every rank's address is known.  onNotice runs on
-  // the control thread for Fail and Revoke messages: it must not block.
-  void start(uint64_t commTag, std::vector<SockAddr> peers, std::function<void(const CtlMsg&)> onNotice);
+  // the control thread for Fail and Revoke messages, and cause to answer Why
+  // questions: neither may block.
+  void start(uint64_t commTag, std::vector<SockAddr> peers, std::function<void(const CtlMsg&)> onNotice,
+             std::function<CtlCause()> cause);
+
+  // Asks rank r why its communicator failed: Acked with *c filled, Refused
+  // (its process is gone), or Timeout.  Safe from any thread but the control one.
+  Reach askWhy(int r, CtlCause* c, int64_t deadlineMs);
 
   // Sends m to every rank r with to[r] at once and waits until each answered,
   // refused, or deadlineMs passed.  Safe from any thread but the control one.
@@ -105,6 +124,7 @@ class Control {
   SockAddr advertise_;
   std::vector<SockAddr> peers_;
   std::function<void(const CtlMsg&)> onNotice_;
+  std::function<CtlCause()> cause_;
   std::thread thread_;
 
   std::mutex mutex_;  // guards everything below

@@ -33,6 +33,14 @@ void fail(loomResult_t code, const char* fmt, ...) {
   throw Error(code, std::move(s));
 }
 
+void failPeer(int peer, loomResult_t code, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  std::string s = vstrf(fmt, ap);
+  va_end(ap);
+  throw Error(code, std::move(s), peer);
+}
+
 void failErrno(const char* what) {
   int e = errno;
   throw Error(loomSystemError, strf("%s: %s", what, strerror(e)));

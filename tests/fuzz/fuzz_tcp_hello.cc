@@ -62,9 +62,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     if (want == 0) {
       loom::CtlMsg m = loom::decodeCtl(msg, have);
-      if (m.from < 0 || m.from >= nranks || int(m.ranks.size()) > nranks || m.extra.size() > 256) abort();
+      if (m.from < 0 || m.from >= nranks || int(m.ranks.size()) > nranks || m.extra.size() > 2048) abort();
       std::vector<uint8_t> again = loom::encodeCtl(m, loomfuzz::kSecret, commTag);
       if (again.size() != have || memcmp(again.data(), msg, have) != 0) abort();
+      // A failure cause in the extra bytes: bounded, printable, a known code.
+      loom::CtlCause c;
+      if (loom::decodeCause(m.extra, nranks, &c)) {
+        if (c.code < 0 || c.code >= loomNumResults || c.root < -1 || c.root >= nranks) abort();
+        for (char ch : c.msg)
+          if (ch < 0x20 || ch > 0x7e) abort();
+      }
       break;
     }
     if (size_t(want) > left) break;  // truncated: the reader waits for more

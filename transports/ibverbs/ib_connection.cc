@@ -231,7 +231,7 @@ void IbConnection::complete(const ibv_wc& wc) {
   if (wc.status != IBV_WC_SUCCESS) {
     // The peer's death usually shows first as the closed setup socket; say so if it is.
     checkSocket();
-    fail(loomRemoteError, "rank %d: ibverbs connection to rank %d (channel %d) failed: %s (vendor error 0x%x)", rank_,
+    failPeer(peer_, loomRemoteError, "rank %d: ibverbs connection to rank %d (channel %d) failed: %s (vendor error 0x%x)", rank_,
          peer_, channel_, ibv_wc_status_str(wc.status), wc.vendor_err);
   }
   if (wc.wr_id == kRecvWr) {
@@ -282,7 +282,7 @@ void IbConnection::checkSocket() {
   char c;
   ssize_t n = recv(sock_, &c, 1, MSG_PEEK | MSG_DONTWAIT);
   if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK))
-    fail(loomRemoteError, "rank %d: rank %d closed its ibverbs connection (channel %d): it exited, was killed or "
+    failPeer(peer_, loomRemoteError, "rank %d: rank %d closed its ibverbs connection (channel %d): it exited, was killed or "
          "aborted", rank_, peer_, channel_);
 }
 

@@ -120,7 +120,7 @@ uint8_t* ShmInbox::slot(int sender, int channel, uint64_t index) const {
 
 void shmCheckPeer(const ShmInbox* box, int peer, int pid, int pidfd) {
   if (box->header()->aborted.load(std::memory_order_relaxed))
-    fail(loomRemoteError, "rank %d aborted its communicator", peer);
+    failPeer(peer, loomRemoteError, "rank %d aborted its communicator", peer);
   bool dead = false;
   if (pidfd >= 0) {
     pollfd p{pidfd, POLLIN, 0};
@@ -128,7 +128,7 @@ void shmCheckPeer(const ShmInbox* box, int peer, int pid, int pidfd) {
   } else {
     dead = kill(pid, 0) != 0 && errno == ESRCH;
   }
-  if (dead) fail(loomRemoteError, "rank %d (pid %d) died", peer, pid);
+  if (dead) failPeer(peer, loomRemoteError, "rank %d (pid %d) died", peer, pid);
 }
 
 static long futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* ts) {

@@ -50,7 +50,7 @@ class TcpConnection : public Connection {
       readSome();
       if (recvTail_ == recvReady_) {
         // End of stream only matters once everything before it is consumed.
-        if (eof_) fail(loomRemoteError, "rank %d closed its tcp connection", peer_);
+        if (eof_) failPeer(peer_, loomRemoteError, "rank %d closed its tcp connection", peer_);
         return nullptr;
       }
     }
@@ -63,7 +63,7 @@ class TcpConnection : public Connection {
 
   // The peer closed and everything it sent has been consumed.
   void checkPeer() override {
-    if (eof_ && recvTail_ == recvReady_) fail(loomRemoteError, "rank %d closed its tcp connection", peer_);
+    if (eof_ && recvTail_ == recvReady_) failPeer(peer_, loomRemoteError, "rank %d closed its tcp connection", peer_);
   }
 
   void progress() override {
@@ -105,8 +105,8 @@ class TcpConnection : public Connection {
       if (w < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-        fail(loomRemoteError, "tcp connection to rank %d failed while sending: %s", peer_,
-             strerror(errno));
+        failPeer(peer_, loomRemoteError, "tcp connection to rank %d failed while sending: %s", peer_,
+                 strerror(errno));
       }
       size_t left = size_t(w);
       while (left > 0) {

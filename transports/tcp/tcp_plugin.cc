@@ -125,8 +125,8 @@ class TcpTransport : public Transport {
       for (auto& kv : accepted_) {  // opened for a later operation, not used yet
         char c;
         if (kv.first.first == key.first && recv(kv.second, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0)
-          fail(loomRemoteError, "rank %d: rank %d closed its tcp connection (channel %d) while %s waited for it",
-               env_.rank, key.first, kv.first.second, host.runningOp().c_str());
+          failPeer(key.first, loomRemoteError,
+                   "rank %d: rank %d closed its tcp connection (channel %d) while %s waited for it", env_.rank, key.first, kv.first.second, host.runningOp().c_str());
       }
       host.noteWaiting(key.first);
       if (acceptOne(std::min(deadline, nowMs() + 100)) < 0 && nowMs() >= deadline)

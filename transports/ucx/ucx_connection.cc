@@ -553,9 +553,9 @@ class UcxConnection : public Connection {
     for (const SlotOp& op : r_->sendOps)
       if (s == UCS_OK && !op.busy && op.status != UCS_OK) s = op.status;
     if (w_->peerError(peer_) == UCS_ERR_ENDPOINT_TIMEOUT && pidfd_ >= 0)
-      fail(loomRemoteError, "rank %d: rank %d (pid %d) died; its UCX connection (channel %d) failed while %s",
+      loom::failPeer(peer_, loomRemoteError, "rank %d: rank %d (pid %d) died; its UCX connection (channel %d) failed while %s",
            rank_, peer_, peerPid_, channel_, doing);
-    fail(loomRemoteError, "rank %d: UCX connection to rank %d (channel %d) failed while %s: %s", rank_, peer_,
+    loom::failPeer(peer_, loomRemoteError, "rank %d: UCX connection to rank %d (channel %d) failed while %s: %s", rank_, peer_,
          channel_, doing, ucs_status_string(s));
   }
 
