@@ -29,6 +29,7 @@
 #include "trainer/check.h"
 #include "trainer/checkpoint.h"
 #include "trainer/dataset.h"
+#include "trainer/elastic.h"
 #include "trainer/grad_sync.h"
 #include "trainer/mlp.h"
 #include "trainer/optimizer.h"
@@ -74,10 +75,13 @@ const char kUsage[] =
     "  --checkpoint-every N  (default 0: only at the end)\n"
     "  --resume FILE         continue from a checkpoint (readable by every rank)\n"
     "  --save-params FILE    rank 0 writes the final parameters (float32, logical order)\n"
-    "  --elastic             survive dead ranks: on a failed step revoke, shrink to the survivors, take\n"
-    "                        the state of the most advanced one and continue (launch with\n"
-    "                        loom-run --keep-going; not with --zero, topk or powersgd)\n"
-    "  --kill-rank R --kill-at-step S  testing --elastic: rank R SIGKILLs itself during step S\n"
+    "  --elastic             survive dead ranks: on a failed step revoke, shrink to the survivors,\n"
+    "                        rebuild the state of the latest step every part of it survives (with\n"
+    "                        --zero each rank also keeps its neighbour's shards) and continue\n"
+    "                        (launch with loom-run --keep-going; not with topk or powersgd)\n"
+    "  --kill-rank R[,R...] --kill-at-step S  testing --elastic: these ranks SIGKILL themselves\n"
+    "                        during step S\n"
+    "  --elastic-dump FILE   testing --elastic: rank 0 writes the rebuilt state as a checkpoint\n"
     "  -h, --help            this text\n";
 
 struct Options {
@@ -96,10 +100,10 @@ struct Options {
   uint64_t seed = 1;
   int logEvery = 50;
   bool eval = true;
-  std::string checkpoint, resume, saveParams;
+  std::string checkpoint, resume, saveParams, elasticDump;
   long checkpointEvery = 0;
   bool elastic = false;
-  int killRank = -1;  // testing --elastic: this rank SIGKILLs itself during step killStep
+  std::vector<int> killRanks;  // testing --elastic: these ranks SIGKILL themselves during step killStep
   long killStep = -1;
 };
 
@@ -215,9 +219,16 @@ Options parse(int argc, char** argv) {
       o.saveParams = value();
     else if (a == "--elastic")
       o.elastic = true;
-    else if (a == "--kill-rank")
-      o.killRank = int(number(a, value(), 0, 1 << 20));
-    else if (a == "--kill-at-step")
+    else if (a == "--elastic-dump")
+      o.elasticDump = value();
+    else if (a == "--kill-rank") {
+      std::string list = value();
+      for (size_t p = 0; p <= list.size();) {
+        size_t q = std::min(list.find(',', p), list.size());
+        o.killRanks.push_back(int(number(a, list.substr(p, q - p).c_str(), 0, 1 << 20)));
+        p = q + 1;
+      }
+    } else if (a == "--kill-at-step")
       o.killStep = long(number(a, value(), 0, 1e12));
     else
       usageError("unknown flag " + a);
@@ -226,10 +237,11 @@ Options parse(int argc, char** argv) {
   if (o.sync.zero && o.sync.hook != Hook::AllReduce)
     usageError("--zero reduce-scatters float32 gradients; it does not combine with --hook");
   if (!o.prefetch && o.sync.zero != 3) usageError("--no-prefetch applies to --zero 3 only");
-  if (o.elastic && (o.sync.zero || o.sync.hook == Hook::TopK || o.sync.hook == Hook::PowerSgd))
-    usageError("--elastic needs replicated state: it does not combine with --zero or with the topk and powersgd "
-               "hooks (their error feedback is per rank)");
-  if ((o.killRank >= 0) != (o.killStep >= 0)) usageError("--kill-rank and --kill-at-step go together");
+  if (o.elastic && (o.sync.hook == Hook::TopK || o.sync.hook == Hook::PowerSgd))
+    usageError("--elastic does not combine with the topk and powersgd hooks: their error feedback is per rank "
+               "and dies with it");
+  if (!o.elasticDump.empty() && !o.elastic) usageError("--elastic-dump needs --elastic");
+  if (o.killRanks.empty() != (o.killStep < 0)) usageError("--kill-rank and --kill-at-step go together");
   return o;
 }
 
@@ -311,9 +323,10 @@ double rssMb(const char* field) {
 }  // namespace
 
 // One run of training on comm: from the start, from --resume, or (elastic)
-// from `restart` after a shrink.  In elastic mode `snap` receives the state
+// from `restart` after a shrink.  In elastic mode `elastic` keeps the state
 // at the start of every step.  firstRun: not a restart (--kill-* apply).
-int runTraining(const Options& o, loomComm_t comm, const Checkpoint* restart, Checkpoint* snap, bool firstRun) {
+int runTraining(const Options& o, loomComm_t comm, const Checkpoint* restart, ElasticState* elastic,
+                bool firstRun) {
   int rank = 0, nranks = 1;
   TRAINER_CHECK_LOOM(loomCommUserRank(comm, &rank));
   TRAINER_CHECK_LOOM(loomCommCount(comm, &nranks));
@@ -500,22 +513,12 @@ int runTraining(const Options& o, loomComm_t comm, const Checkpoint* restart, Ch
     }
   };
 
-  if (snap) {  // elastic: the parts of a snapshot that do not change
-    snap->widths = widths;
-    snap->optimizer = int(o.optimizer);
-    snap->hook = int(o.sync.hook);
-    snap->params.resize(L.logical);
-    snap->state.resize(L.logical * size_t(nStateArrays));
-  }
+  if (elastic) elastic->configure(L, stage, nStateArrays, rank, nranks, widths, int(o.optimizer), int(o.sync.hook));
   for (uint64_t step = firstStep; step < totalSteps; ++step) {
     double t0 = now();
-    if (snap) {  // elastic (stage 0: params and state are whole on every rank)
-      snap->nextStep = step;
-      snap->nranks = nranks;
-      toLogical(L, params.data(), snap->params.data());
-      for (int i = 0; i < nStateArrays; ++i) toLogical(L, st.array(i), snap->state.data() + size_t(i) * L.logical);
-    }
-    if (firstRun && rank == o.killRank && step == uint64_t(o.killStep)) {
+    if (elastic) elastic->snapshot(step, params.data(), st.data.data(), comm);
+    if (firstRun && step == uint64_t(o.killStep) &&
+        std::find(o.killRanks.begin(), o.killRanks.end(), rank) != o.killRanks.end()) {
       // Testing --elastic: die in the middle of this step's communication.
       printf("loom-trainer: rank %d kills itself during step %llu (--kill-rank)\n", rank, (unsigned long long)step);
       std::thread([] {
@@ -663,14 +666,15 @@ int main(int argc, char** argv) {
     return code;
   }
   // Elastic: a failed loom call revokes comm and throws; the survivors shrink
-  // it, agree on the most advanced step any of them started (its state is in
-  // that rank's snapshot: the state is replicated), and train on from there.
-  Checkpoint snap, restart;
+  // it, rebuild the state of the latest step every part of it survived
+  // (elastic.h), and train on from there.
+  ElasticState state;
+  Checkpoint restart;
   bool restarted = false;
   for (;;) {
     elasticComm() = comm;
     try {
-      int code = runTraining(o, comm, restarted ? &restart : nullptr, &snap, !restarted);
+      int code = runTraining(o, comm, restarted ? &restart : nullptr, &state, !restarted);
       elasticComm() = nullptr;
       TRAINER_CHECK_LOOM(loomCommDestroy(comm));
       return code;
@@ -692,24 +696,26 @@ int main(int argc, char** argv) {
       int me = 0, n = 1;
       TRAINER_CHECK_LOOM(loomCommUserRank(comm, &me));
       TRAINER_CHECK_LOOM(loomCommCount(comm, &n));
-      if (snap.params.empty()) trainerFail("--elastic: failed before the first step; nothing to continue from");
-      // The most advanced snapshot, and the lowest rank that holds it.
-      uint64_t step = snap.nextStep;
-      TRAINER_CHECK_LOOM(loomAllReduce(&step, &step, 1, loomUint64, loomMax, comm, nullptr));
-      int32_t src = snap.nextStep == step ? me : INT32_MAX;
-      TRAINER_CHECK_LOOM(loomAllReduce(&src, &src, 1, loomInt32, loomMin, comm, nullptr));
-      restart = snap;
-      TRAINER_CHECK_LOOM(loomBroadcast(restart.params.data(), restart.params.data(), restart.params.size(),
-                                       loomFloat32, src, comm, nullptr));
-      TRAINER_CHECK_LOOM(loomBroadcast(restart.state.data(), restart.state.data(), restart.state.size(),
-                                       loomFloat32, src, comm, nullptr));
-      restart.nextStep = step;
+      if (state.empty()) trainerFail("--elastic: failed before the first step; nothing to continue from");
+      const char* from = "the survivors' copies";
+      if (!state.rebuild(comm, &restart, &why)) {
+        // A lost shard: the last checkpoint, if there is one, is the way on.
+        std::string err;
+        if (o.checkpoint.empty() || !readCheckpoint(o.checkpoint, &restart, &err))
+          trainerFail(("--elastic: cannot continue: " + why +
+                       (o.checkpoint.empty() ? std::string("; no --checkpoint to fall back on") : "; " + err))
+                          .c_str());
+        from = "the last checkpoint";
+      }
       restart.nranks = n;
       restarted = true;
-      if (me == 0)
-        printf("elastic: lost %d of %d ranks; continuing on %d from step %llu (revoke, shrink and state "
-               "agreement took %.0f ms)\n",
-               oldN - n, oldN, n, (unsigned long long)step, 1e3 * (now() - t0));
+      if (me == 0) {
+        printf("elastic: lost %d of %d ranks; continuing on %d from step %llu, rebuilt from %s (revoke, "
+               "shrink and state agreement took %.0f ms)\n",
+               oldN - n, oldN, n, (unsigned long long)restart.nextStep, from, 1e3 * (now() - t0));
+        std::string err;
+        if (!o.elasticDump.empty() && !writeCheckpoint(o.elasticDump, restart, &err)) trainerFail(err.c_str());
+      }
     }
   }
 }
