@@ -31,6 +31,7 @@
 #include "trainer/dataset.h"
 #include "trainer/elastic.h"
 #include "trainer/grad_sync.h"
+#include "trainer/loom_buffer.h"
 #include "trainer/mlp.h"
 #include "trainer/optimizer.h"
 #include "trainer/param_gather.h"
@@ -67,6 +68,8 @@ const char kUsage[] =
     "  --bucket-mb M         gradient bucket cap in MB (default 25)\n"
     "  --first-bucket-mb M   cap of the first bucket (default 1)\n"
     "  --no-overlap          issue all buckets after backward instead of during it\n"
+    "  --plain-grads         gradients in ordinary memory, not loomMemAlloc's (which all-reduces\n"
+    "                        read in place on shared memory), for comparison\n"
     "  --seed S              seed of initialisation and shuffling (default 1)\n"
     "  --log-every N         progress line every N steps (default 50)\n"
     "  --no-eval             skip the test-set evaluation at the end\n"
@@ -96,6 +99,7 @@ struct Options {
   int warmup = 50;
   SyncConfig sync;
   bool prefetch = true;
+  bool plainGrads = false;
   double bucketMb = 25, firstBucketMb = 1;
   uint64_t seed = 1;
   int logEvery = 50;
@@ -203,6 +207,8 @@ Options parse(int argc, char** argv) {
       o.firstBucketMb = number(a, value(), 1e-3, 1e5);
     else if (a == "--no-overlap")
       o.sync.overlap = false;
+    else if (a == "--plain-grads")
+      o.plainGrads = true;
     else if (a == "--seed")
       o.seed = uint64_t(number(a, value(), 0, 1e15));
     else if (a == "--log-every")
@@ -358,7 +364,10 @@ int runTraining(const Options& o, loomComm_t comm, const Checkpoint* restart, El
   oc.kind = o.optimizer;
   oc.momentum = float(o.momentum);
   // What this rank keeps: stage 3 only its parameter shards, stage 2+ no full gradients.
-  std::vector<float> params(stage == 3 ? S.total() : L.total), grads(stage >= 2 ? 0 : L.total, 0.0f);
+  // The gradient buffer the buckets are all-reduced in: loomMemAlloc memory,
+  // so that shared memory reduces straight out of it.
+  std::vector<float> params(stage == 3 ? S.total() : L.total);
+  LoomFloats grads(stage >= 2 ? 0 : L.total, !o.plainGrads);
   GradSync sync(comm, rank, nranks, L, o.sync, grads.empty() ? nullptr : grads.data());
   OptimizerState st;
   st.perArray = stage ? S.total() : L.total;
@@ -621,13 +630,13 @@ int runTraining(const Options& o, loomComm_t comm, const Checkpoint* restart, El
     double steps = double(std::max<uint64_t>(totSteps, 1));
     double stepMs = 1e3 * tmax[0] / steps;
     printf(
-        "summary: dataset=%s ranks=%d steps=%llu timed_steps=%llu global_batch=%d hook=%s zero=%d overlap=%d "
+        "summary: dataset=%s ranks=%d steps=%llu timed_steps=%llu global_batch=%d hook=%s zero=%d overlap=%d shared_grads=%d "
         "samples_per_s=%.1f step_ms=%.2f comm_wait_ms=%.2f compute_ms=%.2f comm_share=%.1f%% "
         "last_window_loss=%.4f test_accuracy=%.2f compression=%.1f prefetch=%d gather_wait_ms=%.2f "
         "params_mb=%.2f "
         "gathered_mb=%.2f grads_mb=%.2f optim_mb=%.2f model_state_mb=%.2f rss_mb=%.1f peak_rss_mb=%.1f\n",
         data.name.substr(0, data.name.find(' ')).c_str(), nranks, (unsigned long long)totalSteps,
-        (unsigned long long)totSteps, o.globalBatch, hookName(o.sync.hook), stage, int(o.sync.overlap),
+        (unsigned long long)totSteps, o.globalBatch, hookName(o.sync.hook), stage, int(o.sync.overlap), int(grads.shared()),
         totSteps ? o.globalBatch * steps / tmax[0] : 0.0, stepMs, 1e3 * t[0] / nranks / steps,
         1e3 * t[1] / nranks / steps, 100.0 * t[0] / std::max(t[0] + t[1], 1e-12), lastLoss, testAcc,
         double(L.total) / double(sync.wireFloats()), int(stage == 3 && o.prefetch),

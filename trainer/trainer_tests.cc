@@ -542,3 +542,18 @@ TEST_CASE("bad input: clear errors, no hang") {
   CHECK(r.out.find("not a loom-trainer checkpoint") != std::string::npos);
   std::remove(junk.c_str());
 }
+
+TEST_CASE("gradients in loomMemAlloc memory (the default) train like ordinary ones") {
+  // A bucket above 1 MiB (the zero-copy vote's floor): 784x512 floats.
+  const std::string args = "--synthetic --hidden 512 --global-batch 32 --steps 20 --bucket-mb 4 --first-bucket-mb 2 --no-eval";
+  Run shared = runTrainer(2, args);
+  INFO(shared.out);
+  REQUIRE(shared.code == 0);
+  CHECK(summaryValue(shared.out, "shared_grads") == 1);
+  Run plain = runTrainer(2, args + " --plain-grads");
+  REQUIRE(plain.code == 0);
+  CHECK(summaryValue(plain.out, "shared_grads") == 0);
+  std::vector<float> a = trainAndSave(2, args, "shared"), b = trainAndSave(2, args + " --plain-grads", "plain");
+  REQUIRE(a.size() == b.size());
+  CHECK(maxAbsDiff(a, b) <= kTolerance);
+}
