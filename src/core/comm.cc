@@ -488,6 +488,14 @@ void loomComm::setFailed(loomResult_t code, const std::string& msg, CtlType noti
 // stay loomInvalidUsage everywhere; anything else is remote to this rank.
 static loomResult_t inheritedCode(int code) { return code == loomInvalidUsage ? loomInvalidUsage : loomRemoteError; }
 
+// "rank 1: the communicator failed on rank 2: <rank 2's message>", without
+// rank 2's message repeating "rank 2: ".
+static std::string inheritedMessage(int rank, const CtlCause& c) {
+  std::string prefix = strf("rank %d: ", c.root);
+  std::string msg = c.msg.compare(0, prefix.size(), prefix) == 0 ? c.msg.substr(prefix.size()) : c.msg;
+  return strf("rank %d: the communicator failed on rank %d: %s", rank, c.root, msg.c_str());
+}
+
 loomResult_t loomComm::failOperation(const Error& e) {
   loomResult_t code = e.code();
   std::string msg = e.what();
@@ -504,7 +512,7 @@ loomResult_t loomComm::failOperation(const Error& e) {
       dead_.insert(peer);
     } else if (reach == Reach::Acked && from.code != loomSuccess && from.root >= 0) {
       code = inheritedCode(from.code);
-      msg = strf("rank %d: the communicator failed on rank %d: %s", rank_, from.root, from.msg.c_str());
+      msg = inheritedMessage(rank_, from);
     } else {
       from = CtlCause{};
     }
@@ -598,8 +606,7 @@ void loomComm::onNotice(const CtlMsg& m) {
   } else {
     CtlCause c;
     if (decodeCause(m.extra, nranks_, &c) && c.code != loomSuccess && c.root >= 0)
-      failFirst(inheritedCode(c.code), strf("rank %d: the communicator failed on rank %d: %s", rank_, c.root, c.msg.c_str()),
-                CtlType::Fail, c.root, c.msg);
+      failFirst(inheritedCode(c.code), inheritedMessage(rank_, c), CtlType::Fail, c.root, c.msg);
     else
       failFirst(loomRemoteError, strf("rank %d: the communicator failed on rank %d", rank_, m.from));
   }

@@ -8,6 +8,10 @@
 #   ibverbs_vm_test.sh BINDIR fault    rank 1 of 3 is killed (SIGKILL) during
 #                                      a 16 MiB all-reduce: ranks 0 and 2 get
 #                                      loomRemoteError naming rank 1
+#   ibverbs_vm_test.sh BINDIR shrink   kill -9 between operations (N = 4) and
+#                                      during a 4 MiB all-reduce (N = 3): every
+#                                      survivor shrinks to the same members and
+#                                      the new communicator's collectives are exact
 #   ibverbs_vm_test.sh BINDIR pingpong ibv_rc_pingpong on the rig (the rig works)
 set -euo pipefail
 BIN=$(cd "$1" && pwd)
@@ -61,11 +65,39 @@ case "$CASE" in
         { echo "FAIL: rank $r got code $code, not loomRemoteError"; exit 1; }
       [[ "$msg" == *"rank 1 "* ]] && named=$((named + 1))
     done
-    # The survivor that sees the death first names rank 1; the other may see
-    # that survivor's abort first and name it instead (a race: an abort does
-    # not carry its cause to the peers yet, on any transport).
-    ((named >= 1)) || { echo "FAIL: no survivor's error names rank 1"; exit 1; }
-    echo "fault over ibverbs: survivors got loomRemoteError, $named of 2 naming rank 1"
+    # A survivor that sees the other's abort first asks it why (the control
+    # socket's Why): both name rank 1.
+    ((named == 2)) || { echo "FAIL: only $named of 2 survivors' errors name rank 1"; exit 1; }
+    echo "fault over ibverbs: survivors got loomRemoteError, both naming rank 1"
+    ;;
+  shrink)
+    # mp-worker's shrink scenario checks exactness on each rank and writes
+    # "members|ms to error|ms in shrink|...|message" to DIR/rankR.
+    run_shrink() {  # MODE N VICTIM BYTES
+      local mode=$1 n=$2 victim=$3 bytes=$4 dir pids=() st=() want="" r
+      dir=$(mktemp -d)
+      for ((r = 0; r < n; ++r)); do
+        LOOM_RANK=$r LOOM_WORLD_SIZE=$n LOOM_ROOT_ADDR=127.0.0.1:29412 LOOM_SECRET=0123456789abcdef0123456789abcdef \
+          LOOM_TIMEOUT_MS=20000 "$BIN/mp-worker" shrink "$mode" "$victim" "$bytes" "$dir" &
+        pids+=($!)
+        ((r == victim)) || want+="${want:+,}$r"
+      done
+      for ((r = 0; r < n; ++r)); do
+        local s=0; wait "${pids[$r]}" || s=$?; st+=("$s")
+      done
+      echo "$mode N=$n victim $victim: exit statuses ${st[*]} (137 = SIGKILL)"
+      [[ "${st[$victim]}" == 137 ]] || { echo "FAIL: rank $victim was not killed"; exit 1; }
+      for ((r = 0; r < n; ++r)); do
+        ((r == victim)) && continue
+        local line; line=$(cat "$dir/rank$r" 2>/dev/null || true)
+        echo "  rank $r: $line"
+        [[ "${st[$r]}" == 0 ]] || { echo "FAIL: rank $r exited ${st[$r]}"; exit 1; }
+        [[ "${line%%|*}" == "$want" ]] || { echo "FAIL: rank $r ended with members '${line%%|*}', not $want"; exit 1; }
+      done
+    }
+    run_shrink between 4 1 $((1 << 20))
+    run_shrink allreduce 3 2 $((4 << 20))
+    echo "shrink over ibverbs: every survivor agreed and the new communicators are exact"
     ;;
   *) echo "unknown case $CASE"; exit 2 ;;
 esac
