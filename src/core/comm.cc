@@ -62,6 +62,10 @@ std::shared_ptr<loomComm> loomComm::create(const UniqueIdData& id, int nranks, i
 }
 
 loomComm::~loomComm() {
+  // A failed communicator's notices tell the peers why it failed: deliver
+  // the ones still under way before the control thread stops (a peer whose
+  // connection to us breaks asks us, and we may be gone by then).
+  if (asyncError() != loomSuccess) settleNotices(nowMs() + 1000);
   ctl_.reset();  // its thread may call into this communicator
   dumpUnregister(this);
   registrations_.clear();  // their transport handles, before the transports
@@ -516,6 +520,11 @@ loomResult_t loomComm::failOperation(const Error& e) {
     } else {
       from = CtlCause{};
     }
+    // No cause from the peer (it failed and exited, say: its Fail notice
+    // reached us before it exited, and may be with the control thread right
+    // now; or it has not failed): let what has arrived land, so that a
+    // notice's cause wins over this broken connection.
+    if (from.root < 0) ctl_->settleIncoming(nowMs() + 1000);
   }
   if (!failFirst(code, msg, CtlType::Fail, from.root, from.msg)) {
     // The communicator had failed already (a peer's notice, a revoke, another

@@ -242,6 +242,22 @@ void Control::waitQuiet(int64_t deadlineMs) {
                  [&] { return active_ == 0 || stop_; });
 }
 
+void Control::settleIncoming(int64_t deadlineMs) {
+  uint64_t target;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // Two passes: a connection accepted in one pass is read in the next.
+    target = passes_ + 2;
+    settleTarget_ = std::max(settleTarget_, target);
+  }
+  wake();
+  std::unique_lock<std::mutex> lock(mutex_);
+  cv_.wait_until(lock,
+                 std::chrono::steady_clock::now() +
+                     std::chrono::milliseconds(std::max<int64_t>(0, deadlineMs - nowMs())),
+                 [&] { return passes_ >= target || stop_; });
+}
+
 void Control::finish(const std::shared_ptr<Job>& job) {
   if (job->done) return;
   job->done = true;
@@ -388,6 +404,10 @@ void Control::loop() {
     int64_t now = nowMs();
     // Idle: sleep until a connection or a wake-up (no periodic wake-ups).
     int timeout = outs.empty() && ins.empty() ? -1 : 100;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (settleTarget_ > passes_) timeout = 0;  // settleIncoming waits for passes
+    }
     for (const Out& o : outs)
       timeout = int(std::max<int64_t>(0, std::min<int64_t>(timeout, o.job->deadline - now)));
     pfds.clear();
@@ -464,6 +484,11 @@ void Control::loop() {
         keptIns.push_back(std::move(in));
     }
     ins.swap(keptIns);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++passes_;
+      cv_.notify_all();
+    }
     // Outgoing messages.
     std::vector<Out> keptOuts;
     size_t base = pfds.size() - outs.size();

@@ -95,6 +95,9 @@ class Control {
                       std::function<void(const std::vector<Reach>&)> done);
   // Until every broadcast issued so far has finished, or deadlineMs.
   void waitQuiet(int64_t deadlineMs);
+  // Until the control thread has handled every message it had received
+  // when called (so their notices have run), or deadlineMs.
+  void settleIncoming(int64_t deadlineMs);
 
   // ---- shrink: blocking point-to-point messages on connections of its own ----
   // The oldest Join connection received (the caller owns *fd), or false at deadlineMs.
@@ -132,6 +135,8 @@ class Control {
   bool stop_ = false;
   std::deque<std::shared_ptr<Job>> newJobs_;
   int active_ = 0;  // broadcasts issued and not finished
+  uint64_t passes_ = 0;  // passes of the loop over incoming messages completed
+  uint64_t settleTarget_ = 0;  // settleIncoming waits until passes_ reaches it
   std::deque<std::pair<int, CtlMsg>> joins_;
 };
 

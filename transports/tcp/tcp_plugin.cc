@@ -129,15 +129,18 @@ class TcpTransport : public Transport {
                    "rank %d: rank %d closed its tcp connection (channel %d) while %s waited for it", env_.rank, key.first, kv.first.second, host.runningOp().c_str());
       }
       host.noteWaiting(key.first);
-      if (acceptOne(std::min(deadline, nowMs() + 100)) < 0 && nowMs() >= deadline)
+      if (acceptOne(std::min(deadline, nowMs() + 100), deadline) < 0 && nowMs() >= deadline)
         fail(loomTimeout, "rank %d: %s made no progress for %lld ms waiting for rank %d (to open its tcp connection, channel %d)",
              env_.rank, host.runningOp().c_str(), (long long)env_.timeoutMs, key.first, key.second);
     }
   }
 
-  // -1: nothing arrived before the deadline; 0: dropped; 1: kept.
-  int acceptOne(int64_t deadline) {
-    int fd = acceptUntil(listenFd_, deadline);
+  // -1: nothing arrived before acceptDeadline; 0: dropped; 1: kept.  The
+  // hello may take until 2 s after the accept (or `deadline`): a slice of
+  // the caller's polling (100 ms) is too short on a loaded host, where the
+  // dialer can lose the CPU between its connect and its hello.
+  int acceptOne(int64_t acceptDeadline, int64_t deadline) {
+    int fd = acceptUntil(listenFd_, acceptDeadline);
     if (fd < 0) return -1;
     TcpHello h{};
     try {
