@@ -9,7 +9,8 @@
 // and on two, ops back to back with one synchronisation at the end, both
 // all-reduce programs; the host thread returning before the work runs;
 // buffer errors; the import cache's refcounts and address reuse; a dead
-// rank -> an error, not a hang.
+// rank -> an error, not a hang; and the C API's CUDA-communicator path
+// (LOOM_DEVICE=cuda with the simulated device's drivers).
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -24,8 +25,11 @@
 #include <thread>
 #include <vector>
 
+#include "loom.h"
+#include "src/core/config.h"
 #include "src/core/error.h"
 #include "src/device/device.h"
+#include "src/device/device_choice.h"
 #include "src/device/device_comm.h"
 #include "src/device/host_reduce.h"
 #include "tests/sim_device.h"
@@ -633,4 +637,114 @@ TEST_CASE("IPC import cache: one open per (rank, base), offsets applied, kept wh
     cache.release(0, own);
   }
   CHECK(mem.openMappings() == 0);  // the cache closed every mapping it opened
+}
+
+namespace {
+
+struct DeviceEnv {  // LOOM_DEVICE=cuda with simulated drivers, undone on scope exit
+  DeviceEnv(SimMemory& mem, loomsim::SimDeviceWorld& world) {
+    loom::setDeviceDriverFactoryForTesting(
+        [&mem, &world](int r, int) { return std::make_unique<SimDriver>(mem, &world, r, 0); });
+    setenv("LOOM_DEVICE", "cuda", 1);
+    loom::configReload();
+  }
+  ~DeviceEnv() {
+    unsetenv("LOOM_DEVICE");
+    loom::configReload();
+    loom::setDeviceDriverFactoryForTesting(nullptr);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("CUDA communicator through the C API (LOOM_DEVICE=cuda, simulated device): collectives are enqueued on "
+          "the caller's stream and exact after it synchronises; host memory, loom streams, groups and calls the "
+          "device path does not serve are clear errors",
+          "[devcomm][api]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(2, 1, 256);
+  DeviceEnv env(mem, world);
+  loomUniqueId id;
+  REQUIRE(loomGetUniqueId(&id) == loomSuccess);
+  loomComm_t comms[2] = {nullptr, nullptr};
+  loomResult_t rcs[2];
+  std::string errs[2];
+  {
+    std::vector<std::thread> ts;
+    for (int r = 0; r < 2; ++r)
+      ts.emplace_back([&, r] {
+        rcs[r] = loomCommInitRank(&comms[r], 2, id, r);
+        errs[r] = loomGetLastError(nullptr);
+      });
+    for (auto& t : ts) t.join();
+  }
+  INFO(errs[0] << " / " << errs[1]);
+  REQUIRE(rcs[0] == loomSuccess);
+  REQUIRE(rcs[1] == loomSuccess);
+  auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));  // a cudaStream_t: never dereferenced
+
+  // One-shot (small) and reduce-scatter + all-gather (large) all-reduces,
+  // and an all-gather, back to back; results only after synchronising.
+  const size_t counts[] = {1000, 200000};
+  std::vector<int32_t*> send, recv;
+  for (size_t n : counts)
+    for (int r = 0; r < 2; ++r) {
+      auto* s = reinterpret_cast<int32_t*>(mem.alloc(0, n * 4));
+      auto* d = reinterpret_cast<int32_t*>(mem.alloc(0, n * 4));
+      for (size_t i = 0; i < n; ++i) s[i] = int32_t(i * 7 + size_t(r) * 1000003), d[i] = -1;
+      send.push_back(s);
+      recv.push_back(d);
+    }
+  auto* agIn = reinterpret_cast<int32_t*>(mem.alloc(0, 2 * 64 * 4));
+  auto* agOut = reinterpret_cast<int32_t*>(mem.alloc(0, 2 * 2 * 64 * 4));
+  for (int i = 0; i < 2 * 64; ++i) agIn[i] = i;
+  for (int k = 0; k < 2; ++k)
+    for (int r = 0; r < 2; ++r)
+      CHECK(loomAllReduce(send[size_t(2 * k + r)], recv[size_t(2 * k + r)], counts[k], loomInt32, loomSum, comms[r],
+                          k ? fakeStream : nullptr) == loomSuccess);
+  for (int r = 0; r < 2; ++r)
+    CHECK(loomAllGather(agIn + 64 * r, agOut + 128 * r, 64, loomInt32, comms[r], fakeStream) == loomSuccess);
+  for (int r = 0; r < 2; ++r) {
+    std::string msg;
+    REQUIRE(world.rank(r).synchronize(&msg) == loomSuccess);
+  }
+  for (int k = 0; k < 2; ++k) {
+    long wrong = 0;
+    for (int r = 0; r < 2; ++r)
+      for (size_t i = 0; i < counts[k]; ++i)
+        wrong += recv[size_t(2 * k + r)][i] != int32_t(uint32_t(send[size_t(2 * k)][i]) + uint32_t(send[size_t(2 * k + 1)][i]));
+    CHECK(wrong == 0);
+  }
+  for (int r = 0; r < 2; ++r)
+    for (int i = 0; i < 128; ++i) CHECK(agOut[128 * r + i] == i);
+
+  // Errors, each with its message.
+  std::vector<float> host(16);
+  float* dev = reinterpret_cast<float*>(mem.alloc(0, 64));
+  CHECK(loomAllReduce(host.data(), dev, 16, loomFloat32, loomSum, comms[0], fakeStream) == loomInvalidArgument);
+  CHECK(std::string(loomGetLastError(comms[0])).find("sendbuff") != std::string::npos);
+  CHECK(std::string(loomGetLastError(comms[0])).find("is host memory, but this communicator runs on sim:0") !=
+        std::string::npos);
+  loomStream_t hs;
+  REQUIRE(loomStreamCreate(&hs) == loomSuccess);
+  CHECK(loomAllReduce(dev, dev, 16, loomFloat32, loomSum, comms[0], hs) == loomInvalidArgument);
+  CHECK(std::string(loomGetLastError(comms[0])).find("is a loom host stream, but this communicator runs on CUDA") !=
+        std::string::npos);
+  CHECK(loomStreamDestroy(hs) == loomSuccess);
+  CHECK(loomSend(dev, 16, loomFloat32, 1, comms[0], fakeStream) == loomInvalidUsage);
+  CHECK(std::string(loomGetLastError(comms[0])).find("Send/Recv is not implemented on sim communicators yet") !=
+        std::string::npos);
+  size_t cnt[2] = {1, 1}, dis[2] = {0, 1};
+  CHECK(loomAllToAllv(dev, cnt, dis, dev + 4, cnt, dis, loomFloat32, comms[0], fakeStream) == loomInvalidUsage);
+  CHECK(std::string(loomGetLastError(comms[0])).find("not implemented on CUDA communicators yet") !=
+        std::string::npos);
+  REQUIRE(loomGroupStart() == loomSuccess);
+  CHECK(loomAllReduce(dev, dev, 16, loomFloat32, loomSum, comms[0], fakeStream) == loomInvalidUsage);
+  CHECK(std::string(loomGetLastError(comms[0])).find("groups") != std::string::npos);
+  loomGroupEnd();  // reports the member's error; nothing was launched
+  for (int r = 0; r < 2; ++r) {
+    std::string msg;
+    CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
+    CHECK(loomCommDestroy(comms[r]) == loomSuccess);
+  }
 }

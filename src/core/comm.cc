@@ -181,14 +181,14 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
   if (!cfg.trace.empty()) tracer_ = std::make_unique<Tracer>(cfg.trace, rank, nranks);
   if (deviceChoice.cuda) {
     device_ = std::make_unique<DeviceComm>(
-        rank, nranks, cudaDeviceDriver(deviceChoice.device),
+        rank, nranks, deviceDriverFor(deviceChoice, rank, nranks),
         [&boot](const void* m, size_t bytes, void* all) {
           std::vector<uint8_t> v = boot.allGather(m, bytes);
           memcpy(all, v.data(), v.size());
         },
         DeviceCommOptions{kDeviceSlotBytes, kDeviceOneShotBytes, int32_t(getpid())});
-    LOOM_INFO("INIT", "rank %d: CUDA communicator on cuda:%d, windows of 2 x %zu B", rank, deviceChoice.device,
-              kDeviceSlotBytes);
+    LOOM_INFO("INIT", "rank %d: device communicator on %s:%d, windows of 2 x %zu B", rank, device_->deviceName(),
+              device_->device(), kDeviceSlotBytes);
   }
   LOOM_INFO("INIT", "rank %d of %d ready: host %s, %d local peers, slots %u x %u B, transports %s", rank, nranks,
             mine.hostId, local, root.slots, root.slotBytes, transportSpec_.c_str());

@@ -1,6 +1,7 @@
 // LOOM_DEVICE at communicator init (device_choice.h).
 #include "src/device/device_choice.h"
 
+#include <mutex>
 #include <string>
 
 #include "src/core/config.h"
@@ -9,6 +10,23 @@
 #include "src/device/cuda_loader.h"
 
 namespace loom {
+
+namespace {
+
+std::mutex g_factoryMu;
+DeviceDriverFactory g_factory;  // tests' simulated device
+
+bool haveTestFactory() {
+  std::lock_guard<std::mutex> g(g_factoryMu);
+  return bool(g_factory);
+}
+
+}  // namespace
+
+void setDeviceDriverFactoryForTesting(DeviceDriverFactory factory) {
+  std::lock_guard<std::mutex> g(g_factoryMu);
+  g_factory = std::move(factory);
+}
 
 DeviceChoice checkDeviceChoice() {
   // Loads the CUDA plug-in now (about 0.3 ms on the dev VM), not in the
@@ -19,6 +37,11 @@ DeviceChoice checkDeviceChoice() {
   DeviceChoice c;
   if (d.empty() || d == "host") return c;
   if (d != "cuda") fail(loomInvalidUsage, "LOOM_DEVICE=%s: expected host or cuda", d.c_str());
+  if (haveTestFactory()) {
+    c.cuda = true;
+    c.device = 0;
+    return c;
+  }
   if (devices == 0)
     fail(loomInvalidUsage, "LOOM_DEVICE=cuda, but this process has no usable CUDA device: %s", why.c_str());
   const CudaApi* api = cudaPlugin(&why);
@@ -33,11 +56,15 @@ DeviceChoice checkDeviceChoice() {
   return c;
 }
 
-std::unique_ptr<DeviceDriver> cudaDeviceDriver(int device) {
+std::unique_ptr<DeviceDriver> deviceDriverFor(const DeviceChoice& choice, int rank, int nranks) {
+  {
+    std::lock_guard<std::mutex> g(g_factoryMu);
+    if (g_factory) return g_factory(rank, nranks);
+  }
   std::string why;
   const CudaApi* api = cudaPlugin(&why);
   if (!api) fail(loomInvalidUsage, "no CUDA plug-in: %s", why.c_str());
-  return makeCudaDeviceDriver(*api, device);
+  return makeCudaDeviceDriver(*api, choice.device);
 }
 
 }  // namespace loom

@@ -1,5 +1,6 @@
 // Which device a new communicator runs on (LOOM_DEVICE).
 #pragma once
+#include <functional>
 #include <memory>
 
 namespace loom {
@@ -18,7 +19,15 @@ struct DeviceChoice {
 // zero devices).  Also loads the CUDA plug-in, if there is one.
 DeviceChoice checkDeviceChoice();
 
-// The CUDA driver of a CUDA communicator on `device` (choice.cuda).
-std::unique_ptr<DeviceDriver> cudaDeviceDriver(int device);
+// The driver of rank `rank`'s device communicator (choice.cuda): CUDA's,
+// on choice.device.
+std::unique_ptr<DeviceDriver> deviceDriverFor(const DeviceChoice& choice, int rank, int nranks);
+
+// Tests only: with a factory set, LOOM_DEVICE=cuda needs no CUDA device and
+// communicators get the factory's drivers (the simulated device), so the
+// API's CUDA-communicator path runs on machines without a GPU.  An empty
+// function restores CUDA.
+using DeviceDriverFactory = std::function<std::unique_ptr<DeviceDriver>(int rank, int nranks)>;
+void setDeviceDriverFactoryForTesting(DeviceDriverFactory factory);
 
 }  // namespace loom
