@@ -67,6 +67,7 @@ const loom::CudaApi kRecording = {
     },
     // The communicator's resources: the backend never calls them.
     nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+    nullptr,
 };
 
 void* handle(uintptr_t v) { return reinterpret_cast<void*>(v); }

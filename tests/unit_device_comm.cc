@@ -48,6 +48,7 @@ class SimMemory {
       munmap(base, a.bytes);
       close(a.fd);
     }
+    for (auto& [base, bytes] : freed_) munmap(base, bytes);
   }
   uint8_t* alloc(int device, size_t bytes) {
     int fd = memfd_create("loom-sim-device", MFD_CLOEXEC);
@@ -63,7 +64,10 @@ class SimMemory {
     std::lock_guard<std::mutex> g(mu_);
     auto it = allocs_.find(static_cast<uint8_t*>(p));
     if (it == allocs_.end()) loom::fail(loomInvalidArgument, "sim free of %p: not an allocation base", p);
-    munmap(it->first, it->second.bytes);
+    // Freed memory stays mapped (not reused) until the SimMemory goes: a
+    // peer destroying its communicator later may still read the flags in
+    // it, which on a GPU is memory CUDA keeps while it is mapped.
+    freed_.emplace_back(it->first, it->second.bytes);
     close(it->second.fd);
     allocs_.erase(it);
   }
@@ -96,7 +100,7 @@ class SimMemory {
       if (a.serial == serial) {
         void* p = mmap(nullptr, a.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, a.fd, 0);
         REQUIRE(p != MAP_FAILED);
-        mappings_[static_cast<uint8_t*>(p)] = base;
+        mappings_[static_cast<uint8_t*>(p)] = {base, a.bytes};
         ++opens_;
         return p;
       }
@@ -106,7 +110,7 @@ class SimMemory {
     std::lock_guard<std::mutex> g(mu_);
     auto it = mappings_.find(static_cast<uint8_t*>(p));
     if (it == mappings_.end()) loom::fail(loomUnhandledCudaError, "sim: close of %p: not a mapping", p);
-    munmap(p, allocBytesOf(it->second));
+    munmap(p, it->second.second);
     mappings_.erase(it);
     ++closes_;
   }
@@ -124,10 +128,6 @@ class SimMemory {
     int fd;
     uint64_t serial;
   };
-  size_t allocBytesOf(uint8_t* base) const {
-    auto it = allocs_.find(base);
-    return it == allocs_.end() ? 0 : it->second.bytes;
-  }
   // The allocation p lies in, directly or through a mapping (*base: the
   // start of whichever it is in).
   const Alloc* find(const void* p, uint8_t** base) const {
@@ -137,8 +137,8 @@ class SimMemory {
         if (base) *base = b;
         return &a;
       }
-    for (auto& [m, b] : mappings_) {
-      auto it = allocs_.find(b);
+    for (auto& [m, bb] : mappings_) {
+      auto it = allocs_.find(bb.first);
       if (it != allocs_.end() && q >= m && q < m + it->second.bytes) {
         if (base) *base = m;
         return &it->second;
@@ -148,7 +148,8 @@ class SimMemory {
   }
   mutable std::mutex mu_;
   std::map<uint8_t*, Alloc> allocs_;
-  std::map<uint8_t*, uint8_t*> mappings_;  // mapping -> allocation base
+  std::map<uint8_t*, std::pair<uint8_t*, size_t>> mappings_;  // mapping -> (allocation base, bytes)
+  std::vector<std::pair<uint8_t*, size_t>> freed_;
   uint64_t serial_ = 0;
   int opens_ = 0, closes_ = 0;
 };
@@ -173,6 +174,9 @@ class SimDriver final : public loom::DeviceDriver {
     REQUIRE(streams <= 2);
     REQUIRE(events <= 8);
     return world_->rank(rank_);
+  }
+  uint64_t readFlag(const uint64_t* flag) override {
+    return reinterpret_cast<const std::atomic<uint64_t>*>(flag)->load(std::memory_order_acquire);
   }
 
  private:
@@ -471,6 +475,10 @@ TEST_CASE("device communicator (simulated device): run() returns before the work
   std::mt19937_64 rng(9);
   Prepared p = prepare(s, {Collective::AllReduce, loomInt32, loomSum, 1000, 0, false}, rng);
   std::atomic<bool> open{false};
+  struct Opener {  // a failed REQUIRE must not leave the streams blocked
+    std::atomic<bool>& o;
+    ~Opener() { o.store(true); }
+  } opener{open};
   // The caller's own "kernel" on its stream: blocks until released, then
   // writes the input the collective must read (order: it runs first).
   std::vector<std::vector<uint8_t>> later(2);
@@ -567,6 +575,7 @@ TEST_CASE("device communicator (simulated device): a dead rank makes the others 
   so.deadlineMs = 3000;
   loom::DeviceCommOptions opts;
   opts.slotBytes = 1024;
+  opts.drainTimeoutMs = 200;  // destroying waits this long for the dead rank
   SimComms s(3, 1, opts, true, so);
   std::mt19937_64 rng(4);
   Prepared p = prepare(s, {Collective::AllReduce, loomFloat32, loomSum, 100, 0, false}, rng);
@@ -576,6 +585,43 @@ TEST_CASE("device communicator (simulated device): a dead rank makes the others 
     std::string msg;
     CHECK(s.world.rank(r).synchronize(&msg) == loomRemoteError);
   }
+}
+
+TEST_CASE("device communicator (simulated device): destroying a rank waits until the peers finished reading "
+          "its window",
+          "[devcomm]") {
+  loom::DeviceCommOptions opts;
+  opts.slotBytes = 1024;
+  SimComms s(2, 2, opts);
+  std::mt19937_64 rng(6);
+  // A broadcast from rank 0: rank 0's program ends without waiting for
+  // rank 1, whose stream is held back by the caller's own work.  One round
+  // (800 bytes): a second would wait for rank 1's done flag of the first.
+  Prepared p = prepare(s, {Collective::Broadcast, loomInt32, loomSum, 200, 0, false}, rng);
+  std::atomic<bool> open{false};
+  struct Opener {  // a failed REQUIRE must not leave rank 1's stream blocked
+    std::atomic<bool>& o;
+    ~Opener() { o.store(true); }
+  } opener{open};
+  s.world.rank(1).enqueueWork(0, [&open] {
+    while (!open.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  for (int r = 0; r < 2; ++r) issue(s, p, r);
+  std::string msg;
+  const loomResult_t rc0 = s.world.rank(0).synchronize(&msg);
+  INFO(msg);
+  REQUIRE(rc0 == loomSuccess);
+  std::atomic<bool> destroyed{false};
+  std::thread t([&] {
+    s.comms[0].reset();
+    destroyed.store(true);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK(!destroyed.load());  // rank 1 has not read rank 0's window yet
+  open.store(true);
+  t.join();
+  REQUIRE(s.world.rank(1).synchronize(&msg) == loomSuccess);
+  CHECK(verify(p, 2).empty());
 }
 
 TEST_CASE("IPC import cache: one open per (rank, base), offsets applied, kept while referenced, reopened when the "

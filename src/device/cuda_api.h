@@ -56,6 +56,9 @@ struct CudaApi {
   int (*streamDestroy)(void* stream);
   int (*eventCreate)(void** event);  // cudaEventCreateWithFlags(cudaEventDisableTiming)
   int (*eventDestroy)(void* event);
+  // *value = *addr (device memory), through `stream`, waiting for it
+  // (cudaMemcpyAsync + cudaStreamSynchronize).
+  int (*readValue64)(const uint64_t* addr, uint64_t* value, void* stream);
 };
 
 constexpr int kCudaApiVersion = 2;

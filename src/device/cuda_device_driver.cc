@@ -14,6 +14,7 @@ class CudaDeviceDriver final : public DeviceDriver {
  public:
   CudaDeviceDriver(const CudaApi& api, int device) : api_(api), device_(device) {}
   ~CudaDeviceDriver() override {
+    if (readStream_) api_.streamDestroy(readStream_);
     for (void* e : events_) api_.eventDestroy(e);
     for (void* s : streams_) api_.streamDestroy(s);
   }
@@ -61,6 +62,12 @@ class CudaDeviceDriver final : public DeviceDriver {
     backend_ = std::make_unique<CudaStreamBackend>(api_, std::move(all), events_);
     return *backend_;
   }
+  uint64_t readFlag(const uint64_t* flag) override {
+    if (!readStream_) check(api_.streamCreate(&readStream_), "cudaStreamCreateWithFlags");
+    uint64_t v = 0;
+    check(api_.readValue64(flag, &v, readStream_), "cudaMemcpyAsync (flag)");
+    return v;
+  }
 
  private:
   void check(int rc, const char* call) const {
@@ -70,6 +77,7 @@ class CudaDeviceDriver final : public DeviceDriver {
 
   const CudaApi& api_;
   int device_;
+  void* readStream_ = nullptr;  // readFlag's
   std::vector<void*> streams_;  // side streams (program streams 1..)
   std::vector<void*> events_;
   std::unique_ptr<CudaStreamBackend> backend_;

@@ -2,9 +2,13 @@
 // IPC records and an import cache, and collectives as stream programs.
 #include "src/device/device_comm.h"
 
+#include <chrono>
 #include <cstring>
+#include <thread>
 
+#include "src/core/clock.h"
 #include "src/core/error.h"
+#include "src/core/log.h"
 #include "src/device/host_reduce.h"  // dtypeSize
 
 namespace loom {
@@ -100,6 +104,7 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
       nranks_(nranks),
       slotBytes_(options.slotBytes),
       oneShotBytes_(options.oneShotBytes),
+      drainTimeoutMs_(options.drainTimeoutMs),
       driver_(std::move(driver)) {
   const int32_t pid = options.pid;
   if (slotBytes_ < 256 || slotBytes_ % 256)
@@ -129,11 +134,32 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
   }
 }
 
+bool DeviceComm::drain() {
+  const int64_t deadline = nowMs() + drainTimeoutMs_;
+  std::lock_guard<std::mutex> g(mu_);
+  if (round_ == 0) return true;
+  for (int r = 0; r < nranks_; ++r) {
+    if (r == rank_) continue;
+    // Round g's done value is g + 1: the last round is round_ - 1.
+    while (driver_->readFlag(flags_[size_t(r)] + kFlagDone) < round_) {
+      if (nowMs() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+  return true;
+}
+
 DeviceComm::~DeviceComm() {
-  // The caller synchronised its streams (as NCCL requires before
-  // ncclCommDestroy); peers may still be mapped to this block until they
-  // destroy theirs, which CUDA allows (the memory lives until every mapping
-  // is closed).
+  // The caller synchronised its own streams (as NCCL requires before
+  // ncclCommDestroy), but a peer may still be reading this rank's window
+  // for the last round: wait for it before the block is freed.
+  try {
+    if (!drain())
+      LOOM_WARN("DEVICE", "rank %d: peers did not finish reading this rank's window within %lld ms; freeing it",
+                rank_, (long long)drainTimeoutMs_);
+  } catch (const Error& e) {
+    LOOM_WARN("DEVICE", "rank %d: reading the peers' flags failed: %s", rank_, e.what());
+  }
   for (int r = 0; r < int(windows_.size()); ++r)
     if (r != rank_) imports_->release(r, records_[size_t(r)]);
   imports_.reset();

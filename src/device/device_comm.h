@@ -76,6 +76,9 @@ class DeviceDriver {
   // stream 0) and the driver's side streams and events (streams 1..,
   // events 0..): at least `streams` streams and `events` events.
   virtual StreamBackend& backend(void* callerStream, int streams, int events) = 0;
+  // A flag's value now (device memory of any rank, as mapped here), read
+  // from the host.
+  virtual uint64_t readFlag(const uint64_t* flag) = 0;
 };
 
 // Peers' device allocations mapped here, keyed by (rank, the owner's base
@@ -120,6 +123,9 @@ struct DeviceCommOptions {
   size_t slotBytes = kDeviceSlotBytes;        // every rank must use the same
   size_t oneShotBytes = kDeviceOneShotBytes;  // all-reduce: one-shot up to this size
   int32_t pid = 0;                            // this process (IpcRecord::pid)
+  // At destruction, how long to wait for the peers to finish reading this
+  // rank's window before freeing it (a dead peer never does).
+  int64_t drainTimeoutMs = 10000;
 };
 
 class DeviceComm {
@@ -157,9 +163,13 @@ class DeviceComm {
 
  private:
   void checkBuffer(const char* what, const void* p) const;
+  // Waits until every peer's done flag shows it finished the last round
+  // (so none reads this rank's window any more); false at the deadline.
+  bool drain();
 
   int rank_, nranks_;
   size_t slotBytes_, oneShotBytes_;
+  int64_t drainTimeoutMs_;
   std::unique_ptr<DeviceDriver> driver_;
   std::unique_ptr<IpcImportCache> imports_;
   void* block_ = nullptr;

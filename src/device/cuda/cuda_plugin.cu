@@ -174,10 +174,18 @@ int eventCreate(void** event) {
 
 int eventDestroy(void* event) { return int(cudaEventDestroy(static_cast<cudaEvent_t>(event))); }
 
+int readValue64(const uint64_t* addr, uint64_t* value, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  cudaError_t rc = cudaMemcpyAsync(value, addr, sizeof *value, cudaMemcpyDefault, s);
+  if (rc == cudaSuccess) rc = cudaStreamSynchronize(s);
+  return int(rc);
+}
+
 const CudaApi kApi = {kCudaApiVersion, waitValue64,     writeValue64,   memcpyAsync,    launchReduce,  launchDivide,
                       eventRecord,     streamWaitEvent, errorString,    deviceCount,    pointerDevice, getDevice,
                       setDevice,       mallocZeroed,    freeMem,        addressRange,   ipcGetHandle,  ipcOpenHandle,
-                      ipcCloseHandle,  streamCreate,    streamDestroy,  eventCreate,    eventDestroy};
+                      ipcCloseHandle,  streamCreate,    streamDestroy,  eventCreate,    eventDestroy,
+                      readValue64};
 
 }  // namespace
 }  // namespace cuda
