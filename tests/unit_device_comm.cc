@@ -169,8 +169,10 @@ class SimDriver final : public loom::DeviceDriver {
   void exportHandle(void* base, uint8_t h[loom::kIpcHandleBytes]) const override { mem_.handle(base, h); }
   void* openHandle(const uint8_t h[loom::kIpcHandleBytes]) override { return mem_.open(h); }
   void closeHandle(void* mapped) override { mem_.closeMapping(mapped); }
+  std::atomic<bool> failLaunch{false};  // backend() fails as a CUDA launch would
   loom::StreamBackend& backend(void* callerStream, int streams, int events) override {
     (void)callerStream;
+    if (failLaunch.load()) loom::fail(loomUnhandledCudaError, "sim: cuStreamWaitValue64 failed: device lost");
     REQUIRE(streams <= 2);
     REQUIRE(events <= 8);
     return world_->rank(rank_);
@@ -222,12 +224,13 @@ struct SimComms {
   SimMemory mem;
   loomsim::SimDeviceWorld world;
   std::vector<std::unique_ptr<loom::DeviceComm>> comms;
+  std::vector<SimDriver*> drivers;  // owned by comms
   std::vector<std::string> initErrors;
   int gpus;
 
   SimComms(int n, int gpus_, loom::DeviceCommOptions opts, bool distinctPids = true,
            loomsim::SimDeviceOptions simOpts = {}, std::vector<size_t> slotPerRank = {})
-      : world(n, gpus_, 256, simOpts), comms(size_t(n)), initErrors(size_t(n)), gpus(gpus_) {
+      : world(n, gpus_, 256, simOpts), comms(size_t(n)), drivers(size_t(n)), initErrors(size_t(n)), gpus(gpus_) {
     ThreadExchange ex(n);
     std::vector<std::thread> ts;
     for (int r = 0; r < n; ++r)
@@ -235,9 +238,11 @@ struct SimComms {
         loom::DeviceCommOptions o = opts;
         if (distinctPids) o.pid = 1000 + r;
         if (!slotPerRank.empty()) o.slotBytes = slotPerRank[size_t(r)];
+        auto driver = std::make_unique<SimDriver>(mem, &world, r, r % gpus_);
+        drivers[size_t(r)] = driver.get();
         try {
           comms[size_t(r)] = std::make_unique<loom::DeviceComm>(
-              r, n, std::make_unique<SimDriver>(mem, &world, r, r % gpus_),
+              r, n, std::move(driver),
               [&ex, r](const void* m, size_t b, void* all) { ex.allGather(r, m, b, all); }, o);
         } catch (const loom::Error& e) {
           initErrors[size_t(r)] = e.what();
@@ -557,6 +562,31 @@ TEST_CASE("device communicator (simulated device): host memory, another device's
   for (int r = 0; r < 2; ++r) issue(s, p, r);
   REQUIRE(syncAll(s).empty());
   CHECK(verify(p, 2).empty());
+}
+
+TEST_CASE("device communicator (simulated device): a device error while enqueueing fails the communicator for "
+          "good, with the device's message",
+          "[devcomm]") {
+  SimComms s(1, 1, {});
+  std::mt19937_64 rng(8);
+  Prepared p = prepare(s, {Collective::AllReduce, loomFloat32, loomSum, 64, 0, false}, rng);
+  s.drivers[0]->failLaunch = true;
+  try {
+    issue(s, p, 0);
+    FAIL("no error");
+  } catch (const loom::Error& e) {
+    CHECK(e.code() == loomUnhandledCudaError);
+    CHECK(std::string(e.what()).find("device lost") != std::string::npos);
+  }
+  CHECK(s.comms[0]->failed());
+  s.drivers[0]->failLaunch = false;
+  try {
+    issue(s, p, 0);
+    FAIL("a failed communicator ran an operation");
+  } catch (const loom::Error& e) {
+    CHECK(e.code() == loomUnhandledCudaError);
+    CHECK(std::string(e.what()).find("the sim communicator has failed") != std::string::npos);
+  }
 }
 
 TEST_CASE("device communicator (simulated device): ranks with different slot sizes fail init on every rank",

@@ -222,7 +222,14 @@ loomResult_t runOnDevice(loomComm* comm, loomStream_t stream, const OpDesc& op) 
   void* cs = cudaStreamOf(stream);
   loomResult_t prior = comm->asyncError();
   if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->lastError().c_str());
-  comm->deviceComm()->run(op, cs);
+  try {
+    comm->deviceComm()->run(op, cs);
+  } catch (const Error& e) {
+    // An enqueue that failed half-way: the peers' rounds no longer agree
+    // with this rank's, so the whole communicator has failed.
+    if (comm->deviceComm()->failed()) comm->setFailed(e.code(), e.what());
+    throw;
+  }
   return loomSuccess;
 }
 

@@ -62,6 +62,15 @@ class CudaDeviceDriver final : public DeviceDriver {
     backend_ = std::make_unique<CudaStreamBackend>(api_, std::move(all), events_);
     return *backend_;
   }
+  int enter() override {
+    int current = -1;
+    check(api_.getDevice(&current), "cudaGetDevice");
+    if (current != device_) check(api_.setDevice(device_), "cudaSetDevice");
+    return current;
+  }
+  void leave(int previous) override {
+    if (previous >= 0 && previous != device_) api_.setDevice(previous);  // best effort: the work is enqueued
+  }
   uint64_t readFlag(const uint64_t* flag) override {
     if (!readStream_) check(api_.streamCreate(&readStream_), "cudaStreamCreateWithFlags");
     uint64_t v = 0;

@@ -182,6 +182,11 @@ bool DeviceComm::serves(Collective coll) {
   }
 }
 
+bool DeviceComm::failed() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return failCode_ != loomSuccess;
+}
+
 uint64_t DeviceComm::round() const {
   std::lock_guard<std::mutex> g(mu_);
   return round_;
@@ -230,6 +235,11 @@ void DeviceComm::run(const OpDesc& op, void* callerStream) {
   b.windows = windows_;
   b.windowBytes = streamWindowBytes(slotBytes_);
   b.flags = flags_;
+  struct Current {  // the driver's device for the calls below, the caller's again after
+    DeviceDriver& d;
+    int previous;
+    ~Current() { d.leave(previous); }
+  } current{*driver_, driver_->enter()};
   try {
     round_ = round;  // the peers advance theirs whatever happens here
     if (p.ops.empty()) return;

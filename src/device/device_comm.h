@@ -79,6 +79,11 @@ class DeviceDriver {
   // A flag's value now (device memory of any rank, as mapped here), read
   // from the host.
   virtual uint64_t readFlag(const uint64_t* flag) = 0;
+  // Makes this device the calling thread's current one for the calls that
+  // follow and returns what to give leave() to restore the caller's (CUDA:
+  // the current device, as NCCL switches and restores it).
+  virtual int enter() { return 0; }
+  virtual void leave(int previous) { (void)previous; }
 };
 
 // Peers' device allocations mapped here, keyed by (rank, the owner's base
@@ -159,6 +164,8 @@ class DeviceComm {
     return bytes <= oneShotBytes_ ? StreamAlgorithm::OneShot : StreamAlgorithm::ReduceScatterAllGather;
   }
   uint64_t round() const;  // the round counter (tests)
+  // Whether an enqueue failed (every later run() then fails).
+  bool failed() const;
   const IpcImportCache& imports() const { return *imports_; }
 
  private:
