@@ -218,7 +218,7 @@ class ThreadExchange {
 };
 
 // N ranks as threads of this process, each with its DeviceComm on the
-// simulated device r % gpus.  distinctPids: each rank poses as its own
+// simulated device r % gpus.  distinctProcesses: each rank poses as its own
 // process, so peers' windows go through handles (mapped again here).
 struct SimComms {
   SimMemory mem;
@@ -228,7 +228,7 @@ struct SimComms {
   std::vector<std::string> initErrors;
   int gpus;
 
-  SimComms(int n, int gpus_, loom::DeviceCommOptions opts, bool distinctPids = true,
+  SimComms(int n, int gpus_, loom::DeviceCommOptions opts, bool distinctProcesses = true,
            loomsim::SimDeviceOptions simOpts = {}, std::vector<size_t> slotPerRank = {})
       : world(n, gpus_, 256, simOpts), comms(size_t(n)), drivers(size_t(n)), initErrors(size_t(n)), gpus(gpus_) {
     ThreadExchange ex(n);
@@ -236,7 +236,7 @@ struct SimComms {
     for (int r = 0; r < n; ++r)
       ts.emplace_back([&, r] {
         loom::DeviceCommOptions o = opts;
-        if (distinctPids) o.pid = 1000 + r;
+        if (distinctProcesses) o.process = 1000 + uint64_t(r);
         if (!slotPerRank.empty()) o.slotBytes = slotPerRank[size_t(r)];
         auto driver = std::make_unique<SimDriver>(mem, &world, r, r % gpus_);
         drivers[size_t(r)] = driver.get();
@@ -460,7 +460,7 @@ TEST_CASE("device communicator (simulated device): ranks of one process use each
           "[devcomm]") {
   loom::DeviceCommOptions opts;
   opts.slotBytes = 1024;
-  SimComms s(3, 1, opts, /*distinctPids=*/false);
+  SimComms s(3, 1, opts, /*distinctProcesses=*/false);
   std::mt19937_64 rng(5);
   Prepared p = prepare(s, {Collective::AllReduce, loomInt32, loomSum, 600, 0, false}, rng);
   for (int r = 0; r < 3; ++r) issue(s, p, r);
@@ -660,12 +660,12 @@ TEST_CASE("IPC import cache: one open per (rank, base), offsets applied, kept wh
   SimMemory mem;
   SimDriver owner(mem, nullptr, 0, 0), reader(mem, nullptr, 1, 0);
   uint8_t* a = mem.alloc(0, 4096);
-  loom::IpcRecord rec = loom::exportRange(owner, a + 512, 1024, /*pid=*/100);
+  loom::IpcRecord rec = loom::exportRange(owner, a + 512, 1024, /*process=*/100);
   CHECK(rec.offset == 512);
   CHECK(rec.allocBytes == 4096);
   CHECK(rec.base == uint64_t(reinterpret_cast<uintptr_t>(a)));
   {
-    loom::IpcImportCache cache(reader, /*myPid=*/200);
+    loom::IpcImportCache cache(reader, /*myProcess=*/200);
     uint8_t* m1 = cache.import(0, rec);
     uint8_t* m2 = cache.import(0, rec);
     CHECK(m1 == m2);

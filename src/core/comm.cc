@@ -186,7 +186,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
           std::vector<uint8_t> v = boot.allGather(m, bytes);
           memcpy(all, v.data(), v.size());
         },
-        DeviceCommOptions{kDeviceSlotBytes, kDeviceOneShotBytes, int32_t(getpid())});
+        DeviceCommOptions{kDeviceSlotBytes, kDeviceOneShotBytes, thisProcessToken()});
     LOOM_INFO("INIT", "rank %d: device communicator on %s:%d, windows of 2 x %zu B", rank, device_->deviceName(),
               device_->device(), kDeviceSlotBytes);
   }

@@ -2,8 +2,11 @@
 // IPC records and an import cache, and collectives as stream programs.
 #include "src/device/device_comm.h"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cstring>
+#include <random>
 #include <thread>
 
 #include "src/core/clock.h"
@@ -12,6 +15,14 @@
 #include "src/device/host_reduce.h"  // dtypeSize
 
 namespace loom {
+
+uint64_t thisProcessToken() {
+  static const uint64_t random = [] {
+    std::random_device rd;
+    return (uint64_t(rd()) << 32) ^ rd();
+  }();
+  return random ^ (uint64_t(getpid()) * 0x9e3779b97f4a7c15ull);
+}
 
 IpcImportCache::~IpcImportCache() {
   for (auto& [key, e] : entries_) close(e);
@@ -44,7 +55,7 @@ uint8_t* IpcImportCache::import(int r, const IpcRecord& rec) {
   if (it == entries_.end()) {
     Entry e;
     memcpy(e.handle, rec.handle, kIpcHandleBytes);
-    if (rec.pid == pid_) {
+    if (rec.process == process_) {
       e.mapped = reinterpret_cast<uint8_t*>(uintptr_t(rec.base));
     } else {
       e.mapped = static_cast<uint8_t*>(driver_.openHandle(rec.handle));
@@ -79,7 +90,7 @@ size_t IpcImportCache::mapped() const {
   return n;
 }
 
-IpcRecord exportRange(const DeviceDriver& driver, const void* p, size_t bytes, int32_t pid) {
+IpcRecord exportRange(const DeviceDriver& driver, const void* p, size_t bytes, uint64_t process) {
   IpcRecord rec;
   void* base = nullptr;
   size_t alloc = 0;
@@ -93,7 +104,7 @@ IpcRecord exportRange(const DeviceDriver& driver, const void* p, size_t bytes, i
   rec.allocBytes = alloc;
   rec.offset = q - b;
   rec.bytes = bytes;
-  rec.pid = pid;
+  rec.process = process;
   rec.device = driver.device();
   return rec;
 }
@@ -106,14 +117,14 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
       oneShotBytes_(options.oneShotBytes),
       drainTimeoutMs_(options.drainTimeoutMs),
       driver_(std::move(driver)) {
-  const int32_t pid = options.pid;
+  const uint64_t process = options.process;
   if (slotBytes_ < 256 || slotBytes_ % 256)
     fail(loomInvalidArgument, "device slots of %zu bytes: need a multiple of 256", slotBytes_);
-  imports_ = std::make_unique<IpcImportCache>(*driver_, pid);
+  imports_ = std::make_unique<IpcImportCache>(*driver_, process);
   const size_t blockBytes = kFlagBlockBytes + streamWindowBytes(slotBytes_);
   block_ = driver_->allocate(blockBytes);
   try {
-    IpcRecord mine = exportRange(*driver_, block_, blockBytes, pid);
+    IpcRecord mine = exportRange(*driver_, block_, blockBytes, process);
     records_.resize(size_t(nranks));
     allGather(&mine, sizeof mine, records_.data());
     for (int r = 0; r < nranks; ++r) {

@@ -49,9 +49,15 @@ struct IpcRecord {
   uint64_t allocBytes = 0;          // the allocation's size
   uint64_t offset = 0;              // the range's start inside the allocation
   uint64_t bytes = 0;               // the range's size
-  int32_t pid = 0;                  // owner's process (same process: no handle is opened)
+  uint64_t process = 0;             // owner's process token (equal: this process, no handle is opened)
   int32_t device = 0;               // owner's device ordinal
+  int32_t pad = 0;
 };
+
+// This process, as IpcRecord::process says it: random per process and mixed
+// with the pid, so that a forked child or a process of another pid
+// namespace is never taken for this one.
+uint64_t thisProcessToken();
 
 // The device calls a DeviceComm makes.  Every call throws loom::Error
 // (loomUnhandledCudaError with CUDA's message for the CUDA driver).
@@ -94,7 +100,7 @@ class DeviceDriver {
 // process is its own address (CUDA cannot open its own process's handles).
 class IpcImportCache {
  public:
-  IpcImportCache(DeviceDriver& driver, int32_t myPid) : driver_(driver), pid_(myPid) {}
+  IpcImportCache(DeviceDriver& driver, uint64_t myProcess) : driver_(driver), process_(myProcess) {}
   ~IpcImportCache();
   // The start of rank r's range as mapped here, taking a reference.
   // loomRemoteError for a record that cannot be right (a range outside its
@@ -114,7 +120,7 @@ class IpcImportCache {
   };
   void close(Entry& e);
   DeviceDriver& driver_;
-  int32_t pid_;
+  uint64_t process_;
   mutable std::mutex mu_;
   std::map<std::pair<int, uint64_t>, Entry> entries_;
   std::vector<Entry> retired_;  // replaced while still referenced
@@ -122,12 +128,12 @@ class IpcImportCache {
 };
 
 // Describes [p, p + bytes) of this process's device memory for the peers.
-IpcRecord exportRange(const DeviceDriver& driver, const void* p, size_t bytes, int32_t pid);
+IpcRecord exportRange(const DeviceDriver& driver, const void* p, size_t bytes, uint64_t process);
 
 struct DeviceCommOptions {
   size_t slotBytes = kDeviceSlotBytes;        // every rank must use the same
   size_t oneShotBytes = kDeviceOneShotBytes;  // all-reduce: one-shot up to this size
-  int32_t pid = 0;                            // this process (IpcRecord::pid)
+  uint64_t process = 0;                       // this process (IpcRecord::process; thisProcessToken())
   // At destruction, how long to wait for the peers to finish reading this
   // rank's window before freeing it (a dead peer never does).
   int64_t drainTimeoutMs = 10000;
