@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "loom.h"
+#include "src/core/clock.h"
 #include "src/core/config.h"
 #include "src/core/error.h"
 #include "src/device/device.h"
@@ -652,6 +653,23 @@ TEST_CASE("device communicator (simulated device): destroying a rank waits until
   t.join();
   REQUIRE(s.world.rank(1).synchronize(&msg) == loomSuccess);
   CHECK(verify(p, 2).empty());
+}
+
+TEST_CASE("device communicator (simulated device): an abandoned communicator (failed or aborted) is destroyed "
+          "without waiting for peers that never finish",
+          "[devcomm]") {
+  loom::DeviceCommOptions opts;
+  opts.slotBytes = 1024;  // drainTimeoutMs stays at its 10 s default
+  SimComms s(2, 1, opts);
+  std::mt19937_64 rng(7);
+  Prepared p = prepare(s, {Collective::Broadcast, loomInt32, loomSum, 100, 0, false}, rng);
+  issue(s, p, 0);  // rank 1 never takes part
+  std::string msg;
+  REQUIRE(s.world.rank(0).synchronize(&msg) == loomSuccess);
+  s.comms[0]->abandon();
+  const int64_t t0 = loom::nowMs();
+  s.comms[0].reset();
+  CHECK(loom::nowMs() - t0 < 5000);  // not the 10 s wait for rank 1
 }
 
 TEST_CASE("IPC import cache: one open per (rank, base), offsets applied, kept while referenced, reopened when the "

@@ -65,6 +65,10 @@ std::shared_ptr<loomComm> loomComm::create(const UniqueIdData& id, int nranks, i
 loomComm::~loomComm() {
   ctl_.reset();  // its thread may call into this communicator
   dumpUnregister(this);
+  // A failed or aborted communicator's peers may never finish their last
+  // round: do not wait for them before freeing the device window.
+  if (device_ && (aborted_.load() || asyncError_.load() != loomSuccess)) device_->abandon();
+  device_.reset();
   registrations_.clear();  // their transport handles, before the transports
   conns_.clear();  // before the transports whose memory they use
   transports_.clear();

@@ -149,6 +149,7 @@ bool DeviceComm::drain() {
   const int64_t deadline = nowMs() + drainTimeoutMs_;
   std::lock_guard<std::mutex> g(mu_);
   if (round_ == 0) return true;
+  if (drainTimeoutMs_ == 0) return false;
   for (int r = 0; r < nranks_; ++r) {
     if (r == rank_) continue;
     // Round g's done value is g + 1: the last round is round_ - 1.
@@ -165,7 +166,7 @@ DeviceComm::~DeviceComm() {
   // ncclCommDestroy), but a peer may still be reading this rank's window
   // for the last round: wait for it before the block is freed.
   try {
-    if (!drain())
+    if (!drain() && drainTimeoutMs_ > 0)
       LOOM_WARN("DEVICE", "rank %d: peers did not finish reading this rank's window within %lld ms; freeing it",
                 rank_, (long long)drainTimeoutMs_);
   } catch (const Error& e) {

@@ -172,6 +172,9 @@ class DeviceComm {
   uint64_t round() const;  // the round counter (tests)
   // Whether an enqueue failed (every later run() then fails).
   bool failed() const;
+  // Destruction will not wait for the peers (the communicator failed or
+  // was aborted: loomCommAbort never blocks).
+  void abandon() { drainTimeoutMs_ = 0; }
   const IpcImportCache& imports() const { return *imports_; }
 
  private:
