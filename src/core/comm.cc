@@ -184,6 +184,13 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
   initTuner(boot);
   if (!cfg.trace.empty()) tracer_ = std::make_unique<Tracer>(cfg.trace, rank, nranks);
   if (deviceChoice.cuda) {
+    // Windows are shared through CUDA IPC, which only works within a host.
+    for (int r = 0; r < nranks; ++r)
+      if (!env.sameHost(r))
+        fail(loomInvalidUsage,
+             "LOOM_DEVICE=cuda: rank %d is on host %s, this rank on %s; CUDA communicators need every rank on one "
+             "host for now",
+             r, env.hostId[size_t(r)].c_str(), env.hostId[size_t(rank)].c_str());
     device_ = std::make_unique<DeviceComm>(
         rank, nranks, deviceDriverFor(deviceChoice, rank, nranks),
         [&boot](const void* m, size_t bytes, void* all) {
