@@ -2,19 +2,28 @@
 // how CudaStreamBackend maps stream-program ops onto CUDA calls (through a
 // recording CudaApi table: this checks loom's mapping, not CUDA, which only
 // tests/gpu/run.sh exercises), the CUDA plug-in loading and counting zero
-// devices where there is no GPU, LOOM_DEVICE at init, and device pointers
-// given to a host communicator.
+// devices where there is no GPU, LOOM_DEVICE at init, device pointers
+// given to a host communicator, and the CUDA communicator's driver (its
+// calls, again through a recording table, with host memory standing in for
+// device memory).
 #include <catch2/catch.hpp>
+#include <condition_variable>
 #include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "algorithms/stream_collectives.h"
 #include "loom.h"
 #include "src/core/config.h"
 #include "src/core/error.h"
+#include "src/device/cuda_device_driver.h"
 #include "src/device/cuda_loader.h"
 #include "src/device/cuda_stream_backend.h"
+#include "src/device/device_comm.h"
 
 namespace {
 
@@ -65,6 +74,9 @@ const loom::CudaApi kRecording = {
       *d = -1;
       return 0;
     },
+    // The communicator's resources: the backend never calls them.
+    nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+    nullptr,
 };
 
 void* handle(uintptr_t v) { return reinterpret_cast<void*>(v); }
@@ -232,13 +244,14 @@ TEST_CASE("LOOM_DEVICE: cuda without a usable GPU, or any other value but host, 
     EnvVar v("LOOM_DEVICE", "cuda");
     std::string msg = initError(&rc);
     INFO(msg);
-    CHECK(rc == loomInvalidUsage);
     std::string why;
     if (loom::cudaDeviceCount(&why) == 0) {
+      CHECK(rc == loomInvalidUsage);
       CHECK(msg.find("LOOM_DEVICE=cuda, but this process has no usable CUDA device: " + why) !=
             std::string::npos);
+      CHECK(!why.empty());  // names what is missing: the plug-in, the driver, or cudaGetDeviceCount's error
     } else {
-      CHECK(msg.find("CUDA communicators are not implemented yet") != std::string::npos);
+      CHECK(rc == loomSuccess);  // a CUDA communicator on the current device
     }
   }
   {
@@ -288,4 +301,201 @@ TEST_CASE("a CUDA device pointer given to a host communicator is loomInvalidArgu
   CHECK(other[15] == 15.0f);
   loom::setCudaPointerClassifierForTesting(nullptr);
   loomCommDestroy(comm);
+}
+
+namespace {
+
+// A CUDA table for the communicator's driver: memory is host memory
+// (calloc), handles and streams are counters, every call is recorded.
+std::vector<std::string> g_drv;
+int g_current = 0;       // cudaGetDevice's answer
+int g_failIpcOpen = 0;   // cudaIpcOpenMemHandle's result
+uintptr_t g_next = 0x1000;
+
+const loom::CudaApi kDriverTable = {
+    loom::kCudaApiVersion,
+    [](void* s, const uint64_t* a, uint64_t v) {
+      g_drv.push_back(loom::strf("wait %p %p %llu", s, static_cast<const void*>(a), (unsigned long long)v));
+      return 0;
+    },
+    [](void* s, uint64_t* a, uint64_t v) {
+      g_drv.push_back(loom::strf("write %p %p %llu", s, static_cast<void*>(a), (unsigned long long)v));
+      return 0;
+    },
+    [](void* d, const void* src, size_t n, void* s) {
+      g_drv.push_back(loom::strf("memcpy %p %p <- %p %zu", s, d, src, n));
+      return 0;
+    },
+    [](void*, const void* const*, int, size_t, int, int, void*) { return 0; },
+    [](void*, const void*, size_t, int, int, void*) { return 0; },
+    [](void* e, void* s) {
+      g_drv.push_back(loom::strf("record %p %p", e, s));
+      return 0;
+    },
+    [](void* s, void* e) {
+      g_drv.push_back(loom::strf("waitevent %p %p", s, e));
+      return 0;
+    },
+    [](int e) { return e == 201 ? "invalid device context" : "?"; },
+    [](int* n) {
+      *n = 2;
+      return 0;
+    },
+    [](const void*, int* d) {
+      *d = 1;
+      return 0;
+    },
+    [](int* d) {
+      *d = g_current;
+      return 0;
+    },
+    [](int d) {
+      g_drv.push_back(loom::strf("setDevice %d", d));
+      g_current = d;
+      return 0;
+    },
+    [](void** p, size_t n) {
+      *p = calloc(1, n);
+      g_drv.push_back(loom::strf("malloc %zu", n));
+      return 0;
+    },
+    [](void* p) {
+      free(p);
+      g_drv.push_back("free");
+      return 0;
+    },
+    [](const void* p, void** base, size_t* n) {
+      *base = const_cast<void*>(p);
+      *n = loom::kFlagBlockBytes + loom::streamWindowBytes(loom::kDeviceSlotBytes);
+      return 0;
+    },
+    [](void* base, void* h) {
+      memset(h, 0, loom::kCudaIpcHandleBytes);
+      memcpy(h, &base, sizeof base);
+      return 0;
+    },
+    [](const void*, void**) { return g_failIpcOpen; },
+    [](void*) { return 0; },
+    [](void** s) {
+      *s = reinterpret_cast<void*>(g_next++);
+      g_drv.push_back(loom::strf("streamCreate %p", *s));
+      return 0;
+    },
+    [](void* s) {
+      g_drv.push_back(loom::strf("streamDestroy %p", s));
+      return 0;
+    },
+    [](void** e) {
+      *e = reinterpret_cast<void*>(g_next++);
+      g_drv.push_back(loom::strf("eventCreate %p", *e));
+      return 0;
+    },
+    [](void* e) {
+      g_drv.push_back(loom::strf("eventDestroy %p", e));
+      return 0;
+    },
+    [](const uint64_t* a, uint64_t* v, void*) {
+      *v = *a;
+      return 0;
+    },
+};
+
+size_t countOf(const std::string& prefix) {
+  size_t n = 0;
+  for (const std::string& c : g_drv) n += c.compare(0, prefix.size(), prefix) == 0;
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("CUDA communicator driver: its calls through the plug-in table (device, memory, side streams and "
+          "events made once, the caller's stream as program stream 0, errors with CUDA's message)",
+          "[cuda]") {
+  g_drv.clear();
+  g_current = 0;
+  auto* stream = reinterpret_cast<void*>(uintptr_t(0xcafe));
+  {
+    // One rank on device 1 while the caller's current device is 0.
+    loom::DeviceComm dc(0, 1, loom::makeCudaDeviceDriver(kDriverTable, 1),
+                        [](const void* m, size_t b, void* all) { memcpy(all, m, b); });
+    CHECK(countOf("malloc") == 1);
+    CHECK(dc.device() == 1);
+    std::vector<uint8_t> a(1 << 20), b(1 << 20);
+    loom::OpDesc op;
+    op.sendbuf = a.data();  // the table says every pointer is memory of device 1
+    op.recvbuf = b.data();
+    op.count = 1 << 18;
+    g_drv.clear();
+    dc.run(op, stream);
+    // Device 1 for the enqueue, the caller's 0 again after; one rank: one copy on the caller's stream.
+    REQUIRE(g_drv.size() == 3);
+    CHECK(g_drv[0] == "setDevice 1");
+    CHECK(g_drv[1] == loom::strf("memcpy %p %p <- %p %zu", stream, static_cast<void*>(b.data()),
+                                 static_cast<void*>(a.data()), size_t(1) << 20));
+    CHECK(g_drv[2] == "setDevice 0");
+    CHECK(g_current == 0);
+  }
+  CHECK(countOf("free") == 1);
+
+  // Two ranks of this process (threads): the large all-reduce uses a side
+  // stream and two events, made on first use and reused; no IPC open is
+  // needed for this process's own blocks.
+  g_drv.clear();
+  g_current = 1;
+  g_failIpcOpen = 999;  // would fail if any handle were opened
+  {
+    std::vector<uint8_t> rec[2];
+    std::unique_ptr<loom::DeviceComm> dc[2];
+    std::mutex mu;
+    std::condition_variable cv;
+    int arrived = 0;
+    std::vector<uint8_t> all;
+    auto gather = [&](int r) {
+      return [&, r](const void* m, size_t b, void* out) {
+        std::unique_lock<std::mutex> g(mu);
+        if (all.empty()) all.resize(2 * b);
+        memcpy(all.data() + size_t(r) * b, m, b);
+        if (++arrived == 2) cv.notify_all();
+        cv.wait(g, [&] { return arrived == 2; });
+        memcpy(out, all.data(), 2 * b);
+      };
+    };
+    // Nothing runs the recorded programs, so the peers' done flags never
+    // move: destroy must not wait for them.
+    loom::DeviceCommOptions o{loom::kDeviceSlotBytes, loom::kDeviceOneShotBytes, 7, 0};
+    std::thread t([&] {
+      dc[1] = std::make_unique<loom::DeviceComm>(1, 2, loom::makeCudaDeviceDriver(kDriverTable, 1), gather(1), o);
+    });
+    dc[0] = std::make_unique<loom::DeviceComm>(0, 2, loom::makeCudaDeviceDriver(kDriverTable, 1), gather(0), o);
+    t.join();
+    std::vector<float> x(1 << 20);
+    loom::OpDesc op;
+    op.sendbuf = op.recvbuf = x.data();
+    op.count = x.size();  // 4 MiB: reduce-scatter + all-gather
+    g_drv.clear();
+    dc[0]->run(op, stream);
+    dc[0]->run(op, stream);
+    CHECK(countOf("streamCreate") == 1);
+    CHECK(countOf("eventCreate") == 2);
+    CHECK(countOf("setDevice") == 0);  // already current
+    CHECK(countOf("record ") == 4);  // fork and join of each program
+    CHECK(countOf(loom::strf("wait %p", stream)) > 0);  // program stream 0 is the caller's
+  }
+  g_failIpcOpen = 0;
+
+  // A CUDA error: loomUnhandledCudaError with CUDA's message and the device.
+  g_current = 1;
+  g_failIpcOpen = 201;
+  {
+    auto drv = loom::makeCudaDeviceDriver(kDriverTable, 1);
+    uint8_t h[loom::kIpcHandleBytes] = {};
+    try {
+      drv->openHandle(h);
+      FAIL("no error");
+    } catch (const loom::Error& e) {
+      CHECK(e.code() == loomUnhandledCudaError);
+      CHECK(std::string(e.what()) == "cuda:1: cudaIpcOpenMemHandle failed: invalid device context (CUDA error 201)");
+    }
+  }
+  g_failIpcOpen = 0;
 }

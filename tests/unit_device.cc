@@ -184,7 +184,7 @@ struct OneRank {
   ~OneRank() { loomCommDestroy(comm); }
 };
 
-const char kNotLoom[] = "is not a loom stream; CUDA streams need a CUDA communicator (not yet supported)";
+const char kNotLoom[] = "is not a loom stream; a CUDA stream needs a CUDA communicator (LOOM_DEVICE=cuda)";
 
 TEST_CASE("a stream handle that is not a loom stream fails with loomInvalidArgument, without being read",
           "[device][stream]") {

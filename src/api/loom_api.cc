@@ -128,14 +128,14 @@ void validate(loomComm* comm, const OpDesc& op) {
   checkedBytes(op.count, op.dtype, perRankCount(op.coll) ? size_t(n) : 1);  // overflow
   if (rooted(op.coll)) checkRank("root", op.root, n);
   if (op.coll == Collective::P2P) checkRank("peer", op.peer, n);
-  // Every communicator runs on the host today; host kernels given device
-  // memory would fault.
-  if (op.sendMem == MemoryKind::CudaDevice || op.recvMem == MemoryKind::CudaDevice) {
+  // A host communicator's kernels given device memory would fault; a CUDA
+  // communicator checks its buffers itself (DeviceComm::run).
+  if (!comm->deviceComm() && (op.sendMem == MemoryKind::CudaDevice || op.recvMem == MemoryKind::CudaDevice)) {
     const bool s = op.sendMem == MemoryKind::CudaDevice;
     const void* p = s ? op.sendbuf : op.recvbuf;
     fail(loomInvalidArgument,
-         "%s %p is CUDA device memory (cuda:%d), but this communicator runs on the host: pass host memory "
-         "(CUDA communicators are not implemented yet)",
+         "%s %p is CUDA device memory (cuda:%d), but this communicator runs on the host: pass host memory, or "
+         "create the communicator with LOOM_DEVICE=cuda",
          s ? "sendbuff" : "recvbuff", p, cudaPointerDevice(p));
   }
   if (op.count == 0) return;
@@ -192,8 +192,45 @@ HostStream* hostStreamOf(loomStream_t stream) {
     case StreamKind::Foreign: break;
   }
   fail(loomInvalidArgument,
-       "stream %p is not a loom stream; CUDA streams need a CUDA communicator (not yet supported)",
+       "stream %p is not a loom stream; a CUDA stream needs a CUDA communicator (LOOM_DEVICE=cuda)",
        static_cast<void*>(stream));
+}
+
+// The cudaStream_t behind a CUDA communicator's stream argument (NULL: the
+// legacy default stream).  A loom host stream is refused.
+void* cudaStreamOf(loomStream_t stream) {
+  StreamRef s = classifyStream(stream);
+  switch (s.kind) {
+    case StreamKind::Host:
+      fail(loomInvalidArgument,
+           "stream %p is a loom host stream, but this communicator runs on CUDA: pass a cudaStream_t",
+           static_cast<void*>(stream));
+    case StreamKind::Destroyed:
+      fail(loomInvalidArgument, "stream %p was destroyed (loomStreamDestroy)", static_cast<void*>(stream));
+    case StreamKind::Null:
+    case StreamKind::Foreign:
+      break;
+  }
+  return static_cast<void*>(stream);
+}
+
+// A collective on a CUDA communicator: compiled to a stream program and
+// enqueued on the caller's cudaStream_t; returns once enqueued.
+loomResult_t runOnDevice(loomComm* comm, loomStream_t stream, const OpDesc& op) {
+  if (tlsGroup.depth > 0)
+    fail(loomInvalidUsage, "groups (loomGroupStart/End) are not implemented on CUDA communicators yet");
+  void* cs = cudaStreamOf(stream);
+  loomResult_t prior = comm->asyncError();
+  if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->lastError().c_str());
+  try {
+    comm->deviceComm()->run(op, cs);
+  } catch (const Error& e) {
+    // An enqueue that failed half-way: the peers' rounds no longer agree
+    // with this rank's, so the whole communicator has failed.
+    if (comm->deviceComm()->failed()) comm->setFailed(e.code(), e.what());
+    throw;
+  }
+  return loomSuccess;
 }
 
 // Where a buffer the caller passed lives: CUDA device memory if CUDA says
@@ -226,6 +263,7 @@ loomResult_t issueOp(const char* call, loomComm* comm, loomStream_t stream, cons
     HostStream* hostStream;
     try {
       validate(comm, op);
+      if (comm->deviceComm()) return runOnDevice(comm, stream, op);
       hostStream = hostStreamOf(stream);
     } catch (const Error& e) {
       // A group with a bad member is not launched at all (see loomGroupEnd).
@@ -271,6 +309,8 @@ loomResult_t issueExchange(const char* call, loomComm* comm, loomStream_t stream
     HostStream* hostStream;
     try {
       checkComm(comm);
+      if (comm->deviceComm())
+        fail(loomInvalidUsage, "%s is not implemented on CUDA communicators yet", call);
       ops = check(comm->nranks(), comm->rank());
       for (OpDesc& op : ops) {
         if (op.sendbuf) op.sendMem = memoryKindOf(op.sendbuf);

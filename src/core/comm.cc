@@ -15,6 +15,7 @@
 #include "src/core/config.h"
 #include "src/core/error.h"
 #include "src/core/log.h"
+#include "src/device/device_choice.h"
 #include "src/device/host_reduce.h"
 #include "src/tuner/tuner.h"
 
@@ -68,6 +69,10 @@ loomComm::~loomComm() {
   if (asyncError() != loomSuccess) settleNotices(nowMs() + 1000);
   ctl_.reset();  // its thread may call into this communicator
   dumpUnregister(this);
+  // A failed or aborted communicator's peers may never finish their last
+  // round: do not wait for them before freeing the device window.
+  if (device_ && (aborted_.load() || asyncError_.load() != loomSuccess)) device_->abandon();
+  device_.reset();
   registrations_.clear();  // their transport handles, before the transports
   conns_.clear();  // before the transports whose memory they use
   transports_.clear();
@@ -99,7 +104,9 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
     advertise = defaultInterfaceAddr();
   advertise.setPort(0);
 
+  const DeviceChoice deviceChoice = checkDeviceChoice();
   RankInfo mine{};
+  mine.deviceKind = deviceChoice.cuda ? 1 : 0;
   std::string host = cfg.hostId.empty() ? machineHostId() : cfg.hostId;
   snprintf(mine.hostId, sizeof mine.hostId, "%s", host.c_str());
   mine.localKey = localKey();
@@ -123,6 +130,10 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
   peers_.resize(size_t(nranks));
   memcpy(peers_.data(), all.data(), all.size());
   for (int r = 0; r < nranks; ++r) checkRankInfo(&peers_[size_t(r)], r);
+  for (int r = 0; r < nranks; ++r)
+    if (peers_[size_t(r)].deviceKind != mine.deviceKind)
+      fail(loomInvalidUsage, "rank %d runs on %s, this rank on %s: LOOM_DEVICE must be the same on every rank", r,
+           peers_[size_t(r)].deviceKind ? "cuda" : "the host", mine.deviceKind ? "cuda" : "the host");
   // Communicator-wide settings come from rank 0 so every pair agrees.
   const RankInfo& root = peers_[0];
   transportSpec_ = root.transports;
@@ -176,6 +187,24 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
   limits_.maxChunkBytes = size_t(root.slots - 1) * root.slotBytes;
   initTuner(boot);
   if (!cfg.trace.empty()) tracer_ = std::make_unique<Tracer>(cfg.trace, rank, nranks);
+  if (deviceChoice.cuda) {
+    // Windows are shared through CUDA IPC, which only works within a host.
+    for (int r = 0; r < nranks; ++r)
+      if (!env.sameHost(r))
+        fail(loomInvalidUsage,
+             "LOOM_DEVICE=cuda: rank %d is on host %s, this rank on %s; CUDA communicators need every rank on one "
+             "host for now",
+             r, env.hostId[size_t(r)].c_str(), env.hostId[size_t(rank)].c_str());
+    device_ = std::make_unique<DeviceComm>(
+        rank, nranks, deviceDriverFor(deviceChoice, rank, nranks),
+        [&boot](const void* m, size_t bytes, void* all) {
+          std::vector<uint8_t> v = boot.allGather(m, bytes);
+          memcpy(all, v.data(), v.size());
+        },
+        DeviceCommOptions{kDeviceSlotBytes, kDeviceOneShotBytes, thisProcessToken()});
+    LOOM_INFO("INIT", "rank %d: device communicator on %s:%d, windows of 2 x %zu B", rank, device_->deviceName(),
+              device_->device(), kDeviceSlotBytes);
+  }
   LOOM_INFO("INIT", "rank %d of %d ready: host %s, %d local peers, slots %u x %u B, transports %s", rank, nranks,
             mine.hostId, local, root.slots, root.slotBytes, transportSpec_.c_str());
 }

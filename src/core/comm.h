@@ -20,6 +20,7 @@
 #include "src/core/executor.h"
 #include "src/core/registration.h"
 #include "src/core/trace.h"
+#include "src/device/device_comm.h"
 #include "src/topology/comm_topology.h"
 #include "src/tuner/tuner.h"
 #include "transports/transport.h"
@@ -36,7 +37,7 @@ struct RankInfo {
   uint32_t slots;      // rank 0's value is used by all
   uint32_t mailBytes;  // rank 0's value is used by all
   uint32_t stageBytes; // rank 0's value is used by all
-  uint32_t pad;
+  uint32_t deviceKind; // 0: host, 1: CUDA (LOOM_DEVICE); every rank's must agree
   uint64_t commTag;    // rank 0's value is used by all
   char transports[64]; // rank 0's LOOM_TRANSPORTS is used by all
   RankTopo topo;       // this rank's machine and placement (topology())
@@ -121,6 +122,9 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
   // loomCommRegister's records (src/core/registration.h), and the
   // transports a registration is offered to.
   loom::RegistrationTable& registrations() { return registrations_; }
+  // The device side of a CUDA communicator (LOOM_DEVICE=cuda), nullptr on
+  // the host: its collectives are stream programs on the caller's stream.
+  loom::DeviceComm* deviceComm() const { return device_.get(); }
   std::vector<loom::Transport*> transportList() const {
     std::vector<loom::Transport*> v;
     for (const auto& t : transports_) v.push_back(t.get());
@@ -197,6 +201,7 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
   loom::DirectState directState_;
   std::map<std::pair<int, int>, std::unique_ptr<loom::Connection>> conns_;
   loom::RegistrationTable registrations_;  // released before the transports
+  std::unique_ptr<loom::DeviceComm> device_;  // CUDA communicators only
 
   std::mutex turnMutex_;
   std::condition_variable turnCv_;

@@ -70,8 +70,9 @@ const std::vector<ConfigVar>& configTable() {
        "cost-model parameters (key = value lines, as written by loom-topo --calibrate) replacing the "
        "built-in ones; rank 0's decisions are used by all ranks"},
       {"LOOM_DEVICE", "host|cuda", "host",
-       "where a new communicator's collectives run: host memory, or CUDA device memory (cuda fails init with "
-       "the reason while CUDA communicators are not implemented, and on machines without a usable GPU)"},
+       "where a new communicator's collectives run: host memory, or CUDA device memory on the CUDA device "
+       "current at init (cuda fails init with the reason on machines without a usable GPU; every rank must "
+       "choose alike)"},
       {"LOOM_CHECK_MODE", "on|off", "on",
        "check that ranks call the same operation (sequence number + signature per slot); also 1|0; "
        "perf/check_mode_cost.sh measures its cost"},

@@ -37,9 +37,33 @@ struct CudaApi {
   int (*deviceCount)(int* count);
   // cudaPointerGetAttributes: *device >= 0 for device (or managed) memory, -1 otherwise
   int (*pointerDevice)(const void* ptr, int* device);
+
+  // ---- a CUDA communicator's own resources (cuda_device_driver.cc) ----
+  int (*getDevice)(int* device);  // cudaGetDevice
+  int (*setDevice)(int device);   // cudaSetDevice
+  // cudaMalloc, then cudaMemset to zero and cudaDeviceSynchronize: the
+  // memory is zero before any peer can map it.
+  int (*mallocZeroed)(void** ptr, size_t bytes);
+  int (*freeMem)(void* ptr);  // cudaFree
+  // cuMemGetAddressRange: the allocation that `p` points into.
+  int (*addressRange)(const void* p, void** base, size_t* bytes);
+  // cudaIpcGetMemHandle of an allocation's base; kCudaIpcHandleBytes into `handle`.
+  int (*ipcGetHandle)(void* base, void* handle);
+  // cudaIpcOpenMemHandle(cudaIpcMemLazyEnablePeerAccess) / cudaIpcCloseMemHandle.
+  int (*ipcOpenHandle)(const void* handle, void** mapped);
+  int (*ipcCloseHandle)(void* mapped);
+  int (*streamCreate)(void** stream);  // cudaStreamCreateWithFlags(cudaStreamNonBlocking)
+  int (*streamDestroy)(void* stream);
+  int (*eventCreate)(void** event);  // cudaEventCreateWithFlags(cudaEventDisableTiming)
+  int (*eventDestroy)(void* event);
+  // *value = *addr (device memory), through `stream`, waiting for it
+  // (cudaMemcpyAsync + cudaStreamSynchronize).
+  int (*readValue64)(const uint64_t* addr, uint64_t* value, void* stream);
 };
 
-constexpr int kCudaApiVersion = 1;
+constexpr int kCudaApiVersion = 2;
+// sizeof(cudaIpcMemHandle_t) (CUDA_IPC_HANDLE_SIZE); the plug-in checks it.
+constexpr size_t kCudaIpcHandleBytes = 64;
 
 }  // namespace loom
 

@@ -6,6 +6,8 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <cstring>
+
 #include "src/device/cuda/kernels.h"
 #include "src/device/cuda_api.h"
 
@@ -19,11 +21,13 @@ constexpr int kDriverBase = 100000;
 
 using StreamValue64Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 using GetErrorStringFn = CUresult (*)(CUresult, const char**);
+using AddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 
 struct Driver {
   StreamValue64Fn waitValue64 = nullptr;
   StreamValue64Fn writeValue64 = nullptr;
   GetErrorStringFn getErrorString = nullptr;
+  AddressRangeFn addressRange = nullptr;
   cudaError_t status = cudaErrorNotReady;  // of the lookup
 };
 
@@ -43,6 +47,7 @@ const Driver& driver() {
     x.status = lookup("cuStreamWaitValue64", &x.waitValue64);
     if (x.status == cudaSuccess) x.status = lookup("cuStreamWriteValue64", &x.writeValue64);
     if (x.status == cudaSuccess) x.status = lookup("cuGetErrorString", &x.getErrorString);
+    if (x.status == cudaSuccess) x.status = lookup("cuMemGetAddressRange", &x.addressRange);
     return x;
   }();
   return d;
@@ -108,8 +113,79 @@ int pointerDevice(const void* ptr, int* device) {
   return 0;
 }
 
-const CudaApi kApi = {kCudaApiVersion, waitValue64,     writeValue64, memcpyAsync, launchReduce, launchDivide,
-                      eventRecord,     streamWaitEvent, errorString,  deviceCount, pointerDevice};
+int getDevice(int* device) { return int(cudaGetDevice(device)); }
+int setDevice(int device) { return int(cudaSetDevice(device)); }
+
+int mallocZeroed(void** ptr, size_t bytes) {
+  *ptr = nullptr;
+  cudaError_t rc = cudaMalloc(ptr, bytes);
+  if (rc == cudaSuccess) rc = cudaMemset(*ptr, 0, bytes);
+  if (rc == cudaSuccess) rc = cudaDeviceSynchronize();
+  if (rc != cudaSuccess && *ptr) {
+    cudaFree(*ptr);
+    *ptr = nullptr;
+  }
+  return int(rc);
+}
+
+int freeMem(void* ptr) { return int(cudaFree(ptr)); }
+
+int addressRange(const void* p, void** base, size_t* bytes) {
+  const Driver& d = driver();
+  if (d.status != cudaSuccess) return int(d.status);
+  CUdeviceptr b = 0;
+  CUresult r = d.addressRange(&b, bytes, CUdeviceptr(reinterpret_cast<uintptr_t>(p)));
+  *base = reinterpret_cast<void*>(uintptr_t(b));
+  return r == CUDA_SUCCESS ? 0 : kDriverBase + int(r);
+}
+
+static_assert(sizeof(cudaIpcMemHandle_t) == kCudaIpcHandleBytes, "CUDA IPC handles changed size");
+
+int ipcGetHandle(void* base, void* handle) {
+  cudaIpcMemHandle_t h;
+  cudaError_t rc = cudaIpcGetMemHandle(&h, base);
+  if (rc == cudaSuccess) memcpy(handle, &h, sizeof h);
+  return int(rc);
+}
+
+int ipcOpenHandle(const void* handle, void** mapped) {
+  cudaIpcMemHandle_t h;
+  memcpy(&h, handle, sizeof h);
+  return int(cudaIpcOpenMemHandle(mapped, h, cudaIpcMemLazyEnablePeerAccess));
+}
+
+int ipcCloseHandle(void* mapped) { return int(cudaIpcCloseMemHandle(mapped)); }
+
+int streamCreate(void** stream) {
+  cudaStream_t s = nullptr;
+  cudaError_t rc = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  *stream = s;
+  return int(rc);
+}
+
+int streamDestroy(void* stream) { return int(cudaStreamDestroy(static_cast<cudaStream_t>(stream))); }
+
+int eventCreate(void** event) {
+  cudaEvent_t e = nullptr;
+  cudaError_t rc = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+  *event = e;
+  return int(rc);
+}
+
+int eventDestroy(void* event) { return int(cudaEventDestroy(static_cast<cudaEvent_t>(event))); }
+
+int readValue64(const uint64_t* addr, uint64_t* value, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  cudaError_t rc = cudaMemcpyAsync(value, addr, sizeof *value, cudaMemcpyDefault, s);
+  if (rc == cudaSuccess) rc = cudaStreamSynchronize(s);
+  return int(rc);
+}
+
+const CudaApi kApi = {kCudaApiVersion, waitValue64,     writeValue64,   memcpyAsync,    launchReduce,  launchDivide,
+                      eventRecord,     streamWaitEvent, errorString,    deviceCount,    pointerDevice, getDevice,
+                      setDevice,       mallocZeroed,    freeMem,        addressRange,   ipcGetHandle,  ipcOpenHandle,
+                      ipcCloseHandle,  streamCreate,    streamDestroy,  eventCreate,    eventDestroy,
+                      readValue64};
 
 }  // namespace
 }  // namespace cuda

@@ -1,0 +1,101 @@
+// CUDA's DeviceDriver (cuda_device_driver.h): one CUDA call per method.
+#include "src/device/cuda_device_driver.h"
+
+#include <vector>
+
+#include "src/core/error.h"
+#include "src/device/cuda_stream_backend.h"
+
+namespace loom {
+
+namespace {
+
+class CudaDeviceDriver final : public DeviceDriver {
+ public:
+  CudaDeviceDriver(const CudaApi& api, int device) : api_(api), device_(device) {}
+  ~CudaDeviceDriver() override {
+    if (readStream_) api_.streamDestroy(readStream_);
+    for (void* e : events_) api_.eventDestroy(e);
+    for (void* s : streams_) api_.streamDestroy(s);
+  }
+
+  int device() const override { return device_; }
+  const char* name() const override { return "cuda"; }
+
+  int pointerDevice(const void* p) const override {
+    int d = -1;
+    if (api_.pointerDevice(p, &d) != 0) return -1;
+    return d;
+  }
+  void* allocate(size_t bytes) override {
+    void* p = nullptr;
+    check(api_.mallocZeroed(&p, bytes), "cudaMalloc");
+    return p;
+  }
+  void release(void* p) override { check(api_.freeMem(p), "cudaFree"); }
+  void addressRange(const void* p, void** base, size_t* bytes) const override {
+    check(api_.addressRange(p, base, bytes), "cuMemGetAddressRange");
+  }
+  void exportHandle(void* base, uint8_t handle[kIpcHandleBytes]) const override {
+    check(api_.ipcGetHandle(base, handle), "cudaIpcGetMemHandle");
+  }
+  void* openHandle(const uint8_t handle[kIpcHandleBytes]) override {
+    void* p = nullptr;
+    check(api_.ipcOpenHandle(handle, &p), "cudaIpcOpenMemHandle");
+    return p;
+  }
+  void closeHandle(void* mapped) override { check(api_.ipcCloseHandle(mapped), "cudaIpcCloseMemHandle"); }
+
+  StreamBackend& backend(void* callerStream, int streams, int events) override {
+    while (int(streams_.size()) + 1 < streams) {
+      void* s = nullptr;
+      check(api_.streamCreate(&s), "cudaStreamCreateWithFlags");
+      streams_.push_back(s);
+    }
+    while (int(events_.size()) < events) {
+      void* e = nullptr;
+      check(api_.eventCreate(&e), "cudaEventCreateWithFlags");
+      events_.push_back(e);
+    }
+    std::vector<void*> all{callerStream};
+    all.insert(all.end(), streams_.begin(), streams_.end());
+    backend_ = std::make_unique<CudaStreamBackend>(api_, std::move(all), events_);
+    return *backend_;
+  }
+  int enter() override {
+    int current = -1;
+    check(api_.getDevice(&current), "cudaGetDevice");
+    if (current != device_) check(api_.setDevice(device_), "cudaSetDevice");
+    return current;
+  }
+  void leave(int previous) override {
+    if (previous >= 0 && previous != device_) api_.setDevice(previous);  // best effort: the work is enqueued
+  }
+  uint64_t readFlag(const uint64_t* flag) override {
+    if (!readStream_) check(api_.streamCreate(&readStream_), "cudaStreamCreateWithFlags");
+    uint64_t v = 0;
+    check(api_.readValue64(flag, &v, readStream_), "cudaMemcpyAsync (flag)");
+    return v;
+  }
+
+ private:
+  void check(int rc, const char* call) const {
+    if (rc != 0)
+      fail(loomUnhandledCudaError, "cuda:%d: %s failed: %s (CUDA error %d)", device_, call, api_.errorString(rc), rc);
+  }
+
+  const CudaApi& api_;
+  int device_;
+  void* readStream_ = nullptr;  // readFlag's
+  std::vector<void*> streams_;  // side streams (program streams 1..)
+  std::vector<void*> events_;
+  std::unique_ptr<CudaStreamBackend> backend_;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceDriver> makeCudaDeviceDriver(const CudaApi& api, int device) {
+  return std::make_unique<CudaDeviceDriver>(api, device);
+}
+
+}  // namespace loom

@@ -1,0 +1,360 @@
+// CUDA communicators through the public API on a real GPU (run by
+// tests/gpu/run.sh; needs a GPU, so it is not a ctest).  For each N it forks
+// N processes that all use device 0 (several ranks per GPU: the case NCCL
+// refuses), each creates a communicator with LOOM_DEVICE=cuda and runs, on
+// device buffers and its own cudaStream_t:
+//   comm    every collective the device path serves x types x ops, in and
+//           out of place, counts 0, 1, odd, and up to --max-count: exact
+//           against the host arithmetic in rank order (every rank derives
+//           every rank's input from a seed, so it computes the reference);
+//           many operations back to back, one cudaStreamSynchronize
+//   order   a slow kernel, then loomAllReduce on the same stream: the call
+//           returns while the kernel still runs (cudaStreamQuery says not
+//           ready), and after cudaStreamSynchronize the result includes
+//           what the kernel wrote
+//   errors  a host pointer and a loom host stream on a CUDA communicator:
+//           loomInvalidArgument with a message
+// Prints one row per N and check; exits non-zero on any wrong value, error
+// or crash (run.sh bounds the run with timeout(1)).
+//
+// Usage: loom-gpu-comm-tests [--ranks 1,2,4] [--max-count N]
+#include <cuda_runtime.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "loom.h"
+#include "src/device/host_reduce.h"
+
+namespace {
+
+#define CK(call)                                                                                    \
+  do {                                                                                              \
+    cudaError_t e_ = (call);                                                                        \
+    if (e_ != cudaSuccess) {                                                                        \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));  \
+      std::exit(3);                                                                                 \
+    }                                                                                               \
+  } while (0)
+
+#define LK(call)                                                                                     \
+  do {                                                                                               \
+    loomResult_t r_ = (call);                                                                        \
+    if (r_ != loomSuccess) {                                                                         \
+      std::fprintf(stderr, "%s:%d: %s: %s: %s\n", __FILE__, __LINE__, #call, loomGetErrorString(r_), \
+                   loomGetLastError(nullptr));                                                       \
+      std::exit(3);                                                                                  \
+    }                                                                                                \
+  } while (0)
+
+enum Coll { AllReduce, ReduceScatter, AllGather, Broadcast, Reduce };
+const char* kCollNames[] = {"all-reduce", "reduce-scatter", "all-gather", "broadcast", "reduce"};
+
+// Rank q's input, the same on every rank that asks.
+void inputOf(int q, size_t seed, std::vector<uint8_t>* v, loomDataType_t t) {
+  std::mt19937_64 rng(seed * 1000003u + size_t(q));
+  const size_t esz = loom::dtypeSize(t);
+  std::uniform_real_distribution<float> u(-4.0f, 4.0f);
+  for (size_t i = 0; i + esz <= v->size(); i += esz) {
+    float f = u(rng);
+    double d = double(f) * 1.0000001;
+    uint16_t h;
+    uint64_t r = rng();
+    switch (t) {
+      case loomFloat16: h = loom::floatToHalf(f); std::memcpy(&(*v)[i], &h, 2); break;
+      case loomBfloat16: h = loom::floatToBf16(f); std::memcpy(&(*v)[i], &h, 2); break;
+      case loomFloat32: std::memcpy(&(*v)[i], &f, 4); break;
+      case loomFloat64: std::memcpy(&(*v)[i], &d, 8); break;
+      default: std::memcpy(&(*v)[i], &r, esz);
+    }
+  }
+}
+
+struct Case {
+  Coll coll;
+  loomDataType_t t;
+  loomRedOp_t op;
+  size_t n;
+  bool inPlace;
+  size_t seed;
+};
+
+struct Live {  // one issued case: its buffers and what rank `me` must get
+  Case c;
+  void* sendDev = nullptr;
+  void* recvDev = nullptr;
+  const uint8_t* send = nullptr;
+  uint8_t* recv = nullptr;
+  std::vector<uint8_t> want;
+};
+
+Live issue(const Case& c, int me, int N, loomComm_t comm, cudaStream_t st) {
+  Live L;
+  L.c = c;
+  const size_t esz = loom::dtypeSize(c.t), n = c.n;
+  const size_t sendElems = c.coll == ReduceScatter ? size_t(N) * n : n;
+  const size_t recvElems = c.coll == AllGather ? size_t(N) * n : n;
+  const size_t big = std::max(sendElems, recvElems) * esz;
+  const int root = N - 1;
+  std::vector<std::vector<uint8_t>> in(static_cast<size_t>(N), std::vector<uint8_t>(sendElems * esz));
+  for (int q = 0; q < N; ++q) inputOf(q, c.seed, &in[size_t(q)], c.t);
+  std::vector<uint8_t> garbage(big + 1, 0x5a);
+  // Copies on the rank's stream: ordered before the collective.  (Pageable
+  // sources are staged before cudaMemcpyAsync returns.)
+  CK(cudaMalloc(&L.recvDev, big + 1));
+  CK(cudaMemcpyAsync(L.recvDev, garbage.data(), big + 1, cudaMemcpyHostToDevice, st));
+  uint8_t* rb = static_cast<uint8_t*>(L.recvDev);
+  if (c.inPlace) {
+    uint8_t* s = rb;
+    L.recv = rb;
+    if (c.coll == ReduceScatter) L.recv = rb + size_t(me) * n * esz;
+    if (c.coll == AllGather) s = rb + size_t(me) * n * esz;
+    L.send = s;
+  } else {
+    CK(cudaMalloc(&L.sendDev, sendElems * esz + 1));
+    L.send = static_cast<uint8_t*>(L.sendDev);
+    L.recv = rb;
+  }
+  CK(cudaMemcpyAsync(const_cast<uint8_t*>(L.send), in[size_t(me)].data(), sendElems * esz, cudaMemcpyHostToDevice,
+                     st));
+  auto fold = [&](size_t off) {
+    std::vector<uint8_t> out(in[0].begin() + long(off), in[0].begin() + long(off + n * esz));
+    for (int q = 1; q < N; ++q) loom::reduceHost(out.data(), out.data(), in[size_t(q)].data() + off, n, c.t, c.op);
+    if (c.op == loomAvg) loom::divideHost(out.data(), out.data(), n, c.t, N);
+    return out;
+  };
+  switch (c.coll) {
+    case AllReduce:
+      L.want = fold(0);
+      LK(loomAllReduce(L.send, L.recv, n, c.t, c.op, comm, loomStream_t(st)));
+      break;
+    case ReduceScatter:
+      L.want = fold(size_t(me) * n * esz);
+      LK(loomReduceScatter(L.send, L.recv, n, c.t, c.op, comm, loomStream_t(st)));
+      break;
+    case AllGather:
+      for (int q = 0; q < N; ++q) L.want.insert(L.want.end(), in[size_t(q)].begin(), in[size_t(q)].end());
+      LK(loomAllGather(L.send, L.recv, n, c.t, comm, loomStream_t(st)));
+      break;
+    case Broadcast:
+      L.want = in[size_t(root)];
+      LK(loomBroadcast(L.send, L.recv, n, c.t, root, comm, loomStream_t(st)));
+      break;
+    case Reduce:
+      if (me == root)
+        L.want = fold(0);
+      else if (c.inPlace)
+        L.want = in[size_t(me)];
+      else
+        L.want.assign(recvElems * esz, 0x5a);
+      LK(loomReduce(L.send, L.recv, n, c.t, c.op, root, comm, loomStream_t(st)));
+      break;
+  }
+  return L;
+}
+
+bool check(Live& L) {
+  std::vector<uint8_t> got(L.want.size());
+  if (!got.empty()) CK(cudaMemcpy(got.data(), L.recv, got.size(), cudaMemcpyDeviceToHost));
+  if (L.sendDev) CK(cudaFree(L.sendDev));
+  CK(cudaFree(L.recvDev));
+  return got == L.want;
+}
+
+const loomDataType_t kTypes[] = {loomInt8,  loomUint8,   loomInt32,   loomUint32,  loomInt64,
+                                 loomUint64, loomFloat16, loomFloat32, loomFloat64, loomBfloat16};
+const loomRedOp_t kOps[] = {loomSum, loomProd, loomMax, loomMin, loomAvg};
+
+__global__ void slowFill(float* p, size_t n, float value, long long spinCycles) {
+  long long t0 = clock64();
+  while (clock64() - t0 < spinCycles) {
+  }
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = value;
+}
+
+// One rank (a process).  Prints "RESULT <check> <cases> <wrong>" lines.
+int rankMain(int me, int N, loomUniqueId id, size_t maxCount) {
+  CK(cudaSetDevice(0));
+  setenv("LOOM_DEVICE", "cuda", 1);
+  loomComm_t comm;
+  LK(loomCommInitRank(&comm, N, id, me));
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+
+  // comm: every collective x type x op, in and out of place, issued back to
+  // back in batches, one synchronisation per batch.
+  long cases = 0, wrong = 0;
+  size_t seed = 1;
+  std::vector<Live> batch;
+  auto flush = [&] {
+    CK(cudaStreamSynchronize(st));
+    for (Live& L : batch) {
+      ++cases;
+      if (!check(L)) {
+        ++wrong;
+        if (wrong <= 5)
+          std::fprintf(stderr, "rank %d of %d: %s type %d op %d n=%zu %s: wrong result\n", me, N,
+                       kCollNames[L.c.coll], int(L.c.t), int(L.c.op), L.c.n,
+                       L.c.inPlace ? "in-place" : "out-of-place");
+      }
+    }
+    batch.clear();
+  };
+  for (Coll c : {AllReduce, ReduceScatter, AllGather, Broadcast, Reduce})
+    for (loomDataType_t t : kTypes)
+      for (loomRedOp_t op : kOps) {
+        if ((c == AllGather || c == Broadcast) && op != loomSum) continue;
+        for (size_t n : {size_t(0), size_t(1), size_t(1031), size_t(300000), maxCount}) {
+          if (n > maxCount) continue;
+          if (n == maxCount && n > 300000 && (t != loomFloat32 || op != loomSum)) continue;
+          for (bool ip : {false, true}) {
+            batch.push_back(issue({c, t, op, n, ip, seed++}, me, N, comm, st));
+            if (batch.size() >= 16 || n == maxCount) flush();
+          }
+        }
+      }
+  flush();
+  std::printf("RESULT comm %ld %ld\n", cases, wrong);
+
+  // order: the call returns while earlier work on the stream still runs.
+  {
+    const size_t n = size_t(1) << 20;
+    float* buf;
+    CK(cudaMalloc(&buf, n * 4));
+    CK(cudaMemset(buf, 0, n * 4));
+    slowFill<<<64, 256, 0, st>>>(buf, n, float(me + 1), 2000000000LL);  // about a second
+    auto t0 = std::chrono::steady_clock::now();
+    LK(loomAllReduce(buf, buf, n, loomFloat32, loomSum, comm, loomStream_t(st)));
+    double callMs = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const bool pending = cudaStreamQuery(st) == cudaErrorNotReady;
+    CK(cudaStreamSynchronize(st));
+    std::vector<float> got(n);
+    CK(cudaMemcpy(got.data(), buf, n * 4, cudaMemcpyDeviceToHost));
+    long bad = 0;
+    const float want = float(N * (N + 1) / 2);
+    for (float x : got) bad += x != want;
+    if (!pending) std::fprintf(stderr, "rank %d: the stream was idle right after loomAllReduce returned\n", me);
+    if (bad) std::fprintf(stderr, "rank %d: %ld elements wrong after the slow kernel\n", me, bad);
+    std::printf("RESULT order 1 %d\n", int(!pending || bad));
+    std::printf("NOTE rank %d: loomAllReduce returned in %.3f ms while the stream was %s\n", me, callMs,
+                pending ? "busy" : "idle");
+    CK(cudaFree(buf));
+  }
+
+  // errors: host pointer, loom host stream.
+  {
+    long bad = 0;
+    std::vector<float> host(16);
+    float* dev;
+    CK(cudaMalloc(&dev, 64));
+    loomResult_t r = loomAllReduce(host.data(), dev, 16, loomFloat32, loomSum, comm, loomStream_t(st));
+    std::string msg = loomGetLastError(comm);
+    bad += r != loomInvalidArgument || msg.find("is host memory") == std::string::npos;
+    loomStream_t hs;
+    LK(loomStreamCreate(&hs));
+    r = loomAllReduce(dev, dev, 16, loomFloat32, loomSum, comm, hs);
+    msg = loomGetLastError(comm);
+    bad += r != loomInvalidArgument || msg.find("loom host stream") == std::string::npos;
+    LK(loomStreamDestroy(hs));
+    CK(cudaFree(dev));
+    std::printf("RESULT errors 2 %ld\n", bad);
+  }
+  CK(cudaStreamSynchronize(st));
+  LK(loomCommDestroy(comm));
+  CK(cudaStreamDestroy(st));
+  std::fflush(stdout);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int> rankCounts = {1, 2, 4};
+  size_t maxCount = size_t(64) << 20;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--ranks")) {
+      rankCounts.clear();
+      for (char* s = argv[i + 1]; *s;) {
+        rankCounts.push_back(int(std::strtol(s, &s, 10)));
+        if (*s == ',') ++s;
+      }
+    } else if (!std::strcmp(argv[i], "--max-count")) {
+      maxCount = std::strtoull(argv[i + 1], nullptr, 10);
+    }
+  }
+  // No CUDA call in this process before fork: each rank initialises its own.
+  int failures = 0;
+  std::printf("%-8s %-64s %8s  %s\n", "check", "cases", "wrong", "result");
+  for (int N : rankCounts) {
+    loomUniqueId id;
+    LK(loomGetUniqueId(&id));
+    std::vector<pid_t> pids;
+    std::vector<int> pipes;
+    for (int r = 0; r < N; ++r) {
+      int fds[2];
+      if (pipe(fds) != 0) return 3;
+      pid_t p = fork();
+      if (p == 0) {
+        close(fds[0]);
+        dup2(fds[1], 1);
+        _exit(rankMain(r, N, id, maxCount));
+      }
+      close(fds[1]);
+      pids.push_back(p);
+      pipes.push_back(fds[0]);
+    }
+    // Collect each rank's output, then its exit status (with a deadline).
+    std::vector<std::string> out(static_cast<size_t>(N));
+    for (int r = 0; r < N; ++r) {
+      char buf[4096];
+      ssize_t k;
+      while ((k = read(pipes[size_t(r)], buf, sizeof buf)) > 0) out[size_t(r)].append(buf, size_t(k));
+      close(pipes[size_t(r)]);
+    }
+    bool crashed = false;
+    for (int r = 0; r < N; ++r) {
+      int st = 0;
+      waitpid(pids[size_t(r)], &st, 0);
+      if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+        crashed = true;
+        std::printf("rank %d of %d exited abnormally (status %d)\n", r, N, st);
+      }
+    }
+    for (const char* check : {"comm", "order", "errors"}) {
+      long cases = 0, wrong = 0;
+      bool seen = false;
+      for (int r = 0; r < N; ++r) {
+        const std::string& o = out[size_t(r)];
+        std::string key = std::string("RESULT ") + check + " ";
+        size_t at = o.find(key);
+        if (at == std::string::npos) continue;
+        long c = 0, w = 0;
+        std::sscanf(o.c_str() + at + key.size(), "%ld %ld", &c, &w);
+        cases += c, wrong += w;
+        seen = true;
+      }
+      const bool ok = seen && !wrong && !crashed;
+      std::printf("%-8s %-64s %8ld  %s\n", check,
+                  (std::to_string(N) + " processes on GPU 0, LOOM_DEVICE=cuda: " + std::to_string(cases) + " cases")
+                      .c_str(),
+                  wrong, ok ? "ok" : (seen ? "FAIL" : "FAIL (no result: a rank failed; see stderr)"));
+      failures += !ok;
+    }
+    for (int r = 0; r < N; ++r) {
+      const std::string& o = out[size_t(r)];
+      size_t at = o.find("NOTE ");
+      if (at != std::string::npos) std::printf("  %s\n", o.substr(at + 5, o.find('\n', at) - at - 5).c_str());
+    }
+  }
+  std::printf("%s\n", failures ? "FAILED" : "all passed");
+  return failures ? 1 : 0;
+}

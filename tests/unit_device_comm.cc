@@ -1,0 +1,844 @@
+// The device communicator (src/device/device_comm.*) on the simulated
+// device: the code a CUDA communicator runs (buffer checks, the window
+// exchange through IPC records, the import cache, compile, enqueue on the
+// caller's stream) with only the device calls replaced.  The simulated
+// "device memory" is memfd-backed, and opening a peer's handle maps the
+// same memory again at another address, as cudaIpcOpenMemHandle does, so
+// base + offset arithmetic is really exercised.  Checks: exact results of
+// every collective the compiler serves, N = 1..5, ranks sharing one device
+// and on two, ops back to back with one synchronisation at the end, both
+// all-reduce programs; the host thread returning before the work runs;
+// buffer errors; the import cache's refcounts and address reuse; a dead
+// rank -> an error, not a hang; and the C API's CUDA-communicator path
+// (LOOM_DEVICE=cuda with the simulated device's drivers).
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <catch2/catch.hpp>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "loom.h"
+#include "src/core/clock.h"
+#include "src/core/config.h"
+#include "src/core/error.h"
+#include "src/device/device.h"
+#include "src/device/device_choice.h"
+#include "src/device/device_comm.h"
+#include "src/device/host_reduce.h"
+#include "tests/sim_device.h"
+
+namespace {
+
+using loom::Collective;
+
+// Device memory of simulated devices, shared by every rank of a test (all
+// threads of this process).  Each allocation is a memfd; "opening" its
+// handle maps the memfd again, at another address.
+class SimMemory {
+ public:
+  ~SimMemory() {
+    for (auto& [base, a] : allocs_) {
+      munmap(base, a.bytes);
+      close(a.fd);
+    }
+    for (auto& [base, bytes] : freed_) munmap(base, bytes);
+  }
+  uint8_t* alloc(int device, size_t bytes) {
+    int fd = memfd_create("loom-sim-device", MFD_CLOEXEC);
+    REQUIRE(fd >= 0);
+    REQUIRE(ftruncate(fd, off_t(bytes)) == 0);
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    REQUIRE(p != MAP_FAILED);
+    std::lock_guard<std::mutex> g(mu_);
+    allocs_[static_cast<uint8_t*>(p)] = Alloc{device, bytes, fd, ++serial_};
+    return static_cast<uint8_t*>(p);
+  }
+  void free(void* p) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = allocs_.find(static_cast<uint8_t*>(p));
+    if (it == allocs_.end()) loom::fail(loomInvalidArgument, "sim free of %p: not an allocation base", p);
+    // Freed memory stays mapped (not reused) until the SimMemory goes: a
+    // peer destroying its communicator later may still read the flags in
+    // it, which on a GPU is memory CUDA keeps while it is mapped.
+    freed_.emplace_back(it->first, it->second.bytes);
+    close(it->second.fd);
+    allocs_.erase(it);
+  }
+  // -1 unless p is inside an allocation (or a mapping of one).
+  int deviceOf(const void* p) const {
+    std::lock_guard<std::mutex> g(mu_);
+    const Alloc* a = find(p, nullptr);
+    return a ? a->device : -1;
+  }
+  void range(const void* p, void** base, size_t* bytes) const {
+    std::lock_guard<std::mutex> g(mu_);
+    uint8_t* b = nullptr;
+    const Alloc* a = find(p, &b);
+    if (!a) loom::fail(loomInvalidArgument, "sim: %p is not device memory", p);
+    *base = b;
+    *bytes = a->bytes;
+  }
+  void handle(void* base, uint8_t out[loom::kIpcHandleBytes]) const {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = allocs_.find(static_cast<uint8_t*>(base));
+    if (it == allocs_.end()) loom::fail(loomInvalidArgument, "sim: no allocation at %p", base);
+    memset(out, 0, loom::kIpcHandleBytes);
+    memcpy(out, &it->second.serial, sizeof(uint64_t));
+  }
+  void* open(const uint8_t h[loom::kIpcHandleBytes]) {
+    uint64_t serial;
+    memcpy(&serial, h, sizeof serial);
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto& [base, a] : allocs_)
+      if (a.serial == serial) {
+        void* p = mmap(nullptr, a.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, a.fd, 0);
+        REQUIRE(p != MAP_FAILED);
+        mappings_[static_cast<uint8_t*>(p)] = {base, a.bytes};
+        ++opens_;
+        return p;
+      }
+    loom::fail(loomUnhandledCudaError, "sim: invalid IPC handle (serial %llu)", (unsigned long long)serial);
+  }
+  void closeMapping(void* p) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = mappings_.find(static_cast<uint8_t*>(p));
+    if (it == mappings_.end()) loom::fail(loomUnhandledCudaError, "sim: close of %p: not a mapping", p);
+    munmap(p, it->second.second);
+    mappings_.erase(it);
+    ++closes_;
+  }
+  size_t openMappings() const {
+    std::lock_guard<std::mutex> g(mu_);
+    return mappings_.size();
+  }
+  int opens() const { return opens_; }
+  int closes() const { return closes_; }
+
+ private:
+  struct Alloc {
+    int device;
+    size_t bytes;
+    int fd;
+    uint64_t serial;
+  };
+  // The allocation p lies in, directly or through a mapping (*base: the
+  // start of whichever it is in).
+  const Alloc* find(const void* p, uint8_t** base) const {
+    auto q = static_cast<const uint8_t*>(p);
+    for (auto& [b, a] : allocs_)
+      if (q >= b && q < b + a.bytes) {
+        if (base) *base = b;
+        return &a;
+      }
+    for (auto& [m, bb] : mappings_) {
+      auto it = allocs_.find(bb.first);
+      if (it != allocs_.end() && q >= m && q < m + it->second.bytes) {
+        if (base) *base = m;
+        return &it->second;
+      }
+    }
+    return nullptr;
+  }
+  mutable std::mutex mu_;
+  std::map<uint8_t*, Alloc> allocs_;
+  std::map<uint8_t*, std::pair<uint8_t*, size_t>> mappings_;  // mapping -> (allocation base, bytes)
+  std::vector<std::pair<uint8_t*, size_t>> freed_;
+  uint64_t serial_ = 0;
+  int opens_ = 0, closes_ = 0;
+};
+
+// The DeviceDriver of one rank on a simulated device: memory from
+// SimMemory, the stream backend of the rank in a SimDeviceWorld.
+class SimDriver final : public loom::DeviceDriver {
+ public:
+  SimDriver(SimMemory& mem, loomsim::SimDeviceWorld* world, int rank, int device)
+      : mem_(mem), world_(world), rank_(rank), device_(device) {}
+  int device() const override { return device_; }
+  const char* name() const override { return "sim"; }
+  int pointerDevice(const void* p) const override { return mem_.deviceOf(p); }
+  void* allocate(size_t bytes) override { return mem_.alloc(device_, bytes); }
+  void release(void* p) override { mem_.free(p); }
+  void addressRange(const void* p, void** base, size_t* bytes) const override { mem_.range(p, base, bytes); }
+  void exportHandle(void* base, uint8_t h[loom::kIpcHandleBytes]) const override { mem_.handle(base, h); }
+  void* openHandle(const uint8_t h[loom::kIpcHandleBytes]) override { return mem_.open(h); }
+  void closeHandle(void* mapped) override { mem_.closeMapping(mapped); }
+  std::atomic<bool> failLaunch{false};  // backend() fails as a CUDA launch would
+  loom::StreamBackend& backend(void* callerStream, int streams, int events) override {
+    (void)callerStream;
+    if (failLaunch.load()) loom::fail(loomUnhandledCudaError, "sim: cuStreamWaitValue64 failed: device lost");
+    REQUIRE(streams <= 2);
+    REQUIRE(events <= 8);
+    return world_->rank(rank_);
+  }
+  uint64_t readFlag(const uint64_t* flag) override {
+    return reinterpret_cast<const std::atomic<uint64_t>*>(flag)->load(std::memory_order_acquire);
+  }
+
+ private:
+  SimMemory& mem_;
+  loomsim::SimDeviceWorld* world_;
+  int rank_, device_;
+};
+
+// An all-gather between threads (the bootstrap's role).
+class ThreadExchange {
+ public:
+  explicit ThreadExchange(int n) : n_(n), slots_(size_t(n)) {}
+  void allGather(int rank, const void* mine, size_t bytes, void* all) {
+    std::unique_lock<std::mutex> g(mu_);
+    const uint64_t gen = gen_;
+    slots_[size_t(rank)].assign(static_cast<const uint8_t*>(mine), static_cast<const uint8_t*>(mine) + bytes);
+    if (++arrived_ == n_) {
+      arrived_ = 0;
+      ++gen_;
+      result_.clear();
+      for (auto& s : slots_) result_.insert(result_.end(), s.begin(), s.end());
+      cv_.notify_all();
+    } else {
+      cv_.wait(g, [&] { return gen_ != gen; });
+    }
+    memcpy(all, result_.data(), std::min(result_.size(), bytes * size_t(n_)));
+  }
+
+ private:
+  int n_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::vector<uint8_t>> slots_;
+  std::vector<uint8_t> result_;
+  int arrived_ = 0;
+  uint64_t gen_ = 0;
+};
+
+// N ranks as threads of this process, each with its DeviceComm on the
+// simulated device r % gpus.  distinctProcesses: each rank poses as its own
+// process, so peers' windows go through handles (mapped again here).
+struct SimComms {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world;
+  std::vector<std::unique_ptr<loom::DeviceComm>> comms;
+  std::vector<SimDriver*> drivers;  // owned by comms
+  std::vector<std::string> initErrors;
+  int gpus;
+
+  SimComms(int n, int gpus_, loom::DeviceCommOptions opts, bool distinctProcesses = true,
+           loomsim::SimDeviceOptions simOpts = {}, std::vector<size_t> slotPerRank = {})
+      : world(n, gpus_, 256, simOpts), comms(size_t(n)), drivers(size_t(n)), initErrors(size_t(n)), gpus(gpus_) {
+    ThreadExchange ex(n);
+    std::vector<std::thread> ts;
+    for (int r = 0; r < n; ++r)
+      ts.emplace_back([&, r] {
+        loom::DeviceCommOptions o = opts;
+        if (distinctProcesses) o.process = 1000 + uint64_t(r);
+        if (!slotPerRank.empty()) o.slotBytes = slotPerRank[size_t(r)];
+        auto driver = std::make_unique<SimDriver>(mem, &world, r, r % gpus_);
+        drivers[size_t(r)] = driver.get();
+        try {
+          comms[size_t(r)] = std::make_unique<loom::DeviceComm>(
+              r, n, std::move(driver),
+              [&ex, r](const void* m, size_t b, void* all) { ex.allGather(r, m, b, all); }, o);
+        } catch (const loom::Error& e) {
+          initErrors[size_t(r)] = e.what();
+        }
+      });
+    for (auto& t : ts) t.join();
+  }
+  ~SimComms() {
+    for (int r = 0; r < world.nranks(); ++r) {
+      std::string msg;
+      world.rank(r).synchronize(&msg);
+    }
+    comms.clear();
+  }
+  int n() const { return world.nranks(); }
+};
+
+struct Op {
+  Collective coll;
+  loomDataType_t type;
+  loomRedOp_t op;
+  size_t count;
+  int root;
+  bool inPlace;
+};
+
+std::string opName(const Op& o, int n) {
+  return loom::strf("%s N=%d %s %s count=%zu root=%d %s", loom::collectiveName(o.coll), n, loom::dtypeName(o.type),
+                    loom::redOpName(o.op), o.count, o.root, o.inPlace ? "in-place" : "out-of-place");
+}
+
+void fillRandom(uint8_t* p, size_t n, loomDataType_t t, std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> u(-4.0f, 4.0f);
+  const size_t esz = loom::dtypeSize(t);
+  for (size_t i = 0; i < n; ++i) {
+    uint8_t* e = p + i * esz;
+    float f = u(rng);
+    double d = double(f) * 1.0000001;
+    uint16_t h;
+    uint64_t r = rng();
+    switch (t) {
+      case loomFloat16: h = loom::floatToHalf(f); memcpy(e, &h, 2); break;
+      case loomBfloat16: h = loom::floatToBf16(f); memcpy(e, &h, 2); break;
+      case loomFloat32: memcpy(e, &f, 4); break;
+      case loomFloat64: memcpy(e, &d, 8); break;
+      default: memcpy(e, &r, esz);
+    }
+  }
+}
+
+// One operation on every rank, with its buffers in simulated device memory.
+struct Prepared {
+  Op o;
+  std::vector<uint8_t*> send, recv;
+  std::vector<std::vector<uint8_t>> input, expect;
+  size_t recvBytes = 0;
+};
+
+Prepared prepare(SimComms& s, const Op& o, std::mt19937_64& rng) {
+  const int N = s.n();
+  const size_t esz = loom::dtypeSize(o.type), n = o.count;
+  size_t sendElems = n, recvElems = n;
+  if (o.coll == Collective::ReduceScatter) sendElems *= size_t(N);
+  if (o.coll == Collective::AllGather) recvElems *= size_t(N);
+  Prepared p;
+  p.o = o;
+  p.recvBytes = recvElems * esz;
+  std::vector<std::vector<uint8_t>> before(static_cast<size_t>(N));
+  for (int r = 0; r < N; ++r) {
+    const int dev = r % s.gpus;
+    const size_t big = std::max(sendElems, recvElems) * esz + 8;
+    uint8_t* rb = s.mem.alloc(dev, big);
+    fillRandom(rb, big / esz, o.type, rng);  // garbage before the operation
+    uint8_t *in, *out;
+    if (!o.inPlace) {
+      in = s.mem.alloc(dev, sendElems * esz + 8);
+      out = rb;
+    } else if (o.coll == Collective::ReduceScatter) {
+      in = rb;
+      out = rb + size_t(r) * n * esz;
+    } else if (o.coll == Collective::AllGather) {
+      in = rb + size_t(r) * n * esz;
+      out = rb;
+    } else {
+      in = out = rb;
+    }
+    fillRandom(in, sendElems, o.type, rng);
+    p.send.push_back(in);
+    p.recv.push_back(out);
+    p.input.emplace_back(in, in + sendElems * esz);
+    before[size_t(r)].assign(out, out + recvElems * esz);
+  }
+  // The host arithmetic, ranks combined in rank order.
+  loom::Device& host = loom::hostDevice();
+  auto fold = [&](size_t off, std::vector<uint8_t>* e) {
+    e->assign(p.input[0].begin() + long(off), p.input[0].begin() + long(off + n * esz));
+    for (int q = 1; q < N; ++q) host.reduce(e->data(), e->data(), p.input[size_t(q)].data() + off, n, o.type, o.op);
+    if (o.op == loomAvg) host.divide(e->data(), e->data(), n, o.type, N);
+  };
+  for (int r = 0; r < N; ++r) {
+    std::vector<uint8_t> e;
+    switch (o.coll) {
+      case Collective::AllReduce: fold(0, &e); break;
+      case Collective::ReduceScatter: fold(size_t(r) * n * esz, &e); break;
+      case Collective::AllGather:
+        for (int q = 0; q < N; ++q) e.insert(e.end(), p.input[size_t(q)].begin(), p.input[size_t(q)].end());
+        break;
+      case Collective::Broadcast: e = p.input[size_t(o.root)]; break;
+      case Collective::Reduce:
+        if (r == o.root)
+          fold(0, &e);
+        else
+          e = before[size_t(r)];  // untouched
+        break;
+      default: break;
+    }
+    p.expect.push_back(e);
+  }
+  return p;
+}
+
+void issue(SimComms& s, const Prepared& p, int r) {
+  loom::OpDesc d;
+  d.coll = p.o.coll;
+  d.sendbuf = p.send[size_t(r)];
+  d.recvbuf = p.recv[size_t(r)];
+  d.count = p.o.count;
+  d.dtype = p.o.type;
+  d.op = p.o.op;
+  d.root = p.o.root;
+  s.comms[size_t(r)]->run(d, nullptr);
+}
+
+std::string verify(const Prepared& p, int N) {
+  for (int r = 0; r < N; ++r) {
+    const std::vector<uint8_t>& e = p.expect[size_t(r)];
+    if (!e.empty() && memcmp(p.recv[size_t(r)], e.data(), e.size()) != 0) {
+      size_t i = 0;
+      while (p.recv[size_t(r)][i] == e[i]) ++i;
+      return loom::strf("%s: rank %d wrong at byte %zu of %zu", opName(p.o, N).c_str(), r, i, e.size());
+    }
+  }
+  return "";
+}
+
+std::string syncAll(SimComms& s) {
+  std::string problems;
+  for (int r = 0; r < s.n(); ++r) {
+    std::string msg;
+    loomResult_t rc = s.world.rank(r).synchronize(&msg);
+    if (rc != loomSuccess) problems += loom::strf("rank %d: %d %s; ", r, int(rc), msg.c_str());
+  }
+  return problems;
+}
+
+std::vector<Op> everyCollective(int N) {
+  std::vector<Op> ops;
+  const size_t counts[] = {1, 7, 1000};
+  for (size_t c : counts) {
+    for (bool ip : {false, true}) {
+      ops.push_back({Collective::AllReduce, loomFloat32, loomSum, c, 0, ip});
+      ops.push_back({Collective::ReduceScatter, loomInt32, loomSum, c, 0, ip});
+      ops.push_back({Collective::AllGather, loomFloat16, loomSum, c, 0, ip});
+      ops.push_back({Collective::Broadcast, loomUint8, loomSum, c, N - 1, ip});
+      ops.push_back({Collective::Reduce, loomFloat64, loomMax, c, N / 2, ip});
+    }
+  }
+  // Every reduction op and a spread of types, one-shot and rs+ag sizes.
+  ops.push_back({Collective::AllReduce, loomBfloat16, loomAvg, 3000, 0, false});
+  ops.push_back({Collective::AllReduce, loomInt8, loomProd, 513, 0, true});
+  ops.push_back({Collective::AllReduce, loomUint64, loomMin, 90, 0, false});
+  ops.push_back({Collective::AllReduce, loomFloat16, loomMax, 2048, 0, true});
+  ops.push_back({Collective::ReduceScatter, loomFloat32, loomAvg, 300, 0, false});
+  ops.push_back({Collective::Reduce, loomInt64, loomSum, 700, 0, false});
+  ops.push_back({Collective::AllReduce, loomFloat32, loomSum, 0, 0, false});  // count 0: nothing
+  return ops;
+}
+
+}  // namespace
+
+TEST_CASE("device communicator (simulated device): every collective is exact, N = 1..5, ranks sharing a device "
+          "and on two, ops back to back",
+          "[devcomm]") {
+  loom::DeviceCommOptions opts;
+  opts.slotBytes = 1024;    // many rounds per operation
+  opts.oneShotBytes = 512;  // both all-reduce programs
+  for (int N = 1; N <= 5; ++N)
+    for (int gpus : {1, 2}) {
+      if (gpus > N) continue;
+      SimComms s(N, gpus, opts);
+      for (int r = 0; r < N; ++r) REQUIRE(s.initErrors[size_t(r)].empty());
+      std::mt19937_64 rng(uint64_t(N * 10 + gpus));
+      std::vector<Prepared> ps;
+      for (const Op& o : everyCollective(N)) ps.push_back(prepare(s, o, rng));
+      // Every rank issues all of them, then one synchronisation.
+      for (int r = 0; r < N; ++r)
+        for (const Prepared& p : ps) issue(s, p, r);
+      std::string bad = syncAll(s);
+      INFO("N=" << N << " gpus=" << gpus << ": " << bad);
+      REQUIRE(bad.empty());
+      int wrong = 0;
+      for (const Prepared& p : ps) {
+        std::string why = verify(p, N);
+        if (!why.empty() && ++wrong <= 3) FAIL_CHECK(why);
+      }
+      CHECK(wrong == 0);
+      // The peers' blocks were opened through handles once each, not per op.
+      if (N > 1) CHECK(s.comms[0]->imports().opens() == size_t(N - 1));
+      CHECK(s.comms[0]->round() == s.comms[size_t(N - 1)]->round());
+    }
+}
+
+TEST_CASE("device communicator (simulated device): ranks of one process use each other's windows directly, "
+          "no handle is opened",
+          "[devcomm]") {
+  loom::DeviceCommOptions opts;
+  opts.slotBytes = 1024;
+  SimComms s(3, 1, opts, /*distinctProcesses=*/false);
+  std::mt19937_64 rng(5);
+  Prepared p = prepare(s, {Collective::AllReduce, loomInt32, loomSum, 600, 0, false}, rng);
+  for (int r = 0; r < 3; ++r) issue(s, p, r);
+  REQUIRE(syncAll(s).empty());
+  CHECK(verify(p, 3).empty());
+  CHECK(s.mem.opens() == 0);
+  CHECK(s.comms[1]->imports().opens() == 0);
+}
+
+TEST_CASE("device communicator (simulated device): run() returns before the work runs; the result is there "
+          "after the stream synchronises, and the caller's earlier work comes first",
+          "[devcomm]") {
+  loom::DeviceCommOptions opts;
+  opts.slotBytes = 1024;
+  opts.oneShotBytes = 0;  // the two-stream program: its fork must wait for the caller's work too
+  SimComms s(2, 2, opts);
+  std::mt19937_64 rng(9);
+  Prepared p = prepare(s, {Collective::AllReduce, loomInt32, loomSum, 1000, 0, false}, rng);
+  std::atomic<bool> open{false};
+  struct Opener {  // a failed REQUIRE must not leave the streams blocked
+    std::atomic<bool>& o;
+    ~Opener() { o.store(true); }
+  } opener{open};
+  // The caller's own "kernel" on its stream: blocks until released, then
+  // writes the input the collective must read (order: it runs first).
+  std::vector<std::vector<uint8_t>> later(2);
+  for (int r = 0; r < 2; ++r) {
+    later[size_t(r)].resize(p.input[size_t(r)].size());
+    fillRandom(later[size_t(r)].data(), 1000, loomInt32, rng);
+    uint8_t* dst = p.send[size_t(r)];
+    const std::vector<uint8_t>* src = &later[size_t(r)];
+    s.world.rank(r).enqueueWork(0, [&open, dst, src] {
+      while (!open.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      memcpy(dst, src->data(), src->size());
+    });
+  }
+  std::vector<uint8_t> garbage(p.recv[0], p.recv[0] + p.recvBytes);
+  for (int r = 0; r < 2; ++r) issue(s, p, r);  // must not block on the stream
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK(memcmp(p.recv[0], garbage.data(), garbage.size()) == 0);  // nothing ran yet
+  open.store(true);
+  REQUIRE(syncAll(s).empty());
+  // Expected from the inputs the caller's work wrote.
+  std::vector<int32_t> a(1000), b(1000);
+  memcpy(a.data(), later[0].data(), 4000);
+  memcpy(b.data(), later[1].data(), 4000);
+  std::vector<int32_t> got(1000);
+  for (int r = 0; r < 2; ++r) {
+    memcpy(got.data(), p.recv[size_t(r)], 4000);
+    int wrong = 0;
+    for (size_t i = 0; i < 1000; ++i) wrong += got[i] != int32_t(uint32_t(a[i]) + uint32_t(b[i]));
+    CHECK(wrong == 0);
+  }
+}
+
+TEST_CASE("device communicator (simulated device): host memory, another device's memory and collectives it does "
+          "not serve are clear errors, and the communicator still works after them",
+          "[devcomm]") {
+  SimComms s(2, 2, {});
+  std::vector<float> host(16);
+  uint8_t* dev0 = s.mem.alloc(0, 64);
+  uint8_t* dev1 = s.mem.alloc(1, 64);
+  loom::OpDesc d;
+  d.coll = Collective::AllReduce;
+  d.count = 16;
+  d.dtype = loomFloat32;
+  auto err = [&](loom::OpDesc op, loomResult_t* code) {
+    try {
+      s.comms[0]->run(op, nullptr);
+    } catch (const loom::Error& e) {
+      *code = e.code();
+      return std::string(e.what());
+    }
+    *code = loomSuccess;
+    return std::string();
+  };
+  loomResult_t rc;
+  d.sendbuf = host.data();
+  d.recvbuf = dev0;
+  std::string m = err(d, &rc);
+  CHECK(rc == loomInvalidArgument);
+  CHECK(m.find("sendbuff") != std::string::npos);
+  CHECK(m.find("is host memory, but this communicator runs on sim:0") != std::string::npos);
+  d.sendbuf = dev0;
+  d.recvbuf = dev1;
+  m = err(d, &rc);
+  CHECK(rc == loomInvalidArgument);
+  CHECK(m.find("recvbuff") != std::string::npos);
+  CHECK(m.find("is memory of sim:1, but this communicator runs on sim:0") != std::string::npos);
+  d.coll = Collective::AllToAll;
+  d.recvbuf = dev0;
+  m = err(d, &rc);
+  CHECK(rc == loomInvalidUsage);
+  CHECK(m.find("AllToAll is not implemented on sim communicators yet") != std::string::npos);
+  CHECK(s.comms[0]->round() == 0);  // nothing was compiled
+  // Still usable: a real operation on both ranks.
+  std::mt19937_64 rng(3);
+  Prepared p = prepare(s, {Collective::Broadcast, loomFloat32, loomSum, 40, 1, false}, rng);
+  for (int r = 0; r < 2; ++r) issue(s, p, r);
+  REQUIRE(syncAll(s).empty());
+  CHECK(verify(p, 2).empty());
+}
+
+TEST_CASE("device communicator (simulated device): a device error while enqueueing fails the communicator for "
+          "good, with the device's message",
+          "[devcomm]") {
+  SimComms s(1, 1, {});
+  std::mt19937_64 rng(8);
+  Prepared p = prepare(s, {Collective::AllReduce, loomFloat32, loomSum, 64, 0, false}, rng);
+  s.drivers[0]->failLaunch = true;
+  try {
+    issue(s, p, 0);
+    FAIL("no error");
+  } catch (const loom::Error& e) {
+    CHECK(e.code() == loomUnhandledCudaError);
+    CHECK(std::string(e.what()).find("device lost") != std::string::npos);
+  }
+  CHECK(s.comms[0]->failed());
+  s.drivers[0]->failLaunch = false;
+  try {
+    issue(s, p, 0);
+    FAIL("a failed communicator ran an operation");
+  } catch (const loom::Error& e) {
+    CHECK(e.code() == loomUnhandledCudaError);
+    CHECK(std::string(e.what()).find("the sim communicator has failed") != std::string::npos);
+  }
+}
+
+TEST_CASE("device communicator (simulated device): ranks with different slot sizes fail init on every rank",
+          "[devcomm]") {
+  SimComms s(2, 1, {}, true, {}, {1024, 2048});
+  for (int r = 0; r < 2; ++r) {
+    INFO(s.initErrors[size_t(r)]);
+    CHECK(s.initErrors[size_t(r)].find("every rank must use the same slot size") != std::string::npos);
+  }
+  CHECK(s.mem.openMappings() == 0);  // nothing left mapped
+}
+
+TEST_CASE("device communicator (simulated device): a dead rank makes the others fail within the deadline",
+          "[devcomm]") {
+  loomsim::SimDeviceOptions so;
+  so.deadlineMs = 3000;
+  loom::DeviceCommOptions opts;
+  opts.slotBytes = 1024;
+  opts.drainTimeoutMs = 200;  // destroying waits this long for the dead rank
+  SimComms s(3, 1, opts, true, so);
+  std::mt19937_64 rng(4);
+  Prepared p = prepare(s, {Collective::AllReduce, loomFloat32, loomSum, 100, 0, false}, rng);
+  s.world.kill(2);
+  for (int r = 0; r < 2; ++r) issue(s, p, r);
+  for (int r = 0; r < 2; ++r) {
+    std::string msg;
+    CHECK(s.world.rank(r).synchronize(&msg) == loomRemoteError);
+  }
+}
+
+TEST_CASE("device communicator (simulated device): destroying a rank waits until the peers finished reading "
+          "its window",
+          "[devcomm]") {
+  loom::DeviceCommOptions opts;
+  opts.slotBytes = 1024;
+  SimComms s(2, 2, opts);
+  std::mt19937_64 rng(6);
+  // A broadcast from rank 0: rank 0's program ends without waiting for
+  // rank 1, whose stream is held back by the caller's own work.  One round
+  // (800 bytes): a second would wait for rank 1's done flag of the first.
+  Prepared p = prepare(s, {Collective::Broadcast, loomInt32, loomSum, 200, 0, false}, rng);
+  std::atomic<bool> open{false};
+  struct Opener {  // a failed REQUIRE must not leave rank 1's stream blocked
+    std::atomic<bool>& o;
+    ~Opener() { o.store(true); }
+  } opener{open};
+  s.world.rank(1).enqueueWork(0, [&open] {
+    while (!open.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  for (int r = 0; r < 2; ++r) issue(s, p, r);
+  std::string msg;
+  const loomResult_t rc0 = s.world.rank(0).synchronize(&msg);
+  INFO(msg);
+  REQUIRE(rc0 == loomSuccess);
+  std::atomic<bool> destroyed{false};
+  std::thread t([&] {
+    s.comms[0].reset();
+    destroyed.store(true);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK(!destroyed.load());  // rank 1 has not read rank 0's window yet
+  open.store(true);
+  t.join();
+  REQUIRE(s.world.rank(1).synchronize(&msg) == loomSuccess);
+  CHECK(verify(p, 2).empty());
+}
+
+TEST_CASE("device communicator (simulated device): an abandoned communicator (failed or aborted) is destroyed "
+          "without waiting for peers that never finish",
+          "[devcomm]") {
+  loom::DeviceCommOptions opts;
+  opts.slotBytes = 1024;  // drainTimeoutMs stays at its 10 s default
+  SimComms s(2, 1, opts);
+  std::mt19937_64 rng(7);
+  Prepared p = prepare(s, {Collective::Broadcast, loomInt32, loomSum, 100, 0, false}, rng);
+  issue(s, p, 0);  // rank 1 never takes part
+  std::string msg;
+  REQUIRE(s.world.rank(0).synchronize(&msg) == loomSuccess);
+  s.comms[0]->abandon();
+  const int64_t t0 = loom::nowMs();
+  s.comms[0].reset();
+  CHECK(loom::nowMs() - t0 < 5000);  // not the 10 s wait for rank 1
+}
+
+TEST_CASE("IPC import cache: one open per (rank, base), offsets applied, kept while referenced, reopened when the "
+          "owner reuses the address",
+          "[devcomm]") {
+  SimMemory mem;
+  SimDriver owner(mem, nullptr, 0, 0), reader(mem, nullptr, 1, 0);
+  uint8_t* a = mem.alloc(0, 4096);
+  loom::IpcRecord rec = loom::exportRange(owner, a + 512, 1024, /*process=*/100);
+  CHECK(rec.offset == 512);
+  CHECK(rec.allocBytes == 4096);
+  CHECK(rec.base == uint64_t(reinterpret_cast<uintptr_t>(a)));
+  {
+    loom::IpcImportCache cache(reader, /*myProcess=*/200);
+    uint8_t* m1 = cache.import(0, rec);
+    uint8_t* m2 = cache.import(0, rec);
+    CHECK(m1 == m2);
+    CHECK(m1 != a + 512);  // mapped again, elsewhere
+    CHECK(cache.opens() == 1);
+    m1[3] = 0x5c;  // the same memory
+    CHECK(a[512 + 3] == 0x5c);
+    cache.release(0, rec);
+    cache.release(0, rec);
+    CHECK(cache.mapped() == 1);  // kept for the next operation
+    // The same base from another rank is another entry.
+    cache.import(1, rec);
+    CHECK(cache.opens() == 2);
+    cache.release(1, rec);
+
+    // The owner frees and reallocates; if the address comes back, the
+    // handle differs and the old mapping is not reused.
+    uint8_t* keep = cache.import(0, rec);  // referenced while replaced
+    // What a new allocation at that address would publish: the same base,
+    // another handle (here: another allocation's).
+    uint8_t* b = mem.alloc(0, 4096);
+    loom::IpcRecord again = rec;
+    mem.handle(b, again.handle);
+    uint8_t* m3 = cache.import(0, again);
+    CHECK(cache.opens() == 3);
+    CHECK(m3 != keep);
+    CHECK(cache.mapped() == 3);  // the replaced mapping stays until released
+    cache.release(0, rec);
+    CHECK(cache.mapped() == 2);
+    cache.release(0, again);
+
+    // A record whose range is outside its allocation is refused.
+    loom::IpcRecord bad = rec;
+    bad.offset = 4000;
+    try {
+      cache.import(0, bad);
+      FAIL("accepted a range outside its allocation");
+    } catch (const loom::Error& e) {
+      CHECK(e.code() == loomRemoteError);
+    }
+    // This process's own memory is not opened.
+    loom::IpcRecord own = loom::exportRange(owner, a, 64, 200);
+    CHECK(cache.import(0, own) == a);
+    CHECK(cache.opens() == 3);
+    cache.release(0, own);
+  }
+  CHECK(mem.openMappings() == 0);  // the cache closed every mapping it opened
+}
+
+namespace {
+
+struct DeviceEnv {  // LOOM_DEVICE=cuda with simulated drivers, undone on scope exit
+  DeviceEnv(SimMemory& mem, loomsim::SimDeviceWorld& world) {
+    loom::setDeviceDriverFactoryForTesting(
+        [&mem, &world](int r, int) { return std::make_unique<SimDriver>(mem, &world, r, 0); });
+    setenv("LOOM_DEVICE", "cuda", 1);
+    loom::configReload();
+  }
+  ~DeviceEnv() {
+    unsetenv("LOOM_DEVICE");
+    loom::configReload();
+    loom::setDeviceDriverFactoryForTesting(nullptr);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("CUDA communicator through the C API (LOOM_DEVICE=cuda, simulated device): collectives are enqueued on "
+          "the caller's stream and exact after it synchronises; host memory, loom streams, groups and calls the "
+          "device path does not serve are clear errors",
+          "[devcomm][api]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(2, 1, 256);
+  DeviceEnv env(mem, world);
+  loomUniqueId id;
+  REQUIRE(loomGetUniqueId(&id) == loomSuccess);
+  loomComm_t comms[2] = {nullptr, nullptr};
+  loomResult_t rcs[2];
+  std::string errs[2];
+  {
+    std::vector<std::thread> ts;
+    for (int r = 0; r < 2; ++r)
+      ts.emplace_back([&, r] {
+        rcs[r] = loomCommInitRank(&comms[r], 2, id, r);
+        errs[r] = loomGetLastError(nullptr);
+      });
+    for (auto& t : ts) t.join();
+  }
+  INFO(errs[0] << " / " << errs[1]);
+  REQUIRE(rcs[0] == loomSuccess);
+  REQUIRE(rcs[1] == loomSuccess);
+  auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));  // a cudaStream_t: never dereferenced
+
+  // One-shot (small) and reduce-scatter + all-gather (large) all-reduces,
+  // and an all-gather, back to back; results only after synchronising.
+  const size_t counts[] = {1000, 200000};
+  std::vector<int32_t*> send, recv;
+  for (size_t n : counts)
+    for (int r = 0; r < 2; ++r) {
+      auto* s = reinterpret_cast<int32_t*>(mem.alloc(0, n * 4));
+      auto* d = reinterpret_cast<int32_t*>(mem.alloc(0, n * 4));
+      for (size_t i = 0; i < n; ++i) s[i] = int32_t(i * 7 + size_t(r) * 1000003), d[i] = -1;
+      send.push_back(s);
+      recv.push_back(d);
+    }
+  auto* agIn = reinterpret_cast<int32_t*>(mem.alloc(0, 2 * 64 * 4));
+  auto* agOut = reinterpret_cast<int32_t*>(mem.alloc(0, 2 * 2 * 64 * 4));
+  for (int i = 0; i < 2 * 64; ++i) agIn[i] = i;
+  for (int k = 0; k < 2; ++k)
+    for (int r = 0; r < 2; ++r)
+      CHECK(loomAllReduce(send[size_t(2 * k + r)], recv[size_t(2 * k + r)], counts[k], loomInt32, loomSum, comms[r],
+                          k ? fakeStream : nullptr) == loomSuccess);
+  for (int r = 0; r < 2; ++r)
+    CHECK(loomAllGather(agIn + 64 * r, agOut + 128 * r, 64, loomInt32, comms[r], fakeStream) == loomSuccess);
+  for (int r = 0; r < 2; ++r) {
+    std::string msg;
+    REQUIRE(world.rank(r).synchronize(&msg) == loomSuccess);
+  }
+  for (int k = 0; k < 2; ++k) {
+    long wrong = 0;
+    for (int r = 0; r < 2; ++r)
+      for (size_t i = 0; i < counts[k]; ++i)
+        wrong += recv[size_t(2 * k + r)][i] != int32_t(uint32_t(send[size_t(2 * k)][i]) + uint32_t(send[size_t(2 * k + 1)][i]));
+    CHECK(wrong == 0);
+  }
+  for (int r = 0; r < 2; ++r)
+    for (int i = 0; i < 128; ++i) CHECK(agOut[128 * r + i] == i);
+
+  // Errors, each with its message.
+  std::vector<float> host(16);
+  float* dev = reinterpret_cast<float*>(mem.alloc(0, 64));
+  CHECK(loomAllReduce(host.data(), dev, 16, loomFloat32, loomSum, comms[0], fakeStream) == loomInvalidArgument);
+  CHECK(std::string(loomGetLastError(comms[0])).find("sendbuff") != std::string::npos);
+  CHECK(std::string(loomGetLastError(comms[0])).find("is host memory, but this communicator runs on sim:0") !=
+        std::string::npos);
+  loomStream_t hs;
+  REQUIRE(loomStreamCreate(&hs) == loomSuccess);
+  CHECK(loomAllReduce(dev, dev, 16, loomFloat32, loomSum, comms[0], hs) == loomInvalidArgument);
+  CHECK(std::string(loomGetLastError(comms[0])).find("is a loom host stream, but this communicator runs on CUDA") !=
+        std::string::npos);
+  CHECK(loomStreamDestroy(hs) == loomSuccess);
+  CHECK(loomSend(dev, 16, loomFloat32, 1, comms[0], fakeStream) == loomInvalidUsage);
+  CHECK(std::string(loomGetLastError(comms[0])).find("Send/Recv is not implemented on sim communicators yet") !=
+        std::string::npos);
+  size_t cnt[2] = {1, 1}, dis[2] = {0, 1};
+  CHECK(loomAllToAllv(dev, cnt, dis, dev + 4, cnt, dis, loomFloat32, comms[0], fakeStream) == loomInvalidUsage);
+  CHECK(std::string(loomGetLastError(comms[0])).find("not implemented on CUDA communicators yet") !=
+        std::string::npos);
+  REQUIRE(loomGroupStart() == loomSuccess);
+  CHECK(loomAllReduce(dev, dev, 16, loomFloat32, loomSum, comms[0], fakeStream) == loomInvalidUsage);
+  CHECK(std::string(loomGetLastError(comms[0])).find("groups") != std::string::npos);
+  loomGroupEnd();  // reports the member's error; nothing was launched
+  for (int r = 0; r < 2; ++r) {
+    std::string msg;
+    CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
+    CHECK(loomCommDestroy(comms[r]) == loomSuccess);
+  }
+}
