@@ -19,27 +19,9 @@
 #include <vector>
 
 #include "loom.h"
+#include "tests/gpu/gpu_check.h"
 
 namespace {
-
-#define CK(call)                                                                                   \
-  do {                                                                                             \
-    cudaError_t e_ = (call);                                                                       \
-    if (e_ != cudaSuccess) {                                                                       \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(3);                                                                                \
-    }                                                                                              \
-  } while (0)
-
-#define LK(call)                                                                                     \
-  do {                                                                                               \
-    loomResult_t r_ = (call);                                                                        \
-    if (r_ != loomSuccess) {                                                                         \
-      std::fprintf(stderr, "%s:%d: %s: %s: %s\n", __FILE__, __LINE__, #call, loomGetErrorString(r_), \
-                   loomGetLastError(nullptr));                                                       \
-      std::exit(3);                                                                                  \
-    }                                                                                                \
-  } while (0)
 
 // Milliseconds per operation of `fn` run `iters` times on `st`.
 template <class Fn>

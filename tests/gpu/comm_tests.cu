@@ -32,28 +32,10 @@
 #include <vector>
 
 #include "loom.h"
+#include "tests/gpu/gpu_check.h"
 #include "src/device/host_reduce.h"
 
 namespace {
-
-#define CK(call)                                                                                    \
-  do {                                                                                              \
-    cudaError_t e_ = (call);                                                                        \
-    if (e_ != cudaSuccess) {                                                                        \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));  \
-      std::exit(3);                                                                                 \
-    }                                                                                               \
-  } while (0)
-
-#define LK(call)                                                                                     \
-  do {                                                                                               \
-    loomResult_t r_ = (call);                                                                        \
-    if (r_ != loomSuccess) {                                                                         \
-      std::fprintf(stderr, "%s:%d: %s: %s: %s\n", __FILE__, __LINE__, #call, loomGetErrorString(r_), \
-                   loomGetLastError(nullptr));                                                       \
-      std::exit(3);                                                                                  \
-    }                                                                                                \
-  } while (0)
 
 enum Coll { AllReduce, ReduceScatter, AllGather, Broadcast, Reduce };
 const char* kCollNames[] = {"all-reduce", "reduce-scatter", "all-gather", "broadcast", "reduce"};
