@@ -26,7 +26,14 @@
 //                          allreduce (during one), during (the first dies between,
 //                          the second during the shrink), revoke (no death: rank 0
 //                          revokes while the others wait; all shrink without the
-//                          last rank).  Each survivor writes DIR/rank<r>.
+//                          last rank), init (the victim dies a few ms into its
+//                          loomCommInitFromEnv: the others' init fails cleanly, or
+//                          their first all-reduce does and they shrink), connect
+//                          (the victim dies 0.2-2 ms into the first all-reduce,
+//                          while the connections are being opened; connect0: just
+//                          before it, so the others wait for a connection from a
+//                          dead rank).  Each
+//                          survivor writes DIR/rank<r>.
 //   mp-worker cut CUTRANKS B DIR   a network cut (tests/rig/rig_cut_test.sh): B-byte
 //                          all-reduces until one fails (the test takes the link of
 //                          CUTRANKS' host down once every rank wrote DIR/running<r>);
@@ -834,7 +841,35 @@ static int scenarioShrink(const std::string& mode, const std::vector<size_t>& vi
   const char* tr = getenv("LOOM_TRANSPORTS");
   const bool countFds = tr && std::string(tr).find("ucx") == std::string::npos;  // UCX keeps its own
   loomComm_t comm = nullptr;
-  CHECK_LOOM(loomCommInitFromEnv(&comm));
+  if (mode == "init") {
+    // The victim starts late, while the others wait in init, and dies 1-5 ms
+    // into its own (joining, exchanging, setting up): the others' init must
+    // fail cleanly, or succeed and leave them a communicator they can shrink.
+    if (isVictim(rank, 0)) {
+      usleep(300000);
+      die(1000 + 1000 * int(getpid() % 5));
+    }
+    auto t0 = std::chrono::steady_clock::now();
+    loomResult_t r = loomCommInitFromEnv(&comm);
+    if (r != loomSuccess) {
+      double ms = msSince(t0);
+      std::string msg = loomGetLastError(nullptr);
+      expect(r == loomRemoteError || r == loomTimeout,
+             std::string("a rank killed during init fails the others' init cleanly, not with ") + loomGetErrorString(r));
+      expect(comm == nullptr, "a failed init leaves the communicator NULL");
+      for (char& c : msg)
+        if (c == '\n' || c == '|') c = ' ';
+      if (FILE* f = fopen((dir + "/rank" + std::to_string(rank)).c_str(), "w")) {
+        fprintf(f, "init failed|%.1f|0|0|%s\n", ms, msg.c_str());
+        fclose(f);
+      }
+      printf("rank %d: init failed after %.0f ms: %s\n", rank, ms, msg.c_str());
+      return gFailures ? 1 : 0;
+    }
+    if (isVictim(rank, 0)) pause();  // its init won the race: it dies in a moment
+  } else {
+    CHECK_LOOM(loomCommInitFromEnv(&comm));
+  }
   CHECK_LOOM(loomCommCount(comm, &gSize));
   const int n0 = gSize;
   std::vector<float> buf(bytes / 4, 1.0f);
@@ -859,7 +894,11 @@ static int scenarioShrink(const std::string& mode, const std::vector<size_t>& vi
     }
   } else {
     for (int it = 0;; ++it) {
-      if (it == 2 && isVictim(rank, 0)) die(mode == "allreduce" ? 2000 : 0);
+      const bool connecting = mode == "connect" || mode == "connect0";
+      if (it == 2 && isVictim(rank, 0) && mode != "init" && !connecting) die(mode == "allreduce" ? 2000 : 0);
+      // connect: init is done, the first operation opens the connections; the
+      // victim dies 0.2-2 ms into it (connect0: just before it).
+      if (it == 0 && isVictim(rank, 0) && connecting) die(mode == "connect0" ? 0 : 200 + 600 * int(getpid() % 4));
       if (mode != "allreduce" && it == 2) usleep(200000);  // the victim is surely dead now
       auto t0 = std::chrono::steady_clock::now();
       loomResult_t r = loomAllReduce(buf.data(), buf.data(), buf.size(), loomFloat32, loomSum, comm, nullptr);
@@ -1110,7 +1149,7 @@ int main(int argc, char** argv) {
   }
   if (sc == "shrink") {
     if (argc < 6) {
-      fprintf(stderr, "usage: mp-worker shrink between|allreduce|during|revoke VICTIMS BYTES DIR\n");
+      fprintf(stderr, "usage: mp-worker shrink between|allreduce|during|revoke|init|connect|connect0 VICTIMS BYTES DIR\n");
       return 2;
     }
     return scenarioShrink(argv[2], parseList(argv[3]), strtoull(argv[4], nullptr, 10), argv[5]);

@@ -678,6 +678,30 @@ void loomComm::abort() {
   setFailed(loomRemoteError, strf("rank %d: the communicator was aborted", rank_));
 }
 
+void loomComm::checkPeerAlive(int peer) {
+  if (!ctl_ || peer < 0 || peer >= nranks_ || peer == rank_) return;
+  int64_t now = nowMs();
+  if (now - aliveCheckedMs_.load(std::memory_order_relaxed) < 250) return;
+  aliveCheckedMs_.store(now, std::memory_order_relaxed);
+  int fd;
+  try {
+    fd = ctl_->dial(peer, now + 200);
+  } catch (const Error&) {
+    return;  // no answer: maybe slow, maybe cut off; the timeout decides
+  }
+  if (fd >= 0) {
+    close(fd);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(errMutex_);
+    dead_.insert(peer);
+    unreachable_.erase(peer);
+  }
+  failPeer(peer, loomRemoteError, "rank %d: rank %d is gone (its control socket refuses) while %s waited for it to connect",
+           rank_, peer, runningOp().c_str());
+}
+
 void loomComm::checkAborted() {
   if (aborted_.load()) fail(loomRemoteError, "rank %d: the communicator was aborted", rank_);
   if (revoked_.load()) fail(loomRemoteError, "rank %d: the communicator was revoked", rank_);

@@ -154,6 +154,7 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
   // print it.  The note* calls are a few relaxed stores (hot path).
   void noteRunning(const loom::SlotTag& tag, size_t nops);
   void noteWaiting(int peer) override;
+  void checkPeerAlive(int peer) override;
   void noteIdle();
   std::string dump();
   std::string runningOp() const override;  // "AllReduce #3 (...)", or "an operation"
@@ -220,6 +221,7 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
   std::string lastError_;
   std::set<int> dead_;                   // under errMutex_
   std::set<int> unreachable_;            // under errMutex_; never holds a dead rank
+  std::atomic<int64_t> aliveCheckedMs_{0};  // checkPeerAlive's last look
   int causeRoot_ = -1;                   // under errMutex_: where the failure began
   std::string causeMsg_;                 // under errMutex_: the message of the rank where it began
   std::unique_ptr<loom::Control> ctl_;   // destroyed first: its thread calls onNotice
