@@ -34,11 +34,12 @@
 //                          before it, so the others wait for a connection from a
 //                          dead rank).  Each
 //                          survivor writes DIR/rank<r>.
-//   mp-worker cut CUTRANKS B DIR   a network cut (tests/rig/rig_cut_test.sh): B-byte
+//   mp-worker cut CUTRANKS B DIR [implicit]   a network cut (tests/rig/rig_cut_test.sh): B-byte
 //                          all-reduces until one fails (the test takes the link of
 //                          CUTRANKS' host down once every rank wrote DIR/running<r>);
 //                          each rank must name the ranks across the cut unreachable
-//                          and shrink without them: the connected side gets an exact
+//                          and shrink without them (implicit: loomCommShrink(NULL, 0)
+//                          leaves them out by itself): the connected side gets an exact
 //                          communicator, the cut side an error.  Writes DIR/rank<r>.
 #include <fcntl.h>
 #include <dirent.h>
@@ -1025,7 +1026,7 @@ static std::set<int> unreachableIn(const std::string& message) {
 // See the usage above.  A rank's line: wall-clock ms of its error | result
 // code | ms in loomCommShrink | members of the shrunken communicator (old
 // ranks) or "refused" | the error message | loomCommShrink's message.
-static int scenarioCut(const std::vector<size_t>& cutList, size_t bytes, const std::string& dir) {
+static int scenarioCut(const std::vector<size_t>& cutList, size_t bytes, const std::string& dir, bool implicit) {
   loomComm_t comm = nullptr;
   CHECK_LOOM(loomCommInitFromEnv(&comm));
   CHECK_LOOM(loomCommUserRank(comm, &gRank));
@@ -1076,9 +1077,11 @@ static int scenarioCut(const std::vector<size_t>& cutList, size_t bytes, const s
   char dump[4096];
   CHECK_LOOM(loomCommDump(comm, dump, sizeof dump));
   expect(strstr(dump, "unreachable ranks") != nullptr, std::string("loomCommDump names the unreachable: ") + dump);
-  // Shrink without the ranks found unreachable.
+  // Shrink without the ranks found unreachable (implicit: NULL, 0, and the
+  // coordinator leaves out whoever has not joined by the timeout).
   std::set<int> found = unreachableIn(async);
-  std::vector<int> exclude(found.begin(), found.end());
+  std::vector<int> exclude;
+  if (!implicit) exclude.assign(found.begin(), found.end());
   CHECK_LOOM(loomCommRevoke(comm));
   auto ts = std::chrono::steady_clock::now();
   loomComm_t next = nullptr;
@@ -1142,10 +1145,11 @@ int main(int argc, char** argv) {
   }
   if (sc == "cut") {
     if (argc < 5) {
-      fprintf(stderr, "usage: mp-worker cut CUTRANKS BYTES DIR\n");
+      fprintf(stderr, "usage: mp-worker cut CUTRANKS BYTES DIR [implicit]\n");
       return 2;
     }
-    return scenarioCut(parseList(argv[2]), strtoull(argv[3], nullptr, 10), argv[4]);
+    return scenarioCut(parseList(argv[2]), strtoull(argv[3], nullptr, 10), argv[4],
+                       argc > 5 && strcmp(argv[5], "implicit") == 0);
   }
   if (sc == "shrink") {
     if (argc < 6) {

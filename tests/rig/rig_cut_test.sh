@@ -13,6 +13,9 @@
 #   case 2: 4 hosts x 2 ranks, shm within a host, tcp between; the last
 #           host takes its own eth0 down (its connects fail at once with
 #           "network unreachable", which is no refusal either)
+#   case 3: as case 1 with the host's eth0 down, and loomCommShrink(NULL, 0):
+#           the connected side's coordinator leaves the silent rank out after
+#           the timeout, the cut rank finds every other rank silent
 # Exits 77 (ctest: skipped) with the reason when this machine cannot create
 # network namespaces.
 set -uo pipefail
@@ -25,15 +28,15 @@ bash "$RIG" --check
 rc=$?
 [ "$rc" = 0 ] || exit "$rc"
 
-cut_case() {  # hosts ranks-per-host transports how(bridge|host)
-  local hosts=$1 ranks=$2 transports=$3 how=$4
+cut_case() {  # hosts ranks-per-host transports how(bridge|host) [implicit]
+  local hosts=$1 ranks=$2 transports=$3 how=$4 implicit=${5:-}
   local prefix="rigcut$$" dir cutlist="" last=$(($1 - 1)) n=$(($1 * $2))
   dir="$(mktemp -d /tmp/loom-rigcut-XXXXXX)"
   for ((l = 0; l < ranks; l++)); do cutlist+="${cutlist:+,}$((last * ranks + l))"; done
-  echo "== $hosts hosts x $ranks ranks ($transports): host $last (ranks $cutlist) cut off by its $how link going down"
+  echo "== $hosts hosts x $ranks ranks ($transports): host $last (ranks $cutlist) cut off by its $how link going down${implicit:+; shrink(NULL, 0)}"
   bash "$RIG" --hosts "$hosts" --ranks "$ranks" --prefix "$prefix" --timeout 120 -- \
     env LOOM_TIMEOUT_MS=$TIMEOUT_MS LOOM_TRANSPORTS="$transports" \
-    "$BIN/mp-worker" cut "$cutlist" $((64 << 20)) "$dir" &
+    "$BIN/mp-worker" cut "$cutlist" $((64 << 20)) "$dir" $implicit &
   local rig=$!
   # Every rank has finished one all-reduce: the next is under way.
   for _ in $(seq 600); do
@@ -90,9 +93,10 @@ PY
 }
 
 if [ $# -gt 1 ]; then  # one case by hand: rig_cut_test.sh BIN HOSTS RANKS TRANSPORTS bridge|host
-  cut_case "$2" "$3" "$4" "$5" || exit 1
+  cut_case "$2" "$3" "$4" "$5" "${6:-}" || exit 1
   exit 0
 fi
 cut_case 4 1 tcp bridge || exit 1
 cut_case 4 2 shm,tcp host || exit 1
+cut_case 4 1 tcp host implicit || exit 1
 echo "rig cut test passed"
