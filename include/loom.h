@@ -176,7 +176,10 @@ LOOM_API loomResult_t loomCommRevoke(loomComm_t comm);
  * nExclude ranks listed in excludeRanks (may be NULL when nExclude is 0).
  * Ranks found dead (killed, crashed, or whose communicator was destroyed or
  * aborted) are always left out, so loomCommShrink(comm, NULL, 0, &newcomm)
- * is "continue with whoever is left".  Every surviving rank that is not
+ * is "continue with whoever is left".  Across a network cut the side whose
+ * members are not more than the ranks it left out and cannot reach gets
+ * loomRemoteError instead of a communicator (both sides could otherwise go
+ * on, each believing the other dead; two equal halves both fail).  Every surviving rank that is not
  * excluded must call it, with the same list; a listed rank need not call
  * (if it does, it gets *newcomm = NULL at once).  The callers run a
  * fault-tolerant agreement on who is alive: they all return the same
@@ -189,7 +192,7 @@ LOOM_API loomResult_t loomCommRevoke(loomComm_t comm);
  * while the others still agree it gets *newcomm = NULL, later it gets
  * loomTimeout.  Returns loomInvalidArgument for a rank out of range,
  * loomInvalidUsage inside a group, loomTimeout or loomRemoteError when no
- * agreement could be reached. */
+ * agreement could be reached or this rank is on the smaller side of a cut. */
 LOOM_API loomResult_t loomCommShrink(loomComm_t comm, const int* excludeRanks, int nExclude, loomComm_t* newcomm);
 
 /* Number of ranks / this rank's index.  loomInvalidArgument on NULL. */
@@ -200,7 +203,9 @@ LOOM_API loomResult_t loomCommUserRank(const loomComm_t comm, int* rank);
  * background (loomSuccess when none).  Once a communicator has failed every
  * later call on it returns that error; destroy or abort it, or shrink it.
  * When it has failed, loomGetLastError(comm) then says why and names the
- * ranks known to be dead or unreachable ("dead or unreachable ranks: 2"). */
+ * ranks known to be dead (their control socket refused: "dead ranks: 2")
+ * and those that neither answered nor refused, as across a network cut
+ * ("unreachable ranks: 3"). */
 LOOM_API loomResult_t loomCommGetAsyncError(loomComm_t comm, loomResult_t* asyncError);
 
 /* Sets how long an operation of comm may make no progress before it fails

@@ -26,7 +26,21 @@
 //                          allreduce (during one), during (the first dies between,
 //                          the second during the shrink), revoke (no death: rank 0
 //                          revokes while the others wait; all shrink without the
-//                          last rank).  Each survivor writes DIR/rank<r>.
+//                          last rank), init (the victim dies a few ms into its
+//                          loomCommInitFromEnv: the others' init fails cleanly, or
+//                          their first all-reduce does and they shrink), connect
+//                          (the victim dies 0.2-2 ms into the first all-reduce,
+//                          while the connections are being opened; connect0: just
+//                          before it, so the others wait for a connection from a
+//                          dead rank).  Each
+//                          survivor writes DIR/rank<r>.
+//   mp-worker cut CUTRANKS B DIR [implicit]   a network cut (tests/rig/rig_cut_test.sh): B-byte
+//                          all-reduces until one fails (the test takes the link of
+//                          CUTRANKS' host down once every rank wrote DIR/running<r>);
+//                          each rank must name the ranks across the cut unreachable
+//                          and shrink without them (implicit: loomCommShrink(NULL, 0)
+//                          leaves them out by itself): the connected side gets an exact
+//                          communicator, the cut side an error.  Writes DIR/rank<r>.
 #include <fcntl.h>
 #include <dirent.h>
 #include <signal.h>
@@ -828,7 +842,35 @@ static int scenarioShrink(const std::string& mode, const std::vector<size_t>& vi
   const char* tr = getenv("LOOM_TRANSPORTS");
   const bool countFds = tr && std::string(tr).find("ucx") == std::string::npos;  // UCX keeps its own
   loomComm_t comm = nullptr;
-  CHECK_LOOM(loomCommInitFromEnv(&comm));
+  if (mode == "init") {
+    // The victim starts late, while the others wait in init, and dies 1-5 ms
+    // into its own (joining, exchanging, setting up): the others' init must
+    // fail cleanly, or succeed and leave them a communicator they can shrink.
+    if (isVictim(rank, 0)) {
+      usleep(300000);
+      die(1000 + 1000 * int(getpid() % 5));
+    }
+    auto t0 = std::chrono::steady_clock::now();
+    loomResult_t r = loomCommInitFromEnv(&comm);
+    if (r != loomSuccess) {
+      double ms = msSince(t0);
+      std::string msg = loomGetLastError(nullptr);
+      expect(r == loomRemoteError || r == loomTimeout,
+             std::string("a rank killed during init fails the others' init cleanly, not with ") + loomGetErrorString(r));
+      expect(comm == nullptr, "a failed init leaves the communicator NULL");
+      for (char& c : msg)
+        if (c == '\n' || c == '|') c = ' ';
+      if (FILE* f = fopen((dir + "/rank" + std::to_string(rank)).c_str(), "w")) {
+        fprintf(f, "init failed|%.1f|0|0|%s\n", ms, msg.c_str());
+        fclose(f);
+      }
+      printf("rank %d: init failed after %.0f ms: %s\n", rank, ms, msg.c_str());
+      return gFailures ? 1 : 0;
+    }
+    if (isVictim(rank, 0)) pause();  // its init won the race: it dies in a moment
+  } else {
+    CHECK_LOOM(loomCommInitFromEnv(&comm));
+  }
   CHECK_LOOM(loomCommCount(comm, &gSize));
   const int n0 = gSize;
   std::vector<float> buf(bytes / 4, 1.0f);
@@ -853,7 +895,11 @@ static int scenarioShrink(const std::string& mode, const std::vector<size_t>& vi
     }
   } else {
     for (int it = 0;; ++it) {
-      if (it == 2 && isVictim(rank, 0)) die(mode == "allreduce" ? 2000 : 0);
+      const bool connecting = mode == "connect" || mode == "connect0";
+      if (it == 2 && isVictim(rank, 0) && mode != "init" && !connecting) die(mode == "allreduce" ? 2000 : 0);
+      // connect: init is done, the first operation opens the connections; the
+      // victim dies 0.2-2 ms into it (connect0: just before it).
+      if (it == 0 && isVictim(rank, 0) && connecting) die(mode == "connect0" ? 0 : 200 + 600 * int(getpid() % 4));
       if (mode != "allreduce" && it == 2) usleep(200000);  // the victim is surely dead now
       auto t0 = std::chrono::steady_clock::now();
       loomResult_t r = loomAllReduce(buf.data(), buf.data(), buf.size(), loomFloat32, loomSum, comm, nullptr);
@@ -875,14 +921,14 @@ static int scenarioShrink(const std::string& mode, const std::vector<size_t>& vi
       CHECK_LOOM(loomCommGetAsyncError(comm, &async));
       expect(async != loomSuccess, "the async error is set");
       message = loomGetLastError(nullptr);
-      size_t at = message.find("dead or unreachable ranks:");
-      if (at != std::string::npos && (message.substr(at) + " ").find(want + " ") != std::string::npos) break;
+      size_t at = message.find("dead ranks:");
+      if (at != std::string::npos && (message.substr(at, message.find(';', at) - at) + " ").find(want + " ") != std::string::npos) break;
       if (i == 199) expect(false, "loomCommGetAsyncError's message names dead rank" + want + ": " + message);
       usleep(10000);
     }
     char dump[4096];
     CHECK_LOOM(loomCommDump(comm, dump, sizeof dump));
-    expect(strstr(dump, "dead or unreachable ranks:") != nullptr, std::string("loomCommDump names the dead: ") + dump);
+    expect(strstr(dump, "dead ranks") != nullptr, std::string("loomCommDump names the dead: ") + dump);
   }
   CHECK_LOOM(loomCommRevoke(comm));
   // Shrink, check, and shrink again if a rank died meanwhile.
@@ -959,6 +1005,130 @@ static int scenarioShrink(const std::string& mode, const std::vector<size_t>& vi
   return gFailures ? 1 : 0;
 }
 
+// The ranks after "unreachable ranks:" in a message, up to the next ';'.
+static std::set<int> unreachableIn(const std::string& message) {
+  std::set<int> ranks;
+  size_t at = message.find("unreachable ranks:");
+  if (at == std::string::npos) return ranks;
+  std::string list = message.substr(at + strlen("unreachable ranks:"));
+  list = list.substr(0, list.find(';'));
+  const char* p = list.c_str();
+  for (;;) {
+    char* end;
+    long r = strtol(p, &end, 10);
+    if (end == p) break;
+    ranks.insert(int(r));
+    p = end;
+  }
+  return ranks;
+}
+
+// See the usage above.  A rank's line: wall-clock ms of its error | result
+// code | ms in loomCommShrink | members of the shrunken communicator (old
+// ranks) or "refused" | the error message | loomCommShrink's message.
+static int scenarioCut(const std::vector<size_t>& cutList, size_t bytes, const std::string& dir, bool implicit) {
+  loomComm_t comm = nullptr;
+  CHECK_LOOM(loomCommInitFromEnv(&comm));
+  CHECK_LOOM(loomCommUserRank(comm, &gRank));
+  CHECK_LOOM(loomCommCount(comm, &gSize));
+  const int rank = gRank;
+  std::set<int> cut(cutList.begin(), cutList.end());
+  const bool cutSide = cut.count(rank) != 0;
+  // Across the cut: what this rank must call unreachable.
+  std::set<int> across;
+  for (int r = 0; r < gSize; ++r)
+    if (cut.count(r) != cutSide) across.insert(r);
+  std::vector<float> buf(bytes / 4);
+  auto start = std::chrono::steady_clock::now();
+  loomResult_t r = loomSuccess;
+  for (int it = 0;; ++it) {
+    std::fill(buf.begin(), buf.end(), 1.0f);
+    r = loomAllReduce(buf.data(), buf.data(), buf.size(), loomFloat32, loomSum, comm, nullptr);
+    if (r != loomSuccess) break;
+    bool exact = std::all_of(buf.begin(), buf.end(), [](float x) { return x == float(gSize); });
+    expect(exact, "all-reduce " + std::to_string(it) + " before the cut is exact");
+    if (it == 0)
+      if (FILE* f = fopen((dir + "/running" + std::to_string(rank)).c_str(), "w")) fclose(f);
+    if (msSince(start) > 90000) {
+      expect(false, "all-reduces still succeed 90 s on: was the link not cut?");
+      return 1;
+    }
+  }
+  const double errorAt = realMs();
+  std::string message = loomGetLastError(comm);
+  expect(r == loomTimeout || r == loomRemoteError,
+         std::string("the cut fails the all-reduce with a timeout or a remote error, not ") + loomGetErrorString(r));
+  // The async error names the ranks across the cut unreachable (the failure
+  // notices to them go unanswered for 1 s: poll a little longer than that).
+  std::string async;
+  for (int i = 0; i < 300; ++i) {
+    loomResult_t a = loomSuccess;
+    CHECK_LOOM(loomCommGetAsyncError(comm, &a));
+    expect(a != loomSuccess, "the async error is set");
+    async = loomGetLastError(nullptr);
+    if (unreachableIn(async) == across) break;
+    usleep(10000);
+  }
+  std::string want;
+  for (int x : across) want += " " + std::to_string(x);
+  expect(unreachableIn(async) == across, "loomCommGetAsyncError names exactly the ranks across the cut (" + want +
+                                             ") unreachable: " + async);
+  expect(async.find("dead ranks:") == std::string::npos, "nobody is called dead across a cut: " + async);
+  char dump[4096];
+  CHECK_LOOM(loomCommDump(comm, dump, sizeof dump));
+  expect(strstr(dump, "unreachable ranks") != nullptr, std::string("loomCommDump names the unreachable: ") + dump);
+  // Shrink without the ranks found unreachable (implicit: NULL, 0, and the
+  // coordinator leaves out whoever has not joined by the timeout).
+  std::set<int> found = unreachableIn(async);
+  std::vector<int> exclude;
+  if (!implicit) exclude.assign(found.begin(), found.end());
+  CHECK_LOOM(loomCommRevoke(comm));
+  auto ts = std::chrono::steady_clock::now();
+  loomComm_t next = nullptr;
+  loomResult_t sr = loomCommShrink(comm, exclude.data(), int(exclude.size()), &next);
+  const double shrinkMs = msSince(ts);
+  std::string shrinkMsg = sr == loomSuccess ? "" : loomGetLastError(nullptr);
+  std::string members;
+  if (cutSide) {
+    // The smaller side of the cut: no communicator (it could not tell itself from a partition).
+    expect(sr == loomRemoteError, std::string("the cut side's loomCommShrink fails with loomRemoteError, not ") +
+                                      loomGetErrorString(sr) + ": " + shrinkMsg);
+    expect(next == nullptr, "a failed shrink leaves *newcomm NULL");
+    expect(shrinkMsg.find("unreachable") != std::string::npos, "the refusal says unreachable: " + shrinkMsg);
+    members = "refused";
+  } else if (sr != loomSuccess || !next) {
+    expect(false, "the connected side's loomCommShrink succeeds: " + shrinkMsg);
+  } else {
+    int nn, nr;
+    CHECK_LOOM(loomCommCount(next, &nn));
+    CHECK_LOOM(loomCommUserRank(next, &nr));
+    int32_t mine = rank;
+    std::vector<int32_t> all(size_t(nn), -1);
+    CHECK_LOOM(loomAllGather(&mine, all.data(), 1, loomInt32, next, nullptr));
+    std::vector<double> v((1 << 20) + 7, double(rank + 1));
+    CHECK_LOOM(loomAllReduce(v.data(), v.data(), v.size(), loomFloat64, loomSum, next, nullptr));
+    double sum = 0;
+    for (int32_t m : all) sum += m + 1;
+    expect(std::all_of(v.begin(), v.end(), [&](double x) { return x == sum; }),
+           "the shrunken communicator's all-reduce is exact");
+    expect(all[size_t(nr)] == rank, "the new ranks are the old ones in order");
+    for (int32_t m : all) members += (members.empty() ? "" : ",") + std::to_string(m);
+    CHECK_LOOM(loomCommDestroy(next));
+  }
+  for (std::string* t : {&message, &shrinkMsg})
+    for (char& c : *t)
+      if (c == '\n' || c == '|') c = ' ';
+  if (FILE* f = fopen((dir + "/rank" + std::to_string(rank)).c_str(), "w")) {
+    fprintf(f, "%.3f|%d|%.1f|%s|%s|%s\n", errorAt, int(r), shrinkMs, members.c_str(), message.c_str(),
+            shrinkMsg.c_str());
+    fclose(f);
+  }
+  printf("rank %d (%s): %s after the cut; shrink %.0f ms: %s; %s\n", rank, cutSide ? "cut off" : "connected",
+         loomGetErrorString(r), shrinkMs, members.c_str(), (message + " / " + shrinkMsg).c_str());
+  CHECK_LOOM(loomCommAbort(comm));
+  return gFailures ? 1 : 0;
+}
+
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   if (argc < 2) {
@@ -973,9 +1143,17 @@ int main(int argc, char** argv) {
     }
     return scenarioFault(argv[2], atoi(argv[3]), strtoull(argv[4], nullptr, 10), argv[5]);
   }
+  if (sc == "cut") {
+    if (argc < 5) {
+      fprintf(stderr, "usage: mp-worker cut CUTRANKS BYTES DIR [implicit]\n");
+      return 2;
+    }
+    return scenarioCut(parseList(argv[2]), strtoull(argv[3], nullptr, 10), argv[4],
+                       argc > 5 && strcmp(argv[5], "implicit") == 0);
+  }
   if (sc == "shrink") {
     if (argc < 6) {
-      fprintf(stderr, "usage: mp-worker shrink between|allreduce|during|revoke VICTIMS BYTES DIR\n");
+      fprintf(stderr, "usage: mp-worker shrink between|allreduce|during|revoke|init|connect|connect0 VICTIMS BYTES DIR\n");
       return 2;
     }
     return scenarioShrink(argv[2], parseList(argv[3]), strtoull(argv[4], nullptr, 10), argv[5]);

@@ -147,3 +147,12 @@ TEST_CASE("over ucx, the survivors of a killed rank name it, shrink, agree and g
   loomtest::shrinkCase("between", "ucx", 4, {1}, 1 << 20, {kQuiet, std::string("UCX_TLS=") + tls});
   loomtest::shrinkCase("allreduce", "ucx", 3, {0}, 64 << 20, {kQuiet, std::string("UCX_TLS=") + tls});
 }
+
+TEST_CASE("over ucx a rank killed during init or as the first operation starts gives clean errors or an agreed shrink",
+          "[ucx][shrink]") {
+  const char* tls = GENERATE("tcp", "sm");
+  INFO("UCX_TLS=" << tls);
+  loomtest::shrinkCase("init", "ucx", 4, {2}, 1 << 20, {kQuiet, std::string("UCX_TLS=") + tls, "LOOM_TIMEOUT_MS=2000"});
+  loomtest::shrinkCase("connect", "ucx", 4, {1}, 1 << 20, {kQuiet, std::string("UCX_TLS=") + tls});
+  loomtest::shrinkCase("connect0", "ucx", 3, {2}, 1 << 20, {kQuiet, std::string("UCX_TLS=") + tls});
+}

@@ -14,6 +14,7 @@
 #include "loom.h"
 #include "src/core/bootstrap.h"
 #include "src/core/clock.h"
+#include "src/core/socket.h"
 
 namespace {
 
@@ -84,6 +85,19 @@ TEST_CASE("garbage and wrong secrets on the bootstrap port are dropped while ini
   CHECK(loomCommDestroy(comms[0]) == loomSuccess);
   CHECK(loomCommDestroy(comms[1]) == loomSuccess);
   unsetenv("LOOM_SOCKET_IFNAME");
+}
+
+TEST_CASE("loopback and unspecified addresses are never advertised to other hosts", "[bootstrap]") {
+  // A rank sharing the root's loopback domain sees the root on 127.0.0.1;
+  // init must not advertise that (ranks on other hosts could not reach it).
+  for (const char* local : {"127.0.0.1", "127.3.2.1", "0.0.0.0", "::1", "::", "::ffff:127.0.0.1"}) {
+    INFO(local);
+    CHECK(loom::isLocalOnly(loom::resolveAddr(local, 1)));
+  }
+  for (const char* remote : {"10.77.0.1", "192.168.1.2", "128.0.0.1", "fe80::1", "2001:db8::1", "::ffff:10.0.0.1"}) {
+    INFO(remote);
+    CHECK_FALSE(loom::isLocalOnly(loom::resolveAddr(remote, 1)));
+  }
 }
 
 TEST_CASE("init with a missing rank times out with a message naming it", "[bootstrap]") {

@@ -154,6 +154,11 @@ class ConnectHost {
   virtual void checkAborted() = 0;
   virtual void noteWaiting(int peer) = 0;
   virtual std::string runningOp() const = 0;  // "AllReduce #3 (...)" for messages
+  // While waiting for `peer` to open a connection: throws loomRemoteError if
+  // its process is gone (its control socket refuses), so that a rank that
+  // died before connecting fails the wait at once rather than at the
+  // timeout.  Cheap to call in a loop (it looks at most every 250 ms).
+  virtual void checkPeerAlive(int peer) { (void)peer; }
 };
 
 // The cost model's link classes (src/tuner/cost_model.h prices each).

@@ -337,12 +337,22 @@ void Bootstrap::serve(const UniqueIdData& id, const BootCheck& check) {
 std::vector<uint8_t> Bootstrap::allGather(const void* mine, size_t bytes) {
   std::vector<uint8_t> all(bytes * size_t(nranks_));
   memcpy(all.data() + size_t(rank_) * bytes, mine, bytes);
-  if (rank_ == 0) {
-    for (int r = 1; r < nranks_; ++r) recvAll(fds_[size_t(r)], all.data() + size_t(r) * bytes, bytes, deadline_);
-    for (int r = 1; r < nranks_; ++r) sendAll(fds_[size_t(r)], all.data(), all.size(), deadline_);
-  } else {
-    sendAll(rootFd_, mine, bytes, deadline_);
-    recvAll(rootFd_, all.data(), all.size(), deadline_);
+  // Name the rank whose connection failed: during init a dead rank is
+  // found here first (the others then see the root's connection close).
+  int r = 1;
+  try {
+    if (rank_ == 0) {
+      for (r = 1; r < nranks_; ++r) recvAll(fds_[size_t(r)], all.data() + size_t(r) * bytes, bytes, deadline_);
+      for (r = 1; r < nranks_; ++r) sendAll(fds_[size_t(r)], all.data(), all.size(), deadline_);
+    } else {
+      sendAll(rootFd_, mine, bytes, deadline_);
+      recvAll(rootFd_, all.data(), all.size(), deadline_);
+    }
+  } catch (const Error& e) {
+    if (rank_ == 0)
+      fail(e.code(), "rank 0: bootstrap exchange with rank %d: %s (did it die during init?)", r, e.what());
+    fail(e.code(), "rank %d: bootstrap exchange with the root (rank 0): %s (the root gives up when any rank fails during init)",
+         rank_, e.what());
   }
   return all;
 }

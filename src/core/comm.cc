@@ -99,8 +99,11 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
   // This rank's network address: the interface LOOM_SOCKET_IFNAME names,
   // else the one the bootstrap root sees us on.
   SockAddr advertise = cfg.socketIfname.empty() ? boot.localAddress() : interfaceAddr(cfg.socketIfname);
-  if (advertise.ss.ss_family == AF_INET &&
-      reinterpret_cast<sockaddr_in*>(&advertise.ss)->sin_addr.s_addr == 0)
+  // Nor a loopback address: a rank that shares the root's loopback domain
+  // reaches it on 127.0.0.1 (a unique id from loomGetUniqueId, or the one
+  // loomCommShrink makes), but ranks of other hosts cannot reach it there.
+  // Ranks of its own domain use 127.0.0.1 whatever it advertises.
+  if (cfg.socketIfname.empty() && isLocalOnly(advertise))
     advertise = defaultInterfaceAddr();
   advertise.setPort(0);
 
@@ -540,10 +543,11 @@ loomResult_t loomComm::failOperation(const Error& e) {
   if (code == loomRemoteError && peer >= 0 && peer < nranks_ && peer != rank_ && ctl_ &&
       asyncError() == loomSuccess) {
     Reach reach = ctl_->askWhy(peer, &from, nowMs() + 1000);
-    if (reach == Reach::Refused) {
-      std::lock_guard<std::mutex> lock(errMutex_);
-      dead_.insert(peer);
-    } else if (reach == Reach::Acked && from.code != loomSuccess && from.root >= 0) {
+    std::vector<bool> asked(size_t(nranks_), false);
+    asked[size_t(peer)] = true;
+    std::vector<Reach> reached(size_t(nranks_), reach);
+    markDead(asked, reached);
+    if (reach == Reach::Acked && from.code != loomSuccess && from.root >= 0) {
       code = inheritedCode(from.code);
       msg = inheritedMessage(rank_, from);
     } else {
@@ -620,21 +624,32 @@ void loomComm::notifyPeers(CtlType type) {
     }
   }
   // A peer whose control socket refuses is gone; one that does not answer
-  // in time is not called dead here (it may only be slow).
-  ctl_->broadcastAsync(m, to, nowMs() + 1000, [this](const std::vector<Reach>& reach) { markDead(reach); });
+  // in time is not called dead here (it may only be slow, or cut off): it
+  // is reported unreachable.
+  ctl_->broadcastAsync(m, to, nowMs() + 1000, [this, to](const std::vector<Reach>& reach) { markDead(to, reach); });
 }
 
-void loomComm::markDead(const std::vector<Reach>& reach) {
+void loomComm::markDead(const std::vector<bool>& asked, const std::vector<Reach>& reach) {
   std::lock_guard<std::mutex> lock(errMutex_);
-  for (int r = 0; r < nranks_; ++r)
-    if (reach[size_t(r)] == Reach::Refused) dead_.insert(r);
+  for (int r = 0; r < nranks_; ++r) {
+    if (!asked[size_t(r)]) continue;
+    if (reach[size_t(r)] == Reach::Refused) {
+      dead_.insert(r);
+      unreachable_.erase(r);
+    } else if (reach[size_t(r)] == Reach::Timeout) {
+      if (!dead_.count(r)) unreachable_.insert(r);
+    } else {
+      unreachable_.erase(r);
+    }
+  }
 }
 
 void loomComm::onNotice(const CtlMsg& m) {
   {
     std::lock_guard<std::mutex> lock(errMutex_);
     for (int r : m.ranks)
-      if (r >= 0 && r < nranks_ && r != rank_) dead_.insert(r);
+      if (r >= 0 && r < nranks_ && r != rank_) dead_.insert(r), unreachable_.erase(r);
+    unreachable_.erase(m.from);  // it reached us
   }
   // A communicator that failed already keeps the message of its own failure.
   if (m.type == CtlType::Revoke) {
@@ -670,11 +685,22 @@ std::set<int> loomComm::deadRanks() {
   return dead_;
 }
 
+std::set<int> loomComm::unreachableRanks() {
+  std::lock_guard<std::mutex> lock(errMutex_);
+  return unreachable_;
+}
+
 std::string loomComm::deadSuffix() {
-  std::set<int> d = deadRanks();
-  if (d.empty()) return "";
-  std::string s = "; dead or unreachable ranks:";
-  for (int r : d) s += strf(" %d", r);
+  std::string s;
+  std::set<int> d = deadRanks(), u = unreachableRanks();
+  if (!d.empty()) {
+    s += "; dead ranks:";
+    for (int r : d) s += strf(" %d", r);
+  }
+  if (!u.empty()) {
+    s += "; unreachable ranks:";
+    for (int r : u) s += strf(" %d", r);
+  }
   return s;
 }
 
@@ -695,6 +721,30 @@ std::string loomComm::lastError() {
 void loomComm::abort() {
   aborted_.store(true);
   setFailed(loomRemoteError, strf("rank %d: the communicator was aborted", rank_));
+}
+
+void loomComm::checkPeerAlive(int peer) {
+  if (!ctl_ || peer < 0 || peer >= nranks_ || peer == rank_) return;
+  int64_t now = nowMs();
+  if (now - aliveCheckedMs_.load(std::memory_order_relaxed) < 250) return;
+  aliveCheckedMs_.store(now, std::memory_order_relaxed);
+  int fd;
+  try {
+    fd = ctl_->dial(peer, now + 200);
+  } catch (const Error&) {
+    return;  // no answer: maybe slow, maybe cut off; the timeout decides
+  }
+  if (fd >= 0) {
+    close(fd);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(errMutex_);
+    dead_.insert(peer);
+    unreachable_.erase(peer);
+  }
+  failPeer(peer, loomRemoteError, "rank %d: rank %d is gone (its control socket refuses) while %s waited for it to connect",
+           rank_, peer, runningOp().c_str());
 }
 
 void loomComm::checkAborted() {

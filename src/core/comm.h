@@ -98,9 +98,14 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
   // every reachable peer to do the same; never blocks.
   void revoke();
   bool isRevoked() const { return revoked_.load(); }
-  // Ranks known to be dead or unreachable (their control socket refused us).
+  // Ranks known to be dead: their control socket refused us (the kernel
+  // closed a dead process's listener).
   std::set<int> deadRanks();
-  // "; dead or unreachable ranks: 1 3" ("" when none is known).
+  // Ranks whose control socket neither answered nor refused when last asked
+  // (a failure notice, a Why question): a network cut, or a host that is
+  // gone without a trace.  A rank that answers later leaves the set.
+  std::set<int> unreachableRanks();
+  // "; dead ranks: 1 3; unreachable ranks: 2" (either part only when known).
   std::string deadSuffix();
   // Waits (at most until deadlineMs) for this rank's failure notices to be
   // answered, so that deadRanks() includes what they found.
@@ -153,6 +158,7 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
   // print it.  The note* calls are a few relaxed stores (hot path).
   void noteRunning(const loom::SlotTag& tag, size_t nops);
   void noteWaiting(int peer) override;
+  void checkPeerAlive(int peer) override;
   void noteIdle();
   std::string dump();
   std::string runningOp() const override;  // "AllReduce #3 (...)", or "an operation"
@@ -169,7 +175,8 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
   loomResult_t failOperation(const loom::Error& e);
   loom::CtlCause cause();  // for Why questions and Fail notices
   void onNotice(const loom::CtlMsg& m);  // on the control thread
-  void markDead(const std::vector<loom::Reach>& reach);
+  // Records what a notice broadcast to the ranks in `asked` found: refused (dead), no answer (unreachable).
+  void markDead(const std::vector<bool>& asked, const std::vector<loom::Reach>& reach);
   void notifyPeers(loom::CtlType type);
   loom::SlotTag tagFor(const loom::OpDesc& op);  // under seqMutex_
   // Sets up the transports in rank 0's LOOM_TRANSPORTS order: each takes
@@ -218,6 +225,8 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
   std::mutex errMutex_;
   std::string lastError_;
   std::set<int> dead_;                   // under errMutex_
+  std::set<int> unreachable_;            // under errMutex_; never holds a dead rank
+  std::atomic<int64_t> aliveCheckedMs_{0};  // checkPeerAlive's last look
   int causeRoot_ = -1;                   // under errMutex_: where the failure began
   std::string causeMsg_;                 // under errMutex_: the message of the rank where it began
   std::unique_ptr<loom::Control> ctl_;   // destroyed first: its thread calls onNotice

@@ -78,10 +78,15 @@ std::string loomComm::dump() {
   if (err != loomSuccess) s += strf("; failed (%s): %s", loomGetErrorString(loomResult_t(err)), lastError().c_str());
   if (revoked_.load()) s += "; revoked";
   s += "\n";
-  std::set<int> dead = deadRanks();
+  std::set<int> dead = deadRanks(), unreachable = unreachableRanks();
   if (!dead.empty()) {
-    s += "  dead or unreachable ranks:";
+    s += "  dead ranks (their control socket refused):";
     for (int r : dead) s += strf(" %d", r);
+    s += "\n";
+  }
+  if (!unreachable.empty()) {
+    s += "  unreachable ranks (their control socket did not answer):";
+    for (int r : unreachable) s += strf(" %d", r);
     s += "\n";
   }
   int64_t start = actStartNs_.load(std::memory_order_acquire);

@@ -66,7 +66,7 @@ long ctlMissing(const uint8_t* bytes, size_t n, const uint8_t secret[16], uint64
   memcpy(&h, bytes, sizeof h);
   if (h.magic != kCtlMagic) return *why = "bad magic", -1;
   if (memcmp(h.secret, secret, 16) != 0 || h.commTag != commTag) return *why = "another communicator", -1;
-  if (h.type < uint32_t(CtlType::Probe) || h.type > uint32_t(CtlType::Why))
+  if (h.type < uint32_t(CtlType::Probe) || h.type > uint32_t(CtlType::Refuse))
     return *why = strf("unknown type %u", h.type), -1;
   if (h.from < 0 || h.from >= nranks) return *why = strf("sender rank %d", h.from), -1;
   if (h.pad != 0) return *why = "reserved bytes set", -1;
@@ -285,7 +285,8 @@ int Control::dial(int r, int64_t deadlineMs) {
   int fd = socket(a.ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) failErrno("socket");
   int rc = connect(fd, reinterpret_cast<const sockaddr*>(&a.ss), a.len);
-  if (rc != 0 && errno == EINPROGRESS) {
+  int err = rc == 0 ? 0 : errno;
+  if (err == EINPROGRESS) {
     for (;;) {
       int64_t left = deadlineMs - nowMs();
       if (left <= 0) {
@@ -296,14 +297,16 @@ int Control::dial(int r, int64_t deadlineMs) {
       int n = poll(&p, 1, int(std::min<int64_t>(left, 100)));
       if (n > 0) break;
     }
-    int err = 0;
+    err = 0;
     socklen_t len = sizeof err;
     getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
-    rc = err ? -1 : 0;
   }
-  if (rc != 0) {
+  if (err != 0) {
     close(fd);
-    return -1;
+    // Only a refusal says the process is gone; no route to the host (a cut
+    // link, a neighbour that never answered) says nothing about the process.
+    if (err == ECONNREFUSED) return -1;
+    fail(loomTimeout, "rank %d's control socket at %s is unreachable: %s", r, a.str().c_str(), strerror(err));
   }
   setNoDelay(fd);
   return fd;

@@ -37,6 +37,8 @@ enum class CtlType : uint32_t {
   Commit = 7,    // shrink: coordinator -> member, the final set and the new unique id
   Excluded = 8,  // shrink: coordinator -> member, you are not in the new communicator
   Why = 9,       // why did your communicator fail? (answered with a Why message, not a byte)
+  Refuse = 10,   // shrink: coordinator -> member, no agreement: the ranks listed do not answer and
+                 // outnumber the members (this side of a network cut may be the smaller one)
 };
 
 struct CtlMsg {
@@ -103,7 +105,8 @@ class Control {
   // The oldest Join connection received (the caller owns *fd), or false at deadlineMs.
   bool nextJoin(int* fd, CtlMsg* m, int64_t deadlineMs);
   // Connects to rank r's listener (one attempt): -1 if refused.  Throws
-  // loomTimeout when deadlineMs passes first.
+  // loomTimeout when deadlineMs passes first or the host is unreachable
+  // (no route, no neighbour): that is no proof the process is gone.
   int dial(int r, int64_t deadlineMs);
   void send(int fd, const CtlMsg& m, int64_t deadlineMs);
   // Reads one message; false on end of stream, garbage or a reset.  Throws

@@ -23,6 +23,17 @@
 // communicator's bootstrap fail (the root probes the ranks it waits for),
 // and everyone starts over with that rank out.  Every wait is bounded by
 // the deadline, twice the communicator's timeout.
+//
+// A network cut: a rank on the far side neither answers nor refuses (no
+// proof that it is dead), and may agree with the ranks on its side on a
+// communicator of their own.  So a communicator is only built by a side
+// with more members than the ranks it left out and cannot reach (a refusal
+// or an answer settles a rank; silence counts against): the coordinator
+// probes the left-out ranks before committing whenever the members are not
+// a majority, and sends Refuse instead; a member that cannot reach its
+// coordinator asks every other rank at once, so that a rank cut off from
+// all others fails within about three seconds instead of dialling each in
+// turn.  Two equal halves both fail.
 #include <poll.h>
 #include <unistd.h>
 
@@ -50,6 +61,7 @@ std::string listRanks(const std::set<int>& s) {
 std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
   const int N = nranks_, me = rank_;
   std::set<int> out(exclude.begin(), exclude.end());
+  std::set<int> silentOut;  // left out because they neither answered nor refused (a subset of out)
   if (out.count(me)) return nullptr;
   const int64_t T = timeoutMs();
   const int64_t deadline = nowMs() + 2 * T;
@@ -61,14 +73,22 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
       if (r >= 0 && r < N && r != me) grew |= out.insert(r).second;
     return grew;
   };
-  auto probe = [&](const std::set<int>& who, int64_t ms) {
+  // The ranks of `who` whose probe ended as `verdict`.
+  auto probeFor = [&](const std::set<int>& who, int64_t ms, Reach verdict) {
     std::vector<bool> to(size_t(N), false);
     for (int r : who) to[size_t(r)] = r != me;
     std::vector<Reach> reach = ctl.broadcast(CtlMsg{CtlType::Probe, me, {}, {}}, to, nowMs() + ms);
-    std::set<int> gone;
+    std::set<int> found;
     for (int r : who)
-      if (r != me && reach[size_t(r)] == Reach::Refused) gone.insert(r);
-    return gone;
+      if (r != me && reach[size_t(r)] == verdict) found.insert(r);
+    return found;
+  };
+  auto probe = [&](const std::set<int>& who, int64_t ms) { return probeFor(who, ms, Reach::Refused); };
+  auto minority = [&](const std::set<int>& silent, int members) {
+    return strf("rank %d: loomCommShrink: ranks%s are unreachable (their control sockets neither answer nor "
+                "refuse, as across a network cut) and the %d ranks left are not more than they are: no "
+                "communicator is built on what may be the smaller side of a partition",
+                me, listRanks(silent).c_str(), members);
   };
   auto outMsg = [&](CtlType t) {
     CtlMsg m;
@@ -184,6 +204,26 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
           dropOut();
         }
         if (restart) continue;
+        // ---- the smaller side of a cut does not go on ----
+        const int members = N - int(out.size());
+        if (members <= int(out.size())) {
+          std::set<int> silent = probeFor(out, 500, Reach::Timeout);
+          if (members <= int(silent.size())) {
+            CtlMsg refuse;
+            refuse.type = CtlType::Refuse;
+            refuse.from = me;
+            refuse.ranks.assign(silent.begin(), silent.end());
+            for (auto& kv : joined) {
+              try {
+                ctl.send(kv.second, refuse, nowMs() + 200);
+              } catch (const Error&) {
+              }
+              close(kv.second);
+            }
+            joined.clear();
+            fail(loomRemoteError, "%s", minority(silent, members).c_str());
+          }
+        }
         // ---- 4: commit ----
         loomUniqueId uid;
         makeUniqueId(&uid);
@@ -214,8 +254,27 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
     int fd;
     try {
       fd = ctl.dial(coord, std::min(deadline, nowMs() + 2000));
-    } catch (const Error&) {
-      fd = -1;  // no answer at all: unreachable
+    } catch (const Error& e) {
+      // No answer at all: unreachable.  If a cut is the reason, the others
+      // may be beyond it too: ask them all at once rather than one by one.
+      LOOM_WARN("SHRINK", "rank %d: the coordinator, rank %d, is unreachable (%s)", me, coord, e.what());
+      out.insert(coord);
+      silentOut.insert(coord);
+      std::set<int> rest;
+      for (int r = 0; r < N; ++r)
+        if (r != me && !out.count(r)) rest.insert(r);
+      if (!rest.empty()) {
+        std::vector<bool> to(size_t(N), false);
+        for (int r : rest) to[size_t(r)] = true;
+        std::vector<Reach> reach =
+            ctl.broadcast(CtlMsg{CtlType::Probe, me, {}, {}}, to, std::min(deadline, nowMs() + 1000));
+        for (int r : rest) {
+          if (reach[size_t(r)] == Reach::Acked) continue;
+          out.insert(r);
+          if (reach[size_t(r)] == Reach::Timeout) silentOut.insert(r);
+        }
+      }
+      return false;
     }
     if (fd < 0) {
       out.insert(coord);
@@ -257,6 +316,12 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
       } else if (m.type == CtlType::Excluded) {
         *excluded = true;
         return true;
+      } else if (m.type == CtlType::Refuse) {
+        std::set<int> silent;
+        for (int r : m.ranks)
+          if (r >= 0 && r < N) silent.insert(r);
+        fail(loomRemoteError, "%s (found by the coordinator, rank %d)", minority(silent, N - int(out.size())).c_str(),
+             coord);
       }
     }
   };
@@ -266,6 +331,8 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
     if (nowMs() >= deadline)
       fail(loomTimeout, "rank %d: loomCommShrink reached no agreement in %lld ms (left out so far:%s)", me,
            (long long)(2 * T), listRanks(out).c_str());
+    if (N - int(out.size()) <= int(silentOut.size()))
+      fail(loomRemoteError, "%s", minority(silentOut, N - int(out.size())).c_str());
     int coord = 0;
     while (out.count(coord)) ++coord;
     UniqueIdData id{};

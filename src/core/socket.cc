@@ -122,6 +122,19 @@ SockAddr defaultInterfaceAddr() {
   return best;
 }
 
+bool isLocalOnly(const SockAddr& a) {
+  if (a.ss.ss_family == AF_INET) {
+    uint32_t ip = ntohl(reinterpret_cast<const sockaddr_in*>(&a.ss)->sin_addr.s_addr);
+    return ip == 0 || (ip >> 24) == 127;
+  }
+  if (a.ss.ss_family == AF_INET6) {
+    const in6_addr& ip = reinterpret_cast<const sockaddr_in6*>(&a.ss)->sin6_addr;
+    if (IN6_IS_ADDR_UNSPECIFIED(&ip) || IN6_IS_ADDR_LOOPBACK(&ip)) return true;
+    return IN6_IS_ADDR_V4MAPPED(&ip) && ip.s6_addr[12] == 127;
+  }
+  return false;
+}
+
 int listenOn(const SockAddr& addr, int backlog) {
   int fd = socket(addr.ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) failErrno("socket");

@@ -26,6 +26,9 @@ SockAddr parseHostPort(const std::string& hostPort);
 SockAddr interfaceAddr(const std::string& ifname);
 // First non-loopback interface that is up, else loopback.
 SockAddr defaultInterfaceAddr();
+// An address no other host can reach us on: unspecified (0.0.0.0, ::) or
+// loopback (127.0.0.0/8, ::1, ::ffff:127.x.x.x).
+bool isLocalOnly(const SockAddr& a);
 
 // Listening socket bound to addr (port 0 = any free port); CLOEXEC.
 int listenOn(const SockAddr& addr, int backlog = 512);

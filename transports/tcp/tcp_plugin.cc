@@ -68,7 +68,7 @@ class TcpTransport : public Transport {
 
   std::unique_ptr<Connection> connect(int peer, int ch, int64_t deadline, ConnectHost& host) override {
     auto key = std::make_pair(peer, ch);
-    int fd = env_.rank > peer ? dial(peer, ch, deadline) : await(key, deadline, host);
+    int fd = env_.rank > peer ? dial(peer, ch, deadline, host) : await(key, deadline, host);
     std::unique_ptr<Connection> c = makeTcpConnection(fd, peer, env_.slotBytes, int(env_.slots));
     made_[key] = c.get();
     return c;
@@ -88,14 +88,21 @@ class TcpTransport : public Transport {
     fds_.push_back(fd);
   }
 
-  int dial(int peer, int ch, int64_t deadline) {
+  int dial(int peer, int ch, int64_t deadline, ConnectHost& host) {
     const SockAddr& addr = peers_[size_t(peer)];
-    int fd;
-    try {
-      fd = connectTo(addr, deadline);
-    } catch (const Error& e) {
-      fail(loomRemoteError, "rank %d cannot connect to rank %d at %s: %s", env_.rank, peer, addr.str().c_str(),
-           e.what());
+    int fd = -1;
+    // In short attempts: between them, a failed communicator (a peer's
+    // notice) or a peer that is gone ends the wait rather than the timeout.
+    while (fd < 0) {
+      try {
+        fd = connectTo(addr, std::min(deadline, nowMs() + 250));
+      } catch (const Error& e) {
+        if (nowMs() >= deadline)
+          fail(loomRemoteError, "rank %d cannot connect to rank %d at %s: %s", env_.rank, peer, addr.str().c_str(),
+               e.what());
+        host.checkAborted();
+        host.checkPeerAlive(peer);
+      }
     }
     TcpHello h{kTcpHelloMagic, kTcpVersion, {}, env_.commTag, env_.rank, ch};
     memcpy(h.secret, env_.secret, 16);
@@ -129,6 +136,7 @@ class TcpTransport : public Transport {
                    "rank %d: rank %d closed its tcp connection (channel %d) while %s waited for it", env_.rank, key.first, kv.first.second, host.runningOp().c_str());
       }
       host.noteWaiting(key.first);
+      host.checkPeerAlive(key.first);
       if (acceptOne(std::min(deadline, nowMs() + 100), deadline) < 0 && nowMs() >= deadline)
         fail(loomTimeout, "rank %d: %s made no progress for %lld ms waiting for rank %d (to open its tcp connection, channel %d)",
              env_.rank, host.runningOp().c_str(), (long long)env_.timeoutMs, key.first, key.second);
