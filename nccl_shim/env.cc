@@ -28,26 +28,24 @@ struct Unsupported {
   const char* why;
 };
 const Unsupported kUnsupported[] = {
-    {"NCCL_IB_HCA", "loom has no InfiniBand transport in this build (hosts talk over tcp or UCX)"},
-    {"NCCL_IB_GID_INDEX", "loom has no InfiniBand transport in this build (hosts talk over tcp or UCX)"},
-    {"NCCL_IB_TC", "loom has no InfiniBand transport in this build"},
-    {"NCCL_IB_SL", "loom has no InfiniBand transport in this build"},
-    {"NCCL_IB_TIMEOUT", "loom has no InfiniBand transport in this build"},
-    {"NCCL_IB_RETRY_CNT", "loom has no InfiniBand transport in this build"},
-    {"NCCL_IB_QPS_PER_CONNECTION", "loom has no InfiniBand transport in this build"},
-    {"NCCL_P2P_DISABLE", "loom has no GPU peer-to-peer path yet (host buffers go through shm or tcp)"},
-    {"NCCL_P2P_LEVEL", "loom has no GPU peer-to-peer path yet"},
+    {"NCCL_IB_TC", "loom's ibverbs transport leaves the traffic class at its default"},
+    {"NCCL_IB_SL", "loom's ibverbs transport leaves the service level at its default"},
+    {"NCCL_IB_TIMEOUT", "loom's ibverbs transport sets its own QP timeout (LOOM_TIMEOUT_MS bounds every wait)"},
+    {"NCCL_IB_RETRY_CNT", "loom's ibverbs transport sets its own QP retry count"},
+    {"NCCL_IB_QPS_PER_CONNECTION", "loom's ibverbs transport opens one QP per connection (LOOM_NCHANNELS connections)"},
+    {"NCCL_P2P_DISABLE", "loom's CUDA communicators always use CUDA IPC between the ranks of a host"},
+    {"NCCL_P2P_LEVEL", "loom's CUDA communicators always use CUDA IPC between the ranks of a host"},
     {"NCCL_NVLS_ENABLE", "loom has no NVLink SHARP support"},
-    {"NCCL_CUMEM_ENABLE", "loom allocates no CUDA memory yet"},
+    {"NCCL_CUMEM_ENABLE", "loom's CUDA windows come from cudaMalloc, shared through CUDA IPC handles"},
     {"NCCL_PROTO", "loom has no LL/LL128/Simple protocols (LOOM_SLOT_BYTES sets its slice size)"},
     {"NCCL_BUFFSIZE", "loom's buffers are LOOM_SLOT_BYTES x LOOM_SLOTS per connection"},
-    {"NCCL_NTHREADS", "loom launches no CUDA kernels yet"},
+    {"NCCL_NTHREADS", "loom's reduction kernels choose their own block size"},
     {"NCCL_MIN_NCHANNELS", "NCCL's channel bounds are not loom's lanes (LOOM_NCHANNELS fixes the count)"},
     {"NCCL_MAX_NCHANNELS", "NCCL's channel bounds are not loom's lanes (LOOM_NCHANNELS fixes the count)"},
     {"NCCL_COMM_ID",
      "ncclGetUniqueId always opens its own listener (loom-run / torchrun variables: LOOM_ROOT_ADDR)"},
     {"NCCL_DEBUG_FILE", "loom logs to stderr"},
-    {"NCCL_LAUNCH_MODE", "loom launches no CUDA kernels yet"},
+    {"NCCL_LAUNCH_MODE", "loom enqueues each rank's work on its own stream (no grouped launch)"},
     {"NCCL_COLLNET_ENABLE", "loom has no CollNet/SHARP support"},
     {"NCCL_NET_GDR_LEVEL", "loom has no GPUDirect RDMA yet"},
 };
@@ -55,9 +53,10 @@ const Unsupported kUnsupported[] = {
 // The variables translated below (or already loom's behaviour); any other
 // NCCL_* one is reported, as unsupported (kUnsupported) or unknown.
 bool isMapped(const char* name) {
-  static const char* const kMapped[] = {"NCCL_DEBUG",      "NCCL_DEBUG_SUBSYS",  "NCCL_SOCKET_IFNAME",
-                                        "NCCL_ALGO",       "NCCL_SHM_DISABLE",   "NCCL_NET",
-                                        "NCCL_IB_DISABLE", "NCCL_CHECK_POINTERS"};
+  static const char* const kMapped[] = {"NCCL_DEBUG",      "NCCL_DEBUG_SUBSYS",   "NCCL_SOCKET_IFNAME",
+                                        "NCCL_ALGO",       "NCCL_SHM_DISABLE",    "NCCL_NET",
+                                        "NCCL_IB_DISABLE", "NCCL_CHECK_POINTERS", "NCCL_IB_HCA",
+                                        "NCCL_IB_GID_INDEX"};
   for (const char* m : kMapped)
     if (strcmp(m, name) == 0) return true;
   return false;
@@ -173,22 +172,61 @@ void mapAlgo() {
   mapTo("NCCL_ALGO", v, "LOOM_ALGO", s);
 }
 
-// NCCL_SHM_DISABLE=1 and NCCL_NET=Socket choose loom's transports; NCCL_NET=IB
-// has none (no verbs transport yet).
+// NCCL_SHM_DISABLE=1 and NCCL_NET choose loom's transports: Socket is tcp
+// (loom's default between hosts), IB is the ibverbs transport (without a
+// fallback to tcp, as NCCL has none); NCCL_IB_DISABLE=1 wins over IB.
 void mapTransports() {
   const char* shmOff = env("NCCL_SHM_DISABLE");
   const char* net = env("NCCL_NET");
+  const char* ibOff = env("NCCL_IB_DISABLE");
   bool noShm = shmOff && strcmp(shmOff, "0") != 0;
-  if (net && strcasecmp(net, "Socket") != 0) {
-    logf(Level::Warn, "NCCL_NET=%s: loom's network transport here is tcp (Socket); ignored", net);
+  bool noIb = ibOff && strcmp(ibOff, "0") != 0;
+  bool ib = net && !strcasecmp(net, "IB");
+  if (net && !ib && strcasecmp(net, "Socket") != 0) {
+    logf(Level::Warn, "NCCL_NET=%s: loom's networks are Socket (tcp) and IB (ibverbs); ignored", net);
     net = nullptr;
   }
-  if (noShm)
+  if (ib && noIb) {
+    logf(Level::Warn, "NCCL_NET=IB with NCCL_IB_DISABLE=%s: InfiniBand disabled, tcp it is", ibOff);
+    ib = false;
+  }
+  if (ib)
+    mapTo("NCCL_NET", net, "LOOM_TRANSPORTS", noShm ? "ibverbs" : "shm,ibverbs");
+  else if (noShm)
     mapTo("NCCL_SHM_DISABLE", shmOff, "LOOM_TRANSPORTS", "tcp");
   else if (net)
     logf(Level::Info, "NCCL_NET=Socket: loom uses tcp between hosts by default");
-  // NCCL_IB_DISABLE=1 is what loom does anyway; NCCL_CHECK_POINTERS is
-  // loom's default (every call checks its arguments).
+  // NCCL_IB_DISABLE=1 alone is loom's default (ibverbs only when chosen);
+  // NCCL_CHECK_POINTERS is loom's default (every call checks its arguments).
+}
+
+// NCCL_IB_HCA: "[=]dev[:port],..." is LOOM_IB_HCA's list ("=": exact names,
+// which is how loom matches anyway); "^" exclusion has no loom equivalent.
+// NCCL_IB_GID_INDEX is LOOM_IB_GID_INDEX.
+void mapIb() {
+  if (const char* v = env("NCCL_IB_HCA")) {
+    if (v[0] == '^')
+      logf(Level::Warn, "NCCL_IB_HCA=%s: loom cannot exclude devices (^); ignored", v);
+    else
+      mapTo("NCCL_IB_HCA", v, "LOOM_IB_HCA", v[0] == '=' ? v + 1 : v);
+  }
+  if (const char* v = env("NCCL_IB_GID_INDEX")) {
+    char* end = nullptr;
+    long g = strtol(v, &end, 10);
+    if (!*v || *end || g < 0 || g > 65535)
+      logf(Level::Warn, "NCCL_IB_GID_INDEX=%s is not a GID index (0-65535); ignored", v);
+    else
+      mapTo("NCCL_IB_GID_INDEX", v, "LOOM_IB_GID_INDEX", std::to_string(g));
+  }
+}
+
+// NCCL programs pass device buffers: unless the user chose, a communicator
+// is a CUDA one where the process has a GPU, a host one otherwise (so the
+// shim's host-buffer use keeps working on machines without one).
+void mapDevice() {
+  if (env("LOOM_DEVICE")) return;
+  setenv("LOOM_DEVICE", "auto", 1);
+  logf(Level::Info, "LOOM_DEVICE=auto: CUDA communicators where there is a GPU, host ones otherwise");
 }
 
 void warnOthers() {
@@ -220,6 +258,8 @@ void readEnv() {
   mapIfname();
   mapAlgo();
   mapTransports();
+  mapIb();
+  mapDevice();
   warnOthers();
 }
 

@@ -237,7 +237,7 @@ std::string initError(loomResult_t* rc) {
 
 }  // namespace
 
-TEST_CASE("LOOM_DEVICE: cuda without a usable GPU, or any other value but host, fails init with the reason",
+TEST_CASE("LOOM_DEVICE: cuda without a usable GPU, or a value but host, cuda and auto, fails init with the reason",
           "[cuda]") {
   loomResult_t rc;
   {
@@ -258,11 +258,19 @@ TEST_CASE("LOOM_DEVICE: cuda without a usable GPU, or any other value but host, 
     EnvVar v("LOOM_DEVICE", "tpu");
     std::string msg = initError(&rc);
     CHECK(rc == loomInvalidUsage);
-    CHECK(msg.find("LOOM_DEVICE=tpu: expected host or cuda") != std::string::npos);
+    CHECK(msg.find("LOOM_DEVICE=tpu: expected host, cuda or auto") != std::string::npos);
   }
   {
     EnvVar v("LOOM_DEVICE", "host");
     initError(&rc);
+    CHECK(rc == loomSuccess);
+  }
+  {
+    // auto (the NCCL shim's default): a host communicator where there is no
+    // GPU, a CUDA one where there is; init succeeds either way.
+    EnvVar v("LOOM_DEVICE", "auto");
+    std::string msg = initError(&rc);
+    INFO(msg);
     CHECK(rc == loomSuccess);
   }
 }

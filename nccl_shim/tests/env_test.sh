@@ -23,7 +23,10 @@ grep -q 'NCCL_DEBUG_SUBSYS: loom has no subsystem GRAPH' "$out" || fail "unknown
 grep -q 'NCCL_DEBUG_SUBSYS=INIT,GRAPH -> LOOM_DEBUG_SUBSYS=INIT' "$out" || fail "NCCL_DEBUG_SUBSYS not mapped"
 # loom's own INFO line shows the transport it was given.
 grep -q 'ready:.*transports tcp' "$out" || fail "loom did not run with LOOM_TRANSPORTS=tcp"
-for v in NCCL_IB_HCA NCCL_IB_GID_INDEX NCCL_P2P_DISABLE; do
+grep -q 'NCCL_IB_HCA=mlx5_0 -> LOOM_IB_HCA=mlx5_0' "$out" || fail "NCCL_IB_HCA not mapped"
+grep -q 'NCCL_IB_GID_INDEX=3 -> LOOM_IB_GID_INDEX=3' "$out" || fail "NCCL_IB_GID_INDEX not mapped"
+grep -q 'LOOM_DEVICE=auto: CUDA communicators where there is a GPU' "$out" || fail "LOOM_DEVICE not defaulted to auto"
+for v in NCCL_P2P_DISABLE; do
   n="$(grep -c "$v has no effect" "$out" || true)"
   [ "$n" = 2 ] || fail "$v: warned $n times, expected once per rank (2)"
 done
@@ -32,6 +35,15 @@ n="$(grep -c 'NCCL_NOT_A_VARIABLE is not known' "$out" || true)"
 grep -q 'loom-nccl: NCCL 2\.[0-9]*\.[0-9]* API (ncclGetVersion [0-9]*) on loom [0-9.]*' "$out" ||
   fail "no version line at NCCL_DEBUG=INFO"
 echo "NCCL_DEBUG=INFO: mappings, LOOM_* precedence, once-per-process warnings: ok"
+
+# 1b. NCCL_NET=IB asks for the ibverbs transport; NCCL_IB_DISABLE=1 wins over it.
+env NCCL_DEBUG=INFO NCCL_NET=IB NCCL_IB_DISABLE=1 NCCL_IB_HCA=^mlx5_1 NCCL_IB_GID_INDEX=x \
+  "$RUN" -n 2 --timeout 60 "$TEST" "$DIR" --init-only >"$out" 2>&1 || fail "the program failed"
+grep -q 'NCCL_NET=IB with NCCL_IB_DISABLE=1: InfiniBand disabled, tcp it is' "$out" || fail "NCCL_IB_DISABLE did not win"
+grep -q 'NCCL_IB_HCA=^mlx5_1: loom cannot exclude devices' "$out" || fail "NCCL_IB_HCA=^ not refused"
+grep -q 'NCCL_IB_GID_INDEX=x is not a GID index' "$out" || fail "a bad NCCL_IB_GID_INDEX not refused"
+! grep -q 'LOOM_TRANSPORTS=.*ibverbs' "$out" || fail "ibverbs chosen although NCCL_IB_DISABLE=1"
+echo "NCCL_NET=IB, NCCL_IB_DISABLE, bad NCCL_IB_* values: ok"
 
 # 2. NCCL_DEBUG=VERSION: the version line and nothing at INFO.
 env NCCL_DEBUG=VERSION "$RUN" -n 2 --timeout 60 "$TEST" "$DIR" --init-only >"$out" 2>&1 || fail "the program failed"

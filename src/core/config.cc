@@ -69,10 +69,10 @@ const std::vector<ConfigVar>& configTable() {
       {"LOOM_TUNING_FILE", "path", "(built-in)",
        "cost-model parameters (key = value lines, as written by loom-topo --calibrate) replacing the "
        "built-in ones; rank 0's decisions are used by all ranks"},
-      {"LOOM_DEVICE", "host|cuda", "host",
+      {"LOOM_DEVICE", "host|cuda|auto", "host",
        "where a new communicator's collectives run: host memory, or CUDA device memory on the CUDA device "
-       "current at init (cuda fails init with the reason on machines without a usable GPU; every rank must "
-       "choose alike)"},
+       "current at init (cuda fails init with the reason on machines without a usable GPU; auto: cuda where "
+       "the process has a usable GPU, else host; every rank must choose alike)"},
       {"LOOM_CHECK_MODE", "on|off", "on",
        "check that ranks call the same operation (sequence number + signature per slot); also 1|0; "
        "perf/check_mode_cost.sh measures its cost"},

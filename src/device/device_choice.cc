@@ -36,7 +36,10 @@ DeviceChoice checkDeviceChoice() {
   const std::string& d = config().device;
   DeviceChoice c;
   if (d.empty() || d == "host") return c;
-  if (d != "cuda") fail(loomInvalidUsage, "LOOM_DEVICE=%s: expected host or cuda", d.c_str());
+  if (d != "cuda" && d != "auto") fail(loomInvalidUsage, "LOOM_DEVICE=%s: expected host, cuda or auto", d.c_str());
+  // auto: CUDA where this process has a usable GPU, host memory otherwise
+  // (what the NCCL shim asks for unless the user chose).
+  if (d == "auto" && devices == 0 && !haveTestFactory()) return c;
   if (haveTestFactory()) {
     c.cuda = true;
     c.device = 0;
