@@ -124,6 +124,11 @@ TEST_CASE("tagged send/recv: tags out of order, any source, eager and rendezvous
   CHECK(loomRun(std::string(kTcp) + " LOOM_TIMEOUT_MS=60000", n, "tagged", 120) == 0);
 }
 
+TEST_CASE("a tagged receive nobody matches times out naming the call", "[mp][tagged]") {
+  CHECK(loomRun(kShm, 2, "taggedtimeout", 60) == 0);
+  CHECK(loomRun(kTcp, 2, "taggedtimeout", 60) == 0);
+}
+
 TEST_CASE("a tagged receive from a killed sender (or any source, all killed) is a remote error", "[mp][tagged][fault]") {
   const char* mode = GENERATE("one", "any");
   const char* transports = GENERATE("shm,tcp", "tcp");

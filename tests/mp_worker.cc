@@ -13,6 +13,7 @@
 //   mp-worker tagged       loomSendTagged/loomRecvTagged: tags out of order,
 //                          any source, eager and rendezvous sizes, too small a
 //                          receive, stashed messages beside collectives
+//   mp-worker taggedtimeout  receives nobody matches time out, naming themselves
 //   mp-worker taggedfault one|any   tagged senders die (rank 1; every rank
 //                          but 0): rank 0's receive is a remote error
 //   mp-worker soak SEED N SECONDS   N random operations (collective, size,
@@ -747,6 +748,26 @@ static void scenarioTagged(loomComm_t comm) {
   CHECK_LOOM(loomAllReduce(x.data(), x.data(), x.size(), loomFloat32, loomSum, comm, nullptr));
 }
 
+// Two ranks each wait for a tagged message the other never sends: both get
+// loomTimeout (1 s) naming the call and what it waited for.
+static void scenarioTaggedTimeout(loomComm_t comm) {
+  CHECK_LOOM(loomCommSetTimeout(comm, 1000));
+  std::vector<int32_t> buf(10);
+  int peer = gRank ^ 1;
+  if (peer >= gSize) return;
+  auto m = tagMessage(gRank, 1, 10);
+  CHECK_LOOM(loomSendTagged(m.data(), 10, loomInt32, peer, 1, comm, nullptr));  // stashed there, tag 1
+  loomResult_t r = loomRecvTagged(buf.data(), 10, loomInt32, peer, 99, comm, nullptr, nullptr);
+  std::string msg = loomGetLastError(comm);
+  // The rank that timed out first fails the communicator; the other inherits
+  // its cause (loomRemoteError with the first rank's message).
+  std::string want = ", tag 99, up to 40 bytes) made no progress for 1000 ms waiting for a matching message "
+                     "(1 messages stashed here, none matches)";
+  expect((r == loomTimeout || r == loomRemoteError) && msg.find("RecvTagged (from rank ") != std::string::npos &&
+             msg.find(want) != std::string::npos,
+         "an unmatched tagged receive times out naming it: " + msg);
+}
+
 // A tagged sender dies: rank 0's receive from it (victim 1) or from any
 // source (every other rank dies) returns loomRemoteError, not a hang or the
 // timeout (the test sets LOOM_TIMEOUT_MS far above its own limit).
@@ -1196,6 +1217,7 @@ int main(int argc, char** argv) {
   else if (sc == "a2amismatch") scenarioExchangeMismatch(comm);
   else if (sc == "split") scenarioSplit(comm);
   else if (sc == "tagged") scenarioTagged(comm);
+  else if (sc == "taggedtimeout") scenarioTaggedTimeout(comm);
   else if (sc == "dump") scenarioDump(comm);
   else if (sc == "registered") scenarioRegistered(comm, argc > 2 ? argv[2] : "all", argc > 3 && strcmp(argv[3], "mapped") == 0);
   else if (sc == "soak")
@@ -1205,7 +1227,7 @@ int main(int argc, char** argv) {
     fprintf(stderr, "unknown scenario %s\n", sc.c_str());
     return 2;
   }
-  if (sc == "mismatch" || sc == "a2amismatch" || sc == "dump") loomCommAbort(comm);
+  if (sc == "mismatch" || sc == "a2amismatch" || sc == "dump" || sc == "taggedtimeout") loomCommAbort(comm);
   else CHECK_LOOM(loomCommDestroy(comm));
   if (gFailures) fprintf(stderr, "rank %d: %d checks failed\n", gRank, gFailures);
   return gFailures ? 1 : 0;
