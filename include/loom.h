@@ -351,8 +351,8 @@ LOOM_API loomResult_t loomRecv(void* recvbuff, size_t count, loomDataType_t data
  * at most that many bytes (the status says how many elements arrived); a
  * larger message is loomInvalidUsage naming both sizes, and stays queued
  * for a later receive (the communicator does not fail).  Messages of at
- * most LOOM_P2P_EAGER_BYTES are sent at once and kept by the receiver until
- * a receive matches them (at most LOOM_P2P_STASH_BYTES in all; past that
+ * most LOOM_TAGGED_EAGER_BYTES are sent at once and kept by the receiver until
+ * a receive matches them (at most LOOM_TAGGED_STASH_BYTES in all; past that
  * the sender waits); larger ones wait until the receiver has matched them
  * (rendezvous), so a blocking send of a large message waits for its
  * receive, as MPI_Send may.  An any-source receive takes the message that

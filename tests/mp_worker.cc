@@ -667,7 +667,7 @@ static void scenarioTagged(loomComm_t comm) {
     std::vector<float> x(1, 1.0f);
     CHECK_LOOM(loomAllReduce(x.data(), x.data(), 1, loomFloat32, loomSum, comm, nullptr));
   }
-  // 4. Rendezvous (3 MiB > LOOM_P2P_EAGER_BYTES): in order, and two in one
+  // 4. Rendezvous (3 MiB > LOOM_TAGGED_EAGER_BYTES): in order, and two in one
   // group received in the other order in one group.
   if ((me ^ 1) < n) {
     const size_t big = 786432;

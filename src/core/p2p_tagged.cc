@@ -454,7 +454,7 @@ void TaggedP2P::timeout(ExecEnv& env, TaggedHost& host) {
     const char* what = !host.taggedConnection(s.op->peer)
                            ? "to open its tagged connection (it does at its first tagged operation)"
                        : s.st == Send::WaitCts
-                           ? "to post a matching receive (rendezvous: the message is larger than LOOM_P2P_EAGER_BYTES)"
+                           ? "to post a matching receive (rendezvous: the message is larger than LOOM_TAGGED_EAGER_BYTES)"
                            : "to take more of the message (it runs no tagged operation, or its stash is full)";
     fail(loomTimeout, "rank %d: %s made no progress for %lld ms waiting for rank %d %s (%llu of %llu bytes sent)",
          rank_, describe(*s.op).c_str(), ms, s.op->peer, what, (unsigned long long)s.done,

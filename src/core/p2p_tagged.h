@@ -15,7 +15,7 @@
 // sits in front of a collective's slots.  Every slot carries its frame in
 // its SlotTag (kTagTagged set; op = frame kind; seq = the sender's message
 // number to this peer; count = message bytes; root = the user's tag):
-//   Eager    data of a message of at most LOOM_P2P_EAGER_BYTES, sent at once;
+//   Eager    data of a message of at most LOOM_TAGGED_EAGER_BYTES, sent at once;
 //   Rts      "ready to send" a larger message (no data);
 //   Cts      "clear to send" the message seq, from the receiver that matched it;
 //   RdvData  the larger message's data, after its Cts.
@@ -23,7 +23,7 @@
 // other direction may come in between), so a receiver keeps one message in
 // progress per peer.  Messages that arrive before a receive matches them are
 // kept in arrival order in the stash (eager: the data, at most
-// LOOM_P2P_STASH_BYTES in all, past which this rank stops reading that
+// LOOM_TAGGED_STASH_BYTES in all, past which this rank stops reading that
 // peer and the sender waits; rendezvous: the header only).  While a tagged
 // operation waits, whether it sends or receives, it reads every peer's
 // tagged connection, so sends to a rank never stop it from receiving.
@@ -60,8 +60,8 @@ class TaggedHost {
 };
 
 struct TaggedLimits {
-  size_t eagerBytes = 1 << 20;  // LOOM_P2P_EAGER_BYTES
-  size_t stashBytes = 64 << 20; // LOOM_P2P_STASH_BYTES
+  size_t eagerBytes = 1 << 20;  // LOOM_TAGGED_EAGER_BYTES
+  size_t stashBytes = 64 << 20; // LOOM_TAGGED_STASH_BYTES
 };
 
 class TaggedP2P {
