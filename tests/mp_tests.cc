@@ -124,6 +124,11 @@ TEST_CASE("tagged send/recv: tags out of order, any source, eager and rendezvous
   CHECK(loomRun(std::string(kTcp) + " LOOM_TIMEOUT_MS=60000", n, "tagged", 120) == 0);
 }
 
+TEST_CASE("tagged messages with no stash at all wait in the connection and arrive exact", "[mp][tagged]") {
+  CHECK(loomRun(std::string(kShm) + " LOOM_TAGGED_STASH_BYTES=0 LOOM_TIMEOUT_MS=60000", 2, "taggednostash", 120) == 0);
+  CHECK(loomRun(std::string(kTcp) + " LOOM_TAGGED_STASH_BYTES=0 LOOM_TIMEOUT_MS=60000", 3, "taggednostash", 120) == 0);
+}
+
 TEST_CASE("a tagged receive nobody matches times out naming the call", "[mp][tagged]") {
   CHECK(loomRun(kShm, 2, "taggedtimeout", 60) == 0);
   CHECK(loomRun(kTcp, 2, "taggedtimeout", 60) == 0);

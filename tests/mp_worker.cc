@@ -13,6 +13,8 @@
 //   mp-worker tagged       loomSendTagged/loomRecvTagged: tags out of order,
 //                          any source, eager and rendezvous sizes, too small a
 //                          receive, stashed messages beside collectives
+//   mp-worker taggednostash  (LOOM_TAGGED_STASH_BYTES=0) 50 messages wait in
+//                          the connection until their receives, all exact
 //   mp-worker taggedtimeout  receives nobody matches time out, naming themselves
 //   mp-worker taggedfault one|any   tagged senders die (rank 1; every rank
 //                          but 0): rank 0's receive is a remote error
@@ -748,6 +750,28 @@ static void scenarioTagged(loomComm_t comm) {
   CHECK_LOOM(loomAllReduce(x.data(), x.data(), x.size(), loomFloat32, loomSum, comm, nullptr));
 }
 
+// Run with LOOM_TAGGED_STASH_BYTES=0: nothing may be stashed, so a message
+// that arrives before its receive waits in the connection (the sender waits
+// once the slots are full) and is read when a receive for it is posted.
+// Rank 0 sends 50 messages to rank 1 (tags 0, 1, 2, 0, ...), rank 1
+// receives them in order after a pause; every value is checked.
+static void scenarioTaggedNoStash(loomComm_t comm) {
+  if (gSize < 2 || gRank > 1) return;
+  for (int j = 0; j < 50; ++j) {
+    size_t count = 1000 + size_t(j) * 997;  // one to 13 slots
+    if (gRank == 0) {
+      auto m = tagMessage(0, j % 3, count);
+      CHECK_LOOM(loomSendTagged(m.data(), count, loomInt32, 1, j % 3, comm, nullptr));
+    } else {
+      if (j == 0) usleep(100000);  // the sender runs ahead into full slots
+      std::vector<int32_t> in(count, -1);
+      loomP2PStatus st{};
+      CHECK_LOOM(loomRecvTagged(in.data(), count, loomInt32, 0, j % 3, comm, nullptr, &st));
+      expect(tagExact(in, 0, j % 3, count) && st.count == count, "message " + std::to_string(j) + " without a stash");
+    }
+  }
+}
+
 // Two ranks each wait for a tagged message the other never sends: both get
 // loomTimeout (1 s) naming the call and what it waited for.
 static void scenarioTaggedTimeout(loomComm_t comm) {
@@ -1218,6 +1242,7 @@ int main(int argc, char** argv) {
   else if (sc == "split") scenarioSplit(comm);
   else if (sc == "tagged") scenarioTagged(comm);
   else if (sc == "taggedtimeout") scenarioTaggedTimeout(comm);
+  else if (sc == "taggednostash") scenarioTaggedNoStash(comm);
   else if (sc == "dump") scenarioDump(comm);
   else if (sc == "registered") scenarioRegistered(comm, argc > 2 ? argv[2] : "all", argc > 3 && strcmp(argv[3], "mapped") == 0);
   else if (sc == "soak")
