@@ -69,6 +69,12 @@ struct OpDesc {
   // P2P only: part of a loomAllToAllv (a group of sends and receives), said
   // in its tag so that a mismatch with a plain send or receive names it.
   bool inAllToAllv = false;
+  // P2P only: loomSendTagged/loomRecvTagged (src/core/p2p_tagged.h), matched
+  // by (source, tag) on the tagged channel instead of in order per pair.
+  // peer may be LOOM_ANY_SOURCE and tag LOOM_ANY_TAG for a receive.
+  bool tagged = false;
+  int tag = 0;
+  loomP2PStatus* status = nullptr;  // receive: filled when it completes
   // Where sendbuf and recvbuf live (set by the API layer).
   MemoryKind sendMem = MemoryKind::Host;
   MemoryKind recvMem = MemoryKind::Host;

@@ -347,6 +347,34 @@ LOOM_API loomResult_t loomSend(const void* sendbuff, size_t count, loomDataType_
 LOOM_API loomResult_t loomRecv(void* recvbuff, size_t count, loomDataType_t datatype, int peer,
                                loomComm_t comm, loomStream_t stream);
 
+/* Tagged point to point (MPI's matching, on its own channel: tagged and
+ * plain loomSend/loomRecv never match each other, and neither disturbs the
+ * collectives).  A message from rank s with tag t matches the first posted
+ * receive that names s (or LOOM_ANY_SOURCE) and t (or LOOM_ANY_TAG); messages
+ * from one sender with one tag are received in the order they were sent.
+ * Tags are >= 0.  A receive buffer of count elements takes any message of
+ * at most that many bytes (the status says how many elements arrived); a
+ * larger message is loomInvalidUsage naming both sizes, and stays queued
+ * for a later receive (the communicator does not fail).  Messages of at
+ * most LOOM_TAGGED_EAGER_BYTES are sent at once and kept by the receiver until
+ * a receive matches them (at most LOOM_TAGGED_STASH_BYTES in all; past that
+ * the sender waits); larger ones wait until the receiver has matched them
+ * (rendezvous), so a blocking send of a large message waits for its
+ * receive, as MPI_Send may.  An any-source receive takes the message that
+ * reached this rank first.  status (may be NULL) is filled when the receive
+ * completes (on a stream: after loomStreamSynchronize).  See docs/usage.md. */
+#define LOOM_ANY_SOURCE (-1)
+#define LOOM_ANY_TAG (-1)
+typedef struct {
+  int source;   /* the rank the message came from */
+  int tag;      /* its tag */
+  size_t count; /* elements (of the receive's datatype) received */
+} loomP2PStatus;
+LOOM_API loomResult_t loomSendTagged(const void* sendbuff, size_t count, loomDataType_t datatype, int peer,
+                                     int tag, loomComm_t comm, loomStream_t stream);
+LOOM_API loomResult_t loomRecvTagged(void* recvbuff, size_t count, loomDataType_t datatype, int peer,
+                                     int tag, loomComm_t comm, loomStream_t stream, loomP2PStatus* status);
+
 /* Group calls: operations issued between loomGroupStart and loomGroupEnd
  * (on this thread) are started together at loomGroupEnd, as one operation,
  * so that e.g. a send and a recv between two ranks cannot deadlock.  Groups

@@ -799,36 +799,43 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::barrier(const c10d::BarrierOpti
   });
 }
 
-// loom matches the sends and recvs of a pair in issue order; it has no tags.
+// Sends and receives are loom's tagged ones (loomSendTagged/loomRecvTagged):
+// messages between two ranks match by tag, in order per tag, and a receive
+// may take any source, as with gloo.
 c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::send(std::vector<at::Tensor>& tensors, int dstRank,
                                                       int tag) {
   at::Tensor t = single(tensors, "send");
-  TORCH_CHECK(tag == 0,
-              "loom backend: send: tags are not supported (messages between two ranks match in order); "
-              "got tag ",
-              tag);
+  TORCH_CHECK(tag >= 0, "loom backend: send: tags are >= 0; got ", tag);
   TORCH_CHECK(dstRank >= 0 && dstRank < size_ && dstRank != rank_,
               "loom backend: send: bad destination rank ", dstRank);
   auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::SEND, "loom:send", tensors,
                                          std::vector<at::Tensor>{}, tensors, nullptr);
-  return issue("loomSend", w, [&] {
-    return loomSend(t.data_ptr(), size_t(t.numel()), dtypeFor(t), dstRank, comm_, stream_);
+  return issue("loomSendTagged", w, [&] {
+    return loomSendTagged(t.data_ptr(), size_t(t.numel()), dtypeFor(t), dstRank, tag, comm_, stream_);
   });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::recv(std::vector<at::Tensor>& tensors, int srcRank,
                                                       int tag) {
   at::Tensor t = single(tensors, "recv");
-  TORCH_CHECK(tag == 0,
-              "loom backend: recv: tags are not supported (messages between two ranks match in order); "
-              "got tag ",
-              tag);
+  TORCH_CHECK(tag >= 0, "loom backend: recv: tags are >= 0; got ", tag);
   TORCH_CHECK(srcRank >= 0 && srcRank < size_ && srcRank != rank_, "loom backend: recv: bad source rank ",
               srcRank);
   auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::RECV, "loom:recv", std::vector<at::Tensor>{},
                                          tensors, tensors, nullptr);
-  return issue("loomRecv", w, [&] {
-    return loomRecv(t.data_ptr(), size_t(t.numel()), dtypeFor(t), srcRank, comm_, stream_);
+  return issue("loomRecvTagged", w, [&] {
+    return loomRecvTagged(t.data_ptr(), size_t(t.numel()), dtypeFor(t), srcRank, tag, comm_, stream_, w->status());
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  at::Tensor t = single(tensors, "recv");
+  TORCH_CHECK(tag >= 0, "loom backend: recv: tags are >= 0; got ", tag);
+  auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::RECVANYSOURCE, "loom:recv_anysource",
+                                         std::vector<at::Tensor>{}, tensors, tensors, nullptr);
+  return issue("loomRecvTagged (any source)", w, [&] {
+    return loomRecvTagged(t.data_ptr(), size_t(t.numel()), dtypeFor(t), LOOM_ANY_SOURCE, tag, comm_, stream_,
+                          w->status());
   });
 }
 

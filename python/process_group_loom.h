@@ -46,6 +46,10 @@ class LoomWork : public c10d::Work {
   // then runs the operation itself) instead of waiting for the completer.
   bool wait(std::chrono::milliseconds timeout) override;
   void setQueue(std::shared_ptr<LoomQueue> queue) { queue_ = std::move(queue); }
+  // A receive's status (loomRecvTagged writes it when the receive completes):
+  // recv from any source reports the sender through sourceRank().
+  loomP2PStatus* status() { return &status_; }
+  int sourceRank() const override { return status_.source; }
   // Called once, by the completer, after loom finished the operation.
   void complete(std::exception_ptr error);
 
@@ -53,6 +57,7 @@ class LoomWork : public c10d::Work {
   std::vector<at::Tensor> outputs_;
   std::vector<at::Tensor> keepAlive_;
   std::function<void()> copyOut_;
+  loomP2PStatus status_{-1, -1, 0};
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   // The queue of the group that issued this work (see the lifetimes above).
   std::shared_ptr<LoomQueue> queue_;
@@ -161,6 +166,7 @@ class ProcessGroupLoom : public c10d::ProcessGroup {
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
  private:
   c10::intrusive_ptr<c10d::Work> issue(const char* what, c10::intrusive_ptr<LoomWork> work,

@@ -1,6 +1,7 @@
 // Multi-process tests: real ranks started by loom-run, over shared memory
 // (the default on one host) and over tcp (forced with LOOM_TRANSPORTS=tcp).
 #include <catch2/catch.hpp>
+#include <csignal>
 #include <ctime>
 #include <string>
 
@@ -114,6 +115,42 @@ TEST_CASE("group calls: send/recv rings and self send/recv and grouped collectiv
   INFO("nranks " << n);
   CHECK(loomRun(kShm, n, "group") == 0);
   if (n > 1) CHECK(loomRun(kTcp, n, "group") == 0);
+}
+
+TEST_CASE("tagged send/recv: tags out of order, any source, eager and rendezvous, over shm and tcp", "[mp][tagged]") {
+  int n = GENERATE(2, 3, 4);
+  INFO("nranks " << n);
+  CHECK(loomRun(std::string(kShm) + " LOOM_TIMEOUT_MS=60000", n, "tagged", 120) == 0);
+  CHECK(loomRun(std::string(kTcp) + " LOOM_TIMEOUT_MS=60000", n, "tagged", 120) == 0);
+}
+
+TEST_CASE("tagged messages with no stash at all wait in the connection and arrive exact", "[mp][tagged]") {
+  CHECK(loomRun(std::string(kShm) + " LOOM_TAGGED_STASH_BYTES=0 LOOM_TIMEOUT_MS=60000", 2, "taggednostash", 120) == 0);
+  CHECK(loomRun(std::string(kTcp) + " LOOM_TAGGED_STASH_BYTES=0 LOOM_TIMEOUT_MS=60000", 3, "taggednostash", 120) == 0);
+}
+
+TEST_CASE("a tagged receive nobody matches times out naming the call", "[mp][tagged]") {
+  CHECK(loomRun(kShm, 2, "taggedtimeout", 60) == 0);
+  CHECK(loomRun(kTcp, 2, "taggedtimeout", 60) == 0);
+}
+
+TEST_CASE("a tagged receive from a killed sender (or any source, all killed) is a remote error", "[mp][tagged][fault]") {
+  const char* mode = GENERATE("one", "any");
+  const char* transports = GENERATE("shm,tcp", "tcp");
+  INFO(mode << " over " << transports);
+  // LOOM_TIMEOUT_MS far above the test's limit: the error must come from the death.
+  bool timedOut = false;
+  auto res = loomtest::spawnRanks(3, {"taggedfault", mode},
+                                  {std::string("LOOM_TRANSPORTS=") + transports, "LOOM_TIMEOUT_MS=600000"}, 60,
+                                  &timedOut);
+  CHECK_FALSE(timedOut);
+  CHECK((res[0].exited && res[0].code == 0));  // rank 0 saw loomRemoteError
+  for (size_t r = 1; r < res.size(); ++r) {
+    INFO("rank " << r);
+    // The senders were killed; a rank that did not send was told of the failure.
+    CHECK(((res[r].signal == SIGKILL) || (res[r].exited && res[r].code == 0)));
+  }
+  if (std::string(mode) == "any") CHECK((res[1].signal == SIGKILL && res[2].signal == SIGKILL));
 }
 
 TEST_CASE("many operations on a stream complete in order at one synchronize", "[mp]") {

@@ -10,6 +10,14 @@
 //   mp-worker mismatch     ranks calling different collectives get an error, no hang
 //   mp-worker a2amismatch  an all-to-all whose counts disagree: an error, no hang
 //   mp-worker split        loomCommSplit into even/odd ranks
+//   mp-worker tagged       loomSendTagged/loomRecvTagged: tags out of order,
+//                          any source, eager and rendezvous sizes, too small a
+//                          receive, stashed messages beside collectives
+//   mp-worker taggednostash  (LOOM_TAGGED_STASH_BYTES=0) 50 messages wait in
+//                          the connection until their receives, all exact
+//   mp-worker taggedtimeout  receives nobody matches time out, naming themselves
+//   mp-worker taggedfault one|any   tagged senders die (rank 1; every rank
+//                          but 0): rank 0's receive is a remote error
 //   mp-worker soak SEED N SECONDS   N random operations (collective, size,
 //                          type, op, root, in-place, stream), all checked
 //   mp-worker fault PHASE R B DIR   rank R dies (SIGKILL) during init, during a
@@ -596,6 +604,245 @@ static double msSince(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
 }
 
+// Tagged point to point (loomSendTagged / loomRecvTagged), every value checked.
+static int32_t tagValue(int src, int tag, size_t i) { return int32_t(src * 1000003 + tag * 1009 + int(i)); }
+static std::vector<int32_t> tagMessage(int src, int tag, size_t count) {
+  std::vector<int32_t> v(count);
+  for (size_t i = 0; i < count; ++i) v[i] = tagValue(src, tag, i);
+  return v;
+}
+static bool tagExact(const std::vector<int32_t>& v, int src, int tag, size_t count) {
+  for (size_t i = 0; i < count; ++i)
+    if (v[i] != tagValue(src, tag, i)) return false;
+  return true;
+}
+
+static void scenarioTagged(loomComm_t comm) {
+  const int n = gSize, me = gRank;
+  auto str = [](size_t v) { return std::to_string(v); };
+  // 1. Pairs (0,1), (2,3)...: the even rank sends tag 1 then tag 2, the odd
+  // one receives tag 2 first.  7 elements; more than a slot (64 KiB); more
+  // than a whole slot ring (8 x 64 KiB) but eager (<= 1 MiB); rendezvous (3 MiB).
+  for (size_t count : {size_t(7), size_t(30000), size_t(200000)}) {
+    if ((me ^ 1) >= n) break;
+    if (me % 2 == 0) {
+      auto a = tagMessage(me, 1, count), b = tagMessage(me, 2, count + 1);
+      CHECK_LOOM(loomSendTagged(a.data(), count, loomInt32, me + 1, 1, comm, nullptr));
+      CHECK_LOOM(loomSendTagged(b.data(), count + 1, loomInt32, me + 1, 2, comm, nullptr));
+    } else {
+      std::vector<int32_t> a(count + 10, -1), b(count + 10, -1);
+      loomP2PStatus sa{}, sb{};
+      CHECK_LOOM(loomRecvTagged(b.data(), b.size(), loomInt32, me - 1, 2, comm, nullptr, &sb));
+      CHECK_LOOM(loomRecvTagged(a.data(), a.size(), loomInt32, me - 1, 1, comm, nullptr, &sa));
+      expect(tagExact(a, me - 1, 1, count) && tagExact(b, me - 1, 2, count + 1) && a[count] == -1 &&
+                 b[count + 1] == -1,
+             "tag 2 received before tag 1, count " + str(count));
+      expect(sa.source == me - 1 && sa.tag == 1 && sa.count == count && sb.source == me - 1 && sb.tag == 2 &&
+                 sb.count == count + 1,
+             "status of out-of-order tagged receives, count " + str(count));
+    }
+  }
+  // 2. Both ranks of a pair send first (more than a slot ring each), then receive.
+  if ((me ^ 1) < n) {
+    int peer = me ^ 1;
+    const size_t count = 200000;
+    auto out = tagMessage(me, 7, count);
+    std::vector<int32_t> in(count, -1);
+    CHECK_LOOM(loomSendTagged(out.data(), count, loomInt32, peer, 7, comm, nullptr));
+    CHECK_LOOM(loomRecvTagged(in.data(), count, loomInt32, peer, 7, comm, nullptr, nullptr));
+    expect(tagExact(in, peer, 7, count), "both ranks send first, then receive");
+  }
+  // 3. Rank 0 receives from any source, any tag: every other rank sends 6
+  // messages (tags 0, 1, 0, 1, ...; the value says which of its tag).
+  // Per (source, tag) they must come in order.
+  if (me == 0) {
+    std::vector<std::vector<int>> next(size_t(n), std::vector<int>(2, 0));
+    for (int k = 0; k < 6 * (n - 1); ++k) {
+      std::vector<int32_t> in(40, -1);
+      loomP2PStatus st{-5, -5, 0};
+      CHECK_LOOM(loomRecvTagged(in.data(), in.size(), loomInt32, LOOM_ANY_SOURCE, LOOM_ANY_TAG, comm, nullptr, &st));
+      bool okStatus = st.source > 0 && st.source < n && (st.tag == 0 || st.tag == 1) && st.count == 33;
+      expect(okStatus, "any-source status (source " + std::to_string(st.source) + ", tag " + std::to_string(st.tag) + ")");
+      if (!okStatus) break;
+      int& nx = next[size_t(st.source)][size_t(st.tag)];
+      expect(in[0] == nx && tagExact(std::vector<int32_t>(in.begin() + 1, in.end()), st.source, st.tag, 32) && in[33] == -1,
+             "any-source message " + std::to_string(nx) + " from rank " + std::to_string(st.source) + " tag " +
+                 std::to_string(st.tag) + " in order and exact");
+      ++nx;
+    }
+  } else {
+    for (int j = 0; j < 6; ++j) {
+      std::vector<int32_t> m(33);
+      m[0] = j / 2;
+      auto body = tagMessage(me, j % 2, 32);
+      std::copy(body.begin(), body.end(), m.begin() + 1);
+      CHECK_LOOM(loomSendTagged(m.data(), m.size(), loomInt32, 0, j % 2, comm, nullptr));
+    }
+  }
+  {  // Later sections send other tags: none may reach rank 0's any-tag receives.
+    std::vector<float> x(1, 1.0f);
+    CHECK_LOOM(loomAllReduce(x.data(), x.data(), 1, loomFloat32, loomSum, comm, nullptr));
+  }
+  // 4. Rendezvous (3 MiB > LOOM_TAGGED_EAGER_BYTES): in order, and two in one
+  // group received in the other order in one group.
+  if ((me ^ 1) < n) {
+    const size_t big = 786432;
+    if (me % 2 == 0) {
+      auto a = tagMessage(me, 3, big), b = tagMessage(me, 4, big / 2);
+      CHECK_LOOM(loomSendTagged(a.data(), big, loomInt32, me + 1, 3, comm, nullptr));
+      CHECK_LOOM(loomGroupStart());
+      CHECK_LOOM(loomSendTagged(a.data(), big, loomInt32, me + 1, 3, comm, nullptr));
+      CHECK_LOOM(loomSendTagged(b.data(), big / 2, loomInt32, me + 1, 4, comm, nullptr));
+      CHECK_LOOM(loomGroupEnd());
+    } else {
+      std::vector<int32_t> a(big, -1), a2(big, -1), b(big / 2, -1);
+      CHECK_LOOM(loomRecvTagged(a.data(), big, loomInt32, me - 1, 3, comm, nullptr, nullptr));
+      CHECK_LOOM(loomGroupStart());
+      CHECK_LOOM(loomRecvTagged(b.data(), big / 2, loomInt32, me - 1, 4, comm, nullptr, nullptr));
+      CHECK_LOOM(loomRecvTagged(a2.data(), big, loomInt32, me - 1, 3, comm, nullptr, nullptr));
+      CHECK_LOOM(loomGroupEnd());
+      expect(tagExact(a, me - 1, 3, big) && tagExact(a2, me - 1, 3, big) && tagExact(b, me - 1, 4, big / 2),
+             "rendezvous messages exact, alone and in a group out of order");
+    }
+  }
+  // 5. A receive too small for its message: loomInvalidUsage naming both
+  // sizes; the message stays for a receive that fits; the communicator works.
+  if ((me ^ 1) < n) {
+    if (me % 2 == 0) {
+      auto a = tagMessage(me, 9, 100);
+      CHECK_LOOM(loomSendTagged(a.data(), 100, loomInt32, me + 1, 9, comm, nullptr));
+    } else {
+      std::vector<int32_t> small(10, -1), in(100, -1);
+      loomResult_t r = loomRecvTagged(small.data(), 10, loomInt32, me - 1, 9, comm, nullptr, nullptr);
+      std::string msg = loomGetLastError(comm);
+      expect(r == loomInvalidUsage && msg.find("400 bytes") != std::string::npos && msg.find("(40 bytes)") != std::string::npos,
+             "too small a receive is invalid usage naming 400 and 40 bytes: " + msg);
+      expect(small[0] == -1, "too small a receive writes nothing");
+      CHECK_LOOM(loomRecvTagged(in.data(), 100, loomInt32, me - 1, 9, comm, nullptr, nullptr));
+      expect(tagExact(in, me - 1, 9, 100), "the message survives a receive too small for it");
+    }
+  }
+  // 6. Tagged messages waiting in the stash disturb neither collectives nor
+  // plain sends and receives; then a stream with status, and a send to self.
+  {
+    int next = (me + 1) % n, prev = (me + n - 1) % n;
+    auto t = tagMessage(me, 11, 5000);
+    CHECK_LOOM(loomSendTagged(t.data(), t.size(), loomInt32, next, 11, comm, nullptr));
+    std::vector<float> x(70001, 1.0f);
+    CHECK_LOOM(loomAllReduce(x.data(), x.data(), x.size(), loomFloat32, loomSum, comm, nullptr));
+    expect(x[70000] == float(n), "all-reduce with tagged messages pending");
+    std::vector<int32_t> po(1000, me), pi(1000, -1);
+    CHECK_LOOM(loomGroupStart());
+    CHECK_LOOM(loomSend(po.data(), po.size(), loomInt32, next, comm, nullptr));
+    CHECK_LOOM(loomRecv(pi.data(), pi.size(), loomInt32, prev, comm, nullptr));
+    CHECK_LOOM(loomGroupEnd());
+    expect(pi[0] == prev && pi[999] == prev, "plain send/recv with tagged messages pending");
+    loomStream_t s;
+    CHECK_LOOM(loomStreamCreate(&s));
+    std::vector<int32_t> in(6000, -1), self(5000, -1);
+    loomP2PStatus st{}, sst{};
+    CHECK_LOOM(loomRecvTagged(in.data(), in.size(), loomInt32, prev, 11, comm, s, &st));
+    CHECK_LOOM(loomSendTagged(t.data(), t.size(), loomInt32, me, 12, comm, s));
+    CHECK_LOOM(loomRecvTagged(self.data(), self.size(), loomInt32, me, LOOM_ANY_TAG, comm, s, &sst));
+    CHECK_LOOM(loomStreamSynchronize(s));
+    CHECK_LOOM(loomStreamDestroy(s));
+    expect(tagExact(in, prev, 11, 5000) && st.source == prev && st.tag == 11 && st.count == 5000,
+           "tagged receive on a stream, with status");
+    expect(tagExact(self, me, 11, 5000) && sst.source == me && sst.tag == 12 && sst.count == 5000,
+           "tagged send to self");
+  }
+  // Bad arguments.
+  std::vector<int32_t> b(4);
+  expectInvalid(loomSendTagged(b.data(), 4, loomInt32, 0, -1, comm, nullptr), "send with a negative tag");
+  expectInvalid(loomSendTagged(b.data(), 4, loomInt32, LOOM_ANY_SOURCE, 0, comm, nullptr), "send to any source");
+  expectInvalid(loomRecvTagged(b.data(), 4, loomInt32, n, 0, comm, nullptr, nullptr), "receive from rank n");
+  expectInvalid(loomRecvTagged(b.data(), 4, loomInt32, 0, -2, comm, nullptr, nullptr), "receive with tag -2");
+  loomResult_t async;
+  CHECK_LOOM(loomCommGetAsyncError(comm, &async));
+  expect(async == loomSuccess, "the communicator is healthy after the tagged scenario");
+  std::vector<float> x(16, 1.0f);
+  CHECK_LOOM(loomAllReduce(x.data(), x.data(), x.size(), loomFloat32, loomSum, comm, nullptr));
+}
+
+// Run with LOOM_TAGGED_STASH_BYTES=0: nothing may be stashed, so a message
+// that arrives before its receive waits in the connection (the sender waits
+// once the slots are full) and is read when a receive for it is posted.
+// Rank 0 sends 50 messages to rank 1 (tags 0, 1, 2, 0, ...), rank 1
+// receives them in order after a pause; every value is checked.
+static void scenarioTaggedNoStash(loomComm_t comm) {
+  if (gSize < 2 || gRank > 1) return;
+  for (int j = 0; j < 50; ++j) {
+    size_t count = 1000 + size_t(j) * 997;  // one to 13 slots
+    if (gRank == 0) {
+      auto m = tagMessage(0, j % 3, count);
+      CHECK_LOOM(loomSendTagged(m.data(), count, loomInt32, 1, j % 3, comm, nullptr));
+    } else {
+      if (j == 0) usleep(100000);  // the sender runs ahead into full slots
+      std::vector<int32_t> in(count, -1);
+      loomP2PStatus st{};
+      CHECK_LOOM(loomRecvTagged(in.data(), count, loomInt32, 0, j % 3, comm, nullptr, &st));
+      expect(tagExact(in, 0, j % 3, count) && st.count == count, "message " + std::to_string(j) + " without a stash");
+    }
+  }
+}
+
+// Two ranks each wait for a tagged message the other never sends: both get
+// loomTimeout (1 s) naming the call and what it waited for.
+static void scenarioTaggedTimeout(loomComm_t comm) {
+  CHECK_LOOM(loomCommSetTimeout(comm, 1000));
+  std::vector<int32_t> buf(10);
+  int peer = gRank ^ 1;
+  if (peer >= gSize) return;
+  auto m = tagMessage(gRank, 1, 10);
+  CHECK_LOOM(loomSendTagged(m.data(), 10, loomInt32, peer, 1, comm, nullptr));  // stashed there, tag 1
+  loomResult_t r = loomRecvTagged(buf.data(), 10, loomInt32, peer, 99, comm, nullptr, nullptr);
+  std::string msg = loomGetLastError(comm);
+  // The rank that timed out first fails the communicator; the other inherits
+  // its cause (loomRemoteError with the first rank's message).
+  std::string want = ", tag 99, up to 40 bytes) made no progress for 1000 ms waiting for a matching message "
+                     "(1 messages stashed here, none matches)";
+  expect((r == loomTimeout || r == loomRemoteError) && msg.find("RecvTagged (from rank ") != std::string::npos &&
+             msg.find(want) != std::string::npos,
+         "an unmatched tagged receive times out naming it: " + msg);
+}
+
+// A tagged sender dies: rank 0's receive from it (victim 1) or from any
+// source (every other rank dies) returns loomRemoteError, not a hang or the
+// timeout (the test sets LOOM_TIMEOUT_MS far above its own limit).
+static int scenarioTaggedFault(const std::string& mode) {
+  loomComm_t comm;
+  CHECK_LOOM(loomCommInitFromEnv(&comm));
+  CHECK_LOOM(loomCommUserRank(comm, &gRank));
+  CHECK_LOOM(loomCommCount(comm, &gSize));
+  const bool any = mode == "any";
+  std::vector<int32_t> buf(1000, -1);
+  if (gRank != 0) {
+    if (any || gRank == 1) {
+      auto m = tagMessage(gRank, 1, 1000);
+      CHECK_LOOM(loomSendTagged(m.data(), m.size(), loomInt32, 0, 1, comm, nullptr));
+      usleep(200000);
+      raise(SIGKILL);
+    }
+    // Others wait to be told the communicator failed.
+    loomResult_t r = loomRecvTagged(buf.data(), buf.size(), loomInt32, 0, 5, comm, nullptr, nullptr);
+    printf("rank %d: waiting receive returned %s\n", gRank, loomGetErrorString(r));
+    loomCommAbort(comm);
+    return r == loomRemoteError ? 0 : 1;
+  }
+  int senders = any ? gSize - 1 : 1;
+  for (int k = 0; k < senders; ++k) {
+    loomP2PStatus st{};
+    CHECK_LOOM(loomRecvTagged(buf.data(), buf.size(), loomInt32, any ? LOOM_ANY_SOURCE : 1, 1, comm, nullptr, &st));
+    expect(tagExact(buf, st.source, 1, 1000), "the message sent before the death is exact");
+  }
+  loomResult_t r = loomRecvTagged(buf.data(), buf.size(), loomInt32, any ? LOOM_ANY_SOURCE : 1, 1, comm, nullptr, nullptr);
+  std::string msg = loomGetLastError(comm);
+  printf("rank 0: receive from a dead sender returned %s: %s\n", loomGetErrorString(r), msg.c_str());
+  expect(r == loomRemoteError, "receive from a dead sender is a remote error: " + msg);
+  loomCommAbort(comm);
+  return gFailures ? 1 : 0;
+}
+
 // The fault table's scenario.  Surviving ranks record: the call that failed,
 // its result, the time from the call to the error, and how long
 // loomCommAbort took.  Exit 0 when the failure was one of the expected ones.
@@ -1158,6 +1405,7 @@ int main(int argc, char** argv) {
     }
     return scenarioShrink(argv[2], parseList(argv[3]), strtoull(argv[4], nullptr, 10), argv[5]);
   }
+  if (sc == "taggedfault") return scenarioTaggedFault(argc > 2 ? argv[2] : "one");
   loomComm_t comm;
   CHECK_LOOM(loomCommInitFromEnv(&comm));
   CHECK_LOOM(loomCommUserRank(comm, &gRank));
@@ -1170,6 +1418,9 @@ int main(int argc, char** argv) {
   else if (sc == "mismatch") scenarioMismatch(comm);
   else if (sc == "a2amismatch") scenarioExchangeMismatch(comm);
   else if (sc == "split") scenarioSplit(comm);
+  else if (sc == "tagged") scenarioTagged(comm);
+  else if (sc == "taggedtimeout") scenarioTaggedTimeout(comm);
+  else if (sc == "taggednostash") scenarioTaggedNoStash(comm);
   else if (sc == "dump") scenarioDump(comm);
   else if (sc == "registered") scenarioRegistered(comm, argc > 2 ? argv[2] : "all", argc > 3 && strcmp(argv[3], "mapped") == 0);
   else if (sc == "soak")
@@ -1179,7 +1430,7 @@ int main(int argc, char** argv) {
     fprintf(stderr, "unknown scenario %s\n", sc.c_str());
     return 2;
   }
-  if (sc == "mismatch" || sc == "a2amismatch" || sc == "dump") loomCommAbort(comm);
+  if (sc == "mismatch" || sc == "a2amismatch" || sc == "dump" || sc == "taggedtimeout") loomCommAbort(comm);
   else CHECK_LOOM(loomCommDestroy(comm));
   if (gFailures) fprintf(stderr, "rank %d: %d checks failed\n", gRank, gFailures);
   return gFailures ? 1 : 0;

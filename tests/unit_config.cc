@@ -55,6 +55,8 @@ TEST_CASE("every default in config.cc's table is the value config() uses when th
       {"LOOM_SPIN_US", [&] { return num(c.spinUs); }},
       {"LOOM_SLOT_BYTES", [&] { return num(c.slotBytes); }},
       {"LOOM_SLOTS", [&] { return num(c.slots); }},
+      {"LOOM_TAGGED_EAGER_BYTES", [&] { return num(c.p2pEagerBytes); }},
+      {"LOOM_TAGGED_STASH_BYTES", [&] { return num(c.p2pStashBytes); }},
       {"LOOM_SHM_SMALL_BYTES", [&] { return num(c.shmSmallBytes); }},
       {"LOOM_SHM_STAGE_BYTES", [&] { return num(c.shmStageBytes); }},
       {"LOOM_CHUNK_SIZE", [&] { return num(c.chunkBytes); }},

@@ -46,6 +46,8 @@ constexpr uint8_t kTagPartOfAllToAllv = 1;
 // In a staging header (algorithms/staged.cc): the owner's input is read in
 // place from its loomMemAlloc buffer.
 constexpr uint8_t kTagInputInPlace = 2;
+// A frame of the tagged point-to-point channel (src/core/p2p_tagged.h).
+constexpr uint8_t kTagTagged = 4;
 
 class Connection {
  public:

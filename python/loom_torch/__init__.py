@@ -9,7 +9,8 @@ CPU tensors; all_reduce (SUM, AVG, PRODUCT, MIN, MAX; sparse tensors through
 their dense form), broadcast, reduce, all_gather, all_gather_into_tensor,
 all_gather_coalesced, reduce_scatter, reduce_scatter_tensor, gather, scatter,
 all_to_all, all_to_all_single (equal or unequal splits), barrier, send, recv
-and batch_isend_irecv; every dtype gloo takes (complex as pairs of reals).
+(with tags, and from any source: loomSendTagged/loomRecvTagged) and
+batch_isend_irecv; every dtype gloo takes (complex as pairs of reals).
 Every operation fails within about the group's timeout when a peer does not
 take part, naming that rank; the autograd profiler shows "loom:<operation>".
 

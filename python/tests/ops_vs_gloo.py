@@ -283,7 +283,6 @@ expect_error("BAND is refused", lambda: dist.all_reduce(torch.ones(4, dtype=torc
              ["loom", "BAND"])
 expect_error("int16 is refused", lambda: dist.all_reduce(torch.ones(4, dtype=torch.int16)), ["loom", "dtype"])
 expect_error("non-contiguous is refused", lambda: dist.all_reduce(torch.ones(4, 4).t()), ["loom", "contiguous"])
-expect_error("tags are refused", lambda: dist.send(torch.ones(4), right, tag=3), ["loom", "tag"])
 expect_error("complex MAX is refused", lambda: dist.all_reduce(torch.ones(4, dtype=torch.complex64),
                                                                  op=dist.ReduceOp.MAX), ["complex"])
 expect_error("all_to_all_single splits that do not add up are refused",

@@ -127,7 +127,10 @@ void validate(loomComm* comm, const OpDesc& op) {
   int n = comm->nranks(), me = comm->rank();
   checkedBytes(op.count, op.dtype, perRankCount(op.coll) ? size_t(n) : 1);  // overflow
   if (rooted(op.coll)) checkRank("root", op.root, n);
-  if (op.coll == Collective::P2P) checkRank("peer", op.peer, n);
+  if (op.coll == Collective::P2P && !(op.tagged && !op.isSend && op.peer == LOOM_ANY_SOURCE))
+    checkRank("peer", op.peer, n);
+  if (op.tagged && op.tag < 0 && !(op.tag == LOOM_ANY_TAG && !op.isSend))
+    fail(loomInvalidArgument, "tag %d is negative (tags are >= 0; a receive may use LOOM_ANY_TAG)", op.tag);
   // A host communicator's kernels given device memory would fault; a CUDA
   // communicator checks its buffers itself (DeviceComm::run).
   if (!comm->deviceComm() && (op.sendMem == MemoryKind::CudaDevice || op.recvMem == MemoryKind::CudaDevice)) {
@@ -798,6 +801,39 @@ loomResult_t loomRecv(void* recvbuff, size_t count, loomDataType_t datatype, int
   d.peer = peer;
   d.isSend = false;
   return issueOp("loomRecv", comm, stream, d);
+}
+
+loomResult_t loomSendTagged(const void* sendbuff, size_t count, loomDataType_t datatype, int peer, int tag,
+                            loomComm_t comm, loomStream_t stream) {
+  if (loomResult_t r = checkEnums("loomSendTagged", &datatype, nullptr)) return r;
+  OpDesc d;
+  d.coll = Collective::P2P;
+  d.sendbuf = sendbuff;
+  d.sendMem = memoryKindOf(sendbuff);
+  d.count = count;
+  d.dtype = datatype;
+  d.peer = peer;
+  d.isSend = true;
+  d.tagged = true;
+  d.tag = tag;
+  return issueOp("loomSendTagged", comm, stream, d);
+}
+
+loomResult_t loomRecvTagged(void* recvbuff, size_t count, loomDataType_t datatype, int peer, int tag,
+                            loomComm_t comm, loomStream_t stream, loomP2PStatus* status) {
+  if (loomResult_t r = checkEnums("loomRecvTagged", &datatype, nullptr)) return r;
+  OpDesc d;
+  d.coll = Collective::P2P;
+  d.recvbuf = recvbuff;
+  d.recvMem = memoryKindOf(recvbuff);
+  d.count = count;
+  d.dtype = datatype;
+  d.peer = peer;
+  d.isSend = false;
+  d.tagged = true;
+  d.tag = tag;
+  d.status = status;
+  return issueOp("loomRecvTagged", comm, stream, d);
 }
 
 loomResult_t loomAllToAll(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t datatype,

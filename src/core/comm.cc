@@ -74,6 +74,7 @@ loomComm::~loomComm() {
   if (device_ && (aborted_.load() || asyncError_.load() != loomSuccess)) device_->abandon();
   device_.reset();
   registrations_.clear();  // their transport handles, before the transports
+  tagged_.reset();
   conns_.clear();  // before the transports whose memory they use
   transports_.clear();
 }
@@ -168,7 +169,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
   env.commTag = root.commTag;
   env.slotBytes = root.slotBytes;
   env.slots = root.slots;
-  env.maxChannels = maxChannels_;
+  env.maxChannels = maxChannels_ + 1;  // and the tagged channel (p2p_tagged.h)
   directLayout_ = DirectLayout{nranks, root.mailBytes, root.stageBytes};
   env.windowBytes = directLayout_.bytes();
   env.timeoutMs = timeoutMs_;
@@ -189,6 +190,11 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
   limits_.stageBytes = peerMem_ ? directLayout_.stageBytes : 0;
   limits_.maxChunkBytes = size_t(root.slots - 1) * root.slotBytes;
   initTuner(boot);
+  TaggedLimits tl;
+  tl.eagerBytes = size_t(cfg.p2pEagerBytes);
+  tl.stashBytes = size_t(cfg.p2pStashBytes);
+  tagged_ = std::make_unique<TaggedP2P>(rank, nranks, tl);
+  taggedRetryMs_.assign(size_t(nranks), 0);
   if (!cfg.trace.empty()) tracer_ = std::make_unique<Tracer>(cfg.trace, rank, nranks);
   if (deviceChoice.cuda) {
     // Windows are shared through CUDA IPC, which only works within a host.
@@ -359,6 +365,14 @@ void loomComm::waitIdle() {
 }
 
 SlotTag loomComm::tagFor(const OpDesc& op) {
+  // Tagged messages carry their own numbers (p2p_tagged.h): they take none
+  // of the per-pair order of plain sends and receives.
+  if (op.tagged) {
+    SlotTag t = operationTag(op, 0);
+    t.flags |= kTagTagged;
+    t.root = op.tag;
+    return t;
+  }
   if (op.coll == Collective::P2P)
     return operationTag(op, op.isSend ? sendSeq_[size_t(op.peer)]++ : recvSeq_[size_t(op.peer)]++);
   return operationTag(op, collSeq_++);
@@ -383,6 +397,7 @@ void loomComm::runDirect(Algorithm algo, const OpDesc& op, const SlotTag& tag) {
 }
 
 loomResult_t loomComm::runOne(const OpDesc& op, const SlotTag& tag) {
+  if (op.tagged) return runOps({op}, {tag});
   Algorithm algo = choose(op);
   if (!isDirect(algo)) return runOps({op}, {tag});
   loomResult_t prior = asyncError();
@@ -421,6 +436,22 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
     ~Idle() { c->noteIdle(); }
   } idle{this};
   try {
+    size_t nTagged = 0;
+    for (const OpDesc& op : ops) nTagged += op.tagged;
+    if (nTagged) {
+      if (nTagged != ops.size()) {
+        setLastError(strf("rank %d: a group mixes tagged sends/receives (loomSendTagged, loomRecvTagged) with other "
+                          "operations; issue them in separate groups",
+                          rank_));
+        return loomInvalidUsage;
+      }
+      double t0 = tracer_ ? Tracer::nowUs() : 0;
+      std::string usage;
+      loomResult_t r = tagged_->run(*this, *this, ops, &usage);
+      if (tracer_) traceRun(t0, ops, tags, Algorithm::Ring);
+      if (r != loomSuccess) setLastError(usage);
+      return r;
+    }
     double t0 = tracer_ ? Tracer::nowUs() : 0;
     std::vector<ExecOp> eops;
     Schedule sched;
@@ -767,6 +798,29 @@ void loomComm::prepare(const std::vector<std::pair<int, int>>& needed) {
     if (peer < 0 || peer >= nranks_ || peer == rank_) fail(loomInternalError, "no connection to rank %d", peer);
     conns_[key] = via_[size_t(peer)]->connect(peer, ch, deadline, *this);
   }
+}
+
+Connection* loomComm::taggedConnection(int peer) {
+  auto key = std::make_pair(peer, maxChannels_);
+  auto it = conns_.find(key);
+  if (it != conns_.end()) return it->second.get();
+  if (peer == rank_ || peer < 0 || peer >= nranks_) return nullptr;
+  int64_t now = nowMs();
+  if (peer < rank_) {
+    conns_[key] = via_[size_t(peer)]->connect(peer, maxChannels_, now + timeoutMs_, *this);
+    return conns_[key].get();
+  }
+  // The higher rank opens it when it runs its first tagged operation; until
+  // then look (without waiting) at most once per millisecond.
+  if (now < taggedRetryMs_[size_t(peer)]) return nullptr;
+  taggedRetryMs_[size_t(peer)] = now + 1;
+  try {
+    conns_[key] = via_[size_t(peer)]->connect(peer, maxChannels_, now, *this);
+  } catch (const Error& e) {
+    if (e.code() == loomTimeout) return nullptr;
+    throw;
+  }
+  return conns_[key].get();
 }
 
 Connection* loomComm::connection(int peer, int channel) {

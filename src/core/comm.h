@@ -18,6 +18,7 @@
 #include "src/core/bootstrap.h"
 #include "src/core/control.h"
 #include "src/core/executor.h"
+#include "src/core/p2p_tagged.h"
 #include "src/core/registration.h"
 #include "src/core/trace.h"
 #include "src/device/device_comm.h"
@@ -53,7 +54,10 @@ void checkRankInfo(RankInfo* info, int r);
 
 }  // namespace loom
 
-struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::enable_shared_from_this<loomComm> {
+struct loomComm : public loom::ExecEnv,
+                  public loom::ConnectHost,
+                  public loom::TaggedHost,
+                  public std::enable_shared_from_this<loomComm> {
  public:
   // Creates and joins; throws loom::Error.  bootCheck: see Bootstrap.
   static std::shared_ptr<loomComm> create(const loom::UniqueIdData& id, int nranks, int rank,
@@ -136,6 +140,13 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
     return v;
   }
 
+  // ---- TaggedHost (src/core/p2p_tagged.h) ----
+  int taggedRanks() const override { return nranks_; }
+  // Channel maxChannels_ of each peer; the higher rank of a pair opens it
+  // (waiting briefly), the lower one takes it once it has arrived.
+  loom::Connection* taggedConnection(int peer) override;
+  size_t taggedStashBytes() const { return tagged_ ? tagged_->stashedBytes() : 0; }
+
   // ---- ExecEnv ----
   void prepare(const std::vector<std::pair<int, int>>& needed) override;
   loom::Connection* connection(int peer, int channel) override;
@@ -179,6 +190,8 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
   void markDead(const std::vector<bool>& asked, const std::vector<loom::Reach>& reach);
   void notifyPeers(loom::CtlType type);
   loom::SlotTag tagFor(const loom::OpDesc& op);  // under seqMutex_
+  // A batch of tagged sends and receives (runOps' part for them).
+  void runTagged(const std::vector<loom::OpDesc>& ops);
   // Sets up the transports in rank 0's LOOM_TRANSPORTS order: each takes
   // the peers it reaches that no earlier one took.
   void initTransports(loom::Bootstrap& boot, const loom::TransportEnv& env);
@@ -207,6 +220,8 @@ struct loomComm : public loom::ExecEnv, public loom::ConnectHost, public std::en
   loom::DirectLayout directLayout_;
   loom::DirectState directState_;
   std::map<std::pair<int, int>, std::unique_ptr<loom::Connection>> conns_;
+  std::unique_ptr<loom::TaggedP2P> tagged_;  // loomSendTagged / loomRecvTagged
+  std::vector<int64_t> taggedRetryMs_;       // per peer: when to look for its tagged connection again
   loom::RegistrationTable registrations_;  // released before the transports
   std::unique_ptr<loom::DeviceComm> device_;  // CUDA communicators only
 

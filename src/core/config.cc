@@ -50,6 +50,12 @@ const std::vector<ConfigVar>& configTable() {
        "than cores the spin yields the CPU"},
       {"LOOM_SLOT_BYTES", "int", "65536", "bytes per slot of a connection (the slice size)"},
       {"LOOM_SLOTS", "int", "8", "slots per connection ring (pipelining depth)"},
+      {"LOOM_TAGGED_EAGER_BYTES", "int", "1048576",
+       "tagged sends (loomSendTagged) of at most this many bytes go at once and wait at the receiver until "
+       "matched; larger ones wait until the receiver has matched them (rendezvous)"},
+      {"LOOM_TAGGED_STASH_BYTES", "int", "67108864",
+       "bytes of tagged messages that arrived before their receive a rank keeps at most; past that it stops "
+       "reading the sender's channel and the sender waits"},
       {"LOOM_SHM_SMALL_BYTES", "int", "16384",
        "per-rank blocks up to this size use the one-shot shared-memory path (0 = never)"},
       {"LOOM_SHM_STAGE_BYTES", "int", "262144",
@@ -149,6 +155,8 @@ static Config readConfig() {
   c.slots = envInt("LOOM_SLOTS", 8, 2, 1024);
   c.shmSmallBytes = envInt("LOOM_SHM_SMALL_BYTES", 16384, 0, 1 << 20) & ~int64_t(63);
   c.shmStageBytes = envInt("LOOM_SHM_STAGE_BYTES", 256 << 10, 0, 1 << 30) & ~int64_t(4095);
+  c.p2pEagerBytes = envInt("LOOM_TAGGED_EAGER_BYTES", 1 << 20, 0, int64_t(1) << 40);
+  c.p2pStashBytes = envInt("LOOM_TAGGED_STASH_BYTES", 64 << 20, 0, int64_t(1) << 40);
   c.chunkBytes = envInt("LOOM_CHUNK_SIZE", 0, 0, int64_t(1) << 40);
   c.channels = envInt("LOOM_NCHANNELS", 0, 0, 16);
   c.algo = envStr("LOOM_ALGO");

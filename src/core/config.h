@@ -35,6 +35,8 @@ struct Config {
   int64_t slots;              // LOOM_SLOTS
   int64_t shmSmallBytes;      // LOOM_SHM_SMALL_BYTES
   int64_t shmStageBytes;      // LOOM_SHM_STAGE_BYTES
+  int64_t p2pEagerBytes;      // LOOM_TAGGED_EAGER_BYTES
+  int64_t p2pStashBytes;      // LOOM_TAGGED_STASH_BYTES
   int64_t chunkBytes;         // LOOM_CHUNK_SIZE (0 = tuner decides)
   int64_t channels;           // LOOM_NCHANNELS (0 = tuner decides)
   std::string algo;           // LOOM_ALGO

@@ -15,6 +15,7 @@ namespace loom {
 
 std::string describeTag(const SlotTag& t) {
   Collective c = Collective(t.coll);
+  if (t.flags & kTagTagged) return strf("tagged Send/Recv (tag %d)", t.root);
   std::string s = strf("%s #%llu (count %llu, %s", collectiveName(c), (unsigned long long)t.seq,
                        (unsigned long long)t.count, dtypeName(loomDataType_t(t.dtype)));
   if (reduces(c)) s += strf(", %s", redOpName(loomRedOp_t(t.op)));

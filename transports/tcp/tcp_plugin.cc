@@ -152,7 +152,9 @@ class TcpTransport : public Transport {
     if (fd < 0) return -1;
     TcpHello h{};
     try {
-      recvAll(fd, &h, sizeof h, std::min(deadline, nowMs() + 2000));
+      // The dialer sends its hello right after connecting: give it at least
+      // 500 ms even when the caller only looks (a tagged channel's deadline is now).
+      recvAll(fd, &h, sizeof h, std::max(std::min(deadline, nowMs() + 2000), nowMs() + 500));
     } catch (const Error& e) {
       LOOM_WARN("NET", "rank %d: dropped a data connection without a valid hello (%s)", env_.rank, e.what());
       close(fd);

@@ -1,0 +1,100 @@
+"""Tagged send/recv, recv from any source and batch_isend_irecv with tags:
+loom against gloo in the same job (the default group is loom, a second group
+over the same ranks is gloo).  Exits non-zero on the first difference.
+
+Run under the launcher: python3 -m loom_torch.run --nproc_per_node 3 p2p_tags_vs_gloo.py
+"""
+import sys
+
+import torch
+import torch.distributed as dist
+
+import loom_torch  # noqa: F401  (registers "loom")
+
+dist.init_process_group(backend="loom")
+rank, n = dist.get_rank(), dist.get_world_size()
+gloo = dist.new_group(backend="gloo")
+failures = []
+
+
+def check(name, ok, detail=""):
+    if not ok:
+        failures.append(name)
+        print(f"[rank {rank}] FAIL {name} {detail}", flush=True)
+
+
+def payload(src, tag, count):
+    return torch.arange(count, dtype=torch.float32) + 1000.0 * src + 100000.0 * tag
+
+
+def out_of_order(group):
+    """Rank 0 sends tags 1 then 2 to rank 1 (more than a slot ring each, but
+    eager: at most LOOM_TAGGED_EAGER_BYTES; a larger send waits for its
+    receive, as MPI_Send may, so this order would wait on loom);
+    rank 1 receives tag 2 first."""
+    got = {}
+    count = 200000
+    if rank == 0:
+        reqs = [dist.isend(payload(0, t, count), 1, group=group, tag=t) for t in (1, 2)]
+        for r in reqs:
+            r.wait()
+    elif rank == 1:
+        for t in (2, 1):
+            x = torch.empty(count)
+            dist.recv(x, 0, group=group, tag=t)
+            got[t] = x
+    return got
+
+
+def any_source(group):
+    """Rank 0 receives one message from every other rank, from any source."""
+    seen = {}
+    if rank == 0:
+        for _ in range(n - 1):
+            x = torch.empty(50)
+            src = dist.recv(x, group=group, tag=3)
+            seen[src] = x
+    else:
+        dist.send(payload(rank, 3, 50), 0, group=group, tag=3)
+    return seen
+
+
+def batch_with_tags(group):
+    """Each rank sends to the right with tag 5 and to the left with tag 6;
+    receives are listed first and from the other side first."""
+    right, left = (rank + 1) % n, (rank + n - 1) % n
+    from_left, from_right = torch.empty(1000), torch.empty(1000)
+    ops = [dist.P2POp(dist.irecv, from_right, right, group, 6), dist.P2POp(dist.irecv, from_left, left, group, 5),
+           dist.P2POp(dist.isend, payload(rank, 5, 1000), right, group, 5),
+           dist.P2POp(dist.isend, payload(rank, 6, 1000), left, group, 6)]
+    for r in dist.batch_isend_irecv(ops):
+        r.wait()
+    return from_left, from_right
+
+
+lo, gl = out_of_order(None), out_of_order(gloo)
+if rank == 1:
+    for t in (1, 2):
+        check(f"out-of-order tag {t}", torch.equal(lo[t], gl[t]) and torch.equal(lo[t], payload(0, t, 200000)))
+
+lo, gl = any_source(None), any_source(gloo)
+if rank == 0:
+    check("any source: every sender once", sorted(lo) == sorted(gl) == list(range(1, n)), f"{sorted(lo)} {sorted(gl)}")
+    for s in lo:
+        check(f"any source: data of rank {s}", torch.equal(lo[s], gl.get(s, torch.empty(0))) and
+              torch.equal(lo[s], payload(s, 3, 50)))
+
+(ll, lr), (gl_, gr) = batch_with_tags(None), batch_with_tags(gloo)
+check("batch_isend_irecv with tags, from the left", torch.equal(ll, gl_) and torch.equal(ll, payload((rank + n - 1) % n, 5, 1000)))
+check("batch_isend_irecv with tags, from the right", torch.equal(lr, gr) and torch.equal(lr, payload((rank + 1) % n, 6, 1000)))
+
+# The group still works.
+t = torch.ones(3)
+dist.all_reduce(t)
+check("all_reduce after tagged point to point", torch.equal(t, torch.full((3,), float(n))))
+dist.barrier()
+dist.destroy_process_group()
+if failures:
+    print(f"[rank {rank}] {len(failures)} failures: {failures}", flush=True)
+    sys.exit(1)
+print(f"[rank {rank}] tagged point to point equals gloo", flush=True)
