@@ -7,6 +7,7 @@
 // calls, again through a recording table, with host memory standing in for
 // device memory).
 #include <catch2/catch.hpp>
+#include <atomic>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -315,33 +316,40 @@ namespace {
 
 // A CUDA table for the communicator's driver: memory is host memory
 // (calloc), handles and streams are counters, every call is recorded.
+// Two ranks' threads call it at once: the record and the counters are
+// guarded (TSan).  The test reads g_drv only while no rank runs.
 std::vector<std::string> g_drv;
-int g_current = 0;       // cudaGetDevice's answer
-int g_failIpcOpen = 0;   // cudaIpcOpenMemHandle's result
-uintptr_t g_next = 0x1000;
+std::mutex g_drvMu;
+std::atomic<int> g_current{0};      // cudaGetDevice's answer
+std::atomic<int> g_failIpcOpen{0};  // cudaIpcOpenMemHandle's result
+std::atomic<uintptr_t> g_next{0x1000};
+void record(std::string call) {
+  std::lock_guard<std::mutex> g(g_drvMu);
+  g_drv.push_back(std::move(call));
+}
 
 const loom::CudaApi kDriverTable = {
     loom::kCudaApiVersion,
     [](void* s, const uint64_t* a, uint64_t v) {
-      g_drv.push_back(loom::strf("wait %p %p %llu", s, static_cast<const void*>(a), (unsigned long long)v));
+      record(loom::strf("wait %p %p %llu", s, static_cast<const void*>(a), (unsigned long long)v));
       return 0;
     },
     [](void* s, uint64_t* a, uint64_t v) {
-      g_drv.push_back(loom::strf("write %p %p %llu", s, static_cast<void*>(a), (unsigned long long)v));
+      record(loom::strf("write %p %p %llu", s, static_cast<void*>(a), (unsigned long long)v));
       return 0;
     },
     [](void* d, const void* src, size_t n, void* s) {
-      g_drv.push_back(loom::strf("memcpy %p %p <- %p %zu", s, d, src, n));
+      record(loom::strf("memcpy %p %p <- %p %zu", s, d, src, n));
       return 0;
     },
     [](void*, const void* const*, int, size_t, int, int, void*) { return 0; },
     [](void*, const void*, size_t, int, int, void*) { return 0; },
     [](void* e, void* s) {
-      g_drv.push_back(loom::strf("record %p %p", e, s));
+      record(loom::strf("record %p %p", e, s));
       return 0;
     },
     [](void* s, void* e) {
-      g_drv.push_back(loom::strf("waitevent %p %p", s, e));
+      record(loom::strf("waitevent %p %p", s, e));
       return 0;
     },
     [](int e) { return e == 201 ? "invalid device context" : "?"; },
@@ -358,18 +366,18 @@ const loom::CudaApi kDriverTable = {
       return 0;
     },
     [](int d) {
-      g_drv.push_back(loom::strf("setDevice %d", d));
+      record(loom::strf("setDevice %d", d));
       g_current = d;
       return 0;
     },
     [](void** p, size_t n) {
       *p = calloc(1, n);
-      g_drv.push_back(loom::strf("malloc %zu", n));
+      record(loom::strf("malloc %zu", n));
       return 0;
     },
     [](void* p) {
       free(p);
-      g_drv.push_back("free");
+      record("free");
       return 0;
     },
     [](const void* p, void** base, size_t* n) {
@@ -382,24 +390,24 @@ const loom::CudaApi kDriverTable = {
       memcpy(h, &base, sizeof base);
       return 0;
     },
-    [](const void*, void**) { return g_failIpcOpen; },
+    [](const void*, void**) { return g_failIpcOpen.load(); },
     [](void*) { return 0; },
     [](void** s) {
       *s = reinterpret_cast<void*>(g_next++);
-      g_drv.push_back(loom::strf("streamCreate %p", *s));
+      record(loom::strf("streamCreate %p", *s));
       return 0;
     },
     [](void* s) {
-      g_drv.push_back(loom::strf("streamDestroy %p", s));
+      record(loom::strf("streamDestroy %p", s));
       return 0;
     },
     [](void** e) {
       *e = reinterpret_cast<void*>(g_next++);
-      g_drv.push_back(loom::strf("eventCreate %p", *e));
+      record(loom::strf("eventCreate %p", *e));
       return 0;
     },
     [](void* e) {
-      g_drv.push_back(loom::strf("eventDestroy %p", e));
+      record(loom::strf("eventDestroy %p", e));
       return 0;
     },
     [](const uint64_t* a, uint64_t* v, void*) {

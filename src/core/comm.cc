@@ -67,7 +67,10 @@ loomComm::~loomComm() {
   // the ones still under way before the control thread stops (a peer whose
   // connection to us breaks asks us, and we may be gone by then).
   if (asyncError() != loomSuccess) settleNotices(nowMs() + 1000);
-  ctl_.reset();  // its thread may call into this communicator
+  // Its thread may call into this communicator (and read ctl_): stop it
+  // before the pointer changes.
+  if (ctl_) ctl_->stop();
+  ctl_.reset();
   dumpUnregister(this);
   // A failed or aborted communicator's peers may never finish their last
   // round: do not wait for them before freeing the device window.

@@ -159,13 +159,17 @@ Control::Control(int rank, int nranks, const uint8_t secret[16], const SockAddr&
   }
 }
 
-Control::~Control() {
+void Control::stop() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
   }
   wake();
   if (thread_.joinable()) thread_.join();
+}
+
+Control::~Control() {
+  stop();
   for (auto& j : joins_) closeQuiet(j.first);
   closeQuiet(listenFd_);
   closeQuiet(wakeFd_[0]);

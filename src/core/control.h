@@ -77,6 +77,9 @@ class Control {
   Control(int rank, int nranks, const uint8_t secret[16], const SockAddr& bindAddr,
           const SockAddr& advertise);
   ~Control();
+  // Ends the thread (no onNotice runs after it returns).  The owner calls it
+  // before letting go of the Control, which the thread's callbacks may read.
+  void stop();
   const SockAddr& address() const { return advertise_; }
 
   // Starts the thread once every rank's address is known.  onNotice runs on
