@@ -361,6 +361,32 @@ OpDesc exchange(Collective coll, const void* sendbuff, void* recvbuff, size_t co
   return d;
 }
 
+// A send (buf is the send buffer) or a receive from or to `peer`; tagged
+// ones carry their tag (and a receive its status).
+OpDesc pointToPoint(bool isSend, const void* buf, size_t count, loomDataType_t datatype, int peer) {
+  OpDesc d;
+  d.coll = Collective::P2P;
+  if (isSend) {
+    d.sendbuf = buf;
+    d.sendMem = memoryKindOf(buf);
+  } else {
+    d.recvbuf = const_cast<void*>(buf);  // loomRecv's own (non-const) buffer
+    d.recvMem = memoryKindOf(buf);
+  }
+  d.count = count;
+  d.dtype = datatype;
+  d.peer = peer;
+  d.isSend = isSend;
+  return d;
+}
+
+OpDesc tagged(OpDesc d, int tag, loomP2PStatus* status) {
+  d.tagged = true;
+  d.tag = tag;
+  d.status = status;
+  return d;
+}
+
 }  // namespace
 
 extern "C" {
@@ -778,62 +804,27 @@ loomResult_t loomReduce(const void* sendbuff, void* recvbuff, size_t count, loom
 loomResult_t loomSend(const void* sendbuff, size_t count, loomDataType_t datatype, int peer,
                       loomComm_t comm, loomStream_t stream) {
   if (loomResult_t r = checkEnums("loomSend", &datatype, nullptr)) return r;
-  OpDesc d;
-  d.coll = Collective::P2P;
-  d.sendbuf = sendbuff;
-  d.sendMem = memoryKindOf(sendbuff);
-  d.count = count;
-  d.dtype = datatype;
-  d.peer = peer;
-  d.isSend = true;
-  return issueOp("loomSend", comm, stream, d);
+  return issueOp("loomSend", comm, stream, pointToPoint(true, sendbuff, count, datatype, peer));
 }
 
 loomResult_t loomRecv(void* recvbuff, size_t count, loomDataType_t datatype, int peer, loomComm_t comm,
                       loomStream_t stream) {
   if (loomResult_t r = checkEnums("loomRecv", &datatype, nullptr)) return r;
-  OpDesc d;
-  d.coll = Collective::P2P;
-  d.recvbuf = recvbuff;
-  d.recvMem = memoryKindOf(recvbuff);
-  d.count = count;
-  d.dtype = datatype;
-  d.peer = peer;
-  d.isSend = false;
-  return issueOp("loomRecv", comm, stream, d);
+  return issueOp("loomRecv", comm, stream, pointToPoint(false, recvbuff, count, datatype, peer));
 }
 
 loomResult_t loomSendTagged(const void* sendbuff, size_t count, loomDataType_t datatype, int peer, int tag,
                             loomComm_t comm, loomStream_t stream) {
   if (loomResult_t r = checkEnums("loomSendTagged", &datatype, nullptr)) return r;
-  OpDesc d;
-  d.coll = Collective::P2P;
-  d.sendbuf = sendbuff;
-  d.sendMem = memoryKindOf(sendbuff);
-  d.count = count;
-  d.dtype = datatype;
-  d.peer = peer;
-  d.isSend = true;
-  d.tagged = true;
-  d.tag = tag;
-  return issueOp("loomSendTagged", comm, stream, d);
+  return issueOp("loomSendTagged", comm, stream,
+                 tagged(pointToPoint(true, sendbuff, count, datatype, peer), tag, nullptr));
 }
 
 loomResult_t loomRecvTagged(void* recvbuff, size_t count, loomDataType_t datatype, int peer, int tag,
                             loomComm_t comm, loomStream_t stream, loomP2PStatus* status) {
   if (loomResult_t r = checkEnums("loomRecvTagged", &datatype, nullptr)) return r;
-  OpDesc d;
-  d.coll = Collective::P2P;
-  d.recvbuf = recvbuff;
-  d.recvMem = memoryKindOf(recvbuff);
-  d.count = count;
-  d.dtype = datatype;
-  d.peer = peer;
-  d.isSend = false;
-  d.tagged = true;
-  d.tag = tag;
-  d.status = status;
-  return issueOp("loomRecvTagged", comm, stream, d);
+  return issueOp("loomRecvTagged", comm, stream,
+                 tagged(pointToPoint(false, recvbuff, count, datatype, peer), tag, status));
 }
 
 loomResult_t loomAllToAll(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t datatype,
