@@ -86,10 +86,11 @@ struct DirectWindow {
   PeerBuffer* stageInput(int parity) const {
     return reinterpret_cast<PeerBuffer*>(base + l->stageInputOffset() + size_t(parity) * 64);
   }
-  // Zero-copy all-reduce (directZeroCopyAllReduce): (seq + 1) << 1, | 1 if
-  // this rank's buffers of operation seq can be mapped (then stageInput(0)
-  // and (1) describe its input and output); and seq + 1 once it wrote its
-  // part into every output and read its last byte of the others' inputs.
+  // Zero-copy collectives (directZeroCopy): (seq + 1) << 1, | 1 if this
+  // rank's buffers of operation seq can be mapped (then stageInput(0) and
+  // (1) describe its input and output, where peers touch them); and
+  // seq + 1 once it wrote its last byte and read its last byte of the
+  // others' buffers.
   std::atomic<uint64_t>* zeroCopyVote() const {
     return reinterpret_cast<std::atomic<uint64_t>*>(base + l->zeroCopyOffset());
   }
@@ -133,17 +134,19 @@ void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag);
 // algorithms/staged.cc: all-reduce of any size, in chunks of stageBytes.
 void stagedRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag);
 
-// The zero-copy all-reduce (algorithms/staged.cc), tried first by
-// stagedRun and, for an all-reduce the tuner gave to a schedule, by the
-// communicator: when every rank's input and output can be mapped (memory
-// from loomMemAlloc), each rank reduces its 1/N part straight out of all
-// inputs and writes it into every output, and true is returned; otherwise
-// false, and the caller runs its own path.  Operations smaller than
+// The zero-copy collectives (algorithms/zero_copy.cc), tried first by
+// stagedRun and, for a collective the tuner gave to a schedule, by the
+// communicator: when every buffer the ranks read or write across ranks can
+// be mapped (memory from loomMemAlloc), each rank moves its share straight
+// between the users' buffers (all-reduce: reduces its 1/N part out of all
+// inputs into every output; all-gather, reduce-scatter, broadcast: pulls
+// into its own output) and true is returned; otherwise false, and the
+// caller runs its own path.  Operations that move less than
 // directZeroCopyMinBytes, and other collectives, answer false at once on
-// every rank alike; the others cost one round of flags (each rank's vote in its
-// window), which is how all ranks decide alike without a message.
-bool directZeroCopyAllReduce(DirectContext& ctx, const OpDesc& op, const SlotTag& tag);
-// The smallest all-reduce that votes (bytes).
+// every rank alike; the others cost one round of flags (each rank's vote
+// in its window), which is how all ranks decide alike without a message.
+bool directZeroCopy(DirectContext& ctx, const OpDesc& op, const SlotTag& tag);
+// The fewest bytes (of the operation's largest buffer) that vote.
 size_t directZeroCopyMinBytes(size_t stageBytes, bool oversubscribed);
 
 // Their registry entries' rules and costs (algorithms/registry.cc).

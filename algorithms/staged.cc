@@ -20,12 +20,8 @@
 // Zero-copy (memory from loomMemAlloc, which peers can map): a rank whose
 // input can be mapped skips step (1)'s copy and publishes where its input
 // is; the others reduce straight out of it.  And when every rank's input
-// and output can be mapped (a vote in the windows first, on every all-reduce
-// of at least 1 MiB, also those the tuner gave to the ring),
-// directZeroCopyAllReduce replaces the chunks altogether: each rank reduces
-// its part out of all N inputs into its output, a cache-sized piece at a
-// time, and copies the piece into the N-1 other outputs; per rank N x S/N
-// read, N x S/N written, two waits per operation.
+// and output can be mapped, directZeroCopy (algorithms/zero_copy.cc)
+// replaces the chunks altogether.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -59,118 +55,11 @@ void stagedEstimate(const CostInput& in, std::vector<Estimate>* out) {
 }
 
 
-// The vote is a barrier: it costs every rank the wait for the slowest to
-// arrive, a few us even on a quiet host (measured: 256 KiB all-reduces on
-// ordinary buffers lost ~20% to it, 1 MiB ones nothing visible), and with
-// more ranks than cores a sleep and a wake-up per rank.  So only operations
-// of 1 MiB and more vote, 4 MiB with more ranks than cores.  Every rank of
-// one host computes the same (oversubscribed() counts the host's ranks and
-// cores).
-size_t directZeroCopyMinBytes(size_t stageBytes, bool oversubscribed) {
-  return std::max<size_t>(stageBytes, oversubscribed ? (4u << 20) : (1u << 20));
-}
-
-bool directZeroCopyAllReduce(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
-  const int N = ctx.nranks, me = ctx.rank;
-  const size_t esz = dtypeSize(op.dtype), bytes = op.count * esz;
-  if (op.coll != Collective::AllReduce || N < 2 || !ctx.layout.stageBytes ||
-      bytes < directZeroCopyMinBytes(ctx.layout.stageBytes, ctx.env.oversubscribed()))
-    return false;
-  const DirectWindow myWin = ctx.win(me);
-  PeerBuffer in, out;
-  const bool mine = ctx.mem.exportBuffer(op.sendbuf, bytes, &in) && ctx.mem.exportBuffer(op.recvbuf, bytes, &out);
-  if (mine) {
-    memcpy(myWin.stageInput(0), &in, sizeof in);
-    memcpy(myWin.stageInput(1), &out, sizeof out);
-  }
-  // Vote.  The vote of operation seq is read by every rank before any of
-  // them can finish seq, so the next one never overwrites one still unread.
-  const uint64_t stamp = (tag.seq + 1) << 1;
-  myWin.zeroCopyVote()->store(stamp | uint64_t(mine), std::memory_order_release);
-  for (int q = 0; q < N; ++q)
-    if (q != me) ctx.mem.wake(q);
-  bool all = mine;
-  for (int q = 0; q < N; ++q) {
-    if (q == me) continue;
-    std::atomic<uint64_t>* vote = ctx.win(q).zeroCopyVote();
-    directWait(ctx, [&] { return (vote->load(std::memory_order_acquire) | 1) == (stamp | 1); }, q, tag,
-               "its zero-copy vote");
-    all &= (vote->load(std::memory_order_acquire) & 1) != 0;
-  }
-  LOOM_TRACE("COLL", "rank %d: %s: %s", me, describeTag(tag).c_str(),
-             all ? "every rank's buffers can be mapped: zero-copy all-reduce"
-                 : mine ? "some rank's buffers cannot be mapped: no zero-copy" : "my buffers cannot be mapped");
-  if (!all) return false;
-
-  // Everyone's buffers, mapped here (cached by the PeerMemory).
-  std::vector<const uint8_t*> ins(static_cast<size_t>(N));
-  std::vector<uint8_t*> outs(static_cast<size_t>(N));
-  for (int q = 0; q < N; ++q) {
-    if (q == me) {
-      ins[size_t(q)] = static_cast<const uint8_t*>(op.sendbuf);
-      outs[size_t(q)] = static_cast<uint8_t*>(op.recvbuf);
-      continue;
-    }
-    PeerBuffer b;
-    memcpy(&b, ctx.win(q).stageInput(0), sizeof b);
-    ins[size_t(q)] = ctx.mem.importBuffer(q, b, bytes);
-    memcpy(&b, ctx.win(q).stageInput(1), sizeof b);
-    outs[size_t(q)] = const_cast<uint8_t*>(ctx.mem.importBuffer(q, b, bytes));
-  }
-  // My part, a cache-sized piece at a time: reduce the inputs into my
-  // output, then copy the piece (from cache) into the others'.  In
-  // place, the piece of q's output I write is the piece of q's input that
-  // only I read, and I have read it already.
-  // In place the piece is reduced where it lies (those lines were just
-  // read); out of place into a cache-resident scratch piece, which is then
-  // copied into every output, mine included, so that no output line is
-  // read for ownership.
-  const size_t pb = partBegin(op.count, N, me), pn = partBegin(op.count, N, me + 1) - pb;
-  const size_t pieceBytes = 64u << 10, piece = std::max<size_t>(1, pieceBytes / esz);
-  const bool inPlace = op.sendbuf == op.recvbuf;
-  // In place, the piece of q's output I write is the piece of q's input I
-  // just read: those lines are in my cache, and a streaming store would
-  // throw them out (measured, N = 2 in place: 16 MiB 24 GB/s cached, 12-19
-  // streaming; 64 MiB 14 vs 11).  Out of place, large outputs are written
-  // around the cache (no read for ownership: 64 MiB 9 GB/s vs 6).
-  const CopyHint hint = !inPlace && bytes >= kStreamingCopyBytes ? CopyHint::Streaming : CopyHint::Cached;
-  uint8_t* scratch = nullptr;
-  if (!inPlace) {
-    if (ctx.state.piece.size() < piece * esz + 64) ctx.state.piece.resize(piece * esz + 64);
-    scratch = ctx.state.piece.data() + (64 - reinterpret_cast<uintptr_t>(ctx.state.piece.data()) % 64) % 64;
-  }
-  for (size_t off = pb; off < pb + pn; off += piece) {
-    const size_t n = std::min(piece, pb + pn - off);
-    uint8_t* acc = inPlace ? outs[size_t(me)] + off * esz : scratch;
-    // Mine first (in place it is acc), then the others in rank order after
-    // me, as the staged path reduces.
-    ctx.device.reduce(acc, ins[size_t(me)] + off * esz, ins[size_t((me + 1) % N)] + off * esz, n, op.dtype, op.op);
-    for (int i = 2; i < N; ++i)
-      ctx.device.reduce(acc, acc, ins[size_t((me + i) % N)] + off * esz, n, op.dtype, op.op);
-    if (op.op == loomAvg) ctx.device.divide(acc, acc, n, op.dtype, N);
-    for (int q = 0; q < N; ++q)
-      if (q != me || !inPlace) ctx.device.copy(outs[size_t(q)] + off * esz, acc, n * esz, hint);
-  }
-  // Done; return once everyone is: then all of my output is written and
-  // nobody reads my buffers any more.  (>=: a faster rank may already have
-  // stamped its next operation.)
-  myWin.zeroCopyDone()->store(tag.seq + 1, std::memory_order_release);
-  for (int q = 0; q < N; ++q)
-    if (q != me) ctx.mem.wake(q);
-  for (int q = 0; q < N; ++q) {
-    if (q == me) continue;
-    std::atomic<uint64_t>* done = ctx.win(q).zeroCopyDone();
-    directWait(ctx, [&] { return done->load(std::memory_order_acquire) >= tag.seq + 1; }, q, tag,
-               "it to finish the zero-copy all-reduce");
-  }
-  return true;
-}
-
 void stagedRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
   const int N = ctx.nranks, me = ctx.rank;
   const size_t esz = dtypeSize(op.dtype);
   if (op.coll != Collective::AllReduce) fail(loomInternalError, "the staged path serves all-reduce only");
-  if (directZeroCopyAllReduce(ctx, op, tag)) return;
+  if (directZeroCopy(ctx, op, tag)) return;
   const size_t chunkElems = std::max<size_t>(1, ctx.layout.stageBytes / esz);
   const uint8_t* send = static_cast<const uint8_t*>(op.sendbuf);
   uint8_t* recv = static_cast<uint8_t*>(op.recvbuf);

@@ -108,6 +108,32 @@ static const char* kCollNames[] = {"allreduce", "reducescatter", "allgather", "b
 // elements to rank j, blocks packed in rank order from the start.
 static size_t a2avCount(size_t count, int from, int to) { return count + size_t((from + to) % 3); }
 
+// Buffers of runChecked: ordinary memory, or (gLoomMemBuffers) memory from
+// loomMemAlloc, which the peers of the host map (the zero-copy paths).
+static bool gLoomMemBuffers = false;
+struct CheckedBuf {
+  std::vector<char> heap;
+  void* alloc = nullptr;
+  size_t n;
+  CheckedBuf(size_t bytes, int fill) : n(bytes) {
+    if (gLoomMemBuffers && loomMemAlloc(&alloc, bytes) == loomSuccess) {
+      memset(alloc, fill, bytes);
+      return;
+    }
+    if (gLoomMemBuffers) {
+      fprintf(stderr, "rank %d: loomMemAlloc(%zu) failed: %s\n", gRank, bytes, loomGetLastError(nullptr));
+      exit(4);
+    }
+    heap.assign(bytes, char(fill));
+  }
+  ~CheckedBuf() {
+    if (alloc) loomMemFree(alloc);
+  }
+  CheckedBuf(const CheckedBuf&) = delete;
+  CheckedBuf& operator=(const CheckedBuf&) = delete;
+  char* data() { return alloc ? static_cast<char*>(alloc) : heap.data(); }
+};
+
 // Runs one collective and checks it exactly.  Returns false on a loom error.
 static void runChecked(loomComm_t comm, loomStream_t stream, Coll coll, loomDataType_t t, loomRedOp_t op,
                        size_t count, bool inPlace, int root) {
@@ -124,7 +150,8 @@ static void runChecked(loomComm_t comm, loomStream_t stream, Coll coll, loomData
       rcounts[size_t(j)] = a2avCount(count, j, me), rdispls[size_t(j)] = recvCount, recvCount += rcounts[size_t(j)];
     }
   }
-  std::vector<char> sbuf(sendCount * esz + 64), rbuf(recvCount * esz + 64, 0x5a), want(recvCount * esz + 8);
+  CheckedBuf sbuf(sendCount * esz + 64, 0), rbuf(recvCount * esz + 64, 0x5a);
+  std::vector<char> want(recvCount * esz + 8);
   void* send = sbuf.data();
   void* recv = rbuf.data();
   loomRedOp_t fillOp = (coll == AG || coll == BC) ? loomMax : op;
@@ -500,6 +527,31 @@ static void scenarioRegistered(loomComm_t comm, const std::string& mode, bool ma
                            (inPlace ? " in-place" : " out-of-place");
         allReduceChecked(comm, a.data, inPlace ? a.data : b.data, count, t, op, what);
       }
+
+  // All-gather, reduce-scatter and broadcast on such buffers: zero-copy
+  // when every rank's (the root's, for broadcast) can be mapped, from 4 MiB
+  // (the size every rank votes at, oversubscribed or not); exact either way,
+  // in and out of place.
+  {
+    gLoomMemBuffers = mine;
+    std::set<unsigned long> before = loomMemInodes();
+    const size_t big = (size_t(4) << 20) / 4 + 3;  // float32 elements of the largest buffer
+    for (bool inPlace : {false, true}) {
+      runChecked(comm, nullptr, AG, loomFloat32, loomSum, big / size_t(gSize) + 1, inPlace, 0);
+      runChecked(comm, nullptr, RS, loomBfloat16, loomAvg, 2 * big / size_t(gSize) + 5, inPlace, 0);
+      runChecked(comm, nullptr, RS, loomInt32, loomMax, big / size_t(gSize) + 1, inPlace, 0);
+      runChecked(comm, nullptr, BC, loomFloat32, loomSum, big, inPlace, gSize - 1);
+      runChecked(comm, nullptr, AG, loomInt8, loomSum, 1000, inPlace, 0);  // small: no vote
+    }
+    int fresh = 0;
+    for (unsigned long i : loomMemInodes()) fresh += before.count(i) == 0;
+    // (`mapped` and every rank's buffers, no algorithm forced: zero-copy ran.)
+    if (mapped && mode == "all" && !getenv("LOOM_ALGO"))
+      expect(fresh >= 1, "all-gather/reduce-scatter/broadcast mapped peers' buffers (" + std::to_string(fresh) +
+                             " new loom-mem mappings)");
+    if (mode == "none") expect(fresh == 0, "no peer memory is mapped when no rank has any");
+    gLoomMemBuffers = false;
+  }
 
   // A registered buffer: used, deregistered, used again; the peers have
   // mapped it (`mapped`: the caller knows the staged path reads it in

@@ -5,6 +5,8 @@
 // operations back to back on one world (mailbox parity and
 // acknowledgements); and ranks that call different operations.
 #include <catch2/catch.hpp>
+#include <atomic>
+#include <chrono>
 #include <string>
 #include <thread>
 #include <vector>
@@ -206,4 +208,133 @@ TEST_CASE("registered inputs then ordinary ones on one world, back to back (stag
     c.sharedOffset = size_t(64 * i);
     if (!runCase(oneShot ? kOneShot : kStaged, c, &world)) return;
   }
+}
+
+namespace {
+
+// Runs directZeroCopy alone: a rank whose vote comes out "no" records it
+// instead of running another path.
+struct ZeroCopyOnly {
+  std::vector<int>* declined;  // per rank
+  void operator()(loom::DirectContext& ctx, const loom::OpDesc& op, const loom::SlotTag& tag) const {
+    if (!loom::directZeroCopy(ctx, op, tag)) ++(*declined)[size_t(ctx.rank)];
+  }
+};
+
+}  // namespace
+
+// Zero-copy all-gather, reduce-scatter and broadcast (algorithms/zero_copy.cc):
+// with every rank's buffers from loomMemAlloc each rank pulls its share
+// straight out of the others' buffers, exact for every datatype, in and out
+// of place, at odd offsets; with one rank's buffers ordinary, every rank
+// declines alike (the caller then runs a schedule) and nothing is written.
+TEST_CASE("zero-copy all-gather, reduce-scatter and broadcast: exact when every rank's buffers map, declined alike "
+          "otherwise",
+          "[direct][registered][zerocopy]") {
+  const Collective colls[] = {Collective::AllGather, Collective::ReduceScatter, Collective::Broadcast};
+  for (int n : {2, 3, 4}) {
+    loomsim::SimOptions opts;
+    opts.stageBytes = 4096;
+    loomsim::SimWorld world(n, opts);
+    const uint64_t all = (uint64_t(1) << n) - 1;
+    // Above the 4 MiB every rank votes at, oversubscribed or not.
+    const size_t bytes = (size_t(4) << 20) + 4096;
+    for (Collective coll : colls)
+      for (loomDataType_t t : {loomFloat32, loomBfloat16, loomInt64})
+        for (bool inPlace : {false, true})
+          for (uint64_t mask : {all, all & ~uint64_t(2)}) {
+            CollCase c;
+            c.coll = coll;
+            c.dtype = t;
+            c.op = t == loomInt64 ? loomMax : t == loomFloat32 ? loomAvg : loomSum;
+            c.nranks = n;
+            // all-gather: count per rank; reduce-scatter: per rank's part.
+            c.count = (bytes / loom::dtypeSize(t) + 7) / (coll == Collective::Broadcast ? 1 : size_t(n));
+            c.root = n - 1;
+            c.inPlace = inPlace;
+            c.sim = opts;
+            c.sharedRanks = mask;
+            c.sharedOffset = 4160 + 24 * size_t(n);
+            INFO(loomsim::caseName(c) << ", shared ranks mask " << mask);
+            std::vector<int> declined(size_t(n), 0);
+            const size_t before = world.peerMemory() ? world.peerMemory()->imports() : 0;
+            if (mask == all) {
+              if (!runCase(ZeroCopyOnly{&declined}, c, &world)) return;
+              CHECK(declined == std::vector<int>(size_t(n), 0));
+              // Each rank maps what it reads: every other input (the
+              // root's alone for broadcast).
+              const size_t want = coll == Collective::Broadcast ? size_t(n - 1) : size_t(n) * size_t(n - 1);
+              CHECK(world.peerMemory()->imports() - before == want);
+            } else {
+              // Rank 1's buffers are ordinary.  For broadcast only the root's
+              // matter: with the root's mapped it still runs zero-copy.
+              const bool runs = coll == Collective::Broadcast && ((mask >> c.root) & 1);
+              if (runs) {
+                if (!runCase(ZeroCopyOnly{&declined}, c, &world)) return;
+                CHECK(declined == std::vector<int>(size_t(n), 0));
+                continue;
+              }
+              loomsim::detail::CollBuffers buf(c);
+              std::vector<std::vector<loom::OpDesc>> ops(static_cast<size_t>(n));
+              for (int r = 0; r < n; ++r) ops[size_t(r)].push_back(buf.op(r));
+              loomsim::SimResult res = world.runDirect(ZeroCopyOnly{&declined}, ops);
+              REQUIRE(res.ok());
+              CHECK(declined == std::vector<int>(size_t(n), 1));
+              CHECK(world.peerMemory()->imports() == before);
+            }
+          }
+  }
+}
+
+// A broadcast's root can finish on a schedule (its buffer could not be
+// mapped) and vote for its next operation before a receiver has read its
+// vote for the first: the receiver must take that as "no", neither waiting
+// for a vote that will not come (a hang, then loomTimeout) nor running
+// zero-copy alone.  Staged here: the receiver's vote for the first
+// broadcast is stored by hand, and the receiver reads the root's only once
+// the root has voted for the second.
+TEST_CASE("zero-copy vote: a root that already voted for its next broadcast means no for this one",
+          "[direct][registered][zerocopy]") {
+  loomsim::SimOptions opts;
+  opts.stageBytes = 4096;
+  opts.timeoutMs = 5000;
+  const int n = 2;
+  loomsim::SimWorld world(n, opts);
+  CollCase first, second;
+  for (CollCase* c : {&first, &second}) {
+    c->coll = Collective::Broadcast;
+    c->nranks = n;
+    c->count = (size_t(4) << 20) / 4 + 1;
+    c->root = 0;
+    c->sim = opts;
+    c->sharedOffset = 64;
+  }
+  first.sharedRanks = 2;   // the root's buffer is ordinary: no zero-copy
+  second.sharedRanks = 3;  // every buffer maps: zero-copy
+  loomsim::detail::CollBuffers a(first), b(second);
+  std::vector<std::vector<loom::OpDesc>> ops(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) ops[size_t(r)] = {a.op(r), b.op(r)};
+  std::vector<int> declined(size_t(n), 0);
+  std::atomic<bool> staged{false};
+  auto fn = [&](loom::DirectContext& ctx, const loom::OpDesc& op, const loom::SlotTag& tag) {
+    if (ctx.rank == 1 && !staged.exchange(true)) {
+      const uint64_t stamp = (tag.seq + 1) << 1, next = (tag.seq + 2) << 1;
+      ctx.win(1).zeroCopyVote()->store(stamp | 1, std::memory_order_release);
+      ctx.mem.wake(0);
+      std::atomic<uint64_t>* rootVote = ctx.win(0).zeroCopyVote();
+      for (int i = 0; i < 5000 && (rootVote->load(std::memory_order_acquire) | 1) < (next | 1); ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if ((rootVote->load() | 1) < (next | 1)) loom::fail(loomInternalError, "the root never voted again");
+    }
+    ZeroCopyOnly{&declined}(ctx, op, tag);
+  };
+  loomsim::SimResult res = world.runDirect(fn, ops);
+  INFO(res.problem);
+  REQUIRE(res.ok());
+  CHECK(declined == std::vector<int>{1, 1});  // the first broadcast, on both ranks
+  size_t wrong = 0;
+  std::string detail;
+  b.check(&wrong, &detail);
+  INFO(detail);
+  CHECK(wrong == 0);
 }

@@ -460,11 +460,14 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
     Schedule sched;
     std::vector<size_t> selfSends, selfRecvs;
     Algorithm alone = ops.size() == 1 ? choose(ops[0]) : Algorithm::Ring;
-    // Zero-copy: an all-reduce whose buffers every rank can map runs
+    // Zero-copy: a collective whose buffers every rank can map runs
     // straight out of them (all ranks vote in their windows, alike).
     if (ops.size() == 1 && !isDirect(alone) && peerMem_ && !tuner_->forced(ops[0].coll)) {
       DirectContext ctx = directContext();
-      if (directZeroCopyAllReduce(ctx, ops[0], tags[0])) return loomSuccess;
+      if (directZeroCopy(ctx, ops[0], tags[0])) {
+        if (tracer_) traceRun(t0, ops, tags, Algorithm::Staged, "zero-copy");
+        return loomSuccess;
+      }
     }
     if (isDirect(alone)) {
       runDirect(alone, ops[0], tags[0]);
@@ -530,7 +533,7 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
 }
 
 void loomComm::traceRun(double beginUs, const std::vector<OpDesc>& ops, const std::vector<SlotTag>& tags,
-                        Algorithm algo) {
+                        Algorithm algo, const char* algoName) {
   double end = Tracer::nowUs();
   if (ops.empty()) return;
   const OpDesc& op = ops[0];
@@ -546,7 +549,7 @@ void loomComm::traceRun(double beginUs, const std::vector<OpDesc>& ops, const st
   std::string args = strf("\"op\": %s, \"bytes\": %zu, \"seq\": %llu", jsonString(describeTag(tags[0])).c_str(),
                           bytes, (unsigned long long)tags[0].seq);
   if (op.coll == Collective::P2P) args += strf(", \"%s\": %d", op.isSend ? "to" : "from", op.peer);
-  else args += strf(", \"algorithm\": %s", jsonString(algorithmName(algo)).c_str());
+  else args += strf(", \"algorithm\": %s", jsonString(algoName ? algoName : algorithmName(algo)).c_str());
   tracer_->op(beginUs, end, name, args);
 }
 

@@ -200,7 +200,7 @@ struct loomComm : public loom::ExecEnv,
   loom::DirectContext directContext();
   // LOOM_TRACE: one event for a run of ops that started at beginUs.
   void traceRun(double beginUs, const std::vector<loom::OpDesc>& ops, const std::vector<loom::SlotTag>& tags,
-                loom::Algorithm algo);
+                loom::Algorithm algo, const char* algoName = nullptr);
 
   int rank_ = 0, nranks_ = 0;
   std::atomic<int64_t> timeoutMs_{0};
