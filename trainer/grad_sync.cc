@@ -62,8 +62,8 @@ GradSync::GradSync(loomComm_t comm, int rank, int nranks, const Layout& L, const
     size_t maxLen = 0;
     for (const Bucket& b : L.buckets) maxLen = std::max(maxLen, b.len);
     gradShards_.assign(shards_.total(), 0.0f);
-    staging_[0].assign(maxLen, 0.0f);
-    staging_[1].assign(maxLen, 0.0f);
+    staging_[0].reset(new LoomFloats(maxLen, cfg.loomBuffers, "ZeRO-2/3 gradient staging"));
+    staging_[1].reset(new LoomFloats(maxLen, cfg.loomBuffers, "ZeRO-2/3 gradient staging"));
   }
   if (cfg.hook == Hook::Bf16 || cfg.hook == Hook::Fp16) half_.resize(L.total);
   if (cfg.hook == Hook::TopK) {
@@ -106,11 +106,11 @@ float* GradSync::layerGrads(int l) {
     int s = nextSlot_;
     nextSlot_ ^= 1;
     if (slotBucket_[s] >= 0) retire(s);
-    std::fill(staging_[s].begin(), staging_[s].begin() + long(L_.buckets[b].len), 0.0f);
+    std::fill(staging_[s]->data(), staging_[s]->data() + L_.buckets[b].len, 0.0f);
     slotBucket_[s] = b;
     slotOf_[b] = s;
   }
-  return staging_[slotOf_[b]].data() + (ly.w - L_.buckets[b].off);
+  return staging_[slotOf_[b]]->data() + (ly.w - L_.buckets[b].off);
 }
 
 void GradSync::retire(int s) {
@@ -120,7 +120,7 @@ void GradSync::retire(int s) {
   double t0 = now();
   TRAINER_CHECK_LOOM(loomStreamSynchronize(s ? stream1_ : stream_));
   blocked_ += now() - t0;
-  const float* part = staging_[s].data() + size_t(rank_) * shards_.len(size_t(b));
+  const float* part = staging_[s]->data() + size_t(rank_) * shards_.len(size_t(b));
   float* acc = gradShards_.data() + shards_.packedOff(size_t(b));
   for (size_t i = 0; i < shards_.len(size_t(b)); ++i) acc[i] += part[i];
   slotBucket_[s] = -1;
@@ -174,7 +174,7 @@ void GradSync::launch(int bi) {
   size_t shard = shards_.len(size_t(bi));
   if (cfg_.zero >= 2) {
     int s = slotOf_[bi];
-    float* g = staging_[s].data();
+    float* g = staging_[s]->data();
     TRAINER_CHECK_LOOM(loomReduceScatter(g, g + size_t(rank_) * shard, shard, loomFloat32, loomAvg, comm_,
                                          s ? stream1_ : stream_));
     return;

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "include/loom.h"
+#include "trainer/loom_buffer.h"
 #include "trainer/mlp.h"
 #include "trainer/powersgd.h"
 #include "trainer/shards.h"
@@ -50,6 +51,7 @@ struct SyncConfig {
   int powersgdRank = 4;
   int zero = 0;  // ZeRO stage 0-3
   bool overlap = true;
+  bool loomBuffers = true;  // stage 2+: staging buffers from loomMemAlloc (zero-copy reduce-scatter)
 };
 
 class GradSync {
@@ -97,7 +99,11 @@ class GradSync {
   // Bytes of gradients it holds from stage 2: the packed shards and the
   // staging buffers.
   size_t shardGradBytes() const { return gradShards_.size() * sizeof(float); }
-  size_t stagingBytes() const { return (staging_[0].size() + staging_[1].size()) * sizeof(float); }
+  size_t stagingBytes() const {
+    return staging_[0] ? (staging_[0]->size() + staging_[1]->size()) * sizeof(float) : 0;
+  }
+  // Stage 2+: whether the staging buffers are loomMemAlloc memory.
+  bool stagingShared() const { return staging_[0] && staging_[0]->shared() && staging_[1]->shared(); }
 
  private:
   void launch(int b);
@@ -113,7 +119,7 @@ class GradSync {
   loomStream_t stream_ = nullptr;   // stage 2+: staging buffer 0's stream
   loomStream_t stream1_ = nullptr;  // stage 2+: staging buffer 1's stream
   std::vector<float> gradShards_;   // stage 2+: packed
-  std::vector<float> staging_[2];   // stage 2+: each as long as the largest bucket
+  std::unique_ptr<LoomFloats> staging_[2];  // stage 2+: each as long as the largest bucket
   int slotBucket_[2] = {-1, -1};    // the bucket a staging buffer holds (-1: none)
   int nextSlot_ = 0;
   std::vector<int> slotOf_;  // per bucket this pass: its staging buffer (-1: none yet)

@@ -12,15 +12,15 @@ static double now() {
 }
 
 ParamGather::ParamGather(loomComm_t comm, const Layout& L, const Shards& S, const float* shards,
-                         bool prefetch)
+                         bool prefetch, bool shareable)
     : comm_(comm), L_(L), S_(S), shards_(shards), prefetch_(prefetch) {
   for (size_t l = 0; l < L.layers.size(); ++l)
     for (size_t m = l + 1; m < L.layers.size(); ++m)
       if (L.bucketOf[l] == L.bucketOf[m]) trainerFail("ZeRO-3 needs one bucket per layer");
   size_t maxLen = 0;
   for (const Bucket& b : L.buckets) maxLen = std::max(maxLen, b.len);
-  buf_[0].assign(maxLen, 0.0f);
-  buf_[1].assign(maxLen, 0.0f);
+  buf_[0].reset(new LoomFloats(maxLen, shareable, "ZeRO-3 gather buffers"));
+  buf_[1].reset(new LoomFloats(maxLen, shareable, "ZeRO-3 gather buffers"));
   TRAINER_CHECK_LOOM(loomStreamCreate(&stream_));
 }
 
@@ -29,7 +29,7 @@ ParamGather::~ParamGather() { loomStreamDestroy(stream_); }
 void ParamGather::start(int slot, int layer) {
   size_t b = size_t(L_.bucketOf[layer]);
   TRAINER_CHECK_LOOM(
-      loomAllGather(shards_ + S_.packedOff(b), buf_[slot].data(), S_.len(b), loomFloat32, comm_, stream_));
+      loomAllGather(shards_ + S_.packedOff(b), buf_[slot]->data(), S_.len(b), loomFloat32, comm_, stream_));
   layer_[slot] = layer;
   inFlight_ = true;
 }
@@ -48,7 +48,7 @@ const float* ParamGather::acquire(int l, int next) {
   }
   current_ = s;
   if (prefetch_ && next >= 0 && layer_[s ^ 1] != next) start(s ^ 1, next);
-  return buf_[s].data() + (L_.layers[l].w - L_.buckets[size_t(L_.bucketOf[l])].off);
+  return buf_[s]->data() + (L_.layers[l].w - L_.buckets[size_t(L_.bucketOf[l])].off);
 }
 
 void ParamGather::invalidate() {
@@ -57,6 +57,11 @@ void ParamGather::invalidate() {
     inFlight_ = false;
   }
   layer_[0] = layer_[1] = -1;
+}
+
+void ParamGather::prefetch(int layer) {
+  if (!prefetch_ || layer_[0] == layer || layer_[1] == layer) return;
+  start(current_ ^ 1, layer);
 }
 
 double ParamGather::takeBlocked() {

@@ -68,7 +68,8 @@ const char kUsage[] =
     "  --bucket-mb M         gradient bucket cap in MB (default 25)\n"
     "  --first-bucket-mb M   cap of the first bucket (default 1)\n"
     "  --no-overlap          issue all buckets after backward instead of during it\n"
-    "  --plain-grads         gradients in ordinary memory, not loomMemAlloc's (which all-reduces\n"
+    "  --plain-buffers       gradients, parameters and ZeRO staging/gather buffers in ordinary memory,\n"
+    "                        not loomMemAlloc's (--plain-grads: the same; loomMemAlloc's collectives\n"
     "                        read in place on shared memory), for comparison\n"
     "  --seed S              seed of initialisation and shuffling (default 1)\n"
     "  --log-every N         progress line every N steps (default 50)\n"
@@ -99,7 +100,7 @@ struct Options {
   int warmup = 50;
   SyncConfig sync;
   bool prefetch = true;
-  bool plainGrads = false;
+  bool plainBuffers = false;
   double bucketMb = 25, firstBucketMb = 1;
   uint64_t seed = 1;
   int logEvery = 50;
@@ -207,8 +208,8 @@ Options parse(int argc, char** argv) {
       o.firstBucketMb = number(a, value(), 1e-3, 1e5);
     else if (a == "--no-overlap")
       o.sync.overlap = false;
-    else if (a == "--plain-grads")
-      o.plainGrads = true;
+    else if (a == "--plain-buffers" || a == "--plain-grads")
+      o.plainBuffers = true, o.sync.loomBuffers = false;
     else if (a == "--seed")
       o.seed = uint64_t(number(a, value(), 0, 1e15));
     else if (a == "--log-every")
@@ -366,8 +367,10 @@ int runTraining(const Options& o, loomComm_t comm, const Checkpoint* restart, El
   // What this rank keeps: stage 3 only its parameter shards, stage 2+ no full gradients.
   // The gradient buffer the buckets are all-reduced in: loomMemAlloc memory,
   // so that shared memory reduces straight out of it.
-  std::vector<float> params(stage == 3 ? S.total() : L.total);
-  LoomFloats grads(stage >= 2 ? 0 : L.total, !o.plainGrads);
+  // Parameters too: ZeRO's all-gathers of them (stage 3's layer by layer,
+  // stages 1-2's after the update) are then zero-copy as well.
+  LoomFloats params(stage == 3 ? S.total() : L.total, !o.plainBuffers, "parameters");
+  LoomFloats grads(stage >= 2 ? 0 : L.total, !o.plainBuffers);
   GradSync sync(comm, rank, nranks, L, o.sync, grads.empty() ? nullptr : grads.data());
   OptimizerState st;
   st.perArray = stage ? S.total() : L.total;
@@ -419,7 +422,7 @@ int runTraining(const Options& o, loomComm_t comm, const Checkpoint* restart, El
       TRAINER_CHECK_LOOM(
           loomBroadcast(layer.data(), layer.data(), L.buckets[b].len, loomFloat32, 0, comm, nullptr));
       std::copy(layer.begin() + long(size_t(rank) * S.len(b)),
-                layer.begin() + long(size_t(rank + 1) * S.len(b)), params.begin() + long(S.packedOff(b)));
+                layer.begin() + long(size_t(rank + 1) * S.len(b)), params.data() + S.packedOff(b));
     }
   }
   if (stage < 3)
@@ -431,7 +434,7 @@ int runTraining(const Options& o, loomComm_t comm, const Checkpoint* restart, El
   const double lrScaled = o.lr * o.globalBatch / o.lrRefBatch;
 
   std::unique_ptr<ParamGather> gather;
-  if (stage == 3) gather.reset(new ParamGather(comm, L, S, params.data(), o.prefetch));
+  if (stage == 3) gather.reset(new ParamGather(comm, L, S, params.data(), o.prefetch, !o.plainBuffers));
   MemoryUse mem;
   mem.params = params.size() * sizeof(float);
   mem.gathered = gather ? gather->bufferBytes() : 0;
@@ -557,10 +560,15 @@ int runTraining(const Options& o, loomComm_t comm, const Checkpoint* restart, El
     double lr = lrScaled * (o.warmup > 0 ? std::min(1.0, double(step + 1) / o.warmup) : 1.0);
     if (stage) {
       if (gather) gather->invalidate();  // no all-gather may read the shards while they change
-      for (size_t b = 0; b < L.buckets.size(); ++b) {
+      // Stage 3: layer 0's bucket first, and its all-gather for the next
+      // step starts at once, while the other buckets are updated.
+      const size_t first = gather ? size_t(L.bucketOf[0]) : 0;
+      for (size_t i = 0; i < L.buckets.size(); ++i) {
+        const size_t b = i == 0 ? first : i <= first ? i - 1 : i;
         float* p = params.data() + (stage == 3 ? S.packedOff(b) : S.flatOff(b));
         optimizerStep(oc, float(lr), step + 1, p, sync.shardGrads(b), st.array(0) + S.packedOff(b),
                       nStateArrays > 1 ? st.array(1) + S.packedOff(b) : nullptr, S.len(b));
+        if (gather && i == 0 && step + 1 < totalSteps) gather->prefetch(0);
       }
       if (stage < 3) comm_s += sync.gatherParams(params.data());
     } else {
@@ -631,13 +639,14 @@ int runTraining(const Options& o, loomComm_t comm, const Checkpoint* restart, El
     double stepMs = 1e3 * tmax[0] / steps;
     printf(
         "summary: dataset=%s ranks=%d steps=%llu timed_steps=%llu global_batch=%d hook=%s zero=%d overlap=%d shared_grads=%d "
-        "samples_per_s=%.1f step_ms=%.2f comm_wait_ms=%.2f compute_ms=%.2f comm_share=%.1f%% "
+        "shared_params=%d samples_per_s=%.1f step_ms=%.2f comm_wait_ms=%.2f compute_ms=%.2f comm_share=%.1f%% "
         "last_window_loss=%.4f test_accuracy=%.2f compression=%.1f prefetch=%d gather_wait_ms=%.2f "
         "params_mb=%.2f "
         "gathered_mb=%.2f grads_mb=%.2f optim_mb=%.2f model_state_mb=%.2f rss_mb=%.1f peak_rss_mb=%.1f\n",
         data.name.substr(0, data.name.find(' ')).c_str(), nranks, (unsigned long long)totalSteps,
-        (unsigned long long)totSteps, o.globalBatch, hookName(o.sync.hook), stage, int(o.sync.overlap), int(grads.shared()),
-        totSteps ? o.globalBatch * steps / tmax[0] : 0.0, stepMs, 1e3 * t[0] / nranks / steps,
+        (unsigned long long)totSteps, o.globalBatch, hookName(o.sync.hook), stage, int(o.sync.overlap),
+        int(stage >= 2 ? sync.stagingShared() : grads.shared()),
+        int(params.shared() && (!gather || gather->buffersShared())), totSteps ? o.globalBatch * steps / tmax[0] : 0.0, stepMs, 1e3 * t[0] / nranks / steps,
         1e3 * t[1] / nranks / steps, 100.0 * t[0] / std::max(t[0] + t[1], 1e-12), lastLoss, testAcc,
         double(L.total) / double(sync.wireFloats()), int(stage == 3 && o.prefetch),
         1e3 * t[3] / nranks / steps, mem.params / 1e6, mem.gathered / 1e6, mem.grads / 1e6, mem.optim / 1e6,

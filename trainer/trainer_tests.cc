@@ -557,3 +557,26 @@ TEST_CASE("gradients in loomMemAlloc memory (the default) train like ordinary on
   REQUIRE(a.size() == b.size());
   CHECK(maxAbsDiff(a, b) <= kTolerance);
 }
+
+TEST_CASE("ZeRO-2/3 buffers in loomMemAlloc memory (zero-copy reduce-scatter and all-gather) train like ordinary ones") {
+  // Layers above 1 MiB (the zero-copy vote's floor at 2 ranks): 784x512 and
+  // 512x512 floats; ZeRO-3 gathers each layer, ZeRO-2 reduce-scatters its
+  // buckets, with Adam.
+  for (const char* zero : {"--zero 2 --bucket-mb 4", "--zero 3"}) {
+    const std::string args = std::string("--synthetic --hidden 512,512 --global-batch 32 --steps 12 --no-eval "
+                                         "--optimizer adam ") + zero;
+    INFO(args);
+    Run shared = runTrainer(2, args);
+    INFO(shared.out);
+    REQUIRE(shared.code == 0);
+    CHECK(summaryValue(shared.out, "shared_grads") == 1);
+    CHECK(summaryValue(shared.out, "shared_params") == 1);
+    Run plain = runTrainer(2, args + " --plain-buffers");
+    REQUIRE(plain.code == 0);
+    CHECK(summaryValue(plain.out, "shared_grads") == 0);
+    CHECK(summaryValue(plain.out, "shared_params") == 0);
+    std::vector<float> a = trainAndSave(2, args, "shared"), b = trainAndSave(2, args + " --plain-buffers", "plain");
+    REQUIRE(a.size() == b.size());
+    CHECK(maxAbsDiff(a, b) <= kTolerance);
+  }
+}
