@@ -13,7 +13,9 @@
 #
 # Hidden share of ZeRO-3's all-gathers, at each N > 1: the time a rank waits
 # for all-gathers with prefetch (wait_p) against without it (wait_np, where
-# every all-gather is waited for whole):  hidden = 1 - wait_p / wait_np.
+# every all-gather is waited for whole):  hidden = 1 - wait_p / wait_np;
+# with the trainer's default loomMemAlloc buffers (zero-copy all-gathers on
+# shared memory) and with --plain-buffers (ordinary memory: the ring).
 #
 # Runs alternate between configurations, each repeated R times; cells are
 # medians over the repeats (../shared/BENCHMARKING.md).  Times are the
@@ -38,12 +40,13 @@ echo "machine: $(getconf _NPROCESSORS_ONLN) cores, load at start: $(cut -d' ' -f
 echo "model --hidden $MODEL, adam, per-rank batch $BATCH, $STEPS steps per run, $REPEATS repeats, median reported"
 CPU0=$(awk '/^cpu /{print $2+$3+$4+$7+$8}' /proc/stat); T0=$(date +%s)
 
-CONFIGS=("z0:--zero 0" "z1:--zero 1" "z2:--zero 2 --bucket-mb 4" "z3:--zero 3" "z3np:--zero 3 --no-prefetch")
+CONFIGS=("z0:--zero 0" "z1:--zero 1" "z2:--zero 2 --bucket-mb 4" "z3:--zero 3" "z3np:--zero 3 --no-prefetch"
+         "z3pl:--zero 3 --plain-buffers" "z3plnp:--zero 3 --plain-buffers --no-prefetch")
 for rep in $(seq "$REPEATS"); do
   for n in $NRANKS; do
     for c in "${CONFIGS[@]}"; do
       name="${c%%:*}"; flags="${c#*:}"
-      [[ $name == z3np && $n == 1 ]] && continue
+      [[ $name == z3*np && $n == 1 ]] && continue
       "$RUN" -n "$n" --timeout 600 "$TRAINER" --synthetic --hidden "$MODEL" --optimizer adam \
         --steps "$STEPS" --global-batch $((BATCH * n)) --no-eval --log-every 100000 $flags 2>&1 |
         grep 'summary:' > "$OUT/$n.$name.$rep" || true
@@ -71,19 +74,21 @@ print("\n| ranks | stage | samples/s | step ms | comm wait ms | params MB | gath
       "| optim MB | model state MB | RSS MB | peak RSS MB |")
 print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 for n in nranks:
-    for name, label in [("z0", "0"), ("z1", "1"), ("z2", "2"), ("z3", "3"), ("z3np", "3, no prefetch")]:
-        if name == "z3np" and n == 1:
+    for name, label in [("z0", "0"), ("z1", "1"), ("z2", "2"), ("z3", "3"), ("z3np", "3, no prefetch"),
+                        ("z3pl", "3, plain buffers"), ("z3plnp", "3, plain, no prefetch")]:
+        if name.endswith("np") and n == 1:
             continue
         cells = [f"{med(n, name, 'samples_per_s'):.0f}", f"{med(n, name, 'step_ms'):.1f}",
                  f"{med(n, name, 'comm_wait_ms'):.1f}"]
         cells += [f"{med(n, name, k):.1f}" for k in
                   ("params_mb", "gathered_mb", "grads_mb", "optim_mb", "model_state_mb", "rss_mb", "peak_rss_mb")]
         print(f"| {n} | {label} | " + " | ".join(cells) + " |")
-print("\n| ranks | all-gather wait ms/step, prefetch | without prefetch | hidden by prefetch |")
-print("|---|---|---|---|")
+print("\n| ranks | buffers | all-gather wait ms/step, prefetch | without prefetch | hidden by prefetch |")
+print("|---|---|---|---|---|")
 for n in nranks:
     if n == 1:
         continue
-    wp, wnp = med(n, "z3", "gather_wait_ms"), med(n, "z3np", "gather_wait_ms")
-    print(f"| {n} | {wp:.2f} | {wnp:.2f} | {100 * (1 - wp / wnp):.0f}% |")
+    for p, label in [("z3", "loomMemAlloc (zero-copy)"), ("z3pl", "plain (ring)")]:
+        wp, wnp = med(n, p, "gather_wait_ms"), med(n, p + "np", "gather_wait_ms")
+        print(f"| {n} | {label} | {wp:.2f} | {wnp:.2f} | {100 * (1 - wp / wnp):.0f}% |")
 PY
