@@ -29,6 +29,14 @@ PYBIND11_MODULE(_C, m) {
         return loom->parentRanks();
       },
       pybind11::arg("group"));
+  m.def(
+      "empty_bytes",
+      [](int64_t bytes) {
+        TORCH_CHECK(bytes >= 0, "loom_torch.empty: a negative size");
+        return loom_torch::sharedEmpty(bytes, at::TensorOptions().dtype(at::kByte));
+      },
+      pybind11::arg("bytes"),
+      "A uint8 CPU tensor of `bytes` bytes in loomMemAlloc memory when it is 1 MiB or more (loom_torch.empty).");
   m.def("loom_version", [] {
     int v = 0;
     loomGetVersion(&v);

@@ -8,6 +8,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <map>
+#include <mutex>
 #include <numeric>
 #include <string>
 
@@ -49,6 +51,88 @@ loomDataType_t dtypeFor(const at::Tensor& t) {
 // What loom moves for a tensor: complex tensors as their real views (two
 // reals per element; sums and averages stay exact per component).
 at::Tensor wire(const at::Tensor& t) { return t.is_complex() ? at::view_as_real(t) : t; }
+
+// The host buffers the backend allocates for its own collectives (flattened
+// lists, gather targets) and loom_torch.empty's tensors come from
+// loomMemAlloc when they are large enough for loom's zero-copy path (1 MiB:
+// below it loom never votes), so that over shared memory loom moves their
+// data straight between the ranks' buffers (docs/usage.md, "Registered
+// memory").  loomMemAlloc maps and faults in fresh pages, so blocks are
+// pooled: a freed tensor's block goes back to the pool and serves the next
+// request of about its size (the same buckets come back every step), and
+// peers keep their mappings of it.  At most kPoolKeepBytes wait in the pool.
+class SharedPool {
+ public:
+  static SharedPool& get() {
+    static SharedPool* pool = new SharedPool;  // never destroyed: tensors may outlive everything
+    return *pool;
+  }
+
+  // A 1-D tensor of `numel` elements; ordinary memory below kMinBytes or
+  // when loomMemAlloc fails (said once).
+  at::Tensor empty(int64_t numel, const at::TensorOptions& opt) {
+    const size_t bytes = size_t(numel) * size_t(c10::elementSize(c10::typeMetaToScalarType(opt.dtype())));
+    if (bytes < kMinBytes) return at::empty({numel}, opt);
+    size_t have = 0;
+    void* p = take(bytes, &have);
+    if (!p) return at::empty({numel}, opt);
+    return at::from_blob(
+        p, {numel}, [have](void* q) { SharedPool::get().give(q, have); }, opt.device(at::kCPU));
+  }
+
+ private:
+  static constexpr size_t kMinBytes = size_t(1) << 20;
+  static constexpr size_t kPoolKeepBytes = size_t(512) << 20;
+
+  void* take(size_t bytes, size_t* have) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // The smallest free block that fits, if it wastes at most a quarter.
+      auto it = free_.lower_bound(bytes);
+      if (it != free_.end() && it->first - bytes <= bytes / 4) {
+        void* p = it->second;
+        *have = it->first;
+        kept_ -= it->first;
+        free_.erase(it);
+        return p;
+      }
+    }
+    const size_t rounded = (bytes + 65535) & ~size_t(65535);
+    void* p = nullptr;
+    if (loomMemAlloc(&p, rounded) != loomSuccess) {
+      TORCH_WARN_ONCE("loom backend: loomMemAlloc failed (", loomGetLastError(nullptr),
+                      "); the backend's buffers are ordinary memory (no zero-copy)");
+      return nullptr;
+    }
+    *have = rounded;
+    return p;
+  }
+
+  void give(void* p, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.emplace(bytes, p);
+    kept_ += bytes;
+    // Over the cap: free the largest blocks first (the rarest sizes).
+    while (kept_ > kPoolKeepBytes && !free_.empty()) {
+      auto last = std::prev(free_.end());
+      kept_ -= last->first;
+      loomMemFree(last->second);
+      free_.erase(last);
+    }
+  }
+
+  std::mutex mu_;
+  std::multimap<size_t, void*> free_;  // by size
+  size_t kept_ = 0;
+};
+
+}  // namespace
+
+at::Tensor sharedEmpty(int64_t numel, const at::TensorOptions& options) {
+  return SharedPool::get().empty(numel, options);
+}
+
+namespace {
 
 // torch reduce op -> loom op. As NCCL does for bool: sum is logical or (max),
 // product is logical and (min). Complex: only SUM and AVG are component-wise.
@@ -115,12 +199,19 @@ void checkOutput(const at::Tensor& o, const at::Tensor& like, const char* what) 
               " elements, expected ", like.numel());
 }
 
-// One contiguous tensor holding `parts` (as they travel) back to back.
+// One contiguous tensor holding `parts` (as they travel) back to back, in
+// loomMemAlloc memory when large (sharedEmpty).
 at::Tensor flatten(const std::vector<at::Tensor>& parts) {
-  std::vector<at::Tensor> flat;
-  flat.reserve(parts.size());
-  for (const at::Tensor& p : parts) flat.push_back(wire(p).reshape({-1}));
-  return at::cat(flat);
+  int64_t n = 0;
+  for (const at::Tensor& p : parts) n += wire(p).numel();
+  at::Tensor flat = sharedEmpty(n, wire(parts.at(0)).options());
+  int64_t off = 0;
+  for (const at::Tensor& p : parts) {
+    at::Tensor w = wire(p);
+    flat.narrow(0, off, w.numel()).copy_(w.reshape({-1}));
+    off += w.numel();
+  }
+  return flat;
 }
 
 // dst = the `n` traveling elements of flat from `offset` (dst any layout).
@@ -525,14 +616,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::allgather(std::vector<std::vect
               " tensors, expected the group size ", size_);
   for (const at::Tensor& o : outs) checkOutput(o, inputs[0], "allgather");
   int64_t m = in.numel();
-  at::Tensor flat = at::empty({int64_t(size_) * m}, in.options());
+  // In place (my input copied into my block of the target): both buffers
+  // are then the pool's, which zero-copy needs.
+  at::Tensor flat = sharedEmpty(int64_t(size_) * m, in.options());
+  at::Tensor mine = flat.narrow(0, int64_t(rank_) * m, m);
+  mine.copy_(in.reshape({-1}));
   auto copyOut = [flat, outs, m]() mutable {
     for (size_t i = 0; i < outs.size(); ++i) copyInto(outs[i], flat, int64_t(i) * m);
   };
   auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::ALLGATHER, "loom:all_gather", inputs, outs,
                                          std::vector<at::Tensor>{in, flat}, copyOut);
   return issue("loomAllGather", w, [&] {
-    return loomAllGather(in.data_ptr(), flat.data_ptr(), size_t(m), dtypeFor(in), comm_, stream_);
+    return loomAllGather(mine.data_ptr(), flat.data_ptr(), size_t(m), dtypeFor(in), comm_, stream_);
   });
 }
 
@@ -572,7 +667,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::allgather_coalesced(
   }
   at::Tensor in = flatten(inputs);
   int64_t total = in.numel();
-  at::Tensor flat = at::empty({int64_t(size_) * total}, in.options());
+  at::Tensor flat = sharedEmpty(int64_t(size_) * total, in.options());
   std::vector<std::vector<at::Tensor>> outs = outputLists;
   auto copyOut = [flat, outs, total]() mutable {
     for (size_t r = 0; r < outs.size(); ++r) {

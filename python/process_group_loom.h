@@ -102,6 +102,10 @@ class LoomQueue {
   bool closed_ = false;
 };
 
+// A 1-D CPU tensor of `numel` elements in loomMemAlloc memory (pooled)
+// when it is 1 MiB or more, ordinary memory otherwise (loom_torch.empty).
+at::Tensor sharedEmpty(int64_t numel, const at::TensorOptions& options);
+
 class ProcessGroupLoom : public c10d::ProcessGroup {
  public:
   // Rendezvous through `store`: rank 0 makes the unique id and publishes it.

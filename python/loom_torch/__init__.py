@@ -29,10 +29,29 @@ import torch.distributed as dist
 
 from . import _C
 
-__all__ = ["BACKEND_NAME", "loom_version", "monitored_barrier", "shrink"]
+__all__ = ["BACKEND_NAME", "empty", "loom_version", "monitored_barrier", "shrink"]
 
 BACKEND_NAME = "loom"
 loom_version = _C.loom_version
+
+
+def empty(*size, dtype=torch.float32):
+    """An uninitialised CPU tensor in loomMemAlloc memory (when it is 1 MiB or
+    more; smaller ones are ordinary tensors): memory the other ranks of the
+    host map, so that loom's collectives on it over shared memory move data
+    straight between the ranks' tensors (zero-copy; every rank's tensors must
+    be such memory). Keep such tensors for buffers used again and again
+    (gradient buckets, parameters); their memory goes back to a pool."""
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    numel = 1
+    for d in size:
+        if int(d) < 0:
+            raise ValueError(f"loom_torch.empty: negative dimension {d}")
+        numel *= int(d)
+    item = torch.empty((), dtype=dtype).element_size()
+    raw = _C.empty_bytes(numel * item)
+    return raw.view(dtype).view(size)
 
 
 def _create_process_group(store, rank, size, timeout):
