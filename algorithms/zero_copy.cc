@@ -10,6 +10,9 @@
 //   all-gather      copy every rank's input into my output (pull)
 //   reduce-scatter  reduce my part out of all N inputs into my output (pull)
 //   broadcast       copy the root's input into my output (pull)
+//   all-to-all      copy block `me` of every rank's input into my output
+//   gather          the root copies every rank's input into its output
+//   scatter         copy block `me` of the root's input into my output
 //
 // Per operation there are two rounds of flags whatever the size: the vote,
 // and "done" (a rank returns only when nobody reads its buffers any more).
@@ -23,7 +26,7 @@
 // ordinary buffers lost ~20% to it, 1 MiB ones nothing visible), and with
 // more ranks than cores a sleep and a wake-up per rank.  So only operations
 // that move at least 1 MiB vote (4 MiB with more ranks than cores), and
-// reduce (one rank's output) never does.  Every rank of one host computes
+// reduce (one rank's output, reduced by it alone) never does.  Every rank of one host computes
 // the same (oversubscribed() counts the host's ranks and cores).
 #include <algorithm>
 #include <cstring>
@@ -51,8 +54,11 @@ Exposure exposureOf(const OpDesc& op, int me) {
   switch (op.coll) {
     case Collective::AllReduce: return {true, true};
     case Collective::AllGather:
-    case Collective::ReduceScatter: return {true, false};
-    case Collective::Broadcast: return {me == op.root, false};
+    case Collective::ReduceScatter:
+    case Collective::AllToAll: return {true, false};
+    case Collective::Broadcast:
+    case Collective::Scatter: return {me == op.root, false};
+    case Collective::Gather: return {me != op.root, false};
     default: return {};
   }
 }
@@ -60,13 +66,15 @@ Exposure exposureOf(const OpDesc& op, int me) {
 // Bytes of the operation's largest buffer (all ranks compute the same).
 size_t movedBytes(const OpDesc& op, int N) {
   const size_t b = op.count * dtypeSize(op.dtype);
-  return op.coll == Collective::AllGather || op.coll == Collective::ReduceScatter ? b * size_t(N) : b;
+  return op.coll == Collective::AllReduce || op.coll == Collective::Broadcast ? b : b * size_t(N);
 }
 
 // Bytes of the buffer a peer maps: the input, or (all-reduce) the output.
 size_t inputBytes(const OpDesc& op, int N) {
   const size_t b = op.count * dtypeSize(op.dtype);
-  return op.coll == Collective::ReduceScatter ? b * size_t(N) : b;
+  const bool blocks = op.coll == Collective::ReduceScatter || op.coll == Collective::AllToAll ||
+                      op.coll == Collective::Scatter;
+  return blocks ? b * size_t(N) : b;
 }
 
 // Reduces elements [off, off + n) of every rank's input into acc: mine
@@ -150,13 +158,35 @@ void broadcast(DirectContext& ctx, const OpDesc& op, const std::vector<const uin
                     bytes >= kStreamingCopyBytes ? CopyHint::Streaming : CopyHint::Cached);
 }
 
+// All-to-all: block me of every input; gather (root): every input;
+// scatter: block me of the root's input.  Each into its block of my output
+// (scatter: my output), skipping what in place is already there.
+void exchange(DirectContext& ctx, const OpDesc& op, const std::vector<const uint8_t*>& ins) {
+  const int N = ctx.nranks, me = ctx.rank;
+  const size_t block = op.count * dtypeSize(op.dtype);
+  uint8_t* out = static_cast<uint8_t*>(op.recvbuf);
+  const CopyHint hint = block * size_t(N) >= kStreamingCopyBytes ? CopyHint::Streaming : CopyHint::Cached;
+  auto move = [&](uint8_t* dst, const uint8_t* src) {
+    if (dst != src) ctx.device.copy(dst, src, block, hint);
+  };
+  if (op.coll == Collective::Scatter) {
+    move(out, ins[size_t(op.root)] + size_t(me) * block);
+    return;
+  }
+  if (op.coll == Collective::Gather && me != op.root) return;
+  for (int i = 0; i < N; ++i) {
+    const int q = (me + i) % N;
+    const uint8_t* src = op.coll == Collective::AllToAll ? ins[size_t(q)] + size_t(me) * block : ins[size_t(q)];
+    move(out + size_t(q) * block, src);
+  }
+}
+
 }  // namespace
 
 bool directZeroCopy(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
   const int N = ctx.nranks, me = ctx.rank;
   const Exposure mineExposed = exposureOf(op, me);
-  const bool serves = op.coll == Collective::AllReduce || op.coll == Collective::AllGather ||
-                      op.coll == Collective::ReduceScatter || op.coll == Collective::Broadcast;
+  const bool serves = op.coll != Collective::Reduce && op.coll != Collective::P2P;
   if (!serves || N < 2 || !ctx.layout.stageBytes ||
       movedBytes(op, N) < directZeroCopyMinBytes(ctx.layout.stageBytes, ctx.env.oversubscribed()))
     return false;
@@ -205,7 +235,8 @@ bool directZeroCopy(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
       continue;
     }
     PeerBuffer b;
-    if (e.input) {
+    // Gather: only the root reads the others' inputs.
+    if (e.input && (op.coll != Collective::Gather || me == op.root)) {
       memcpy(&b, ctx.win(q).stageInput(0), sizeof b);
       ins[size_t(q)] = ctx.mem.importBuffer(q, b, inBytes);
     }
@@ -218,7 +249,8 @@ bool directZeroCopy(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
     case Collective::AllReduce: allReduce(ctx, op, ins, outs); break;
     case Collective::AllGather: allGather(ctx, op, ins); break;
     case Collective::ReduceScatter: reduceScatter(ctx, op, ins); break;
-    default: broadcast(ctx, op, ins); break;
+    case Collective::Broadcast: broadcast(ctx, op, ins); break;
+    default: exchange(ctx, op, ins); break;
   }
   // Done; return once everyone is: then all of my output is written and
   // nobody reads my buffers any more.  (>=: a faster rank may already have

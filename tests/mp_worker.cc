@@ -528,8 +528,8 @@ static void scenarioRegistered(loomComm_t comm, const std::string& mode, bool ma
         allReduceChecked(comm, a.data, inPlace ? a.data : b.data, count, t, op, what);
       }
 
-  // All-gather, reduce-scatter and broadcast on such buffers: zero-copy
-  // when every rank's (the root's, for broadcast) can be mapped, from 4 MiB
+  // All-gather, reduce-scatter, broadcast, all-to-all, gather and scatter on
+  // such buffers: zero-copy when the buffers peers read can be mapped, from 4 MiB
   // (the size every rank votes at, oversubscribed or not); exact either way,
   // in and out of place.
   {
@@ -543,6 +543,9 @@ static void scenarioRegistered(loomComm_t comm, const std::string& mode, bool ma
       runChecked(comm, nullptr, BC, loomFloat32, loomSum, big, inPlace, gSize - 1);
       runChecked(comm, nullptr, AG, loomInt8, loomSum, 1000, inPlace, 0);  // small: no vote
     }
+    runChecked(comm, nullptr, A2A, loomFloat32, loomSum, big / size_t(gSize) + 3, false, 0);
+    runChecked(comm, nullptr, GATHER, loomInt64, loomSum, big / size_t(gSize) / 2 + 1, false, gSize - 1);
+    runChecked(comm, nullptr, SCATTER, loomFloat32, loomSum, big / size_t(gSize) + 1, false, 0);
     int fresh = 0;
     for (unsigned long i : loomMemInodes()) fresh += before.count(i) == 0;
     // (`mapped` and every rank's buffers, no algorithm forced: zero-copy ran.)

@@ -921,8 +921,14 @@ class CollBuffers {
     esz_ = loom::dtypeSize(c.dtype);
     reduces_ = c.coll == Collective::AllReduce || c.coll == Collective::ReduceScatter ||
                c.coll == Collective::Reduce;
-    sendE_ = c.coll == Collective::ReduceScatter ? size_t(N_) * c.count : c.count;
-    recvE_ = c.coll == Collective::AllGather ? size_t(N_) * c.count : c.count;
+    // All-to-all, gather and scatter: out of place only (their in-place
+    // forms are the root's alone).
+    const bool blockSend = c.coll == Collective::ReduceScatter || c.coll == Collective::AllToAll ||
+                           c.coll == Collective::Scatter;
+    const bool blockRecv = c.coll == Collective::AllGather || c.coll == Collective::AllToAll ||
+                           c.coll == Collective::Gather;
+    sendE_ = blockSend ? size_t(N_) * c.count : c.count;
+    recvE_ = blockRecv ? size_t(N_) * c.count : c.count;
     bufE_ = std::max(sendE_, recvE_);
     recv_.resize(size_t(N_));
     if (!c.inPlace) send_.resize(size_t(N_));
@@ -1035,6 +1041,24 @@ class CollBuffers {
           if (bytes) memcpy(p, fullReduction().data(), bytes);
         } else {
           junk(r, p, bytes);
+        }
+        break;
+      case Collective::AllToAll:
+      case Collective::Scatter: {
+        std::vector<uint8_t> in(sendE_ * esz_);
+        for (int q = 0; q < N_; ++q) {
+          if (c_.coll == Collective::Scatter && q != c_.root) continue;
+          input(q, in.data());
+          uint8_t* dst = c_.coll == Collective::Scatter ? p : p + size_t(q) * bytes;
+          if (bytes) memcpy(dst, in.data() + size_t(r) * bytes, bytes);
+        }
+        break;
+      }
+      case Collective::Gather:
+        if (r == c_.root) {
+          for (int q = 0; q < N_; ++q) input(q, p + size_t(q) * bytes);
+        } else {
+          junk(r, p, recvE_ * esz_);
         }
         break;
       default:

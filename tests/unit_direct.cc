@@ -223,15 +223,17 @@ struct ZeroCopyOnly {
 
 }  // namespace
 
-// Zero-copy all-gather, reduce-scatter and broadcast (algorithms/zero_copy.cc):
-// with every rank's buffers from loomMemAlloc each rank pulls its share
-// straight out of the others' buffers, exact for every datatype, in and out
-// of place, at odd offsets; with one rank's buffers ordinary, every rank
-// declines alike (the caller then runs a schedule) and nothing is written.
-TEST_CASE("zero-copy all-gather, reduce-scatter and broadcast: exact when every rank's buffers map, declined alike "
+// Zero-copy all-gather, reduce-scatter, broadcast, all-to-all, gather and
+// scatter (algorithms/zero_copy.cc): with the buffers peers read from
+// loomMemAlloc each rank pulls its share straight out of the others'
+// buffers, exact for every datatype, in and out of place, at odd offsets;
+// with one of those ordinary, every rank declines alike (the caller then runs
+// a schedule) and nothing is mapped.
+TEST_CASE("zero-copy collectives other than all-reduce are exact when the buffers peers read map, declined alike "
           "otherwise",
           "[direct][registered][zerocopy]") {
-  const Collective colls[] = {Collective::AllGather, Collective::ReduceScatter, Collective::Broadcast};
+  const Collective colls[] = {Collective::AllGather, Collective::ReduceScatter, Collective::Broadcast,
+                              Collective::AllToAll,  Collective::Gather,        Collective::Scatter};
   for (int n : {2, 3, 4}) {
     loomsim::SimOptions opts;
     opts.stageBytes = 4096;
@@ -243,6 +245,10 @@ TEST_CASE("zero-copy all-gather, reduce-scatter and broadcast: exact when every 
       for (loomDataType_t t : {loomFloat32, loomBfloat16, loomInt64})
         for (bool inPlace : {false, true})
           for (uint64_t mask : {all, all & ~uint64_t(2)}) {
+            // All-to-all has no in-place form, gather's and scatter's are the
+            // root's alone (out of place only here).
+            if (inPlace && (coll == Collective::AllToAll || coll == Collective::Gather || coll == Collective::Scatter))
+              continue;
             CollCase c;
             c.coll = coll;
             c.dtype = t;
@@ -258,26 +264,25 @@ TEST_CASE("zero-copy all-gather, reduce-scatter and broadcast: exact when every 
             INFO(loomsim::caseName(c) << ", shared ranks mask " << mask);
             std::vector<int> declined(size_t(n), 0);
             const size_t before = world.peerMemory() ? world.peerMemory()->imports() : 0;
-            if (mask == all) {
+            // Whose input the others read: the root's (broadcast, scatter),
+            // every other rank's (gather), everyone's.
+            const bool rootOnly = coll == Collective::Broadcast || coll == Collective::Scatter;
+            uint64_t read = rootOnly ? uint64_t(1) << c.root : all;
+            if (coll == Collective::Gather) read &= ~(uint64_t(1) << c.root);
+            if ((mask & read) == read) {
               if (!runCase(ZeroCopyOnly{&declined}, c, &world)) return;
               CHECK(declined == std::vector<int>(size_t(n), 0));
               // Each rank maps what it reads: every other input (the
-              // root's alone for broadcast).
-              const size_t want = coll == Collective::Broadcast ? size_t(n - 1) : size_t(n) * size_t(n - 1);
+              // root's alone for broadcast and scatter; the root all the
+              // others' for gather).
+              const size_t want = rootOnly || coll == Collective::Gather ? size_t(n - 1) : size_t(n) * size_t(n - 1);
               CHECK(world.peerMemory()->imports() - before == want);
             } else {
-              // Rank 1's buffers are ordinary.  For broadcast only the root's
-              // matter: with the root's mapped it still runs zero-copy.
-              const bool runs = coll == Collective::Broadcast && ((mask >> c.root) & 1);
-              if (runs) {
-                if (!runCase(ZeroCopyOnly{&declined}, c, &world)) return;
-                CHECK(declined == std::vector<int>(size_t(n), 0));
-                continue;
-              }
               loomsim::detail::CollBuffers buf(c);
               std::vector<std::vector<loom::OpDesc>> ops(static_cast<size_t>(n));
               for (int r = 0; r < n; ++r) ops[size_t(r)].push_back(buf.op(r));
               loomsim::SimResult res = world.runDirect(ZeroCopyOnly{&declined}, ops);
+              INFO(res.problem);
               REQUIRE(res.ok());
               CHECK(declined == std::vector<int>(size_t(n), 1));
               CHECK(world.peerMemory()->imports() == before);
