@@ -1047,3 +1047,91 @@ TEST_CASE("CUDA communicator through the C API (LOOM_DEVICE=cuda, simulated devi
     CHECK(loomCommDestroy(comms[r]) == loomSuccess);
   }
 }
+
+namespace {
+
+// N CUDA communicators (simulated device) through the C API, one thread each.
+std::vector<loomComm_t> initCudaComms(int n) {
+  loomUniqueId id;
+  if (loomGetUniqueId(&id) != loomSuccess) return {};
+  std::vector<loomComm_t> comms(size_t(n), nullptr);
+  std::vector<loomResult_t> rcs(size_t(n), loomSuccess);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < n; ++r)
+    ts.emplace_back([&, r] { rcs[size_t(r)] = loomCommInitRank(&comms[size_t(r)], n, id, r); });
+  for (auto& t : ts) t.join();
+  for (loomResult_t rc : rcs)
+    if (rc != loomSuccess) return {};
+  return comms;
+}
+
+}  // namespace
+
+TEST_CASE("CUDA communicator through the C API (simulated device): a rank's loomCommAbort reaches the others; "
+          "their streams waiting on it drain, loomCommGetAsyncError names it, later calls fail at once, destroy is "
+          "clean",
+          "[devcomm][api][abort]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(3, 1, 256, patientDevice());
+  DeviceEnv env(mem, world);
+  std::vector<loomComm_t> comms = initCudaComms(3);
+  REQUIRE(comms.size() == 3);
+  auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+  const size_t n = 100000;  // reduce-scatter + all-gather: two streams wait
+  std::vector<int32_t*> buf;
+  for (int r = 0; r < 2; ++r) buf.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, n * 4)));
+  for (int r = 0; r < 2; ++r)
+    CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) ==
+          loomSuccess);
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  const int64_t t0 = loom::nowMs();
+  CHECK(loomCommAbort(comms[2]) == loomSuccess);  // rank 2 never took part
+  CHECK(loom::nowMs() - t0 < 5000);
+  for (int r = 0; r < 2; ++r) {
+    std::string msg;
+    CHECK(world.rank(r).synchronize(&msg) == loomSuccess);  // released (the device itself never gives up)
+    loomResult_t ae = loomSuccess;
+    CHECK(loomCommGetAsyncError(comms[size_t(r)], &ae) == loomSuccess);
+    CHECK(ae == loomRemoteError);
+    std::string last = loomGetLastError(comms[size_t(r)]);
+    INFO(last);
+    CHECK(last.find(loom::strf("rank %d: the communicator failed on rank 2: the communicator was aborted", r)) !=
+          std::string::npos);
+    CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) ==
+          loomRemoteError);
+  }
+  for (int r = 0; r < 2; ++r) CHECK(loomCommDestroy(comms[size_t(r)]) == loomSuccess);
+  CHECK(loom::waitDeviceRemains(10000));
+}
+
+TEST_CASE("CUDA communicator through the C API (simulated device): a rank that goes away mid all-reduce is found "
+          "gone by the others' device watchdogs (its control socket refuses): loomRemoteError naming it, streams "
+          "drained",
+          "[devcomm][api][abort]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(3, 1, 256, patientDevice());
+  DeviceEnv env(mem, world);
+  std::vector<loomComm_t> comms = initCudaComms(3);
+  REQUIRE(comms.size() == 3);
+  auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+  const size_t n = 1000;  // one-shot
+  std::vector<int32_t*> buf;
+  for (int r = 0; r < 2; ++r) buf.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, n * 4)));
+  for (int r = 0; r < 2; ++r)
+    CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) ==
+          loomSuccess);
+  // Rank 2 leaves without a word (as a killed process would: no notice).
+  CHECK(loomCommDestroy(comms[2]) == loomSuccess);
+  for (int r = 0; r < 2; ++r) {
+    std::string msg;
+    CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
+    loomResult_t ae = loomSuccess;
+    CHECK(loomCommGetAsyncError(comms[size_t(r)], &ae) == loomSuccess);
+    CHECK(ae == loomRemoteError);
+    std::string last = loomGetLastError(comms[size_t(r)]);
+    INFO(last);
+    CHECK(last.find("rank 2 is gone (") != std::string::npos);
+  }
+  for (int r = 0; r < 2; ++r) CHECK(loomCommDestroy(comms[size_t(r)]) == loomSuccess);
+  CHECK(loom::waitDeviceRemains(10000));
+}

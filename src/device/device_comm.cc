@@ -430,8 +430,9 @@ int64_t DeviceComm::checkProgress(int64_t now) {
       std::string why;
       if (peerGone_(r, &why)) {
         failFromWatchdog(loomRemoteError,
-                         strf("rank %d: rank %d is gone (%s) while this rank's %s streams waited for it (round %llu "
-                              "of %llu)", rank_, r, why.c_str(), driver_->name(),
+                         strf("rank %d: rank %d is gone (%s) while this rank's %s streams waited for it (its flags "
+                              "reached round %llu, this rank's %llu, of %llu enqueued)",
+                              rank_, r, why.c_str(), driver_->name(), (unsigned long long)seen[size_t(r)],
                               (unsigned long long)seen[size_t(rank_)], (unsigned long long)target),
                          r);
         return 1;
