@@ -493,7 +493,7 @@ TEST_CASE("device communicator (simulated device): ranks of one process use each
   CHECK(s.comms[1]->imports().opens() == 0);
 }
 
-TEST_CASE("device communicator (simulated device): run() returns before the work runs; the result is there "
+TEST_CASE("device communicator (simulated device): run() returns before the work runs, the result is there "
           "after the stream synchronises, and the caller's earlier work comes first",
           "[devcomm]") {
   loom::DeviceCommOptions opts;
@@ -780,7 +780,7 @@ TEST_CASE("device communicator (simulated device): a peer that never arrives and
 }
 
 TEST_CASE("device communicator (simulated device): failing a communicator (loomCommAbort) while its stream waits "
-          "on a peer's flag returns at once and the stream drains; the peer's own waits are not released",
+          "on a peer's flag returns at once and the stream drains, the peer's own waits are not released",
           "[devcomm][abort]") {
   loom::DeviceCommOptions opts;
   opts.slotBytes = 1024;  // no watchdog timeout, no probe: only the abort releases
@@ -957,7 +957,7 @@ struct DeviceEnv {  // LOOM_DEVICE=cuda with simulated drivers, undone on scope 
 }  // namespace
 
 TEST_CASE("CUDA communicator through the C API (LOOM_DEVICE=cuda, simulated device): collectives are enqueued on "
-          "the caller's stream and exact after it synchronises; host memory, loom streams, groups and calls the "
+          "the caller's stream and exact after it synchronises, host memory, loom streams, groups and calls the "
           "device path does not serve are clear errors",
           "[devcomm][api]") {
   SimMemory mem;
@@ -1067,7 +1067,7 @@ std::vector<loomComm_t> initCudaComms(int n) {
 
 }  // namespace
 
-TEST_CASE("CUDA communicator through the C API (simulated device): a rank's loomCommAbort reaches the others; "
+TEST_CASE("CUDA communicator through the C API (simulated device): a rank's loomCommAbort reaches the others, "
           "their streams waiting on it drain, loomCommGetAsyncError names it, later calls fail at once, destroy is "
           "clean",
           "[devcomm][api][abort]") {
