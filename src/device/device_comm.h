@@ -242,7 +242,8 @@ class DeviceComm {
   // Never waits for the device.  True for the first failure.
   bool markFailed(loomResult_t code, const std::string& msg);
   // Whether every program enqueued so far has finished on the device (its
-  // own done flag reached the last round), as read now.
+  // own done flag reached the last round), as read now.  The watchdog's
+  // (and tests'): the CUDA driver's reads are not meant for two threads.
   bool programsDone();
   // loomCommSetTimeout: the watchdog's timeout from now on (0: none).
   void setTimeoutMs(int64_t ms) { timeoutMs_.store(ms); }

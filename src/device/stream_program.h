@@ -95,9 +95,9 @@ struct ProgramBuffers {
   size_t windowBytes = 0;
   // Where this rank reads rank r's flags (kFlagCount each): WaitFlag's addresses.
   std::vector<uint64_t*> flags;
-  // Where this rank's SetFlag writes go: every entry gets the write (a
-  // communicator gives each reader a copy in the reader's own memory, see
-  // device_comm.h).  Empty: flags[rank] alone.
+  // Where this rank's SetFlag writes go: every entry gets the write, in
+  // this order (a communicator gives each reader a copy in the reader's own
+  // memory, see device_comm.h).  Empty: flags[rank] alone.
   std::vector<uint64_t*> flagCopies;
 };
 
