@@ -396,7 +396,10 @@ void DeviceComm::failFromWatchdog(loomResult_t code, const std::string& msg, int
 
 int64_t DeviceComm::checkProgress(int64_t now) {
   const uint64_t target = enqueued_.load();
-  if (target == 0 || (!peerGone_ && timeoutMs_.load() <= 0)) return 100;  // nothing to watch
+  if (target == 0 || (!peerGone_ && timeoutMs_.load() <= 0)) {  // nothing to watch
+    movedMs_ = probedMs_ = now;
+    return 100;
+  }
   enterDevice();
   std::vector<uint64_t> all(size_t(nranks_) * kFlagCount);
   driver_->readFlags(flags_[0], all.size(), all.data());  // the rows are contiguous
@@ -464,6 +467,7 @@ void DeviceComm::enterDevice() {
 
 void DeviceComm::watch() {
   bool released = false;  // the streams finished after the release
+  bool warned = false;
   std::unique_lock<std::mutex> lk(wmu_);
   while (!stop_) {
     wake_ = false;
@@ -483,7 +487,8 @@ void DeviceComm::watch() {
         sleepMs = checkProgress(nowMs());
       }
     } catch (const Error& e) {
-      LOOM_WARN("DEVICE", "rank %d: device watchdog: %s", rank_, e.what());
+      if (!warned) LOOM_WARN("DEVICE", "rank %d: device watchdog: %s", rank_, e.what());
+      warned = true;  // once: it tries again every 100 ms
     }
     lk.lock();
     if (!stop_ && !wake_) wcv_.wait_for(lk, std::chrono::milliseconds(sleepMs), [&] { return stop_ || wake_; });
