@@ -236,6 +236,8 @@ class Reaper {
     // goes with the process), reachable from here.
     static auto* kept = new std::vector<std::unique_ptr<DeviceRemains>>();
     for (auto& r : list_) kept->push_back(std::move(r));
+    std::lock_guard<std::mutex> k(keptMu_);
+    for (auto& r : kept_) kept->push_back(std::move(r));
   }
   void add(std::unique_ptr<DeviceRemains> r) {
     std::lock_guard<std::mutex> g(mu_);
