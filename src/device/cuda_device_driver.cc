@@ -104,7 +104,6 @@ class CudaDeviceDriver final : public DeviceDriver {
   int device_;
   void* readStream_ = nullptr;     // readFlag's
   void* releaseStream_ = nullptr;  // writeFlags'
-
   std::vector<void*> streams_;  // side streams (program streams 1..)
   std::vector<void*> events_;
   std::unique_ptr<CudaStreamBackend> backend_;
