@@ -24,7 +24,7 @@ TEST_CASE("the ring over shm is exact too (LOOM_ALGO=ring bypasses the one-shot 
   CHECK(loomRun(std::string(kShm) + " LOOM_ALGO=ring", n, "matrix 0,1,7,1027,70001") == 0);
 }
 
-TEST_CASE("forced algorithms (tree and rhd) are exact over shm and tcp; others fall back to the ring", "[mp][algo]") {
+TEST_CASE("forced algorithms (tree and rhd) are exact over shm and tcp, others fall back to the ring", "[mp][algo]") {
   const char* algo = GENERATE("tree", "rhd");
   int n = GENERATE(2, 3, 5, 8);
   INFO("LOOM_ALGO=" << algo << ", nranks " << n);

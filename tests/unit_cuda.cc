@@ -382,7 +382,7 @@ const loom::CudaApi kDriverTable = {
     },
     [](const void* p, void** base, size_t* n) {
       *base = const_cast<void*>(p);
-      *n = loom::kFlagBlockBytes + loom::streamWindowBytes(loom::kDeviceSlotBytes);
+      *n = loom::flagAreaBytes(8) + loom::streamWindowBytes(loom::kDeviceSlotBytes);
       return 0;
     },
     [](void* base, void* h) {
@@ -478,7 +478,9 @@ TEST_CASE("CUDA communicator driver: its calls through the plug-in table (device
     };
     // Nothing runs the recorded programs, so the peers' done flags never
     // move: destroy must not wait for them.
+    // Nor may its reaper keep the memory: nothing will ever finish.
     loom::DeviceCommOptions o{loom::kDeviceSlotBytes, loom::kDeviceOneShotBytes, 7, 0};
+    o.reapTimeoutMs = 0;
     std::thread t([&] {
       dc[1] = std::make_unique<loom::DeviceComm>(1, 2, loom::makeCudaDeviceDriver(kDriverTable, 1), gather(1), o);
     });

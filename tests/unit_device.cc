@@ -219,7 +219,7 @@ TEST_CASE("a stream handle that is not a loom stream fails with loomInvalidArgum
   CHECK(loomAllReduce(x, x, 4, loomFloat32, loomSum, one.comm, nullptr) == loomSuccess);
 }
 
-TEST_CASE("loom host streams run operations; a destroyed handle is refused, not freed twice",
+TEST_CASE("loom host streams run operations, a destroyed handle is refused, not freed twice",
           "[device][stream]") {
   OneRank one;
   loomStream_t s = nullptr, t = nullptr;

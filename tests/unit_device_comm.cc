@@ -79,6 +79,10 @@ class SimMemory {
     close(it->second.fd);
     allocs_.erase(it);
   }
+  size_t frees() const {
+    std::lock_guard<std::mutex> g(mu_);
+    return freed_.size();
+  }
   // -1 unless p is inside an allocation (or a mapping of one).
   int deviceOf(const void* p) const {
     std::lock_guard<std::mutex> g(mu_);
@@ -188,6 +192,14 @@ class SimDriver final : public loom::DeviceDriver {
   uint64_t readFlag(const uint64_t* flag) override {
     return reinterpret_cast<const std::atomic<uint64_t>*>(flag)->load(std::memory_order_acquire);
   }
+  // As a write on a stream of its own: at once, waking the streams that wait.
+  void writeFlags(uint64_t* const* flags, size_t n, uint64_t value) override {
+    for (size_t i = 0; i < n; ++i)
+      reinterpret_cast<std::atomic<uint64_t>*>(flags[i])->store(value, std::memory_order_release);
+    writes.fetch_add(n);
+    if (world_) world_->notify();
+  }
+  std::atomic<size_t> writes{0};  // flags written by writeFlags (tests)
 
  private:
   SimMemory& mem_;
@@ -264,6 +276,9 @@ struct SimComms {
       world.rank(r).synchronize(&msg);
     }
     comms.clear();
+    // A failed communicator's memory may be with the reaper, which uses
+    // this test's simulated device: it must be done before that goes.
+    loom::waitDeviceRemains(30000);
   }
   int n() const { return world.nranks(); }
 };
@@ -478,7 +493,7 @@ TEST_CASE("device communicator (simulated device): ranks of one process use each
   CHECK(s.comms[1]->imports().opens() == 0);
 }
 
-TEST_CASE("device communicator (simulated device): run() returns before the work runs; the result is there "
+TEST_CASE("device communicator (simulated device): run() returns before the work runs, the result is there "
           "after the stream synchronises, and the caller's earlier work comes first",
           "[devcomm]") {
   loom::DeviceCommOptions opts;
@@ -679,6 +694,189 @@ TEST_CASE("device communicator (simulated device): an abandoned communicator (fa
   CHECK(loom::nowMs() - t0 < 5000);  // not the 10 s wait for rank 1
 }
 
+namespace {
+
+// What the watchdogs of a test's ranks reported (onFailure runs on their threads).
+struct Reported {
+  std::mutex mu;
+  std::vector<loomResult_t> codes;
+  std::vector<std::string> msgs;
+  std::vector<int> peers;
+  void add(const loom::Error& e) {
+    std::lock_guard<std::mutex> g(mu);
+    codes.push_back(e.code());
+    msgs.push_back(e.what());
+    peers.push_back(e.peer());
+  }
+  size_t size() {
+    std::lock_guard<std::mutex> g(mu);
+    return codes.size();
+  }
+};
+
+// The simulated device never gives up on a wait by itself within a test:
+// a stream that completes was released by the communicator.
+loomsim::SimDeviceOptions patientDevice() {
+  loomsim::SimDeviceOptions so;
+  so.deadlineMs = 120000;
+  return so;
+}
+
+loomResult_t failureOf(loom::DeviceComm& c, std::string* msg) { return c.failure(msg); }
+
+}  // namespace
+
+TEST_CASE("device communicator (simulated device): a peer that never arrives and is reported gone: the others' "
+          "streams are released and complete, and every later call fails with loomRemoteError naming it",
+          "[devcomm][abort]") {
+  Reported seen;
+  loom::DeviceCommOptions opts;
+  opts.slotBytes = 1024;  // 4000 bytes: the all-reduce takes several rounds
+  opts.timeoutMs = 100000;
+  opts.probeAfterMs = 50;
+  opts.peerGone = [](int peer, std::string* why) {
+    if (peer != 2) return false;
+    *why = "test: rank 2 was killed";
+    return true;
+  };
+  opts.onFailure = [&seen](const loom::Error& e) { seen.add(e); };
+  SimComms s(3, 1, opts, true, patientDevice());
+  std::mt19937_64 rng(11);
+  Prepared p = prepare(s, {Collective::AllReduce, loomFloat32, loomSum, 1000, 0, false}, rng);
+  for (int r = 0; r < 2; ++r) issue(s, p, r);  // rank 2 never takes part
+  for (int r = 0; r < 2; ++r) {
+    std::string msg;
+    INFO(msg);
+    CHECK(s.world.rank(r).synchronize(&msg) == loomSuccess);  // drained: released, not given up by the device
+    CHECK(s.comms[size_t(r)]->programsDone());
+    CHECK(s.drivers[size_t(r)]->writes.load() > 0);
+    std::string why;
+    CHECK(failureOf(*s.comms[size_t(r)], &why) == loomRemoteError);
+    INFO(why);
+    CHECK(why.find(loom::strf("rank %d: rank 2 is gone (test: rank 2 was killed)", r)) != std::string::npos);
+  }
+  REQUIRE(seen.size() == 2);
+  for (size_t i = 0; i < 2; ++i) {
+    CHECK(seen.codes[i] == loomRemoteError);
+    CHECK(seen.peers[i] == 2);
+  }
+  CHECK(!s.comms[2]->failed());  // nothing told rank 2 (it is "dead")
+  // Later calls fail at once with the cause.
+  try {
+    issue(s, p, 0);
+    FAIL("a failed communicator enqueued an operation");
+  } catch (const loom::Error& e) {
+    CHECK(e.code() == loomRemoteError);
+    CHECK(std::string(e.what()).find("rank 2 is gone") != std::string::npos);
+  }
+  // Destroying the failed ones frees their memory at once (their streams are done).
+  const size_t frees = s.mem.frees();
+  s.comms[0].reset();
+  s.comms[1].reset();
+  CHECK(loom::deviceRemainsPending() == 0);
+  CHECK(s.mem.frees() == frees + 2);
+  s.comms[2].reset();
+  CHECK(s.mem.openMappings() == 0);
+}
+
+TEST_CASE("device communicator (simulated device): failing a communicator (loomCommAbort) while its stream waits "
+          "on a peer's flag returns at once and the stream drains, the peer's own waits are not released",
+          "[devcomm][abort]") {
+  loom::DeviceCommOptions opts;
+  opts.slotBytes = 1024;  // no watchdog timeout, no probe: only the abort releases
+  SimComms s(3, 1, opts, true, patientDevice());
+  std::mt19937_64 rng(12);
+  Prepared p = prepare(s, {Collective::AllReduce, loomInt32, loomSum, 1000, 0, false}, rng);
+  for (int r = 0; r < 2; ++r) issue(s, p, r);  // rank 2 never takes part: both wait for it
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK(!s.comms[0]->programsDone());
+  const int64_t t0 = loom::nowMs();
+  CHECK(s.comms[0]->markFailed(loomRemoteError, "rank 0: the communicator was aborted"));
+  CHECK(loom::nowMs() - t0 < 1000);  // never waits for the device
+  CHECK(!s.comms[0]->markFailed(loomTimeout, "later"));  // the first failure stays
+  std::string msg;
+  REQUIRE(s.world.rank(0).synchronize(&msg) == loomSuccess);
+  CHECK(s.comms[0]->programsDone());
+  std::string why;
+  CHECK(failureOf(*s.comms[0], &why) == loomRemoteError);
+  CHECK(why == "rank 0: the communicator was aborted");
+  // Rank 1 was not aborted: it still waits (for rank 2) until it fails too.
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK(!s.comms[1]->programsDone());
+  CHECK(!s.comms[1]->failed());
+  s.comms[1]->markFailed(loomRemoteError, "rank 1: the communicator failed on rank 0");
+  REQUIRE(s.world.rank(1).synchronize(&msg) == loomSuccess);
+}
+
+TEST_CASE("device communicator (simulated device): the watchdog fails with loomTimeout naming the peer when no flag "
+          "moves for timeoutMs, and releases the streams",
+          "[devcomm][abort]") {
+  Reported seen;
+  loom::DeviceCommOptions opts;
+  opts.slotBytes = 1024;
+  opts.oneShotBytes = 0;  // the two-stream program: both streams are released
+  opts.timeoutMs = 300;
+  opts.probeAfterMs = 50;
+  std::atomic<int> probes{0};
+  opts.peerGone = [&probes](int, std::string*) {
+    probes.fetch_add(1);
+    return false;  // alive, only late
+  };
+  opts.onFailure = [&seen](const loom::Error& e) { seen.add(e); };
+  SimComms s(2, 2, opts, true, patientDevice());
+  std::mt19937_64 rng(13);
+  Prepared p = prepare(s, {Collective::AllReduce, loomFloat32, loomSum, 1000, 0, false}, rng);
+  issue(s, p, 0);  // rank 1 never arrives
+  std::string msg;
+  REQUIRE(s.world.rank(0).synchronize(&msg) == loomSuccess);
+  std::string why;
+  CHECK(failureOf(*s.comms[0], &why) == loomTimeout);
+  INFO(why);
+  CHECK(why.find("rank 0: no progress on sim:0 for") != std::string::npos);
+  CHECK(why.find("this rank's streams wait for rank 1") != std::string::npos);
+  REQUIRE(seen.size() == 1);
+  CHECK(seen.codes[0] == loomTimeout);
+  CHECK(seen.peers[0] == 1);
+  CHECK(probes.load() > 0);  // asked before giving up
+  CHECK(!s.comms[1]->failed());  // rank 1 had nothing pending
+}
+
+TEST_CASE("device communicator (simulated device): a failed communicator destroyed while its stream has not reached "
+          "the released wait yet returns at once and frees its memory only once the stream is done",
+          "[devcomm][abort]") {
+  loom::DeviceCommOptions opts;
+  opts.slotBytes = 1024;
+  SimComms s(2, 1, opts, true, patientDevice());
+  std::mt19937_64 rng(14);
+  Prepared p = prepare(s, {Collective::AllReduce, loomInt32, loomSum, 1000, 0, false}, rng);
+  std::atomic<bool> open{false};
+  struct Opener {  // a failed REQUIRE must not leave the stream blocked
+    std::atomic<bool>& o;
+    ~Opener() { o.store(true); }
+  } opener{open};
+  // The caller's own work ahead of the collective on its stream.
+  s.world.rank(0).enqueueWork(0, [&open] {
+    while (!open.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  issue(s, p, 0);  // rank 1 never takes part
+  s.comms[0]->markFailed(loomRemoteError, "rank 0: the communicator was aborted");
+  s.comms[0]->abandon();
+  const size_t frees = s.mem.frees();
+  const int64_t t0 = loom::nowMs();
+  s.comms[0].reset();
+  CHECK(loom::nowMs() - t0 < 1000);
+  CHECK(loom::deviceRemainsPending() == 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  CHECK(s.mem.frees() == frees);  // the stream will still touch it
+  open.store(true);
+  std::string msg;
+  REQUIRE(s.world.rank(0).synchronize(&msg) == loomSuccess);  // released: it ran to its end
+  REQUIRE(loom::waitDeviceRemains(10000));
+  CHECK(s.mem.frees() == frees + 1);
+  s.comms[1].reset();
+  CHECK(s.mem.openMappings() == 0);
+}
+
 TEST_CASE("IPC import cache: one open per (rank, base), offsets applied, kept while referenced, reopened when the "
           "owner reuses the address",
           "[devcomm]") {
@@ -759,7 +957,7 @@ struct DeviceEnv {  // LOOM_DEVICE=cuda with simulated drivers, undone on scope 
 }  // namespace
 
 TEST_CASE("CUDA communicator through the C API (LOOM_DEVICE=cuda, simulated device): collectives are enqueued on "
-          "the caller's stream and exact after it synchronises; host memory, loom streams, groups and calls the "
+          "the caller's stream and exact after it synchronises, host memory, loom streams, groups and calls the "
           "device path does not serve are clear errors",
           "[devcomm][api]") {
   SimMemory mem;
@@ -848,4 +1046,92 @@ TEST_CASE("CUDA communicator through the C API (LOOM_DEVICE=cuda, simulated devi
     CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
     CHECK(loomCommDestroy(comms[r]) == loomSuccess);
   }
+}
+
+namespace {
+
+// N CUDA communicators (simulated device) through the C API, one thread each.
+std::vector<loomComm_t> initCudaComms(int n) {
+  loomUniqueId id;
+  if (loomGetUniqueId(&id) != loomSuccess) return {};
+  std::vector<loomComm_t> comms(size_t(n), nullptr);
+  std::vector<loomResult_t> rcs(size_t(n), loomSuccess);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < n; ++r)
+    ts.emplace_back([&, r] { rcs[size_t(r)] = loomCommInitRank(&comms[size_t(r)], n, id, r); });
+  for (auto& t : ts) t.join();
+  for (loomResult_t rc : rcs)
+    if (rc != loomSuccess) return {};
+  return comms;
+}
+
+}  // namespace
+
+TEST_CASE("CUDA communicator through the C API (simulated device): a rank's loomCommAbort reaches the others, "
+          "their streams waiting on it drain, loomCommGetAsyncError names it, later calls fail at once, destroy is "
+          "clean",
+          "[devcomm][api][abort]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(3, 1, 256, patientDevice());
+  DeviceEnv env(mem, world);
+  std::vector<loomComm_t> comms = initCudaComms(3);
+  REQUIRE(comms.size() == 3);
+  auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+  const size_t n = 100000;  // reduce-scatter + all-gather: two streams wait
+  std::vector<int32_t*> buf;
+  for (int r = 0; r < 2; ++r) buf.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, n * 4)));
+  for (int r = 0; r < 2; ++r)
+    CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) ==
+          loomSuccess);
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  const int64_t t0 = loom::nowMs();
+  CHECK(loomCommAbort(comms[2]) == loomSuccess);  // rank 2 never took part
+  CHECK(loom::nowMs() - t0 < 5000);
+  for (int r = 0; r < 2; ++r) {
+    std::string msg;
+    CHECK(world.rank(r).synchronize(&msg) == loomSuccess);  // released (the device itself never gives up)
+    loomResult_t ae = loomSuccess;
+    CHECK(loomCommGetAsyncError(comms[size_t(r)], &ae) == loomSuccess);
+    CHECK(ae == loomRemoteError);
+    std::string last = loomGetLastError(comms[size_t(r)]);
+    INFO(last);
+    CHECK(last.find(loom::strf("rank %d: the communicator failed on rank 2: the communicator was aborted", r)) !=
+          std::string::npos);
+    CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) ==
+          loomRemoteError);
+  }
+  for (int r = 0; r < 2; ++r) CHECK(loomCommDestroy(comms[size_t(r)]) == loomSuccess);
+  CHECK(loom::waitDeviceRemains(10000));
+}
+
+TEST_CASE("CUDA communicator through the C API (simulated device): a rank that goes away mid all-reduce is found "
+          "gone by the others' device watchdogs (its control socket refuses): loomRemoteError naming it, streams "
+          "drained",
+          "[devcomm][api][abort]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(3, 1, 256, patientDevice());
+  DeviceEnv env(mem, world);
+  std::vector<loomComm_t> comms = initCudaComms(3);
+  REQUIRE(comms.size() == 3);
+  auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+  const size_t n = 1000;  // one-shot
+  std::vector<int32_t*> buf;
+  for (int r = 0; r < 2; ++r) buf.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, n * 4)));
+  for (int r = 0; r < 2; ++r)
+    CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) ==
+          loomSuccess);
+  // Rank 2 leaves without a word (as a killed process would: no notice).
+  CHECK(loomCommDestroy(comms[2]) == loomSuccess);
+  for (int r = 0; r < 2; ++r) {
+    std::string msg;
+    CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
+    loomResult_t ae = loomSuccess;
+    CHECK(loomCommGetAsyncError(comms[size_t(r)], &ae) == loomSuccess);
+    CHECK(ae == loomRemoteError);
+    std::string last = loomGetLastError(comms[size_t(r)]);
+    INFO(last);
+    CHECK(last.find("rank 2 is gone (") != std::string::npos);
+  }
+  for (int r = 0; r < 2; ++r) CHECK(loomCommDestroy(comms[size_t(r)]) == loomSuccess);
+  CHECK(loom::waitDeviceRemains(10000));
 }

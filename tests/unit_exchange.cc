@@ -93,7 +93,7 @@ const Algo kOneShot{"oneshot", nullptr};
 
 }  // namespace
 
-TEST_CASE("sim: all-to-all is exact with pairwise, bruck and one-shot; bytes sent as each algorithm says, N 1..64",
+TEST_CASE("sim: all-to-all is exact with pairwise, bruck and one-shot, bytes sent as each algorithm says, N 1..64",
           "[sim][exchange]") {
   for (const Algo& a : {kPairwise, kBruck, kOneShot}) {
     for (int n : kSizes) {
@@ -197,7 +197,7 @@ TEST_CASE("sim: all-to-allv with unequal and empty blocks is exact, N 1..64", "[
   }
 }
 
-TEST_CASE("sim: gather and scatter are exact in and out of place with pairwise and one-shot; only the root moves "
+TEST_CASE("sim: gather and scatter are exact in and out of place with pairwise and one-shot, only the root moves "
           "N-1 blocks, N 1..64",
           "[sim][exchange]") {
   for (const Algo& a : {kPairwise, kOneShot}) {

@@ -167,7 +167,7 @@ TEST_CASE("control messages: framing, secret and bounds are checked before use",
   CHECK(loom::ctlMissing(b.data(), 48, secret, 77, 8, &why) == -1);
 }
 
-TEST_CASE("failure causes: code, root rank and printable text survive the wire; garbage is refused", "[parsers]") {
+TEST_CASE("failure causes: code, root rank and printable text survive the wire, garbage is refused", "[parsers]") {
   loom::CtlCause c;
   c.code = loomInvalidUsage;
   c.root = 2;
@@ -210,7 +210,7 @@ TEST_CASE("tcp records: a peer's listener address is checked before use", "[pars
   CHECK_THROWS_AS(loom::checkTcpRecord(bad, 1), loom::Error);
 }
 
-TEST_CASE("LOOM_CHECK_MODE takes on/off and 1/0; LOOM_DUMP_SIGNAL a signal number", "[parsers][config]") {
+TEST_CASE("LOOM_CHECK_MODE takes on/off and 1/0, LOOM_DUMP_SIGNAL a signal number", "[parsers][config]") {
   struct Case {
     const char* value;
     bool want;

@@ -245,7 +245,7 @@ TEST_CASE("registry: the model's decisions and numbers are pinned", "[tuner][reg
         PINNED_RHD_RS_US);
 }
 
-TEST_CASE("tuner: all-to-all goes one-shot, pairwise or Bruck as the model says; gather and scatter never Bruck",
+TEST_CASE("tuner: all-to-all goes one-shot, pairwise or Bruck as the model says, gather and scatter never Bruck",
           "[tuner][exchange]") {
   loom::CostParams p = loom::CostParams::defaults();
   loom::CommShape one = shape(1, 8);

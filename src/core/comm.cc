@@ -63,6 +63,9 @@ std::shared_ptr<loomComm> loomComm::create(const UniqueIdData& id, int nranks, i
 }
 
 loomComm::~loomComm() {
+  // The device watchdog calls into this communicator: stop it first (the
+  // device side still releases its streams' waits without it).
+  if (device_) device_->stopWatchdog();
   // A failed communicator's notices tell the peers why it failed: deliver
   // the ones still under way before the control thread stops (a peer whose
   // connection to us breaks asks us, and we may be gone by then).
@@ -71,6 +74,7 @@ loomComm::~loomComm() {
   // before the pointer changes.
   if (ctl_) ctl_->stop();
   ctl_.reset();
+  deviceForFail_.store(nullptr);
   dumpUnregister(this);
   // A failed or aborted communicator's peers may never finish their last
   // round: do not wait for them before freeing the device window.
@@ -213,12 +217,57 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
           std::vector<uint8_t> v = boot.allGather(m, bytes);
           memcpy(all, v.data(), v.size());
         },
-        DeviceCommOptions{kDeviceSlotBytes, kDeviceOneShotBytes, thisProcessToken()});
+        deviceOptions());
+    deviceForFail_.store(device_.get());
+    // A notice that failed the communicator while device_ was being made.
+    if (asyncError() != loomSuccess) device_->markFailed(asyncError(), lastError());
     LOOM_INFO("INIT", "rank %d: device communicator on %s:%d, windows of 2 x %zu B", rank, device_->deviceName(),
               device_->device(), kDeviceSlotBytes);
   }
   LOOM_INFO("INIT", "rank %d of %d ready: host %s, %d local peers, slots %u x %u B, transports %s", rank, nranks,
             mine.hostId, local, root.slots, root.slotBytes, transportSpec_.c_str());
+}
+
+loom::DeviceCommOptions loomComm::deviceOptions() {
+  DeviceCommOptions o{kDeviceSlotBytes, kDeviceOneShotBytes, thisProcessToken()};
+  // The watchdog: loomTimeout after LOOM_TIMEOUT_MS without progress, a
+  // peer the control plane finds gone after a second without progress; its
+  // failures go the way of a host operation's (the peers are told, and
+  // asked for the root cause).
+  o.timeoutMs = timeoutMs_.load();
+  o.probeAfterMs = std::min<int64_t>(1000, o.timeoutMs);
+  o.peerGone = [this](int peer, std::string* why) { return devicePeerGone(peer, why); };
+  o.onFailure = [this](const Error& e) { failOperation(e); };
+  return o;
+}
+
+bool loomComm::devicePeerGone(int peer, std::string* why) {
+  if (peer < 0 || peer >= nranks_ || peer == rank_) return false;
+  {
+    std::lock_guard<std::mutex> lock(errMutex_);
+    if (dead_.count(peer)) {
+      *why = "the control plane found it dead";
+      return true;
+    }
+  }
+  if (!ctl_) return false;
+  int fd;
+  try {
+    fd = ctl_->dial(peer, nowMs() + 200);
+  } catch (const Error&) {
+    return false;  // no answer: maybe slow, maybe cut off; the timeout decides
+  }
+  if (fd >= 0) {
+    close(fd);
+    return false;
+  }
+  {
+    std::lock_guard<std::mutex> lock(errMutex_);
+    dead_.insert(peer);
+    unreachable_.erase(peer);
+  }
+  *why = "its control socket refuses";
+  return true;
 }
 
 void loomComm::initTransports(Bootstrap& boot, const TransportEnv& env) {
@@ -633,6 +682,9 @@ bool loomComm::failFirst(loomResult_t code, const std::string& msg, CtlType noti
   }
   if (first) {
     LOOM_WARN("COLL", "%s", msg.c_str());
+    // A CUDA communicator's streams may wait on peers' flags: release them
+    // (never waiting for the device).
+    if (DeviceComm* d = deviceForFail_.load()) d->markFailed(code, msg);
     // Tell the peers at once rather than letting them wait for a timeout,
     // then on the control sockets, which also finds out who is dead.  A
     // revoke travels on the control sockets alone, so that every rank's

@@ -156,7 +156,10 @@ struct loomComm : public loom::ExecEnv,
   void checkAborted() override;  // also ConnectHost's
   int64_t timeoutMs() const override { return timeoutMs_.load(std::memory_order_relaxed); }
   // loomCommSetTimeout: read by operations while they wait, so atomic.
-  void setTimeoutMs(int64_t ms) { timeoutMs_.store(ms, std::memory_order_relaxed); }
+  void setTimeoutMs(int64_t ms) {
+    timeoutMs_.store(ms, std::memory_order_relaxed);
+    if (device_) device_->setTimeoutMs(ms);
+  }
   int64_t spinUs() const override { return spinUs_; }
   bool oversubscribed() const override { return oversubscribed_; }
   bool checkMode() const override { return checkMode_; }
@@ -224,6 +227,13 @@ struct loomComm : public loom::ExecEnv,
   std::vector<int64_t> taggedRetryMs_;       // per peer: when to look for its tagged connection again
   loom::RegistrationTable registrations_;  // released before the transports
   std::unique_ptr<loom::DeviceComm> device_;  // CUDA communicators only
+  // device_ for failFirst, which the control thread may run while init
+  // still builds device_ (and after the control thread stops: nullptr).
+  std::atomic<loom::DeviceComm*> deviceForFail_{nullptr};
+  // The device watchdog's probe: whether the control plane knows `peer` is
+  // gone, or its control socket refuses (*why says which).
+  bool devicePeerGone(int peer, std::string* why);
+  loom::DeviceCommOptions deviceOptions();  // the watchdog wired to this communicator
 
   std::mutex turnMutex_;
   std::condition_variable turnCv_;

@@ -15,6 +15,7 @@ class CudaDeviceDriver final : public DeviceDriver {
   CudaDeviceDriver(const CudaApi& api, int device) : api_(api), device_(device) {}
   ~CudaDeviceDriver() override {
     if (readStream_) api_.streamDestroy(readStream_);
+    if (releaseStream_) api_.streamDestroy(releaseStream_);
     for (void* e : events_) api_.eventDestroy(e);
     for (void* s : streams_) api_.streamDestroy(s);
   }
@@ -77,6 +78,21 @@ class CudaDeviceDriver final : public DeviceDriver {
     check(api_.readValue64(flag, &v, readStream_), "cudaMemcpyAsync (flag)");
     return v;
   }
+  void readFlags(const uint64_t* first, size_t n, uint64_t* out) override {
+    if (!readStream_) check(api_.streamCreate(&readStream_), "cudaStreamCreateWithFlags");
+    // One copy for the lot (to pageable memory: done when it returns), then
+    // a synchronising read of one of them, as readFlag does.
+    check(api_.memcpyAsync(out, first, n * sizeof(uint64_t), readStream_), "cudaMemcpyAsync (flags)");
+    uint64_t v = 0;
+    check(api_.readValue64(first, &v, readStream_), "cudaMemcpyAsync (flag)");
+  }
+  void writeFlags(uint64_t* const* flags, size_t n, uint64_t value) override {
+    // A non-blocking stream of its own: the writes wait for nothing the
+    // communicator's or the caller's streams hold (a stream blocked in
+    // cuStreamWaitValue64 included), and nothing here waits for them.
+    if (!releaseStream_) check(api_.streamCreate(&releaseStream_), "cudaStreamCreateWithFlags");
+    for (size_t i = 0; i < n; ++i) check(api_.writeValue64(releaseStream_, flags[i], value), "cuStreamWriteValue64");
+  }
 
  private:
   void check(int rc, const char* call) const {
@@ -86,7 +102,8 @@ class CudaDeviceDriver final : public DeviceDriver {
 
   const CudaApi& api_;
   int device_;
-  void* readStream_ = nullptr;  // readFlag's
+  void* readStream_ = nullptr;     // readFlag's
+  void* releaseStream_ = nullptr;  // writeFlags'
   std::vector<void*> streams_;  // side streams (program streams 1..)
   std::vector<void*> events_;
   std::unique_ptr<CudaStreamBackend> backend_;

@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <random>
@@ -116,26 +117,40 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
       slotBytes_(options.slotBytes),
       oneShotBytes_(options.oneShotBytes),
       drainTimeoutMs_(options.drainTimeoutMs),
-      driver_(std::move(driver)) {
+      driver_(std::move(driver)),
+      timeoutMs_(options.timeoutMs),
+      probeAfterMs_(std::max<int64_t>(1, options.probeAfterMs)),
+      reapTimeoutMs_(options.reapTimeoutMs),
+      peerGone_(options.peerGone),
+      onFailure_(options.onFailure) {
   const uint64_t process = options.process;
   if (slotBytes_ < 256 || slotBytes_ % 256)
     fail(loomInvalidArgument, "device slots of %zu bytes: need a multiple of 256", slotBytes_);
   imports_ = std::make_unique<IpcImportCache>(*driver_, process);
-  const size_t blockBytes = kFlagBlockBytes + streamWindowBytes(slotBytes_);
+  const size_t flagBytes = flagAreaBytes(nranks), blockBytes = flagBytes + streamWindowBytes(slotBytes_);
   block_ = driver_->allocate(blockBytes);
   try {
     IpcRecord mine = exportRange(*driver_, block_, blockBytes, process);
     records_.resize(size_t(nranks));
     allGather(&mine, sizeof mine, records_.data());
+    auto* own = static_cast<uint64_t*>(block_);
     for (int r = 0; r < nranks; ++r) {
       const IpcRecord& rec = records_[size_t(r)];
       if (rec.bytes != blockBytes)
         fail(loomRemoteError, "rank %d's device window is %llu bytes, this rank's %zu: every rank must use the same "
-             "slot size", r, (unsigned long long)rec.bytes, blockBytes);
+             "slot size and number of ranks", r, (unsigned long long)rec.bytes, blockBytes);
       uint8_t* at = r == rank ? static_cast<uint8_t*>(block_) : imports_->import(r, rec);
-      flags_.push_back(reinterpret_cast<uint64_t*>(at));
-      windows_.push_back(at + kFlagBlockBytes);
+      windows_.push_back(at + flagBytes);
+      flags_.push_back(own + size_t(r) * kFlagCount);
+      if (r != rank) {
+        flagCopies_.push_back(reinterpret_cast<uint64_t*>(at) + size_t(rank) * kFlagCount);
+        for (int f = 0; f < kFlagCount; ++f) released_.push_back(flags_.back() + f);
+      }
     }
+    // Its own copy last: seeing it set means the copies in the peers' memory were written before.
+    flagCopies_.push_back(own + size_t(rank) * kFlagCount);
+    movedMs_ = nowMs();
+    watchdog_ = std::thread([this] { watch(); });
   } catch (...) {
     for (int r = 0; r < int(windows_.size()); ++r)
       if (r != rank) imports_->release(r, records_[size_t(r)]);
@@ -161,12 +176,178 @@ bool DeviceComm::drain() {
   return true;
 }
 
+namespace {
+
+// What a failed communicator leaves while its streams may still run: its
+// device memory, the peers' mappings and the driver, with what the reaper
+// needs to keep releasing and to see the streams finish.
+struct DeviceRemains {
+  int rank = 0;
+  std::unique_ptr<DeviceDriver> driver;
+  std::unique_ptr<IpcImportCache> imports;
+  std::vector<IpcRecord> records;
+  void* block = nullptr;
+  std::vector<uint64_t*> released;
+  const uint64_t* ownDone = nullptr;
+  uint64_t target = 0;
+  int64_t deadline = 0;
+
+  // Releases once more; true once the streams are done.
+  bool step() {
+    bool done = false;
+    try {
+      const int previous = driver->enter();
+      try {
+        done = driver->readFlag(ownDone) >= target;
+        if (!done) driver->writeFlags(released.data(), released.size(), kReleasedFlag);
+      } catch (...) {
+        driver->leave(previous);
+        throw;
+      }
+      driver->leave(previous);
+    } catch (const Error& e) {
+      LOOM_WARN("DEVICE", "rank %d: releasing a failed communicator's stream waits: %s", rank, e.what());
+    }
+    return done;
+  }
+  void free() {
+    for (int r = 0; r < int(records.size()); ++r)
+      if (r != rank) imports->release(r, records[size_t(r)]);
+    imports.reset();
+    try {
+      driver->release(block);
+    } catch (const Error&) {  // nothing to tell from here
+    }
+    driver.reset();
+  }
+};
+
+// One thread for the process, started by the first communicator it gets.
+class Reaper {
+ public:
+  ~Reaper() {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+    // The process is exiting: what is left stays allocated (the device
+    // goes with the process), reachable from here.
+    static auto* kept = new std::vector<std::unique_ptr<DeviceRemains>>();
+    for (auto& r : list_) kept->push_back(std::move(r));
+    std::lock_guard<std::mutex> k(keptMu_);
+    for (auto& r : kept_) kept->push_back(std::move(r));
+  }
+  void add(std::unique_ptr<DeviceRemains> r) {
+    std::lock_guard<std::mutex> g(mu_);
+    list_.push_back(std::move(r));
+    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+    cv_.notify_all();
+  }
+  // Given up on: never freed (a stream may still touch it).
+  void giveUp(std::unique_ptr<DeviceRemains> r) {
+    LOOM_WARN("DEVICE", "rank %d: the streams of a failed communicator did not finish; its device memory "
+              "stays allocated", r->rank);
+    std::lock_guard<std::mutex> k(keptMu_);
+    kept_.push_back(std::move(r));
+  }
+  size_t pending() {
+    std::lock_guard<std::mutex> g(mu_);
+    return list_.size() + busy_;
+  }
+  bool waitEmpty(int64_t timeoutMs) {
+    std::unique_lock<std::mutex> g(mu_);
+    return cv_.wait_for(g, std::chrono::milliseconds(timeoutMs), [&] { return list_.empty() && !busy_; });
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> g(mu_);
+    while (!stop_) {
+      if (list_.empty()) {
+        cv_.wait(g, [&] { return stop_ || !list_.empty(); });
+        continue;
+      }
+      std::vector<std::unique_ptr<DeviceRemains>> work;
+      work.swap(list_);
+      busy_ = work.size();
+      g.unlock();
+      std::vector<std::unique_ptr<DeviceRemains>> keep;
+      for (auto& r : work) {
+        if (r->step()) {
+          r->free();
+        } else if (nowMs() > r->deadline) {
+          giveUp(std::move(r));
+        } else {
+          keep.push_back(std::move(r));
+        }
+      }
+      g.lock();
+      for (auto& r : keep) list_.push_back(std::move(r));
+      busy_ = 0;
+      cv_.notify_all();
+      if (!list_.empty()) cv_.wait_for(g, std::chrono::milliseconds(1), [&] { return stop_; });
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::unique_ptr<DeviceRemains>> list_;
+  size_t busy_ = 0;
+  bool stop_ = false;
+  std::thread thread_;
+  std::mutex keptMu_;
+  std::vector<std::unique_ptr<DeviceRemains>> kept_;  // given up on: never freed
+};
+
+Reaper& reaper() {
+  static Reaper r;
+  return r;
+}
+
+}  // namespace
+
+size_t deviceRemainsPending() { return reaper().pending(); }
+bool waitDeviceRemains(int64_t timeoutMs) { return reaper().waitEmpty(timeoutMs); }
+
+void DeviceComm::stopWatchdog() {
+  {
+    std::lock_guard<std::mutex> g(wmu_);
+    stop_ = true;
+  }
+  wcv_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+}
+
 DeviceComm::~DeviceComm() {
+  stopWatchdog();
+  if (failed() || drainTimeoutMs_ == 0) {
+    // Failed or abandoned: never wait for the peers, but never free what a
+    // stream of this rank may still touch either.
+    auto rest = std::make_unique<DeviceRemains>();
+    rest->rank = rank_;
+    rest->driver = std::move(driver_);
+    rest->imports = std::move(imports_);
+    rest->records = records_;
+    rest->block = block_;
+    rest->released = released_;
+    rest->ownDone = flags_[size_t(rank_)] + kFlagDone;
+    rest->target = enqueued_.load();
+    rest->deadline = nowMs() + reapTimeoutMs_;
+    if (rest->step())
+      rest->free();
+    else if (reapTimeoutMs_ <= 0)
+      reaper().giveUp(std::move(rest));
+    else
+      reaper().add(std::move(rest));
+    return;
+  }
   // The caller synchronised its own streams (as NCCL requires before
   // ncclCommDestroy), but a peer may still be reading this rank's window
   // for the last round: wait for it before the block is freed.
   try {
-    if (!drain() && drainTimeoutMs_ > 0)
+    if (!drain())
       LOOM_WARN("DEVICE", "rank %d: peers did not finish reading this rank's window within %lld ms; freeing it",
                 rank_, (long long)drainTimeoutMs_);
   } catch (const Error& e) {
@@ -179,6 +360,143 @@ DeviceComm::~DeviceComm() {
     driver_->release(block_);
   } catch (const Error&) {  // nothing to tell from a destructor
   }
+}
+
+bool DeviceComm::markFailed(loomResult_t code, const std::string& msg) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (failCode_ != loomSuccess) return false;
+    failCode_ = code == loomSuccess ? loomInternalError : code;
+    failed_ = msg;
+  }
+  failedFlag_.store(true);
+  {
+    std::lock_guard<std::mutex> g(wmu_);
+    wake_ = true;
+  }
+  wcv_.notify_all();
+  return true;
+}
+
+loomResult_t DeviceComm::failure(std::string* msg) const {
+  std::lock_guard<std::mutex> g(mu_);
+  if (msg) *msg = failed_;
+  return failCode_;
+}
+
+bool DeviceComm::programsDone() {
+  return driver_->readFlag(flags_[size_t(rank_)] + kFlagDone) >= enqueued_.load();
+}
+
+void DeviceComm::release() { driver_->writeFlags(released_.data(), released_.size(), kReleasedFlag); }
+
+void DeviceComm::failFromWatchdog(loomResult_t code, const std::string& msg, int peer) {
+  if (!markFailed(code, msg)) return;
+  LOOM_WARN("DEVICE", "%s", msg.c_str());
+  if (onFailure_) onFailure_(Error(code, msg, peer));
+}
+
+int64_t DeviceComm::checkProgress(int64_t now) {
+  const uint64_t target = enqueued_.load();
+  if (target == 0 || (!peerGone_ && timeoutMs_.load() <= 0)) {  // nothing to watch
+    movedMs_ = probedMs_ = now;
+    return 100;
+  }
+  enterDevice();
+  std::vector<uint64_t> all(size_t(nranks_) * kFlagCount);
+  driver_->readFlags(flags_[0], all.size(), all.data());  // the rows are contiguous
+  if (all[size_t(rank_) * kFlagCount + kFlagDone] >= target) {
+    movedMs_ = probedMs_ = now;
+    return 100;  // idle: run() wakes the watchdog
+  }
+  std::vector<uint64_t> seen(static_cast<size_t>(nranks_));  // per rank: its highest flag here
+  uint64_t sum = 0;
+  for (int r = 0; r < nranks_; ++r)
+    for (int f = 0; f < kFlagCount; ++f) {
+      const uint64_t v = all[size_t(r) * kFlagCount + size_t(f)];
+      sum += v;
+      seen[size_t(r)] = std::max(seen[size_t(r)], v);
+    }
+  if (sum != seenSum_) {
+    seenSum_ = sum;
+    movedMs_ = probedMs_ = now;
+  }
+  const int64_t still = now - movedMs_;
+  // The peers this rank's streams may wait for: behind the last round.
+  std::vector<int> behind;
+  uint64_t least = ~uint64_t(0);
+  for (int r = 0; r < nranks_; ++r)
+    if (r != rank_ && seen[size_t(r)] < target) least = std::min(least, seen[size_t(r)]);
+  for (int r = 0; r < nranks_; ++r)
+    if (r != rank_ && seen[size_t(r)] < target) behind.push_back(r);
+  if (peerGone_ && still >= probeAfterMs_ && now - probedMs_ >= probeAfterMs_) {
+    probedMs_ = now;
+    for (int r : behind) {
+      std::string why;
+      if (peerGone_(r, &why)) {
+        failFromWatchdog(loomRemoteError,
+                         strf("rank %d: rank %d is gone (%s) while this rank's %s streams waited for it (its flags "
+                              "reached round %llu, this rank's %llu, of %llu enqueued)",
+                              rank_, r, why.c_str(), driver_->name(), (unsigned long long)seen[size_t(r)],
+                              (unsigned long long)seen[size_t(rank_)], (unsigned long long)target),
+                         r);
+        return 1;
+      }
+    }
+  }
+  const int64_t timeoutMs = timeoutMs_.load();
+  if (timeoutMs > 0 && still >= timeoutMs) {
+    std::string who;
+    for (int r : behind)
+      if (seen[size_t(r)] == least) who += strf("%s%d", who.empty() ? "" : ", ", r);
+    failFromWatchdog(loomTimeout,
+                     strf("rank %d: no progress on %s:%d for %lld ms (LOOM_TIMEOUT_MS): this rank's streams wait "
+                          "for rank %s (its flags reached round %llu, this rank's %llu, of %llu enqueued)",
+                          rank_, driver_->name(), driver_->device(), (long long)still,
+                          who.empty() ? "?" : who.c_str(), (unsigned long long)least,
+                          (unsigned long long)seen[size_t(rank_)], (unsigned long long)target),
+                     behind.empty() ? -1 : behind.front());
+    return 1;
+  }
+  return 5;
+}
+
+void DeviceComm::enterDevice() {
+  if (entered_) return;
+  previousDevice_ = driver_->enter();
+  entered_ = true;
+}
+
+void DeviceComm::watch() {
+  bool released = false;  // the streams finished after the release
+  bool warned = false;
+  std::unique_lock<std::mutex> lk(wmu_);
+  while (!stop_) {
+    wake_ = false;
+    lk.unlock();
+    int64_t sleepMs = 100;
+    try {
+      if (failedFlag_.load()) {
+        // Repeated until the streams are done: a live peer's program may
+        // still write a lower value over a released flag.
+        if (!released) {
+          enterDevice();
+          release();
+          released = programsDone();
+        }
+        sleepMs = released ? 100 : 1;
+      } else {
+        sleepMs = checkProgress(nowMs());
+      }
+    } catch (const Error& e) {
+      if (!warned) LOOM_WARN("DEVICE", "rank %d: device watchdog: %s", rank_, e.what());
+      warned = true;  // once: it tries again every 100 ms
+    }
+    lk.lock();
+    if (!stop_ && !wake_) wcv_.wait_for(lk, std::chrono::milliseconds(sleepMs), [&] { return stop_ || wake_; });
+  }
+  lk.unlock();
+  if (entered_) driver_->leave(previousDevice_);
 }
 
 bool DeviceComm::serves(Collective coll) {
@@ -247,6 +565,7 @@ void DeviceComm::run(const OpDesc& op, void* callerStream) {
   b.windows = windows_;
   b.windowBytes = streamWindowBytes(slotBytes_);
   b.flags = flags_;
+  b.flagCopies = flagCopies_;
   struct Current {  // the driver's device for the calls below, the caller's again after
     DeviceDriver& d;
     int previous;
@@ -259,8 +578,23 @@ void DeviceComm::run(const OpDesc& op, void* callerStream) {
   } catch (const Error& e) {
     failCode_ = e.code();
     failed_ = e.what();
+    // Half a program may be enqueued: release its waits (its last round
+    // may never be done; the memory then outlives it, see ~DeviceComm).
+    enqueued_.store(round_);
+    failedFlag_.store(true);
+    {
+      std::lock_guard<std::mutex> w(wmu_);
+      wake_ = true;
+    }
+    wcv_.notify_all();
     throw;
   }
+  enqueued_.store(round_);
+  {
+    std::lock_guard<std::mutex> w(wmu_);
+    wake_ = true;
+  }
+  wcv_.notify_all();
 }
 
 }  // namespace loom

@@ -5,17 +5,42 @@
 // DeviceDriver, which the CUDA communicator fills from the plug-in
 // (cuda_device_driver.cc) and the tests from the simulated device
 // (tests/sim_device.*), so the whole path (buffer checks, window exchange,
-// peer memory import cache, compile, enqueue) runs on the host in ctest.
+// peer memory import cache, compile, enqueue, failure release) runs on the
+// host in ctest.
 //
 // Peer memory (the cuda_ipc kind): every rank allocates one device block at
-// init, kFlagBlockBytes of flags then its window, zeroed before anyone maps
-// it.  It publishes the block as an IpcRecord (the handle of the
+// init, flagAreaBytes(nranks) of flags then its window, zeroed before anyone
+// maps it.  It publishes the block as an IpcRecord (the handle of the
 // allocation's base, the offset of the block in it, its size, its process)
 // through the communicator's init all-gather; every rank imports every
 // other's through an IpcImportCache, so the windows and flags of all ranks
 // are addressable here, and stream waits/writes (cuStreamWaitValue64 /
 // cuStreamWriteValue64) act on the flags directly in device memory.
+//
+// Flags are kept where they are read: row r of a rank's flag area holds
+// rank r's kFlagCount flags as this rank sees them, and a rank's SetFlag
+// writes its value into its row of every rank's area (its own last).  So
+// every stream wait of a rank is on its own memory, and a rank can release
+// its own waits without touching (or releasing) any peer's.
+//
+// Failure (DeviceComm::markFailed: a peer's Fail notice, loomCommAbort, an
+// enqueue error, or the watchdog below): the communicator fails for good,
+// and a watchdog thread writes kReleasedFlag into every peer row of this
+// rank's flag area from the host (DeviceDriver::writeFlags: a write on a
+// stream of the driver's own, never waiting for the device), which
+// satisfies every wait this rank's streams have pending or will reach.  A
+// live peer's program may still write a lower value there afterwards, so
+// the release is repeated until this rank's own programs have finished
+// (its own done flag reaches the last round enqueued).  The streams then
+// run the rest of their programs on whatever the windows hold: the output
+// buffers of every operation not complete when the communicator failed are
+// undefined.  The watchdog also finds failures by itself while a program is
+// pending: a peer the owner's probe reports gone (loomRemoteError naming
+// it), or no flag moving for timeoutMs (loomTimeout naming the peers the
+// streams wait for).
 #pragma once
+#include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -23,18 +48,25 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "algorithms/schedule.h"
+#include "src/core/error.h"
 #include "algorithms/stream_collectives.h"
 #include "src/device/stream_program.h"
 
 namespace loom {
 
 constexpr size_t kIpcHandleBytes = 64;  // cudaIpcMemHandle_t
-// Flags first in a rank's block, padded so the window starts 256-byte aligned.
-constexpr size_t kFlagBlockBytes = 256;
-static_assert(kFlagCount * sizeof(uint64_t) <= kFlagBlockBytes, "flags do not fit their block");
+// Flags first in a rank's block (a row of kFlagCount per rank), padded so
+// the window starts 256-byte aligned.
+inline size_t flagAreaBytes(int nranks) {
+  return (size_t(nranks) * kFlagCount * sizeof(uint64_t) + 255) / 256 * 256;
+}
+// What a release writes into the flags this rank waits on: above any value
+// a round counter reaches, so it satisfies every wait ("flag >= value").
+constexpr uint64_t kReleasedFlag = uint64_t(1) << 62;
 // Default slot of a CUDA communicator's window (the window is two slots).
 constexpr size_t kDeviceSlotBytes = size_t(4) << 20;
 // All-reduces up to this size use the one-shot program, larger ones
@@ -85,6 +117,16 @@ class DeviceDriver {
   // A flag's value now (device memory of any rank, as mapped here), read
   // from the host.
   virtual uint64_t readFlag(const uint64_t* flag) = 0;
+  // Writes `value` into `n` flags of this rank's own device memory from the
+  // host, on a stream of the driver's own that waits for nothing else, and
+  // returns without waiting for the device (it is how a failed
+  // communicator releases its pending stream waits; see above).
+  virtual void writeFlags(uint64_t* const* flags, size_t n, uint64_t value) = 0;
+  // n consecutive flags from `first` (this rank's own device memory) into
+  // out, read from the host.
+  virtual void readFlags(const uint64_t* first, size_t n, uint64_t* out) {
+    for (size_t i = 0; i < n; ++i) out[i] = readFlag(first + i);
+  }
   // Makes this device the calling thread's current one for the calls that
   // follow and returns what to give leave() to restore the caller's (CUDA:
   // the current device, as NCCL switches and restores it).
@@ -137,6 +179,27 @@ struct DeviceCommOptions {
   // At destruction, how long to wait for the peers to finish reading this
   // rank's window before freeing it (a dead peer never does).
   int64_t drainTimeoutMs = 10000;
+  // The watchdog: loomTimeout when a program is pending and no flag this
+  // rank sees moves for this long (0: never; the communicator passes
+  // LOOM_TIMEOUT_MS).
+  int64_t timeoutMs = 0;
+  // After this long without progress, and as often, the watchdog asks
+  // peerGone about each peer the streams wait for.
+  int64_t probeAfterMs = 1000;
+  // Whether `peer` is known to be gone (why in *why): the communicator asks
+  // its control plane.  Called on the watchdog thread.  Empty: never asked.
+  std::function<bool(int peer, std::string* why)> peerGone{};
+  // Told of a failure the watchdog found (the Error names the peer when
+  // one is at fault), after the DeviceComm has failed and started
+  // releasing; called on the watchdog thread, never for markFailed's own
+  // callers.  The communicator propagates it to the peers from here.
+  std::function<void(const Error&)> onFailure{};
+  // A failed communicator destroyed while its streams still run (a wait was
+  // released but the caller's stream has not reached it) hands its device
+  // memory to a reaper thread that keeps releasing and frees it once the
+  // streams are done; after this long it is left allocated (never freed
+  // under a running stream).
+  int64_t reapTimeoutMs = 60000;
 };
 
 class DeviceComm {
@@ -170,8 +233,23 @@ class DeviceComm {
     return bytes <= oneShotBytes_ ? StreamAlgorithm::OneShot : StreamAlgorithm::ReduceScatterAllGather;
   }
   uint64_t round() const;  // the round counter (tests)
-  // Whether an enqueue failed (every later run() then fails).
+  // Whether the communicator failed (every later run() then fails).
   bool failed() const;
+  // The failure (loomSuccess if none) and its message.
+  loomResult_t failure(std::string* msg) const;
+  // Fails the communicator (the first failure's code and message stay) and
+  // has the watchdog release every stream wait this rank has pending.
+  // Never waits for the device.  True for the first failure.
+  bool markFailed(loomResult_t code, const std::string& msg);
+  // Whether every program enqueued so far has finished on the device (its
+  // own done flag reached the last round), as read now.  The watchdog's
+  // (and tests'): the CUDA driver's reads are not meant for two threads.
+  bool programsDone();
+  // loomCommSetTimeout: the watchdog's timeout from now on (0: none).
+  void setTimeoutMs(int64_t ms) { timeoutMs_.store(ms); }
+  // Stops the watchdog thread (the owner, before it tears down what the
+  // callbacks use); destruction still releases and frees safely.
+  void stopWatchdog();
   // Destruction will not wait for the peers (the communicator failed or
   // was aborted: loomCommAbort never blocks).
   void abandon() { drainTimeoutMs_ = 0; }
@@ -182,6 +260,14 @@ class DeviceComm {
   // Waits until every peer's done flag shows it finished the last round
   // (so none reads this rank's window any more); false at the deadline.
   bool drain();
+  void watch();  // the watchdog thread
+  void enterDevice();  // the driver's device, on the watchdog thread, from its first device call on
+  // One watchdog step while healthy: how long to sleep next.
+  int64_t checkProgress(int64_t now);
+  // Writes kReleasedFlag into every peer row of this rank's flags.
+  void release();
+  // The watchdog's own failure: markFailed, then onFailure.
+  void failFromWatchdog(loomResult_t code, const std::string& msg, int peer);
 
   int rank_, nranks_;
   size_t slotBytes_, oneShotBytes_;
@@ -191,11 +277,36 @@ class DeviceComm {
   void* block_ = nullptr;
   std::vector<IpcRecord> records_;  // every rank's block
   std::vector<uint8_t*> windows_;
-  std::vector<uint64_t*> flags_;
+  std::vector<uint64_t*> flags_;       // row r of this rank's flag area: rank r's flags as seen here
+  std::vector<uint64_t*> flagCopies_;  // where this rank's flag writes go (its row of every area, its own last)
+  std::vector<uint64_t*> released_;    // the flags a release writes (every peer row here)
   mutable std::mutex mu_;  // one program enqueued at a time, in round order
   uint64_t round_ = 0;
-  std::string failed_;  // set once an enqueue failed
+  std::string failed_;  // set once the communicator failed
   loomResult_t failCode_ = loomSuccess;
+
+  // The watchdog.
+  std::atomic<int64_t> timeoutMs_;
+  int64_t probeAfterMs_, reapTimeoutMs_;
+  std::function<bool(int, std::string*)> peerGone_;
+  std::function<void(const Error&)> onFailure_;
+  std::atomic<uint64_t> enqueued_{0};  // rounds enqueued (the done value the last one sets)
+  std::atomic<bool> failedFlag_{false};
+  std::mutex wmu_;
+  std::condition_variable wcv_;
+  bool wake_ = false, stop_ = false;
+  bool entered_ = false;  // watchdog thread only
+  int previousDevice_ = -1;
+  std::thread watchdog_;
+  // Progress as last seen: the sum of every flag here, and when it moved.
+  uint64_t seenSum_ = 0;
+  int64_t movedMs_ = 0, probedMs_ = 0;
 };
+
+// The reaper of failed communicators' device memory (options.reapTimeoutMs):
+// how many are waiting for their streams now, and a wait until none is
+// (tests: their simulated devices must outlive it).  True when none is left.
+size_t deviceRemainsPending();
+bool waitDeviceRemains(int64_t timeoutMs);
 
 }  // namespace loom

@@ -107,6 +107,9 @@ void enqueueProgram(StreamBackend& be, const StreamProgram& p, const ProgramBuff
   if (b.flags.size() != size_t(p.nranks) || b.windows.size() != size_t(p.nranks))
     fail(loomInternalError, "rank %d: stream program for %d ranks given buffers of %zu", p.rank, p.nranks,
          b.flags.size());
+  if (!b.flagCopies.empty() && b.flagCopies.size() != size_t(p.nranks))
+    fail(loomInternalError, "rank %d: stream program for %d ranks given %zu flag copies", p.rank, p.nranks,
+         b.flagCopies.size());
   Resolver res{p, b};
   // Two passes: a bad program must not leave half of itself enqueued.
   std::vector<const void*> srcs;
@@ -143,7 +146,8 @@ void enqueueProgram(StreamBackend& be, const StreamProgram& p, const ProgramBuff
           be.waitFlag(o.stream, b.flags[size_t(o.flagRank)] + o.flag, o.value, o.flagRank);
           break;
         case StreamOpKind::SetFlag:
-          be.setFlag(o.stream, b.flags[size_t(p.rank)] + o.flag, o.value);
+          if (b.flagCopies.empty()) be.setFlag(o.stream, b.flags[size_t(p.rank)] + o.flag, o.value);
+          for (uint64_t* copy : b.flagCopies) be.setFlag(o.stream, copy + o.flag, o.value);
           break;
         case StreamOpKind::Copy:
           be.copy(o.stream, dst, srcs[0], o.count);

@@ -93,7 +93,12 @@ struct ProgramBuffers {
   size_t recvBytes = 0;
   std::vector<uint8_t*> windows;  // per rank, windowBytes each
   size_t windowBytes = 0;
-  std::vector<uint64_t*> flags;  // per rank, kFlagCount each
+  // Where this rank reads rank r's flags (kFlagCount each): WaitFlag's addresses.
+  std::vector<uint64_t*> flags;
+  // Where this rank's SetFlag writes go: every entry gets the write, in
+  // this order (a communicator gives each reader a copy in the reader's own
+  // memory, see device_comm.h).  Empty: flags[rank] alone.
+  std::vector<uint64_t*> flagCopies;
 };
 
 // What executes stream operations: one call per op, in program order per
