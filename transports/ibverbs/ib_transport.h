@@ -72,7 +72,7 @@ struct IbConnRecord {
   uint32_t ringRkey;
   uint32_t slots;
   uint32_t stride;
-  uint32_t pad;
+  uint32_t directKiB;  // LOOM_IB_RENDEZVOUS_BYTES in KiB, rounded up (0: off)
 };
 
 // Checks rank r's init record (bytes from the network; n must be
