@@ -157,7 +157,26 @@ void IbConnection::start(const IbConnRecord& remote, const IbRecord& peerDev, in
          strerror(errno));
 }
 
-IbConnection::~IbConnection() { release(); }
+IbConnection::~IbConnection() {
+  if (live_) {
+    std::lock_guard<std::mutex> lock(live_->mu);
+    live_->conns.erase(this);
+  }
+  release();
+}
+
+void IbConnection::track(std::shared_ptr<IbLiveSet> live) {
+  live_ = std::move(live);
+  std::lock_guard<std::mutex> lock(live_->mu);
+  live_->conns.insert(this);
+  if (live_->aborted) stopRemoteAccess();
+}
+
+void IbConnection::stopRemoteAccess() {
+  ibv_qp_attr a{};
+  a.qp_state = IBV_QPS_ERR;
+  if (qp_) ibv_modify_qp(qp_, &a, IBV_QP_STATE);
+}
 
 void IbConnection::release() {
   if (qp_) ibv_destroy_qp(qp_);

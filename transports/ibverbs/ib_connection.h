@@ -5,12 +5,23 @@
 #include <arpa/inet.h>
 
 #include <memory>
+#include <mutex>
+#include <set>
 #include <vector>
 
 #include "transports/ibverbs/ib_device.h"
 #include "transports/ibverbs/ib_transport.h"
 
 namespace loom {
+
+class IbConnection;
+
+// A transport's live connections, so that its abort() can stop them.
+struct IbLiveSet {
+  std::mutex mu;
+  std::set<IbConnection*> conns;
+  bool aborted = false;
+};
 
 class IbConnection : public Connection, public DirectTransfer {
  public:
@@ -37,6 +48,13 @@ class IbConnection : public Connection, public DirectTransfer {
   void checkPeer() override;
   DirectTransfer* direct() override { return directMin_ ? this : nullptr; }
   void shutdownSocket();
+  // Joins the transport's live set (and stops at once if it was aborted).
+  void track(std::shared_ptr<IbLiveSet> live);
+  // Moves the QP to the error state: no RDMA moves in or out any more, so a
+  // peer still writing a rendezvous into a buffer this rank gave up on (a
+  // failed operation; the user may reuse the memory) cannot land.  Never
+  // blocks on the peer.  Called under the live set's lock.
+  void stopRemoteAccess();
 
   // The rendezvous (ib_transport.h).
   size_t directMinBytes() const override { return directMin_; }
@@ -62,6 +80,7 @@ class IbConnection : public Connection, public DirectTransfer {
   void postCts();
 
   std::shared_ptr<IbDevice> dev_;
+  std::shared_ptr<IbLiveSet> live_;
   int rank_, peer_, channel_;
   size_t slotBytes_;
   int slots_;

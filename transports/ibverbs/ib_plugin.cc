@@ -115,6 +115,7 @@ class IbTransport : public Transport {
     uint64_t kib = mine.directKiB && theirs.directKiB ? std::max(mine.directKiB, theirs.directKiB) : 0;
     c->setDirectMin(size_t(kib) << 10);
     c->start(theirs, peers_[size_t(peer)], fd);
+    c->track(live_);
     // Both QPs are ready to receive before either side writes.
     char ready = 1;
     sendAll(fd, &ready, 1, deadline);
@@ -129,6 +130,11 @@ class IbTransport : public Transport {
   }
 
   void abort() override {
+    {
+      std::lock_guard<std::mutex> lock(live_->mu);
+      live_->aborted = true;
+      for (IbConnection* c : live_->conns) c->stopRemoteAccess();
+    }
     std::lock_guard<std::mutex> lock(fdMutex_);
     for (int fd : fds_) shutdown(fd, SHUT_RDWR);
   }
@@ -240,6 +246,7 @@ class IbTransport : public Transport {
   int listenFd_ = -1;
   std::vector<IbRecord> peers_;
   std::map<std::pair<int, int>, Pending> accepted_;
+  std::shared_ptr<IbLiveSet> live_ = std::make_shared<IbLiveSet>();
   std::mutex fdMutex_;
   std::vector<int> fds_;  // setup sockets, shut down on abort (under fdMutex_)
 };
