@@ -8,7 +8,8 @@
 # Under TCG emulation absolute numbers measure the emulator; the ratios are
 # what the issue asks for.  Usage: perf/ibverbs_compare.sh [-r ROUNDS] [--rendezvous] [BINDIR]
 #
-# --rendezvous: instead, point-to-point bandwidth at 1..16 MiB with and
+# --rendezvous: instead (ITERS loom-perf iterations, default 5; PT_MIB MiB per
+#   ib_write_bw run, default 64; VM_TIMEOUT seconds, default 580), point-to-point bandwidth at 1..16 MiB with and
 #   without the rendezvous (LOOM_IB_RENDEZVOUS_BYTES=0: every byte through
 #   the slots; default: RDMA writes into the receiver's buffer, plain malloc'd
 #   buffers, registered per transfer; -R: loomMemAlloc buffers registered
@@ -27,8 +28,8 @@ BIN=$(cd "${1:-$HERE/../build/bin}" && pwd)
 
 if [[ "${2:-}" != --inside ]]; then
   echo "host load before the VM: $(cut -d' ' -f1-3 /proc/loadavg) on $(getconf _NPROCESSORS_ONLN) cores"
-  exec "$HERE/../tests/vm/run-in-vm.sh" --rxe --timeout 580 -- \
-    env ROUNDS="$ROUNDS" MODE="$MODE" bash "$HERE/ibverbs_compare.sh" "$BIN" --inside
+  exec "$HERE/../tests/vm/run-in-vm.sh" --rxe --timeout "${VM_TIMEOUT:-580}" -- \
+    env ROUNDS="$ROUNDS" MODE="$MODE" ITERS="${ITERS:-5}" PT_MIB="${PT_MIB:-64}" bash "$HERE/ibverbs_compare.sh" "$BIN" --inside
 fi
 
 perftest() {  # server in the background, client in front; prints the client's output
@@ -46,12 +47,12 @@ if [[ "$MODE" == rendezvous ]]; then
   sizes=(1048576 2097152 4194304 8388608 16777216)
   sweep() {  # loom-perf sendrecv 1..16 MiB -> "size time_us" rows; extra arguments go to loom-perf
     LOOM_TRANSPORTS=ibverbs "$BIN/loom-run" -n 2 --timeout 280 -- "$BIN/loom-perf" sendrecv -b 1048576 -e 16777216 -f 2 \
-      -n 5 -w 2 "$@" 2>&1 | awk '$2 ~ /^[0-9]+$/ && $3 ~ /^[0-9]+$/ {print $2, $7}'
+      -n "${ITERS:-5}" -w 2 "$@" 2>&1 | awk '$2 ~ /^[0-9]+$/ && $3 ~ /^[0-9]+$/ {print $2, $7}'
   }
   declare -A R
   for ((i = 1; i <= ROUNDS; i++)); do
     for n in "${sizes[@]}"; do
-      iters=$((64 * 1048576 / n)); ((iters >= 8)) || iters=8
+      iters=$((${PT_MIB:-64} * 1048576 / n)); ((iters >= 8)) || iters=8
       # A client that finds its server not yet listening prints no row: try again.
       for try in 1 2 3; do
         R[$i,wb,$n]=$(perftest ib_write_bw -s "$n" -n "$iters" | awk -v n="$n" '$1 == n {print $4}')
