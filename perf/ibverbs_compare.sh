@@ -8,8 +8,7 @@
 # Under TCG emulation absolute numbers measure the emulator; the ratios are
 # what the issue asks for.  Usage: perf/ibverbs_compare.sh [-r ROUNDS] [--rendezvous] [BINDIR]
 #
-# --rendezvous: instead (ITERS loom-perf iterations, default 5; PT_MIB MiB per
-#   ib_write_bw run, default 64; VM_TIMEOUT seconds, default 580), point-to-point bandwidth at 1..16 MiB with and
+# --rendezvous: instead, point-to-point bandwidth at 1..16 MiB with and
 #   without the rendezvous (LOOM_IB_RENDEZVOUS_BYTES=0: every byte through
 #   the slots; default: RDMA writes into the receiver's buffer, plain malloc'd
 #   buffers, registered per transfer; -R: loomMemAlloc buffers registered
@@ -17,7 +16,8 @@
 #   ib_write_bw -x 1 at each size, one direction and both (-b).  loom-perf
 #   sendrecv at N=2 sends and receives at once, so its rate per rank is one
 #   direction of a bidirectional stream: compare it with ib_write_bw -b / 2.
-#   Rates in MiB/s (perftest's MB/sec is 2^20 bytes).
+#   Rates in MiB/s (perftest's MB/sec is 2^20 bytes).  ITERS: loom-perf iterations (5);
+#   PT_MIB: MiB per ib_write_bw run (64); VM_TIMEOUT: seconds (580).
 set -euo pipefail
 ROUNDS=${ROUNDS:-3}
 MODE=${MODE:-basic}
