@@ -26,6 +26,14 @@
 //   mp-worker registered all|mixed|none [mapped]   loomMemAlloc / loomCommRegister
 //                          buffers (every rank's, odd ranks', none) are exact; bad
 //                          handles; mapped: peers must have mapped them
+//   mp-worker rendezvous SIZES   (2 ranks) loomSend/loomRecv of each size in bytes
+//                          both ways, exact and nothing written past the end:
+//                          buffers malloc'd and freed around every transfer, buffers
+//                          from loomCommRegister, both directions at once in a group;
+//                          last, a receive larger than its send fails both ranks
+//   mp-worker rendezvouskill VICTIM BYTES DIR   rank 0 sends BYTES to rank 1 again
+//                          and again; VICTIM dies (SIGKILL) 300 ms into the third
+//                          transfer; the other writes what it got to DIR/rank<r>
 //   mp-worker dump         rank 1 is late: rank 0 checks loomCommDump, the
 //                          LOOM_DUMP_SIGNAL output and its timeout message
 //   mp-worker shrink MODE VICTIMS B DIR   the survivors of dead ranks revoke
@@ -1431,6 +1439,117 @@ static int scenarioCut(const std::vector<size_t>& cutList, size_t bytes, const s
   return gFailures ? 1 : 0;
 }
 
+// The rendezvous scenarios (ibverbs: transports/ibverbs/ib_connection.cc).
+static uint8_t rndvByte(size_t i, size_t size, int it, int from) {
+  return uint8_t((i % 251) ^ (size % 7) ^ unsigned(it * 17 + from * 5));
+}
+
+static void scenarioRendezvous(loomComm_t comm, const std::vector<size_t>& sizes) {
+  expect(gSize == 2, "the rendezvous scenario runs with 2 ranks");
+  const int peer = 1 - gRank;
+  constexpr size_t kGuard = 64;
+  auto fill = [](uint8_t* p, size_t n, int it, int from) {
+    for (size_t i = 0; i < n; ++i) p[i] = rndvByte(i, n, it, from);
+  };
+  auto check = [&](const uint8_t* p, size_t n, int it, int from, const std::string& what) {
+    size_t bad = n;
+    for (size_t i = 0; i < n && bad == n; ++i)
+      if (p[i] != rndvByte(i, n, it, from)) bad = i;
+    expect(bad == n, what + ": byte " + std::to_string(bad) + " of " + std::to_string(n) + " differs");
+    bool guard = true;
+    for (size_t i = 0; i < kGuard; ++i) guard &= p[n + i] == 0x5a;
+    expect(guard, what + ": bytes written past the end");
+  };
+  // One message each way; `from` sends first.
+  auto exchange = [&](uint8_t* sbuf, uint8_t* rbuf, size_t n, int it, const std::string& what) {
+    for (int from = 0; from < 2; ++from) {
+      if (gRank == from) {
+        fill(sbuf, n, it, from);
+        CHECK_LOOM(loomSend(sbuf, n, loomUint8, peer, comm, nullptr));
+      } else {
+        memset(rbuf, 0x5a, n + kGuard);
+        CHECK_LOOM(loomRecv(rbuf, n, loomUint8, peer, comm, nullptr));
+        check(rbuf, n, it, from, what + " from rank " + std::to_string(from));
+      }
+    }
+  };
+  for (size_t n : sizes) {
+    std::string sz = std::to_string(n) + " bytes";
+    // Fresh memory around every transfer: freed buffers' addresses come back
+    // (malloc reuses them), with other pages behind them.
+    for (int it = 0; it < 3; ++it) {
+      auto* sbuf = static_cast<uint8_t*>(malloc(n + kGuard));
+      auto* rbuf = static_cast<uint8_t*>(malloc(n + kGuard));
+      exchange(sbuf, rbuf, n, it, "plain " + sz + " #" + std::to_string(it));
+      free(sbuf);
+      free(rbuf);
+    }
+    std::vector<uint8_t> sreg(n + kGuard), rreg(n + kGuard);
+    void *hs = nullptr, *hr = nullptr;
+    CHECK_LOOM(loomCommRegister(comm, sreg.data(), n, &hs));
+    CHECK_LOOM(loomCommRegister(comm, rreg.data(), n + kGuard, &hr));
+    for (int it = 0; it < 2; ++it) exchange(sreg.data(), rreg.data(), n, 10 + it, "registered " + sz);
+    // Both directions at once.
+    fill(sreg.data(), n, 20, gRank);
+    memset(rreg.data(), 0x5a, n + kGuard);
+    CHECK_LOOM(loomGroupStart());
+    CHECK_LOOM(loomSend(sreg.data(), n, loomUint8, peer, comm, nullptr));
+    CHECK_LOOM(loomRecv(rreg.data(), n, loomUint8, peer, comm, nullptr));
+    CHECK_LOOM(loomGroupEnd());
+    check(rreg.data(), n, 20, peer, "grouped " + sz);
+    CHECK_LOOM(loomCommDeregister(comm, hs));
+    CHECK_LOOM(loomCommDeregister(comm, hr));
+    printf("rank %d: rendezvous %s exact (plain, registered, grouped)\n", gRank, sz.c_str());
+  }
+  // A receive larger than the send: loomInvalidUsage for the receiver, an
+  // error for the sender, nothing written.
+  size_t n = sizes.back();
+  std::vector<uint8_t> buf(n + 8192 + kGuard, 0x5a);
+  loomResult_t r = gRank == 0 ? loomSend(buf.data(), n, loomUint8, 1, comm, nullptr)
+                              : loomRecv(buf.data(), n + 8192, loomUint8, 0, comm, nullptr);
+  std::string msg = loomGetLastError(comm);
+  printf("rank %d: mismatched sizes: %s: %s\n", gRank, loomGetErrorString(r), msg.c_str());
+  expect(r == loomInvalidUsage || (gRank == 0 && r == loomRemoteError),
+         "a send and a receive of different sizes fail with loomInvalidUsage: " + msg);
+  if (gRank == 1) {
+    expect(msg.find("mismatched") != std::string::npos, "the receiver's error names the mismatch: " + msg);
+    expect(std::all_of(buf.begin(), buf.end(), [](uint8_t b) { return b == 0x5a; }), "nothing was written");
+  }
+}
+
+static int scenarioRendezvousKill(int victim, size_t bytes, const std::string& dir) {
+  loomComm_t comm;
+  CHECK_LOOM(loomCommInitFromEnv(&comm));
+  CHECK_LOOM(loomCommUserRank(comm, &gRank));
+  std::vector<uint8_t> buf(bytes, uint8_t(gRank + 1));
+  for (int it = 0; it < 100; ++it) {
+    if (gRank == victim && it == 2)
+      std::thread([] {
+        usleep(300000);
+        raise(SIGKILL);
+      }).detach();
+    auto t0 = std::chrono::steady_clock::now();
+    loomResult_t r = gRank == 0 ? loomSend(buf.data(), bytes, loomUint8, 1, comm, nullptr)
+                                : loomRecv(buf.data(), bytes, loomUint8, 0, comm, nullptr);
+    if (r != loomSuccess) {
+      std::string msg = loomGetLastError(comm);
+      for (char& c : msg)
+        if (c == '\n' || c == '|') c = ' ';
+      if (FILE* f = fopen((dir + "/rank" + std::to_string(gRank)).c_str(), "w")) {
+        fprintf(f, "%d|%.0f|%s\n", int(r), msSince(t0), msg.c_str());
+        fclose(f);
+      }
+      printf("rank %d: transfer %d returned %s after %.0f ms: %s\n", gRank, it, loomGetErrorString(r), msSince(t0),
+             msg.c_str());
+      loomCommAbort(comm);
+      return 0;
+    }
+    printf("rank %d: transfer %d of %zu bytes took %.0f ms\n", gRank, it, bytes, msSince(t0));
+  }
+  printf("rank %d: 100 transfers succeeded although rank %d died\n", gRank, victim);
+  return 1;
+}
+
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   if (argc < 2) {
@@ -1461,6 +1580,13 @@ int main(int argc, char** argv) {
     return scenarioShrink(argv[2], parseList(argv[3]), strtoull(argv[4], nullptr, 10), argv[5]);
   }
   if (sc == "taggedfault") return scenarioTaggedFault(argc > 2 ? argv[2] : "one");
+  if (sc == "rendezvouskill") {
+    if (argc < 5) {
+      fprintf(stderr, "usage: mp-worker rendezvouskill VICTIM BYTES DIR\n");
+      return 2;
+    }
+    return scenarioRendezvousKill(atoi(argv[2]), strtoull(argv[3], nullptr, 10), argv[4]);
+  }
   loomComm_t comm;
   CHECK_LOOM(loomCommInitFromEnv(&comm));
   CHECK_LOOM(loomCommUserRank(comm, &gRank));
@@ -1478,6 +1604,7 @@ int main(int argc, char** argv) {
   else if (sc == "taggednostash") scenarioTaggedNoStash(comm);
   else if (sc == "dump") scenarioDump(comm);
   else if (sc == "registered") scenarioRegistered(comm, argc > 2 ? argv[2] : "all", argc > 3 && strcmp(argv[3], "mapped") == 0);
+  else if (sc == "rendezvous") scenarioRendezvous(comm, parseList(argc > 2 ? argv[2] : "1048576"));
   else if (sc == "soak")
     scenarioSoak(comm, argc > 2 ? strtoull(argv[2], nullptr, 10) : 1, argc > 3 ? atoi(argv[3]) : 1000,
                  argc > 4 ? atof(argv[4]) : 60);
@@ -1485,7 +1612,8 @@ int main(int argc, char** argv) {
     fprintf(stderr, "unknown scenario %s\n", sc.c_str());
     return 2;
   }
-  if (sc == "mismatch" || sc == "a2amismatch" || sc == "dump" || sc == "taggedtimeout") loomCommAbort(comm);
+  if (sc == "mismatch" || sc == "a2amismatch" || sc == "dump" || sc == "taggedtimeout" || sc == "rendezvous")
+    loomCommAbort(comm);
   else CHECK_LOOM(loomCommDestroy(comm));
   if (gFailures) fprintf(stderr, "rank %d: %d checks failed\n", gRank, gFailures);
   return gFailures ? 1 : 0;

@@ -26,7 +26,13 @@
 //
 //   struct SimOptions { slotBytes (4096, multiple of 64 like LOOM_SLOT_BYTES),
 //                       slots (8), timeoutMs (20000), spinUs (5), poison (true),
-//                       precheck (true), mailBytes (16384), stageBytes (262144) }
+//                       precheck (true), mailBytes (16384), stageBytes (262144),
+//                       directMinBytes (0), directRefuse (-1) }
+//     directMinBytes > 0: connections offer loom::DirectTransfer from that
+//     size (the receiver's offer goes through a box beside the ring, the
+//     sender memcpys into the offered buffer); directRefuse: that rank
+//     answers "slots" to every direct transfer, as a rank whose memory
+//     cannot be registered does.
 //     precheck: before running, validateSchedule() every rank's schedule and
 //     matchSchedules() the slots each pair exchanges; a bad schedule is then
 //     reported at once (result.problem) instead of timing out.
@@ -137,6 +143,8 @@ struct SimOptions {
   bool precheck = true;      // validate and match schedules before running them
   size_t mailBytes = 16384;  // direct algorithms: one-shot mailbox payload
   size_t stageBytes = 262144;  // direct algorithms: one staging buffer
+  size_t directMinBytes = 0;   // > 0: connections offer DirectTransfer
+  int directRefuse = -1;       // this rank answers Slots to direct transfers
 };
 
 struct SimResult {
@@ -182,6 +190,11 @@ struct SimRing {
   std::vector<uint8_t*> payload;  // one allocation per slot: overruns hit ASan
   alignas(64) std::atomic<uint64_t> head{0};  // slots posted (producer)
   alignas(64) std::atomic<uint64_t> tail{0};  // slots released (consumer)
+  // DirectTransfer: the receiver's offer for the transfer in flight.
+  std::mutex boxMu;
+  uint8_t* boxDst = nullptr;
+  size_t boxBytes = 0;
+  bool boxOffered = false, boxRefused = false, boxDone = false;
 };
 
 // Per-rank doorbell: a counter bumped on every post/release that concerns
@@ -204,12 +217,12 @@ struct SimCounters {
   uint64_t bytes = 0, slots = 0;
 };
 
-class SimConnection : public loom::Connection {
+class SimConnection : public loom::Connection, public loom::DirectTransfer {
  public:
   SimConnection(int me, int peer, int channel, SimRing* out, SimRing* in, SimBell* peerBell,
-                SimCounters* counters, bool poison)
+                SimCounters* counters, bool poison, size_t directMin = 0, bool refuse = false)
       : me_(me), peer_(peer), channel_(channel), out_(out), in_(in), peerBell_(peerBell),
-        counters_(counters), poison_(poison) {
+        counters_(counters), poison_(poison), directMin_(directMin), refuse_(refuse) {
     sendHead_ = out_->head.load(std::memory_order_relaxed);
     sendTailCache_ = out_->tail.load(std::memory_order_acquire);
     recvTail_ = in_->tail.load(std::memory_order_relaxed);
@@ -262,6 +275,60 @@ class SimConnection : public loom::Connection {
 
   bool usesDoorbell() const override { return true; }
 
+  loom::DirectTransfer* direct() override { return directMin_ ? this : nullptr; }
+  size_t directMinBytes() const override { return directMin_; }
+  bool directSend(const void* src, size_t bytes, const loom::SlotTag& tag) override {
+    if (sendState_ == State::Waiting) misuse("a second direct send while one is in flight");
+    void* slot = sendAcquire();
+    if (!slot) return false;
+    uint64_t request[2] = {bytes, refuse_ ? 1u : 0u};
+    memcpy(slot, request, sizeof request);
+    loom::SlotTag t = tag;
+    t.flags |= loom::kTagDirect;
+    t.bytes = uint32_t(sizeof request);
+    sendPost(t);
+    counters_->bytes -= t.bytes;  // a request, not payload: bytesPosted counts what execute() counts
+    src_ = static_cast<const uint8_t*>(src);
+    sendBytes_ = bytes;
+    sendState_ = refuse_ ? State::Slots : State::Waiting;
+    return true;
+  }
+  State directSendState() override {
+    if (sendState_ != State::Waiting) return sendState_;
+    std::lock_guard<std::mutex> g(out_->boxMu);
+    if (!out_->boxOffered) return State::Waiting;
+    out_->boxOffered = false;
+    if (out_->boxRefused) return sendState_ = State::Slots;
+    if (out_->boxBytes != sendBytes_)
+      loom::fail(loomRemoteError, "rank %d: rank %d offered %zu bytes for a direct transfer of %zu", me_, peer_,
+                 out_->boxBytes, sendBytes_);
+    memcpy(out_->boxDst, src_, sendBytes_);
+    counters_->bytes += sendBytes_;
+    out_->boxDone = true;
+    peerBell_->ring();
+    return sendState_ = State::Done;
+  }
+  void directRecv(void* dst, size_t bytes) override {
+    if (recvState_ == State::Waiting) misuse("a second direct receive while one is in flight");
+    std::lock_guard<std::mutex> g(in_->boxMu);
+    in_->boxDst = static_cast<uint8_t*>(dst);
+    in_->boxBytes = bytes;
+    in_->boxOffered = true;
+    in_->boxRefused = refuse_;
+    in_->boxDone = false;
+    recvState_ = refuse_ ? State::Slots : State::Waiting;
+    peerBell_->ring();
+  }
+  State directRecvState() override {
+    if (recvState_ != State::Waiting) return recvState_;
+    std::lock_guard<std::mutex> g(in_->boxMu);
+    if (in_->boxDone) {
+      in_->boxDone = false;
+      recvState_ = State::Done;
+    }
+    return recvState_;
+  }
+
  private:
   [[noreturn]] void misuse(const std::string& what) {
     throw std::logic_error(loom::strf("rank %d, connection to rank %d channel %d: %s", me_, peer_,
@@ -275,6 +342,11 @@ class SimConnection : public loom::Connection {
   SimCounters* counters_;
   bool poison_;
   bool acquired_ = false, peeked_ = false;
+  size_t directMin_;
+  bool refuse_;
+  const uint8_t* src_ = nullptr;
+  size_t sendBytes_ = 0;
+  State sendState_ = State::Done, recvState_ = State::Done;
   uint64_t sendHead_, sendTailCache_, recvTail_, recvHeadCache_;
 };
 
@@ -736,7 +808,8 @@ inline void SimRankEnv::prepare(const std::vector<std::pair<int, int>>& needed) 
     SimRing* in = world_->ring(peer, rank_, ch);
     conns_[key] = std::make_unique<SimConnection>(rank_, peer, ch, out, in,
                                                   world_->bells_[size_t(peer)].get(), &counters,
-                                                  world_->opts_.poison);
+                                                  world_->opts_.poison, world_->opts_.directMinBytes,
+                                                  world_->opts_.directRefuse == rank_);
   }
 }
 

@@ -48,6 +48,37 @@ constexpr uint8_t kTagPartOfAllToAllv = 1;
 constexpr uint8_t kTagInputInPlace = 2;
 // A frame of the tagged point-to-point channel (src/core/p2p_tagged.h).
 constexpr uint8_t kTagTagged = 4;
+// A direct transfer's request (DirectTransfer below): the slot's 8-byte
+// payload is the transfer's size in bytes.
+constexpr uint8_t kTagDirect = 8;
+
+// Optional capability of a Connection: a whole step's bytes written by the
+// sender straight into the receiver's buffer (RDMA rendezvous), with no
+// copy through slots on either side.  The executor uses it for point-to-point
+// steps of at least directMinBytes() (src/core/executor.cc):
+//   sender:   directSend(src, bytes, tag) posts a request slot (tag with
+//             kTagDirect, payload: bytes), then waits for the receiver's
+//             buffer, writes into it and tells the receiver it is done;
+//   receiver: takes that slot with recvPeek/recvRelease (checking it like
+//             any slot), then directRecv(dst, bytes) offers its buffer.
+// Either side may find it cannot (memory it cannot register): the transfer
+// then goes through the slots, and both ends are told (Slots).  One
+// transfer per direction at a time.  Errors throw loom::Error (a peer that
+// offers another size is loomRemoteError; nothing is written then).
+class DirectTransfer {
+ public:
+  enum class State { Waiting, Done, Slots };
+  virtual ~DirectTransfer() = default;
+  // The same at both ends of the connection; 0: never.
+  virtual size_t directMinBytes() const = 0;
+  // False: no slot free for the request yet (call again).
+  virtual bool directSend(const void* src, size_t bytes, const SlotTag& tag) = 0;
+  // Done: the data is in the peer's buffer and src may be reused.
+  virtual State directSendState() = 0;
+  virtual void directRecv(void* dst, size_t bytes) = 0;
+  // Done: the data is in dst.
+  virtual State directRecvState() = 0;
+};
 
 class Connection {
  public:
@@ -76,6 +107,8 @@ class Connection {
   virtual bool usesDoorbell() const { return false; }
   // Throws loomRemoteError if the peer is known to be dead or aborted.
   virtual void checkPeer() {}
+  // Large transfers without slots (above), nullptr where not offered.
+  virtual DirectTransfer* direct() { return nullptr; }
 };
 
 // How this rank sleeps when it has nothing to do, and how peers wake it

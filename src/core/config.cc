@@ -37,6 +37,13 @@ const std::vector<ConfigVar>& configTable() {
       {"LOOM_IB_GID_INDEX", "int", "-1 (automatic)",
        "GID index for the ibverbs transport on RoCE; -1: the first RoCE v2 IPv4-mapped GID (read from sysfs), "
        "skipping unset and link-local ones"},
+      {"LOOM_IB_RENDEZVOUS_BYTES", "int", "1048576",
+       "ibverbs: loomSend/loomRecv steps of at least this many bytes are written by RDMA straight into the "
+       "receiver's buffer (rendezvous) instead of through the slots; 0: never (a pair uses the larger of its two "
+       "values)"},
+      {"LOOM_IB_REG_CACHE_BYTES", "int", "1073741824",
+       "ibverbs: bytes of user-buffer memory registrations kept cached while unused (least recently used "
+       "dropped first); only memory the kernel keeps coherent (on-demand paging) is cached beyond its operation"},
       {"LOOM_SOCKET_IFNAME", "name", "(route to root)",
        "network interface for bootstrap and tcp; default: loopback for ranks on one machine, else the one "
        "that reaches the root"},
@@ -147,6 +154,8 @@ static Config readConfig() {
   c.ucxTls = envStr("LOOM_UCX_TLS");
   c.ibHca = envStr("LOOM_IB_HCA");
   c.ibGidIndex = envInt("LOOM_IB_GID_INDEX", -1, -1, 65535);
+  c.ibRendezvousBytes = envInt("LOOM_IB_RENDEZVOUS_BYTES", 1 << 20, 0, int64_t(1) << 40);
+  c.ibRegCacheBytes = envInt("LOOM_IB_REG_CACHE_BYTES", int64_t(1) << 30, 0, int64_t(1) << 50);
   c.socketIfname = envStr("LOOM_SOCKET_IFNAME");
   c.hostId = envStr("LOOM_HOST_ID");
   c.topoFile = envStr("LOOM_TOPO_FILE");

@@ -27,6 +27,8 @@ struct Config {
   std::string ucxTls;         // LOOM_UCX_TLS
   std::string ibHca;          // LOOM_IB_HCA
   int64_t ibGidIndex;         // LOOM_IB_GID_INDEX (-1 = automatic)
+  int64_t ibRendezvousBytes;  // LOOM_IB_RENDEZVOUS_BYTES (0 = off)
+  int64_t ibRegCacheBytes;    // LOOM_IB_REG_CACHE_BYTES
   std::string socketIfname;   // LOOM_SOCKET_IFNAME
   std::string hostId;         // LOOM_HOST_ID
   std::string topoFile;       // LOOM_TOPO_FILE

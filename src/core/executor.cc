@@ -64,6 +64,9 @@ uint8_t* ExecEnv::scratch(size_t bytes, Device& device) {
 
 namespace {
 
+// Where a lane's current step stands with DirectTransfer (transports/transport.h).
+enum class DirectPhase : uint8_t { None, Started, Slots };
+
 struct LaneState {
   const Lane* lane;
   const ExecOp* op;
@@ -71,6 +74,7 @@ struct LaneState {
   size_t cur = 0;   // current step
   size_t done = 0;  // bytes of the current step done
   bool finished = false;
+  DirectPhase direct = DirectPhase::None;
   // LOOM_TRACE: when the current step started, and its time moving and reducing.
   bool stepStarted = false;
   double stepBeginUs = 0, moveUs = 0, reduceUs = 0;
@@ -224,6 +228,9 @@ class Runner {
   [[noreturn]] void mismatch(const LaneState& l, const SlotTag& got, int peer, size_t expectBytes) {
     SlotTag want = l.op->tag;
     want.bytes = uint32_t(expectBytes);
+    if (sameOperation(got, want) && (got.flags & kTagDirect))
+      fail(loomInvalidUsage, "rank %d: rank %d sends %s as a direct transfer where this rank expects %zu-byte slots",
+           env_.rank(), peer, describeTag(want).c_str(), expectBytes);
     if (got.bytes != expectBytes && got.seq == want.seq && got.coll == want.coll &&
         got.count == want.count && got.dtype == want.dtype)
       fail(loomInvalidUsage,
@@ -236,6 +243,53 @@ class Runner {
   bool tagOk(const LaneState& l, const SlotTag& got, size_t expectBytes) {
     if (got.bytes != expectBytes) return false;
     return !env_.checkMode() || sameOperation(got, l.op->tag);
+  }
+
+  // Large point-to-point steps go straight into the receiver's buffer where
+  // the connection offers it.  Both ends decide alike: a send step is always
+  // matched by a receive step of the same bytes on the same connection,
+  // whose threshold the two ends agreed on.
+  DirectTransfer* directFor(const LaneState& l, const Step& s, Connection* sc, Connection* rc) const {
+    if (l.direct == DirectPhase::Slots || Collective(l.op->tag.coll) != Collective::P2P) return nullptr;
+    Connection* c = s.kind == StepKind::Send ? sc : s.kind == StepKind::Recv ? rc : nullptr;
+    DirectTransfer* d = c ? c->direct() : nullptr;
+    return d && d->directMinBytes() && s.bytes >= d->directMinBytes() ? d : nullptr;
+  }
+
+  // One look at a direct step: the sender posts its request, the receiver
+  // checks it like any slot and offers its buffer; then both wait for the
+  // transfer.  Slots: one end could not register its buffer.
+  DirectTransfer::State stepDirect(LaneState& l, const Step& s, DirectTransfer* d, Connection* c, bool* progressed) {
+    using State = DirectTransfer::State;
+    if (s.kind == StepKind::Send) {
+      if (l.direct == DirectPhase::None) {
+        if (!d->directSend(ptr(l, s.src), s.bytes, l.op->tag)) return State::Waiting;
+        l.direct = DirectPhase::Started;
+        *progressed = true;
+      }
+      return d->directSendState();
+    }
+    if (l.direct == DirectPhase::None) {
+      SlotTag got;
+      const void* in = c->recvPeek(&got);
+      if (!in) return State::Waiting;
+      uint64_t request[2] = {0, 0};  // bytes, 1: the data follows in slots
+      if (got.bytes == sizeof request) memcpy(request, in, sizeof request);
+      if (!sameOperation(got, l.op->tag)) failMismatch(env_.rank(), s.recvPeer, got, l.op->tag);
+      if (!(got.flags & kTagDirect) || got.bytes != sizeof request || request[0] != s.bytes)
+        fail(loomInvalidUsage,
+             "rank %d: rank %d sent %s as %u-byte slots%s where this rank expects a direct transfer of %zu bytes",
+             env_.rank(), s.recvPeer, describeTag(l.op->tag).c_str(), got.bytes,
+             (got.flags & kTagDirect) ? strf(" (a direct request of %llu bytes)", (unsigned long long)request[0]).c_str()
+                                      : "",
+             s.bytes);
+      c->recvRelease();
+      l.direct = DirectPhase::Started;
+      *progressed = true;
+      if (request[1]) return State::Slots;
+      d->directRecv(ptr(l, s.dst), s.bytes);
+    }
+    return d->directRecvState();
   }
 
   void finalize(const LaneState& l, const Step& s, void* data, size_t bytes) {
@@ -262,6 +316,18 @@ class Runner {
           dev.copy(ptr(l, s.dst), ptr(l, s.src), s.bytes, CopyHint::Cached);
         l.done = s.bytes;
         if (tracer_) l.moveUs += Tracer::nowUs() - t0;
+      }
+      if (DirectTransfer* d = l.done == 0 ? directFor(l, s, sc, rc) : nullptr) {
+        double t0 = tracer_ ? Tracer::nowUs() : 0;
+        DirectTransfer::State st = stepDirect(l, s, d, sc ? sc : rc, &progressed);
+        if (tracer_) l.moveUs += Tracer::nowUs() - t0;
+        if (st == DirectTransfer::State::Waiting) return progressed;
+        if (st == DirectTransfer::State::Slots) {
+          l.direct = DirectPhase::Slots;
+        } else {
+          l.done = s.bytes;
+          if (sc) bytesSent_ += s.bytes;
+        }
       }
       while (l.done < s.bytes) {
         size_t slot = (sc ? sc : rc)->slotBytes();
@@ -322,6 +388,7 @@ class Runner {
       if (tracer_) traceStep(l, s);
       ++l.cur;
       l.done = 0;
+      l.direct = DirectPhase::None;
       progressed = true;
     }
     l.finished = true;

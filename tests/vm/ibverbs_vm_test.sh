@@ -12,6 +12,15 @@
 #                                      during a 4 MiB all-reduce (N = 3): every
 #                                      survivor shrinks to the same members and
 #                                      the new communicator's collectives are exact
+#   ibverbs_vm_test.sh BINDIR rendezvous  loomSend/loomRecv around and far above
+#                                      LOOM_IB_RENDEZVOUS_BYTES (64 KiB here), exact:
+#                                      plain and loomCommRegister'd buffers, grouped;
+#                                      the transport's trace shows each transfer of
+#                                      the threshold or more went direct, from/into
+#                                      which memory; a larger receive than send fails
+#   ibverbs_vm_test.sh BINDIR rendezvouskill  the sender, then the receiver, of a
+#                                      32 MiB rendezvous is killed mid-transfer: the
+#                                      other gets loomRemoteError naming it
 #   ibverbs_vm_test.sh BINDIR pingpong ibv_rc_pingpong on the rig (the rig works)
 set -euo pipefail
 BIN=$(cd "$1" && pwd)
@@ -98,6 +107,53 @@ case "$CASE" in
     run_shrink between 4 1 $((1 << 20))
     run_shrink allreduce 3 2 $((4 << 20))
     echo "shrink over ibverbs: every survivor agreed and the new communicators are exact"
+    ;;
+  rendezvous)
+    sizes=(65535 65536 200003 1048583 4194304)
+    log=/tmp/rendezvous.log
+    LOOM_IB_RENDEZVOUS_BYTES=65536 LOOM_DEBUG=TRACE LOOM_DEBUG_SUBSYS=NET \
+      "$BIN/loom-run" -n 2 --timeout 150 -- "$BIN/mp-worker" rendezvous "$(IFS=,; echo "${sizes[*]}")" >"$log" 2>&1 ||
+      { cat "$log"; echo "FAIL: rendezvous scenario"; exit 1; }
+    grep -E "exact|mismatched" "$log"
+    ! grep -q "through the slots" "$log" || { grep "through the slots" "$log"; echo "FAIL: a transfer fell back to slots"; exit 1; }
+    for n in "${sizes[@]}"; do
+      all=$(grep -c "direct transfer of $n bytes" "$log" || true)
+      pinned=$(grep "direct transfer of $n bytes" "$log" | grep -c "loomCommRegister'd" || true)
+      fresh=$(grep "direct transfer of $n bytes" "$log" | grep -c "registered for this transfer" || true)
+      echo "$n bytes: $all direct transfers logged ($pinned from/into loomCommRegister'd memory, $fresh registered for the transfer)"
+      # Per size and rank: 6 sends and 6 receives (3 plain, 2 registered, 1 grouped, each way).
+      if ((n < 65536)); then
+        ((all == 0)) || { echo "FAIL: $n bytes (below the threshold) went direct"; exit 1; }
+      else
+        ((all == 24 && pinned == 12 && fresh == 12)) || { echo "FAIL: $n bytes: expected 24 direct transfers, 12 of them registered"; exit 1; }
+      fi
+    done
+    echo "rendezvous over ibverbs: exact around and above the threshold, registered buffers found in the cache"
+    ;;
+  rendezvouskill)
+    for victim in 0 1; do
+      dir=$(mktemp -d)
+      pids=()
+      for r in 0 1; do
+        LOOM_RANK=$r LOOM_WORLD_SIZE=2 LOOM_ROOT_ADDR=127.0.0.1:29413 LOOM_SECRET=0123456789abcdef0123456789abcdef \
+          LOOM_TIMEOUT_MS=60000 LOOM_IB_RENDEZVOUS_BYTES=65536 \
+          "$BIN/mp-worker" rendezvouskill "$victim" $((32 << 20)) "$dir" &
+        pids+=($!)
+      done
+      st=()
+      for p in "${pids[@]}"; do
+        s=0; wait "$p" || s=$?; st+=("$s")
+      done
+      other=$((1 - victim))
+      line=$(cat "$dir/rank$other" 2>/dev/null || true)
+      echo "victim $victim: exit statuses ${st[*]}; rank $other: $line"
+      [[ "${st[$victim]}" == 137 ]] || { echo "FAIL: rank $victim was not killed"; exit 1; }
+      [[ "${st[$other]}" == 0 ]] || { echo "FAIL: rank $other exited ${st[$other]}"; exit 1; }
+      IFS='|' read -r code ms msg <<<"$line"
+      [[ "$code" == 6 ]] || { echo "FAIL: rank $other got code $code, not loomRemoteError"; exit 1; }
+      [[ "$msg" == *"rank $victim "* ]] || { echo "FAIL: rank $other's error does not name rank $victim"; exit 1; }
+    done
+    echo "rendezvouskill over ibverbs: the survivor got loomRemoteError naming the dead sender / receiver"
     ;;
   *) echo "unknown case $CASE"; exit 2 ;;
 esac

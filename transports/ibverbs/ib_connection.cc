@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -18,8 +19,35 @@ namespace loom {
 
 namespace {
 
-constexpr uint32_t kCreditBit = 0x80000000u;
-constexpr uint64_t kRecvWr = 1, kDataWr = 2, kCreditWr = 3;
+// Immediates: bit 31 clear: a data slot's number; 10: a credit (30-bit
+// count); 11: a rendezvous message (type in bits 24-29, transfer number in
+// bits 0-23): a clear-to-send (its Cts is in the control area) or the end
+// of a transfer's data.
+constexpr uint32_t kCreditBit = 0x80000000u, kCtlBits = 0xc0000000u, kCreditMask = 0x3fffffffu;
+constexpr uint32_t kCts = 1, kFin = 2, kSeqMask = 0xffffff;
+constexpr uint64_t kRecvWr = 1, kDataWr = 2, kCreditWr = 3, kCtlWr = 4, kDirectWr = 5;
+// Each ring is followed by a control area; a receiver writes its Cts into
+// the sender's (one transfer per direction at a time, so one suffices).
+constexpr size_t kCtlBytes = 4096;
+// The largest RDMA write posted at once (well below any device's maximum).
+constexpr size_t kWriteChunk = size_t(4) << 20;
+
+// For LOOM_DEBUG=TRACE (tests/vm checks which memory each transfer used).
+const char* entryKind(const RegCache::Entry* e) {
+  switch (e->kind) {
+    case RegCache::Kind::Pinned: return "loomCommRegister'd";
+    case RegCache::Kind::Coherent: return "cached (on-demand paging)";
+    case RegCache::Kind::Transient: return "registered for this transfer";
+  }
+  return "?";
+}
+
+struct Cts {
+  uint64_t addr;   // 0: the receiver cannot take it directly, send slots
+  uint64_t bytes;
+  uint32_t rkey;
+  uint32_t seq;
+};
 
 size_t roundUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -30,7 +58,7 @@ IbConnection::IbConnection(std::shared_ptr<IbDevice> dev, int rank, int peer, in
     : dev_(std::move(dev)), rank_(rank), peer_(peer), channel_(channel), slotBytes_(slotBytes), slots_(slots) {
   stride_ = roundUp(sizeof(SlotTag) + slotBytes, 64);
   ringBytes_ = roundUp(stride_ * size_t(slots), 4096);
-  recvDepth_ = slots + 8;
+  recvDepth_ = slots + 12;  // + a clear-to-send and an end of data
   sendDepth_ = slots + 8;
   try {
     setup();
@@ -45,14 +73,15 @@ void IbConnection::setup() {
     fail(loomSystemError, "rank %d: ibverbs %s for rank %d on %s: %s", rank_, what, peer_, dev_->name.c_str(),
          strerror(errno));
   };
-  if (posix_memalign(reinterpret_cast<void**>(&sendRing_), 4096, ringBytes_) ||
-      posix_memalign(reinterpret_cast<void**>(&recvRing_), 4096, ringBytes_))
-    fail(loomSystemError, "rank %d: cannot allocate %zu bytes of ibverbs rings", rank_, 2 * ringBytes_);
-  memset(sendRing_, 0, ringBytes_);
-  memset(recvRing_, 0, ringBytes_);
-  sendMr_ = ibv_reg_mr(dev_->pd, sendRing_, ringBytes_, IBV_ACCESS_LOCAL_WRITE);
+  const size_t all = ringBytes_ + kCtlBytes;
+  if (posix_memalign(reinterpret_cast<void**>(&sendRing_), 4096, all) ||
+      posix_memalign(reinterpret_cast<void**>(&recvRing_), 4096, all))
+    fail(loomSystemError, "rank %d: cannot allocate %zu bytes of ibverbs rings", rank_, 2 * all);
+  memset(sendRing_, 0, all);
+  memset(recvRing_, 0, all);
+  sendMr_ = ibv_reg_mr(dev_->pd, sendRing_, all, IBV_ACCESS_LOCAL_WRITE);
   if (!sendMr_) sys("ibv_reg_mr (send ring)");
-  recvMr_ = ibv_reg_mr(dev_->pd, recvRing_, ringBytes_, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+  recvMr_ = ibv_reg_mr(dev_->pd, recvRing_, all, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
   if (!recvMr_) sys("ibv_reg_mr (receive ring)");
   chan_ = ibv_create_comp_channel(dev_->ctx);
   if (!chan_) sys("ibv_create_comp_channel");
@@ -128,10 +157,33 @@ void IbConnection::start(const IbConnRecord& remote, const IbRecord& peerDev, in
          strerror(errno));
 }
 
-IbConnection::~IbConnection() { release(); }
+IbConnection::~IbConnection() {
+  if (live_) {
+    std::lock_guard<std::mutex> lock(live_->mu);
+    live_->conns.erase(this);
+  }
+  release();
+}
+
+void IbConnection::track(std::shared_ptr<IbLiveSet> live) {
+  live_ = std::move(live);
+  std::lock_guard<std::mutex> lock(live_->mu);
+  live_->conns.insert(this);
+  if (live_->aborted) stopRemoteAccess();
+}
+
+void IbConnection::stopRemoteAccess() {
+  ibv_qp_attr a{};
+  a.qp_state = IBV_QPS_ERR;
+  if (qp_) ibv_modify_qp(qp_, &a, IBV_QP_STATE);
+}
 
 void IbConnection::release() {
   if (qp_) ibv_destroy_qp(qp_);
+  // A transfer cut short (a failed operation) gives its buffers back; no
+  // write can touch them once the QP is gone.
+  releaseEntry(out_.mr);
+  releaseEntry(in_.mr);
   if (cq_) {
     if (unackedEvents_) ibv_ack_cq_events(cq_, unackedEvents_);
     ibv_destroy_cq(cq_);
@@ -212,7 +264,7 @@ void IbConnection::sendCredits() {
   uint64_t due = consumed_ - creditSent_;
   if (due == 0 || (due < uint64_t(std::max(1, slots_ / 2)) && consumed_ != arrived_)) return;
   if (sendOutstanding_ + 1 > sendDepth_) return;  // poll() retries
-  postWrite(kCreditWr, 0, 0, kCreditBit | uint32_t(consumed_ & 0x7fffffff));
+  postWrite(kCreditWr, 0, 0, kCreditBit | uint32_t(consumed_ & kCreditMask));
   creditSent_ = consumed_;
 }
 
@@ -225,6 +277,8 @@ void IbConnection::poll() {
     if (n < 16) break;
   }
   if (creditSent_ != consumed_) sendCredits();
+  if (out_.ready) pumpWrites();
+  if (in_.ctsPending) postCts();
 }
 
 void IbConnection::complete(const ibv_wc& wc) {
@@ -237,9 +291,11 @@ void IbConnection::complete(const ibv_wc& wc) {
   if (wc.wr_id == kRecvWr) {
     uint32_t imm = ntohl(wc.imm_data);
     postRecv();
-    if (imm & kCreditBit) {
-      // 31-bit cumulative count: extend it by the distance from what we know.
-      uint32_t delta = (imm - uint32_t(credited_)) & 0x7fffffff;
+    if ((imm & kCtlBits) == kCtlBits) {
+      control(imm);
+    } else if (imm & kCreditBit) {
+      // 30-bit cumulative count: extend it by the distance from what we know.
+      uint32_t delta = (imm - uint32_t(credited_)) & kCreditMask;
       if (credited_ + delta > posted_)
         fail(loomRemoteError, "rank %d: rank %d returned credit for %llu slots over ibverbs, %llu were sent", rank_,
              peer_, (unsigned long long)(credited_ + delta), (unsigned long long)posted_);
@@ -255,6 +311,7 @@ void IbConnection::complete(const ibv_wc& wc) {
   } else {
     --sendOutstanding_;
     if (wc.wr_id == kDataWr) --dataOutstanding_;
+    if (wc.wr_id == kDirectWr) --out_.writes;
   }
 }
 
@@ -293,6 +350,152 @@ void IbConnection::checkPeer() {
 
 void IbConnection::shutdownSocket() {
   if (sock_ >= 0) shutdown(sock_, SHUT_RDWR);
+}
+
+// ---- the rendezvous ----
+
+void IbConnection::postRdma(uint64_t wrId, uint64_t local, uint32_t lkey, uint64_t remote, uint32_t rkey,
+                            uint32_t bytes, bool withImm, uint32_t imm) {
+  ibv_sge sge{local, bytes, lkey};
+  ibv_send_wr wr{}, *bad = nullptr;
+  wr.wr_id = wrId;
+  wr.opcode = withImm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
+  wr.send_flags = IBV_SEND_SIGNALED;
+  wr.imm_data = htonl(imm);
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  wr.wr.rdma.remote_addr = remote;
+  wr.wr.rdma.rkey = rkey;
+  if (ibv_post_send(qp_, &wr, &bad))
+    fail(loomRemoteError, "rank %d: ibv_post_send (direct write) to rank %d (channel %d) failed: %s", rank_, peer_,
+         channel_, strerror(errno));
+  ++sendOutstanding_;
+}
+
+void IbConnection::releaseEntry(RegCache::Entry*& e) {
+  if (e) dev_->regCache->release(e);
+  e = nullptr;
+}
+
+bool IbConnection::directSend(const void* src, size_t bytes, const SlotTag& tag) {
+  if (out_.active)
+    fail(loomInternalError, "rank %d: a second direct transfer to rank %d (channel %d) while one is in progress", rank_,
+         peer_, channel_);
+  void* slot = sendAcquire();
+  if (!slot) return false;
+  RegCache::Entry* e = nullptr;
+  try {
+    e = dev_->regCache->acquire(src, bytes, 0);
+  } catch (const Error& err) {
+    LOOM_WARN("NET", "rank %d: %zu bytes to rank %d go through the slots: %s", rank_, bytes, peer_, err.what());
+  }
+  // The request: the size, and whether the data follows in slots instead.
+  uint64_t request[2] = {bytes, e ? 0u : 1u};
+  memcpy(slot, request, sizeof request);
+  SlotTag t = tag;
+  t.flags |= kTagDirect;
+  t.bytes = uint32_t(sizeof request);
+  sendPost(t);
+  out_ = Outgoing{};
+  out_.src = static_cast<const uint8_t*>(src);
+  out_.bytes = bytes;
+  out_.mr = e;
+  out_.active = e != nullptr;
+  out_.state = e ? State::Waiting : State::Slots;
+  if (e) out_.seq = outSeq_++ & kSeqMask;
+  return true;
+}
+
+DirectTransfer::State IbConnection::directSendState() {
+  poll();
+  if (out_.active && out_.ready && out_.posted == out_.bytes && out_.writes == 0) {
+    LOOM_TRACE("NET", "rank %d: direct transfer of %zu bytes to rank %d done (source %s)", rank_, out_.bytes, peer_,
+               entryKind(out_.mr));
+    releaseEntry(out_.mr);
+    out_.active = false;
+    out_.state = State::Done;
+  }
+  return out_.active ? State::Waiting : out_.state;
+}
+
+void IbConnection::pumpWrites() {
+  const uint32_t fin = kCtlBits | (kFin << 24) | out_.seq;
+  while (out_.posted < out_.bytes && sendOutstanding_ + 2 <= sendDepth_) {
+    size_t n = std::min(kWriteChunk, out_.bytes - out_.posted);
+    bool last = out_.posted + n == out_.bytes;
+    // The last write carries the end-of-data immediate: RC delivers it after every earlier write landed.
+    postRdma(kDirectWr, uint64_t(uintptr_t(out_.src + out_.posted)), entryMr(out_.mr)->lkey, out_.remote + out_.posted,
+             out_.rkey, uint32_t(n), last, fin);
+    out_.posted += n;
+    ++out_.writes;
+  }
+}
+
+void IbConnection::directRecv(void* dst, size_t bytes) {
+  if (in_.active)
+    fail(loomInternalError, "rank %d: a second direct transfer from rank %d (channel %d) while one is in progress",
+         rank_, peer_, channel_);
+  in_ = Incoming{};
+  in_.seq = inSeq_++ & kSeqMask;
+  in_.bytes = bytes;
+  Cts c{0, bytes, 0, in_.seq};
+  try {
+    in_.mr = dev_->regCache->acquire(dst, bytes, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    c.addr = uint64_t(uintptr_t(dst));
+    c.rkey = entryMr(in_.mr)->rkey;
+  } catch (const Error& err) {
+    LOOM_WARN("NET", "rank %d: %zu bytes from rank %d come through the slots: %s", rank_, bytes, peer_, err.what());
+  }
+  memcpy(sendRing_ + ringBytes_, &c, sizeof c);
+  in_.active = in_.mr != nullptr;
+  in_.state = in_.mr ? State::Waiting : State::Slots;
+  in_.ctsPending = true;
+  postCts();
+}
+
+void IbConnection::postCts() {
+  if (sendOutstanding_ >= sendDepth_) return;  // poll() retries
+  postWrite(kCtlWr, ringBytes_, uint32_t(sizeof(Cts)), kCtlBits | (kCts << 24) | in_.seq);
+  in_.ctsPending = false;
+}
+
+DirectTransfer::State IbConnection::directRecvState() {
+  poll();
+  return in_.active ? State::Waiting : in_.state;
+}
+
+void IbConnection::control(uint32_t imm) {
+  uint32_t type = (imm >> 24) & 0x3f, seq = imm & kSeqMask;
+  if (type == kCts) {
+    Cts c;
+    memcpy(&c, recvRing_ + ringBytes_, sizeof c);
+    if (!out_.active || out_.ready || seq != out_.seq || c.seq != seq)
+      fail(loomRemoteError, "rank %d: rank %d sent a clear-to-send for direct transfer %u over ibverbs, %s", rank_,
+           peer_, seq, out_.active ? strf("transfer %u waits", out_.seq).c_str() : "none waits");
+    if (c.addr == 0) {
+      releaseEntry(out_.mr);
+      out_.active = false;
+      out_.state = State::Slots;
+      return;
+    }
+    if (c.bytes != out_.bytes)
+      fail(loomRemoteError, "rank %d: rank %d offered a buffer of %llu bytes for a direct transfer of %zu over ibverbs "
+           "(nothing was written)", rank_, peer_, (unsigned long long)c.bytes, out_.bytes);
+    out_.remote = c.addr;
+    out_.rkey = c.rkey;
+    out_.ready = true;
+  } else if (type == kFin) {
+    if (!in_.active || seq != in_.seq)
+      fail(loomRemoteError, "rank %d: rank %d ended direct transfer %u over ibverbs, %s", rank_, peer_, seq,
+           in_.active ? strf("transfer %u was expected", in_.seq).c_str() : "none was expected");
+    LOOM_TRACE("NET", "rank %d: direct transfer of %zu bytes from rank %d done (destination %s)", rank_, in_.bytes,
+               peer_, entryKind(in_.mr));
+    releaseEntry(in_.mr);
+    in_.active = false;
+    in_.state = State::Done;
+  } else {
+    fail(loomRemoteError, "rank %d: rank %d sent an unknown ibverbs control message (0x%x)", rank_, peer_, imm);
+  }
 }
 
 }  // namespace loom

@@ -5,6 +5,8 @@
 #include <arpa/inet.h>
 
 #include <memory>
+#include <mutex>
+#include <set>
 #include <vector>
 
 #include "transports/ibverbs/ib_device.h"
@@ -12,7 +14,16 @@
 
 namespace loom {
 
-class IbConnection : public Connection {
+class IbConnection;
+
+// A transport's live connections, so that its abort() can stop them.
+struct IbLiveSet {
+  std::mutex mu;
+  std::set<IbConnection*> conns;
+  bool aborted = false;
+};
+
+class IbConnection : public Connection, public DirectTransfer {
  public:
   IbConnection(std::shared_ptr<IbDevice> dev, int rank, int peer, int channel, size_t slotBytes, int slots);
   ~IbConnection() override;
@@ -22,6 +33,8 @@ class IbConnection : public Connection {
   // watch the peer.
   void start(const IbConnRecord& remote, const IbRecord& peerDev, int sockFd);
   size_t stride() const { return stride_; }
+  // Steps of at least `bytes` go by rendezvous (0: none); both ends agree on it.
+  void setDirectMin(size_t bytes) { directMin_ = bytes; }
 
   const char* name() const override { return "ibverbs"; }
   size_t slotBytes() const override { return slotBytes_; }
@@ -33,7 +46,22 @@ class IbConnection : public Connection {
   void progress() override;
   void addPollFds(std::vector<pollfd>& fds) override;
   void checkPeer() override;
+  DirectTransfer* direct() override { return directMin_ ? this : nullptr; }
   void shutdownSocket();
+  // Joins the transport's live set (and stops at once if it was aborted).
+  void track(std::shared_ptr<IbLiveSet> live);
+  // Moves the QP to the error state: no RDMA moves in or out any more, so a
+  // peer still writing a rendezvous into a buffer this rank gave up on (a
+  // failed operation; the user may reuse the memory) cannot land.  Never
+  // blocks on the peer.  Called under the live set's lock.
+  void stopRemoteAccess();
+
+  // The rendezvous (ib_transport.h).
+  size_t directMinBytes() const override { return directMin_; }
+  bool directSend(const void* src, size_t bytes, const SlotTag& tag) override;
+  State directSendState() override;
+  void directRecv(void* dst, size_t bytes) override;
+  State directRecvState() override;
 
  private:
   void setup();
@@ -44,8 +72,15 @@ class IbConnection : public Connection {
   void poll();
   void complete(const ibv_wc& wc);
   void checkSocket();
+  void postRdma(uint64_t wrId, uint64_t local, uint32_t lkey, uint64_t remote, uint32_t rkey, uint32_t bytes,
+                bool withImm, uint32_t imm);
+  void control(uint32_t imm);
+  void pumpWrites();
+  void releaseEntry(RegCache::Entry*& e);
+  void postCts();
 
   std::shared_ptr<IbDevice> dev_;
+  std::shared_ptr<IbLiveSet> live_;
   int rank_, peer_, channel_;
   size_t slotBytes_;
   int slots_;
@@ -67,6 +102,29 @@ class IbConnection : public Connection {
   uint64_t posted_ = 0, credited_ = 0;             // send side
   uint64_t arrived_ = 0, consumed_ = 0, creditSent_ = 0;  // receive side
   int sendOutstanding_ = 0, dataOutstanding_ = 0;  // WRs not yet completed
+
+  size_t directMin_ = 0;
+  // The transfer this rank sends (one at a time): its source's MR, the
+  // receiver's buffer once its clear-to-send arrived, bytes posted so far.
+  struct Outgoing {
+    bool active = false, ready = false;
+    State state = State::Done;
+    uint32_t seq = 0;
+    const uint8_t* src = nullptr;
+    size_t bytes = 0, posted = 0;
+    int writes = 0;  // RDMA writes not yet completed
+    RegCache::Entry* mr = nullptr;
+    uint64_t remote = 0;
+    uint32_t rkey = 0;
+  } out_;
+  struct Incoming {
+    bool active = false, ctsPending = false;
+    State state = State::Done;
+    uint32_t seq = 0;
+    size_t bytes = 0;
+    RegCache::Entry* mr = nullptr;
+  } in_;
+  uint32_t outSeq_ = 0, inSeq_ = 0;  // direct transfers per direction (24 bits on the wire)
 };
 
 }  // namespace loom

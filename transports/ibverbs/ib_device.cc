@@ -2,6 +2,7 @@
 #include "transports/ibverbs/ib_device.h"
 
 #include <fcntl.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <fstream>
@@ -14,6 +15,7 @@
 namespace loom {
 
 IbDevice::~IbDevice() {
+  regCache.reset();  // its MRs before the PD
   if (pd) ibv_dealloc_pd(pd);
   if (ctx) ibv_close_device(ctx);
 }
@@ -30,6 +32,33 @@ void IbDevice::checkAsyncEvents(int rank) {
 }
 
 namespace {
+
+class IbRegistrar : public Registrar {
+ public:
+  explicit IbRegistrar(IbDevice& d) : d_(d) {}
+  void* reg(uintptr_t addr, size_t bytes, unsigned access, bool onDemand) override {
+    int acc = int(access) | (onDemand ? IBV_ACCESS_ON_DEMAND : 0);
+    ibv_mr* mr = ibv_reg_mr(d_.pd, reinterpret_cast<void*>(addr), bytes, acc);
+    if (!mr)
+      fail(loomSystemError, "ibv_reg_mr of %zu bytes at %p on %s failed: %s%s", bytes, reinterpret_cast<void*>(addr),
+           d_.name.c_str(), strerror(errno), errno == ENOMEM ? " (locked-memory limit? see ulimit -l)" : "");
+    return mr;
+  }
+  void dereg(void* handle) override { ibv_dereg_mr(static_cast<ibv_mr*>(handle)); }
+  bool onDemand() const override { return d_.onDemand; }
+
+ private:
+  IbDevice& d_;
+};
+
+// RC on-demand paging for both roles of an RDMA WRITE: the requester reads
+// local memory (SEND capability) and the responder writes it (WRITE).
+bool rcOnDemand(ibv_context* ctx) {
+  ibv_device_attr_ex ax{};
+  if (ibv_query_device_ex(ctx, nullptr, &ax)) return false;
+  uint32_t need = IBV_ODP_SUPPORT_SEND | IBV_ODP_SUPPORT_WRITE;
+  return (ax.odp_caps.general_caps & IBV_ODP_SUPPORT) && (ax.odp_caps.per_transport_caps.rc_odp_caps & need) == need;
+}
 
 std::string readSys(const std::string& path) {
   std::ifstream in(path);
@@ -153,6 +182,11 @@ std::shared_ptr<IbDevice> ibOpenDevice(std::string* why) {
     *why = strf("ibv_alloc_pd on %s: %s", found->name.c_str(), strerror(errno));
     return nullptr;
   }
+  found->onDemand = rcOnDemand(found->ctx);
+  found->registrar = std::make_unique<IbRegistrar>(*found);
+  RegCacheLimits lim;
+  lim.maxBytes = size_t(config().ibRegCacheBytes);
+  found->regCache = std::make_unique<RegCache>(*found->registrar, lim, size_t(sysconf(_SC_PAGESIZE)));
   int fl = fcntl(found->ctx->async_fd, F_GETFL);
   fcntl(found->ctx->async_fd, F_SETFL, fl | O_NONBLOCK);
   return found;

@@ -12,6 +12,7 @@
 #include <mutex>
 
 #include "src/core/clock.h"
+#include "src/core/config.h"
 #include "src/core/error.h"
 #include "src/core/log.h"
 #include "transports/ibverbs/ib_connection.h"
@@ -96,6 +97,7 @@ class IbTransport : public Transport {
     IbConnRecord mine{kIbRecordMagic, kIbVersion, {}, env_.commTag, env_.rank, ch, 0, 0, 0, 0, 0, 0, 0};
     memcpy(mine.secret, env_.secret, 16);
     c->fillRecord(&mine);
+    mine.directKiB = uint32_t(std::min<int64_t>((config().ibRendezvousBytes + 1023) >> 10, UINT32_MAX));
     IbConnRecord theirs{};
     int fd;
     if (env_.rank > peer) {
@@ -109,7 +111,11 @@ class IbTransport : public Transport {
       sendAll(fd, &mine, sizeof mine, deadline);
     }
     track(fd);
+    // The rendezvous threshold: the larger of the two ends' (off if either is off).
+    uint64_t kib = mine.directKiB && theirs.directKiB ? std::max(mine.directKiB, theirs.directKiB) : 0;
+    c->setDirectMin(size_t(kib) << 10);
     c->start(theirs, peers_[size_t(peer)], fd);
+    c->track(live_);
     // Both QPs are ready to receive before either side writes.
     char ready = 1;
     sendAll(fd, &ready, 1, deadline);
@@ -124,11 +130,32 @@ class IbTransport : public Transport {
   }
 
   void abort() override {
+    {
+      std::lock_guard<std::mutex> lock(live_->mu);
+      live_->aborted = true;
+      for (IbConnection* c : live_->conns) c->stopRemoteAccess();
+    }
     std::lock_guard<std::mutex> lock(fdMutex_);
     for (int fd : fds_) shutdown(fd, SHUT_RDWR);
   }
 
   CostLink costAs() const override { return CostLink::Verbs; }
+
+  // loomCommRegister: a pinned MR in the registration cache, which the
+  // rendezvous then finds without registering again.  A range that cannot
+  // be registered is only a warning: its transfers register per operation.
+  std::shared_ptr<void> registerBuffer(void* ptr, size_t bytes, MemoryKind kind) override {
+    if (!dev_ || (kind != MemoryKind::Host && kind != MemoryKind::RegisteredHost)) return nullptr;
+    RegCache::Entry* e =
+        dev_->regCache->pin(ptr, bytes, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE, 0);  // read-only: sends only
+    if (!e) {
+      LOOM_WARN("NET", "rank %d: cannot register %zu bytes at %p with %s (transfers will register per operation)",
+                env_.rank, bytes, ptr, dev_->name.c_str());
+      return nullptr;
+    }
+    std::shared_ptr<IbDevice> dev = dev_;
+    return std::shared_ptr<void>(e, [dev](void* p) { dev->regCache->unpin(static_cast<RegCache::Entry*>(p)); });
+  }
 
  private:
   struct Pending {
@@ -219,6 +246,7 @@ class IbTransport : public Transport {
   int listenFd_ = -1;
   std::vector<IbRecord> peers_;
   std::map<std::pair<int, int>, Pending> accepted_;
+  std::shared_ptr<IbLiveSet> live_ = std::make_shared<IbLiveSet>();
   std::mutex fdMutex_;
   std::vector<int> fds_;  // setup sockets, shut down on abort (under fdMutex_)
 };

@@ -24,6 +24,15 @@
 // peer (faster than RC retry exhaustion), and abort() shuts it down so
 // that peers learn at once.
 //
+// Rendezvous (Connection::direct(), transports/transport.h): a step of at
+// least the agreed threshold (IbConnRecord::directKiB, the larger of the two
+// ends' LOOM_IB_RENDEZVOUS_BYTES) starts with a request slot in the ring;
+// the receiver writes a clear-to-send (its buffer's address, size and rkey)
+// into the control area behind the sender's receive ring, with an immediate
+// of type 11/CTS; the sender RDMA-writes its buffer there, the last write
+// with an immediate of type 11/FIN, which RC delivers after the data.  User
+// memory is registered through the device's RegCache (ib_reg_cache.h).
+//
 // Sleeping: each connection's CQ has a completion channel whose fd (and
 // the socket's) go into the sleeping rank's poll set; addPollFds() arms the
 // CQ before the caller's last look for work, so no completion is missed.
@@ -72,7 +81,7 @@ struct IbConnRecord {
   uint32_t ringRkey;
   uint32_t slots;
   uint32_t stride;
-  uint32_t pad;
+  uint32_t directKiB;  // LOOM_IB_RENDEZVOUS_BYTES in KiB, rounded up (0: off)
 };
 
 // Checks rank r's init record (bytes from the network; n must be
