@@ -159,7 +159,7 @@ TEST_CASE("ibverbs registration cache: unused entries past the byte or entry lim
   CHECK(r.live() == live0 + 2);
 }
 
-TEST_CASE("ibverbs registration cache: invalidated ranges are never found again; entries in use go at their last release", "[ibverbs][regcache]") {
+TEST_CASE("ibverbs registration cache: invalidated ranges are never found again, entries in use go at their last release", "[ibverbs][regcache]") {
   RecordingRegistrar r(true);
   Cache c(r, loom::RegCacheLimits{});
   c.release(c.acquire(at(0x100000), 0x10000, 0));
