@@ -168,7 +168,7 @@ void directCheckStalled(const DirectContext& ctx, int peer, const SlotTag& mine)
 template <class Ready>
 void directWait(DirectContext& ctx, Ready ready, int peer, const SlotTag& tag, const char* what) {
   if (ready()) return;
-  Backoff backoff(ctx.env.spinUs(), ctx.env.oversubscribed());
+  Backoff backoff(ctx.env.spinUs(), ctx.env.oversubscribed(), ctx.env.cpuContention());
   int64_t lastCheck = nowNs();
   std::vector<pollfd> none;
   for (;;) {

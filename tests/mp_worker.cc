@@ -34,6 +34,12 @@
 //   mp-worker rendezvouskill VICTIM BYTES DIR   rank 0 sends BYTES to rank 1 again
 //                          and again; VICTIM dies (SIGKILL) 300 ms into the third
 //                          transfer; the other writes what it got to DIR/rank<r>
+//   mp-worker cpubind bound|unbound [launcher]   LOOM_CPU_BIND: after init every
+//                          thread (one started before init too) runs on the
+//                          rank's new CPU set, local ranks' sets are even
+//                          contiguous blocks (bound), or the sets are what they
+//                          were (unbound); launcher: each rank binds itself to
+//                          CPU rank % ncpu before init, as mpirun would
 //   mp-worker dump         rank 1 is late: rank 0 checks loomCommDump, the
 //                          LOOM_DUMP_SIGNAL output and its timeout message
 //   mp-worker shrink MODE VICTIMS B DIR   the survivors of dead ranks revoke
@@ -58,11 +64,14 @@
 //                          leaves them out by itself): the connected side gets an exact
 //                          communicator, the cut side an error.  Writes DIR/rank<r>.
 #include <fcntl.h>
+#include <sched.h>
+#include <sys/syscall.h>
 #include <dirent.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -1550,6 +1559,111 @@ static int scenarioRendezvousKill(int victim, size_t bytes, const std::string& d
   return 1;
 }
 
+// LOOM_CPU_BIND (src/topology/cpu_bind.h), seen from the ranks.
+static std::vector<int> cpusOf(pid_t tid) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> v;
+  if (sched_getaffinity(tid, sizeof set, &set) != 0) return v;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &set)) v.push_back(c);
+  return v;
+}
+
+static std::string cpuText(const std::vector<int>& v) {
+  std::string s;
+  for (int c : v) s += (s.empty() ? "" : ",") + std::to_string(c);
+  return "{" + s + "}";
+}
+
+static int scenarioCpuBind(bool expectBound, bool launcher) {
+  const char* rankEnv = getenv("LOOM_RANK");
+  gRank = rankEnv ? atoi(rankEnv) : 0;
+  std::vector<int> start = cpusOf(0);
+  if (start.empty()) {
+    fprintf(stderr, "rank %d: sched_getaffinity failed\n", gRank);
+    return 1;
+  }
+  if (launcher) {  // a launcher's binding: CPU rank % ncpu
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(start[size_t(gRank) % start.size()], &set);
+    if (sched_setaffinity(0, sizeof set, &set) != 0) {
+      fprintf(stderr, "rank %d: sched_setaffinity failed\n", gRank);
+      return 1;
+    }
+  }
+  const std::vector<int> before = cpusOf(0);
+  // A thread that exists before init, as an application's would.
+  std::atomic<pid_t> tid{0};
+  std::atomic<bool> stop{false};
+  std::thread t([&] {
+    tid.store(pid_t(syscall(SYS_gettid)));
+    while (!stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  while (!tid.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  // Both of the thread's sets are read before and after init: a thread
+  // created before init started with the process's set.
+  const std::vector<int> threadBefore = cpusOf(tid.load());
+  loomComm_t comm;
+  CHECK_LOOM(loomCommInitFromEnv(&comm));
+  CHECK_LOOM(loomCommUserRank(comm, &gRank));
+  CHECK_LOOM(loomCommCount(comm, &gSize));
+  const std::vector<int> after = cpusOf(0), threadAfter = cpusOf(tid.load());
+  stop.store(true);
+  t.join();
+  expect(threadBefore == before, "the thread started on the process's CPUs");
+  // Everyone's sets, as 1024-bit masks.
+  constexpr int kWords = 16;
+  std::vector<uint64_t> mine(size_t(kWords), 0), all(size_t(kWords) * size_t(gSize), 0);
+  for (int c : after)
+    if (c < 64 * kWords) mine[size_t(c / 64)] |= uint64_t(1) << (c % 64);
+  CHECK_LOOM(loomAllGather(mine.data(), all.data(), kWords, loomUint64, comm, nullptr));
+  CHECK_LOOM(loomStreamSynchronize(nullptr));
+  std::vector<std::vector<int>> sets(static_cast<size_t>(gSize));
+  for (int r = 0; r < gSize; ++r)
+    for (int c = 0; c < 64 * kWords; ++c)
+      if (all[size_t(r) * kWords + size_t(c / 64)] >> (c % 64) & 1) sets[size_t(r)].push_back(c);
+  if (!expectBound) {
+    expect(after == before, "unbound: CPUs " + cpuText(after) + " after init, " + cpuText(before) + " before");
+    expect(threadAfter == threadBefore, "unbound: the other thread's CPUs are unchanged");
+  } else {
+    expect(threadAfter == after, "the thread started before init runs on " + cpuText(threadAfter) +
+                                     ", the rank on " + cpuText(after));
+    const int ncpu = int(start.size());
+    for (int r = 0; r < gSize; ++r) {
+      const std::vector<int>& v = sets[size_t(r)];
+      expect(!v.empty(), "rank " + std::to_string(r) + " has CPUs");
+      for (int c : v)
+        expect(std::find(start.begin(), start.end(), c) != start.end(),
+               "rank " + std::to_string(r) + "'s CPU " + std::to_string(c) + " is one the job may use");
+      if (gSize >= ncpu) expect(v.size() == 1, "oversubscribed: rank " + std::to_string(r) + " on one CPU, " +
+                                                   cpuText(v));
+      // Contiguous blocks in rank order: a later rank never sits below an
+      // earlier one, and ranks on one CPU differ by at most one in count.
+      if (r > 0 && !v.empty() && !sets[size_t(r - 1)].empty())
+        expect(v.front() >= sets[size_t(r - 1)].back() || (gSize > ncpu && v == sets[size_t(r - 1)]),
+               "rank " + std::to_string(r) + "'s CPUs " + cpuText(v) + " follow rank " + std::to_string(r - 1) +
+                   "'s " + cpuText(sets[size_t(r - 1)]));
+    }
+    std::vector<int> perCpu(size_t(start.back()) + 1, 0);
+    for (const auto& v : sets)
+      for (int c : v) ++perCpu[size_t(c)];
+    int lo = 1 << 30, hi = 0;
+    for (int c : start) lo = std::min(lo, perCpu[size_t(c)]), hi = std::max(hi, perCpu[size_t(c)]);
+    expect(hi - lo <= 1, "every CPU has an even share of the ranks (" + std::to_string(lo) + ".." +
+                             std::to_string(hi) + " per CPU)");
+  }
+  // And collectives still work on the new placement.
+  std::vector<int32_t> x(1027, gRank + 1);
+  CHECK_LOOM(loomAllReduce(x.data(), x.data(), x.size(), loomInt32, loomSum, comm, nullptr));
+  CHECK_LOOM(loomStreamSynchronize(nullptr));
+  expect(x[0] == gSize * (gSize + 1) / 2 && x[1026] == x[0], "all-reduce after binding is exact");
+  CHECK_LOOM(loomCommDestroy(comm));
+  if (gFailures) fprintf(stderr, "rank %d: %d checks failed\n", gRank, gFailures);
+  return gFailures ? 1 : 0;
+}
+
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   if (argc < 2) {
@@ -1579,6 +1693,8 @@ int main(int argc, char** argv) {
     }
     return scenarioShrink(argv[2], parseList(argv[3]), strtoull(argv[4], nullptr, 10), argv[5]);
   }
+  if (sc == "cpubind")
+    return scenarioCpuBind(argc > 2 && strcmp(argv[2], "bound") == 0, argc > 3 && strcmp(argv[3], "launcher") == 0);
   if (sc == "taggedfault") return scenarioTaggedFault(argc > 2 ? argv[2] : "one");
   if (sc == "rendezvouskill") {
     if (argc < 5) {

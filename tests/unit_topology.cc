@@ -16,6 +16,7 @@
 
 #include "src/core/error.h"
 #include "src/topology/comm_topology.h"
+#include "src/topology/cpu_bind.h"
 #include "src/topology/numa.h"
 #include "src/topology/nvml.h"
 #include "src/topology/topology.h"
@@ -289,4 +290,69 @@ TEST_CASE("communicator topology: host groups, local ranks, NUMA link classes", 
   CHECK(std::string(linkClassName(LinkClass::ShmCrossNuma)) == "shm_xnuma");
   CommTopology even({"x", "x", "y", "y"}, {rt(0), rt(0), rt(0), rt(0)});
   CHECK(even.uniformHosts());
+}
+
+// LOOM_CPU_BIND's plan (src/topology/cpu_bind.h).
+TEST_CASE("cpu binding: oversubscribed ranks share CPUs in contiguous blocks", "[topology][cpubind]") {
+  const std::vector<int> two{0, 1};
+  std::vector<std::vector<int>> got;
+  for (int i = 0; i < 8; ++i) got.push_back(planCpuBind(CpuBindMode::Auto, i, 8, two, true).cpus);
+  for (int i = 0; i < 8; ++i) {
+    INFO("local rank " << i);
+    CHECK(got[size_t(i)] == std::vector<int>{i < 4 ? 0 : 1});
+  }
+  // Uneven: 3 ranks on 2 CPUs, CPU numbers from the allowed set, not 0..n-1.
+  const std::vector<int> odd{4, 9};
+  CHECK(planCpuBind(CpuBindMode::Auto, 0, 3, odd, true).cpus == std::vector<int>{4});
+  CHECK(planCpuBind(CpuBindMode::Auto, 1, 3, odd, true).cpus == std::vector<int>{4});
+  CHECK(planCpuBind(CpuBindMode::Auto, 2, 3, odd, true).cpus == std::vector<int>{9});
+  CHECK_THAT(planCpuBind(CpuBindMode::Auto, 2, 3, odd, true).why, Catch::Contains("oversubscribed"));
+}
+
+TEST_CASE("cpu binding: auto leaves enough CPUs, off and a launcher's binding alone, on splits the CPUs",
+          "[topology][cpubind]") {
+  const std::vector<int> four{0, 1, 2, 3};
+  CpuBindPlan p = planCpuBind(CpuBindMode::Auto, 1, 4, four, true);
+  CHECK(p.cpus.empty());
+  CHECK_THAT(p.why, Catch::Contains("not bound"));
+  p = planCpuBind(CpuBindMode::Off, 1, 8, four, true);
+  CHECK(p.cpus.empty());
+  CHECK_THAT(p.why, Catch::Contains("LOOM_CPU_BIND=off"));
+  p = planCpuBind(CpuBindMode::Auto, 1, 8, four, false);
+  CHECK(p.cpus.empty());
+  CHECK_THAT(p.why, Catch::Contains("launcher"));
+  p = planCpuBind(CpuBindMode::On, 1, 8, four, false);
+  CHECK(p.cpus.empty());  // on keeps a launcher's binding too
+  CHECK(planCpuBind(CpuBindMode::On, 0, 2, four, true).cpus == std::vector<int>({0, 1}));
+  CHECK(planCpuBind(CpuBindMode::On, 1, 2, four, true).cpus == std::vector<int>({2, 3}));
+  CHECK(planCpuBind(CpuBindMode::On, 2, 3, four, true).cpus == std::vector<int>({2, 3}));
+  CHECK(planCpuBind(CpuBindMode::On, 0, 1, four, true).cpus == four);
+  // Nonsense input binds nothing.
+  CHECK(planCpuBind(CpuBindMode::On, 3, 2, four, true).cpus.empty());
+  CHECK(planCpuBind(CpuBindMode::On, 0, 2, {}, true).cpus.empty());
+}
+
+TEST_CASE("cpu binding: mode parsing, CPU lists and set hashes", "[topology][cpubind]") {
+  bool bad = true;
+  CHECK(parseCpuBindMode("auto", &bad) == CpuBindMode::Auto);
+  CHECK_FALSE(bad);
+  CHECK(parseCpuBindMode("", &bad) == CpuBindMode::Auto);
+  CHECK(parseCpuBindMode("on", &bad) == CpuBindMode::On);
+  CHECK(parseCpuBindMode("0", &bad) == CpuBindMode::Off);
+  CHECK_FALSE(bad);
+  CHECK(parseCpuBindMode("cores", &bad) == CpuBindMode::Auto);
+  CHECK(bad);
+  CHECK(formatCpuList({0, 1, 2, 3, 6, 8, 9}) == "0-3,6,8-9");
+  CHECK(formatCpuList({}) == "(none)");
+  CHECK(cpuSetHash({0, 1}) == cpuSetHash({0, 1}));
+  CHECK(cpuSetHash({0, 1}) != cpuSetHash({0}));
+  CHECK(cpuSetHash({0, 1}) != cpuSetHash({1, 2}));
+  // This process: what the kernel says it may use.
+  std::vector<int> mine = allowedCpus();
+  REQUIRE(!mine.empty());
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  REQUIRE(sched_getaffinity(0, sizeof set, &set) == 0);
+  CHECK(int(mine.size()) == CPU_COUNT(&set));
+  for (int c : mine) CHECK(CPU_ISSET(c, &set));
 }

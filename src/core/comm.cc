@@ -17,6 +17,7 @@
 #include "src/core/log.h"
 #include "src/device/device_choice.h"
 #include "src/device/host_reduce.h"
+#include "src/topology/cpu_bind.h"
 #include "src/tuner/tuner.h"
 
 using namespace loom;
@@ -129,6 +130,8 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
   snprintf(mine.transports, sizeof mine.transports, "%s", cfg.transports.c_str());
   fillRandom(&mine.commTag, sizeof mine.commTag);
   mine.topo = localRankTopo(advertise.ss);
+  const std::vector<int> cpus = allowedCpus();
+  mine.cpuSet = cpuSetHash(cpus);
   // The control socket listens where the tcp transport would.
   ctl_ = std::make_unique<Control>(rank, nranks, id.secret,
                                    cfg.socketIfname.empty() ? resolveAddr(advertise.ss.ss_family == AF_INET6 ? "::" : "0.0.0.0", 0)
@@ -167,6 +170,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
     rankTopos.push_back(p.topo);
   }
   topology_ = CommTopology(hostIds, rankTopos);
+  bindToCpus(cpus);
   tuner_ = std::make_unique<Tuner>(cfg);
 
   TransportEnv env;
@@ -191,7 +195,9 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
 
   int local = 0;
   for (int r = 0; r < nranks; ++r) local += r != rank && env.sameHost(r);
-  oversubscribed_ = long(local + 1) > sysconf(_SC_NPROCESSORS_ONLN);
+  // More ranks on this host than the CPUs they may use (taskset, a cgroup's
+  // cpuset: not just the machine's online CPUs; before any LOOM_CPU_BIND).
+  oversubscribed_ = size_t(local + 1) > (cpus.empty() ? size_t(sysconf(_SC_NPROCESSORS_ONLN)) : cpus.size());
   limits_.maxChannels = maxChannels_;
   limits_.oneShotBytes = peerMem_ ? directLayout_.mailBytes : 0;
   limits_.stageBytes = peerMem_ ? directLayout_.stageBytes : 0;
@@ -268,6 +274,32 @@ bool loomComm::devicePeerGone(int peer, std::string* why) {
   }
   *why = "its control socket refuses";
   return true;
+}
+
+void loomComm::bindToCpus(const std::vector<int>& allowed) {
+  const Config& cfg = config();
+  bool bad = false;
+  const CpuBindMode mode = parseCpuBindMode(cfg.cpuBind, &bad);
+  if (bad) LOOM_WARN("INIT", "ignoring LOOM_CPU_BIND=%s: expected auto, on or off", cfg.cpuBind.c_str());
+  const RankInfo& me = peers_[size_t(rank_)];
+  int index = 0, count = 0;
+  bool sameSet = true;
+  for (int r = 0; r < nranks_; ++r) {
+    const RankInfo& p = peers_[size_t(r)];
+    if (strncmp(p.hostId, me.hostId, sizeof p.hostId) != 0) continue;
+    index += r < rank_;
+    ++count;
+    sameSet = sameSet && p.cpuSet == me.cpuSet;
+  }
+  CpuBindPlan plan = planCpuBind(mode, index, count, allowed, sameSet);
+  if (!plan.cpus.empty()) {
+    std::string err = bindProcessToCpus(plan.cpus);
+    if (!err.empty()) {
+      LOOM_WARN("INIT", "rank %d: LOOM_CPU_BIND: %s (%s); running unbound", rank_, err.c_str(), plan.why.c_str());
+      return;
+    }
+  }
+  LOOM_INFO("INIT", "rank %d: %s", rank_, plan.why.c_str());
 }
 
 void loomComm::initTransports(Bootstrap& boot, const TransportEnv& env) {

@@ -45,6 +45,7 @@ struct RankInfo {
   sockaddr_storage ctlAddr;  // this rank's control socket (src/core/control.h)
   uint32_t ctlLen;
   uint32_t pad2;
+  uint64_t cpuSet;     // cpuSetHash of the CPUs it may run on (src/topology/cpu_bind.h)
 };
 
 // Checks the record rank `r` sent during init (bytes from the network):
@@ -162,6 +163,7 @@ struct loomComm : public loom::ExecEnv,
   }
   int64_t spinUs() const override { return spinUs_; }
   bool oversubscribed() const override { return oversubscribed_; }
+  std::atomic<uint32_t>* cpuContention() override { return &cpuContention_; }
   bool checkMode() const override { return checkMode_; }
   void checkStalled(const loom::SlotTag& mine, int peer) override;
   void checkOtherPath(const loom::SlotTag& mine, int peer) override;
@@ -199,6 +201,10 @@ struct loomComm : public loom::ExecEnv,
   // the peers it reaches that no earlier one took.
   void initTransports(loom::Bootstrap& boot, const loom::TransportEnv& env);
   void initTuner(loom::Bootstrap& boot);
+  // LOOM_CPU_BIND (src/topology/cpu_bind.h): binds this process when its
+  // host is oversubscribed and no launcher bound the ranks; `allowed` is
+  // what it reported in its RankInfo.
+  void bindToCpus(const std::vector<int>& allowed);
   void runDirect(loom::Algorithm algo, const loom::OpDesc& op, const loom::SlotTag& tag);
   loom::DirectContext directContext();
   // LOOM_TRACE: one event for a run of ops that started at beginUs.
@@ -211,6 +217,7 @@ struct loomComm : public loom::ExecEnv,
   bool checkMode_ = true;
   int maxChannels_ = 4;
   bool oversubscribed_ = false;
+  std::atomic<uint32_t> cpuContention_{0};
   std::unique_ptr<loom::Tuner> tuner_;
   loom::TunerLimits limits_;
   std::vector<loom::RankInfo> peers_;

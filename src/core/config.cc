@@ -55,6 +55,11 @@ const std::vector<ConfigVar>& configTable() {
       {"LOOM_SPIN_US", "int", "20",
        "microseconds a waiting rank spins before it sleeps (futex / poll); when a host runs more ranks "
        "than cores the spin yields the CPU"},
+      {"LOOM_CPU_BIND", "auto|on|off", "auto",
+       "auto: when a host runs more ranks than they may use CPUs and every rank of the host has the same CPU set "
+       "(nobody bound them), each rank binds all its threads to an even share of that set at init, ranks of the "
+       "host in contiguous blocks; on: bind even without oversubscription; off: never (a launcher's binding is "
+       "always kept)"},
       {"LOOM_SLOT_BYTES", "int", "65536", "bytes per slot of a connection (the slice size)"},
       {"LOOM_SLOTS", "int", "8", "slots per connection ring (pipelining depth)"},
       {"LOOM_TAGGED_EAGER_BYTES", "int", "1048576",
@@ -160,6 +165,7 @@ static Config readConfig() {
   c.hostId = envStr("LOOM_HOST_ID");
   c.topoFile = envStr("LOOM_TOPO_FILE");
   c.spinUs = envInt("LOOM_SPIN_US", 20, 0, 10000000);
+  c.cpuBind = envStr("LOOM_CPU_BIND", "auto");
   c.slotBytes = envInt("LOOM_SLOT_BYTES", 65536, 4096, 64 << 20) & ~int64_t(63);
   c.slots = envInt("LOOM_SLOTS", 8, 2, 1024);
   c.shmSmallBytes = envInt("LOOM_SHM_SMALL_BYTES", 16384, 0, 1 << 20) & ~int64_t(63);

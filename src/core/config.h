@@ -33,6 +33,7 @@ struct Config {
   std::string hostId;         // LOOM_HOST_ID
   std::string topoFile;       // LOOM_TOPO_FILE
   int64_t spinUs;             // LOOM_SPIN_US
+  std::string cpuBind;        // LOOM_CPU_BIND (checked by parseCpuBindMode)
   int64_t slotBytes;          // LOOM_SLOT_BYTES
   int64_t slots;              // LOOM_SLOTS
   int64_t shmSmallBytes;      // LOOM_SHM_SMALL_BYTES

@@ -134,7 +134,7 @@ class Runner {
   }
 
   uint64_t run() {
-    Backoff backoff(env_.spinUs(), env_.oversubscribed());
+    Backoff backoff(env_.spinUs(), env_.oversubscribed(), env_.cpuContention());
     int64_t lastCheck = 0;
     for (;;) {
       bool progressed = pass();

@@ -56,6 +56,9 @@ class ExecEnv {
   virtual int64_t spinUs() const = 0;
   // True when this host runs more ranks than cores (spin by yielding).
   virtual bool oversubscribed() const { return false; }
+  // Shared by the communicator's waits: evidence that its ranks share CPUs
+  // with other work (src/core/backoff.h); nullptr: none kept.
+  virtual std::atomic<uint32_t>* cpuContention() { return nullptr; }
   virtual bool checkMode() const = 0;
   // LOOM_TRACE's recorder (src/core/trace.h), nullptr when not tracing.
   virtual Tracer* tracer() { return nullptr; }

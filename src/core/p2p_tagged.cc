@@ -61,7 +61,7 @@ loomResult_t TaggedP2P::run(ExecEnv& env, TaggedHost& host, const std::vector<Op
   // Posted receives take stashed messages first, in posting order.
   for (size_t i = 0; i < recvs_.size(); ++i) postFromStash(i);
 
-  Backoff backoff(env.spinUs(), env.oversubscribed());
+  Backoff backoff(env.spinUs(), env.oversubscribed(), env.cpuContention());
   int64_t lastCheck = nowNs();
   std::vector<pollfd> fds;
   for (;;) {
