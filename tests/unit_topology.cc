@@ -14,6 +14,7 @@
 #include <set>
 #include <string>
 
+#include "src/core/backoff.h"
 #include "src/core/error.h"
 #include "src/topology/comm_topology.h"
 #include "src/topology/cpu_bind.h"
@@ -355,4 +356,24 @@ TEST_CASE("cpu binding: mode parsing, CPU lists and set hashes", "[topology][cpu
   REQUIRE(sched_getaffinity(0, sizeof set, &set) == 0);
   CHECK(int(mine.size()) == CPU_COUNT(&set));
   for (int c : mine) CHECK(CPU_ISSET(c, &set));
+}
+
+TEST_CASE("waiting: a long yield marks the CPU shared, quick yields wear the mark off", "[cpubind]") {
+  std::atomic<uint32_t> c{0};
+  Backoff::noteYield(c, 500);  // quick, nothing marked: stays 0
+  CHECK(c.load() == 0);
+  Backoff::noteYield(c, Backoff::kSharedYieldNs + 1);
+  CHECK(c.load() == Backoff::kContentionMemory);
+  Backoff::noteYield(c, Backoff::kSharedYieldNs);  // not longer than the bound: quick
+  CHECK(c.load() == Backoff::kContentionMemory - 1);
+  for (uint32_t i = 0; i < Backoff::kContentionMemory + 10; ++i) Backoff::noteYield(c, 100);
+  CHECK(c.load() == 0);
+  Backoff::noteYield(c, 100);
+  Backoff::noteYield(c, 1000000);  // one long one restores the whole mark
+  CHECK(c.load() == Backoff::kContentionMemory);
+  // A Backoff spins only while its budget lasts, contended or not.
+  Backoff none(0, false, &c);
+  CHECK_FALSE(none.spin());
+  Backoff some(1000, false, &c);
+  CHECK(some.spin());
 }

@@ -54,7 +54,7 @@ class Backoff {
     } else if (now - start_ > kPauseOnlyNs ||
                (contention_ && contention_->load(std::memory_order_relaxed) != 0)) {
       sched_yield();
-      if (contention_) noteYield(nowNs() - now);
+      if (contention_) noteYield(*contention_, nowNs() - now);
     } else {
       cpuRelax();
     }
@@ -68,16 +68,17 @@ class Backoff {
   static constexpr int64_t kSharedYieldNs = 3000;
   // Each long yield sets the count to this; each quick one lowers it by one.
   static constexpr uint32_t kContentionMemory = 256;
-
- private:
-  void noteYield(int64_t ns) {
+  // What a yield of `ns` nanoseconds says about the CPU (tested on its own).
+  static void noteYield(std::atomic<uint32_t>& contention, int64_t ns) {
     if (ns > kSharedYieldNs) {
-      contention_->store(kContentionMemory, std::memory_order_relaxed);
+      contention.store(kContentionMemory, std::memory_order_relaxed);
     } else {
-      uint32_t c = contention_->load(std::memory_order_relaxed);
-      if (c) contention_->store(c - 1, std::memory_order_relaxed);  // racy decrement: a hint
+      uint32_t c = contention.load(std::memory_order_relaxed);
+      if (c) contention.store(c - 1, std::memory_order_relaxed);  // racy decrement: a hint
     }
   }
+
+ private:
   static constexpr int64_t kPauseOnlyNs = 2000;
   int64_t spinNs_;
   bool yield_;
