@@ -59,8 +59,8 @@ namespace loom {
 // Fixed-size record each rank contributes to the bootstrap allGather.
 constexpr size_t kUcxAddrMax = 4088;
 struct UcxAddrRecord {
-  uint32_t len;    // 0: this rank has no UCX worker for this communicator
-  uint32_t pad;
+  uint32_t len;        // 0: this rank has no UCX worker for this communicator
+  uint32_t directKiB;  // its LOOM_UCX_RENDEZVOUS_BYTES in KiB (0: no direct transfers)
   uint8_t addr[kUcxAddrMax];
 };
 static_assert(sizeof(UcxAddrRecord) == 4096, "UcxAddrRecord is a wire format");
@@ -68,8 +68,9 @@ static_assert(sizeof(UcxAddrRecord) == 4096, "UcxAddrRecord is a wire format");
 class UcxWorker;
 
 // Creates a context and worker.  tls: value for UCX_TLS ("" = UCX's own
-// environment / default).  On failure returns nullptr and says why.
-std::shared_ptr<UcxWorker> ucxCreateWorker(int rank, const std::string& tls, std::string* why);
+// environment / default); slotBytes: the connections' slot payload (slot
+// messages up to that size go eager).  On failure returns nullptr and says why.
+std::shared_ptr<UcxWorker> ucxCreateWorker(int rank, const std::string& tls, size_t slotBytes, std::string* why);
 // This worker's address as a bootstrap record (len 0 and *why if too big).
 UcxAddrRecord ucxAddress(UcxWorker& w, std::string* why);
 // Remembers peer `peer`'s address; its endpoint is made on first use.
@@ -78,8 +79,11 @@ void ucxSetPeerAddress(UcxWorker& w, int peer, const UcxAddrRecord& rec);
 // peerPid > 0: the peer is a process on this host (same pid namespace),
 // watched directly when UCX reaches it only through transports without
 // peer-failure handling (UCX 1.13's shared memory); 0 otherwise.
+// directMin: point-to-point steps of at least this many bytes go as direct
+// transfers (0: never); both ends must pass the same value.
 std::unique_ptr<Connection> makeUcxConnection(std::shared_ptr<UcxWorker> w, int rank, int peer,
-                                              int channel, size_t slotBytes, int slots, int peerPid);
+                                              int channel, size_t slotBytes, int slots, int peerPid,
+                                              size_t directMin);
 
 // The plug-in (ucx_plugin.cc): one worker per communicator, made when some
 // peer is left for UCX; its address is the init record (UcxAddrRecord).
