@@ -567,7 +567,7 @@ class UcxConnection : public Connection, public DirectTransfer {
     progress();
     const SlotOp& op = r_->directSend;
     if (op.busy) return State::Waiting;
-    if (op.status != UCS_OK) failPeer("sending directly");
+    if (op.status != UCS_OK) failPeer("sending directly", op.status);
     if (directSendBytes_) {
       LOOM_TRACE("NET", "rank %d: direct transfer of %zu bytes to rank %d (channel %d) done over UCX", rank_,
                  directSendBytes_, peer_, channel_);
@@ -605,7 +605,7 @@ class UcxConnection : public Connection, public DirectTransfer {
     if (op.status == UCS_ERR_MESSAGE_TRUNCATED)
       fail(loomRemoteError, "rank %d: rank %d sent more than the %zu bytes of its direct transfer over UCX "
            "(channel %d)", rank_, peer_, directBytes_, channel_);
-    if (op.status != UCS_OK) failPeer("receiving directly");
+    if (op.status != UCS_OK) failPeer("receiving directly", op.status);
     if (!directBytes_) return State::Done;  // (reported before)
     if (op.length != directBytes_)
       fail(loomRemoteError, "rank %d: rank %d sent %zu bytes in a direct transfer of %zu over UCX (channel %d)",
@@ -698,8 +698,10 @@ class UcxConnection : public Connection, public DirectTransfer {
     if (op.busy) op.req = r;
   }
 
-  [[noreturn]] void failPeer(const char* doing) {
+  // seen: the failed request's own status, if any.
+  [[noreturn]] void failPeer(const char* doing, ucs_status_t seen = UCS_OK) {
     ucs_status_t s = w_->peerError(peer_);
+    if (s == UCS_OK) s = seen;
     for (const SlotOp& op : r_->sendOps)
       if (s == UCS_OK && !op.busy && op.status != UCS_OK) s = op.status;
     if (w_->peerError(peer_) == UCS_ERR_ENDPOINT_TIMEOUT && pidfd_ >= 0)
