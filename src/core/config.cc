@@ -12,10 +12,12 @@
 namespace loom {
 
 // The default keeps loom's own tcp between hosts even in builds with UCX:
-// perf/ucx_compare.sh measured UCX's tcp about 2x slower than loom's tcp for
-// all-reduces of 256 KiB and more (on par at small sizes); with no RDMA NIC
-// to test UCX on, nothing here shows it faster.  LOOM_TRANSPORTS=shm,ucx,tcp
-// prefers ucx between hosts (see README).
+// perf/ucx_compare.sh -A (2026-11-24, after issue 18's eager slots and direct
+// transfers) measured all-reduces over UCX's tcp at 0.30-0.32 GB/s busbw for
+// 2-64 MiB against 0.34-0.60 for loom's tcp in the same run (one way, UCX's
+// direct transfers now beat loom's tcp); with no RDMA NIC to test UCX on,
+// nothing here shows it faster for collectives.  LOOM_TRANSPORTS=shm,ucx,tcp
+// prefers ucx between hosts (see docs/usage.md).
 static const char* const kDefaultTransports = "shm,tcp";
 
 const std::vector<ConfigVar>& configTable() {
