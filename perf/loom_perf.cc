@@ -23,7 +23,10 @@
 //   algbw = size / time;
 //   busbw = algbw * 2(n-1)/n (all_reduce), (n-1)/n (all_gather,
 //           reduce_scatter, alltoall, gather, scatter), 1 (broadcast,
-//           reduce, sendrecv).
+//           reduce, sendrecv, send).
+// send is one direction only: rank 2k sends to rank 2k+1 (a last odd rank
+// idles), the shape of `ucx_perftest -t tag_bw` or `ib_write_bw` without -b;
+// sendrecv sends and receives at once on every rank (both directions).
 // alltoall, gather and scatter take nranks*count-element buffers on the
 // side that holds every rank's block (both sides for alltoall), count per
 // rank being rounded down to a 16-byte-aligned block, as for all_gather.
@@ -61,7 +64,7 @@ namespace {
 // Collectives, datatypes, ops
 // ---------------------------------------------------------------------------
 
-enum Coll { kAllReduce, kReduceScatter, kAllGather, kBroadcast, kReduce, kSendRecv, kAllToAll, kGather, kScatter };
+enum Coll { kAllReduce, kReduceScatter, kAllGather, kBroadcast, kReduce, kSendRecv, kAllToAll, kGather, kScatter, kSend };
 
 struct CollInfo {
   Coll coll;
@@ -75,7 +78,7 @@ const CollInfo kColls[] = {
     {kAllGather, "all_gather", false, false}, {kBroadcast, "broadcast", false, true},
     {kReduce, "reduce", true, true},          {kSendRecv, "sendrecv", false, false},
     {kAllToAll, "alltoall", false, false},    {kGather, "gather", false, true},
-    {kScatter, "scatter", false, true},
+    {kScatter, "scatter", false, true},       {kSend, "send", false, false},
 };
 
 enum Kind { kSigned, kUnsigned, kF16, kBF16, kF32, kF64 };
@@ -446,7 +449,7 @@ void usage(FILE* f) {
   std::fprintf(f,
                "usage: loom-perf COLLECTIVE [options]\n"
                "  COLLECTIVE: all_reduce, reduce_scatter, all_gather, broadcast, reduce, sendrecv, alltoall,\n"
-               "              gather, scatter\n"
+               "              gather, scatter, send (one direction: rank 2k to rank 2k+1)\n"
                "  -b, --minbytes N      smallest size (default 8; suffixes K, M, G)\n"
                "  -e, --maxbytes N      largest size (default 64M)\n"
                "  -f, --stepfactor N    multiply the size by N each step (default 2, >= 2)\n"
@@ -655,12 +658,12 @@ Options parseArgs(int argc, char** argv) {
   }
   if (optind >= argc)
     badArgs("missing the collective (all_reduce, reduce_scatter, all_gather, broadcast, reduce, sendrecv, "
-            "alltoall, gather, scatter)");
+            "alltoall, gather, scatter, send)");
   if (argc - optind > 1) badArgs("unexpected argument '%s'", argv[optind + 1]);
   o.coll = parseColl(argv[optind]);
   if (!o.coll)
     badArgs("unknown collective '%s' (all_reduce, reduce_scatter, all_gather, broadcast, reduce, sendrecv, "
-            "alltoall, gather, scatter)",
+            "alltoall, gather, scatter, send)",
             argv[optind]);
   if (o.minBytes > o.maxBytes) badArgs("-b %zu is larger than -e %zu", o.minBytes, o.maxBytes);
   if (sawOp && !o.coll->reducing && envRankIsZero())
@@ -874,6 +877,12 @@ class Bench {
         LOOMCHECK(loomGroupEnd());
         break;
       }
+      case kSend:  // one direction: 2k -> 2k+1
+        if (rank_ % 2 == 0 && rank_ + 1 < n_)
+          LOOMCHECK(loomSend(sb, g.count, ti.type, rank_ + 1, comm_, stream_));
+        else if (rank_ % 2 == 1)
+          LOOMCHECK(loomRecv(rb, g.count, ti.type, rank_ - 1, comm_, stream_));
+        break;
       case kAllToAll:  // no in-place form
         LOOMCHECK(loomAllToAll(sb, rb, g.count, ti.type, comm_, stream_));
         break;
@@ -935,6 +944,7 @@ class Bench {
             fillConstT(t, recv_, total, p.sentinel);
           break;
         case kSendRecv:
+        case kSend:
         case kAllToAll: break;  // no in-place form
       }
       fillGuard(recv_ + total * elt);
@@ -964,6 +974,12 @@ class Bench {
         case kBroadcast: wrong += verifyValuesT(t, recv_, g.count, p, root, 0); break;
         case kSendRecv:
           wrong += verifyValuesT(t, recv_, g.count, p, (rank_ + n_ - 1) % n_, 0);
+          break;
+        case kSend:
+          if (rank_ % 2 == 1)
+            wrong += verifyValuesT(t, recv_, g.count, p, rank_ - 1, 0);
+          else  // senders' receive buffers are not touched
+            oob += verifyConstT(t, recv_, g.count, p.sentinel);
           break;
         case kAllToAll:
           for (size_t r = 0; r < n; ++r)
@@ -1006,6 +1022,7 @@ class Bench {
           break;
         case kScatter: wrong += verifyValuesT(t, recv_ + me * g.count * elt, g.count, p, root, me * g.count); break;
         case kSendRecv:
+        case kSend:
         case kAllToAll: break;
       }
     }
@@ -1064,7 +1081,7 @@ class Bench {
             lastSize = g.sizeBytes;
             Row row{g.sizeBytes, g.count, ti.name, opName, root, Cell(), Cell()};
             row.oop = measure(g, ti, op, false);
-            if (o_.coll->coll != kSendRecv && o_.coll->coll != kAllToAll) row.ip = measure(g, ti, op, true);
+            if (o_.coll->coll != kSendRecv && o_.coll->coll != kSend && o_.coll->coll != kAllToAll) row.ip = measure(g, ti, op, true);
             printRow(row);
             rows_.push_back(row);
           }

@@ -1,20 +1,32 @@
 #!/usr/bin/env bash
 # ucx_compare.sh: how close each loom transport gets to the raw link.
 #
-# For 2 ranks on this machine, one table with, per size:
-#   - loom-perf all_reduce (float32 sum, out of place) bus bandwidth over
-#       ucx/tcp  LOOM_TRANSPORTS=ucx UCX_TLS=tcp
-#       tcp      LOOM_TRANSPORTS=tcp   (loom's own sockets)
-#       ucx/sm   LOOM_TRANSPORTS=ucx UCX_TLS=sm
-#       shm      LOOM_TRANSPORTS=shm   (loom's own shared memory)
-#   - ucx_perftest tag_bw (UCP tagged point-to-point, one direction)
-#     bandwidth for UCX_TLS=tcp and UCX_TLS=sm: the raw link under UCX.
-# For 2 ranks an all-reduce's bus bandwidth is bytes/time, and each rank
-# sends and receives `bytes` in that time (both directions at once), so
-# busbw = 1.0 x link means loom keeps the link as busy as a one-way stream.
-# Runs alternate between the configurations size by size (A B C D A B ...),
+# The reference is `ucx_perftest -t tag_bw` (UCP tagged messages of one
+# size, one direction, a window of sends in flight), for UCX_TLS=tcp and
+# UCX_TLS=sm: the link as UCX itself drives it.  What loom does is measured
+# two ways, 2 ranks on this machine, each cell with loom-perf:
+#
+#   one-way (the like-for-like comparison): `loom-perf send`, rank 0
+#     loomSend's SIZE bytes to rank 1, one direction, as tag_bw does, over
+#       ucx      LOOM_TRANSPORTS=ucx with the same UCX_TLS (sizes from
+#                LOOM_UCX_RENDEZVOUS_BYTES go as one UCX message straight
+#                into the receiver's buffer)
+#       ucx-old  the same with LOOM_UCX_RENDEZVOUS_BYTES=0
+#                UCX_RNDV_THRESH=auto: every byte through 64 KiB slots, each
+#                a UCX rendezvous -- the ucx transport before issue 18
+#       own      loom's own transport for that link: tcp (sockets) next to
+#                UCX_TLS=tcp, shm next to UCX_TLS=sm
+#     rate = SIZE / time (GB/s); x pt = rate / perftest's rate.
+#   all-reduce (not like for like): `loom-perf all_reduce` (float32 sum, out
+#     of place) busbw over the same three.  For N = 2, busbw = SIZE / time and
+#     each rank sends and receives SIZE bytes in that time, both directions
+#     at once, plus the reduction; a one-way stream's rate is the yardstick,
+#     not the limit (on 2 shared cores both directions compete for them).
+#
+# Runs alternate between the configurations size by size (A B C ... A B C),
 # each cell the median over -r repeats; the machine's load is printed at the
-# start and at the end (shared/BENCHMARKING.md).
+# start and at the end (shared/BENCHMARKING.md).  Rates in GB/s (1e9 B/s);
+# ucx_perftest's MB/s are MiB/s and are converted.
 #
 # usage: perf/ucx_compare.sh [options]
 #   -b SIZE   smallest size (default 8; env MINBYTES)
@@ -23,9 +35,9 @@
 #   -r R      repeats per cell (default 1; env REPEATS)
 #   -B DIR    build directory (default build; env BUILD_DIR)
 #   -t SEC    time limit of one run (default 300)
-# Needs build/bin/{loom-run,loom-perf} built with UCX, and ucx_perftest
-# (Debian: ucx-utils).  Bandwidths in GB/s (1e9 bytes/s); ucx_perftest's
-# MB/s are MiB/s and are converted.
+#   -A        also the all-reduce table (default: one-way only)
+# Needs DIR/bin/{loom-run,loom-perf} built with UCX, and ucx_perftest
+# (Debian: ucx-utils).
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -36,9 +48,10 @@ STEP="${STEP:-8}"
 REPEATS="${REPEATS:-1}"
 BUILD_DIR="${BUILD_DIR:-$ROOT_DIR/build}"
 RUN_TIMEOUT=300
+ALLREDUCE=0
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
-while getopts "b:e:f:r:B:t:h" opt; do
+while getopts "b:e:f:r:B:t:Ah" opt; do
   case "$opt" in
     b) MINBYTES="$OPTARG" ;;
     e) MAXBYTES="$OPTARG" ;;
@@ -46,6 +59,7 @@ while getopts "b:e:f:r:B:t:h" opt; do
     r) REPEATS="$OPTARG" ;;
     B) BUILD_DIR="$OPTARG" ;;
     t) RUN_TIMEOUT="$OPTARG" ;;
+    A) ALLREDUCE=1 ;;
     h) usage; exit 0 ;;
     *) usage >&2; exit 2 ;;
   esac
@@ -71,6 +85,9 @@ command -v ucx_perftest >/dev/null || { echo "ucx_compare.sh: ucx_perftest not f
 if ! LOOM_TRANSPORTS=ucx "$BIN/loom-run" -n 1 -- "$BIN/loom-perf" all_reduce -b 8 -e 8 -n 1 -w 0 >/dev/null 2>&1; then
   echo "ucx_compare.sh: this loom has no ucx transport (built without UCX?)" >&2; exit 2
 fi
+if ! "$BIN/loom-perf" -h 2>/dev/null | grep -q "send (one direction"; then
+  echo "ucx_compare.sh: $BIN/loom-perf has no one-way 'send' mode (an older build)" >&2; exit 2
+fi
 PYTHON="$(command -v python3)"
 export UCX_WARN_UNUSED_ENV_VARS=n
 
@@ -82,7 +99,7 @@ SIZES+=("$MAX")
 OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
 
-echo "# ucx_compare.sh: 2 ranks on $(hostname), all_reduce float32 sum out of place, $REPEATS repeat(s)"
+echo "# ucx_compare.sh: 2 ranks on $(hostname), $REPEATS repeat(s); loom-perf send (one way)$( ((ALLREDUCE)) && echo ' and all_reduce float32 sum out of place')"
 echo "# load at start: $(cut -d' ' -f1-3 /proc/loadavg) on $(getconf _NPROCESSORS_ONLN) cpus"
 echo "# $(ucx_info -v 2>/dev/null | sed -n "s/^# Version /ucx /p")"
 
@@ -93,11 +110,11 @@ iters_for() {  # fewer iterations for large sizes
   echo "$n"
 }
 
-loom_cell() {  # name env... -> appends "name size rep busbw" to $OUT/cells
-  local name=$1 sz=$2 rep=$3; shift 3
+loom_cell() {  # name coll size rep env... -> appends "name size rep GB/s" to $OUT/cells
+  local name=$1 coll=$2 sz=$3 rep=$4; shift 4
   local n; n=$(iters_for "$sz")
   local js="$OUT/$name.$sz.$rep.json"
-  if env "$@" timeout "$RUN_TIMEOUT" "$BIN/loom-run" -n 2 -- "$BIN/loom-perf" all_reduce -b "$sz" -e "$sz" \
+  if env "$@" timeout "$RUN_TIMEOUT" "$BIN/loom-run" -n 2 -- "$BIN/loom-perf" "$coll" -b "$sz" -e "$sz" \
        -n "$n" -w 3 -c 0 --json "$js" >"$OUT/$name.$sz.$rep.txt" 2>&1; then
     "$PYTHON" -c 'import json,sys; r=json.load(open(sys.argv[1]))["rows"][0]["out_of_place"]; print(sys.argv[2], sys.argv[3], sys.argv[4], r["busbw_GBps"])' \
       "$js" "$name" "$sz" "$rep" >>"$OUT/cells"
@@ -129,25 +146,31 @@ perftest_cell() {  # name tls size rep
   fi
 }
 
+OLD=(LOOM_UCX_RENDEZVOUS_BYTES=0 UCX_RNDV_THRESH=auto)
 for sz in "${SIZES[@]}"; do
   for rep in $(seq 1 "$REPEATS"); do
-    loom_cell ucx_tcp "$sz" "$rep" LOOM_TRANSPORTS=ucx UCX_TLS=tcp
-    loom_cell tcp "$sz" "$rep" LOOM_TRANSPORTS=tcp
-    perftest_cell perftest_tcp tcp "$sz" "$rep"
-    loom_cell ucx_sm "$sz" "$rep" LOOM_TRANSPORTS=ucx UCX_TLS=sm
-    loom_cell shm "$sz" "$rep" LOOM_TRANSPORTS=shm
-    perftest_cell perftest_sm sm "$sz" "$rep"
+    for tls in tcp sm; do
+      own=$([[ $tls == tcp ]] && echo tcp || echo shm)
+      perftest_cell "pt_$tls" "$tls" "$sz" "$rep"
+      loom_cell "send_ucx_$tls" send "$sz" "$rep" LOOM_TRANSPORTS=ucx UCX_TLS=$tls
+      loom_cell "send_old_$tls" send "$sz" "$rep" LOOM_TRANSPORTS=ucx UCX_TLS=$tls "${OLD[@]}"
+      loom_cell "send_own_$tls" send "$sz" "$rep" LOOM_TRANSPORTS=$own
+      if ((ALLREDUCE)); then
+        loom_cell "ar_ucx_$tls" all_reduce "$sz" "$rep" LOOM_TRANSPORTS=ucx UCX_TLS=$tls
+        loom_cell "ar_old_$tls" all_reduce "$sz" "$rep" LOOM_TRANSPORTS=ucx UCX_TLS=$tls "${OLD[@]}"
+        loom_cell "ar_own_$tls" all_reduce "$sz" "$rep" LOOM_TRANSPORTS=$own
+      fi
+    done
   done
 done
 echo "# load at end:   $(cut -d' ' -f1-3 /proc/loadavg)"
 
-"$PYTHON" - "$OUT/cells" <<'EOF'
+"$PYTHON" - "$OUT/cells" "$ALLREDUCE" <<'EOF'
 import statistics, sys
 cells = {}
 for line in open(sys.argv[1]):
     name, size, rep, bw = line.split()
     cells.setdefault((name, int(size)), []).append(float(bw))
-cols = ["ucx_tcp", "tcp", "perftest_tcp", "ucx_sm", "shm", "perftest_sm"]
 def med(name, size):
     v = cells.get((name, size))
     return statistics.median(v) if v else None
@@ -156,13 +179,24 @@ def fmt(x):
 def ratio(a, b):
     return "    -" if a is None or not b else f"{a / b:5.2f}"
 sizes = sorted({s for _, s in cells})
-print("# busbw GB/s: loom all_reduce (N=2) over ucx/tcp, loom tcp, ucx/sm, loom shm;")
-print("# perftest_*: ucx_perftest tag_bw one-way GB/s for the same UCX_TLS; x/pt = loom busbw / perftest")
-print(f"{'size':>10} {'ucx/tcp':>7} {'tcp':>7} {'pt_tcp':>7} {'ucx/pt':>6} {'tcp/pt':>6}   "
-      f"{'ucx/sm':>7} {'shm':>7} {'pt_sm':>7} {'ucx/pt':>6} {'shm/pt':>6}")
-for s in sizes:
-    a, b, c = med("ucx_tcp", s), med("tcp", s), med("perftest_tcp", s)
-    d, e, f = med("ucx_sm", s), med("shm", s), med("perftest_sm", s)
-    print(f"{s:>10} {fmt(a)} {fmt(b)} {fmt(c)} {ratio(a, c):>6} {ratio(b, c):>6}   "
-          f"{fmt(d)} {fmt(e)} {fmt(f)} {ratio(d, f):>6} {ratio(e, f):>6}")
+def table(prefix, title):
+    print(title)
+    print(f"{'size':>10} | {'pt_tcp':>7} {'ucx':>7} {'x pt':>5} {'ucx-old':>7} {'x pt':>5} {'tcp':>7} {'x pt':>5}"
+          f" | {'pt_sm':>7} {'ucx':>7} {'x pt':>5} {'ucx-old':>7} {'x pt':>5} {'shm':>7} {'x pt':>5}")
+    for s in sizes:
+        row = f"{s:>10}"
+        for tls in ("tcp", "sm"):
+            pt = med(f"pt_{tls}", s)
+            row += f" | {fmt(pt)}"
+            for k in ("ucx", "old", "own"):
+                v = med(f"{prefix}_{k}_{tls}", s)
+                row += f" {fmt(v)} {ratio(v, pt)}"
+        print(row)
+table("send", "# one way (like for like): GB/s of loom-perf send (rank 0 -> rank 1) and ucx_perftest tag_bw (pt_*);\n"
+      "# ucx: LOOM_TRANSPORTS=ucx, same UCX_TLS; ucx-old: + LOOM_UCX_RENDEZVOUS_BYTES=0 UCX_RNDV_THRESH=auto (all slots);\n"
+      "# tcp/shm: loom's own transport; x pt = loom / perftest")
+if sys.argv[2] == "1":
+    print()
+    table("ar", "# all-reduce (N = 2, both directions at once plus the reduction; not like for like): loom-perf\n"
+          "# all_reduce busbw GB/s; x pt = busbw / perftest's one-way rate")
 EOF

@@ -156,3 +156,62 @@ TEST_CASE("over ucx a rank killed during init or as the first operation starts g
   loomtest::shrinkCase("connect", "ucx", 4, {1}, 1 << 20, {kQuiet, std::string("UCX_TLS=") + tls});
   loomtest::shrinkCase("connect0", "ucx", 3, {2}, 1 << 20, {kQuiet, std::string("UCX_TLS=") + tls});
 }
+
+TEST_CASE("loomSend/loomRecv from LOOM_UCX_RENDEZVOUS_BYTES up go as one exact UCX message and below it or when "
+          "off through the slots", "[ucx][rendezvous]") {
+  const char* tls = GENERATE("tcp", "sm");
+  INFO("UCX_TLS=" << tls);
+  // The scenario checks every byte and the guard behind each buffer, and
+  // ends with a receive larger than the send (loomInvalidUsage, nothing
+  // written).  Per size and rank: 6 sends and 6 receives (3 plain, 2 from
+  // registered buffers, 1 grouped both ways at once), each logged when it
+  // went direct.
+  std::string log = "/tmp/loom-ucx-rndv-" + std::to_string(getpid()) + ".log";
+  std::string run = ucxEnv(tls) + " LOOM_DEBUG=TRACE LOOM_DEBUG_SUBSYS=NET " + loomtest::binDir() +
+                    "/loom-run -n 2 --timeout 120 -- " + loomtest::binDir() + "/mp-worker rendezvous ";
+  auto count = [&](const std::string& what) {
+    return loomtest::shell("exit $(grep -c '" + what + "' " + log + ")");
+  };
+  REQUIRE(loomtest::shell("LOOM_UCX_RENDEZVOUS_BYTES=65536 " + run + "65535,65536,200003,4194304 >" + log +
+                          " 2>&1 || { tail -20 " + log + "; exit 1; }") == 0);
+  CHECK(count("direct transfer of 65535 bytes") == 0);
+  CHECK(count("direct transfer of 65536 bytes") == 24);  // 12 per rank: 6 sent, 6 received
+  CHECK(count("direct transfer of 200003 bytes") == 24);
+  CHECK(count("direct transfer of 4194304 bytes") == 24);
+  CHECK(count("UCX  WARN") == 0);  // the mismatched pair's leftovers are not UCX warnings
+  // Off: every byte through the slots, still exact.
+  REQUIRE(loomtest::shell("LOOM_UCX_RENDEZVOUS_BYTES=0 " + run + "200003,4194304 >" + log + " 2>&1 || { tail -20 " +
+                          log + "; exit 1; }") == 0);
+  CHECK(count("direct transfer") == 0);
+  unlink(log.c_str());
+}
+
+TEST_CASE("killing the sender or the receiver of a 32 MiB direct transfer over ucx gives the survivor loomRemoteError",
+          "[ucx][rendezvous][fault]") {
+  const char* tls = GENERATE("tcp", "sm");
+  int victim = GENERATE(0, 1);
+  INFO("UCX_TLS=" << tls << ", victim rank " << victim);
+  char dirTemplate[] = "/tmp/loom-ucx-rndvkill-XXXXXX";
+  REQUIRE(mkdtemp(dirTemplate) != nullptr);
+  std::string dir = dirTemplate;
+  bool timedOut = false;
+  // LOOM_TIMEOUT_MS is far above the test's limit: only a failure UCX or the
+  // pid watch reports can end the survivor in time.
+  auto res = loomtest::spawnRanks(2, {"rendezvouskill", std::to_string(victim), std::to_string(32 << 20), dir},
+                                  {"LOOM_TRANSPORTS=ucx", std::string("UCX_TLS=") + tls, kQuiet,
+                                   "LOOM_TIMEOUT_MS=300000"},
+                                  60, &timedOut);
+  CHECK_FALSE(timedOut);
+  int other = 1 - victim;
+  CHECK(res[size_t(victim)].signal == SIGKILL);
+  CHECK(res[size_t(other)].exited);
+  CHECK(res[size_t(other)].code == 0);
+  std::string path = dir + "/rank" + std::to_string(other), line;
+  std::ifstream in(path);
+  REQUIRE(std::getline(in, line));
+  INFO(line);
+  CHECK(atoi(line.c_str()) == int(loomRemoteError));
+  CHECK(line.find("rank " + std::to_string(victim) + " ") != std::string::npos);
+  unlink(path.c_str());
+  rmdir(dir.c_str());
+}

@@ -47,6 +47,7 @@ TEST_CASE("every default in config.cc's table is the value config() uses when th
       {"LOOM_TIMEOUT_MS", [&] { return num(c.timeoutMs); }},
       {"LOOM_TRANSPORTS", [&] { return c.transports; }},
       {"LOOM_UCX_TLS", [&] { return c.ucxTls; }},
+      {"LOOM_UCX_RENDEZVOUS_BYTES", [&] { return num(c.ucxRendezvousBytes); }},
       {"LOOM_IB_HCA", [&] { return c.ibHca; }},
       {"LOOM_IB_GID_INDEX", [&] { return num(c.ibGidIndex); }},
       {"LOOM_IB_RENDEZVOUS_BYTES", [&] { return num(c.ibRendezvousBytes); }},

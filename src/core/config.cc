@@ -12,10 +12,12 @@
 namespace loom {
 
 // The default keeps loom's own tcp between hosts even in builds with UCX:
-// perf/ucx_compare.sh measured UCX's tcp about 2x slower than loom's tcp for
-// all-reduces of 256 KiB and more (on par at small sizes); with no RDMA NIC
-// to test UCX on, nothing here shows it faster.  LOOM_TRANSPORTS=shm,ucx,tcp
-// prefers ucx between hosts (see README).
+// perf/ucx_compare.sh -A (2026-11-24, after issue 18's eager slots and direct
+// transfers) measured all-reduces over UCX's tcp at 0.30-0.32 GB/s busbw for
+// 2-64 MiB against 0.34-0.60 for loom's tcp in the same run (one way, UCX's
+// direct transfers now beat loom's tcp); with no RDMA NIC to test UCX on,
+// nothing here shows it faster for collectives.  LOOM_TRANSPORTS=shm,ucx,tcp
+// prefers ucx between hosts (see docs/usage.md).
 static const char* const kDefaultTransports = "shm,tcp";
 
 const std::vector<ConfigVar>& configTable() {
@@ -31,6 +33,10 @@ const std::vector<ConfigVar>& configTable() {
        "e.g. tcp forces tcp, shm,ucx,tcp puts UCX between hosts"},
       {"LOOM_UCX_TLS", "list", "(UCX_TLS)",
        "UCX transports for the ucx transport (passed to UCX as UCX_TLS, e.g. tcp or sm); unset: UCX_TLS / UCX's choice"},
+      {"LOOM_UCX_RENDEZVOUS_BYTES", "int", "262144",
+       "ucx: loomSend/loomRecv steps of at least this many bytes go as one UCX tagged message from the sender's "
+       "buffer straight into the receiver's (UCX's rendezvous) instead of through the slots; 0: never (a pair "
+       "uses the larger of its two values)"},
       {"LOOM_IB_HCA", "list", "(first active port)",
        "RDMA devices for the ibverbs transport, device[:port] in order of preference (e.g. mlx5_0:1,rxe0); "
        "unset: the first device with an active port"},
@@ -157,6 +163,7 @@ static Config readConfig() {
   c.timeoutMs = envInt("LOOM_TIMEOUT_MS", 600000, 1, int64_t(1) << 40);
   c.transports = envStr("LOOM_TRANSPORTS", kDefaultTransports);
   c.ucxTls = envStr("LOOM_UCX_TLS");
+  c.ucxRendezvousBytes = envInt("LOOM_UCX_RENDEZVOUS_BYTES", 256 << 10, 0, int64_t(1) << 40);
   c.ibHca = envStr("LOOM_IB_HCA");
   c.ibGidIndex = envInt("LOOM_IB_GID_INDEX", -1, -1, 65535);
   c.ibRendezvousBytes = envInt("LOOM_IB_RENDEZVOUS_BYTES", 1 << 20, 0, int64_t(1) << 40);
@@ -202,7 +209,7 @@ const char* foreignEnv(const char* name) {
       // Slurm's srun
       "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID", "SLURM_STEP_ID",
       // UCX's own settings, which loom's defaults give way to
-      "UCX_TLS", "UCX_KEEPALIVE_INTERVAL",
+      "UCX_TLS", "UCX_KEEPALIVE_INTERVAL", "UCX_RNDV_THRESH",
   };
   for (const char* f : kForeign)
     if (strcmp(f, name) == 0) return env(name);

@@ -25,6 +25,7 @@ struct Config {
   int64_t timeoutMs;          // LOOM_TIMEOUT_MS
   std::string transports;     // LOOM_TRANSPORTS
   std::string ucxTls;         // LOOM_UCX_TLS
+  int64_t ucxRendezvousBytes;  // LOOM_UCX_RENDEZVOUS_BYTES (0 = off)
   std::string ibHca;          // LOOM_IB_HCA
   int64_t ibGidIndex;         // LOOM_IB_GID_INDEX (-1 = automatic)
   int64_t ibRendezvousBytes;  // LOOM_IB_RENDEZVOUS_BYTES (0 = off)

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <string>
 
 #include "src/core/clock.h"
 #include "src/core/config.h"
@@ -26,6 +27,9 @@ namespace {
 // bit 31 marks the credit messages that flow back.
 ucp_tag_t slotTag(int sender, int channel) { return (ucp_tag_t(uint32_t(sender)) << 32) | uint32_t(channel); }
 ucp_tag_t creditTag(int sender, int channel) { return slotTag(sender, channel) | (ucp_tag_t(1) << 31); }
+// Bit 30: the data of a direct transfer (one message per transfer).
+constexpr ucp_tag_t kDirectBit = ucp_tag_t(1) << 30;
+ucp_tag_t directTag(int sender, int channel) { return slotTag(sender, channel) | kDirectBit; }
 constexpr ucp_tag_t kFullMask = ~ucp_tag_t(0);
 
 // UCX 1.13 treats a failed cross-memory copy (cma) to a peer whose
@@ -40,6 +44,17 @@ ucs_log_func_rc_t deadPeerCopyLog(const char* file, unsigned, const char*, ucs_l
   vsnprintf(msg, sizeof msg, fmt, ap);
   LOOM_WARN("NET", "UCX shared-memory copy to a peer failed (peer died?): %s", msg);
   return UCS_LOG_FUNC_RC_STOP;
+}
+
+// At the destruction of a worker that abandoned direct transfers (a failed
+// operation's, which UCX cannot cancel), UCX's complaints about the requests
+// and unmatched messages they leave are expected: they become one loom note.
+ucs_log_func_rc_t abandonedLog(const char* file, unsigned, const char*, ucs_log_level_t level,
+                               const ucs_log_component_config_t*, const char*, va_list) {
+  if (level != UCS_LOG_LEVEL_WARN || !file) return UCS_LOG_FUNC_RC_CONTINUE;
+  for (const char* f : {"mpool.c", "callbackq.c", "tag_match.c"})
+    if (strstr(file, f)) return UCS_LOG_FUNC_RC_STOP;
+  return UCS_LOG_FUNC_RC_CONTINUE;
 }
 
 // Swallows UCX's log while loom probes for a feature it can do without.
@@ -77,6 +92,8 @@ struct Rings {
   // the peer (creditOut) and as last heard from it (creditIn).
   uint64_t creditOut = 0, creditIn = 0;
   SlotOp creditSend, creditRecv;
+  // The direct transfer in each direction (one at a time).
+  SlotOp directSend, directRecv;
   ~Rings() {
     free(send);
     free(recv);
@@ -86,7 +103,7 @@ struct Rings {
       if (op.busy) return true;
     for (const SlotOp& op : recvOps)
       if (op.busy) return true;
-    return creditSend.busy || creditRecv.busy;
+    return creditSend.busy || creditRecv.busy || directSend.busy || directRecv.busy;
   }
 };
 
@@ -121,18 +138,27 @@ class UcxWorker {
     drainUnexpected();  // the peers' last credits, which nobody waits for
     for (auto& kv : memh_) ucp_mem_unmap(context_, kv.second);
     if (readyFd_ >= 0) close(readyFd_);
+    if (abandoned_) {
+      LOOM_INFO("NET", "rank %d: UCX worker closes with %d direct transfer(s) of failed operations left unmatched",
+                rank_, abandoned_);
+      ucs_log_push_handler(&abandonedLog);
+    }
     if (worker_) ucp_worker_destroy(worker_);
     if (context_) ucp_cleanup(context_);
+    if (abandoned_) ucs_log_pop_handler();
     for (Rings* r : orphans_) delete r;
   }
 
+  // Takes the slot and credit messages nobody will receive.  Direct
+  // transfers' data is never matched here: receiving it would make UCX read
+  // (or let the sender write) a user buffer of an operation that failed.
   void drainUnexpected() {
     if (!worker_) return;
     std::vector<uint8_t> scratch;
     for (int n = 0; n < 100000; ++n) {
       ucp_tag_recv_info_t info{};
-      ucp_tag_message_h m = ucp_tag_probe_nb(worker_, 0, 0, 1, &info);
-      if (!m) return;
+      ucp_tag_message_h m = ucp_tag_probe_nb(worker_, 0, kDirectBit, 1, &info);
+      if (!m) break;
       scratch.resize(std::max<size_t>(info.length, 1));
       ucp_request_param_t prm{};
       void* r = ucp_tag_msg_recv_nbx(worker_, scratch.data(), info.length, m, &prm);
@@ -142,9 +168,11 @@ class UcxWorker {
       if (ucp_request_check_status(r) == UCS_INPROGRESS) return;  // leave it to ucp_worker_destroy
       ucp_request_free(r);
     }
+    ucp_tag_recv_info_t info{};
+    if (ucp_tag_probe_nb(worker_, kDirectBit, kDirectBit, 0, &info)) ++abandoned_;
   }
 
-  bool init(int rank, const std::string& tls, std::string* why) {
+  bool init(int rank, const std::string& tls, size_t slotMessageBytes, std::string* why) {
     rank_ = rank;
     ucp_config_t* cfg = nullptr;
     ucs_status_t s = ucp_config_read("LOOM", nullptr, &cfg);
@@ -160,6 +188,14 @@ class UcxWorker {
     // UCX's default keepalive (20 s) is how long a rank would wait to learn
     // that a shared-memory peer died; 1 s unless the user chose otherwise.
     if (!foreignEnv("UCX_KEEPALIVE_INTERVAL")) ucp_config_modify(cfg, "KEEPALIVE_INTERVAL", "1s");
+    // Slot messages go eager: UCX's own threshold (8 KiB on tcp and sm)
+    // would make every 64 KiB slot a rendezvous, three small messages and
+    // as many wake-ups of the other rank per slot.  A slot is always
+    // expected (its receive is posted before the peer may send it: credits),
+    // so eager data lands in the ring with one copy out of UCX's buffers.
+    // Direct transfers, larger than a slot, stay rendezvous (zero-copy).
+    if (!foreignEnv("UCX_RNDV_THRESH"))
+      ucp_config_modify(cfg, "RNDV_THRESH", std::to_string(slotMessageBytes + 1).c_str());
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
     params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
@@ -259,6 +295,11 @@ class UcxWorker {
   }
   bool peerMode(int peer) { return peers_[peer].peerMode; }
   void markDead(int peer) { peers_[peer].dead = true; }
+  // A connection leaves a direct send that will never complete.
+  void abandonDirect(int peer) {
+    markDead(peer);
+    ++abandoned_;
+  }
   // Rings whose requests are still pending when their connection closes.
   void adopt(Rings* r) { orphans_.push_back(r); }
 
@@ -323,6 +364,7 @@ class UcxWorker {
   std::map<int, PeerState> peers_;
   std::map<std::pair<uintptr_t, size_t>, ucp_mem_h> memh_;
   std::vector<Rings*> orphans_;
+  int abandoned_ = 0;  // direct sends left pending by failed operations
 };
 
 namespace {
@@ -334,12 +376,12 @@ uint8_t* ringAlloc(size_t n) {
   return static_cast<uint8_t*>(p);
 }
 
-class UcxConnection : public Connection {
+class UcxConnection : public Connection, public DirectTransfer {
  public:
   UcxConnection(std::shared_ptr<UcxWorker> w, int rank, int peer, int channel, size_t slotBytes, int slots,
-                int peerPid)
+                int peerPid, size_t directMin)
       : w_(std::move(w)), rank_(rank), peer_(peer), channel_(channel), slotBytes_(slotBytes),
-        slots_(uint64_t(slots)), stride_(sizeof(SlotTag) + slotBytes), peerPid_(peerPid) {
+        slots_(uint64_t(slots)), stride_(sizeof(SlotTag) + slotBytes), peerPid_(peerPid), directMin_(directMin) {
     ep_ = w_->ep(peer);
     if (!w_->peerMode(peer)) {
       if (peerPid_ > 0) pidfd_ = int(syscall(SYS_pidfd_open, peerPid_, 0));
@@ -364,13 +406,27 @@ class UcxConnection : public Connection {
     for (SlotOp& op : r_->recvOps)
       if (op.busy && op.req) ucp_request_cancel(w_->worker(), op.req);
     if (r_->creditRecv.busy && r_->creditRecv.req) ucp_request_cancel(w_->worker(), r_->creditRecv.req);
-    // Sends to a live peer finish (it matched them, or will); wait a little
-    // for their completions, then let the worker free what is still in use
-    // once no callback can touch it.
+    // A direct receive still posted belongs to an operation that failed: its
+    // buffer is the user's again, so nothing may land there any more.
+    if (r_->directRecv.busy && r_->directRecv.req) ucp_request_cancel(w_->worker(), r_->directRecv.req);
+    // A direct send still pending belongs to a failed operation too, and UCX
+    // cannot cancel sends: the peer never matches it (it receives direct
+    // data only into a buffer it offered, and drainUnexpected skips it), so
+    // it is not waited for, and the endpoint is closed by force.
+    if (r_->directSend.busy) w_->abandonDirect(peer_);
+    // Slot sends to a live peer finish (it matched them, or will); wait a
+    // little for their completions, then let the worker free what is still
+    // in use once no callback can touch it.
     int64_t deadline = nowMs() + (w_->peerError(peer_) == UCS_OK ? 2000 : 0);
+    auto waiting = [this] {
+      const Rings& r = *r_;
+      for (const SlotOp& op : r.sendOps)
+        if (op.busy) return true;
+      return r.creditSend.busy || (!r.directSend.busy && r.pending());
+    };
     do {
       ucp_worker_progress(w_->worker());
-    } while (r_->pending() && nowMs() < deadline);
+    } while (waiting() && nowMs() < deadline);
     if (pidfd_ >= 0) close(pidfd_);
     if (r_->pending()) {
       w_->adopt(r_);
@@ -466,6 +522,100 @@ class UcxConnection : public Connection {
 
   void addPollFds(std::vector<pollfd>& fds) override { w_->addPollFds(fds); }
 
+  DirectTransfer* direct() override { return directMin_ ? this : nullptr; }
+  size_t directMinBytes() const override { return directMin_; }
+
+  // A direct transfer is one tagged message from the user's buffer into the
+  // peer's: the request slot goes first (the receiver checks it like any
+  // slot), then the data, at once, under the direct tag.  UCX sends it by
+  // rendezvous at these sizes (zero-copy: tcp puts from this buffer, sm's
+  // cma reads it), so it moves only once the receiver has posted its
+  // buffer; UCX can reach any host memory, so neither end needs "slots".
+  bool directSend(const void* src, size_t bytes, const SlotTag& tag) override {
+    SlotOp& op = r_->directSend;
+    if (op.busy)
+      fail(loomInternalError, "rank %d: a second direct transfer to rank %d (channel %d) while one is in progress",
+           rank_, peer_, channel_);
+    void* slot = sendAcquire();
+    if (!slot) return false;
+    uint64_t request[2] = {bytes, 0};  // bytes; 0: the data follows as one message, not in slots
+    memcpy(slot, request, sizeof request);
+    SlotTag t = tag;
+    t.flags |= kTagDirect;
+    t.bytes = uint32_t(sizeof request);
+    sendPost(t);
+    op = SlotOp{};
+    directSendBytes_ = bytes;
+    ucp_request_param_t prm{};
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    prm.cb.send = &UcxConnection::onSend;
+    prm.user_data = &op;
+    op.busy = true;
+    void* r = ucp_tag_send_nbx(ep_, src, bytes, directTag(rank_, channel_), &prm);
+    if (UCS_PTR_IS_ERR(r)) {
+      op.busy = false;
+      op.status = UCS_PTR_STATUS(r);
+      failPeer("sending");
+    }
+    if (r == nullptr) op.busy = false;
+    else if (op.busy) op.req = r;
+    ucp_worker_progress(w_->worker());
+    return true;
+  }
+
+  State directSendState() override {
+    progress();
+    const SlotOp& op = r_->directSend;
+    if (op.busy) return State::Waiting;
+    if (op.status != UCS_OK) failPeer("sending directly", op.status);
+    if (directSendBytes_) {
+      LOOM_TRACE("NET", "rank %d: direct transfer of %zu bytes to rank %d (channel %d) done over UCX", rank_,
+                 directSendBytes_, peer_, channel_);
+      directSendBytes_ = 0;
+    }
+    return State::Done;
+  }
+
+  void directRecv(void* dst, size_t bytes) override {
+    SlotOp& op = r_->directRecv;
+    if (op.busy)
+      fail(loomInternalError, "rank %d: a second direct transfer from rank %d (channel %d) while one is in progress",
+           rank_, peer_, channel_);
+    op = SlotOp{};
+    directBytes_ = bytes;
+    ucp_request_param_t prm{};
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    prm.cb.recv = &UcxConnection::onRecv;
+    prm.user_data = &op;
+    op.busy = true;
+    void* r = ucp_tag_recv_nbx(w_->worker(), dst, bytes, directTag(peer_, channel_), kFullMask, &prm);
+    if (UCS_PTR_IS_ERR(r)) {
+      op.busy = false;
+      fail(loomRemoteError, "rank %d: cannot post a UCX receive from rank %d: %s", rank_, peer_,
+           ucs_status_string(UCS_PTR_STATUS(r)));
+    }
+    if (op.busy) op.req = r;
+    ucp_worker_progress(w_->worker());
+  }
+
+  State directRecvState() override {
+    progress();
+    const SlotOp& op = r_->directRecv;
+    if (op.busy) return State::Waiting;
+    if (op.status == UCS_ERR_MESSAGE_TRUNCATED)
+      fail(loomRemoteError, "rank %d: rank %d sent more than the %zu bytes of its direct transfer over UCX "
+           "(channel %d)", rank_, peer_, directBytes_, channel_);
+    if (op.status != UCS_OK) failPeer("receiving directly", op.status);
+    if (!directBytes_) return State::Done;  // (reported before)
+    if (op.length != directBytes_)
+      fail(loomRemoteError, "rank %d: rank %d sent %zu bytes in a direct transfer of %zu over UCX (channel %d)",
+           rank_, peer_, op.length, directBytes_, channel_);
+    LOOM_TRACE("NET", "rank %d: direct transfer of %zu bytes from rank %d (channel %d) done over UCX", rank_,
+               directBytes_, peer_, channel_);
+    directBytes_ = 0;
+    return State::Done;
+  }
+
   void checkPeer() override {
     if (pidfd_ >= 0 || (!w_->peerMode(peer_) && peerPid_ > 0)) {
       bool dead;
@@ -548,8 +698,10 @@ class UcxConnection : public Connection {
     if (op.busy) op.req = r;
   }
 
-  [[noreturn]] void failPeer(const char* doing) {
+  // seen: the failed request's own status, if any.
+  [[noreturn]] void failPeer(const char* doing, ucs_status_t seen = UCS_OK) {
     ucs_status_t s = w_->peerError(peer_);
+    if (s == UCS_OK) s = seen;
     for (const SlotOp& op : r_->sendOps)
       if (s == UCS_OK && !op.busy && op.status != UCS_OK) s = op.status;
     if (w_->peerError(peer_) == UCS_ERR_ENDPOINT_TIMEOUT && pidfd_ >= 0)
@@ -582,6 +734,9 @@ class UcxConnection : public Connection {
   uint64_t slots_;
   size_t stride_;
   int peerPid_;     // > 0: the peer is a process on this host (and pid namespace)
+  size_t directMin_;         // direct transfers from this many bytes (0: none)
+  size_t directBytes_ = 0;      // the direct receive in progress (0: none, or reported done)
+  size_t directSendBytes_ = 0;  // the direct send in progress (likewise)
   int pidfd_ = -1;  // watched when UCX cannot report the peer's failure
   ucp_ep_h ep_ = nullptr;
   Rings* r_ = nullptr;
@@ -594,9 +749,9 @@ class UcxConnection : public Connection {
 
 }  // namespace
 
-std::shared_ptr<UcxWorker> ucxCreateWorker(int rank, const std::string& tls, std::string* why) {
+std::shared_ptr<UcxWorker> ucxCreateWorker(int rank, const std::string& tls, size_t slotBytes, std::string* why) {
   auto w = std::make_shared<UcxWorker>();
-  if (!w->init(rank, tls, why)) return nullptr;
+  if (!w->init(rank, tls, sizeof(SlotTag) + slotBytes, why)) return nullptr;
   return w;
 }
 
@@ -605,8 +760,8 @@ UcxAddrRecord ucxAddress(UcxWorker& w, std::string* why) { return w.address(why)
 void ucxSetPeerAddress(UcxWorker& w, int peer, const UcxAddrRecord& rec) { w.setPeer(peer, rec); }
 
 std::unique_ptr<Connection> makeUcxConnection(std::shared_ptr<UcxWorker> w, int rank, int peer, int channel,
-                                              size_t slotBytes, int slots, int peerPid) {
-  return std::make_unique<UcxConnection>(std::move(w), rank, peer, channel, slotBytes, slots, peerPid);
+                                              size_t slotBytes, int slots, int peerPid, size_t directMin) {
+  return std::make_unique<UcxConnection>(std::move(w), rank, peer, channel, slotBytes, slots, peerPid, directMin);
 }
 
 }  // namespace loom

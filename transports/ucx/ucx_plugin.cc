@@ -2,6 +2,8 @@
 // UCX (LOOM_TRANSPORTS order), its address as the init record.  A rank that
 // needs no UCX, or cannot start it, sends an empty record; a pair uses UCX
 // when both ends have a worker.
+#include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -28,8 +30,10 @@ class UcxTransport : public Transport {
     UcxAddrRecord mine{};
     if (need) {
       const std::string& tls = config().ucxTls;
-      worker_ = ucxCreateWorker(env.rank, tls, &why_);
+      worker_ = ucxCreateWorker(env.rank, tls, env.slotBytes, &why_);
       if (worker_) mine = ucxAddress(*worker_, &why_);
+      if (mine.len)
+        mine.directKiB = uint32_t(std::min<int64_t>((config().ucxRendezvousBytes + 1023) >> 10, UINT32_MAX));
       if (!mine.len) {
         worker_.reset();
         LOOM_WARN("NET", "rank %d: no UCX (%s)", env.rank, why_.c_str());
@@ -39,6 +43,7 @@ class UcxTransport : public Transport {
                   !tls.empty() ? tls.c_str() : envTls ? envTls : "default");
       }
     }
+    directKiB_ = mine.directKiB;
     memcpy(record, &mine, sizeof mine);
   }
 
@@ -58,8 +63,12 @@ class UcxTransport : public Transport {
   }
 
   void serve(const std::vector<bool>& chosen) override {
-    for (size_t r = 0; r < chosen.size(); ++r)
-      if (chosen[r]) ucxSetPeerAddress(*worker_, int(r), addrs_[r]);
+    peerDirectKiB_.assign(chosen.size(), 0);
+    for (size_t r = 0; r < chosen.size(); ++r) {
+      if (!chosen[r]) continue;
+      ucxSetPeerAddress(*worker_, int(r), addrs_[r]);
+      peerDirectKiB_[r] = addrs_[r].directKiB;
+    }
     addrs_.clear();
   }
 
@@ -68,7 +77,11 @@ class UcxTransport : public Transport {
   std::unique_ptr<Connection> connect(int peer, int channel, int64_t, ConnectHost&) override {
     // Same loopback domain: the peer's pid means something here.
     int pid = env_.sameLoopback(peer) ? env_.pid[size_t(peer)] : 0;
-    return makeUcxConnection(worker_, env_.rank, peer, channel, env_.slotBytes, int(env_.slots), pid);
+    // The direct-transfer threshold: the larger of the two ends' (off if either is off).
+    uint64_t mine = directKiB_, theirs = peerDirectKiB_[size_t(peer)];
+    uint64_t kib = mine && theirs ? std::max(mine, theirs) : 0;
+    return makeUcxConnection(worker_, env_.rank, peer, channel, env_.slotBytes, int(env_.slots), pid,
+                             size_t(kib) << 10);
   }
 
   CostLink costAs() const override { return CostLink::Ucx; }
@@ -78,6 +91,8 @@ class UcxTransport : public Transport {
   std::shared_ptr<UcxWorker> worker_;
   std::string why_;
   std::vector<UcxAddrRecord> addrs_;
+  uint32_t directKiB_ = 0;                // this rank's LOOM_UCX_RENDEZVOUS_BYTES in KiB
+  std::vector<uint32_t> peerDirectKiB_;   // each served peer's
 };
 
 }  // namespace
