@@ -22,7 +22,12 @@
 // Bytes read per rank and round of m elements (s = element size):
 //   one-shot all-reduce N*m*s; reduce-scatter + all-gather m*s + m*s;
 //   reduce-scatter N*m*s copied in, N*m*s read; all-gather N*m*s;
-//   broadcast m*s; reduce (root) N*m*s.
+//   broadcast m*s; reduce (root) N*m*s; all-to-all N*m*s copied in, N*m*s
+//   read; gather (root) N*m*s; scatter m*s (the root copies N*m*s in).
+// All-to-all and scatter stage one chunk per rank in a slot (m elements of
+// each block per round, as reduce-scatter); gather's root and scatter's
+// ranks read only the windows they need, and ranks that read no window set
+// done as soon as their part is staged.
 // With one rank a program is at most one local copy and uses no round.
 #include "algorithms/stream_collectives.h"
 
@@ -146,7 +151,9 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
   size_t m = 0;  // elements per round (of each block for reduce-scatter)
   switch (op.coll) {
     case Collective::ReduceScatter:
-      m = perRound(slotBytes / size_t(N), esz);
+    case Collective::AllToAll:
+    case Collective::Scatter:
+      m = perRound(slotBytes / size_t(N), esz);  // a slot holds one chunk per rank
       break;
     case Collective::AllReduce:
       m = perRound(rsag ? slotBytes / 2 : slotBytes, esz);
@@ -158,8 +165,7 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
   if (m == 0 || (rsag && m < size_t(N)))
     fail(loomInternalError, "stream program: slots of %zu bytes cannot hold a round of %s x %d ranks",
          slotBytes, dtypeName(op.dtype), N);
-  if (op.coll == Collective::P2P || op.coll == Collective::AllToAll || op.coll == Collective::Gather ||
-      op.coll == Collective::Scatter)
+  if (op.coll == Collective::P2P)
     fail(loomInternalError, "stream programs do not serve %s yet", collectiveName(op.coll));
   if (rsag) {
     p.streams = 2;
@@ -167,6 +173,25 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
     b.event(StreamOpKind::RecordEvent, 0, 0);  // fork: stream 1 follows the caller's earlier work
     b.event(StreamOpKind::WaitEvent, 1, 0);
   }
+
+  // Gather and scatter in place: the root's own block is already where it
+  // belongs (NCCL's layouts: sendbuff = recvbuff + root*count, and the
+  // reverse).
+  const size_t block = n * esz;
+  const bool rootInPlace =
+      (op.coll == Collective::Gather &&
+       static_cast<const uint8_t*>(op.sendbuf) == static_cast<const uint8_t*>(op.recvbuf) + size_t(op.root) * block) ||
+      (op.coll == Collective::Scatter &&
+       static_cast<const uint8_t*>(op.recvbuf) == static_cast<const uint8_t*>(op.sendbuf) + size_t(op.root) * block);
+  // Chunk q (c elements from `off`) of an N-block buffer into slot place q.
+  auto stageBlocks = [&](size_t base, size_t off, size_t c) {
+    if (c == n) {  // one round: the blocks are one contiguous copy
+      b.copy(0, winAt(me, base), sendAt(0), size_t(N) * block);
+      return;
+    }
+    for (int q = 0; q < N; ++q)
+      b.copy(0, winAt(me, base + size_t(q) * c * esz), sendAt((size_t(q) * n + off) * esz), c * esz);
+  };
 
   const size_t half = slotBytes / 2;
   uint64_t g = *round;
@@ -208,12 +233,7 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
       }
       case Collective::ReduceScatter: {
         guard();
-        if (c == n) {  // one round: the whole input is one contiguous copy
-          b.copy(0, winAt(me, base), sendAt(0), size_t(N) * n * esz);
-        } else {
-          for (int q = 0; q < N; ++q)
-            b.copy(0, winAt(me, base + size_t(q) * c * esz), sendAt((size_t(q) * n + off) * esz), c * esz);
-        }
+        stageBlocks(base, off, c);
         b.set(0, kFlagInput, v);
         b.waitAll(0, kFlagInput, v);
         for (int q = 0; q < N; ++q) all.push_back(winAt(q, base + size_t(me) * c * esz));
@@ -254,10 +274,47 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         }
         b.set(0, kFlagDone, v);
         break;
-      case Collective::P2P:
       case Collective::AllToAll:
+        // Every rank stages its N chunks, then takes chunk `me` of every
+        // rank's slot into block q of its output.
+        guard();
+        stageBlocks(base, off, c);
+        b.set(0, kFlagInput, v);
+        b.waitAll(0, kFlagInput, v);
+        for (int q = 0; q < N; ++q)
+          b.copy(0, recvAt((size_t(q) * n + off) * esz), winAt(q, base + size_t(me) * c * esz), c * esz);
+        b.set(0, kFlagDone, v);
+        break;
       case Collective::Gather:
+        if (me != op.root) {
+          // Reads no window: done as soon as the chunk is staged (the root's
+          // done flag is what guards this slot's reuse).
+          guard();
+          b.copy(0, winAt(me, base), sendAt(off * esz), c * esz);
+          b.set(0, kFlagInput, v);
+        } else {
+          if (!rootInPlace) b.copy(0, recvAt((size_t(me) * n + off) * esz), sendAt(off * esz), c * esz);
+          for (int q = 0; q < N; ++q) {
+            if (q == me) continue;
+            b.wait(0, q, kFlagInput, v);
+            b.copy(0, recvAt((size_t(q) * n + off) * esz), winAt(q, base), c * esz);
+          }
+        }
+        b.set(0, kFlagDone, v);
+        break;
       case Collective::Scatter:
+        if (me == op.root) {
+          guard();
+          stageBlocks(base, off, c);
+          b.set(0, kFlagInput, v);
+          if (!rootInPlace) b.copy(0, recvAt(off * esz), sendAt((size_t(me) * n + off) * esz), c * esz);
+        } else {
+          b.wait(0, op.root, kFlagInput, v);
+          b.copy(0, recvAt(off * esz), winAt(op.root, base + size_t(me) * c * esz), c * esz);
+        }
+        b.set(0, kFlagDone, v);
+        break;
+      case Collective::P2P:
         break;  // refused above
     }
   }

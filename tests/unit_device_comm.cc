@@ -17,6 +17,7 @@
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -27,6 +28,7 @@
 
 #include "loom.h"
 #include "src/core/clock.h"
+#include "src/core/comm.h"
 #include "src/core/config.h"
 #include "src/core/error.h"
 #include "src/device/device.h"
@@ -328,8 +330,11 @@ Prepared prepare(SimComms& s, const Op& o, std::mt19937_64& rng) {
   const int N = s.n();
   const size_t esz = loom::dtypeSize(o.type), n = o.count;
   size_t sendElems = n, recvElems = n;
-  if (o.coll == Collective::ReduceScatter) sendElems *= size_t(N);
-  if (o.coll == Collective::AllGather) recvElems *= size_t(N);
+  if (o.coll == Collective::ReduceScatter || o.coll == Collective::AllToAll || o.coll == Collective::Scatter)
+    sendElems *= size_t(N);
+  if (o.coll == Collective::AllGather || o.coll == Collective::AllToAll || o.coll == Collective::Gather)
+    recvElems *= size_t(N);
+  const bool rootOnly = o.coll == Collective::Gather || o.coll == Collective::Scatter;
   Prepared p;
   p.o = o;
   p.recvBytes = recvElems * esz;
@@ -340,9 +345,17 @@ Prepared prepare(SimComms& s, const Op& o, std::mt19937_64& rng) {
     uint8_t* rb = s.mem.alloc(dev, big);
     fillRandom(rb, big / esz, o.type, rng);  // garbage before the operation
     uint8_t *in, *out;
-    if (!o.inPlace) {
+    // All-to-all has no in-place form; gather and scatter one at the root.
+    const bool ip = o.inPlace && o.coll != Collective::AllToAll && (!rootOnly || r == o.root);
+    if (!ip) {
       in = s.mem.alloc(dev, sendElems * esz + 8);
       out = rb;
+    } else if (o.coll == Collective::Gather) {
+      in = rb + size_t(r) * n * esz;
+      out = rb;
+    } else if (o.coll == Collective::Scatter) {
+      in = rb;
+      out = rb + size_t(r) * n * esz;
     } else if (o.coll == Collective::ReduceScatter) {
       in = rb;
       out = rb + size_t(r) * n * esz;
@@ -379,6 +392,21 @@ Prepared prepare(SimComms& s, const Op& o, std::mt19937_64& rng) {
           fold(0, &e);
         else
           e = before[size_t(r)];  // untouched
+        break;
+      case Collective::AllToAll:  // block q: block r of rank q's input
+        for (int q = 0; q < N; ++q)
+          e.insert(e.end(), p.input[size_t(q)].begin() + long(size_t(r) * n * esz),
+                   p.input[size_t(q)].begin() + long(size_t(r + 1) * n * esz));
+        break;
+      case Collective::Gather:
+        if (r == o.root)
+          for (int q = 0; q < N; ++q) e.insert(e.end(), p.input[size_t(q)].begin(), p.input[size_t(q)].end());
+        else
+          e = before[size_t(r)];  // untouched
+        break;
+      case Collective::Scatter:
+        e.assign(p.input[size_t(o.root)].begin() + long(size_t(r) * n * esz),
+                 p.input[size_t(o.root)].begin() + long(size_t(r + 1) * n * esz));
         break;
       default: break;
     }
@@ -431,8 +459,18 @@ std::vector<Op> everyCollective(int N) {
       ops.push_back({Collective::AllGather, loomFloat16, loomSum, c, 0, ip});
       ops.push_back({Collective::Broadcast, loomUint8, loomSum, c, N - 1, ip});
       ops.push_back({Collective::Reduce, loomFloat64, loomMax, c, N / 2, ip});
+      ops.push_back({Collective::AllToAll, loomBfloat16, loomSum, c, 0, false});
+      ops.push_back({Collective::Gather, loomInt64, loomSum, c, N - 1, ip});
+      ops.push_back({Collective::Scatter, loomFloat32, loomSum, c, N / 2, ip});
     }
   }
+  // The exchanges in more types, and a root other than the usual ones.
+  ops.push_back({Collective::AllToAll, loomInt8, loomSum, 333, 0, false});
+  ops.push_back({Collective::AllToAll, loomFloat64, loomSum, 129, 0, false});
+  ops.push_back({Collective::Gather, loomUint8, loomSum, 1500, 0, true});
+  ops.push_back({Collective::Gather, loomFloat16, loomSum, 77, N / 2, false});
+  ops.push_back({Collective::Scatter, loomInt32, loomSum, 1100, N - 1, true});
+  ops.push_back({Collective::Scatter, loomUint64, loomSum, 65, 0, false});
   // Every reduction op and a spread of types, one-shot and rs+ag sizes.
   ops.push_back({Collective::AllReduce, loomBfloat16, loomAvg, 3000, 0, false});
   ops.push_back({Collective::AllReduce, loomInt8, loomProd, 513, 0, true});
@@ -573,11 +611,34 @@ TEST_CASE("device communicator (simulated device): host memory, another device's
   CHECK(rc == loomInvalidArgument);
   CHECK(m.find("recvbuff") != std::string::npos);
   CHECK(m.find("is memory of sim:1, but this communicator runs on sim:0") != std::string::npos);
-  d.coll = Collective::AllToAll;
+  d.coll = Collective::P2P;
   d.recvbuf = dev0;
   m = err(d, &rc);
   CHECK(rc == loomInvalidUsage);
-  CHECK(m.find("AllToAll is not implemented on sim communicators yet") != std::string::npos);
+  CHECK(m.find("Send/Recv is not implemented on sim communicators yet") != std::string::npos);
+  // The exchanges check their buffers like the rest: scatter's root needs
+  // device memory to send from, gather's root to receive into.
+  d.coll = Collective::Scatter;
+  d.root = 0;
+  d.sendbuf = host.data();
+  d.recvbuf = dev0;
+  d.count = 4;
+  m = err(d, &rc);
+  CHECK(rc == loomInvalidArgument);
+  CHECK(m.find("sendbuff") != std::string::npos);
+  CHECK(m.find("is host memory") != std::string::npos);
+  d.coll = Collective::Gather;
+  d.sendbuf = dev0;
+  d.recvbuf = host.data();
+  m = err(d, &rc);
+  CHECK(rc == loomInvalidArgument);
+  CHECK(m.find("recvbuff") != std::string::npos);
+  d.coll = Collective::AllToAll;
+  d.sendbuf = dev1;
+  d.recvbuf = dev0;
+  m = err(d, &rc);
+  CHECK(rc == loomInvalidArgument);
+  CHECK(m.find("is memory of sim:1, but this communicator runs on sim:0") != std::string::npos);
   CHECK(s.comms[0]->round() == 0);  // nothing was compiled
   // Still usable: a real operation on both ranks.
   std::mt19937_64 rng(3);
@@ -957,8 +1018,8 @@ struct DeviceEnv {  // LOOM_DEVICE=cuda with simulated drivers, undone on scope 
 }  // namespace
 
 TEST_CASE("CUDA communicator through the C API (LOOM_DEVICE=cuda, simulated device): collectives are enqueued on "
-          "the caller's stream and exact after it synchronises, host memory, loom streams, groups and calls the "
-          "device path does not serve are clear errors",
+          "the caller's stream and exact after it synchronises (the exchanges and groups of collectives too), host "
+          "memory, loom streams, bad group members and calls the device path does not serve are clear errors",
           "[devcomm][api]") {
   SimMemory mem;
   loomsim::SimDeviceWorld world(2, 1, 256);
@@ -1017,6 +1078,39 @@ TEST_CASE("CUDA communicator through the C API (LOOM_DEVICE=cuda, simulated devi
   for (int r = 0; r < 2; ++r)
     for (int i = 0; i < 128; ++i) CHECK(agOut[128 * r + i] == i);
 
+  // The exchanges through the C API: all-to-all, gather and scatter (root
+  // 1, scatter in place), back to back on the caller's stream.
+  const int kE = 50;
+  auto* x = reinterpret_cast<int32_t*>(mem.alloc(0, 2 * 6 * kE * 4));  // per rank: a2a in, a2a out, gather/scatter
+  for (int r = 0; r < 2; ++r)
+    for (int i = 0; i < 6 * kE; ++i) x[6 * kE * r + i] = 100000 * r + i;
+  auto base = [&](int r, int part) { return x + 6 * kE * r + 2 * kE * part; };
+  for (int r = 0; r < 2; ++r) {
+    CHECK(loomAllToAll(base(r, 0), base(r, 1), kE, loomInt32, comms[r], fakeStream) == loomSuccess);
+    CHECK(loomGather(base(r, 2) + kE * r, base(r, 2), kE, loomInt32, 1, comms[r], fakeStream) == loomSuccess);
+    CHECK(loomScatter(base(r, 2), base(r, 2) + kE * r, kE, loomInt32, 1, comms[r], fakeStream) == loomSuccess);
+  }
+  for (int r = 0; r < 2; ++r) {
+    std::string msg;
+    REQUIRE(world.rank(r).synchronize(&msg) == loomSuccess);
+  }
+  {
+    long wrong = 0;
+    for (int r = 0; r < 2; ++r)
+      for (int q = 0; q < 2; ++q)
+        for (int i = 0; i < kE; ++i) {
+          // all-to-all: block q of rank r's output is block r of rank q's input
+          wrong += base(r, 1)[kE * q + i] != 100000 * q + kE * r + i;
+        }
+    // gather at root 1 (in place: its own block already there), then
+    // scatter from root 1 in place: rank 1 keeps its block, rank 0 gets
+    // block 0 of the root's gathered buffer, which is rank 0's own block.
+    for (int q = 0; q < 2; ++q)
+      for (int i = 0; i < kE; ++i) wrong += base(1, 2)[kE * q + i] != 100000 * q + 4 * kE + kE * q + i;
+    for (int i = 0; i < kE; ++i) wrong += base(0, 2)[i] != 4 * kE + i;
+    CHECK(wrong == 0);
+  }
+
   // Errors, each with its message.
   std::vector<float> host(16);
   float* dev = reinterpret_cast<float*>(mem.alloc(0, 64));
@@ -1037,10 +1131,60 @@ TEST_CASE("CUDA communicator through the C API (LOOM_DEVICE=cuda, simulated devi
   CHECK(loomAllToAllv(dev, cnt, dis, dev + 4, cnt, dis, loomFloat32, comms[0], fakeStream) == loomInvalidUsage);
   CHECK(std::string(loomGetLastError(comms[0])).find("not implemented on CUDA communicators yet") !=
         std::string::npos);
+  // The exchanges' bad arguments: a root out of range, a count whose N
+  // blocks overflow, a host buffer on the root's only side.
+  CHECK(loomGather(dev, dev + 4, 1, loomFloat32, 2, comms[0], fakeStream) == loomInvalidArgument);
+  CHECK(std::string(loomGetLastError(comms[0])).find("root 2 is out of range [0, 2)") != std::string::npos);
+  CHECK(loomScatter(dev, dev, 1, loomFloat32, -1, comms[0], fakeStream) == loomInvalidArgument);
+  CHECK(std::string(loomGetLastError(comms[0])).find("root -1 is out of range") != std::string::npos);
+  CHECK(loomAllToAll(dev, dev + 8, SIZE_MAX / 8, loomFloat32, comms[0], fakeStream) == loomInvalidArgument);
+  CHECK(std::string(loomGetLastError(comms[0])).find("too large (byte size overflows)") != std::string::npos);
+  CHECK(loomScatter(host.data(), dev, 4, loomFloat32, 0, comms[0], fakeStream) == loomInvalidArgument);
+  CHECK(std::string(loomGetLastError(comms[0])).find("sendbuff") != std::string::npos);
+  CHECK(std::string(loomGetLastError(comms[0])).find("is host memory") != std::string::npos);
+
+  // A group with a bad member (host memory; a send) enqueues nothing: the
+  // good member before it never runs (its round is not used).
+  const uint64_t roundBefore = comms[0]->deviceComm()->round();
   REQUIRE(loomGroupStart() == loomSuccess);
-  CHECK(loomAllReduce(dev, dev, 16, loomFloat32, loomSum, comms[0], fakeStream) == loomInvalidUsage);
-  CHECK(std::string(loomGetLastError(comms[0])).find("groups") != std::string::npos);
-  loomGroupEnd();  // reports the member's error; nothing was launched
+  CHECK(loomAllReduce(dev, dev, 16, loomFloat32, loomSum, comms[0], fakeStream) == loomSuccess);
+  CHECK(loomAllReduce(host.data(), dev, 16, loomFloat32, loomSum, comms[0], fakeStream) == loomInvalidArgument);
+  CHECK(loomGroupEnd() == loomInvalidArgument);
+  CHECK(std::string(loomGetLastError(nullptr)).find("the group was not launched") != std::string::npos);
+  CHECK(std::string(loomGetLastError(nullptr)).find("is host memory") != std::string::npos);
+  REQUIRE(loomGroupStart() == loomSuccess);
+  CHECK(loomRecv(dev, 16, loomFloat32, 1, comms[0], fakeStream) == loomInvalidUsage);
+  CHECK(loomGroupEnd() == loomInvalidUsage);
+  CHECK(std::string(loomGetLastError(nullptr)).find("Send/Recv is not implemented") != std::string::npos);
+  CHECK(comms[0]->deviceComm()->round() == roundBefore);
+
+  // A group of collectives on both ranks: enqueued at loomGroupEnd, in
+  // order, exact after the stream synchronises.
+  {
+    const int kG = 300;
+    auto* g = reinterpret_cast<int32_t*>(mem.alloc(0, 2 * 5 * kG * 4));  // per rank: ar, a2a in (2), a2a out (2)
+    for (int r = 0; r < 2; ++r)
+      for (int i = 0; i < 5 * kG; ++i) g[5 * kG * r + i] = 1000 * r + i;
+    for (int r = 0; r < 2; ++r) {
+      int32_t* mine = g + 5 * kG * r;
+      REQUIRE(loomGroupStart() == loomSuccess);
+      CHECK(loomAllReduce(mine, mine, kG, loomInt32, loomSum, comms[r], fakeStream) == loomSuccess);
+      CHECK(loomAllToAll(mine + kG, mine + 3 * kG, kG, loomInt32, comms[r], fakeStream) == loomSuccess);
+      CHECK(loomGroupEnd() == loomSuccess);
+    }
+    for (int r = 0; r < 2; ++r) {
+      std::string msg;
+      REQUIRE(world.rank(r).synchronize(&msg) == loomSuccess);
+    }
+    long wrong = 0;
+    for (int r = 0; r < 2; ++r) {
+      const int32_t* mine = g + 5 * kG * r;
+      for (int i = 0; i < kG; ++i) wrong += mine[i] != 1000 + 2 * i;  // 1000*0 + i + 1000*1 + i
+      for (int q = 0; q < 2; ++q)
+        for (int i = 0; i < kG; ++i) wrong += mine[3 * kG + q * kG + i] != 1000 * q + kG + r * kG + i;
+    }
+    CHECK(wrong == 0);
+  }
   for (int r = 0; r < 2; ++r) {
     std::string msg;
     CHECK(world.rank(r).synchronize(&msg) == loomSuccess);

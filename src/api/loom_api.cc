@@ -220,8 +220,6 @@ void* cudaStreamOf(loomStream_t stream) {
 // A collective on a CUDA communicator: compiled to a stream program and
 // enqueued on the caller's cudaStream_t; returns once enqueued.
 loomResult_t runOnDevice(loomComm* comm, loomStream_t stream, const OpDesc& op) {
-  if (tlsGroup.depth > 0)
-    fail(loomInvalidUsage, "groups (loomGroupStart/End) are not implemented on CUDA communicators yet");
   void* cs = cudaStreamOf(stream);
   loomResult_t prior = comm->asyncError();
   if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->lastError().c_str());
@@ -266,8 +264,14 @@ loomResult_t issueOp(const char* call, loomComm* comm, loomStream_t stream, cons
     HostStream* hostStream;
     try {
       validate(comm, op);
-      if (comm->deviceComm()) return runOnDevice(comm, stream, op);
-      hostStream = hostStreamOf(stream);
+      if (comm->deviceComm()) {
+        if (g.depth == 0) return runOnDevice(comm, stream, op);
+        // In a group: checked now, enqueued by loomGroupEnd with the rest
+        // (a group with a bad member enqueues nothing).
+        cudaStreamOf(stream);
+        comm->deviceComm()->check(op);
+      }
+      hostStream = comm->deviceComm() ? nullptr : hostStreamOf(stream);
     } catch (const Error& e) {
       // A group with a bad member is not launched at all (see loomGroupEnd).
       if (g.depth > 0 && g.error == loomSuccess) {
@@ -917,7 +921,16 @@ loomResult_t loomGroupEnd(void) {
     return err;
   }
   if (ops.empty()) return loomSuccess;
-  return guarded("loomGroupEnd", comm, [&] { return submit(comm, hostStreamOf(stream), std::move(ops)); });
+  return guarded("loomGroupEnd", comm, [&] {
+    if (comm->deviceComm()) {
+      // The members in order on the caller's stream, each a stream program
+      // (every rank enqueues the same sequence, so rounds agree).  Each
+      // was checked when it joined the group.
+      for (const OpDesc& op : ops) runOnDevice(comm, stream, op);
+      return loomSuccess;
+    }
+    return submit(comm, hostStreamOf(stream), std::move(ops));
+  });
 }
 
 loomResult_t loomStreamCreate(loomStream_t* stream) {

@@ -506,10 +506,14 @@ bool DeviceComm::serves(Collective coll) {
     case Collective::AllGather:
     case Collective::Broadcast:
     case Collective::Reduce:
+    case Collective::AllToAll:
+    case Collective::Gather:
+    case Collective::Scatter:
       return true;
-    default:
+    case Collective::P2P:
       return false;
   }
+  return false;
 }
 
 bool DeviceComm::failed() const {
@@ -534,25 +538,51 @@ void DeviceComm::checkBuffer(const char* what, const void* p) const {
          driver_->name(), d, driver_->name(), driver_->device());
 }
 
-void DeviceComm::run(const OpDesc& op, void* callerStream) {
-  if (!serves(op.coll))
-    fail(loomInvalidUsage, "%s is not implemented on %s communicators yet (all-reduce, reduce-scatter, all-gather, "
-         "broadcast and reduce are)", collectiveName(op.coll), driver_->name());
-  const size_t esz = dtypeSize(op.dtype), n = op.count, N = size_t(nranks_);
-  const bool root = rank_ == op.root;
-  size_t sendBytes = n * esz, recvBytes = n * esz;
+namespace {
+
+// The buffers one rank's part of `op` uses (a root-only side is not used
+// elsewhere) and their sizes.
+struct Shape {
   bool needSend = true, needRecv = true;
+  size_t sendBytes = 0, recvBytes = 0;
+};
+Shape shapeOf(const OpDesc& op, int rank, int nranks) {
+  const size_t bytes = op.count * dtypeSize(op.dtype), N = size_t(nranks);
+  const bool root = rank == op.root;
+  Shape s;
+  s.sendBytes = s.recvBytes = bytes;
   switch (op.coll) {
-    case Collective::ReduceScatter: sendBytes *= N; break;
-    case Collective::AllGather: recvBytes *= N; break;
-    case Collective::Broadcast: needSend = root; break;
-    case Collective::Reduce: needRecv = root; break;
+    case Collective::ReduceScatter: s.sendBytes *= N; break;
+    case Collective::AllGather: s.recvBytes *= N; break;
+    case Collective::Broadcast: s.needSend = root; break;
+    case Collective::Reduce: s.needRecv = root; break;
+    case Collective::AllToAll: s.sendBytes *= N, s.recvBytes *= N; break;
+    case Collective::Gather: s.recvBytes *= N, s.needRecv = root; break;
+    case Collective::Scatter: s.sendBytes *= N, s.needSend = root; break;
     default: break;
   }
-  if (n > 0) {
-    if (needSend) checkBuffer("sendbuff", op.sendbuf);
-    if (needRecv) checkBuffer("recvbuff", op.recvbuf);
+  return s;
+}
+
+}  // namespace
+
+void DeviceComm::check(const OpDesc& op) const {
+  if (!serves(op.coll))
+    fail(loomInvalidUsage, "%s is not implemented on %s communicators yet (all-reduce, reduce-scatter, all-gather, "
+         "broadcast, reduce, all-to-all, gather and scatter are)", collectiveName(op.coll), driver_->name());
+  const Shape sh = shapeOf(op, rank_, nranks_);
+  if (op.count > 0) {
+    if (sh.needSend) checkBuffer("sendbuff", op.sendbuf);
+    if (sh.needRecv) checkBuffer("recvbuff", op.recvbuf);
   }
+}
+
+void DeviceComm::run(const OpDesc& op, void* callerStream) {
+  check(op);
+  const size_t esz = dtypeSize(op.dtype), n = op.count;
+  const Shape sh = shapeOf(op, rank_, nranks_);
+  const bool needSend = sh.needSend, needRecv = sh.needRecv;
+  const size_t sendBytes = sh.sendBytes, recvBytes = sh.recvBytes;
   std::lock_guard<std::mutex> g(mu_);
   if (failCode_ != loomSuccess) fail(failCode_, "the %s communicator has failed: %s", driver_->name(), failed_.c_str());
   uint64_t round = round_;

@@ -221,8 +221,12 @@ class DeviceComm {
 
   // Whether the device path runs `coll` (the others: loomInvalidUsage from run()).
   static bool serves(Collective coll);
-  // Checks op's buffers (device memory of this device, not host memory:
-  // loomInvalidArgument naming the buffer), compiles this rank's program
+  // Whether run() would take `op`: a collective it serves (else
+  // loomInvalidUsage) on buffers of this device (else loomInvalidArgument
+  // naming the buffer).  Changes nothing (a group checks every member
+  // before it runs any).
+  void check(const OpDesc& op) const;
+  // Checks op (check()), compiles this rank's program
   // and enqueues it on callerStream.  Returns once enqueued.  An error
   // while enqueueing leaves the communicator failed (its rounds can no
   // longer agree with the peers'): every later call fails with it.
