@@ -37,8 +37,9 @@
 
 namespace {
 
-enum Coll { AllReduce, ReduceScatter, AllGather, Broadcast, Reduce };
-const char* kCollNames[] = {"all-reduce", "reduce-scatter", "all-gather", "broadcast", "reduce"};
+enum Coll { AllReduce, ReduceScatter, AllGather, Broadcast, Reduce, AllToAll, Gather, Scatter };
+const char* kCollNames[] = {"all-reduce", "reduce-scatter", "all-gather", "broadcast",
+                            "reduce",     "all-to-all",     "gather",     "scatter"};
 
 // Rank q's input, the same on every rank that asks.
 void inputOf(int q, size_t seed, std::vector<uint8_t>* v, loomDataType_t t) {
@@ -82,8 +83,8 @@ Live issue(const Case& c, int me, int N, loomComm_t comm, cudaStream_t st) {
   Live L;
   L.c = c;
   const size_t esz = loom::dtypeSize(c.t), n = c.n;
-  const size_t sendElems = c.coll == ReduceScatter ? size_t(N) * n : n;
-  const size_t recvElems = c.coll == AllGather ? size_t(N) * n : n;
+  const size_t sendElems = c.coll == ReduceScatter || c.coll == AllToAll || c.coll == Scatter ? size_t(N) * n : n;
+  const size_t recvElems = c.coll == AllGather || c.coll == AllToAll || c.coll == Gather ? size_t(N) * n : n;
   const size_t big = std::max(sendElems, recvElems) * esz;
   const int root = N - 1;
   std::vector<std::vector<uint8_t>> in(static_cast<size_t>(N), std::vector<uint8_t>(sendElems * esz));
@@ -97,8 +98,10 @@ Live issue(const Case& c, int me, int N, loomComm_t comm, cudaStream_t st) {
   if (c.inPlace) {
     uint8_t* s = rb;
     L.recv = rb;
-    if (c.coll == ReduceScatter) L.recv = rb + size_t(me) * n * esz;
-    if (c.coll == AllGather) s = rb + size_t(me) * n * esz;
+    // NCCL's in-place layouts (gather's and scatter's matter at the root;
+    // the other ranks' buffers merely overlap, which they may).
+    if (c.coll == ReduceScatter || c.coll == Scatter) L.recv = rb + size_t(me) * n * esz;
+    if (c.coll == AllGather || c.coll == Gather) s = rb + size_t(me) * n * esz;
     L.send = s;
   } else {
     CK(cudaMalloc(&L.sendDev, sendElems * esz + 1));
@@ -138,6 +141,26 @@ Live issue(const Case& c, int me, int N, loomComm_t comm, cudaStream_t st) {
       else
         L.want.assign(recvElems * esz, 0x5a);
       LK(loomReduce(L.send, L.recv, n, c.t, c.op, root, comm, loomStream_t(st)));
+      break;
+    case AllToAll:  // block q: block `me` of rank q's input
+      for (int q = 0; q < N; ++q)
+        L.want.insert(L.want.end(), in[size_t(q)].begin() + long(size_t(me) * n * esz),
+                      in[size_t(q)].begin() + long(size_t(me + 1) * n * esz));
+      LK(loomAllToAll(L.send, L.recv, n, c.t, comm, loomStream_t(st)));
+      break;
+    case Gather:
+      if (me == root) {
+        for (int q = 0; q < N; ++q) L.want.insert(L.want.end(), in[size_t(q)].begin(), in[size_t(q)].end());
+      } else {  // untouched: the garbage, with this rank's input in its block when in place
+        L.want.assign(recvElems * esz, 0x5a);
+        if (c.inPlace) std::copy(in[size_t(me)].begin(), in[size_t(me)].end(), L.want.begin() + long(size_t(me) * n * esz));
+      }
+      LK(loomGather(L.send, L.recv, n, c.t, root, comm, loomStream_t(st)));
+      break;
+    case Scatter:
+      L.want.assign(in[size_t(root)].begin() + long(size_t(me) * n * esz),
+                    in[size_t(root)].begin() + long(size_t(me + 1) * n * esz));
+      LK(loomScatter(L.send, L.recv, n, c.t, root, comm, loomStream_t(st)));
       break;
   }
   return L;
@@ -191,16 +214,21 @@ int rankMain(int me, int N, loomUniqueId id, size_t maxCount) {
     }
     batch.clear();
   };
-  for (Coll c : {AllReduce, ReduceScatter, AllGather, Broadcast, Reduce})
+  for (Coll c : {AllReduce, ReduceScatter, AllGather, Broadcast, Reduce, AllToAll, Gather, Scatter})
     for (loomDataType_t t : kTypes)
       for (loomRedOp_t op : kOps) {
-        if ((c == AllGather || c == Broadcast) && op != loomSum) continue;
-        for (size_t n : {size_t(0), size_t(1), size_t(1031), size_t(300000), maxCount}) {
-          if (n > maxCount) continue;
-          if (n == maxCount && n > 300000 && (t != loomFloat32 || op != loomSum)) continue;
+        const bool reducing = c == AllReduce || c == ReduceScatter || c == Reduce;
+        if (!reducing && op != loomSum) continue;
+        // All-to-all's and scatter's buffers are N blocks on every rank:
+        // their largest case is maxCount elements in all.
+        const size_t top = c == AllToAll || c == Scatter ? maxCount / size_t(N) : maxCount;
+        for (size_t n : {size_t(0), size_t(1), size_t(1031), size_t(300000), top}) {
+          if (n > top) continue;
+          if (n == top && n > 300000 && (t != loomFloat32 || op != loomSum)) continue;
           for (bool ip : {false, true}) {
+            if (ip && c == AllToAll) continue;  // no in-place form, as in NCCL
             batch.push_back(issue({c, t, op, n, ip, seed++}, me, N, comm, st));
-            if (batch.size() >= 16 || n == maxCount) flush();
+            if (batch.size() >= 16 || n == top) flush();
           }
         }
       }
@@ -247,8 +275,15 @@ int rankMain(int me, int N, loomUniqueId id, size_t maxCount) {
     msg = loomGetLastError(comm);
     bad += r != loomInvalidArgument || msg.find("loom host stream") == std::string::npos;
     LK(loomStreamDestroy(hs));
+    // The exchanges: a host pointer for all-to-all, a root out of range.
+    r = loomAllToAll(host.data(), dev, 16 / N, loomFloat32, comm, loomStream_t(st));
+    msg = loomGetLastError(comm);
+    bad += r != loomInvalidArgument || msg.find("is host memory") == std::string::npos;
+    r = loomGather(dev, dev, 1, loomFloat32, N, comm, loomStream_t(st));
+    msg = loomGetLastError(comm);
+    bad += r != loomInvalidArgument || msg.find("root") == std::string::npos;
     CK(cudaFree(dev));
-    std::printf("RESULT errors 2 %ld\n", bad);
+    std::printf("RESULT errors 4 %ld\n", bad);
   }
   CK(cudaStreamSynchronize(st));
   LK(loomCommDestroy(comm));
