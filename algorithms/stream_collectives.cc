@@ -90,6 +90,15 @@ class Builder {
     data(StreamOpKind::Divide, s, dst, {dst}, n);
     p_.ops.back().divisor = divisor;
   }
+  void setPeer(int s, int peer, FlagIndex f, uint64_t v) {
+    StreamOp o;
+    o.kind = StreamOpKind::SetPeerFlag;
+    o.stream = uint8_t(s);
+    o.flagRank = peer;
+    o.flag = f;
+    o.value = v;
+    p_.ops.push_back(o);
+  }
   void event(StreamOpKind kind, int s, int e) {
     StreamOp o;
     o.kind = kind;
@@ -324,6 +333,67 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
   }
   p.rounds = g - *round;
   *round = g;
+  return p;
+}
+
+StreamProgram compileP2PProgram(const std::vector<OpDesc>& ops, int rank, int nranks, size_t slotBytes,
+                                P2PCounters* st) {
+  StreamProgram p;
+  p.rank = rank;
+  p.nranks = nranks;
+  p.dtype = loomUint8;  // copies only, in bytes
+  if (nranks < 1 || rank < 0 || rank >= nranks)
+    fail(loomInternalError, "send/recv program for rank %d of %d", rank, nranks);
+  const size_t chunk = p2pChunkBytes(slotBytes);
+  if (chunk == 0) fail(loomInternalError, "send/recv program: slots of %zu bytes hold no chunk", slotBytes);
+  st->sent.resize(size_t(nranks), 0);
+  st->recvd.resize(size_t(nranks), 0);
+  struct Member {
+    bool send;
+    int peer;
+    int32_t buffer;  // index among the sends or the receives
+    size_t bytes;
+  };
+  std::vector<Member> members;
+  int32_t sends = 0, recvs = 0;
+  size_t most = 0;  // chunks of the longest member
+  for (const OpDesc& op : ops) {
+    if (op.coll != Collective::P2P || op.peer < 0 || op.peer >= nranks)
+      fail(loomInternalError, "send/recv program given %s (peer %d)", collectiveName(op.coll), op.peer);
+    const size_t bytes = op.count * dtypeSize(op.dtype);
+    members.push_back({op.isSend, op.peer, op.isSend ? sends++ : recvs++, bytes});
+    most = std::max(most, (bytes + chunk - 1) / chunk);
+  }
+  Builder b(p);
+  const int me = rank;
+  // Chunk k of a pair (its k-th overall) is in slot k % 2 of the sender's
+  // region for the receiver.
+  auto slotOf = [&](int receiver, uint64_t k) {
+    return streamWindowBytes(slotBytes) + (size_t(receiver) * 2 + size_t(k % 2)) * chunk;
+  };
+  for (size_t c = 0; c < most; ++c) {
+    for (int pass = 0; pass < 2; ++pass)  // this chunk of every send, then of every receive
+      for (const Member& m : members) {
+        const size_t off = c * chunk;
+        if (m.send != (pass == 0) || off >= m.bytes) continue;
+        const size_t len = std::min(chunk, m.bytes - off);
+        if (m.send) {
+          const uint64_t k = st->sent[size_t(m.peer)]++;
+          // The receiver has copied out chunk k - 2, which used this slot.
+          if (k >= 2) b.wait(0, m.peer, kFlagP2PAcked, k - 1);
+          b.copy(0, winAt(me, slotOf(m.peer, k)), ProgramRef{Space::Send, m.buffer, off}, len);
+          b.setPeer(0, m.peer, kFlagP2PSent, k + 1);
+        } else {
+          const uint64_t k = st->recvd[size_t(m.peer)]++;
+          b.wait(0, m.peer, kFlagP2PSent, k + 1);
+          b.copy(0, ProgramRef{Space::Recv, m.buffer, off}, winAt(m.peer, slotOf(me, k)), len);
+          b.setPeer(0, m.peer, kFlagP2PAcked, k + 1);
+        }
+      }
+  }
+  if (p.ops.empty()) return p;
+  // Done: the watchdog, destroy and the reaper tell finished programs by it.
+  b.set(0, kFlagP2PDone, ++st->programs);
   return p;
 }
 

@@ -234,6 +234,21 @@ loomResult_t runOnDevice(loomComm* comm, loomStream_t stream, const OpDesc& op) 
   return loomSuccess;
 }
 
+// Sends and receives on a CUDA communicator as one stream program
+// (DeviceComm::runP2P).
+loomResult_t runP2POnDevice(loomComm* comm, loomStream_t stream, const std::vector<OpDesc>& ops) {
+  void* cs = cudaStreamOf(stream);
+  loomResult_t prior = comm->asyncError();
+  if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->lastError().c_str());
+  try {
+    comm->deviceComm()->runP2P(ops, cs);
+  } catch (const Error& e) {
+    if (comm->deviceComm()->failed()) comm->setFailed(e.code(), e.what());
+    throw;
+  }
+  return loomSuccess;
+}
+
 // Where a buffer the caller passed lives: CUDA device memory if CUDA says
 // so (only asked when the process has a CUDA device), else host memory.
 MemoryKind memoryKindOf(const void* buf) {
@@ -316,15 +331,19 @@ loomResult_t issueExchange(const char* call, loomComm* comm, loomStream_t stream
     HostStream* hostStream;
     try {
       checkComm(comm);
-      if (comm->deviceComm())
-        fail(loomInvalidUsage, "%s is not implemented on CUDA communicators yet", call);
       ops = check(comm->nranks(), comm->rank());
       for (OpDesc& op : ops) {
         if (op.sendbuf) op.sendMem = memoryKindOf(op.sendbuf);
         if (op.recvbuf) op.recvMem = memoryKindOf(op.recvbuf);
         validate(comm, op);
       }
-      hostStream = hostStreamOf(stream);
+      if (comm->deviceComm()) {
+        // One send/recv program (or into the caller's group, checked now).
+        if (g.depth == 0) return ops.empty() ? loomSuccess : runP2POnDevice(comm, stream, ops);
+        cudaStreamOf(stream);
+        for (const OpDesc& op : ops) comm->deviceComm()->check(op);
+      }
+      hostStream = comm->deviceComm() ? nullptr : hostStreamOf(stream);
     } catch (const Error& e) {
       if (g.depth > 0 && g.error == loomSuccess) {
         g.error = e.code();
@@ -923,10 +942,18 @@ loomResult_t loomGroupEnd(void) {
   if (ops.empty()) return loomSuccess;
   return guarded("loomGroupEnd", comm, [&] {
     if (comm->deviceComm()) {
-      // The members in order on the caller's stream, each a stream program
-      // (every rank enqueues the same sequence, so rounds agree).  Each
-      // was checked when it joined the group.
-      for (const OpDesc& op : ops) runOnDevice(comm, stream, op);
+      // The collectives in order on the caller's stream, each a stream
+      // program (every rank enqueues the same sequence, so rounds agree),
+      // then the sends and receives as one program.  Each member was
+      // checked when it joined the group.
+      std::vector<OpDesc> p2p;
+      for (const OpDesc& op : ops) {
+        if (op.coll == Collective::P2P)
+          p2p.push_back(op);
+        else
+          runOnDevice(comm, stream, op);
+      }
+      if (!p2p.empty()) runP2POnDevice(comm, stream, p2p);
       return loomSuccess;
     }
     return submit(comm, hostStreamOf(stream), std::move(ops));
