@@ -692,8 +692,6 @@ Options parseArgs(int argc, char** argv) {
   if (!o.coll->reducing) o.ops = {loomSum};  // one pass, printed as "none"
   if (o.cuda && o.registered)
     badArgs("-R (host memory from loomMemAlloc) and --device cuda exclude each other");
-  if (o.cuda && o.coll->coll == kSendRecv)
-    badArgs("sendrecv is not available with --device cuda (CUDA communicators have no send/receive yet)");
   return o;
 }
 

@@ -12,6 +12,8 @@
 //           returns while the kernel still runs (cudaStreamQuery says not
 //           ready), and after cudaStreamSynchronize the result includes
 //           what the kernel wrote
+//   p2p     loomSend/loomRecv in a group (a ring, 1 element to 3 Mi) and
+//           loomAllToAllv of uneven blocks: exact
 //   errors  a host pointer and a loom host stream on a CUDA communicator:
 //           loomInvalidArgument with a message
 // Prints one row per N and check; exits non-zero on any wrong value, error
@@ -235,6 +237,68 @@ int rankMain(int me, int N, loomUniqueId id, size_t maxCount) {
   flush();
   std::printf("RESULT comm %ld %ld\n", cases, wrong);
 
+  // p2p: send/recv in a group (a ring: to the next rank, from the
+  // previous, sizes from one element to many chunks), and an all-to-allv
+  // of uneven blocks; every rank derives every input from the seed.
+  {
+    long p2pCases = 0, p2pWrong = 0;
+    const int next = (me + 1) % N, prev = (me + N - 1) % N;
+    for (size_t n : {size_t(1), size_t(1031), size_t(3) << 20}) {
+      if (n > maxCount) continue;
+      std::vector<uint8_t> mine(n * 4), theirs(n * 4);
+      inputOf(me, seed + n, &mine, loomFloat32);
+      inputOf(prev, seed + n, &theirs, loomFloat32);
+      void *s, *r;
+      CK(cudaMalloc(&s, n * 4));
+      CK(cudaMalloc(&r, n * 4));
+      CK(cudaMemcpyAsync(s, mine.data(), n * 4, cudaMemcpyHostToDevice, st));
+      LK(loomGroupStart());
+      LK(loomSend(s, n, loomFloat32, next, comm, loomStream_t(st)));
+      LK(loomRecv(r, n, loomFloat32, prev, comm, loomStream_t(st)));
+      LK(loomGroupEnd());
+      CK(cudaStreamSynchronize(st));
+      std::vector<uint8_t> got(n * 4);
+      CK(cudaMemcpy(got.data(), r, n * 4, cudaMemcpyDeviceToHost));
+      ++p2pCases;
+      p2pWrong += got != theirs;
+      CK(cudaFree(s));
+      CK(cudaFree(r));
+    }
+    // all-to-allv: rank q sends (q + j) % 3 * 777 + 1 elements to rank j.
+    auto cnt = [](int q, int j) { return size_t((q + j) % 3) * 777 + 1; };
+    const size_t nr = static_cast<size_t>(N);
+    std::vector<size_t> sc(nr), sd(nr), rc(nr), rd(nr);
+    size_t sAll = 0, rAll = 0;
+    for (int j = 0; j < N; ++j) {
+      sc[size_t(j)] = cnt(me, j), sd[size_t(j)] = sAll, sAll += sc[size_t(j)];
+      rc[size_t(j)] = cnt(j, me), rd[size_t(j)] = rAll, rAll += rc[size_t(j)];
+    }
+    std::vector<uint8_t> in(sAll * 4);
+    inputOf(me, seed + 99, &in, loomFloat32);
+    void *s, *r;
+    CK(cudaMalloc(&s, sAll * 4));
+    CK(cudaMalloc(&r, rAll * 4));
+    CK(cudaMemcpyAsync(s, in.data(), sAll * 4, cudaMemcpyHostToDevice, st));
+    LK(loomAllToAllv(s, sc.data(), sd.data(), r, rc.data(), rd.data(), loomFloat32, comm, loomStream_t(st)));
+    CK(cudaStreamSynchronize(st));
+    std::vector<uint8_t> got(rAll * 4);
+    CK(cudaMemcpy(got.data(), r, rAll * 4, cudaMemcpyDeviceToHost));
+    for (int q = 0; q < N; ++q) {  // rank q's buffer, its block for me
+      size_t qAll = 0, qOff = 0;
+      for (int j = 0; j < N; ++j) {
+        if (j == me) qOff = qAll;
+        qAll += cnt(q, j);
+      }
+      std::vector<uint8_t> qin(qAll * 4);
+      inputOf(q, seed + 99, &qin, loomFloat32);
+      ++p2pCases;
+      p2pWrong += std::memcmp(got.data() + rd[size_t(q)] * 4, qin.data() + qOff * 4, rc[size_t(q)] * 4) != 0;
+    }
+    CK(cudaFree(s));
+    CK(cudaFree(r));
+    std::printf("RESULT p2p %ld %ld\n", p2pCases, p2pWrong);
+  }
+
   // order: the call returns while earlier work on the stream still runs.
   {
     const size_t n = size_t(1) << 20;
@@ -346,7 +410,7 @@ int main(int argc, char** argv) {
         std::printf("rank %d of %d exited abnormally (status %d)\n", r, N, st);
       }
     }
-    for (const char* check : {"comm", "order", "errors"}) {
+    for (const char* check : {"comm", "p2p", "order", "errors"}) {
       long cases = 0, wrong = 0;
       bool seen = false;
       for (int r = 0; r < N; ++r) {

@@ -9,8 +9,8 @@
 # 1, 2 and 4 processes sharing the one GPU, every collective on device
 # buffers, the call returning before the stream's work is done, errors),
 # their all-reduce speed (loom-gpu-comm-perf, printed, not judged), loom-perf
-# on device buffers (-G: all-reduce up to 256 MiB, all-to-all, gather and
-# scatter, 2 ranks, checked), a short
+# on device buffers (-G: all-reduce up to 256 MiB, all-to-all, gather,
+# scatter and sendrecv, 2 ranks, checked), a short
 # run of each under compute-sanitizer when it is installed, and prints a
 # table.
 # Exits non-zero on any wrong value, error or hang.
@@ -51,7 +51,7 @@ step "GPU: all-reduce speed, 2 processes (loom-gpu-comm-perf)" timeout 900 "$bui
 # loom-gpu-comm-perf's copy bandwidth above.
 step "loom-perf -G all_reduce, 2 ranks, 8 B .. 256 MiB" timeout 900 "$build/bin/loom-run" -n 2 \
   "$build/bin/loom-perf" all_reduce -G -b 8 -e 256M -f 4 -c 1
-for coll in alltoall gather scatter; do
+for coll in alltoall gather scatter sendrecv; do
   step "loom-perf -G $coll, 2 ranks, 8 B .. 64 MiB" timeout 900 "$build/bin/loom-run" -n 2 \
     "$build/bin/loom-perf" "$coll" -G -b 8 -e 64M -f 8 -c 1 -r 1
 done
