@@ -5,10 +5,11 @@
 // "device memory" is memfd-backed, and opening a peer's handle maps the
 // same memory again at another address, as cudaIpcOpenMemHandle does, so
 // base + offset arithmetic is really exercised.  Checks: exact results of
-// every collective the compiler serves, N = 1..5, ranks sharing one device
-// and on two, ops back to back with one synchronisation at the end, both
-// all-reduce programs; the host thread returning before the work runs;
-// buffer errors; the import cache's refcounts and address reuse; a dead
+// every collective the compiler serves (the exchanges included), N = 1..5,
+// ranks sharing one device and on two, ops back to back with one
+// synchronisation at the end, both all-reduce programs; send/recv, N =
+// 1..8 (rings, every pair both ways, self-sends, uneven multi-chunk
+// sizes); the host thread returning before the work runs; buffer errors; the import cache's refcounts and address reuse; a dead
 // rank -> an error, not a hang; and the C API's CUDA-communicator path
 // (LOOM_DEVICE=cuda with the simulated device's drivers).
 #include <sys/mman.h>
@@ -1349,14 +1350,14 @@ size_t messageCount(int from, int to, int k, int variant) {
 
 }  // namespace
 
-TEST_CASE("device communicator (simulated device): send/recv are exact, N = 1..5, ranks sharing a device and on "
-          "two: a ring, every pair both ways with uneven sizes and self-sends in one program, back to back",
+TEST_CASE("device communicator (simulated device): send/recv are exact, N = 1..8, ranks sharing a device and on "
+          "several: a ring, every pair both ways with uneven sizes and self-sends in one program, back to back",
           "[devcomm]") {
   loom::DeviceCommOptions opts;
   opts.slotBytes = 1024;  // chunks of 512 bytes: most messages take several, slots are reused
   const loomDataType_t types[] = {loomInt8, loomFloat16, loomInt32, loomFloat64};
-  for (int N = 1; N <= 5; ++N)
-    for (int gpus : {1, 2}) {
+  for (int N = 1; N <= 8; ++N)
+    for (int gpus : {1, 2, 3}) {
       if (gpus > N) continue;
       SimComms s(N, gpus, opts);
       for (int r = 0; r < N; ++r) REQUIRE(s.initErrors[size_t(r)].empty());
