@@ -1425,7 +1425,7 @@ TEST_CASE("device communicator (simulated device): send/recv are exact, N = 1..8
           for (const P2POp& o : prog) {
             if (o.send) continue;
             ++messages;
-            if (memcmp(o.buf, o.expect.data(), o.expect.size()) != 0 && ++wrong <= 3)
+            if (!o.expect.empty() && memcmp(o.buf, o.expect.data(), o.expect.size()) != 0 && ++wrong <= 3)
               FAIL_CHECK("rank " << r << ": message from " << o.peer << " (" << o.count << " x "
                                  << loom::dtypeName(o.type) << ") wrong");
           }
