@@ -22,7 +22,12 @@
 // Bytes read per rank and round of m elements (s = element size):
 //   one-shot all-reduce N*m*s; reduce-scatter + all-gather m*s + m*s;
 //   reduce-scatter N*m*s copied in, N*m*s read; all-gather N*m*s;
-//   broadcast m*s; reduce (root) N*m*s.
+//   broadcast m*s; reduce (root) N*m*s; all-to-all N*m*s copied in, N*m*s
+//   read; gather (root) N*m*s; scatter m*s (the root copies N*m*s in).
+// All-to-all and scatter stage one chunk per rank in a slot (m elements of
+// each block per round, as reduce-scatter); gather's root and scatter's
+// ranks read only the windows they need, and ranks that read no window set
+// done as soon as their part is staged.
 // With one rank a program is at most one local copy and uses no round.
 #include "algorithms/stream_collectives.h"
 
@@ -85,6 +90,15 @@ class Builder {
     data(StreamOpKind::Divide, s, dst, {dst}, n);
     p_.ops.back().divisor = divisor;
   }
+  void setPeer(int s, int peer, FlagIndex f, uint64_t v) {
+    StreamOp o;
+    o.kind = StreamOpKind::SetPeerFlag;
+    o.stream = uint8_t(s);
+    o.flagRank = peer;
+    o.flag = f;
+    o.value = v;
+    p_.ops.push_back(o);
+  }
   void event(StreamOpKind kind, int s, int e) {
     StreamOp o;
     o.kind = kind;
@@ -146,7 +160,9 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
   size_t m = 0;  // elements per round (of each block for reduce-scatter)
   switch (op.coll) {
     case Collective::ReduceScatter:
-      m = perRound(slotBytes / size_t(N), esz);
+    case Collective::AllToAll:
+    case Collective::Scatter:
+      m = perRound(slotBytes / size_t(N), esz);  // a slot holds one chunk per rank
       break;
     case Collective::AllReduce:
       m = perRound(rsag ? slotBytes / 2 : slotBytes, esz);
@@ -158,8 +174,7 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
   if (m == 0 || (rsag && m < size_t(N)))
     fail(loomInternalError, "stream program: slots of %zu bytes cannot hold a round of %s x %d ranks",
          slotBytes, dtypeName(op.dtype), N);
-  if (op.coll == Collective::P2P || op.coll == Collective::AllToAll || op.coll == Collective::Gather ||
-      op.coll == Collective::Scatter)
+  if (op.coll == Collective::P2P)
     fail(loomInternalError, "stream programs do not serve %s yet", collectiveName(op.coll));
   if (rsag) {
     p.streams = 2;
@@ -167,6 +182,25 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
     b.event(StreamOpKind::RecordEvent, 0, 0);  // fork: stream 1 follows the caller's earlier work
     b.event(StreamOpKind::WaitEvent, 1, 0);
   }
+
+  // Gather and scatter in place: the root's own block is already where it
+  // belongs (NCCL's layouts: sendbuff = recvbuff + root*count, and the
+  // reverse).
+  const size_t block = n * esz;
+  const bool rootInPlace =
+      (op.coll == Collective::Gather &&
+       static_cast<const uint8_t*>(op.sendbuf) == static_cast<const uint8_t*>(op.recvbuf) + size_t(op.root) * block) ||
+      (op.coll == Collective::Scatter &&
+       static_cast<const uint8_t*>(op.recvbuf) == static_cast<const uint8_t*>(op.sendbuf) + size_t(op.root) * block);
+  // Chunk q (c elements from `off`) of an N-block buffer into slot place q.
+  auto stageBlocks = [&](size_t base, size_t off, size_t c) {
+    if (c == n) {  // one round: the blocks are one contiguous copy
+      b.copy(0, winAt(me, base), sendAt(0), size_t(N) * block);
+      return;
+    }
+    for (int q = 0; q < N; ++q)
+      b.copy(0, winAt(me, base + size_t(q) * c * esz), sendAt((size_t(q) * n + off) * esz), c * esz);
+  };
 
   const size_t half = slotBytes / 2;
   uint64_t g = *round;
@@ -208,12 +242,7 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
       }
       case Collective::ReduceScatter: {
         guard();
-        if (c == n) {  // one round: the whole input is one contiguous copy
-          b.copy(0, winAt(me, base), sendAt(0), size_t(N) * n * esz);
-        } else {
-          for (int q = 0; q < N; ++q)
-            b.copy(0, winAt(me, base + size_t(q) * c * esz), sendAt((size_t(q) * n + off) * esz), c * esz);
-        }
+        stageBlocks(base, off, c);
         b.set(0, kFlagInput, v);
         b.waitAll(0, kFlagInput, v);
         for (int q = 0; q < N; ++q) all.push_back(winAt(q, base + size_t(me) * c * esz));
@@ -254,10 +283,47 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         }
         b.set(0, kFlagDone, v);
         break;
-      case Collective::P2P:
       case Collective::AllToAll:
+        // Every rank stages its N chunks, then takes chunk `me` of every
+        // rank's slot into block q of its output.
+        guard();
+        stageBlocks(base, off, c);
+        b.set(0, kFlagInput, v);
+        b.waitAll(0, kFlagInput, v);
+        for (int q = 0; q < N; ++q)
+          b.copy(0, recvAt((size_t(q) * n + off) * esz), winAt(q, base + size_t(me) * c * esz), c * esz);
+        b.set(0, kFlagDone, v);
+        break;
       case Collective::Gather:
+        if (me != op.root) {
+          // Reads no window: done as soon as the chunk is staged (the root's
+          // done flag is what guards this slot's reuse).
+          guard();
+          b.copy(0, winAt(me, base), sendAt(off * esz), c * esz);
+          b.set(0, kFlagInput, v);
+        } else {
+          if (!rootInPlace) b.copy(0, recvAt((size_t(me) * n + off) * esz), sendAt(off * esz), c * esz);
+          for (int q = 0; q < N; ++q) {
+            if (q == me) continue;
+            b.wait(0, q, kFlagInput, v);
+            b.copy(0, recvAt((size_t(q) * n + off) * esz), winAt(q, base), c * esz);
+          }
+        }
+        b.set(0, kFlagDone, v);
+        break;
       case Collective::Scatter:
+        if (me == op.root) {
+          guard();
+          stageBlocks(base, off, c);
+          b.set(0, kFlagInput, v);
+          if (!rootInPlace) b.copy(0, recvAt(off * esz), sendAt((size_t(me) * n + off) * esz), c * esz);
+        } else {
+          b.wait(0, op.root, kFlagInput, v);
+          b.copy(0, recvAt(off * esz), winAt(op.root, base + size_t(me) * c * esz), c * esz);
+        }
+        b.set(0, kFlagDone, v);
+        break;
+      case Collective::P2P:
         break;  // refused above
     }
   }
@@ -267,6 +333,67 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
   }
   p.rounds = g - *round;
   *round = g;
+  return p;
+}
+
+StreamProgram compileP2PProgram(const std::vector<OpDesc>& ops, int rank, int nranks, size_t slotBytes,
+                                P2PCounters* st) {
+  StreamProgram p;
+  p.rank = rank;
+  p.nranks = nranks;
+  p.dtype = loomUint8;  // copies only, in bytes
+  if (nranks < 1 || rank < 0 || rank >= nranks)
+    fail(loomInternalError, "send/recv program for rank %d of %d", rank, nranks);
+  const size_t chunk = p2pChunkBytes(slotBytes);
+  if (chunk == 0) fail(loomInternalError, "send/recv program: slots of %zu bytes hold no chunk", slotBytes);
+  st->sent.resize(size_t(nranks), 0);
+  st->recvd.resize(size_t(nranks), 0);
+  struct Member {
+    bool send;
+    int peer;
+    int32_t buffer;  // index among the sends or the receives
+    size_t bytes;
+  };
+  std::vector<Member> members;
+  int32_t sends = 0, recvs = 0;
+  size_t most = 0;  // chunks of the longest member
+  for (const OpDesc& op : ops) {
+    if (op.coll != Collective::P2P || op.peer < 0 || op.peer >= nranks)
+      fail(loomInternalError, "send/recv program given %s (peer %d)", collectiveName(op.coll), op.peer);
+    const size_t bytes = op.count * dtypeSize(op.dtype);
+    members.push_back({op.isSend, op.peer, op.isSend ? sends++ : recvs++, bytes});
+    most = std::max(most, (bytes + chunk - 1) / chunk);
+  }
+  Builder b(p);
+  const int me = rank;
+  // Chunk k of a pair (its k-th overall) is in slot k % 2 of the sender's
+  // region for the receiver.
+  auto slotOf = [&](int receiver, uint64_t k) {
+    return streamWindowBytes(slotBytes) + (size_t(receiver) * 2 + size_t(k % 2)) * chunk;
+  };
+  for (size_t c = 0; c < most; ++c) {
+    for (int pass = 0; pass < 2; ++pass)  // this chunk of every send, then of every receive
+      for (const Member& m : members) {
+        const size_t off = c * chunk;
+        if (m.send != (pass == 0) || off >= m.bytes) continue;
+        const size_t len = std::min(chunk, m.bytes - off);
+        if (m.send) {
+          const uint64_t k = st->sent[size_t(m.peer)]++;
+          // The receiver has copied out chunk k - 2, which used this slot.
+          if (k >= 2) b.wait(0, m.peer, kFlagP2PAcked, k - 1);
+          b.copy(0, winAt(me, slotOf(m.peer, k)), ProgramRef{Space::Send, m.buffer, off}, len);
+          b.setPeer(0, m.peer, kFlagP2PSent, k + 1);
+        } else {
+          const uint64_t k = st->recvd[size_t(m.peer)]++;
+          b.wait(0, m.peer, kFlagP2PSent, k + 1);
+          b.copy(0, ProgramRef{Space::Recv, m.buffer, off}, winAt(m.peer, slotOf(me, k)), len);
+          b.setPeer(0, m.peer, kFlagP2PAcked, k + 1);
+        }
+      }
+  }
+  if (p.ops.empty()) return p;
+  // Done: the watchdog, destroy and the reaper tell finished programs by it.
+  b.set(0, kFlagP2PDone, ++st->programs);
   return p;
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "algorithms/schedule.h"
 #include "src/device/stream_program.h"
@@ -33,5 +34,36 @@ inline size_t streamWindowBytes(size_t slotBytes) { return 2 * slotBytes; }
 // rank.
 StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo,
                                    size_t slotBytes, uint64_t* round);
+
+// Send/recv.  A pair's messages go through the sender's window, after the
+// two collective slots: per destination two chunks of p2pChunkBytes, used
+// by alternate chunks of that pair.  Pairs count their own chunks (no
+// communicator-wide round: ranks not in a send take no part), in the
+// per-pair flags (kFlagP2PSent/kFlagP2PAcked, stream_program.h).
+inline size_t p2pChunkBytes(size_t slotBytes) { return slotBytes / 2; }
+inline size_t p2pWindowBytes(size_t slotBytes, int nranks) {
+  return size_t(nranks) * 2 * p2pChunkBytes(slotBytes);
+}
+// A window in all: the collectives' two slots, then the send/recv chunks.
+inline size_t deviceWindowBytes(size_t slotBytes, int nranks) {
+  return streamWindowBytes(slotBytes) + p2pWindowBytes(slotBytes, nranks);
+}
+// What a rank has done with each peer so far (every program advances it).
+struct P2PCounters {
+  std::vector<uint64_t> sent;   // per peer: chunks staged for it
+  std::vector<uint64_t> recvd;  // per peer: chunks of it copied out
+  uint64_t programs = 0;        // send/recv programs (kFlagP2PDone's value)
+};
+// Rank `rank`'s program for the sends and receives `ops` (P2P, in the
+// order issued; a group's members or one call): send i reads buffer i of
+// the sends (ProgramRef rank i, buffer 0 = ops' first send), receive j
+// writes buffer j of the receives.  Chunk c of every member runs before
+// chunk c + 1 of any, sends of a chunk before receives, so that the
+// members of a group never wait on each other in a cycle (a send and a
+// receive that depend on each other must be in one group, as in NCCL).
+// A pair's sender and receiver must issue the same byte counts in the same
+// order.  Advances *st.
+StreamProgram compileP2PProgram(const std::vector<OpDesc>& ops, int rank, int nranks, size_t slotBytes,
+                                P2PCounters* st);
 
 }  // namespace loom

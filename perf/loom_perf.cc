@@ -31,15 +31,25 @@
 // side that holds every rank's block (both sides for alltoall), count per
 // rank being rounded down to a 16-byte-aligned block, as for all_gather.
 //
+// With -G (--device cuda) the communicator is a CUDA one (LOOM_DEVICE=cuda)
+// on device local-rank % devices, the buffers are device memory (cudaMalloc)
+// and every call is issued on one cudaStream_t and timed up to
+// cudaStreamSynchronize; checked runs fill and verify host copies and move
+// them with cudaMemcpy.  The CUDA runtime is loaded at run time (dlopen), as
+// loom loads its CUDA plug-in: loom-perf runs without any CUDA library, and
+// -G there fails with "no CUDA device" and the reason.
+//
 // Check data (-c 1) is made of small integers chosen so that every
 // reduction is exact in every datatype (int8 and bfloat16 included), in any
 // reduction order, for any number of ranks: see Pattern below.
 //
-// Exit status: 0 success, 1 a loom call failed, 2 bad arguments, 3 wrong
-// results (or values written out of bounds) were found.
+// Exit status: 0 success, 1 a loom call failed, 2 bad arguments (or -G
+// without a usable CUDA device), 3 wrong results (or values written out of
+// bounds) were found.
 
 #include <loom.h>
 
+#include <dlfcn.h>
 #include <getopt.h>
 #include <unistd.h>
 
@@ -54,6 +64,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 extern char** environ;
@@ -431,6 +442,7 @@ struct Options {
   int root = 0;
   int stream = 0;  // 1: issue on a loom host stream; 0: blocking calls (NULL stream)
   bool registered = false;  // -R: buffers from loomMemAlloc, registered with the communicator
+  bool cuda = false;        // -G / --device cuda: device buffers on a CUDA communicator
   std::string json;
 };
 
@@ -467,6 +479,8 @@ void usage(FILE* f) {
                "  -s, --stream 0|1      0 (default): blocking calls (NULL stream), as MPI_Allreduce\n"
                "                        is measured; 1: issue on a loom host stream and\n"
                "                        loomStreamSynchronize each iteration\n"
+               "  -G, --device cuda     a CUDA communicator (LOOM_DEVICE=cuda) on device buffers,\n"
+               "                        issued on a cudaStream_t (default: --device host)\n"
                "      --json FILE       rank 0 also writes every row as JSON to FILE\n"
                "  -h, --help            this help\n"
                "Run it under a launcher, e.g.:\n"
@@ -598,6 +612,7 @@ Options parseArgs(int argc, char** argv) {
       {"json", required_argument, nullptr, 'J'},
       {"stream", required_argument, nullptr, 's'},
       {"registered", no_argument, nullptr, 'R'},
+      {"device", required_argument, nullptr, 'D'},
       {"help", no_argument, nullptr, 'h'},
       {nullptr, 0, nullptr, 0},
   };
@@ -605,7 +620,7 @@ Options parseArgs(int argc, char** argv) {
   bool sawOp = false;
   long v = 0;
   for (;;) {
-    int c = getopt_long(argc, argv, ":b:e:f:n:w:c:d:o:r:s:Rh", longOpts, nullptr);
+    int c = getopt_long(argc, argv, ":b:e:f:n:w:c:d:o:r:s:RGh", longOpts, nullptr);
     if (c == -1) break;
     switch (c) {
       case 'b':
@@ -643,6 +658,15 @@ Options parseArgs(int argc, char** argv) {
         o.stream = static_cast<int>(v);
         break;
       case 'R': o.registered = true; break;
+      case 'G': o.cuda = true; break;
+      case 'D':
+        if (std::strcmp(optarg, "cuda") == 0)
+          o.cuda = true;
+        else if (std::strcmp(optarg, "host") == 0)
+          o.cuda = false;
+        else
+          badArgs("--device: expected host or cuda, got '%s'", optarg);
+        break;
       case 'J':
         if (!*optarg) badArgs("--json: empty file name");
         o.json = optarg;
@@ -669,6 +693,8 @@ Options parseArgs(int argc, char** argv) {
   if (sawOp && !o.coll->reducing && envRankIsZero())
     std::fprintf(stderr, "loom-perf: note: -o is ignored by %s\n", o.coll->name);
   if (!o.coll->reducing) o.ops = {loomSum};  // one pass, printed as "none"
+  if (o.cuda && o.registered)
+    badArgs("-R (host memory from loomMemAlloc) and --device cuda exclude each other");
   return o;
 }
 
@@ -721,6 +747,83 @@ void* allocBuffer(size_t bytes) {
   return p;
 }
 
+// The CUDA runtime, loaded at run time (-G): the calls loom-perf makes.
+struct CudaRuntime {
+  using Err = int;  // cudaError_t
+  enum { kHostToDevice = 1, kDeviceToHost = 2 };  // cudaMemcpyKind
+  Err (*getDeviceCount)(int*) = nullptr;
+  Err (*setDevice)(int) = nullptr;
+  Err (*malloc)(void**, size_t) = nullptr;
+  Err (*free)(void*) = nullptr;
+  Err (*memset)(void*, int, size_t) = nullptr;
+  Err (*memcpy)(void*, const void*, size_t, int) = nullptr;
+  Err (*streamCreateWithFlags)(void**, unsigned) = nullptr;
+  Err (*streamSynchronize)(void*) = nullptr;
+  Err (*streamDestroy)(void*) = nullptr;
+  const char* (*errorString)(Err) = nullptr;
+  int devices = 0;
+
+  // False, with the reason in *why, unless a CUDA device can be used.
+  bool open(std::string* why) {
+    void* h = nullptr;
+    std::string tried;
+    std::vector<std::string> names = {"libcudart.so", "libcudart.so.13", "libcudart.so.12"};
+    for (const char* dir : {static_cast<const char*>(std::getenv("CUDA_HOME")), "/usr/local/cuda"})
+      if (dir && *dir) names.push_back(std::string(dir) + "/lib64/libcudart.so");
+    for (const std::string& n : names) {
+      if ((h = dlopen(n.c_str(), RTLD_NOW | RTLD_LOCAL))) break;
+      const char* e = dlerror();
+      if (tried.empty()) tried = e ? e : n;
+    }
+    if (!h) {
+      *why = "no CUDA runtime library (" + tried + ")";
+      return false;
+    }
+    bool ok = true;
+    auto sym = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(h, name));
+      if (!fn) ok = false;
+    };
+    sym(getDeviceCount, "cudaGetDeviceCount");
+    sym(setDevice, "cudaSetDevice");
+    sym(malloc, "cudaMalloc");
+    sym(free, "cudaFree");
+    sym(memset, "cudaMemset");
+    sym(memcpy, "cudaMemcpy");
+    sym(streamCreateWithFlags, "cudaStreamCreateWithFlags");
+    sym(streamSynchronize, "cudaStreamSynchronize");
+    sym(streamDestroy, "cudaStreamDestroy");
+    sym(errorString, "cudaGetErrorString");
+    if (!ok) {
+      *why = "the CUDA runtime library lacks a function loom-perf needs";
+      return false;
+    }
+    Err rc = getDeviceCount(&devices);
+    if (rc != 0) {
+      *why = std::string("cudaGetDeviceCount: ") + errorString(rc);
+      devices = 0;
+      return false;
+    }
+    if (devices <= 0) {
+      *why = "cudaGetDeviceCount says 0 devices";
+      return false;
+    }
+    return true;
+  }
+  void check(Err rc, const char* call, int line) const {
+    if (rc == 0) return;
+    std::fprintf(stderr, "loom-perf: rank %d: %s failed: %s (CUDA error %d, line %d)\n", gRank, call,
+                 errorString(rc), rc, line);
+    std::fflush(stderr);
+    if (gComm) loomCommAbort(gComm);
+    std::exit(1);
+  }
+};
+
+CudaRuntime* gCuda = nullptr;  // -G only
+
+#define CUDACHECK(call) gCuda->check(gCuda->call, #call, __LINE__)
+
 double medianOf(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   size_t n = v.size();
@@ -771,7 +874,21 @@ class Bench {
     // use recvbuff as their only buffer, as nccl-tests does, so it must hold
     // the full buffer of every collective.)
     cap_ = o.maxBytes + kGuardBytes + 64;
-    if (o.registered) {
+    if (o.cuda) {
+      // Device buffers; checked runs fill and verify host copies of them.
+      void* p = nullptr;
+      CUDACHECK(malloc(&p, cap_));
+      send_ = static_cast<char*>(p);
+      CUDACHECK(malloc(&p, cap_));
+      recv_ = static_cast<char*>(p);
+      CUDACHECK(memset(send_, 0, cap_));
+      CUDACHECK(memset(recv_, 0, cap_));
+      const size_t small = std::max<size_t>(64, static_cast<size_t>(o.iters) * sizeof(double));
+      CUDACHECK(malloc(&p, small));
+      scratch_ = static_cast<char*>(p);
+      hostSend_ = static_cast<char*>(allocBuffer(cap_));
+      hostRecv_ = static_cast<char*>(allocBuffer(cap_));
+    } else if (o.registered) {
       // Memory the peers map (pre-faulted by loomMemAlloc), registered as a
       // framework registers its buckets.
       void* p = nullptr;
@@ -785,9 +902,18 @@ class Bench {
       send_ = static_cast<char*>(allocBuffer(cap_));
       recv_ = static_cast<char*>(allocBuffer(cap_));
     }
+    if (!o.cuda) hostSend_ = send_, hostRecv_ = recv_;
     times_.resize(static_cast<size_t>(o.iters));
   }
   ~Bench() {
+    if (o_.cuda) {
+      gCuda->free(send_);
+      gCuda->free(recv_);
+      gCuda->free(scratch_);
+      std::free(hostSend_);
+      std::free(hostRecv_);
+      return;
+    }
     if (o_.registered) {
       loomCommDeregister(comm_, sendReg_);
       loomCommDeregister(comm_, recvReg_);
@@ -897,6 +1023,30 @@ class Bench {
     }
   }
 
+  // Waits for what was issued: the loom host stream (or nothing: blocking
+  // calls), or with -G the CUDA stream.
+  void sync() {
+    if (o_.cuda)
+      CUDACHECK(streamSynchronize(stream_));
+    else
+      LOOMCHECK(loomStreamSynchronize(stream_));
+  }
+
+  // An all-reduce of a few host values (the checks' counts, the times),
+  // through device scratch memory with -G.
+  void smallAllReduce(void* host, size_t count, loomDataType_t t, loomRedOp_t op) {
+    if (!o_.cuda) {
+      LOOMCHECK(loomAllReduce(host, host, count, t, op, comm_, stream_));
+      LOOMCHECK(loomStreamSynchronize(stream_));
+      return;
+    }
+    const size_t bytes = count * 8;  // int64 or float64
+    CUDACHECK(memcpy(scratch_, host, bytes, CudaRuntime::kHostToDevice));
+    LOOMCHECK(loomAllReduce(scratch_, scratch_, count, t, op, comm_, stream_));
+    sync();
+    CUDACHECK(memcpy(host, scratch_, bytes, CudaRuntime::kDeviceToHost));
+  }
+
   // Fills the buffers, runs once, verifies.  Returns (wrong, oob) of this rank.
   void checkedRun(const Geo& g, const TypeInfo& ti, loomRedOp_t op, bool inPlace, int64_t* wrongOut,
                   int64_t* oobOut) {
@@ -908,72 +1058,86 @@ class Bench {
     const int root = o_.root;
     const Coll c = o_.coll->coll;
     int64_t wrong = 0, oob = 0;
+    // Filled and verified here; with -G copied to the device buffers and back.
+    char* hs = hostSend_;
+    char* hr = hostRecv_;
 
     // ---- fill ----
     if (!inPlace) {
-      fillValuesT(t, send_, g.sendCount, p, rank_, 0);
-      fillConstT(t, recv_, g.recvCount, p.sentinel);
-      fillGuard(recv_ + g.recvCount * elt);
+      fillValuesT(t, hs, g.sendCount, p, rank_, 0);
+      fillConstT(t, hr, g.recvCount, p.sentinel);
+      fillGuard(hr + g.recvCount * elt);
     } else {
-      // The single buffer (recv_) holds the largest of the two regions.
+      // The single buffer (recvbuff) holds the largest of the two regions.
       size_t total = std::max(g.sendCount, g.recvCount);
       switch (c) {
         case kAllReduce:
         case kReduce:
         case kReduceScatter:
-          fillValuesT(t, recv_, total, p, rank_, 0);
+          fillValuesT(t, hr, total, p, rank_, 0);
           break;
         case kBroadcast:
           if (rank_ == root)
-            fillValuesT(t, recv_, total, p, root, 0);
+            fillValuesT(t, hr, total, p, root, 0);
           else
-            fillConstT(t, recv_, total, p.sentinel);
+            fillConstT(t, hr, total, p.sentinel);
           break;
         case kAllGather:
-          fillConstT(t, recv_, total, p.sentinel);
-          fillValuesT(t, recv_ + me * g.count * elt, g.count, p, rank_, 0);
+          fillConstT(t, hr, total, p.sentinel);
+          fillValuesT(t, hr + me * g.count * elt, g.count, p, rank_, 0);
           break;
         case kGather:
-          fillConstT(t, recv_, total, p.sentinel);
-          fillValuesT(t, recv_ + static_cast<size_t>(root) * g.count * elt, g.count, p, rank_, 0);
+          fillConstT(t, hr, total, p.sentinel);
+          fillValuesT(t, hr + static_cast<size_t>(root) * g.count * elt, g.count, p, rank_, 0);
           break;
         case kScatter:
           if (rank_ == root)
-            fillValuesT(t, recv_, total, p, root, 0);
+            fillValuesT(t, hr, total, p, root, 0);
           else
-            fillConstT(t, recv_, total, p.sentinel);
+            fillConstT(t, hr, total, p.sentinel);
           break;
         case kSendRecv:
         case kSend:
         case kAllToAll: break;  // no in-place form
       }
-      fillGuard(recv_ + total * elt);
+      fillGuard(hr + total * elt);
     }
 
+    // The regions this run touches (with the guard after the result).
+    const size_t sendBytes = inPlace ? 0 : g.sendCount * elt;
+    const size_t recvBytes = (inPlace ? std::max(g.sendCount, g.recvCount) : g.recvCount) * elt + kGuardBytes;
+    if (o_.cuda) {
+      if (sendBytes) CUDACHECK(memcpy(send_, hs, sendBytes, CudaRuntime::kHostToDevice));
+      CUDACHECK(memcpy(recv_, hr, recvBytes, CudaRuntime::kHostToDevice));
+    }
     issue(g, ti, op, inPlace);
-    LOOMCHECK(loomStreamSynchronize(stream_));
+    sync();
+    if (o_.cuda) {
+      if (sendBytes) CUDACHECK(memcpy(hs, send_, sendBytes, CudaRuntime::kDeviceToHost));
+      CUDACHECK(memcpy(hr, recv_, recvBytes, CudaRuntime::kDeviceToHost));
+    }
 
     // ---- verify ----
     if (!inPlace) {
       // The input must be left alone.
-      oob += verifyValuesT(t, send_, g.sendCount, p, rank_, 0);
-      oob += verifyGuard(recv_ + g.recvCount * elt);
+      oob += verifyValuesT(t, hs, g.sendCount, p, rank_, 0);
+      oob += verifyGuard(hr + g.recvCount * elt);
       switch (c) {
-        case kAllReduce: wrong += verifyReducedT(t, recv_, g.count, p, op, 0); break;
+        case kAllReduce: wrong += verifyReducedT(t, hr, g.count, p, op, 0); break;
         case kReduce:
           if (rank_ == root)
-            wrong += verifyReducedT(t, recv_, g.count, p, op, 0);
+            wrong += verifyReducedT(t, hr, g.count, p, op, 0);
           else  // recvbuff is only written on root
-            oob += verifyConstT(t, recv_, g.count, p.sentinel);
+            oob += verifyConstT(t, hr, g.count, p.sentinel);
           break;
-        case kReduceScatter: wrong += verifyReducedT(t, recv_, g.count, p, op, me * g.count); break;
+        case kReduceScatter: wrong += verifyReducedT(t, hr, g.count, p, op, me * g.count); break;
         case kAllGather:
           for (size_t r = 0; r < n; ++r)
-            wrong += verifyValuesT(t, recv_ + r * g.count * elt, g.count, p, static_cast<int>(r), 0);
+            wrong += verifyValuesT(t, hr + r * g.count * elt, g.count, p, static_cast<int>(r), 0);
           break;
-        case kBroadcast: wrong += verifyValuesT(t, recv_, g.count, p, root, 0); break;
+        case kBroadcast: wrong += verifyValuesT(t, hr, g.count, p, root, 0); break;
         case kSendRecv:
-          wrong += verifyValuesT(t, recv_, g.count, p, (rank_ + n_ - 1) % n_, 0);
+          wrong += verifyValuesT(t, hr, g.count, p, (rank_ + n_ - 1) % n_, 0);
           break;
         case kSend:
           if (rank_ % 2 == 1)
@@ -983,44 +1147,44 @@ class Bench {
           break;
         case kAllToAll:
           for (size_t r = 0; r < n; ++r)
-            wrong += verifyValuesT(t, recv_ + r * g.count * elt, g.count, p, static_cast<int>(r), me * g.count);
+            wrong += verifyValuesT(t, hr + r * g.count * elt, g.count, p, static_cast<int>(r), me * g.count);
           break;
         case kGather:
           if (rank_ == root)
             for (size_t r = 0; r < n; ++r)
-              wrong += verifyValuesT(t, recv_ + r * g.count * elt, g.count, p, static_cast<int>(r), 0);
+              wrong += verifyValuesT(t, hr + r * g.count * elt, g.count, p, static_cast<int>(r), 0);
           else  // recvbuff is only written on root
-            oob += verifyConstT(t, recv_, g.recvCount, p.sentinel);
+            oob += verifyConstT(t, hr, g.recvCount, p.sentinel);
           break;
-        case kScatter: wrong += verifyValuesT(t, recv_, g.count, p, root, me * g.count); break;
+        case kScatter: wrong += verifyValuesT(t, hr, g.count, p, root, me * g.count); break;
       }
     } else {
       size_t total = std::max(g.sendCount, g.recvCount);
-      oob += verifyGuard(recv_ + total * elt);
+      oob += verifyGuard(hr + total * elt);
       switch (c) {
-        case kAllReduce: wrong += verifyReducedT(t, recv_, g.count, p, op, 0); break;
+        case kAllReduce: wrong += verifyReducedT(t, hr, g.count, p, op, 0); break;
         case kReduce:
           if (rank_ == root)
-            wrong += verifyReducedT(t, recv_, g.count, p, op, 0);
+            wrong += verifyReducedT(t, hr, g.count, p, op, 0);
           else  // the buffer is only written on root: it must still hold the input
-            oob += verifyValuesT(t, recv_, g.count, p, rank_, 0);
+            oob += verifyValuesT(t, hr, g.count, p, rank_, 0);
           break;
         case kReduceScatter:
-          wrong += verifyReducedT(t, recv_ + me * g.count * elt, g.count, p, op, me * g.count);
+          wrong += verifyReducedT(t, hr + me * g.count * elt, g.count, p, op, me * g.count);
           break;
         case kAllGather:
           for (size_t r = 0; r < n; ++r)
-            wrong += verifyValuesT(t, recv_ + r * g.count * elt, g.count, p, static_cast<int>(r), 0);
+            wrong += verifyValuesT(t, hr + r * g.count * elt, g.count, p, static_cast<int>(r), 0);
           break;
-        case kBroadcast: wrong += verifyValuesT(t, recv_, g.count, p, root, 0); break;
+        case kBroadcast: wrong += verifyValuesT(t, hr, g.count, p, root, 0); break;
         case kGather:
           if (rank_ == root)
             for (size_t r = 0; r < n; ++r)
-              wrong += verifyValuesT(t, recv_ + r * g.count * elt, g.count, p, static_cast<int>(r), 0);
+              wrong += verifyValuesT(t, hr + r * g.count * elt, g.count, p, static_cast<int>(r), 0);
           else  // the buffer is only read on other ranks: it must still hold the input
-            oob += verifyValuesT(t, recv_ + static_cast<size_t>(root) * g.count * elt, g.count, p, rank_, 0);
+            oob += verifyValuesT(t, hr + static_cast<size_t>(root) * g.count * elt, g.count, p, rank_, 0);
           break;
-        case kScatter: wrong += verifyValuesT(t, recv_ + me * g.count * elt, g.count, p, root, me * g.count); break;
+        case kScatter: wrong += verifyValuesT(t, hr + me * g.count * elt, g.count, p, root, me * g.count); break;
         case kSendRecv:
         case kSend:
         case kAllToAll: break;
@@ -1036,27 +1200,24 @@ class Bench {
     if (o_.check) {
       int64_t counts[2] = {0, 0};
       checkedRun(g, ti, op, inPlace, &counts[0], &counts[1]);
-      LOOMCHECK(loomAllReduce(counts, counts, 2, loomInt64, loomSum, comm_, stream_));
-      LOOMCHECK(loomStreamSynchronize(stream_));
+      smallAllReduce(counts, 2, loomInt64, loomSum);
       cell.wrong = counts[0];
       cell.oob = counts[1];
     }
     for (int i = 0; i < o_.warmup; ++i) {
       issue(g, ti, op, inPlace);
-      LOOMCHECK(loomStreamSynchronize(stream_));
+      sync();
     }
     using clk = std::chrono::steady_clock;
     for (int i = 0; i < o_.iters; ++i) {
       auto t0 = clk::now();
       issue(g, ti, op, inPlace);
-      LOOMCHECK(loomStreamSynchronize(stream_));
+      sync();
       auto t1 = clk::now();
       times_[static_cast<size_t>(i)] = std::chrono::duration<double, std::micro>(t1 - t0).count();
     }
     // Outside the timed loop: each iteration lasts as long as its slowest rank.
-    LOOMCHECK(loomAllReduce(times_.data(), times_.data(), times_.size(), loomFloat64, loomMax, comm_,
-                            stream_));
-    LOOMCHECK(loomStreamSynchronize(stream_));
+    smallAllReduce(times_.data(), times_.size(), loomFloat64, loomMax);
     cell.timeUs = medianOf(times_);
     cell.timeMinUs = *std::min_element(times_.begin(), times_.end());
     cell.timeMaxUs = *std::max_element(times_.begin(), times_.end());
@@ -1101,7 +1262,9 @@ class Bench {
     char host[256] = "?";
     gethostname(host, sizeof host - 1);
     std::printf("# loom-perf: nranks %d, collective %s, %s\n", n_, o_.coll->name,
-                o_.stream ? "issued on a loom host stream (-s 1)" : "blocking calls (NULL stream)");
+                o_.cuda     ? "device buffers, issued on a cudaStream_t (--device cuda)"
+                : o_.stream ? "issued on a loom host stream (-s 1)"
+                            : "blocking calls (NULL stream)");
     std::printf("# loom version %d.%d.%d, host %s, pid of rank 0 %d\n", version / 10000,
                 (version / 100) % 100, version % 100, host, static_cast<int>(getpid()));
     std::printf("# minBytes %zu maxBytes %zu step: %zu(factor) warmup iters: %d iters: %d "
@@ -1236,6 +1399,9 @@ class Bench {
   size_t cap_ = 0;
   char* send_ = nullptr;
   char* recv_ = nullptr;
+  char* hostSend_ = nullptr;  // send_/recv_ themselves, or with -G their host copies
+  char* hostRecv_ = nullptr;
+  char* scratch_ = nullptr;   // -G: device memory for smallAllReduce
   void* sendReg_ = nullptr;  // -R: the registrations of send_ and recv_
   void* recvReg_ = nullptr;
   std::vector<double> times_;
@@ -1252,6 +1418,26 @@ class Bench {
 int main(int argc, char** argv) {
   Options o = parseArgs(argc, argv);
 
+  CudaRuntime cuda;
+  if (o.cuda) {
+    std::string why;
+    if (!cuda.open(&why)) {
+      std::fprintf(stderr, "loom-perf: --device cuda: no CUDA device: %s\n", why.c_str());
+      return 2;
+    }
+    gCuda = &cuda;
+    // The communicator's device is the current one at init: ranks of a
+    // host spread over its devices by local rank.
+    long local = 0;
+    for (const char* v : {"LOOM_LOCAL_RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"})
+      if (const char* s = std::getenv(v)) {
+        local = std::strtol(s, nullptr, 10);
+        break;
+      }
+    CUDACHECK(setDevice(static_cast<int>(local % cuda.devices)));
+    setenv("LOOM_DEVICE", "cuda", 1);
+  }
+
   LOOMCHECK(loomCommInitFromEnv(&gComm));
   int nranks = 0;
   LOOMCHECK(loomCommUserRank(gComm, &gRank));
@@ -1263,14 +1449,23 @@ int main(int argc, char** argv) {
     return 2;
   }
   loomStream_t stream = nullptr;
-  if (o.stream) LOOMCHECK(loomStreamCreate(&stream));
+  if (o.cuda) {
+    void* cs = nullptr;
+    CUDACHECK(streamCreateWithFlags(&cs, 1u));  // cudaStreamNonBlocking
+    stream = static_cast<loomStream_t>(cs);
+  } else if (o.stream) {
+    LOOMCHECK(loomStreamCreate(&stream));
+  }
 
   int rc;
   {
     Bench bench(o, gComm, stream, gRank, nranks);
     rc = bench.run();
   }
-  if (stream) LOOMCHECK(loomStreamDestroy(stream));
+  if (o.cuda)
+    CUDACHECK(streamDestroy(stream));
+  else if (stream)
+    LOOMCHECK(loomStreamDestroy(stream));
   LOOMCHECK(loomCommDestroy(gComm));
   gComm = nullptr;
   return rc;

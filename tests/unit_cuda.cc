@@ -129,6 +129,9 @@ TEST_CASE(
       case loom::StreamOpKind::SetFlag:
         CHECK(c == "write " + ptr(s) + " " + ptr(&flags[me][o.flag]) + " = " + std::to_string(o.value));
         break;
+      case loom::StreamOpKind::SetPeerFlag:
+        FAIL_CHECK("an all-reduce sets no per-pair flag");
+        break;
       case loom::StreamOpKind::Copy:
         CHECK(c.rfind("memcpy " + ptr(s), 0) == 0);
         break;
@@ -382,7 +385,7 @@ const loom::CudaApi kDriverTable = {
     },
     [](const void* p, void** base, size_t* n) {
       *base = const_cast<void*>(p);
-      *n = loom::flagAreaBytes(8) + loom::streamWindowBytes(loom::kDeviceSlotBytes);
+      *n = loom::flagAreaBytes(8) + loom::deviceWindowBytes(loom::kDeviceSlotBytes, 8);
       return 0;
     },
     [](void* base, void* h) {

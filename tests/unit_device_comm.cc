@@ -5,10 +5,11 @@
 // "device memory" is memfd-backed, and opening a peer's handle maps the
 // same memory again at another address, as cudaIpcOpenMemHandle does, so
 // base + offset arithmetic is really exercised.  Checks: exact results of
-// every collective the compiler serves, N = 1..5, ranks sharing one device
-// and on two, ops back to back with one synchronisation at the end, both
-// all-reduce programs; the host thread returning before the work runs;
-// buffer errors; the import cache's refcounts and address reuse; a dead
+// every collective the compiler serves (the exchanges included), N = 1..5,
+// ranks sharing one device and on two, ops back to back with one
+// synchronisation at the end, both all-reduce programs; send/recv, N =
+// 1..8 (rings, every pair both ways, self-sends, uneven multi-chunk
+// sizes); the host thread returning before the work runs; buffer errors; the import cache's refcounts and address reuse; a dead
 // rank -> an error, not a hang; and the C API's CUDA-communicator path
 // (LOOM_DEVICE=cuda with the simulated device's drivers).
 #include <sys/mman.h>
@@ -17,6 +18,7 @@
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -27,6 +29,7 @@
 
 #include "loom.h"
 #include "src/core/clock.h"
+#include "src/core/comm.h"
 #include "src/core/config.h"
 #include "src/core/error.h"
 #include "src/device/device.h"
@@ -328,8 +331,11 @@ Prepared prepare(SimComms& s, const Op& o, std::mt19937_64& rng) {
   const int N = s.n();
   const size_t esz = loom::dtypeSize(o.type), n = o.count;
   size_t sendElems = n, recvElems = n;
-  if (o.coll == Collective::ReduceScatter) sendElems *= size_t(N);
-  if (o.coll == Collective::AllGather) recvElems *= size_t(N);
+  if (o.coll == Collective::ReduceScatter || o.coll == Collective::AllToAll || o.coll == Collective::Scatter)
+    sendElems *= size_t(N);
+  if (o.coll == Collective::AllGather || o.coll == Collective::AllToAll || o.coll == Collective::Gather)
+    recvElems *= size_t(N);
+  const bool rootOnly = o.coll == Collective::Gather || o.coll == Collective::Scatter;
   Prepared p;
   p.o = o;
   p.recvBytes = recvElems * esz;
@@ -340,9 +346,17 @@ Prepared prepare(SimComms& s, const Op& o, std::mt19937_64& rng) {
     uint8_t* rb = s.mem.alloc(dev, big);
     fillRandom(rb, big / esz, o.type, rng);  // garbage before the operation
     uint8_t *in, *out;
-    if (!o.inPlace) {
+    // All-to-all has no in-place form; gather and scatter one at the root.
+    const bool ip = o.inPlace && o.coll != Collective::AllToAll && (!rootOnly || r == o.root);
+    if (!ip) {
       in = s.mem.alloc(dev, sendElems * esz + 8);
       out = rb;
+    } else if (o.coll == Collective::Gather) {
+      in = rb + size_t(r) * n * esz;
+      out = rb;
+    } else if (o.coll == Collective::Scatter) {
+      in = rb;
+      out = rb + size_t(r) * n * esz;
     } else if (o.coll == Collective::ReduceScatter) {
       in = rb;
       out = rb + size_t(r) * n * esz;
@@ -379,6 +393,21 @@ Prepared prepare(SimComms& s, const Op& o, std::mt19937_64& rng) {
           fold(0, &e);
         else
           e = before[size_t(r)];  // untouched
+        break;
+      case Collective::AllToAll:  // block q: block r of rank q's input
+        for (int q = 0; q < N; ++q)
+          e.insert(e.end(), p.input[size_t(q)].begin() + long(size_t(r) * n * esz),
+                   p.input[size_t(q)].begin() + long(size_t(r + 1) * n * esz));
+        break;
+      case Collective::Gather:
+        if (r == o.root)
+          for (int q = 0; q < N; ++q) e.insert(e.end(), p.input[size_t(q)].begin(), p.input[size_t(q)].end());
+        else
+          e = before[size_t(r)];  // untouched
+        break;
+      case Collective::Scatter:
+        e.assign(p.input[size_t(o.root)].begin() + long(size_t(r) * n * esz),
+                 p.input[size_t(o.root)].begin() + long(size_t(r + 1) * n * esz));
         break;
       default: break;
     }
@@ -431,8 +460,18 @@ std::vector<Op> everyCollective(int N) {
       ops.push_back({Collective::AllGather, loomFloat16, loomSum, c, 0, ip});
       ops.push_back({Collective::Broadcast, loomUint8, loomSum, c, N - 1, ip});
       ops.push_back({Collective::Reduce, loomFloat64, loomMax, c, N / 2, ip});
+      ops.push_back({Collective::AllToAll, loomBfloat16, loomSum, c, 0, false});
+      ops.push_back({Collective::Gather, loomInt64, loomSum, c, N - 1, ip});
+      ops.push_back({Collective::Scatter, loomFloat32, loomSum, c, N / 2, ip});
     }
   }
+  // The exchanges in more types, and a root other than the usual ones.
+  ops.push_back({Collective::AllToAll, loomInt8, loomSum, 333, 0, false});
+  ops.push_back({Collective::AllToAll, loomFloat64, loomSum, 129, 0, false});
+  ops.push_back({Collective::Gather, loomUint8, loomSum, 1500, 0, true});
+  ops.push_back({Collective::Gather, loomFloat16, loomSum, 77, N / 2, false});
+  ops.push_back({Collective::Scatter, loomInt32, loomSum, 1100, N - 1, true});
+  ops.push_back({Collective::Scatter, loomUint64, loomSum, 65, 0, false});
   // Every reduction op and a spread of types, one-shot and rs+ag sizes.
   ops.push_back({Collective::AllReduce, loomBfloat16, loomAvg, 3000, 0, false});
   ops.push_back({Collective::AllReduce, loomInt8, loomProd, 513, 0, true});
@@ -573,11 +612,43 @@ TEST_CASE("device communicator (simulated device): host memory, another device's
   CHECK(rc == loomInvalidArgument);
   CHECK(m.find("recvbuff") != std::string::npos);
   CHECK(m.find("is memory of sim:1, but this communicator runs on sim:0") != std::string::npos);
-  d.coll = Collective::AllToAll;
+  // A receive into host memory; a tagged receive (not served).
+  d.coll = Collective::P2P;
+  d.peer = 1;
+  d.recvbuf = host.data();
+  m = err(d, &rc);
+  CHECK(rc == loomInvalidArgument);
+  CHECK(m.find("recvbuff") != std::string::npos);
   d.recvbuf = dev0;
+  d.tagged = true;
   m = err(d, &rc);
   CHECK(rc == loomInvalidUsage);
-  CHECK(m.find("AllToAll is not implemented on sim communicators yet") != std::string::npos);
+  CHECK(m.find("tagged send/recv (loomSendTagged/loomRecvTagged) is not implemented on sim communicators yet") !=
+        std::string::npos);
+  d.tagged = false;
+  // The exchanges check their buffers like the rest: scatter's root needs
+  // device memory to send from, gather's root to receive into.
+  d.coll = Collective::Scatter;
+  d.root = 0;
+  d.sendbuf = host.data();
+  d.recvbuf = dev0;
+  d.count = 4;
+  m = err(d, &rc);
+  CHECK(rc == loomInvalidArgument);
+  CHECK(m.find("sendbuff") != std::string::npos);
+  CHECK(m.find("is host memory") != std::string::npos);
+  d.coll = Collective::Gather;
+  d.sendbuf = dev0;
+  d.recvbuf = host.data();
+  m = err(d, &rc);
+  CHECK(rc == loomInvalidArgument);
+  CHECK(m.find("recvbuff") != std::string::npos);
+  d.coll = Collective::AllToAll;
+  d.sendbuf = dev1;
+  d.recvbuf = dev0;
+  m = err(d, &rc);
+  CHECK(rc == loomInvalidArgument);
+  CHECK(m.find("is memory of sim:1, but this communicator runs on sim:0") != std::string::npos);
   CHECK(s.comms[0]->round() == 0);  // nothing was compiled
   // Still usable: a real operation on both ranks.
   std::mt19937_64 rng(3);
@@ -957,8 +1028,8 @@ struct DeviceEnv {  // LOOM_DEVICE=cuda with simulated drivers, undone on scope 
 }  // namespace
 
 TEST_CASE("CUDA communicator through the C API (LOOM_DEVICE=cuda, simulated device): collectives are enqueued on "
-          "the caller's stream and exact after it synchronises, host memory, loom streams, groups and calls the "
-          "device path does not serve are clear errors",
+          "the caller's stream and exact after it synchronises (the exchanges and groups of collectives too), host "
+          "memory, loom streams, bad group members and calls the device path does not serve are clear errors",
           "[devcomm][api]") {
   SimMemory mem;
   loomsim::SimDeviceWorld world(2, 1, 256);
@@ -1017,6 +1088,39 @@ TEST_CASE("CUDA communicator through the C API (LOOM_DEVICE=cuda, simulated devi
   for (int r = 0; r < 2; ++r)
     for (int i = 0; i < 128; ++i) CHECK(agOut[128 * r + i] == i);
 
+  // The exchanges through the C API: all-to-all, gather and scatter (root
+  // 1, scatter in place), back to back on the caller's stream.
+  const int kE = 50;
+  auto* x = reinterpret_cast<int32_t*>(mem.alloc(0, 2 * 6 * kE * 4));  // per rank: a2a in, a2a out, gather/scatter
+  for (int r = 0; r < 2; ++r)
+    for (int i = 0; i < 6 * kE; ++i) x[6 * kE * r + i] = 100000 * r + i;
+  auto base = [&](int r, int part) { return x + 6 * kE * r + 2 * kE * part; };
+  for (int r = 0; r < 2; ++r) {
+    CHECK(loomAllToAll(base(r, 0), base(r, 1), kE, loomInt32, comms[r], fakeStream) == loomSuccess);
+    CHECK(loomGather(base(r, 2) + kE * r, base(r, 2), kE, loomInt32, 1, comms[r], fakeStream) == loomSuccess);
+    CHECK(loomScatter(base(r, 2), base(r, 2) + kE * r, kE, loomInt32, 1, comms[r], fakeStream) == loomSuccess);
+  }
+  for (int r = 0; r < 2; ++r) {
+    std::string msg;
+    REQUIRE(world.rank(r).synchronize(&msg) == loomSuccess);
+  }
+  {
+    long wrong = 0;
+    for (int r = 0; r < 2; ++r)
+      for (int q = 0; q < 2; ++q)
+        for (int i = 0; i < kE; ++i) {
+          // all-to-all: block q of rank r's output is block r of rank q's input
+          wrong += base(r, 1)[kE * q + i] != 100000 * q + kE * r + i;
+        }
+    // gather at root 1 (in place: its own block already there), then
+    // scatter from root 1 in place: rank 1 keeps its block, rank 0 gets
+    // block 0 of the root's gathered buffer, which is rank 0's own block.
+    for (int q = 0; q < 2; ++q)
+      for (int i = 0; i < kE; ++i) wrong += base(1, 2)[kE * q + i] != 100000 * q + 4 * kE + kE * q + i;
+    for (int i = 0; i < kE; ++i) wrong += base(0, 2)[i] != 4 * kE + i;
+    CHECK(wrong == 0);
+  }
+
   // Errors, each with its message.
   std::vector<float> host(16);
   float* dev = reinterpret_cast<float*>(mem.alloc(0, 64));
@@ -1030,17 +1134,91 @@ TEST_CASE("CUDA communicator through the C API (LOOM_DEVICE=cuda, simulated devi
   CHECK(std::string(loomGetLastError(comms[0])).find("is a loom host stream, but this communicator runs on CUDA") !=
         std::string::npos);
   CHECK(loomStreamDestroy(hs) == loomSuccess);
-  CHECK(loomSend(dev, 16, loomFloat32, 1, comms[0], fakeStream) == loomInvalidUsage);
-  CHECK(std::string(loomGetLastError(comms[0])).find("Send/Recv is not implemented on sim communicators yet") !=
-        std::string::npos);
-  size_t cnt[2] = {1, 1}, dis[2] = {0, 1};
-  CHECK(loomAllToAllv(dev, cnt, dis, dev + 4, cnt, dis, loomFloat32, comms[0], fakeStream) == loomInvalidUsage);
-  CHECK(std::string(loomGetLastError(comms[0])).find("not implemented on CUDA communicators yet") !=
-        std::string::npos);
+  CHECK(loomSendTagged(dev, 16, loomFloat32, 1, 7, comms[0], fakeStream) == loomInvalidUsage);
+  CHECK(std::string(loomGetLastError(comms[0])).find("tagged send/recv") != std::string::npos);
+  CHECK(loomSend(host.data(), 16, loomFloat32, 1, comms[0], fakeStream) == loomInvalidArgument);
+  CHECK(std::string(loomGetLastError(comms[0])).find("is host memory") != std::string::npos);
+  CHECK(loomRecv(dev, 16, loomFloat32, 2, comms[0], fakeStream) == loomInvalidArgument);
+  CHECK(std::string(loomGetLastError(comms[0])).find("peer 2 is out of range") != std::string::npos);
+  // The exchanges' bad arguments: a root out of range, a count whose N
+  // blocks overflow, a host buffer on the root's only side.
+  CHECK(loomGather(dev, dev + 4, 1, loomFloat32, 2, comms[0], fakeStream) == loomInvalidArgument);
+  CHECK(std::string(loomGetLastError(comms[0])).find("root 2 is out of range [0, 2)") != std::string::npos);
+  CHECK(loomScatter(dev, dev, 1, loomFloat32, -1, comms[0], fakeStream) == loomInvalidArgument);
+  CHECK(std::string(loomGetLastError(comms[0])).find("root -1 is out of range") != std::string::npos);
+  CHECK(loomAllToAll(dev, dev + 8, SIZE_MAX / 8, loomFloat32, comms[0], fakeStream) == loomInvalidArgument);
+  CHECK(std::string(loomGetLastError(comms[0])).find("too large (byte size overflows)") != std::string::npos);
+  CHECK(loomScatter(host.data(), dev, 4, loomFloat32, 0, comms[0], fakeStream) == loomInvalidArgument);
+  CHECK(std::string(loomGetLastError(comms[0])).find("sendbuff") != std::string::npos);
+  CHECK(std::string(loomGetLastError(comms[0])).find("is host memory") != std::string::npos);
+
+  // A group with a bad member (host memory; a send) enqueues nothing: the
+  // good member before it never runs (its round is not used).
+  const uint64_t roundBefore = comms[0]->deviceComm()->round();
   REQUIRE(loomGroupStart() == loomSuccess);
-  CHECK(loomAllReduce(dev, dev, 16, loomFloat32, loomSum, comms[0], fakeStream) == loomInvalidUsage);
-  CHECK(std::string(loomGetLastError(comms[0])).find("groups") != std::string::npos);
-  loomGroupEnd();  // reports the member's error; nothing was launched
+  CHECK(loomAllReduce(dev, dev, 16, loomFloat32, loomSum, comms[0], fakeStream) == loomSuccess);
+  CHECK(loomAllReduce(host.data(), dev, 16, loomFloat32, loomSum, comms[0], fakeStream) == loomInvalidArgument);
+  CHECK(loomGroupEnd() == loomInvalidArgument);
+  CHECK(std::string(loomGetLastError(nullptr)).find("the group was not launched") != std::string::npos);
+  CHECK(std::string(loomGetLastError(nullptr)).find("is host memory") != std::string::npos);
+  REQUIRE(loomGroupStart() == loomSuccess);
+  CHECK(loomSend(dev, 16, loomFloat32, 1, comms[0], fakeStream) == loomSuccess);
+  CHECK(loomRecv(host.data(), 16, loomFloat32, 1, comms[0], fakeStream) == loomInvalidArgument);
+  CHECK(loomGroupEnd() == loomInvalidArgument);
+  CHECK(std::string(loomGetLastError(nullptr)).find("recvbuff") != std::string::npos);
+  CHECK(comms[0]->deviceComm()->round() == roundBefore);
+
+  // A group of collectives on both ranks: enqueued at loomGroupEnd, in
+  // order, exact after the stream synchronises.
+  {
+    const int kG = 300;
+    auto* g = reinterpret_cast<int32_t*>(mem.alloc(0, 2 * 5 * kG * 4));  // per rank: ar, a2a in (2), a2a out (2)
+    int32_t* recvP2P[2] = {reinterpret_cast<int32_t*>(mem.alloc(0, 2 * kG * 4)),
+                           reinterpret_cast<int32_t*>(mem.alloc(0, 2 * kG * 4))};
+    int32_t* v[2] = {reinterpret_cast<int32_t*>(mem.alloc(0, 2 * kG * 4)),
+                     reinterpret_cast<int32_t*>(mem.alloc(0, 2 * kG * 4))};
+    for (int r = 0; r < 2; ++r)
+      for (int i = 0; i < 5 * kG; ++i) g[5 * kG * r + i] = 1000 * r + i;
+    for (int r = 0; r < 2; ++r) {
+      int32_t* mine = g + 5 * kG * r;
+      REQUIRE(loomGroupStart() == loomSuccess);
+      CHECK(loomAllReduce(mine, mine, kG, loomInt32, loomSum, comms[r], fakeStream) == loomSuccess);
+      CHECK(loomAllToAll(mine + kG, mine + 3 * kG, kG, loomInt32, comms[r], fakeStream) == loomSuccess);
+      CHECK(loomGroupEnd() == loomSuccess);
+    }
+    // Then send/recv: each rank sends its all-reduce result to the other
+    // and receives the other's all-to-all input (a group, both directions),
+    // and an all-to-allv of uneven blocks.
+    for (int r = 0; r < 2; ++r) {
+      int32_t* mine = g + 5 * kG * r;
+      REQUIRE(loomGroupStart() == loomSuccess);
+      CHECK(loomSend(mine + kG, 2 * kG, loomInt32, 1 - r, comms[r], fakeStream) == loomSuccess);
+      CHECK(loomRecv(recvP2P[size_t(r)], 2 * kG, loomInt32, 1 - r, comms[r], fakeStream) == loomSuccess);
+      CHECK(loomGroupEnd() == loomSuccess);
+    }
+    size_t sc[2][2] = {{3, 100}, {250, 7}}, sd[2][2] = {{0, 3}, {0, 250}};
+    size_t rc[2][2] = {{3, 250}, {100, 7}}, rd[2][2] = {{0, 3}, {0, 100}};
+    for (int r = 0; r < 2; ++r)
+      CHECK(loomAllToAllv(g + 5 * kG * r + kG, sc[r], sd[r], v[size_t(r)], rc[r], rd[r], loomInt32, comms[r],
+                          fakeStream) == loomSuccess);
+    for (int r = 0; r < 2; ++r) {
+      std::string msg;
+      REQUIRE(world.rank(r).synchronize(&msg) == loomSuccess);
+    }
+    long wrong = 0;
+    for (int r = 0; r < 2; ++r) {
+      const int32_t* mine = g + 5 * kG * r;
+      for (int i = 0; i < kG; ++i) wrong += mine[i] != 1000 + 2 * i;  // 1000*0 + i + 1000*1 + i
+      for (int q = 0; q < 2; ++q)
+        for (int i = 0; i < kG; ++i) wrong += mine[3 * kG + q * kG + i] != 1000 * q + kG + r * kG + i;
+      // the other rank's all-to-all input (unchanged by the group above)
+      for (int i = 0; i < 2 * kG; ++i) wrong += recvP2P[r][i] != 1000 * (1 - r) + kG + i;
+      // all-to-allv: block q of rank r's output is rank q's block r
+      for (int q = 0; q < 2; ++q)
+        for (size_t i = 0; i < rc[r][q]; ++i) wrong += v[r][rd[r][q] + i] != int32_t(1000 * q + kG + sd[q][r] + i);
+    }
+    CHECK(wrong == 0);
+  }
   for (int r = 0; r < 2; ++r) {
     std::string msg;
     CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
@@ -1134,4 +1312,149 @@ TEST_CASE("CUDA communicator through the C API (simulated device): a rank that g
   }
   for (int r = 0; r < 2; ++r) CHECK(loomCommDestroy(comms[size_t(r)]) == loomSuccess);
   CHECK(loom::waitDeviceRemains(10000));
+}
+
+namespace {
+
+// One send or receive of a rank in a send/recv test: its buffer and, for a
+// receive, what must arrive.
+struct P2POp {
+  bool send;
+  int peer;
+  size_t count;
+  loomDataType_t type;
+  uint8_t* buf;
+  std::vector<uint8_t> expect;  // receives
+};
+
+loom::OpDesc p2pDesc(const P2POp& o) {
+  loom::OpDesc d;
+  d.coll = Collective::P2P;
+  d.isSend = o.send;
+  d.peer = o.peer;
+  d.count = o.count;
+  d.dtype = o.type;
+  if (o.send)
+    d.sendbuf = o.buf;
+  else
+    d.recvbuf = o.buf;
+  return d;
+}
+
+// The message from `from` to `to` number k of a test: its count and type.
+size_t messageCount(int from, int to, int k, int variant) {
+  // 0 .. several chunks of 512 bytes (slot 1024), uneven per pair.
+  const size_t counts[] = {0, 1, 33, 128, 129, 700, 1501};
+  return counts[size_t(from * 3 + to * 5 + k + variant) % 7];
+}
+
+}  // namespace
+
+TEST_CASE("device communicator (simulated device): send/recv are exact, N = 1..8, ranks sharing a device and on "
+          "several: a ring, every pair both ways with uneven sizes and self-sends in one program, back to back",
+          "[devcomm]") {
+  loom::DeviceCommOptions opts;
+  opts.slotBytes = 1024;  // chunks of 512 bytes: most messages take several, slots are reused
+  const loomDataType_t types[] = {loomInt8, loomFloat16, loomInt32, loomFloat64};
+  for (int N = 1; N <= 8; ++N)
+    for (int gpus : {1, 2, 3}) {
+      if (gpus > N) continue;
+      SimComms s(N, gpus, opts);
+      for (int r = 0; r < N; ++r) REQUIRE(s.initErrors[size_t(r)].empty());
+      std::mt19937_64 rng(uint64_t(N * 100 + gpus));
+      // programs[r]: the programs rank r issues, in order (each a list of ops).
+      std::vector<std::vector<std::vector<P2POp>>> programs(static_cast<size_t>(N));
+      auto message = [&](int from, int to, size_t count, loomDataType_t t, std::vector<P2POp>* fromProg,
+                         std::vector<P2POp>* toProg) {
+        const size_t esz = loom::dtypeSize(t);
+        uint8_t* in = s.mem.alloc(from % gpus, count * esz + 8);
+        uint8_t* out = s.mem.alloc(to % gpus, count * esz + 8);
+        fillRandom(in, count, t, rng);
+        fillRandom(out, count, t, rng);  // garbage before
+        fromProg->push_back({true, to, count, t, in, {}});
+        toProg->push_back({false, from, count, t, out, std::vector<uint8_t>(in, in + count * esz)});
+      };
+      for (int k = 0; k < 4; ++k) {
+        const loomDataType_t t = types[size_t(k)];
+        // A ring in one program per rank: send to the next, receive from the previous.
+        std::vector<std::vector<P2POp>> ring(static_cast<size_t>(N));
+        for (int r = 0; r < N; ++r)
+          message(r, (r + 1) % N, messageCount(r, (r + 1) % N, k, 0), t, &ring[size_t(r)],
+                  &ring[size_t((r + 1) % N)]);
+        // Every pair both ways (self included), one program per rank:
+        // receives are posted in another order than the peers' sends.
+        std::vector<std::vector<P2POp>> pairs(static_cast<size_t>(N));
+        for (int from = 0; from < N; ++from)
+          for (int to = 0; to < N; ++to) message(from, to, messageCount(from, to, k, 1), t, &pairs[size_t(from)],
+                                                 &pairs[size_t(to)]);
+        for (int r = 0; r < N; ++r) {
+          programs[size_t(r)].push_back(ring[size_t(r)]);
+          programs[size_t(r)].push_back(pairs[size_t(r)]);
+        }
+        // Alone (not grouped), small enough not to wait for the receiver:
+        // every rank sends to the next, then receives from the previous.
+        std::vector<std::vector<P2POp>> alone(static_cast<size_t>(N));
+        for (int r = 0; r < N; ++r) message(r, (r + 1) % N, 1024 / loom::dtypeSize(t), t, &alone[size_t(r)],
+                                            &alone[size_t((r + 1) % N)]);
+        for (int r = 0; r < N; ++r)
+          for (P2POp& o : alone[size_t(r)]) programs[size_t(r)].push_back({o});
+      }
+      // Every rank issues all its programs from its own thread, then one synchronisation.
+      std::vector<std::string> errors(static_cast<size_t>(N));
+      std::vector<std::thread> ts;
+      for (int r = 0; r < N; ++r)
+        ts.emplace_back([&, r] {
+          try {
+            for (const auto& prog : programs[size_t(r)]) {
+              std::vector<loom::OpDesc> ds;
+              for (const P2POp& o : prog) ds.push_back(p2pDesc(o));
+              s.comms[size_t(r)]->runP2P(ds, nullptr);
+            }
+          } catch (const loom::Error& e) {
+            errors[size_t(r)] = e.what();
+          }
+        });
+      for (auto& t : ts) t.join();
+      for (int r = 0; r < N; ++r) REQUIRE(errors[size_t(r)].empty());
+      std::string bad = syncAll(s);
+      INFO("N=" << N << " gpus=" << gpus << ": " << bad);
+      REQUIRE(bad.empty());
+      long wrong = 0, messages = 0;
+      for (int r = 0; r < N; ++r)
+        for (const auto& prog : programs[size_t(r)])
+          for (const P2POp& o : prog) {
+            if (o.send) continue;
+            ++messages;
+            if (!o.expect.empty() && memcmp(o.buf, o.expect.data(), o.expect.size()) != 0 && ++wrong <= 3)
+              FAIL_CHECK("rank " << r << ": message from " << o.peer << " (" << o.count << " x "
+                                 << loom::dtypeName(o.type) << ") wrong");
+          }
+      CHECK(wrong == 0);
+      CHECK(messages == long(4 * (2 * N + N * N)));
+      CHECK(s.comms[0]->round() == 0);  // no collective round was used
+    }
+}
+
+TEST_CASE("device communicator (simulated device): a send whose receiver never comes fails with loomTimeout naming "
+          "it, and the sender's stream is released",
+          "[devcomm][abort]") {
+  Reported seen;
+  loom::DeviceCommOptions opts;
+  opts.slotBytes = 1024;
+  opts.timeoutMs = 300;
+  opts.onFailure = [&seen](const loom::Error& e) { seen.add(e); };
+  SimComms s(3, 1, opts, true, patientDevice());
+  uint8_t* buf = s.mem.alloc(0, 4096);
+  P2POp send{true, 2, 4096, loomUint8, buf, {}};  // 8 chunks: the third waits for rank 2's acks
+  s.comms[0]->runP2P({p2pDesc(send)}, nullptr);
+  std::string msg;
+  REQUIRE(s.world.rank(0).synchronize(&msg) == loomSuccess);
+  std::string why;
+  CHECK(failureOf(*s.comms[0], &why) == loomTimeout);
+  INFO(why);
+  CHECK(why.find("this rank's streams wait for rank 2") != std::string::npos);
+  REQUIRE(seen.size() == 1);
+  CHECK(seen.peers[0] == 2);
+  CHECK(!s.comms[1]->failed());
+  CHECK(!s.comms[2]->failed());
 }

@@ -43,6 +43,9 @@ const Variant kVariants[] = {
     {Collective::AllGather, StreamAlgorithm::OneShot},
     {Collective::Broadcast, StreamAlgorithm::OneShot},
     {Collective::Reduce, StreamAlgorithm::OneShot},
+    {Collective::AllToAll, StreamAlgorithm::OneShot},
+    {Collective::Gather, StreamAlgorithm::OneShot},
+    {Collective::Scatter, StreamAlgorithm::OneShot},
 };
 
 bool reducing(Collective c) {
@@ -124,8 +127,13 @@ std::string runCase(loomsim::SimDeviceWorld& w, const Case& c, size_t slotBytes,
   const int N = w.nranks();
   const size_t esz = loom::dtypeSize(c.type), n = c.count;
   size_t sendElems = n, recvElems = n;
-  if (c.v.coll == Collective::ReduceScatter) sendElems = size_t(N) * n;
-  if (c.v.coll == Collective::AllGather) recvElems = size_t(N) * n;
+  if (c.v.coll == Collective::ReduceScatter || c.v.coll == Collective::AllToAll || c.v.coll == Collective::Scatter)
+    sendElems = size_t(N) * n;
+  if (c.v.coll == Collective::AllGather || c.v.coll == Collective::AllToAll || c.v.coll == Collective::Gather)
+    recvElems = size_t(N) * n;
+  // All-to-all has no in-place form (as in NCCL); gather and scatter have
+  // one at the root only (the others' buffers are separate).
+  const bool inPlace = c.inPlace && c.v.coll != Collective::AllToAll;
   const size_t bufElems = std::max(sendElems, recvElems);
   std::mt19937_64 rng(seed);
 
@@ -134,12 +142,14 @@ std::string runCase(loomsim::SimDeviceWorld& w, const Case& c, size_t slotBytes,
   std::vector<uint8_t*> recv(static_cast<size_t>(N));
   std::vector<std::vector<uint8_t>> input(static_cast<size_t>(N)), before(static_cast<size_t>(N));
   for (int r = 0; r < N; ++r) {
-    sendMem.emplace_back(c.inPlace ? 0 : sendElems * esz);
-    recvMem.emplace_back(c.inPlace ? bufElems * esz : recvElems * esz);
+    const bool rootOnly = c.v.coll == Collective::Gather || c.v.coll == Collective::Scatter;
+    const bool ip = inPlace && (!rootOnly || r == c.root);
+    sendMem.emplace_back(ip ? 0 : sendElems * esz);
+    recvMem.emplace_back(ip ? bufElems * esz : recvElems * esz);
     Guarded& rm = recvMem.back();
     fillRandom(rm.data(), rm.size() / esz, c.type, rng);  // recv starts as garbage
     uint8_t* in;
-    if (!c.inPlace) {
+    if (!ip) {
       in = sendMem.back().data();
       recv[size_t(r)] = rm.data();
     } else if (c.v.coll == Collective::ReduceScatter) {
@@ -148,6 +158,12 @@ std::string runCase(loomsim::SimDeviceWorld& w, const Case& c, size_t slotBytes,
     } else if (c.v.coll == Collective::AllGather) {
       in = rm.data() + size_t(r) * n * esz;
       recv[size_t(r)] = rm.data();
+    } else if (c.v.coll == Collective::Gather) {  // the root: sendbuff = recvbuff + root*count
+      in = rm.data() + size_t(r) * n * esz;
+      recv[size_t(r)] = rm.data();
+    } else if (c.v.coll == Collective::Scatter) {  // the root: recvbuff = sendbuff + root*count
+      in = rm.data();
+      recv[size_t(r)] = rm.data() + size_t(r) * n * esz;
     } else {
       in = rm.data();
       recv[size_t(r)] = rm.data();
@@ -188,10 +204,22 @@ std::string runCase(loomsim::SimDeviceWorld& w, const Case& c, size_t slotBytes,
         else
           e = before[size_t(r)];  // untouched
         break;
-      case Collective::P2P:  // stream programs do not serve these
-      case Collective::AllToAll:
+      case Collective::AllToAll:  // block q of rank r's output: block r of rank q's input
+        for (int q = 0; q < N; ++q)
+          e.insert(e.end(), input[size_t(q)].begin() + long(size_t(r) * n * esz),
+                   input[size_t(q)].begin() + long(size_t(r + 1) * n * esz));
+        break;
       case Collective::Gather:
+        if (r == c.root)
+          for (int q = 0; q < N; ++q) e.insert(e.end(), input[size_t(q)].begin(), input[size_t(q)].end());
+        else
+          e = before[size_t(r)];  // untouched
+        break;
       case Collective::Scatter:
+        e.assign(input[size_t(c.root)].begin() + long(size_t(r) * n * esz),
+                 input[size_t(c.root)].begin() + long(size_t(r + 1) * n * esz));
+        break;
+      case Collective::P2P:  // stream programs do not serve it
         break;
     }
   }
@@ -224,7 +252,8 @@ std::string runCase(loomsim::SimDeviceWorld& w, const Case& c, size_t slotBytes,
       return loom::strf("rank %d: wrong result at element %zu of %zu", r, i / esz, e.size() / esz);
     }
     if (!recvMem[size_t(r)].guardsIntact()) return loom::strf("rank %d: recv guard overwritten", r);
-    if (!c.inPlace) {
+    const bool rootOnly = c.v.coll == Collective::Gather || c.v.coll == Collective::Scatter;
+    if (!inPlace || (rootOnly && r != c.root)) {
       const std::vector<uint8_t>& in = input[size_t(r)];
       if (!in.empty() && memcmp(send[size_t(r)], in.data(), in.size()) != 0)
         return loom::strf("rank %d: send buffer changed", r);
@@ -325,8 +354,12 @@ TEST_CASE(
     const int N = 4;
     loomsim::SimDeviceWorld w(N, 1, loom::streamWindowBytes(slot));
     const size_t n = 1000;
-    size_t sendElems = v.coll == Collective::ReduceScatter ? N * n : n;
-    size_t recvElems = v.coll == Collective::AllGather ? N * n : n;
+    const bool nIn = v.coll == Collective::ReduceScatter || v.coll == Collective::AllToAll ||
+                     v.coll == Collective::Scatter;
+    const bool nOut = v.coll == Collective::AllGather || v.coll == Collective::AllToAll ||
+                      v.coll == Collective::Gather;
+    size_t sendElems = nIn ? N * n : n;
+    size_t recvElems = nOut ? N * n : n;
     std::vector<std::vector<int32_t>> send(N, std::vector<int32_t>(sendElems, -1)),
         recv(N, std::vector<int32_t>(recvElems, -7)), seen(N);
     for (int r = 0; r < N; ++r) {
@@ -382,10 +415,16 @@ TEST_CASE(
           case Collective::Reduce:
             want = r == 2 ? N * e + 6000 : -7;
             break;
-          case Collective::P2P:  // stream programs do not serve these
-          case Collective::AllToAll:
+          case Collective::AllToAll:  // block q: rank q's block r
+            want = int32_t(1000 * (i / n)) + int32_t((size_t(r) * n + i % n) % 997);
+            break;
           case Collective::Gather:
-          case Collective::Scatter:
+            want = r == 2 ? int32_t(1000 * (i / n)) + e : -7;
+            break;
+          case Collective::Scatter:  // the root's block r
+            want = 2000 + int32_t((size_t(r) * n + i) % 997);
+            break;
+          case Collective::P2P:  // stream programs do not serve it
             break;
         }
         if (recv[size_t(r)][i] != want) ++bad;

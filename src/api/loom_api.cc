@@ -220,8 +220,6 @@ void* cudaStreamOf(loomStream_t stream) {
 // A collective on a CUDA communicator: compiled to a stream program and
 // enqueued on the caller's cudaStream_t; returns once enqueued.
 loomResult_t runOnDevice(loomComm* comm, loomStream_t stream, const OpDesc& op) {
-  if (tlsGroup.depth > 0)
-    fail(loomInvalidUsage, "groups (loomGroupStart/End) are not implemented on CUDA communicators yet");
   void* cs = cudaStreamOf(stream);
   loomResult_t prior = comm->asyncError();
   if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->lastError().c_str());
@@ -230,6 +228,21 @@ loomResult_t runOnDevice(loomComm* comm, loomStream_t stream, const OpDesc& op) 
   } catch (const Error& e) {
     // An enqueue that failed half-way: the peers' rounds no longer agree
     // with this rank's, so the whole communicator has failed.
+    if (comm->deviceComm()->failed()) comm->setFailed(e.code(), e.what());
+    throw;
+  }
+  return loomSuccess;
+}
+
+// Sends and receives on a CUDA communicator as one stream program
+// (DeviceComm::runP2P).
+loomResult_t runP2POnDevice(loomComm* comm, loomStream_t stream, const std::vector<OpDesc>& ops) {
+  void* cs = cudaStreamOf(stream);
+  loomResult_t prior = comm->asyncError();
+  if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->lastError().c_str());
+  try {
+    comm->deviceComm()->runP2P(ops, cs);
+  } catch (const Error& e) {
     if (comm->deviceComm()->failed()) comm->setFailed(e.code(), e.what());
     throw;
   }
@@ -266,8 +279,14 @@ loomResult_t issueOp(const char* call, loomComm* comm, loomStream_t stream, cons
     HostStream* hostStream;
     try {
       validate(comm, op);
-      if (comm->deviceComm()) return runOnDevice(comm, stream, op);
-      hostStream = hostStreamOf(stream);
+      if (comm->deviceComm()) {
+        if (g.depth == 0) return runOnDevice(comm, stream, op);
+        // In a group: checked now, enqueued by loomGroupEnd with the rest
+        // (a group with a bad member enqueues nothing).
+        cudaStreamOf(stream);
+        comm->deviceComm()->check(op);
+      }
+      hostStream = comm->deviceComm() ? nullptr : hostStreamOf(stream);
     } catch (const Error& e) {
       // A group with a bad member is not launched at all (see loomGroupEnd).
       if (g.depth > 0 && g.error == loomSuccess) {
@@ -312,15 +331,19 @@ loomResult_t issueExchange(const char* call, loomComm* comm, loomStream_t stream
     HostStream* hostStream;
     try {
       checkComm(comm);
-      if (comm->deviceComm())
-        fail(loomInvalidUsage, "%s is not implemented on CUDA communicators yet", call);
       ops = check(comm->nranks(), comm->rank());
       for (OpDesc& op : ops) {
         if (op.sendbuf) op.sendMem = memoryKindOf(op.sendbuf);
         if (op.recvbuf) op.recvMem = memoryKindOf(op.recvbuf);
         validate(comm, op);
       }
-      hostStream = hostStreamOf(stream);
+      if (comm->deviceComm()) {
+        // One send/recv program (or into the caller's group, checked now).
+        if (g.depth == 0) return ops.empty() ? loomSuccess : runP2POnDevice(comm, stream, ops);
+        cudaStreamOf(stream);
+        for (const OpDesc& op : ops) comm->deviceComm()->check(op);
+      }
+      hostStream = comm->deviceComm() ? nullptr : hostStreamOf(stream);
     } catch (const Error& e) {
       if (g.depth > 0 && g.error == loomSuccess) {
         g.error = e.code();
@@ -917,7 +940,24 @@ loomResult_t loomGroupEnd(void) {
     return err;
   }
   if (ops.empty()) return loomSuccess;
-  return guarded("loomGroupEnd", comm, [&] { return submit(comm, hostStreamOf(stream), std::move(ops)); });
+  return guarded("loomGroupEnd", comm, [&] {
+    if (comm->deviceComm()) {
+      // The collectives in order on the caller's stream, each a stream
+      // program (every rank enqueues the same sequence, so rounds agree),
+      // then the sends and receives as one program.  Each member was
+      // checked when it joined the group.
+      std::vector<OpDesc> p2p;
+      for (const OpDesc& op : ops) {
+        if (op.coll == Collective::P2P)
+          p2p.push_back(op);
+        else
+          runOnDevice(comm, stream, op);
+      }
+      if (!p2p.empty()) runP2POnDevice(comm, stream, p2p);
+      return loomSuccess;
+    }
+    return submit(comm, hostStreamOf(stream), std::move(ops));
+  });
 }
 
 loomResult_t loomStreamCreate(loomStream_t* stream) {

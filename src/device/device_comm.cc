@@ -127,7 +127,7 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
   if (slotBytes_ < 256 || slotBytes_ % 256)
     fail(loomInvalidArgument, "device slots of %zu bytes: need a multiple of 256", slotBytes_);
   imports_ = std::make_unique<IpcImportCache>(*driver_, process);
-  const size_t flagBytes = flagAreaBytes(nranks), blockBytes = flagBytes + streamWindowBytes(slotBytes_);
+  const size_t flagBytes = flagAreaBytes(nranks), blockBytes = flagBytes + deviceWindowBytes(slotBytes_, nranks);
   block_ = driver_->allocate(blockBytes);
   try {
     IpcRecord mine = exportRange(*driver_, block_, blockBytes, process);
@@ -142,6 +142,7 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
       uint8_t* at = r == rank ? static_cast<uint8_t*>(block_) : imports_->import(r, rec);
       windows_.push_back(at + flagBytes);
       flags_.push_back(own + size_t(r) * kFlagCount);
+      peerFlags_.push_back(reinterpret_cast<uint64_t*>(at) + size_t(rank) * kFlagCount);
       if (r != rank) {
         flagCopies_.push_back(reinterpret_cast<uint64_t*>(at) + size_t(rank) * kFlagCount);
         for (int f = 0; f < kFlagCount; ++f) released_.push_back(flags_.back() + f);
@@ -163,12 +164,17 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
 bool DeviceComm::drain() {
   const int64_t deadline = nowMs() + drainTimeoutMs_;
   std::lock_guard<std::mutex> g(mu_);
-  if (round_ == 0) return true;
+  bool sent = false;
+  for (uint64_t k : p2p_.sent) sent |= k > 0;
+  if (round_ == 0 && !sent) return true;
   if (drainTimeoutMs_ == 0) return false;
   for (int r = 0; r < nranks_; ++r) {
     if (r == rank_) continue;
-    // Round g's done value is g + 1: the last round is round_ - 1.
-    while (driver_->readFlag(flags_[size_t(r)] + kFlagDone) < round_) {
+    // Round g's done value is g + 1: the last round is round_ - 1.  A
+    // receiver has copied out every chunk sent to it when it acked them all.
+    while (driver_->readFlag(flags_[size_t(r)] + kFlagDone) < round_ ||
+           (size_t(r) < p2p_.sent.size() &&
+            driver_->readFlag(flags_[size_t(r)] + kFlagP2PAcked) < p2p_.sent[size_t(r)])) {
       if (nowMs() > deadline) return false;
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
@@ -190,6 +196,8 @@ struct DeviceRemains {
   std::vector<uint64_t*> released;
   const uint64_t* ownDone = nullptr;
   uint64_t target = 0;
+  const uint64_t* ownP2PDone = nullptr;  // and the send/recv programs'
+  uint64_t p2pTarget = 0;
   int64_t deadline = 0;
 
   // Releases once more; true once the streams are done.
@@ -198,7 +206,7 @@ struct DeviceRemains {
     try {
       const int previous = driver->enter();
       try {
-        done = driver->readFlag(ownDone) >= target;
+        done = driver->readFlag(ownDone) >= target && driver->readFlag(ownP2PDone) >= p2pTarget;
         if (!done) driver->writeFlags(released.data(), released.size(), kReleasedFlag);
       } catch (...) {
         driver->leave(previous);
@@ -334,6 +342,8 @@ DeviceComm::~DeviceComm() {
     rest->released = released_;
     rest->ownDone = flags_[size_t(rank_)] + kFlagDone;
     rest->target = enqueued_.load();
+    rest->ownP2PDone = flags_[size_t(rank_)] + kFlagP2PDone;
+    rest->p2pTarget = p2pEnqueued_.load();
     rest->deadline = nowMs() + reapTimeoutMs_;
     if (rest->step())
       rest->free();
@@ -385,7 +395,8 @@ loomResult_t DeviceComm::failure(std::string* msg) const {
 }
 
 bool DeviceComm::programsDone() {
-  return driver_->readFlag(flags_[size_t(rank_)] + kFlagDone) >= enqueued_.load();
+  return driver_->readFlag(flags_[size_t(rank_)] + kFlagDone) >= enqueued_.load() &&
+         driver_->readFlag(flags_[size_t(rank_)] + kFlagP2PDone) >= p2pEnqueued_.load();
 }
 
 void DeviceComm::release() { driver_->writeFlags(released_.data(), released_.size(), kReleasedFlag); }
@@ -397,25 +408,33 @@ void DeviceComm::failFromWatchdog(loomResult_t code, const std::string& msg, int
 }
 
 int64_t DeviceComm::checkProgress(int64_t now) {
-  const uint64_t target = enqueued_.load();
-  if (target == 0 || (!peerGone_ && timeoutMs_.load() <= 0)) {  // nothing to watch
+  const uint64_t target = enqueued_.load(), p2pTarget = p2pEnqueued_.load();
+  if ((target == 0 && p2pTarget == 0) || (!peerGone_ && timeoutMs_.load() <= 0)) {  // nothing to watch
     movedMs_ = probedMs_ = now;
     return 100;
   }
   enterDevice();
   std::vector<uint64_t> all(size_t(nranks_) * kFlagCount);
   driver_->readFlags(flags_[0], all.size(), all.data());  // the rows are contiguous
-  if (all[size_t(rank_) * kFlagCount + kFlagDone] >= target) {
+  auto at = [&](int r, int f) { return all[size_t(r) * kFlagCount + size_t(f)]; };
+  if (at(rank_, kFlagDone) >= target && at(rank_, kFlagP2PDone) >= p2pTarget) {
     movedMs_ = probedMs_ = now;
     return 100;  // idle: run() wakes the watchdog
+  }
+  // Send/recv chunks this rank expects from each peer, and acks for its own.
+  std::vector<uint64_t> p2pSent, p2pRecvd;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    p2pSent = p2p_.sent;
+    p2pRecvd = p2p_.recvd;
   }
   std::vector<uint64_t> seen(static_cast<size_t>(nranks_));  // per rank: its highest flag here
   uint64_t sum = 0;
   for (int r = 0; r < nranks_; ++r)
     for (int f = 0; f < kFlagCount; ++f) {
-      const uint64_t v = all[size_t(r) * kFlagCount + size_t(f)];
+      const uint64_t v = at(r, f);
       sum += v;
-      seen[size_t(r)] = std::max(seen[size_t(r)], v);
+      if (f < kRoundFlags) seen[size_t(r)] = std::max(seen[size_t(r)], v);  // rounds, not chunk counts
     }
   if (sum != seenSum_) {
     seenSum_ = sum;
@@ -427,8 +446,13 @@ int64_t DeviceComm::checkProgress(int64_t now) {
   uint64_t least = ~uint64_t(0);
   for (int r = 0; r < nranks_; ++r)
     if (r != rank_ && seen[size_t(r)] < target) least = std::min(least, seen[size_t(r)]);
-  for (int r = 0; r < nranks_; ++r)
-    if (r != rank_ && seen[size_t(r)] < target) behind.push_back(r);
+  for (int r = 0; r < nranks_; ++r) {
+    if (r == rank_) continue;
+    const bool p2pBehind = (size_t(r) < p2pSent.size() && at(r, kFlagP2PAcked) < p2pSent[size_t(r)]) ||
+                           (size_t(r) < p2pRecvd.size() && at(r, kFlagP2PSent) < p2pRecvd[size_t(r)]);
+    if (seen[size_t(r)] < target || p2pBehind) behind.push_back(r);
+  }
+  if (least == ~uint64_t(0)) least = 0;
   if (peerGone_ && still >= probeAfterMs_ && now - probedMs_ >= probeAfterMs_) {
     probedMs_ = now;
     for (int r : behind) {
@@ -449,6 +473,8 @@ int64_t DeviceComm::checkProgress(int64_t now) {
     std::string who;
     for (int r : behind)
       if (seen[size_t(r)] == least) who += strf("%s%d", who.empty() ? "" : ", ", r);
+    if (who.empty())  // behind on send/recv only
+      for (int r : behind) who += strf("%s%d", who.empty() ? "" : ", ", r);
     failFromWatchdog(loomTimeout,
                      strf("rank %d: no progress on %s:%d for %lld ms (LOOM_TIMEOUT_MS): this rank's streams wait "
                           "for rank %s (its flags reached round %llu, this rank's %llu, of %llu enqueued)",
@@ -506,10 +532,13 @@ bool DeviceComm::serves(Collective coll) {
     case Collective::AllGather:
     case Collective::Broadcast:
     case Collective::Reduce:
+    case Collective::AllToAll:
+    case Collective::Gather:
+    case Collective::Scatter:
+    case Collective::P2P:
       return true;
-    default:
-      return false;
   }
+  return false;
 }
 
 bool DeviceComm::failed() const {
@@ -534,25 +563,55 @@ void DeviceComm::checkBuffer(const char* what, const void* p) const {
          driver_->name(), d, driver_->name(), driver_->device());
 }
 
-void DeviceComm::run(const OpDesc& op, void* callerStream) {
-  if (!serves(op.coll))
-    fail(loomInvalidUsage, "%s is not implemented on %s communicators yet (all-reduce, reduce-scatter, all-gather, "
-         "broadcast and reduce are)", collectiveName(op.coll), driver_->name());
-  const size_t esz = dtypeSize(op.dtype), n = op.count, N = size_t(nranks_);
-  const bool root = rank_ == op.root;
-  size_t sendBytes = n * esz, recvBytes = n * esz;
+namespace {
+
+// The buffers one rank's part of `op` uses (a root-only side is not used
+// elsewhere) and their sizes.
+struct Shape {
   bool needSend = true, needRecv = true;
+  size_t sendBytes = 0, recvBytes = 0;
+};
+Shape shapeOf(const OpDesc& op, int rank, int nranks) {
+  const size_t bytes = op.count * dtypeSize(op.dtype), N = size_t(nranks);
+  const bool root = rank == op.root;
+  Shape s;
+  s.sendBytes = s.recvBytes = bytes;
   switch (op.coll) {
-    case Collective::ReduceScatter: sendBytes *= N; break;
-    case Collective::AllGather: recvBytes *= N; break;
-    case Collective::Broadcast: needSend = root; break;
-    case Collective::Reduce: needRecv = root; break;
+    case Collective::ReduceScatter: s.sendBytes *= N; break;
+    case Collective::AllGather: s.recvBytes *= N; break;
+    case Collective::Broadcast: s.needSend = root; break;
+    case Collective::Reduce: s.needRecv = root; break;
+    case Collective::AllToAll: s.sendBytes *= N, s.recvBytes *= N; break;
+    case Collective::Gather: s.recvBytes *= N, s.needRecv = root; break;
+    case Collective::Scatter: s.sendBytes *= N, s.needSend = root; break;
+    case Collective::P2P: s.needSend = op.isSend, s.needRecv = !op.isSend; break;
     default: break;
   }
-  if (n > 0) {
-    if (needSend) checkBuffer("sendbuff", op.sendbuf);
-    if (needRecv) checkBuffer("recvbuff", op.recvbuf);
+  return s;
+}
+
+}  // namespace
+
+void DeviceComm::check(const OpDesc& op) const {
+  if (!serves(op.coll))
+    fail(loomInvalidUsage, "%s is not implemented on %s communicators yet", collectiveName(op.coll), driver_->name());
+  if (op.tagged)
+    fail(loomInvalidUsage, "tagged send/recv (loomSendTagged/loomRecvTagged) is not implemented on %s communicators "
+         "yet (loomSend/loomRecv are)", driver_->name());
+  const Shape sh = shapeOf(op, rank_, nranks_);
+  if (op.count > 0) {
+    if (sh.needSend) checkBuffer("sendbuff", op.sendbuf);
+    if (sh.needRecv) checkBuffer("recvbuff", op.recvbuf);
   }
+}
+
+void DeviceComm::run(const OpDesc& op, void* callerStream) {
+  if (op.coll == Collective::P2P) return runP2P({op}, callerStream);
+  check(op);
+  const size_t esz = dtypeSize(op.dtype), n = op.count;
+  const Shape sh = shapeOf(op, rank_, nranks_);
+  const bool needSend = sh.needSend, needRecv = sh.needRecv;
+  const size_t sendBytes = sh.sendBytes, recvBytes = sh.recvBytes;
   std::lock_guard<std::mutex> g(mu_);
   if (failCode_ != loomSuccess) fail(failCode_, "the %s communicator has failed: %s", driver_->name(), failed_.c_str());
   uint64_t round = round_;
@@ -563,7 +622,7 @@ void DeviceComm::run(const OpDesc& op, void* callerStream) {
   b.recv = needRecv ? op.recvbuf : nullptr;
   b.recvBytes = needRecv ? recvBytes : 0;
   b.windows = windows_;
-  b.windowBytes = streamWindowBytes(slotBytes_);
+  b.windowBytes = deviceWindowBytes(slotBytes_, nranks_);
   b.flags = flags_;
   b.flagCopies = flagCopies_;
   struct Current {  // the driver's device for the calls below, the caller's again after
@@ -590,6 +649,65 @@ void DeviceComm::run(const OpDesc& op, void* callerStream) {
     throw;
   }
   enqueued_.store(round_);
+  {
+    std::lock_guard<std::mutex> w(wmu_);
+    wake_ = true;
+  }
+  wcv_.notify_all();
+}
+
+void DeviceComm::runP2P(const std::vector<OpDesc>& ops, void* callerStream) {
+  for (const OpDesc& op : ops) {
+    if (op.coll != Collective::P2P) fail(loomInternalError, "runP2P given %s", collectiveName(op.coll));
+    check(op);
+  }
+  // Send i reads buffer i of the sends, receive j writes buffer j of the
+  // receives (compileP2PProgram's numbering).
+  ProgramBuffers b;
+  bool haveSend = false, haveRecv = false;
+  for (const OpDesc& op : ops) {
+    const size_t bytes = op.count * dtypeSize(op.dtype);
+    if (op.isSend && !haveSend) {
+      b.send = op.sendbuf, b.sendBytes = bytes, haveSend = true;
+    } else if (op.isSend) {
+      b.moreSends.push_back({const_cast<void*>(op.sendbuf), bytes});
+    } else if (!haveRecv) {
+      b.recv = op.recvbuf, b.recvBytes = bytes, haveRecv = true;
+    } else {
+      b.moreRecvs.push_back({op.recvbuf, bytes});
+    }
+  }
+  b.windows = windows_;
+  b.windowBytes = deviceWindowBytes(slotBytes_, nranks_);
+  b.flags = flags_;
+  b.flagCopies = flagCopies_;
+  b.peerFlags = peerFlags_;
+  std::lock_guard<std::mutex> g(mu_);
+  if (failCode_ != loomSuccess) fail(failCode_, "the %s communicator has failed: %s", driver_->name(), failed_.c_str());
+  P2PCounters counters = p2p_;
+  StreamProgram p = compileP2PProgram(ops, rank_, nranks_, slotBytes_, &counters);
+  struct Current {  // the driver's device for the calls below, the caller's again after
+    DeviceDriver& d;
+    int previous;
+    ~Current() { d.leave(previous); }
+  } current{*driver_, driver_->enter()};
+  try {
+    p2p_ = counters;  // the peers count these chunks whatever happens here
+    if (p.ops.empty()) return;
+    enqueueProgram(driver_->backend(callerStream, p.streams, p.events), p, b);
+  } catch (const Error& e) {
+    failCode_ = e.code();
+    failed_ = e.what();
+    p2pEnqueued_.store(p2p_.programs);
+    failedFlag_.store(true);
+    {
+      std::lock_guard<std::mutex> w(wmu_);
+      wake_ = true;
+    }
+    wcv_.notify_all();
+    throw;
+  }
+  p2pEnqueued_.store(p2p_.programs);
   {
     std::lock_guard<std::mutex> w(wmu_);
     wake_ = true;

@@ -23,6 +23,10 @@
 // every stream wait of a rank is on its own memory, and a rank can release
 // its own waits without touching (or releasing) any peer's.
 //
+// Send/recv (runP2P) uses the chunks after the collective slots in each
+// window and the per-pair flags (kFlagP2PSent/kFlagP2PAcked, written into
+// one reader's row only): every wait is still on this rank's own memory.
+//
 // Failure (DeviceComm::markFailed: a peer's Fail notice, loomCommAbort, an
 // enqueue error, or the watchdog below): the communicator fails for good,
 // and a watchdog thread writes kReleasedFlag into every peer row of this
@@ -60,7 +64,8 @@ namespace loom {
 
 constexpr size_t kIpcHandleBytes = 64;  // cudaIpcMemHandle_t
 // Flags first in a rank's block (a row of kFlagCount per rank), padded so
-// the window starts 256-byte aligned.
+// the window starts 256-byte aligned.  The window: the collectives' two
+// slots, then the send/recv chunks (deviceWindowBytes).
 inline size_t flagAreaBytes(int nranks) {
   return (size_t(nranks) * kFlagCount * sizeof(uint64_t) + 255) / 256 * 256;
 }
@@ -221,12 +226,21 @@ class DeviceComm {
 
   // Whether the device path runs `coll` (the others: loomInvalidUsage from run()).
   static bool serves(Collective coll);
-  // Checks op's buffers (device memory of this device, not host memory:
-  // loomInvalidArgument naming the buffer), compiles this rank's program
+  // Whether run() would take `op`: a collective it serves (else
+  // loomInvalidUsage) on buffers of this device (else loomInvalidArgument
+  // naming the buffer).  Changes nothing (a group checks every member
+  // before it runs any).
+  void check(const OpDesc& op) const;
+  // Checks op (check()), compiles this rank's program
   // and enqueues it on callerStream.  Returns once enqueued.  An error
   // while enqueueing leaves the communicator failed (its rounds can no
   // longer agree with the peers'): every later call fails with it.
   void run(const OpDesc& op, void* callerStream);
+  // Sends and receives (P2P ops: one call, or a group's members in order)
+  // as one stream program on callerStream (compileP2PProgram: chunk by
+  // chunk across the members, so a group's sends and receives never wait
+  // on each other in a cycle).  Checks and failure as run().
+  void runP2P(const std::vector<OpDesc>& ops, void* callerStream);
 
   // Which all-reduce program `bytes` gets.
   StreamAlgorithm allReduceAlgorithm(size_t bytes) const {
@@ -280,6 +294,8 @@ class DeviceComm {
   std::vector<uint64_t*> flags_;       // row r of this rank's flag area: rank r's flags as seen here
   std::vector<uint64_t*> flagCopies_;  // where this rank's flag writes go (its row of every area, its own last)
   std::vector<uint64_t*> released_;    // the flags a release writes (every peer row here)
+  std::vector<uint64_t*> peerFlags_;   // per rank r: this rank's row in r's area (per-pair flag writes)
+  P2PCounters p2p_;                    // send/recv: chunks per peer, programs (under mu_)
   mutable std::mutex mu_;  // one program enqueued at a time, in round order
   uint64_t round_ = 0;
   std::string failed_;  // set once the communicator failed
@@ -291,6 +307,7 @@ class DeviceComm {
   std::function<bool(int, std::string*)> peerGone_;
   std::function<void(const Error&)> onFailure_;
   std::atomic<uint64_t> enqueued_{0};  // rounds enqueued (the done value the last one sets)
+  std::atomic<uint64_t> p2pEnqueued_{0};  // send/recv programs enqueued (kFlagP2PDone's last value)
   std::atomic<bool> failedFlag_{false};
   std::mutex wmu_;
   std::condition_variable wcv_;

@@ -17,6 +17,12 @@ const char* flagName(int f) {
       return "reduced";
     case kFlagDone:
       return "done";
+    case kFlagP2PSent:
+      return "sent";
+    case kFlagP2PAcked:
+      return "acked";
+    case kFlagP2PDone:
+      return "p2pdone";
   }
   return "?";
 }
@@ -24,9 +30,9 @@ const char* flagName(int f) {
 std::string refName(const ProgramRef& r) {
   switch (r.space) {
     case Space::Send:
-      return strf("send+%zu", r.offset);
+      return r.rank ? strf("send#%d+%zu", r.rank, r.offset) : strf("send+%zu", r.offset);
     case Space::Recv:
-      return strf("recv+%zu", r.offset);
+      return r.rank ? strf("recv#%d+%zu", r.rank, r.offset) : strf("recv+%zu", r.offset);
     case Space::Window:
       return strf("win[%d]+%zu", r.rank, r.offset);
   }
@@ -45,6 +51,10 @@ std::string StreamProgram::describe() const {
         break;
       case StreamOpKind::SetFlag:
         s += strf("set flag[%d].%s = %llu", rank, flagName(o.flag), (unsigned long long)o.value);
+        break;
+      case StreamOpKind::SetPeerFlag:
+        s += strf("set flag[%d].%s = %llu for rank %d", rank, flagName(o.flag), (unsigned long long)o.value,
+                  o.flagRank);
         break;
       case StreamOpKind::Copy:
         s += strf("copy %s <- %s, %zu B", refName(o.dst).c_str(), refName(src(o, 0)).c_str(), o.count);
@@ -83,13 +93,21 @@ struct Resolver {
   }
   uint8_t* at(const ProgramRef& r, size_t bytes, bool write) const {
     switch (r.space) {
-      case Space::Send:
+      case Space::Send: {
         if (write) bad("writes the send buffer");
-        if (r.offset > b.sendBytes || bytes > b.sendBytes - r.offset) bad("reads past the send buffer");
-        return static_cast<uint8_t*>(const_cast<void*>(b.send)) + r.offset;
-      case Space::Recv:
-        if (r.offset > b.recvBytes || bytes > b.recvBytes - r.offset) bad("goes past the recv buffer");
-        return static_cast<uint8_t*>(b.recv) + r.offset;
+        if (r.rank < 0 || size_t(r.rank) > b.moreSends.size()) bad("names a send buffer it was not given");
+        const size_t n = r.rank ? b.moreSends[size_t(r.rank - 1)].bytes : b.sendBytes;
+        const void* base = r.rank ? b.moreSends[size_t(r.rank - 1)].p : b.send;
+        if (r.offset > n || bytes > n - r.offset) bad("reads past the send buffer");
+        return static_cast<uint8_t*>(const_cast<void*>(base)) + r.offset;
+      }
+      case Space::Recv: {
+        if (r.rank < 0 || size_t(r.rank) > b.moreRecvs.size()) bad("names a recv buffer it was not given");
+        const size_t n = r.rank ? b.moreRecvs[size_t(r.rank - 1)].bytes : b.recvBytes;
+        void* base = r.rank ? b.moreRecvs[size_t(r.rank - 1)].p : b.recv;
+        if (r.offset > n || bytes > n - r.offset) bad("goes past the recv buffer");
+        return static_cast<uint8_t*>(base) + r.offset;
+      }
       case Space::Window:
         if (r.rank < 0 || size_t(r.rank) >= b.windows.size()) bad("names a rank with no window");
         if (r.offset > b.windowBytes || bytes > b.windowBytes - r.offset) bad("goes past a window");
@@ -123,8 +141,11 @@ void enqueueProgram(StreamBackend& be, const StreamProgram& p, const ProgramBuff
       switch (o.kind) {
         case StreamOpKind::WaitFlag:
         case StreamOpKind::SetFlag:
+        case StreamOpKind::SetPeerFlag:
           if (o.flag >= kFlagCount || o.flagRank < 0 || o.flagRank >= p.nranks) res.bad("names no flag");
           if (o.kind == StreamOpKind::SetFlag && o.flagRank != p.rank) res.bad("sets another rank's flag");
+          if (o.kind == StreamOpKind::SetPeerFlag && b.peerFlags.size() != size_t(p.nranks))
+            res.bad("sets a per-pair flag, but the buffers have no per-reader flag copies");
           break;
         case StreamOpKind::RecordEvent:
         case StreamOpKind::WaitEvent:
@@ -148,6 +169,9 @@ void enqueueProgram(StreamBackend& be, const StreamProgram& p, const ProgramBuff
         case StreamOpKind::SetFlag:
           if (b.flagCopies.empty()) be.setFlag(o.stream, b.flags[size_t(p.rank)] + o.flag, o.value);
           for (uint64_t* copy : b.flagCopies) be.setFlag(o.stream, copy + o.flag, o.value);
+          break;
+        case StreamOpKind::SetPeerFlag:
+          be.setFlag(o.stream, b.peerFlags[size_t(o.flagRank)] + o.flag, o.value);
           break;
         case StreamOpKind::Copy:
           be.copy(o.stream, dst, srcs[0], o.count);

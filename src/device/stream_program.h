@@ -32,21 +32,31 @@ enum class Space : uint8_t {
 
 struct ProgramRef {
   Space space = Space::Send;
-  int32_t rank = 0;   // Window only
+  int32_t rank = 0;   // Window: whose; Send/Recv: which buffer (0, or 1.. of a send/recv group)
   size_t offset = 0;  // bytes
 };
 
-// A rank's flags.  Each is set only by its owner and read by everyone.
+// A rank's flags.  Each is set only by its owner and read by everyone.  The
+// collectives' flags (input, reduced, done) hold the same value for every
+// reader; send/recv's (p2p sent and acked) are per pair: the owner writes
+// each reader's copy on its own (SetPeerFlag), so the copy a reader sees
+// counts what the owner did for that reader only.
 enum FlagIndex : uint8_t {
   kFlagInput = 0,    // the owner's input for a round is in its window
   kFlagReduced = 1,  // the owner's reduced part of a round is in its window
   kFlagDone = 2,     // the owner has finished reading every window for a round
-  kFlagCount = 3,
+  kFlagP2PSent = 3,  // chunks the owner has staged for this reader (send/recv)
+  kFlagP2PAcked = 4, // chunks of this reader's the owner has copied out
+  kFlagP2PDone = 5,  // send/recv programs the owner has finished
+  kFlagCount = 6,
 };
+// The flags of the collectives' rounds (a round counter every rank advances).
+constexpr int kRoundFlags = 3;
 
 enum class StreamOpKind : uint8_t {
   WaitFlag,     // stream waits until flag(flagRank, flag) >= value
   SetFlag,      // flag(owner = this rank, flag) = value, after all earlier work on the stream
+  SetPeerFlag,  // the same, in the copy rank `flagRank` reads only (send/recv's per-pair flags)
   Copy,         // dst = src[0], `bytes` bytes (never overlapping)
   Reduce,       // dst = src[0] op src[1] op ... (left to right, rounded each step), `count` elements
   Divide,       // dst = src[0] / divisor, `count` elements (loomAvg's last step)
@@ -99,6 +109,16 @@ struct ProgramBuffers {
   // this order (a communicator gives each reader a copy in the reader's own
   // memory, see device_comm.h).  Empty: flags[rank] alone.
   std::vector<uint64_t*> flagCopies;
+  // Per rank r: the copy of this rank's flags that r reads (SetPeerFlag's
+  // addresses).  Empty: the program may not use SetPeerFlag.
+  std::vector<uint64_t*> peerFlags;
+  // Buffers 1.. of a send/recv program (Send/Recv refs with rank i >= 1
+  // name more[i - 1]); buffer 0 is send/recv above.
+  struct Range {
+    void* p = nullptr;
+    size_t bytes = 0;
+  };
+  std::vector<Range> moreSends, moreRecvs;
 };
 
 // What executes stream operations: one call per op, in program order per

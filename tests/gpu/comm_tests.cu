@@ -12,6 +12,8 @@
 //           returns while the kernel still runs (cudaStreamQuery says not
 //           ready), and after cudaStreamSynchronize the result includes
 //           what the kernel wrote
+//   p2p     loomSend/loomRecv in a group (a ring, 1 element to 3 Mi) and
+//           loomAllToAllv of uneven blocks: exact
 //   errors  a host pointer and a loom host stream on a CUDA communicator:
 //           loomInvalidArgument with a message
 // Prints one row per N and check; exits non-zero on any wrong value, error
@@ -37,8 +39,9 @@
 
 namespace {
 
-enum Coll { AllReduce, ReduceScatter, AllGather, Broadcast, Reduce };
-const char* kCollNames[] = {"all-reduce", "reduce-scatter", "all-gather", "broadcast", "reduce"};
+enum Coll { AllReduce, ReduceScatter, AllGather, Broadcast, Reduce, AllToAll, Gather, Scatter };
+const char* kCollNames[] = {"all-reduce", "reduce-scatter", "all-gather", "broadcast",
+                            "reduce",     "all-to-all",     "gather",     "scatter"};
 
 // Rank q's input, the same on every rank that asks.
 void inputOf(int q, size_t seed, std::vector<uint8_t>* v, loomDataType_t t) {
@@ -82,8 +85,8 @@ Live issue(const Case& c, int me, int N, loomComm_t comm, cudaStream_t st) {
   Live L;
   L.c = c;
   const size_t esz = loom::dtypeSize(c.t), n = c.n;
-  const size_t sendElems = c.coll == ReduceScatter ? size_t(N) * n : n;
-  const size_t recvElems = c.coll == AllGather ? size_t(N) * n : n;
+  const size_t sendElems = c.coll == ReduceScatter || c.coll == AllToAll || c.coll == Scatter ? size_t(N) * n : n;
+  const size_t recvElems = c.coll == AllGather || c.coll == AllToAll || c.coll == Gather ? size_t(N) * n : n;
   const size_t big = std::max(sendElems, recvElems) * esz;
   const int root = N - 1;
   std::vector<std::vector<uint8_t>> in(static_cast<size_t>(N), std::vector<uint8_t>(sendElems * esz));
@@ -97,8 +100,10 @@ Live issue(const Case& c, int me, int N, loomComm_t comm, cudaStream_t st) {
   if (c.inPlace) {
     uint8_t* s = rb;
     L.recv = rb;
-    if (c.coll == ReduceScatter) L.recv = rb + size_t(me) * n * esz;
-    if (c.coll == AllGather) s = rb + size_t(me) * n * esz;
+    // NCCL's in-place layouts (gather's and scatter's matter at the root;
+    // the other ranks' buffers merely overlap, which they may).
+    if (c.coll == ReduceScatter || c.coll == Scatter) L.recv = rb + size_t(me) * n * esz;
+    if (c.coll == AllGather || c.coll == Gather) s = rb + size_t(me) * n * esz;
     L.send = s;
   } else {
     CK(cudaMalloc(&L.sendDev, sendElems * esz + 1));
@@ -138,6 +143,26 @@ Live issue(const Case& c, int me, int N, loomComm_t comm, cudaStream_t st) {
       else
         L.want.assign(recvElems * esz, 0x5a);
       LK(loomReduce(L.send, L.recv, n, c.t, c.op, root, comm, loomStream_t(st)));
+      break;
+    case AllToAll:  // block q: block `me` of rank q's input
+      for (int q = 0; q < N; ++q)
+        L.want.insert(L.want.end(), in[size_t(q)].begin() + long(size_t(me) * n * esz),
+                      in[size_t(q)].begin() + long(size_t(me + 1) * n * esz));
+      LK(loomAllToAll(L.send, L.recv, n, c.t, comm, loomStream_t(st)));
+      break;
+    case Gather:
+      if (me == root) {
+        for (int q = 0; q < N; ++q) L.want.insert(L.want.end(), in[size_t(q)].begin(), in[size_t(q)].end());
+      } else {  // untouched: the garbage, with this rank's input in its block when in place
+        L.want.assign(recvElems * esz, 0x5a);
+        if (c.inPlace) std::copy(in[size_t(me)].begin(), in[size_t(me)].end(), L.want.begin() + long(size_t(me) * n * esz));
+      }
+      LK(loomGather(L.send, L.recv, n, c.t, root, comm, loomStream_t(st)));
+      break;
+    case Scatter:
+      L.want.assign(in[size_t(root)].begin() + long(size_t(me) * n * esz),
+                    in[size_t(root)].begin() + long(size_t(me + 1) * n * esz));
+      LK(loomScatter(L.send, L.recv, n, c.t, root, comm, loomStream_t(st)));
       break;
   }
   return L;
@@ -191,21 +216,88 @@ int rankMain(int me, int N, loomUniqueId id, size_t maxCount) {
     }
     batch.clear();
   };
-  for (Coll c : {AllReduce, ReduceScatter, AllGather, Broadcast, Reduce})
+  for (Coll c : {AllReduce, ReduceScatter, AllGather, Broadcast, Reduce, AllToAll, Gather, Scatter})
     for (loomDataType_t t : kTypes)
       for (loomRedOp_t op : kOps) {
-        if ((c == AllGather || c == Broadcast) && op != loomSum) continue;
-        for (size_t n : {size_t(0), size_t(1), size_t(1031), size_t(300000), maxCount}) {
-          if (n > maxCount) continue;
-          if (n == maxCount && n > 300000 && (t != loomFloat32 || op != loomSum)) continue;
+        const bool reducing = c == AllReduce || c == ReduceScatter || c == Reduce;
+        if (!reducing && op != loomSum) continue;
+        // All-to-all's and scatter's buffers are N blocks on every rank:
+        // their largest case is maxCount elements in all.
+        const size_t top = c == AllToAll || c == Scatter ? maxCount / size_t(N) : maxCount;
+        for (size_t n : {size_t(0), size_t(1), size_t(1031), size_t(300000), top}) {
+          if (n > top) continue;
+          if (n == top && n > 300000 && (t != loomFloat32 || op != loomSum)) continue;
           for (bool ip : {false, true}) {
+            if (ip && c == AllToAll) continue;  // no in-place form, as in NCCL
             batch.push_back(issue({c, t, op, n, ip, seed++}, me, N, comm, st));
-            if (batch.size() >= 16 || n == maxCount) flush();
+            if (batch.size() >= 16 || n == top) flush();
           }
         }
       }
   flush();
   std::printf("RESULT comm %ld %ld\n", cases, wrong);
+
+  // p2p: send/recv in a group (a ring: to the next rank, from the
+  // previous, sizes from one element to many chunks), and an all-to-allv
+  // of uneven blocks; every rank derives every input from the seed.
+  {
+    long p2pCases = 0, p2pWrong = 0;
+    const int next = (me + 1) % N, prev = (me + N - 1) % N;
+    for (size_t n : {size_t(1), size_t(1031), size_t(3) << 20}) {
+      if (n > maxCount) continue;
+      std::vector<uint8_t> mine(n * 4), theirs(n * 4);
+      inputOf(me, seed + n, &mine, loomFloat32);
+      inputOf(prev, seed + n, &theirs, loomFloat32);
+      void *s, *r;
+      CK(cudaMalloc(&s, n * 4));
+      CK(cudaMalloc(&r, n * 4));
+      CK(cudaMemcpyAsync(s, mine.data(), n * 4, cudaMemcpyHostToDevice, st));
+      LK(loomGroupStart());
+      LK(loomSend(s, n, loomFloat32, next, comm, loomStream_t(st)));
+      LK(loomRecv(r, n, loomFloat32, prev, comm, loomStream_t(st)));
+      LK(loomGroupEnd());
+      CK(cudaStreamSynchronize(st));
+      std::vector<uint8_t> got(n * 4);
+      CK(cudaMemcpy(got.data(), r, n * 4, cudaMemcpyDeviceToHost));
+      ++p2pCases;
+      p2pWrong += got != theirs;
+      CK(cudaFree(s));
+      CK(cudaFree(r));
+    }
+    // all-to-allv: rank q sends (q + j) % 3 * 777 + 1 elements to rank j.
+    auto cnt = [](int q, int j) { return size_t((q + j) % 3) * 777 + 1; };
+    const size_t nr = static_cast<size_t>(N);
+    std::vector<size_t> sc(nr), sd(nr), rc(nr), rd(nr);
+    size_t sAll = 0, rAll = 0;
+    for (int j = 0; j < N; ++j) {
+      sc[size_t(j)] = cnt(me, j), sd[size_t(j)] = sAll, sAll += sc[size_t(j)];
+      rc[size_t(j)] = cnt(j, me), rd[size_t(j)] = rAll, rAll += rc[size_t(j)];
+    }
+    std::vector<uint8_t> in(sAll * 4);
+    inputOf(me, seed + 99, &in, loomFloat32);
+    void *s, *r;
+    CK(cudaMalloc(&s, sAll * 4));
+    CK(cudaMalloc(&r, rAll * 4));
+    CK(cudaMemcpyAsync(s, in.data(), sAll * 4, cudaMemcpyHostToDevice, st));
+    LK(loomAllToAllv(s, sc.data(), sd.data(), r, rc.data(), rd.data(), loomFloat32, comm, loomStream_t(st)));
+    CK(cudaStreamSynchronize(st));
+    std::vector<uint8_t> got(rAll * 4);
+    CK(cudaMemcpy(got.data(), r, rAll * 4, cudaMemcpyDeviceToHost));
+    for (int q = 0; q < N; ++q) {  // rank q's buffer, its block for me
+      size_t qAll = 0, qOff = 0;
+      for (int j = 0; j < N; ++j) {
+        if (j == me) qOff = qAll;
+        qAll += cnt(q, j);
+      }
+      std::vector<uint8_t> qin(qAll * 4);
+      inputOf(q, seed + 99, &qin, loomFloat32);
+      ++p2pCases;
+      p2pWrong += std::memcmp(got.data() + rd[size_t(q)] * 4, qin.data() + qOff * 4, rc[size_t(q)] * 4) != 0;
+    }
+    CK(cudaFree(s));
+    CK(cudaFree(r));
+    std::printf("RESULT p2p %ld %ld\n", p2pCases, p2pWrong);
+  }
 
   // order: the call returns while earlier work on the stream still runs.
   {
@@ -247,8 +339,15 @@ int rankMain(int me, int N, loomUniqueId id, size_t maxCount) {
     msg = loomGetLastError(comm);
     bad += r != loomInvalidArgument || msg.find("loom host stream") == std::string::npos;
     LK(loomStreamDestroy(hs));
+    // The exchanges: a host pointer for all-to-all, a root out of range.
+    r = loomAllToAll(host.data(), dev, 16 / N, loomFloat32, comm, loomStream_t(st));
+    msg = loomGetLastError(comm);
+    bad += r != loomInvalidArgument || msg.find("is host memory") == std::string::npos;
+    r = loomGather(dev, dev, 1, loomFloat32, N, comm, loomStream_t(st));
+    msg = loomGetLastError(comm);
+    bad += r != loomInvalidArgument || msg.find("root") == std::string::npos;
     CK(cudaFree(dev));
-    std::printf("RESULT errors 2 %ld\n", bad);
+    std::printf("RESULT errors 4 %ld\n", bad);
   }
   CK(cudaStreamSynchronize(st));
   LK(loomCommDestroy(comm));
@@ -311,7 +410,7 @@ int main(int argc, char** argv) {
         std::printf("rank %d of %d exited abnormally (status %d)\n", r, N, st);
       }
     }
-    for (const char* check : {"comm", "order", "errors"}) {
+    for (const char* check : {"comm", "p2p", "order", "errors"}) {
       long cases = 0, wrong = 0;
       bool seen = false;
       for (int r = 0; r < N; ++r) {

@@ -8,7 +8,9 @@
 # communicators through the C API (loom-gpu-comm-tests: LOOM_DEVICE=cuda,
 # 1, 2 and 4 processes sharing the one GPU, every collective on device
 # buffers, the call returning before the stream's work is done, errors),
-# their all-reduce speed (loom-gpu-comm-perf, printed, not judged), a short
+# their all-reduce speed (loom-gpu-comm-perf, printed, not judged), loom-perf
+# on device buffers (-G: all-reduce up to 256 MiB, all-to-all, gather,
+# scatter and sendrecv, 2 ranks, checked), a short
 # run of each under compute-sanitizer when it is installed, and prints a
 # table.
 # Exits non-zero on any wrong value, error or hang.
@@ -26,7 +28,7 @@ export PATH=/usr/local/cuda/bin:$PATH
 echo "== build for sm_$cap in $build"
 cmake -S "$here" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_BUILD_TORCH=OFF \
   -DLOOM_CUDA_ARCHS="$cap" >"$build.cmake.log" 2>&1 || { tail -20 "$build.cmake.log"; exit 1; }
-cmake --build "$build" -j"$(nproc)" --target loom loom_cuda loom-unit-tests loom-gpu-tests loom-gpu-comm-tests loom-gpu-comm-perf \
+cmake --build "$build" -j"$(nproc)" --target loom loom_cuda loom-unit-tests loom-gpu-tests loom-gpu-comm-tests loom-gpu-comm-perf loom-perf loom-run \
   >"$build.build.log" 2>&1 || { tail -40 "$build.build.log"; exit 1; }
 
 declare -a names results
@@ -45,6 +47,15 @@ step "GPU: CUDA communicators (1,2,4 processes, one GPU)" timeout 1800 "$build/b
 # A measurement (issue 15's goals: busbw at 256 MiB >= 60% of the copy
 # bandwidth it prints, 8 B <= 30 us); fails only if a rank fails.
 step "GPU: all-reduce speed, 2 processes (loom-gpu-comm-perf)" timeout 900 "$build/bin/loom-gpu-comm-perf" --ranks 2
+# loom-perf with device buffers (-G), checked; its busbw is printed next to
+# loom-gpu-comm-perf's copy bandwidth above.
+step "loom-perf -G all_reduce, 2 ranks, 8 B .. 256 MiB" timeout 900 "$build/bin/loom-run" -n 2 \
+  "$build/bin/loom-perf" all_reduce -G -b 8 -e 256M -f 4 -c 1
+for coll in alltoall gather scatter sendrecv; do
+  step "loom-perf -G $coll, 2 ranks, 8 B .. 64 MiB" timeout 900 "$build/bin/loom-run" -n 2 \
+    "$build/bin/loom-perf" "$coll" -G -b 8 -e 64M -f 8 -c 1 -r 1
+done
+step "loom-perf --device cuda (the ctest script)" bash "$here/tests/perf_device_test.sh" "$build/bin"
 if command -v compute-sanitizer >/dev/null; then
   step "compute-sanitizer (memcheck, short run)" timeout 1800 compute-sanitizer --error-exitcode 1 \
     "$build/bin/loom-gpu-tests" --ranks 2 --max-count 4096
