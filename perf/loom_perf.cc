@@ -24,6 +24,13 @@
 //   busbw = algbw * 2(n-1)/n (all_reduce), (n-1)/n (all_gather,
 //           reduce_scatter, alltoall, gather, scatter), 1 (broadcast,
 //           reduce, sendrecv).
+// sendrecv's pattern (-p): exchange (default; every rank sends to the next
+// and receives from the previous at once, both directions busy at N = 2),
+// oneway (even ranks send to the next odd rank, which only receives: one
+// direction, as ib_write_bw), pingpong (even ranks send and then receive the
+// reply, odd ranks receive and answer: the time is half the round trip, as
+// ib_send_lat and osu_latency report it).  oneway and pingpong need an even
+// number of ranks.
 // alltoall, gather and scatter take nranks*count-element buffers on the
 // side that holds every rank's block (both sides for alltoall), count per
 // rank being rounded down to a 16-byte-aligned block, as for all_gather.
@@ -429,7 +436,10 @@ struct Options {
   int stream = 0;  // 1: issue on a loom host stream; 0: blocking calls (NULL stream)
   bool registered = false;  // -R: buffers from loomMemAlloc, registered with the communicator
   std::string json;
+  enum Pattern { kExchange, kOneWay, kPingPong } pattern = kExchange;  // sendrecv only (-p)
 };
+
+const char* const kPatternNames[] = {"exchange", "oneway", "pingpong"};
 
 // Rank from the launcher variables, before the communicator exists: used only
 // to print usage and argument errors once.
@@ -461,6 +471,11 @@ void usage(FILE* f) {
                "  -r, --root R          root of broadcast, reduce, gather, scatter (default 0)\n"
                "  -R, --registered      buffers from loomMemAlloc, registered with loomCommRegister\n"
                "                        (peers on the host reduce straight out of them)\n"
+               "  -p, --pattern P       sendrecv only: exchange (default: send to the next rank and\n"
+               "                        receive from the previous at once), oneway (even ranks only\n"
+               "                        send, to the odd rank after them), pingpong (even ranks send\n"
+               "                        and wait for the reply; time = half the round trip);\n"
+               "                        oneway and pingpong need an even number of ranks\n"
                "  -s, --stream 0|1      0 (default): blocking calls (NULL stream), as MPI_Allreduce\n"
                "                        is measured; 1: issue on a loom host stream and\n"
                "                        loomStreamSynchronize each iteration\n"
@@ -595,6 +610,7 @@ Options parseArgs(int argc, char** argv) {
       {"json", required_argument, nullptr, 'J'},
       {"stream", required_argument, nullptr, 's'},
       {"registered", no_argument, nullptr, 'R'},
+      {"pattern", required_argument, nullptr, 'p'},
       {"help", no_argument, nullptr, 'h'},
       {nullptr, 0, nullptr, 0},
   };
@@ -602,7 +618,7 @@ Options parseArgs(int argc, char** argv) {
   bool sawOp = false;
   long v = 0;
   for (;;) {
-    int c = getopt_long(argc, argv, ":b:e:f:n:w:c:d:o:r:s:Rh", longOpts, nullptr);
+    int c = getopt_long(argc, argv, ":b:e:f:n:w:c:d:o:r:s:p:Rh", longOpts, nullptr);
     if (c == -1) break;
     switch (c) {
       case 'b':
@@ -640,6 +656,13 @@ Options parseArgs(int argc, char** argv) {
         o.stream = static_cast<int>(v);
         break;
       case 'R': o.registered = true; break;
+      case 'p': {
+        bool found = false;
+        for (int i = 0; i < 3; ++i)
+          if (std::strcmp(optarg, kPatternNames[i]) == 0) o.pattern = Options::Pattern(i), found = true;
+        if (!found) badArgs("-p: unknown pattern '%s' (exchange, oneway, pingpong)", optarg);
+        break;
+      }
       case 'J':
         if (!*optarg) badArgs("--json: empty file name");
         o.json = optarg;
@@ -666,6 +689,8 @@ Options parseArgs(int argc, char** argv) {
   if (sawOp && !o.coll->reducing && envRankIsZero())
     std::fprintf(stderr, "loom-perf: note: -o is ignored by %s\n", o.coll->name);
   if (!o.coll->reducing) o.ops = {loomSum};  // one pass, printed as "none"
+  if (o.pattern != Options::kExchange && o.coll->coll != kSendRecv)
+    badArgs("-p %s: patterns are for sendrecv only", kPatternNames[o.pattern]);
   return o;
 }
 
@@ -866,6 +891,21 @@ class Bench {
         LOOMCHECK(loomReduce(sb, rb, g.count, ti.type, op, o_.root, comm_, stream_));
         break;
       case kSendRecv: {
+        if (o_.pattern != Options::kExchange) {
+          bool even = rank_ % 2 == 0;
+          int peer = rank_ ^ 1;
+          if (o_.pattern == Options::kOneWay) {
+            if (even) LOOMCHECK(loomSend(sb, g.count, ti.type, peer, comm_, stream_));
+            else LOOMCHECK(loomRecv(rb, g.count, ti.type, peer, comm_, stream_));
+          } else if (even) {  // ping: the reply lands in rb
+            LOOMCHECK(loomSend(sb, g.count, ti.type, peer, comm_, stream_));
+            LOOMCHECK(loomRecv(rb, g.count, ti.type, peer, comm_, stream_));
+          } else {  // pong: send back what arrived
+            LOOMCHECK(loomRecv(rb, g.count, ti.type, peer, comm_, stream_));
+            LOOMCHECK(loomSend(rb, g.count, ti.type, peer, comm_, stream_));
+          }
+          break;
+        }
         int next = (rank_ + 1) % n_;
         int prev = (rank_ + n_ - 1) % n_;
         LOOMCHECK(loomGroupStart());
@@ -963,7 +1003,12 @@ class Bench {
           break;
         case kBroadcast: wrong += verifyValuesT(t, recv_, g.count, p, root, 0); break;
         case kSendRecv:
-          wrong += verifyValuesT(t, recv_, g.count, p, (rank_ + n_ - 1) % n_, 0);
+          if (o_.pattern == Options::kExchange)
+            wrong += verifyValuesT(t, recv_, g.count, p, (rank_ + n_ - 1) % n_, 0);
+          else if (o_.pattern == Options::kPingPong || rank_ % 2 == 1)  // ping: the even rank's data came back
+            wrong += verifyValuesT(t, recv_, g.count, p, rank_ & ~1, 0);
+          else  // oneway: the sender's receive buffer is left alone
+            oob += verifyConstT(t, recv_, g.count, p.sentinel);
           break;
         case kAllToAll:
           for (size_t r = 0; r < n; ++r)
@@ -1040,6 +1085,9 @@ class Bench {
     LOOMCHECK(loomAllReduce(times_.data(), times_.data(), times_.size(), loomFloat64, loomMax, comm_,
                             stream_));
     LOOMCHECK(loomStreamSynchronize(stream_));
+    // pingpong: one way is half the round trip (as ib_send_lat reports).
+    if (o_.pattern == Options::kPingPong)
+      for (double& t : times_) t /= 2;
     cell.timeUs = medianOf(times_);
     cell.timeMinUs = *std::min_element(times_.begin(), times_.end());
     cell.timeMaxUs = *std::max_element(times_.begin(), times_.end());
@@ -1083,7 +1131,9 @@ class Bench {
     loomGetVersion(&version);
     char host[256] = "?";
     gethostname(host, sizeof host - 1);
-    std::printf("# loom-perf: nranks %d, collective %s, %s\n", n_, o_.coll->name,
+    std::printf("# loom-perf: nranks %d, collective %s%s%s, %s\n", n_, o_.coll->name,
+                o_.coll->coll == kSendRecv ? ", pattern " : "",
+                o_.coll->coll == kSendRecv ? kPatternNames[o_.pattern] : "",
                 o_.stream ? "issued on a loom host stream (-s 1)" : "blocking calls (NULL stream)");
     std::printf("# loom version %d.%d.%d, host %s, pid of rank 0 %d\n", version / 10000,
                 (version / 100) % 100, version % 100, host, static_cast<int>(getpid()));
@@ -1091,7 +1141,8 @@ class Bench {
                 "validation: %d root: %d\n",
                 o_.minBytes, o_.maxBytes, o_.stepFactor, o_.warmup, o_.iters, o_.check,
                 o_.coll->rooted ? o_.root : -1);
-    std::printf("# time: per iteration, max over ranks; median over %d iterations\n", o_.iters);
+    std::printf("# time: per iteration, max over ranks; median over %d iterations%s\n", o_.iters,
+                o_.pattern == Options::kPingPong ? "; pingpong: half the round trip" : "");
     std::vector<std::string> env;
     for (char** e = environ; e && *e; ++e)
       if (std::strncmp(*e, "LOOM_", 5) == 0) env.emplace_back(*e);
@@ -1242,6 +1293,13 @@ int main(int argc, char** argv) {
   if (o.coll->rooted && o.root >= nranks) {
     if (gRank == 0)
       std::fprintf(stderr, "loom-perf: -r %d: the root must be in [0, %d)\n", o.root, nranks);
+    loomCommDestroy(gComm);
+    return 2;
+  }
+  if (o.pattern != Options::kExchange && nranks % 2) {
+    if (gRank == 0)
+      std::fprintf(stderr, "loom-perf: -p %s pairs even and odd ranks: it needs an even number of ranks, not %d\n",
+                   kPatternNames[o.pattern], nranks);
     loomCommDestroy(gComm);
     return 2;
   }
