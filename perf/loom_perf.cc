@@ -23,10 +23,14 @@
 //   algbw = size / time;
 //   busbw = algbw * 2(n-1)/n (all_reduce), (n-1)/n (all_gather,
 //           reduce_scatter, alltoall, gather, scatter), 1 (broadcast,
-//           reduce, sendrecv, send).
-// send is one direction only: rank 2k sends to rank 2k+1 (a last odd rank
-// idles), the shape of `ucx_perftest -t tag_bw` or `ib_write_bw` without -b;
-// sendrecv sends and receives at once on every rank (both directions).
+//           reduce, sendrecv).
+// sendrecv's pattern (-p): exchange (default; every rank sends to the next
+// and receives from the previous at once, both directions busy at N = 2),
+// oneway (even ranks send to the next odd rank, which only receives: one
+// direction, as ib_write_bw), pingpong (even ranks send and then receive the
+// reply, odd ranks receive and answer: the time is half the round trip, as
+// ib_send_lat and osu_latency report it).  oneway and pingpong need an even
+// number of ranks.
 // alltoall, gather and scatter take nranks*count-element buffers on the
 // side that holds every rank's block (both sides for alltoall), count per
 // rank being rounded down to a 16-byte-aligned block, as for all_gather.
@@ -75,7 +79,7 @@ namespace {
 // Collectives, datatypes, ops
 // ---------------------------------------------------------------------------
 
-enum Coll { kAllReduce, kReduceScatter, kAllGather, kBroadcast, kReduce, kSendRecv, kAllToAll, kGather, kScatter, kSend };
+enum Coll { kAllReduce, kReduceScatter, kAllGather, kBroadcast, kReduce, kSendRecv, kAllToAll, kGather, kScatter };
 
 struct CollInfo {
   Coll coll;
@@ -89,7 +93,7 @@ const CollInfo kColls[] = {
     {kAllGather, "all_gather", false, false}, {kBroadcast, "broadcast", false, true},
     {kReduce, "reduce", true, true},          {kSendRecv, "sendrecv", false, false},
     {kAllToAll, "alltoall", false, false},    {kGather, "gather", false, true},
-    {kScatter, "scatter", false, true},       {kSend, "send", false, false},
+    {kScatter, "scatter", false, true},
 };
 
 enum Kind { kSigned, kUnsigned, kF16, kBF16, kF32, kF64 };
@@ -444,7 +448,10 @@ struct Options {
   bool registered = false;  // -R: buffers from loomMemAlloc, registered with the communicator
   bool cuda = false;        // -G / --device cuda: device buffers on a CUDA communicator
   std::string json;
+  enum Pattern { kExchange, kOneWay, kPingPong } pattern = kExchange;  // sendrecv only (-p)
 };
+
+const char* const kPatternNames[] = {"exchange", "oneway", "pingpong"};
 
 // Rank from the launcher variables, before the communicator exists: used only
 // to print usage and argument errors once.
@@ -461,7 +468,7 @@ void usage(FILE* f) {
   std::fprintf(f,
                "usage: loom-perf COLLECTIVE [options]\n"
                "  COLLECTIVE: all_reduce, reduce_scatter, all_gather, broadcast, reduce, sendrecv, alltoall,\n"
-               "              gather, scatter, send (one direction: rank 2k to rank 2k+1)\n"
+               "              gather, scatter\n"
                "  -b, --minbytes N      smallest size (default 8; suffixes K, M, G)\n"
                "  -e, --maxbytes N      largest size (default 64M)\n"
                "  -f, --stepfactor N    multiply the size by N each step (default 2, >= 2)\n"
@@ -476,6 +483,11 @@ void usage(FILE* f) {
                "  -r, --root R          root of broadcast, reduce, gather, scatter (default 0)\n"
                "  -R, --registered      buffers from loomMemAlloc, registered with loomCommRegister\n"
                "                        (peers on the host reduce straight out of them)\n"
+               "  -p, --pattern P       sendrecv only: exchange (default: send to the next rank and\n"
+               "                        receive from the previous at once), oneway (even ranks only\n"
+               "                        send, to the odd rank after them), pingpong (even ranks send\n"
+               "                        and wait for the reply; time = half the round trip);\n"
+               "                        oneway and pingpong need an even number of ranks\n"
                "  -s, --stream 0|1      0 (default): blocking calls (NULL stream), as MPI_Allreduce\n"
                "                        is measured; 1: issue on a loom host stream and\n"
                "                        loomStreamSynchronize each iteration\n"
@@ -613,6 +625,7 @@ Options parseArgs(int argc, char** argv) {
       {"stream", required_argument, nullptr, 's'},
       {"registered", no_argument, nullptr, 'R'},
       {"device", required_argument, nullptr, 'D'},
+      {"pattern", required_argument, nullptr, 'p'},
       {"help", no_argument, nullptr, 'h'},
       {nullptr, 0, nullptr, 0},
   };
@@ -620,7 +633,7 @@ Options parseArgs(int argc, char** argv) {
   bool sawOp = false;
   long v = 0;
   for (;;) {
-    int c = getopt_long(argc, argv, ":b:e:f:n:w:c:d:o:r:s:RGh", longOpts, nullptr);
+    int c = getopt_long(argc, argv, ":b:e:f:n:w:c:d:o:r:s:p:RGh", longOpts, nullptr);
     if (c == -1) break;
     switch (c) {
       case 'b':
@@ -667,6 +680,13 @@ Options parseArgs(int argc, char** argv) {
         else
           badArgs("--device: expected host or cuda, got '%s'", optarg);
         break;
+      case 'p': {
+        bool found = false;
+        for (int i = 0; i < 3; ++i)
+          if (std::strcmp(optarg, kPatternNames[i]) == 0) o.pattern = Options::Pattern(i), found = true;
+        if (!found) badArgs("-p: unknown pattern '%s' (exchange, oneway, pingpong)", optarg);
+        break;
+      }
       case 'J':
         if (!*optarg) badArgs("--json: empty file name");
         o.json = optarg;
@@ -682,12 +702,12 @@ Options parseArgs(int argc, char** argv) {
   }
   if (optind >= argc)
     badArgs("missing the collective (all_reduce, reduce_scatter, all_gather, broadcast, reduce, sendrecv, "
-            "alltoall, gather, scatter, send)");
+            "alltoall, gather, scatter)");
   if (argc - optind > 1) badArgs("unexpected argument '%s'", argv[optind + 1]);
   o.coll = parseColl(argv[optind]);
   if (!o.coll)
     badArgs("unknown collective '%s' (all_reduce, reduce_scatter, all_gather, broadcast, reduce, sendrecv, "
-            "alltoall, gather, scatter, send)",
+            "alltoall, gather, scatter)",
             argv[optind]);
   if (o.minBytes > o.maxBytes) badArgs("-b %zu is larger than -e %zu", o.minBytes, o.maxBytes);
   if (sawOp && !o.coll->reducing && envRankIsZero())
@@ -695,6 +715,8 @@ Options parseArgs(int argc, char** argv) {
   if (!o.coll->reducing) o.ops = {loomSum};  // one pass, printed as "none"
   if (o.cuda && o.registered)
     badArgs("-R (host memory from loomMemAlloc) and --device cuda exclude each other");
+  if (o.pattern != Options::kExchange && o.coll->coll != kSendRecv)
+    badArgs("-p %s: patterns are for sendrecv only", kPatternNames[o.pattern]);
   return o;
 }
 
@@ -995,6 +1017,21 @@ class Bench {
         LOOMCHECK(loomReduce(sb, rb, g.count, ti.type, op, o_.root, comm_, stream_));
         break;
       case kSendRecv: {
+        if (o_.pattern != Options::kExchange) {
+          bool even = rank_ % 2 == 0;
+          int peer = rank_ ^ 1;
+          if (o_.pattern == Options::kOneWay) {
+            if (even) LOOMCHECK(loomSend(sb, g.count, ti.type, peer, comm_, stream_));
+            else LOOMCHECK(loomRecv(rb, g.count, ti.type, peer, comm_, stream_));
+          } else if (even) {  // ping: the reply lands in rb
+            LOOMCHECK(loomSend(sb, g.count, ti.type, peer, comm_, stream_));
+            LOOMCHECK(loomRecv(rb, g.count, ti.type, peer, comm_, stream_));
+          } else {  // pong: send back what arrived
+            LOOMCHECK(loomRecv(rb, g.count, ti.type, peer, comm_, stream_));
+            LOOMCHECK(loomSend(rb, g.count, ti.type, peer, comm_, stream_));
+          }
+          break;
+        }
         int next = (rank_ + 1) % n_;
         int prev = (rank_ + n_ - 1) % n_;
         LOOMCHECK(loomGroupStart());
@@ -1003,12 +1040,6 @@ class Bench {
         LOOMCHECK(loomGroupEnd());
         break;
       }
-      case kSend:  // one direction: 2k -> 2k+1
-        if (rank_ % 2 == 0 && rank_ + 1 < n_)
-          LOOMCHECK(loomSend(sb, g.count, ti.type, rank_ + 1, comm_, stream_));
-        else if (rank_ % 2 == 1)
-          LOOMCHECK(loomRecv(rb, g.count, ti.type, rank_ - 1, comm_, stream_));
-        break;
       case kAllToAll:  // no in-place form
         LOOMCHECK(loomAllToAll(sb, rb, g.count, ti.type, comm_, stream_));
         break;
@@ -1097,7 +1128,6 @@ class Bench {
             fillConstT(t, hr, total, p.sentinel);
           break;
         case kSendRecv:
-        case kSend:
         case kAllToAll: break;  // no in-place form
       }
       fillGuard(hr + total * elt);
@@ -1137,13 +1167,12 @@ class Bench {
           break;
         case kBroadcast: wrong += verifyValuesT(t, hr, g.count, p, root, 0); break;
         case kSendRecv:
-          wrong += verifyValuesT(t, hr, g.count, p, (rank_ + n_ - 1) % n_, 0);
-          break;
-        case kSend:
-          if (rank_ % 2 == 1)
-            wrong += verifyValuesT(t, recv_, g.count, p, rank_ - 1, 0);
-          else  // senders' receive buffers are not touched
-            oob += verifyConstT(t, recv_, g.count, p.sentinel);
+          if (o_.pattern == Options::kExchange)
+            wrong += verifyValuesT(t, hr, g.count, p, (rank_ + n_ - 1) % n_, 0);
+          else if (o_.pattern == Options::kPingPong || rank_ % 2 == 1)  // ping: the even rank's data came back
+            wrong += verifyValuesT(t, hr, g.count, p, rank_ & ~1, 0);
+          else  // oneway: the sender's receive buffer is left alone
+            oob += verifyConstT(t, hr, g.count, p.sentinel);
           break;
         case kAllToAll:
           for (size_t r = 0; r < n; ++r)
@@ -1186,7 +1215,6 @@ class Bench {
           break;
         case kScatter: wrong += verifyValuesT(t, hr + me * g.count * elt, g.count, p, root, me * g.count); break;
         case kSendRecv:
-        case kSend:
         case kAllToAll: break;
       }
     }
@@ -1218,6 +1246,9 @@ class Bench {
     }
     // Outside the timed loop: each iteration lasts as long as its slowest rank.
     smallAllReduce(times_.data(), times_.size(), loomFloat64, loomMax);
+    // pingpong: one way is half the round trip (as ib_send_lat reports).
+    if (o_.pattern == Options::kPingPong)
+      for (double& t : times_) t /= 2;
     cell.timeUs = medianOf(times_);
     cell.timeMinUs = *std::min_element(times_.begin(), times_.end());
     cell.timeMaxUs = *std::max_element(times_.begin(), times_.end());
@@ -1242,7 +1273,7 @@ class Bench {
             lastSize = g.sizeBytes;
             Row row{g.sizeBytes, g.count, ti.name, opName, root, Cell(), Cell()};
             row.oop = measure(g, ti, op, false);
-            if (o_.coll->coll != kSendRecv && o_.coll->coll != kSend && o_.coll->coll != kAllToAll) row.ip = measure(g, ti, op, true);
+            if (o_.coll->coll != kSendRecv && o_.coll->coll != kAllToAll) row.ip = measure(g, ti, op, true);
             printRow(row);
             rows_.push_back(row);
           }
@@ -1261,7 +1292,9 @@ class Bench {
     loomGetVersion(&version);
     char host[256] = "?";
     gethostname(host, sizeof host - 1);
-    std::printf("# loom-perf: nranks %d, collective %s, %s\n", n_, o_.coll->name,
+    std::printf("# loom-perf: nranks %d, collective %s%s%s, %s\n", n_, o_.coll->name,
+                o_.coll->coll == kSendRecv ? ", pattern " : "",
+                o_.coll->coll == kSendRecv ? kPatternNames[o_.pattern] : "",
                 o_.cuda     ? "device buffers, issued on a cudaStream_t (--device cuda)"
                 : o_.stream ? "issued on a loom host stream (-s 1)"
                             : "blocking calls (NULL stream)");
@@ -1271,7 +1304,8 @@ class Bench {
                 "validation: %d root: %d\n",
                 o_.minBytes, o_.maxBytes, o_.stepFactor, o_.warmup, o_.iters, o_.check,
                 o_.coll->rooted ? o_.root : -1);
-    std::printf("# time: per iteration, max over ranks; median over %d iterations\n", o_.iters);
+    std::printf("# time: per iteration, max over ranks; median over %d iterations%s\n", o_.iters,
+                o_.pattern == Options::kPingPong ? "; pingpong: half the round trip" : "");
     std::vector<std::string> env;
     for (char** e = environ; e && *e; ++e)
       if (std::strncmp(*e, "LOOM_", 5) == 0) env.emplace_back(*e);
@@ -1445,6 +1479,13 @@ int main(int argc, char** argv) {
   if (o.coll->rooted && o.root >= nranks) {
     if (gRank == 0)
       std::fprintf(stderr, "loom-perf: -r %d: the root must be in [0, %d)\n", o.root, nranks);
+    loomCommDestroy(gComm);
+    return 2;
+  }
+  if (o.pattern != Options::kExchange && nranks % 2) {
+    if (gRank == 0)
+      std::fprintf(stderr, "loom-perf: -p %s pairs even and odd ranks: it needs an even number of ranks, not %d\n",
+                   kPatternNames[o.pattern], nranks);
     loomCommDestroy(gComm);
     return 2;
   }

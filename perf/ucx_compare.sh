@@ -6,7 +6,7 @@
 # UCX_TLS=sm: the link as UCX itself drives it.  What loom does is measured
 # two ways, 2 ranks on this machine, each cell with loom-perf:
 #
-#   one-way (the like-for-like comparison): `loom-perf send`, rank 0
+#   one-way (the like-for-like comparison): `loom-perf sendrecv -p oneway`, rank 0
 #     loomSend's SIZE bytes to rank 1, one direction, as tag_bw does, over
 #       ucx      LOOM_TRANSPORTS=ucx with the same UCX_TLS (sizes from
 #                LOOM_UCX_RENDEZVOUS_BYTES go as one UCX message straight
@@ -85,8 +85,8 @@ command -v ucx_perftest >/dev/null || { echo "ucx_compare.sh: ucx_perftest not f
 if ! LOOM_TRANSPORTS=ucx "$BIN/loom-run" -n 1 -- "$BIN/loom-perf" all_reduce -b 8 -e 8 -n 1 -w 0 >/dev/null 2>&1; then
   echo "ucx_compare.sh: this loom has no ucx transport (built without UCX?)" >&2; exit 2
 fi
-if ! "$BIN/loom-perf" -h 2>/dev/null | grep -q "send (one direction"; then
-  echo "ucx_compare.sh: $BIN/loom-perf has no one-way 'send' mode (an older build)" >&2; exit 2
+if ! "$BIN/loom-perf" -h 2>/dev/null | grep -q "oneway"; then
+  echo "ucx_compare.sh: $BIN/loom-perf has no one-way mode (sendrecv -p oneway; an older build)" >&2; exit 2
 fi
 PYTHON="$(command -v python3)"
 export UCX_WARN_UNUSED_ENV_VARS=n
@@ -99,7 +99,7 @@ SIZES+=("$MAX")
 OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
 
-echo "# ucx_compare.sh: 2 ranks on $(hostname), $REPEATS repeat(s); loom-perf send (one way)$( ((ALLREDUCE)) && echo ' and all_reduce float32 sum out of place')"
+echo "# ucx_compare.sh: 2 ranks on $(hostname), $REPEATS repeat(s); loom-perf sendrecv -p oneway (one way)$( ((ALLREDUCE)) && echo ' and all_reduce float32 sum out of place')"
 echo "# load at start: $(cut -d' ' -f1-3 /proc/loadavg) on $(getconf _NPROCESSORS_ONLN) cpus"
 echo "# $(ucx_info -v 2>/dev/null | sed -n "s/^# Version /ucx /p")"
 
@@ -114,7 +114,8 @@ loom_cell() {  # name coll size rep env... -> appends "name size rep GB/s" to $O
   local name=$1 coll=$2 sz=$3 rep=$4; shift 4
   local n; n=$(iters_for "$sz")
   local js="$OUT/$name.$sz.$rep.json"
-  if env "$@" timeout "$RUN_TIMEOUT" "$BIN/loom-run" -n 2 -- "$BIN/loom-perf" "$coll" -b "$sz" -e "$sz" \
+  # $coll unquoted: "sendrecv -p oneway" is a collective and its pattern
+  if env "$@" timeout "$RUN_TIMEOUT" "$BIN/loom-run" -n 2 -- "$BIN/loom-perf" $coll -b "$sz" -e "$sz" \
        -n "$n" -w 3 -c 0 --json "$js" >"$OUT/$name.$sz.$rep.txt" 2>&1; then
     "$PYTHON" -c 'import json,sys; r=json.load(open(sys.argv[1]))["rows"][0]["out_of_place"]; print(sys.argv[2], sys.argv[3], sys.argv[4], r["busbw_GBps"])' \
       "$js" "$name" "$sz" "$rep" >>"$OUT/cells"
@@ -152,9 +153,9 @@ for sz in "${SIZES[@]}"; do
     for tls in tcp sm; do
       own=$([[ $tls == tcp ]] && echo tcp || echo shm)
       perftest_cell "pt_$tls" "$tls" "$sz" "$rep"
-      loom_cell "send_ucx_$tls" send "$sz" "$rep" LOOM_TRANSPORTS=ucx UCX_TLS=$tls
-      loom_cell "send_old_$tls" send "$sz" "$rep" LOOM_TRANSPORTS=ucx UCX_TLS=$tls "${OLD[@]}"
-      loom_cell "send_own_$tls" send "$sz" "$rep" LOOM_TRANSPORTS=$own
+      loom_cell "send_ucx_$tls" "sendrecv -p oneway" "$sz" "$rep" LOOM_TRANSPORTS=ucx UCX_TLS=$tls
+      loom_cell "send_old_$tls" "sendrecv -p oneway" "$sz" "$rep" LOOM_TRANSPORTS=ucx UCX_TLS=$tls "${OLD[@]}"
+      loom_cell "send_own_$tls" "sendrecv -p oneway" "$sz" "$rep" LOOM_TRANSPORTS=$own
       if ((ALLREDUCE)); then
         loom_cell "ar_ucx_$tls" all_reduce "$sz" "$rep" LOOM_TRANSPORTS=ucx UCX_TLS=$tls
         loom_cell "ar_old_$tls" all_reduce "$sz" "$rep" LOOM_TRANSPORTS=ucx UCX_TLS=$tls "${OLD[@]}"
@@ -192,7 +193,7 @@ def table(prefix, title):
                 v = med(f"{prefix}_{k}_{tls}", s)
                 row += f" {fmt(v)} {ratio(v, pt)}"
         print(row)
-table("send", "# one way (like for like): GB/s of loom-perf send (rank 0 -> rank 1) and ucx_perftest tag_bw (pt_*);\n"
+table("send", "# one way (like for like): GB/s of loom-perf sendrecv -p oneway (rank 0 -> rank 1) and ucx_perftest tag_bw (pt_*);\n"
       "# ucx: LOOM_TRANSPORTS=ucx, same UCX_TLS; ucx-old: + LOOM_UCX_RENDEZVOUS_BYTES=0 UCX_RNDV_THRESH=auto (all slots);\n"
       "# tcp/shm: loom's own transport; x pt = loom / perftest")
 if sys.argv[2] == "1":

@@ -91,7 +91,8 @@ class Connection {
   virtual void* sendAcquire() = 0;
   // Hands the slot from the last sendAcquire to the peer.
   virtual void sendPost(const SlotTag& tag) = 0;
-  // True when every posted slot has left this process (tcp: written).
+  // True when every posted slot has left this process (tcp: written;
+  // ibverbs: posted to the queue pair, which delivers it on its own).
   virtual bool sendIdle() { return true; }
 
   // Receive side: the oldest arrived slot (and its tag), or nullptr.

@@ -4,7 +4,9 @@
 # when the VM cannot boot here).
 #
 #   ibverbs_vm_test.sh BINDIR matrix   every collective x dtypes x ops, exact,
-#                                      N = 2, 3, 4 over LOOM_TRANSPORTS=ibverbs
+#                                      N = 2, 3, 4 over LOOM_TRANSPORTS=ibverbs;
+#                                      then ring chunks of LOOM_SLOTS-1 slots at
+#                                      N = 3 (lazy credits keep the capacity)
 #   ibverbs_vm_test.sh BINDIR fault    rank 1 of 3 is killed (SIGKILL) during
 #                                      a 16 MiB all-reduce: ranks 0 and 2 get
 #                                      loomRemoteError naming rank 1
@@ -48,6 +50,15 @@ case "$CASE" in
         { echo "FAIL: matrix over ibverbs at N=$n"; exit 1; }
       echo "matrix over ibverbs at N=$n: ok in $(( $(date +%s) - start )) s"
     done
+    # Credits come back with the next slot written the other way, or alone
+    # once half the ring is free: the ring's spare slots must keep a whole
+    # chunk (LOOM_SLOTS-1 slots, every rank sending first in a ring loop)
+    # sendable after small operations left credit unreturned.
+    start=$(date +%s)
+    LOOM_ALGO=ring LOOM_SLOTS=8 LOOM_SLOT_BYTES=4096 LOOM_CHUNK_SIZE=1M LOOM_TIMEOUT_MS=30000 \
+      "$BIN/loom-run" -n 3 --timeout 90 -- "$BIN/mp-worker" matrix 0,1,7,70001 7 0 ||
+      { echo "FAIL: full-chunk ring over ibverbs after small operations"; exit 1; }
+    echo "ring with chunks of LOOM_SLOTS-1 slots over ibverbs at N=3: ok in $(( $(date +%s) - start )) s"
     ;;
   fault)
     dir=$(mktemp -d)

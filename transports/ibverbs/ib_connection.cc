@@ -3,6 +3,7 @@
 #include "transports/ibverbs/ib_connection.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -12,6 +13,7 @@
 #include <cstring>
 #include <random>
 
+#include "src/core/clock.h"
 #include "src/core/error.h"
 #include "src/core/log.h"
 
@@ -19,13 +21,24 @@ namespace loom {
 
 namespace {
 
-// Immediates: bit 31 clear: a data slot's number; 10: a credit (30-bit
-// count); 11: a rendezvous message (type in bits 24-29, transfer number in
-// bits 0-23): a clear-to-send (its Cts is in the control area) or the end
-// of a transfer's data.
+// Immediates: bit 31 clear: a data slot, its number in bits 0-15 and the
+// sender's credit (its consumed count) in bits 16-30; 10: a credit alone
+// (30-bit count); 11: a rendezvous message (type in bits 24-29, transfer
+// number in bits 0-23): a clear-to-send (its Cts is in the control area) or
+// the end of a transfer's data.  Counts travel modulo their field and are
+// extended by the distance from what the receiver knows (at most the ring's
+// slots, LOOM_SLOTS <= 1024 makes that < 1536).
 constexpr uint32_t kCreditBit = 0x80000000u, kCtlBits = 0xc0000000u, kCreditMask = 0x3fffffffu;
+constexpr uint32_t kSlotMask = 0xffff, kPiggyShift = 16, kPiggyMask = 0x7fff;
 constexpr uint32_t kCts = 1, kFin = 2, kSeqMask = 0xffffff;
-constexpr uint64_t kRecvWr = 1, kDataWr = 2, kCreditWr = 3, kCtlWr = 4, kDirectWr = 5;
+// Receive WRs' id; a send WR's id is its number (sendPosted_ when posted).
+constexpr uint64_t kRecvWr = ~uint64_t(0);
+// Writes this small go inline (in the work request; no read of the ring's MR).
+constexpr uint32_t kInlineBytes = 64;
+// How long a connection being destroyed waits for the peer to acknowledge
+// its last writes (normally one round trip; a peer that is gone closes the
+// socket, which ends the wait at once).
+constexpr int64_t kDrainMs = 2000;
 // Each ring is followed by a control area; a receiver writes its Cts into
 // the sender's (one transfer per direction at a time, so one suffices).
 constexpr size_t kCtlBytes = 4096;
@@ -53,13 +66,26 @@ size_t roundUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 }  // namespace
 
+int IbConnection::creditEvery(int slots) { return std::max(1, slots / 2); }
+int IbConnection::ringSlots(int slots) { return slots + creditEvery(slots) - 1; }
+
 IbConnection::IbConnection(std::shared_ptr<IbDevice> dev, int rank, int peer, int channel, size_t slotBytes,
                            int slots)
-    : dev_(std::move(dev)), rank_(rank), peer_(peer), channel_(channel), slotBytes_(slotBytes), slots_(slots) {
+    : dev_(std::move(dev)),
+      rank_(rank),
+      peer_(peer),
+      channel_(channel),
+      slotBytes_(slotBytes),
+      slots_(ringSlots(slots)),
+      creditEvery_(creditEvery(slots)) {
   stride_ = roundUp(sizeof(SlotTag) + slotBytes, 64);
-  ringBytes_ = roundUp(stride_ * size_t(slots), 4096);
-  recvDepth_ = slots + 12;  // + a clear-to-send and an end of data
-  sendDepth_ = slots + 8;
+  ringBytes_ = roundUp(stride_ * size_t(slots_), 4096);
+  recvDepth_ = slots_ + 12;  // + credits, a clear-to-send and an end of data
+  sendDepth_ = slots_ + 8;
+  // Completions only tell the sender that queue entries are free again (a
+  // slot is reused on the peer's credit, which comes after its data landed):
+  // every signalEvery_-th write asks for one, and RC completes in order.
+  signalEvery_ = std::max(1, (sendDepth_ - 2) / 2);
   try {
     setup();
   } catch (...) {
@@ -96,8 +122,14 @@ void IbConnection::setup() {
   qa.cap.max_recv_wr = uint32_t(recvDepth_);
   qa.cap.max_send_sge = 1;
   qa.cap.max_recv_sge = 1;
+  qa.cap.max_inline_data = kInlineBytes;
   qp_ = ibv_create_qp(dev_->pd, &qa);
+  if (!qp_) {  // a device without inline data
+    qa.cap.max_inline_data = 0;
+    qp_ = ibv_create_qp(dev_->pd, &qa);
+  }
   if (!qp_) sys("ibv_create_qp");
+  maxInline_ = qa.cap.max_inline_data;
   ibv_qp_attr a{};
   a.qp_state = IBV_QPS_INIT;
   a.pkey_index = 0;
@@ -158,11 +190,42 @@ void IbConnection::start(const IbConnRecord& remote, const IbRecord& peerDev, in
 }
 
 IbConnection::~IbConnection() {
+  bool aborted = false;
   if (live_) {
     std::lock_guard<std::mutex> lock(live_->mu);
     live_->conns.erase(this);
+    aborted = live_->aborted;
   }
+  if (!aborted) drain();
   release();
+}
+
+// An operation ends once its writes are posted (sendIdle): the device
+// delivers them without this process.  Destroying the QP would drop the
+// ones not yet sent, so wait until the peer acknowledged them -- unless the
+// peer is gone (closed socket) or the QP failed; never throws.
+void IbConnection::drain() {
+  if (!qp_ || sendDone_ == sendPosted_) return;
+  try {
+    int64_t deadline = nowMs() + kDrainMs;
+    while (sendDone_ != sendPosted_ && nowMs() < deadline) {
+      if (lastSignaled_ + 1 != sendPosted_ && sendQueueHas(1)) {
+        // Only a signaled write reports the ones before it: a zero-byte
+        // RDMA WRITE (no immediate, so the peer sees nothing) asks for that.
+        ibv_send_wr wr{};
+        wr.opcode = IBV_WR_RDMA_WRITE;
+        wr.wr.rdma.remote_addr = remoteAddr_;
+        wr.wr.rdma.rkey = remoteRkey_;
+        post(wr, true);
+      }
+      poll();
+      checkSocket();
+      if (sendDone_ != sendPosted_) sched_yield();
+    }
+  } catch (const Error& e) {
+    LOOM_TRACE("NET", "rank %d: ibverbs connection to rank %d (channel %d) closed with writes unacknowledged: %s",
+               rank_, peer_, channel_, e.what());
+  }
 }
 
 void IbConnection::track(std::shared_ptr<IbLiveSet> live) {
@@ -207,40 +270,61 @@ void IbConnection::postRecv() {
     fail(loomRemoteError, "rank %d: ibv_post_recv for rank %d failed: %s", rank_, peer_, strerror(errno));
 }
 
-void IbConnection::postWrite(uint64_t wrId, uint64_t offset, uint32_t bytes, uint32_t imm) {
+uint64_t IbConnection::post(ibv_send_wr& wr, bool signal) {
+  uint64_t n = sendPosted_;
+  // RC completes in order: one signaled write in every signalEvery_ frees
+  // the queue entries of the unsignaled ones before it.
+  if (signal || n + 1 - (lastSignaled_ + 1) >= uint64_t(signalEvery_)) {
+    wr.send_flags |= IBV_SEND_SIGNALED;
+    lastSignaled_ = n;
+  }
+  wr.wr_id = n;
+  ibv_send_wr* bad = nullptr;
+  if (ibv_post_send(qp_, &wr, &bad))
+    fail(loomRemoteError, "rank %d: ibv_post_send to rank %d (channel %d) failed: %s", rank_, peer_, channel_,
+         strerror(errno));
+  ++sendPosted_;
+  return n;
+}
+
+void IbConnection::postWrite(uint64_t offset, uint32_t bytes, uint32_t imm) {
   ibv_sge sge{uint64_t(uintptr_t(sendRing_ + offset)), bytes, sendMr_->lkey};
-  ibv_send_wr wr{}, *bad = nullptr;
-  wr.wr_id = wrId;
+  ibv_send_wr wr{};
   wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
-  wr.send_flags = IBV_SEND_SIGNALED;
+  if (bytes && bytes <= maxInline_) wr.send_flags = IBV_SEND_INLINE;
   wr.imm_data = htonl(imm);
   wr.sg_list = bytes ? &sge : nullptr;
   wr.num_sge = bytes ? 1 : 0;
   wr.wr.rdma.remote_addr = remoteAddr_ + offset;
   wr.wr.rdma.rkey = remoteRkey_;
-  if (ibv_post_send(qp_, &wr, &bad))
-    fail(loomRemoteError, "rank %d: ibv_post_send to rank %d (channel %d) failed: %s", rank_, peer_, channel_,
-         strerror(errno));
-  ++sendOutstanding_;
+  post(wr, false);
+}
+
+bool IbConnection::sendQueueHas(int entries) const {
+  return sendPosted_ - sendDone_ + uint64_t(entries) <= uint64_t(sendDepth_);
 }
 
 void* IbConnection::sendAcquire() {
   poll();
-  if (posted_ - credited_ >= uint64_t(slots_) || sendOutstanding_ + 2 > sendDepth_) return nullptr;
+  if (posted_ - credited_ >= uint64_t(slots_) || !sendQueueHas(2)) return nullptr;
   return sendRing_ + (posted_ % uint64_t(slots_)) * stride_ + sizeof(SlotTag);
 }
 
 void IbConnection::sendPost(const SlotTag& tag) {
   uint64_t off = (posted_ % uint64_t(slots_)) * stride_;
   memcpy(sendRing_ + off, &tag, sizeof tag);
-  postWrite(kDataWr, off, uint32_t(sizeof tag + tag.bytes), uint32_t(posted_ & 0x7fffffff));
+  // The slot carries this end's credit too: traffic both ways needs no credit writes.
+  uint32_t imm = uint32_t(posted_ & kSlotMask) | (uint32_t(consumed_ & kPiggyMask) << kPiggyShift);
+  postWrite(off, uint32_t(sizeof tag + tag.bytes), imm);
+  creditSent_ = consumed_;
   ++posted_;
-  ++dataOutstanding_;
 }
 
 bool IbConnection::sendIdle() {
   poll();
-  return dataOutstanding_ == 0;
+  // Posted writes need nothing more from this process (drain() covers the
+  // connection's end); only a credit or clear-to-send waiting for queue space does.
+  return consumed_ - creditSent_ < uint64_t(creditEvery_) && !in_.ctsPending;
 }
 
 const void* IbConnection::recvPeek(SlotTag* tag) {
@@ -260,11 +344,9 @@ void IbConnection::recvRelease() {
 }
 
 void IbConnection::sendCredits() {
-  // Half a ring at a time: the sender can always run ahead by the other half.
-  uint64_t due = consumed_ - creditSent_;
-  if (due == 0 || (due < uint64_t(std::max(1, slots_ / 2)) && consumed_ != arrived_)) return;
-  if (sendOutstanding_ + 1 > sendDepth_) return;  // poll() retries
-  postWrite(kCreditWr, 0, 0, kCreditBit | uint32_t(consumed_ & kCreditMask));
+  if (consumed_ - creditSent_ < uint64_t(creditEvery_)) return;
+  if (!sendQueueHas(1)) return;  // poll() retries
+  postWrite(0, 0, kCreditBit | uint32_t(consumed_ & kCreditMask));
   creditSent_ = consumed_;
 }
 
@@ -276,7 +358,7 @@ void IbConnection::poll() {
     for (int i = 0; i < n; ++i) complete(wc[i]);
     if (n < 16) break;
   }
-  if (creditSent_ != consumed_) sendCredits();
+  if (consumed_ - creditSent_ >= uint64_t(creditEvery_)) sendCredits();
   if (out_.ready) pumpWrites();
   if (in_.ctsPending) postCts();
 }
@@ -294,31 +376,42 @@ void IbConnection::complete(const ibv_wc& wc) {
     if ((imm & kCtlBits) == kCtlBits) {
       control(imm);
     } else if (imm & kCreditBit) {
-      // 30-bit cumulative count: extend it by the distance from what we know.
-      uint32_t delta = (imm - uint32_t(credited_)) & kCreditMask;
-      if (credited_ + delta > posted_)
-        fail(loomRemoteError, "rank %d: rank %d returned credit for %llu slots over ibverbs, %llu were sent", rank_,
-             peer_, (unsigned long long)(credited_ + delta), (unsigned long long)posted_);
-      credited_ += delta;
+      credit(imm & kCreditMask, kCreditMask);
     } else {
-      if (imm != uint32_t(arrived_ & 0x7fffffff))
-        fail(loomRemoteError, "rank %d: rank %d wrote slot %u over ibverbs where %llu was next", rank_, peer_, imm,
-             (unsigned long long)arrived_);
+      if ((imm & kSlotMask) != uint32_t(arrived_ & kSlotMask))
+        fail(loomRemoteError, "rank %d: rank %d wrote slot %u over ibverbs where %llu was next", rank_, peer_,
+             imm & kSlotMask, (unsigned long long)arrived_);
       if (arrived_ - consumed_ >= uint64_t(slots_))
         fail(loomRemoteError, "rank %d: rank %d overran the ibverbs ring", rank_, peer_);
       ++arrived_;
+      credit((imm >> kPiggyShift) & kPiggyMask, kPiggyMask);
     }
   } else {
-    --sendOutstanding_;
-    if (wc.wr_id == kDataWr) --dataOutstanding_;
-    if (wc.wr_id == kDirectWr) --out_.writes;
+    sendDone_ = std::max(sendDone_, wc.wr_id + 1);
   }
 }
 
+void IbConnection::credit(uint32_t count, uint32_t mask) {
+  // A cumulative count modulo mask + 1: extend it by the distance from what we know.
+  uint64_t delta = (count - uint32_t(credited_)) & mask;
+  if (credited_ + delta > posted_)
+    fail(loomRemoteError, "rank %d: rank %d returned credit for %llu slots over ibverbs, %llu were sent", rank_, peer_,
+         (unsigned long long)(credited_ + delta), (unsigned long long)posted_);
+  credited_ += delta;
+}
+
 void IbConnection::progress() {
-  ibv_cq* cq;
-  void* ctx;
-  while (ibv_get_cq_event(chan_, &cq, &ctx) == 0) ++unackedEvents_;
+  // The channel has an event only if the CQ was armed; look once after each
+  // sleep rather than with a system call on every pass of a spinning rank.
+  if (lookForEvent_) {
+    lookForEvent_ = false;
+    ibv_cq* cq;
+    void* ctx;
+    while (ibv_get_cq_event(chan_, &cq, &ctx) == 0) {
+      ++unackedEvents_;
+      armed_ = false;
+    }
+  }
   if (unackedEvents_ >= 64) {
     ibv_ack_cq_events(cq_, unackedEvents_);
     unackedEvents_ = 0;
@@ -328,8 +421,14 @@ void IbConnection::progress() {
 
 void IbConnection::addPollFds(std::vector<pollfd>& fds) {
   // Armed before the executor's last look for work (executor.cc): a
-  // completion after that look raises the channel's fd.
-  ibv_req_notify_cq(cq_, 0);
+  // completion after that look raises the channel's fd.  An arm lasts until
+  // a completion fires it, so one not yet fired need not be renewed.
+  if (!armed_) {
+    if (ibv_req_notify_cq(cq_, 0))
+      fail(loomRemoteError, "rank %d: ibv_req_notify_cq for rank %d failed", rank_, peer_);
+    armed_ = true;
+  }
+  lookForEvent_ = true;
   fds.push_back({chan_->fd, POLLIN, 0});
   if (sock_ >= 0) fds.push_back({sock_, POLLIN, 0});
 }
@@ -354,22 +453,18 @@ void IbConnection::shutdownSocket() {
 
 // ---- the rendezvous ----
 
-void IbConnection::postRdma(uint64_t wrId, uint64_t local, uint32_t lkey, uint64_t remote, uint32_t rkey,
-                            uint32_t bytes, bool withImm, uint32_t imm) {
+uint64_t IbConnection::postRdma(uint64_t local, uint32_t lkey, uint64_t remote, uint32_t rkey, uint32_t bytes,
+                                bool withImm, uint32_t imm) {
   ibv_sge sge{local, bytes, lkey};
-  ibv_send_wr wr{}, *bad = nullptr;
-  wr.wr_id = wrId;
+  ibv_send_wr wr{};
   wr.opcode = withImm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
-  wr.send_flags = IBV_SEND_SIGNALED;
   wr.imm_data = htonl(imm);
   wr.sg_list = &sge;
   wr.num_sge = 1;
   wr.wr.rdma.remote_addr = remote;
   wr.wr.rdma.rkey = rkey;
-  if (ibv_post_send(qp_, &wr, &bad))
-    fail(loomRemoteError, "rank %d: ibv_post_send (direct write) to rank %d (channel %d) failed: %s", rank_, peer_,
-         channel_, strerror(errno));
-  ++sendOutstanding_;
+  // The last write's completion says the source may be reused.
+  return post(wr, withImm);
 }
 
 void IbConnection::releaseEntry(RegCache::Entry*& e) {
@@ -408,7 +503,7 @@ bool IbConnection::directSend(const void* src, size_t bytes, const SlotTag& tag)
 
 DirectTransfer::State IbConnection::directSendState() {
   poll();
-  if (out_.active && out_.ready && out_.posted == out_.bytes && out_.writes == 0) {
+  if (out_.active && out_.ready && out_.posted == out_.bytes && sendDone_ > out_.lastWr) {
     LOOM_TRACE("NET", "rank %d: direct transfer of %zu bytes to rank %d done (source %s)", rank_, out_.bytes, peer_,
                entryKind(out_.mr));
     releaseEntry(out_.mr);
@@ -420,14 +515,13 @@ DirectTransfer::State IbConnection::directSendState() {
 
 void IbConnection::pumpWrites() {
   const uint32_t fin = kCtlBits | (kFin << 24) | out_.seq;
-  while (out_.posted < out_.bytes && sendOutstanding_ + 2 <= sendDepth_) {
+  while (out_.posted < out_.bytes && sendQueueHas(2)) {
     size_t n = std::min(kWriteChunk, out_.bytes - out_.posted);
     bool last = out_.posted + n == out_.bytes;
     // The last write carries the end-of-data immediate: RC delivers it after every earlier write landed.
-    postRdma(kDirectWr, uint64_t(uintptr_t(out_.src + out_.posted)), entryMr(out_.mr)->lkey, out_.remote + out_.posted,
-             out_.rkey, uint32_t(n), last, fin);
+    out_.lastWr = postRdma(uint64_t(uintptr_t(out_.src + out_.posted)), entryMr(out_.mr)->lkey,
+                           out_.remote + out_.posted, out_.rkey, uint32_t(n), last, fin);
     out_.posted += n;
-    ++out_.writes;
   }
 }
 
@@ -454,8 +548,8 @@ void IbConnection::directRecv(void* dst, size_t bytes) {
 }
 
 void IbConnection::postCts() {
-  if (sendOutstanding_ >= sendDepth_) return;  // poll() retries
-  postWrite(kCtlWr, ringBytes_, uint32_t(sizeof(Cts)), kCtlBits | (kCts << 24) | in_.seq);
+  if (!sendQueueHas(1)) return;  // poll() retries
+  postWrite(ringBytes_, uint32_t(sizeof(Cts)), kCtlBits | (kCts << 24) | in_.seq);
   in_.ctsPending = false;
 }
 

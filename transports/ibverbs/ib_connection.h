@@ -25,7 +25,14 @@ struct IbLiveSet {
 
 class IbConnection : public Connection, public DirectTransfer {
  public:
+  // slots: LOOM_SLOTS, the capacity the schedules count on (ringSlots()).
   IbConnection(std::shared_ptr<IbDevice> dev, int rank, int peer, int channel, size_t slotBytes, int slots);
+  // Credits go back on their own once creditEvery(slots) slots were freed
+  // (else with the next slot written back).  Up to creditEvery - 1 freed
+  // slots may thus be unknown to the sender, so the ring has that many more:
+  // a sender that waits for credit always has `slots` unread slots at the peer.
+  static int creditEvery(int slots);
+  static int ringSlots(int slots);
   ~IbConnection() override;
   // This end's QP number, PSN and receive ring (the caller adds the rest).
   void fillRecord(IbConnRecord* r) const;
@@ -65,15 +72,20 @@ class IbConnection : public Connection, public DirectTransfer {
 
  private:
   void setup();
+  void drain();
   void release();
   void postRecv();
-  void postWrite(uint64_t wrId, uint64_t offset, uint32_t bytes, uint32_t imm);
+  // Posts a send WR (numbered, signaled when asked or due); returns its number.
+  uint64_t post(ibv_send_wr& wr, bool signal);
+  void postWrite(uint64_t offset, uint32_t bytes, uint32_t imm);
+  bool sendQueueHas(int entries) const;
   void sendCredits();
+  void credit(uint32_t count, uint32_t mask);
   void poll();
   void complete(const ibv_wc& wc);
   void checkSocket();
-  void postRdma(uint64_t wrId, uint64_t local, uint32_t lkey, uint64_t remote, uint32_t rkey, uint32_t bytes,
-                bool withImm, uint32_t imm);
+  uint64_t postRdma(uint64_t local, uint32_t lkey, uint64_t remote, uint32_t rkey, uint32_t bytes, bool withImm,
+                    uint32_t imm);
   void control(uint32_t imm);
   void pumpWrites();
   void releaseEntry(RegCache::Entry*& e);
@@ -83,9 +95,11 @@ class IbConnection : public Connection, public DirectTransfer {
   std::shared_ptr<IbLiveSet> live_;
   int rank_, peer_, channel_;
   size_t slotBytes_;
-  int slots_;
+  int slots_;        // in the ring: ringSlots(LOOM_SLOTS)
+  int creditEvery_;
   size_t stride_ = 0, ringBytes_ = 0;
-  int recvDepth_ = 0, sendDepth_ = 0;
+  int recvDepth_ = 0, sendDepth_ = 0, signalEvery_ = 1;
+  uint32_t maxInline_ = 0;
   uint8_t* sendRing_ = nullptr;
   uint8_t* recvRing_ = nullptr;
   ibv_mr* sendMr_ = nullptr;
@@ -98,10 +112,13 @@ class IbConnection : public Connection, public DirectTransfer {
   uint32_t remoteRkey_ = 0;
   int sock_ = -1;
   unsigned unackedEvents_ = 0;
+  bool armed_ = false;         // the CQ will raise an event on its next completion
+  bool lookForEvent_ = false;  // the channel may hold one (a sleep was prepared)
   // Counters in slots since the connection was made.
   uint64_t posted_ = 0, credited_ = 0;             // send side
   uint64_t arrived_ = 0, consumed_ = 0, creditSent_ = 0;  // receive side
-  int sendOutstanding_ = 0, dataOutstanding_ = 0;  // WRs not yet completed
+  // Send WRs posted, known completed, and the last that asked for a completion.
+  uint64_t sendPosted_ = 0, sendDone_ = 0, lastSignaled_ = ~uint64_t(0);
 
   size_t directMin_ = 0;
   // The transfer this rank sends (one at a time): its source's MR, the
@@ -112,7 +129,7 @@ class IbConnection : public Connection, public DirectTransfer {
     uint32_t seq = 0;
     const uint8_t* src = nullptr;
     size_t bytes = 0, posted = 0;
-    int writes = 0;  // RDMA writes not yet completed
+    uint64_t lastWr = 0;  // the number of its last write
     RegCache::Entry* mr = nullptr;
     uint64_t remote = 0;
     uint32_t rkey = 0;

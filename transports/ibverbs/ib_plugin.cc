@@ -190,7 +190,8 @@ class IbTransport : public Transport {
       *why = e.what();
       return false;
     }
-    return checkIbConnRecord(buf, sizeof buf, env_.secret, env_.commTag, env_.nranks, env_.maxChannels, env_.slots,
+    return checkIbConnRecord(buf, sizeof buf, env_.secret, env_.commTag, env_.nranks, env_.maxChannels,
+                             uint32_t(IbConnection::ringSlots(int(env_.slots))),
                              stride, out, why);
   }
 

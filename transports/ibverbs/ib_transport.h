@@ -1,19 +1,28 @@
 // ibverbs transport: RC queue pairs over libibverbs (RoCE, InfiniBand; in
 // CI Soft-RoCE inside a VM, tests/vm/).
 //
-// One RC QP per (peer, channel).  Each side owns a receive ring of `slots`
-// slots (SlotTag + payload, 64-byte aligned stride) registered for remote
-// write; the sender writes slot k into the peer's ring at k % slots with
-// RDMA WRITE WITH IMMEDIATE (imm = k), so the data lands where the executor
-// reads it and the receive completion says it arrived.  Credits go back the
-// same way: a zero-byte WRITE WITH IMMEDIATE whose immediate carries the
-// receiver's cumulative released count (bit 31 set tells it from data),
-// sent when half the ring has been freed, so a sender never overwrites an
-// unread slot and a sleeping sender is woken by the credit's completion.
-// Receive WRs are plain zero-length recvs, reposted as they complete;
-// the queue holds more than can ever be outstanding (slots of data plus
-// the bounded number of credit messages), and rnr_retry 7 covers a peer
-// that lags in reposting.
+// One RC QP per (peer, channel).  Each side owns a receive ring of R slots
+// (SlotTag + payload, 64-byte aligned stride) registered for remote write;
+// the sender writes slot k into the peer's ring at k % R with RDMA WRITE
+// WITH IMMEDIATE (imm: k mod 2^16), so the data lands where the executor
+// reads it and the receive completion says it arrived.  Credits (the
+// receiver's cumulative count of freed slots) ride in the same immediate
+// of every slot written the other way; when none goes that way, a
+// zero-byte WRITE WITH IMMEDIATE carries them alone once C = LOOM_SLOTS/2
+// slots were freed.  So a sender never overwrites an unread slot and a
+// sleeping sender is woken by the credit's completion.  Up to C - 1 freed
+// slots can stay unknown to the sender, so R = LOOM_SLOTS + C - 1: a sender
+// waits for credit only while LOOM_SLOTS slots are unread at the peer, the
+// capacity the schedules count on (a ring chunk of LOOM_SLOTS - 1 slots).
+// Receive WRs are plain zero-length recvs, reposted as they complete; the
+// queue holds more than can ever be outstanding (R slots of data plus the
+// bounded number of credit messages), and rnr_retry 7 covers a peer that
+// lags in reposting.  Send WRs ask for a completion only every few (RC
+// completes in order; completions only free queue entries, a slot is
+// reused on credit), writes of at most 64 bytes go inline, and a step is
+// done once its slots are posted (sendIdle): the device delivers them
+// without this process.  A connection being destroyed waits (at most 2 s,
+// less if the peer closes its socket) until its writes are acknowledged.
 //
 // Bootstrap: the init record (IbRecord) says which device, port, GID/LID
 // and MTU a rank uses and where its tcp listener is.  connect() opens one
@@ -36,6 +45,8 @@
 // Sleeping: each connection's CQ has a completion channel whose fd (and
 // the socket's) go into the sleeping rank's poll set; addPollFds() arms the
 // CQ before the caller's last look for work, so no completion is missed.
+// An arm lasts until a completion fires it, and the channel is read only
+// after a sleep was prepared: a spinning rank makes no system call for it.
 #pragma once
 #include <sys/socket.h>
 
@@ -49,7 +60,7 @@
 namespace loom {
 
 constexpr uint32_t kIbRecordMagic = 0x4c4d4942;  // "LMIB"
-constexpr uint32_t kIbVersion = 1;
+constexpr uint32_t kIbVersion = 2;  // 2: credits ride on data slots (ib_connection.cc)
 
 // A rank's ibverbs record in the init all-gather.
 struct IbRecord {
