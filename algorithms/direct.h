@@ -30,6 +30,24 @@ struct DirectMailbox {
 };
 static_assert(sizeof(DirectMailbox) == 64, "mailbox header is one cache line");
 
+// The pull line: one cache line in each rank's own window for the smallest
+// all-reduces (blocks of at most kPullBytes): the owner publishes its block
+// there and every rank reads it in place (one_shot.cc), so an operation
+// costs each rank one line written and N read, where mailboxes cost N
+// written (header and data) and N read.  Only its owner writes it.
+struct DirectPullMeta {
+  uint8_t count, bytes, coll, dtype, op;
+  uint8_t stamp[3];  // low 24 bits of the stamp its data belongs to
+};
+struct DirectPullLine {
+  std::atomic<uint64_t> seq;   // stamp (seq + 1) of the newest operation published
+  std::atomic<uint64_t> done;  // stamp of the newest operation whose lines the owner has all read
+  DirectPullMeta meta[2];      // by operation parity, as the data
+  uint8_t data[2][16];
+};
+static_assert(sizeof(DirectPullLine) == 64, "the pull line is one cache line");
+constexpr size_t kPullBytes = sizeof(DirectPullLine::data[0]);
+
 // Header of a staging buffer: `input` = chunk stamp once the owner copied
 // its input chunk in; `result` = chunk stamp once it wrote its reduced part.
 struct DirectStageHeader {
@@ -57,7 +75,8 @@ struct DirectLayout {
   size_t stageCtlOffset() const { return mailOffset() + size_t(nranks) * 2 * mailStride(); }
   size_t stageInputOffset() const { return stageCtlOffset() + 2 * 64 + size_t(nranks) * 64; }
   size_t zeroCopyOffset() const { return stageInputOffset() + 2 * 64; }
-  size_t stageOffset() const { return zeroCopyOffset() + 2 * 64; }
+  size_t pullOffset() const { return zeroCopyOffset() + 2 * 64; }
+  size_t stageOffset() const { return pullOffset() + 64; }
   // Window bytes the direct algorithms need (0: neither is enabled).
   size_t bytes() const { return mailBytes || stageBytes ? stageOffset() + 2 * stageBytes : 0; }
 };
@@ -97,6 +116,7 @@ struct DirectWindow {
   std::atomic<uint64_t>* zeroCopyDone() const {
     return reinterpret_cast<std::atomic<uint64_t>*>(base + l->zeroCopyOffset() + 64);
   }
+  DirectPullLine* pullLine() const { return reinterpret_cast<DirectPullLine*>(base + l->pullOffset()); }
   uint8_t* stage(int parity) const { return base + l->stageOffset() + size_t(parity) * l->stageBytes; }
 };
 
@@ -106,6 +126,8 @@ struct DirectState {
   uint64_t stageChunk = 0;                        // chunks staged so far (stamps of the staging buffers)
   std::vector<uint8_t*> windows;                  // PeerMemory::window(r), looked up once
   std::vector<uint8_t> piece;                     // zero-copy all-reduce: one reduced piece
+  std::array<uint64_t, 2> lastPull{{0, 0}};        // stamp last published in the pull line, per parity
+  std::vector<uint64_t> pullDone;                 // per rank: the highest `done` seen in its pull line
 };
 
 // Everything a direct algorithm runs with.
@@ -161,6 +183,10 @@ void stagedEstimate(const CostInput& in, std::vector<Estimate>* out);
 // For a rank waiting on the executor path: throws loomInvalidUsage if
 // `peer` visibly runs another operation than `mine` on a direct path.
 void directCheckStalled(const DirectContext& ctx, int peer, const SlotTag& mine);
+// The same without throwing: true, with *t what `peer` runs, when it
+// visibly runs another operation than `mine` on a direct path (a mailbox
+// for this rank, a staging header or its pull line stamped with mine.seq).
+bool directPeerOnOtherPath(const DirectContext& ctx, int peer, const SlotTag& mine, SlotTag* t);
 
 // Waits until ready(): spin, then sleep on the rank's doorbell, checking
 // every 20 ms that the peer is alive and not running another operation on

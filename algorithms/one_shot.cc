@@ -8,6 +8,7 @@
 // lock and no system call unless a rank has to sleep.  Readers acknowledge
 // in the writer's window so a mailbox is never overwritten while in use
 // (two mailboxes per writer, alternating by operation parity).
+#include <algorithm>
 #include <cstring>
 
 #include "algorithms/direct.h"
@@ -35,21 +36,113 @@ void oneShotEstimate(const CostInput& in, std::vector<Estimate>* out) {
 }
 
 
-void directCheckStalled(const DirectContext& ctx, int peer, const SlotTag& mine) {
+// The operation a pull line's metadata describes (seq: the stamp's).
+static SlotTag pullTag(const DirectPullMeta& m, uint64_t seq) {
+  SlotTag t{};
+  t.seq = seq;
+  t.count = m.count;
+  t.bytes = m.bytes;
+  t.coll = m.coll;
+  t.dtype = m.dtype;
+  t.op = m.op;
+  t.root = -1;
+  return t;
+}
+
+bool directPeerOnOtherPath(const DirectContext& ctx, int peer, const SlotTag& mine, SlotTag* t) {
   DirectMailbox* mb = ctx.win(ctx.rank).mailbox(peer, int(mine.seq & 1));
-  SlotTag t;
-  bool other = false;
   if (mb->seq.load(std::memory_order_acquire) == mine.seq + 1) {
-    memcpy(&t, &mb->tag, sizeof t);
-    other = true;
+    memcpy(t, &mb->tag, sizeof *t);
+    return true;
   }
   // Or the peer staged this operation (staged.cc).
-  for (int p = 0; p < 2 && !other && ctx.layout.stageBytes; ++p) {
+  for (int p = 0; p < 2 && ctx.layout.stageBytes; ++p) {
     DirectStageHeader* h = ctx.win(peer).stageHeader(p);
-    memcpy(&t, &h->tag, sizeof t);
-    other = h->input.load(std::memory_order_acquire) != 0 && t.seq == mine.seq;
+    memcpy(t, &h->tag, sizeof *t);
+    if (h->input.load(std::memory_order_acquire) != 0 && t->seq == mine.seq) return true;
   }
-  if (other) failMismatch(ctx.rank, peer, t, mine);
+  // Or it published this operation in its pull line.
+  DirectPullLine* pl = ctx.win(peer).pullLine();
+  // Exactly: a line one operation further on means the peer ran this one
+  // (somehow) and waits for this rank in the next.
+  if (pl->seq.load(std::memory_order_acquire) == mine.seq + 1) {
+    *t = pullTag(pl->meta[mine.seq & 1], mine.seq);
+    return true;
+  }
+  return false;
+}
+
+void directCheckStalled(const DirectContext& ctx, int peer, const SlotTag& mine) {
+  SlotTag t;
+  if (directPeerOnOtherPath(ctx, peer, mine, &t)) failMismatch(ctx.rank, peer, t, mine);
+}
+
+// The smallest all-reduces: each rank publishes its block in its own pull
+// line and reads everyone's in place, in rank order (bit-identical results
+// everywhere).  A line's data of parity p is rewritten two operations
+// later, once every rank's `done` shows it read them; a rank learns the
+// others' `done` from the lines it reads anyway, so it waits for it only
+// when the operation in between was not a pull.
+static void pullAllReduce(DirectContext& ctx, const OpDesc& op, const SlotTag& tag, size_t block) {
+  const int N = ctx.nranks, me = ctx.rank;
+  const int parity = int(tag.seq & 1);
+  const uint64_t stamp = tag.seq + 1;
+  DirectState& st = ctx.state;
+  st.pullDone.resize(size_t(N), 0);
+  DirectPullLine* mine = ctx.win(me).pullLine();
+  if (uint64_t last = st.lastPull[size_t(parity)]) {
+    for (int r = 0; r < N; ++r) {
+      if (r == me || st.pullDone[size_t(r)] >= last) continue;
+      DirectPullLine* l = ctx.win(r).pullLine();
+      directWait(ctx, [&] { return l->done.load(std::memory_order_acquire) >= last; }, r, tag,
+                 "its acknowledgement");
+      st.pullDone[size_t(r)] = l->done.load(std::memory_order_acquire);
+    }
+  }
+  DirectPullMeta m{uint8_t(op.count), uint8_t(block), uint8_t(op.coll), uint8_t(op.dtype), uint8_t(op.op),
+                   {uint8_t(stamp), uint8_t(stamp >> 8), uint8_t(stamp >> 16)}};
+  memcpy(mine->data[parity], op.sendbuf, block);
+  mine->meta[parity] = m;
+  mine->seq.store(stamp, std::memory_order_release);
+  st.lastPull[size_t(parity)] = stamp;
+  for (int r = 0; r < N; ++r)
+    if (r != me) ctx.mem.wake(r);
+
+  alignas(16) uint8_t acc[kPullBytes];
+  for (int q = 0; q < N; ++q) {
+    DirectPullLine* l = ctx.win(q).pullLine();
+    SlotTag other;
+    bool elsewhere = false;
+    if (l->seq.load(std::memory_order_acquire) < stamp) {
+      directWait(ctx,
+                 [&] {
+                   return l->seq.load(std::memory_order_acquire) >= stamp ||
+                          (elsewhere = directPeerOnOtherPath(ctx, q, tag, &other));
+                 },
+                 q, tag, "its data");
+      if (elsewhere && l->seq.load(std::memory_order_acquire) < stamp) failMismatch(me, q, other, tag);
+    }
+    const DirectPullMeta qm = l->meta[parity];
+    // Its line has moved past this operation, but its data of this parity
+    // is older: it ran this operation on another path.
+    if (memcmp(qm.stamp, m.stamp, sizeof m.stamp) != 0) {
+      if (directPeerOnOtherPath(ctx, q, tag, &other)) failMismatch(me, q, other, tag);
+      fail(loomInvalidUsage, "rank %d: mismatched operations: rank %d did not run %s the way rank %d did (not as the "
+           "same small all-reduce)", me, q, describeTag(tag).c_str(), me);
+    }
+    if (qm.bytes != m.bytes || (ctx.checkMode && (qm.count != m.count || qm.coll != m.coll || qm.dtype != m.dtype ||
+                                                  qm.op != m.op)))
+      failMismatch(me, q, pullTag(qm, tag.seq), tag);
+    if (q != me) st.pullDone[size_t(q)] = std::max(st.pullDone[size_t(q)], l->done.load(std::memory_order_acquire));
+    if (q == 0) memcpy(acc, l->data[parity], block);
+    else ctx.device.reduce(acc, acc, l->data[parity], op.count, op.dtype, op.op);
+  }
+  if (op.op == loomAvg) ctx.device.divide(acc, acc, op.count, op.dtype, N);
+  mine->done.store(stamp, std::memory_order_release);
+  memcpy(op.recvbuf, acc, block);
+  // A rank whose next operation was not a pull may wait for this `done`.
+  for (int r = 0; r < N; ++r)
+    if (r != me) ctx.mem.wake(r);
 }
 
 void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
@@ -58,6 +151,10 @@ void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
   if (block == 0) return;
   if (block > ctx.layout.mailBytes)
     fail(loomInternalError, "one-shot block of %zu bytes above the mailbox's %zu", block, ctx.layout.mailBytes);
+  if (op.coll == Collective::AllReduce && block <= kPullBytes && ctx.nranks > 1) {
+    pullAllReduce(ctx, op, tag, block);
+    return;
+  }
   const int parity = int(tag.seq & 1);
   const uint64_t stamp = tag.seq + 1;
   const uint8_t* send = static_cast<const uint8_t*>(op.sendbuf);
@@ -86,7 +183,14 @@ void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
   // Waits for q's block in my window and checks that q runs the same operation.
   auto take = [&](int q) -> const uint8_t* {
     DirectMailbox* mb = mine.mailbox(q, parity);
-    directWait(ctx, [&] { return mb->seq.load(std::memory_order_acquire) == stamp; }, q, tag, "its data");
+    DirectPullLine* pl = ctx.win(q).pullLine();  // q on the pull path: another operation
+    directWait(ctx,
+               [&] {
+                 return mb->seq.load(std::memory_order_acquire) == stamp ||
+                        pl->seq.load(std::memory_order_acquire) == stamp;
+               },
+               q, tag, "its data");
+    if (mb->seq.load(std::memory_order_acquire) != stamp) failMismatch(me, q, pullTag(pl->meta[parity], tag.seq), tag);
     SlotTag t;
     memcpy(&t, &mb->tag, sizeof t);
     if (t.bytes != block || (ctx.checkMode && !sameOperation(t, tag))) failMismatch(me, q, t, tag);

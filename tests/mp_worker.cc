@@ -9,6 +9,8 @@
 //   mp-worker badargs      wrong arguments fail cleanly and do no harm
 //   mp-worker mismatch     ranks calling different collectives get an error, no hang
 //   mp-worker a2amismatch  an all-to-all whose counts disagree: an error, no hang
+//   mp-worker smallmismatch count|path|coll   rank 0 calls another tiny
+//                          all-reduce (or a broadcast) than the others: all fail
 //   mp-worker split        loomCommSplit into even/odd ranks
 //   mp-worker tagged       loomSendTagged/loomRecvTagged: tags out of order,
 //                          any source, eager and rendezvous sizes, too small a
@@ -626,6 +628,35 @@ static void scenarioMismatch(loomComm_t comm) {
   // Later calls fail fast instead of hanging.
   r = loomAllReduce(buf.data(), buf.data(), 10, loomFloat32, loomSum, comm, nullptr);
   expect(r != loomSuccess, "calls after a failure fail");
+}
+
+// Mismatches around the smallest all-reduces (blocks of at most 16 bytes
+// take the pull line, one_shot.cc): rank 0 calls something else than the
+// others, which must all fail with invalid usage naming the mismatch.
+//   count: all-reduces of 2 and 3 floats (both on the pull path)
+//   path:  2 floats against 64 (pull line against mailboxes)
+//   coll:  a broadcast of 2 floats against an all-reduce of 2 (the root of
+//          a one-shot broadcast returns before anyone reads: it may succeed)
+static void scenarioSmallMismatch(loomComm_t comm, const std::string& mode) {
+  std::vector<float> buf(1024, 1.0f);
+  size_t mine = 2;
+  if (gRank != 0) mine = mode == "count" ? 3 : mode == "path" ? 64 : 2;
+  // A few good operations first, so the mismatch meets lines and mailboxes in use.
+  for (int i = 0; i < 5; ++i) CHECK_LOOM(loomAllReduce(buf.data(), buf.data(), 2, loomFloat32, loomSum, comm, nullptr));
+  loomResult_t r;
+  if (mode == "coll" && gRank == 0) r = loomBroadcast(buf.data(), buf.data(), 2, loomFloat32, 0, comm, nullptr);
+  else r = loomAllReduce(buf.data(), buf.data(), mine, loomFloat32, loomSum, comm, nullptr);
+  const char* msg = loomGetLastError(comm);
+  printf("rank %d: %s: %s\n", gRank, loomGetErrorString(r), msg);
+  if (mode == "coll" && gRank == 0 && r == loomSuccess) {
+    // Its next call waits for the others, who failed: it fails too (and
+    // only then does this rank abort, so no one learns "aborted" first).
+    r = loomAllReduce(buf.data(), buf.data(), 2, loomFloat32, loomSum, comm, nullptr);
+    expect(r != loomSuccess, "coll: the root's next call fails");
+    return;
+  }
+  expect(r == loomInvalidUsage, mode + ": every rank fails with invalid usage, not " + loomGetErrorString(r));
+  expect(strstr(msg, "mismatched operations") != nullptr, mode + ": every rank names the mismatch: " + msg);
 }
 
 // All-to-all with counts that disagree (rank 0's blocks are one element
@@ -1714,6 +1745,7 @@ int main(int argc, char** argv) {
   else if (sc == "badargs") scenarioBadArgs(comm);
   else if (sc == "mismatch") scenarioMismatch(comm);
   else if (sc == "a2amismatch") scenarioExchangeMismatch(comm);
+  else if (sc == "smallmismatch") scenarioSmallMismatch(comm, argc > 2 ? argv[2] : "count");
   else if (sc == "split") scenarioSplit(comm);
   else if (sc == "tagged") scenarioTagged(comm);
   else if (sc == "taggedtimeout") scenarioTaggedTimeout(comm);
@@ -1728,7 +1760,7 @@ int main(int argc, char** argv) {
     fprintf(stderr, "unknown scenario %s\n", sc.c_str());
     return 2;
   }
-  if (sc == "mismatch" || sc == "a2amismatch" || sc == "dump" || sc == "taggedtimeout" || sc == "rendezvous")
+  if (sc == "mismatch" || sc == "a2amismatch" || sc == "smallmismatch" || sc == "dump" || sc == "taggedtimeout" || sc == "rendezvous")
     loomCommAbort(comm);
   else CHECK_LOOM(loomCommDestroy(comm));
   if (gFailures) fprintf(stderr, "rank %d: %d checks failed\n", gRank, gFailures);
