@@ -101,14 +101,16 @@ static void pullAllReduce(DirectContext& ctx, const OpDesc& op, const SlotTag& t
   }
   DirectPullMeta m{uint8_t(op.count), uint8_t(block), uint8_t(op.coll), uint8_t(op.dtype), uint8_t(op.op),
                    {uint8_t(stamp), uint8_t(stamp >> 8), uint8_t(stamp >> 16)}};
-  memcpy(mine->data[parity], op.sendbuf, block);
+  ctx.device.copy(mine->data[parity], op.sendbuf, block, CopyHint::Cached);
   mine->meta[parity] = m;
   mine->seq.store(stamp, std::memory_order_release);
   st.lastPull[size_t(parity)] = stamp;
   for (int r = 0; r < N; ++r)
     if (r != me) ctx.mem.wake(r);
 
-  alignas(16) uint8_t acc[kPullBytes];
+  // op over the lines in rank order, assembled aside: a mismatch found at a
+  // later line leaves the caller's buffer as it was.
+  alignas(16) uint8_t out[kPullBytes];
   for (int q = 0; q < N; ++q) {
     DirectPullLine* l = ctx.win(q).pullLine();
     SlotTag other;
@@ -134,12 +136,12 @@ static void pullAllReduce(DirectContext& ctx, const OpDesc& op, const SlotTag& t
                                                   qm.op != m.op)))
       failMismatch(me, q, pullTag(qm, tag.seq), tag);
     if (q != me) st.pullDone[size_t(q)] = std::max(st.pullDone[size_t(q)], l->done.load(std::memory_order_acquire));
-    if (q == 0) memcpy(acc, l->data[parity], block);
-    else ctx.device.reduce(acc, acc, l->data[parity], op.count, op.dtype, op.op);
+    if (q == 0) ctx.device.copy(out, l->data[parity], block, CopyHint::Cached);
+    else ctx.device.reduce(out, out, l->data[parity], op.count, op.dtype, op.op);
   }
-  if (op.op == loomAvg) ctx.device.divide(acc, acc, op.count, op.dtype, N);
+  if (op.op == loomAvg) ctx.device.divide(out, out, op.count, op.dtype, N);
+  ctx.device.copy(op.recvbuf, out, block, CopyHint::Cached);
   mine->done.store(stamp, std::memory_order_release);
-  memcpy(op.recvbuf, acc, block);
   // A rank whose next operation was not a pull may wait for this `done`.
   for (int r = 0; r < N; ++r)
     if (r != me) ctx.mem.wake(r);
