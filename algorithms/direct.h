@@ -113,6 +113,10 @@ struct DirectWindow {
   std::atomic<uint64_t>* zeroCopyVote() const {
     return reinterpret_cast<std::atomic<uint64_t>*>(base + l->zeroCopyOffset());
   }
+  // The operation this rank voted for (written before the vote): a peer
+  // that runs another operation as this sequence number on another path
+  // learns it here rather than at the timeout.
+  SlotTag* zeroCopyVoteTag() const { return reinterpret_cast<SlotTag*>(base + l->zeroCopyOffset() + 8); }
   std::atomic<uint64_t>* zeroCopyDone() const {
     return reinterpret_cast<std::atomic<uint64_t>*>(base + l->zeroCopyOffset() + 64);
   }

@@ -69,6 +69,20 @@ bool directPeerOnOtherPath(const DirectContext& ctx, int peer, const SlotTag& mi
     *t = pullTag(pl->meta[mine.seq & 1], mine.seq);
     return true;
   }
+  // Or it voted for another operation as this one (zero_copy.cc).  The
+  // same operation's vote stays visible while every rank runs it on the
+  // executor path (the vote said no), so only another one counts.  The
+  // tag is read between two looks at the vote: unchanged, it is the vote's.
+  if (ctx.layout.stageBytes) {
+    const DirectWindow w = ctx.win(peer);
+    const uint64_t want = (mine.seq + 1) << 1;
+    if ((w.zeroCopyVote()->load(std::memory_order_acquire) | 1) == (want | 1)) {
+      memcpy(t, w.zeroCopyVoteTag(), sizeof *t);
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if ((w.zeroCopyVote()->load(std::memory_order_relaxed) | 1) == (want | 1) && !sameOperation(*t, mine))
+        return true;
+    }
+  }
   return false;
 }
 

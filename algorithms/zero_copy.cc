@@ -206,7 +206,11 @@ bool directZeroCopy(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
   // collective but broadcast finishes only after every rank joined it; a
   // broadcast's root can finish on the executor path while a receiver is
   // still about to read the vote, as far ahead as the connections buffer.
+  // A peer that ran this sequence number as another operation on another
+  // direct path (a tiny all-reduce on its pull line against this large
+  // one) never votes: seen there, it is a mismatch now, not a timeout.
   const uint64_t stamp = (tag.seq + 1) << 1;
+  memcpy(myWin.zeroCopyVoteTag(), &tag, sizeof tag);
   myWin.zeroCopyVote()->store(stamp | uint64_t(mine), std::memory_order_release);
   for (int q = 0; q < N; ++q)
     if (q != me) ctx.mem.wake(q);
@@ -214,8 +218,16 @@ bool directZeroCopy(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
   for (int q = 0; q < N; ++q) {
     if (q == me) continue;
     std::atomic<uint64_t>* vote = ctx.win(q).zeroCopyVote();
-    directWait(ctx, [&] { return (vote->load(std::memory_order_acquire) | 1) >= (stamp | 1); }, q, tag,
-               "its zero-copy vote");
+    SlotTag other;
+    bool elsewhere = false;
+    auto voted = [&] { return (vote->load(std::memory_order_acquire) | 1) >= (stamp | 1); };
+    directWait(ctx,
+               [&] {
+                 return voted() ||
+                        (elsewhere = directPeerOnOtherPath(ctx, q, tag, &other) && !sameOperation(other, tag));
+               },
+               q, tag, "its zero-copy vote");
+    if (elsewhere && !voted()) failMismatch(me, q, other, tag);
     const uint64_t v = vote->load(std::memory_order_acquire);
     all &= v == (stamp | 1);
   }

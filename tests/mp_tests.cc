@@ -196,10 +196,10 @@ TEST_CASE("ranks that call different collectives fail with an error instead of h
   CHECK(loomRun(std::string(kTcp) + " LOOM_ALGO=ring LOOM_TIMEOUT_MS=20000", n, "mismatch", 60) == 0);
 }
 
-TEST_CASE("tiny all-reduces that disagree on the pull line or with mailboxes or a broadcast fail instead of hanging",
+TEST_CASE("tiny all-reduces that disagree on the pull line or with mailboxes or a broadcast or a large one fail instead of hanging",
           "[mp][fault]") {
   int n = GENERATE(2, 3, 8);
-  const char* mode = GENERATE("count", "path", "coll");
+  const char* mode = GENERATE("count", "path", "coll", "large");
   INFO("nranks " << n << ", " << mode);
   CHECK(loomRun(std::string(kShm) + " LOOM_TIMEOUT_MS=20000", n, std::string("smallmismatch ") + mode, 60) == 0);
 }

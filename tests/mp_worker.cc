@@ -9,8 +9,9 @@
 //   mp-worker badargs      wrong arguments fail cleanly and do no harm
 //   mp-worker mismatch     ranks calling different collectives get an error, no hang
 //   mp-worker a2amismatch  an all-to-all whose counts disagree: an error, no hang
-//   mp-worker smallmismatch count|path|coll   rank 0 calls another tiny
-//                          all-reduce (or a broadcast) than the others: all fail
+//   mp-worker smallmismatch count|path|coll|large  rank 0 calls another tiny
+//                          all-reduce (or a broadcast) than the others, or
+//                          the others a large one: all fail
 //   mp-worker split        loomCommSplit into even/odd ranks
 //   mp-worker tagged       loomSendTagged/loomRecvTagged: tags out of order,
 //                          any source, eager and rendezvous sizes, too small a
@@ -638,9 +639,11 @@ static void scenarioMismatch(loomComm_t comm) {
 //   coll:  a broadcast of 2 floats against an all-reduce of 2 (the root of
 //          a one-shot broadcast returns before anyone reads: it may succeed)
 static void scenarioSmallMismatch(loomComm_t comm, const std::string& mode) {
-  std::vector<float> buf(1024, 1.0f);
+  // large: the others' all-reduce is large enough to vote on zero-copy
+  // (8 MiB) while rank 0's goes through the pull line.
+  std::vector<float> buf(mode == "large" ? (2u << 20) : 1024, 1.0f);
   size_t mine = 2;
-  if (gRank != 0) mine = mode == "count" ? 3 : mode == "path" ? 64 : 2;
+  if (gRank != 0) mine = mode == "count" ? 3 : mode == "path" ? 64 : mode == "large" ? buf.size() : 2;
   // A few good operations first, so the mismatch meets lines and mailboxes in use.
   for (int i = 0; i < 5; ++i) CHECK_LOOM(loomAllReduce(buf.data(), buf.data(), 2, loomFloat32, loomSum, comm, nullptr));
   loomResult_t r;
