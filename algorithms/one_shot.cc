@@ -14,6 +14,7 @@
 #include "algorithms/direct.h"
 #include "algorithms/registry.h"
 #include "src/device/host_reduce.h"  // dtypeSize
+#include "src/core/hot.h"
 
 namespace loom {
 
@@ -49,7 +50,7 @@ static SlotTag pullTag(const DirectPullMeta& m, uint64_t seq) {
   return t;
 }
 
-bool directPeerOnOtherPath(const DirectContext& ctx, int peer, const SlotTag& mine, SlotTag* t) {
+LOOM_HOT bool directPeerOnOtherPath(const DirectContext& ctx, int peer, const SlotTag& mine, SlotTag* t) {
   DirectMailbox* mb = ctx.win(ctx.rank).mailbox(peer, int(mine.seq & 1));
   if (mb->seq.load(std::memory_order_acquire) == mine.seq + 1) {
     memcpy(t, &mb->tag, sizeof *t);
@@ -97,7 +98,7 @@ void directCheckStalled(const DirectContext& ctx, int peer, const SlotTag& mine)
 // later, once every rank's `done` shows it read them; a rank learns the
 // others' `done` from the lines it reads anyway, so it waits for it only
 // when the operation in between was not a pull.
-static void pullAllReduce(DirectContext& ctx, const OpDesc& op, const SlotTag& tag, size_t block) {
+LOOM_HOT static void pullAllReduce(DirectContext& ctx, const OpDesc& op, const SlotTag& tag, size_t block) {
   const int N = ctx.nranks, me = ctx.rank;
   const int parity = int(tag.seq & 1);
   const uint64_t stamp = tag.seq + 1;
@@ -119,8 +120,7 @@ static void pullAllReduce(DirectContext& ctx, const OpDesc& op, const SlotTag& t
   mine->meta[parity] = m;
   mine->seq.store(stamp, std::memory_order_release);
   st.lastPull[size_t(parity)] = stamp;
-  for (int r = 0; r < N; ++r)
-    if (r != me) ctx.mem.wake(r);
+  ctx.mem.wakeOthers(me, N);
 
   // op over the lines in rank order, assembled aside: a mismatch found at a
   // later line leaves the caller's buffer as it was.
@@ -157,11 +157,10 @@ static void pullAllReduce(DirectContext& ctx, const OpDesc& op, const SlotTag& t
   ctx.device.copy(op.recvbuf, out, block, CopyHint::Cached);
   mine->done.store(stamp, std::memory_order_release);
   // A rank whose next operation was not a pull may wait for this `done`.
-  for (int r = 0; r < N; ++r)
-    if (r != me) ctx.mem.wake(r);
+  ctx.mem.wakeOthers(me, N);
 }
 
-void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
+LOOM_HOT void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
   const int N = ctx.nranks, me = ctx.rank;
   const size_t esz = dtypeSize(op.dtype), block = op.count * esz;
   if (block == 0) return;

@@ -5,6 +5,7 @@
 #include "algorithms/algorithms.h"
 #include "algorithms/direct.h"
 #include "src/core/error.h"
+#include "src/core/hot.h"
 
 namespace loom {
 
@@ -128,7 +129,7 @@ namespace {
 const AlgorithmEntry* findEntry(Algorithm a) { return size_t(a) < kAlgorithmValues ? registry().byAlgo[size_t(a)] : nullptr; }
 }  // namespace
 
-const AlgorithmEntry& algorithmEntry(Algorithm a) {
+LOOM_HOT const AlgorithmEntry& algorithmEntry(Algorithm a) {
   const AlgorithmEntry* e = findEntry(a);
   if (!e) fail(loomInternalError, "algorithm %d is not in the registry", int(a));
   return *e;
@@ -189,7 +190,7 @@ std::string collectiveList(CollectiveSet set) {
   return s;
 }
 
-bool usable(const AlgorithmEntry& a, const Eligibility& q) {
+LOOM_HOT bool usable(const AlgorithmEntry& a, const Eligibility& q) {
   return (a.serves & collectiveBit(q.coll)) && (!a.eligible || !a.eligible(q));
 }
 

@@ -212,8 +212,7 @@ bool directZeroCopy(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
   const uint64_t stamp = (tag.seq + 1) << 1;
   memcpy(myWin.zeroCopyVoteTag(), &tag, sizeof tag);
   myWin.zeroCopyVote()->store(stamp | uint64_t(mine), std::memory_order_release);
-  for (int q = 0; q < N; ++q)
-    if (q != me) ctx.mem.wake(q);
+  ctx.mem.wakeOthers(me, N);
   bool all = mine;
   for (int q = 0; q < N; ++q) {
     if (q == me) continue;
@@ -268,8 +267,7 @@ bool directZeroCopy(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
   // nobody reads my buffers any more.  (>=: a faster rank may already have
   // stamped its next operation.)
   myWin.zeroCopyDone()->store(tag.seq + 1, std::memory_order_release);
-  for (int q = 0; q < N; ++q)
-    if (q != me) ctx.mem.wake(q);
+  ctx.mem.wakeOthers(me, N);
   for (int q = 0; q < N; ++q) {
     if (q == me) continue;
     std::atomic<uint64_t>* done = ctx.win(q).zeroCopyDone();

@@ -142,6 +142,12 @@ class PeerMemory {
   virtual uint8_t* window(int r) const = 0;
   // Wakes rank r if it sleeps (after publishing a flag it may wait on).
   virtual void wake(int r) const = 0;
+  // Wakes every rank of [0, nranks) but `me` that sleeps: one wake(r) each
+  // unless the transport can do better (shm: one fence for all of them).
+  virtual void wakeOthers(int me, int nranks) const {
+    for (int r = 0; r < nranks; ++r)
+      if (r != me) wake(r);
+  }
   // Throws loomRemoteError if rank r died or aborted.
   virtual void checkPeer(int r) const = 0;
   virtual MemoryKind memoryKind() const { return MemoryKind::Host; }

@@ -25,6 +25,7 @@
 #include "src/device/device_choice.h"
 #include "src/device/host_memory.h"
 #include "src/device/host_reduce.h"
+#include "src/core/hot.h"
 
 using namespace loom;
 
@@ -46,7 +47,7 @@ thread_local GroupState tlsGroup;
 // Runs f, converting exceptions into a result code and a message that names
 // the call.
 template <class F>
-loomResult_t guarded(const char* call, loomComm* comm, F&& f) {
+LOOM_HOT loomResult_t guarded(const char* call, loomComm* comm, F&& f) {
   try {
     loomResult_t r = f();
     if (r != loomSuccess && comm) tlsLastError = std::string(call) + ": " + comm->lastError() + comm->deadSuffix();
@@ -73,7 +74,7 @@ int rawInt(const void* e) {
   return v;
 }
 
-loomResult_t checkEnums(const char* call, const loomDataType_t* type, const loomRedOp_t* op) {
+LOOM_HOT loomResult_t checkEnums(const char* call, const loomDataType_t* type, const loomRedOp_t* op) {
   int t = rawInt(type);
   if (t < 0 || t >= int(loomNumTypes)) {
     tlsLastError = strf("%s: unknown datatype %d", call, t);
@@ -90,20 +91,20 @@ loomResult_t checkEnums(const char* call, const loomDataType_t* type, const loom
   return loomInvalidArgument;
 }
 
-void checkComm(const loomComm* comm) {
+LOOM_HOT void checkComm(const loomComm* comm) {
   if (!comm) fail(loomInvalidArgument, "comm is NULL");
 }
 
-void checkType(loomDataType_t t) {
+LOOM_HOT void checkType(loomDataType_t t) {
   if (int(t) < 0 || int(t) >= int(loomNumTypes)) fail(loomInvalidArgument, "unknown datatype %d", int(t));
 }
 
-void checkOp(loomRedOp_t op) {
+LOOM_HOT void checkOp(loomRedOp_t op) {
   if (int(op) < 0 || int(op) >= int(loomNumOps)) fail(loomInvalidArgument, "unknown reduction op %d", int(op));
 }
 
 // count * esz * factor bytes, failing on overflow.
-size_t checkedBytes(size_t count, loomDataType_t t, size_t factor) {
+LOOM_HOT size_t checkedBytes(size_t count, loomDataType_t t, size_t factor) {
   size_t esz = dtypeSize(t);
   if (count > size_t(PTRDIFF_MAX) / esz / factor)
     fail(loomInvalidArgument, "count %zu of %s is too large (byte size overflows)", count, dtypeName(t));
@@ -120,7 +121,7 @@ void checkRank(const char* what, int r, int nranks) {
 }
 
 // Validates one collective; throws loomInvalidArgument with the reason.
-void validate(loomComm* comm, const OpDesc& op) {
+LOOM_HOT void validate(loomComm* comm, const OpDesc& op) {
   checkComm(comm);
   checkType(op.dtype);
   if (reduces(op.coll)) checkOp(op.op);
@@ -185,7 +186,7 @@ void validate(loomComm* comm, const OpDesc& op) {
 // The host stream behind a handle, nullptr for NULL.  Anything else fails
 // without being dereferenced: a cudaStream_t passed as loomStream_t (as NCCL
 // programs do) is recognised here once loom has CUDA communicators.
-HostStream* hostStreamOf(loomStream_t stream) {
+LOOM_HOT HostStream* hostStreamOf(loomStream_t stream) {
   StreamRef s = classifyStream(stream);
   switch (s.kind) {
     case StreamKind::Null: return nullptr;
@@ -251,7 +252,7 @@ loomResult_t runP2POnDevice(loomComm* comm, loomStream_t stream, const std::vect
 
 // Where a buffer the caller passed lives: CUDA device memory if CUDA says
 // so (only asked when the process has a CUDA device), else host memory.
-MemoryKind memoryKindOf(const void* buf) {
+LOOM_HOT MemoryKind memoryKindOf(const void* buf) {
   return cudaPointerDevice(buf) >= 0 ? MemoryKind::CudaDevice : MemoryKind::Host;
 }
 
@@ -273,7 +274,7 @@ loomResult_t submit(loomComm* comm, HostStream* stream, std::vector<OpDesc> ops)
   return loomSuccess;
 }
 
-loomResult_t issueOp(const char* call, loomComm* comm, loomStream_t stream, const OpDesc& op) {
+LOOM_HOT loomResult_t issueOp(const char* call, loomComm* comm, loomStream_t stream, const OpDesc& op) {
   return guarded(call, comm, [&]() -> loomResult_t {
     GroupState& g = tlsGroup;
     HostStream* hostStream;

@@ -19,6 +19,7 @@
 #include "src/device/host_reduce.h"
 #include "src/topology/cpu_bind.h"
 #include "src/tuner/tuner.h"
+#include "src/core/hot.h"
 
 using namespace loom;
 
@@ -423,9 +424,9 @@ Transport* loomComm::transportNamed(const std::string& name) const {
 // Tickets are atomics so that the uncontended case (one thread issuing and
 // running) takes no lock; the mutex and condition variable are only used by
 // threads that must wait for their turn.
-uint64_t loomComm::takeTicket() { return nextTicket_.fetch_add(1); }
+LOOM_HOT uint64_t loomComm::takeTicket() { return nextTicket_.fetch_add(1); }
 
-void loomComm::waitTurn(uint64_t ticket) {
+LOOM_HOT void loomComm::waitTurn(uint64_t ticket) {
   if (serving_.load() == ticket) return;
   std::unique_lock<std::mutex> lock(turnMutex_);
   ++turnWaiters_;
@@ -433,7 +434,7 @@ void loomComm::waitTurn(uint64_t ticket) {
   --turnWaiters_;
 }
 
-void loomComm::endTurn() {
+LOOM_HOT void loomComm::endTurn() {
   serving_.fetch_add(1);
   if (turnWaiters_.load() > 0) {
     std::lock_guard<std::mutex> lock(turnMutex_);
@@ -448,7 +449,7 @@ void loomComm::waitIdle() {
   --turnWaiters_;
 }
 
-SlotTag loomComm::tagFor(const OpDesc& op) {
+LOOM_HOT SlotTag loomComm::tagFor(const OpDesc& op) {
   // Tagged messages carry their own numbers (p2p_tagged.h): they take none
   // of the per-pair order of plain sends and receives.
   if (op.tagged) {
@@ -462,27 +463,29 @@ SlotTag loomComm::tagFor(const OpDesc& op) {
   return operationTag(op, collSeq_++);
 }
 
-uint64_t loomComm::issueOne(const OpDesc& op, SlotTag* tag) {
+LOOM_HOT uint64_t loomComm::issueOne(const OpDesc& op, SlotTag* tag) {
   std::lock_guard<std::mutex> lock(seqMutex_);
   *tag = tagFor(op);
   return takeTicket();
 }
 
-Algorithm loomComm::choose(const OpDesc& op) const { return tuner_->choose(op, nranks_, limits_).algo; }
+LOOM_HOT Algorithm loomComm::choose(const OpDesc& op) const { return tuner_->choose(op, nranks_, limits_).algo; }
 
-DirectContext loomComm::directContext() {
+LOOM_HOT DirectContext loomComm::directContext() {
   // A host communicator: its peer memory is host memory, copied and reduced by the host device.
   return DirectContext{*this, *peerMem_, hostDevice(), directLayout_, directState_, rank_, nranks_, checkMode_};
 }
 
-void loomComm::runDirect(Algorithm algo, const OpDesc& op, const SlotTag& tag) {
+LOOM_HOT void loomComm::runDirect(Algorithm algo, const OpDesc& op, const SlotTag& tag) {
   DirectContext ctx = directContext();
   algorithmEntry(algo).runDirect(ctx, op, tag);
 }
 
-loomResult_t loomComm::runOne(const OpDesc& op, const SlotTag& tag) {
+LOOM_HOT loomResult_t loomComm::runOne(const OpDesc& op, const SlotTag& tag) {
   if (op.tagged) return runOps({op}, {tag});
-  Algorithm algo = choose(op);
+  const size_t block = op.count * dtypeSize(op.dtype);
+  if (lastChoice_.block != block || lastChoice_.coll != op.coll) lastChoice_ = {op.coll, block, choose(op)};
+  const Algorithm algo = lastChoice_.algo;
   if (!isDirect(algo)) return runOps({op}, {tag});
   loomResult_t prior = asyncError();
   if (prior != loomSuccess) {

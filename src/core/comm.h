@@ -229,6 +229,15 @@ struct loomComm : public loom::ExecEnv,
   loom::PeerMemory* peerMem_ = nullptr;                // set when every rank shares it: direct paths
   loom::DirectLayout directLayout_;
   loom::DirectState directState_;
+  // runOne's last choice: a blocking caller repeats one small operation,
+  // and the tuner's answer depends only on the collective and the block's
+  // bytes (the shape and the limits are fixed at init).  Used under the
+  // turn (waitTurn), so one thread at a time.
+  struct LastChoice {
+    loom::Collective coll;
+    size_t block = SIZE_MAX;
+    loom::Algorithm algo;
+  } lastChoice_;
   std::map<std::pair<int, int>, std::unique_ptr<loom::Connection>> conns_;
   std::unique_ptr<loom::TaggedP2P> tagged_;  // loomSendTagged / loomRecvTagged
   std::vector<int64_t> taggedRetryMs_;       // per peer: when to look for its tagged connection again

@@ -21,10 +21,11 @@
 #include "src/core/config.h"
 #include "src/core/error.h"
 #include "src/core/log.h"
+#include "src/core/hot.h"
 
 using namespace loom;
 
-void loomComm::noteRunning(const SlotTag& tag, size_t nops) {
+LOOM_HOT void loomComm::noteRunning(const SlotTag& tag, size_t nops) {
   actSeq_.store(tag.seq, std::memory_order_relaxed);
   actCount_.store(tag.count, std::memory_order_relaxed);
   actSig_.store(uint32_t(tag.coll) | uint32_t(tag.dtype) << 8 | uint32_t(tag.op) << 16,
@@ -51,7 +52,7 @@ void loomComm::noteWaiting(int peer) {
   }
 }
 
-void loomComm::noteIdle() { actStartNs_.store(0, std::memory_order_release); }
+LOOM_HOT void loomComm::noteIdle() { actStartNs_.store(0, std::memory_order_release); }
 
 static SlotTag loadTag(const std::atomic<uint64_t>& seq, const std::atomic<uint64_t>& count,
                        const std::atomic<uint32_t>& sig, const std::atomic<int32_t>& root) {

@@ -10,6 +10,7 @@
 #include "src/core/trace.h"
 #include "src/device/device.h"
 #include "src/device/host_reduce.h"
+#include "src/core/hot.h"
 
 namespace loom {
 
@@ -24,7 +25,7 @@ std::string describeTag(const SlotTag& t) {
   return s + ")";
 }
 
-SlotTag operationTag(const OpDesc& op, uint64_t seq) {
+LOOM_HOT SlotTag operationTag(const OpDesc& op, uint64_t seq) {
   SlotTag t{};
   t.seq = seq;
   t.coll = uint8_t(op.coll);
@@ -36,7 +37,7 @@ SlotTag operationTag(const OpDesc& op, uint64_t seq) {
   return t;
 }
 
-bool sameOperation(const SlotTag& got, const SlotTag& want) {
+LOOM_HOT bool sameOperation(const SlotTag& got, const SlotTag& want) {
   return got.seq == want.seq && got.count == want.count && got.coll == want.coll && got.dtype == want.dtype &&
          got.op == want.op && got.root == want.root &&
          (got.flags & kTagPartOfAllToAllv) == (want.flags & kTagPartOfAllToAllv);

@@ -9,6 +9,7 @@
 
 #include "src/core/error.h"
 #include "src/core/log.h"
+#include "src/core/hot.h"
 
 namespace loom {
 
@@ -86,7 +87,7 @@ int cudaDeviceCount(std::string* why) {
   return p.devices;
 }
 
-int cudaPointerDevice(const void* ptr) {
+LOOM_HOT int cudaPointerDevice(const void* ptr) {
   if (auto fn = g_classifier.load(std::memory_order_acquire)) return fn(ptr);
   const Plugin& p = plugin();
   if (!p.devices || !ptr) return -1;

@@ -7,6 +7,7 @@
 #include "src/device/device.h"
 #include "src/device/host_copy.h"
 #include "src/device/host_reduce.h"
+#include "src/core/hot.h"
 
 namespace loom {
 
@@ -22,15 +23,15 @@ class HostDevice final : public Device {
     return aligned_alloc(4096, size ? size : 4096);
   }
   void free(void* p) override { ::free(p); }
-  void copy(void* dst, const void* src, size_t bytes, CopyHint hint) override {
+  LOOM_HOT void copy(void* dst, const void* src, size_t bytes, CopyHint hint) override {
     if (hint == CopyHint::Streaming) copyStreaming(dst, src, bytes);
     else memmove(dst, src, bytes);
   }
-  void reduce(void* dst, const void* a, const void* b, size_t n, loomDataType_t type,
+  LOOM_HOT void reduce(void* dst, const void* a, const void* b, size_t n, loomDataType_t type,
               loomRedOp_t op) override {
     reduceHost(dst, a, b, n, type, op);
   }
-  void divide(void* dst, const void* src, size_t n, loomDataType_t type, int divisor) override {
+  LOOM_HOT void divide(void* dst, const void* src, size_t n, loomDataType_t type, int divisor) override {
     divideHost(dst, src, n, type, divisor);
   }
 };

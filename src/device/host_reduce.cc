@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "src/device/reduce_ops.h"
+#include "src/core/hot.h"
 
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -263,7 +264,7 @@ const char* redOpName(loomRedOp_t op) {
   return o < unsigned(loomNumOps) ? kNames[o] : "?";
 }
 
-void reduceHost(void* dst, const void* a, const void* b, size_t n, loomDataType_t type,
+LOOM_HOT void reduceHost(void* dst, const void* a, const void* b, size_t n, loomDataType_t type,
                 loomRedOp_t op) {
   if (n == 0) return;
   if (ReduceFn fn = pick(type, op)) fn(dst, a, b, n);

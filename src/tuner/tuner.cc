@@ -6,6 +6,7 @@
 #include "src/core/error.h"
 #include "src/core/log.h"
 #include "src/device/host_reduce.h"
+#include "src/core/hot.h"
 
 namespace loom {
 
@@ -102,7 +103,7 @@ std::vector<Estimate> Tuner::estimates(Collective coll, size_t bytes) const {
   return estimateAll(coll, bytes, shape_, params_);
 }
 
-Plan Tuner::choose(const OpDesc& op, int nranks, const TunerLimits& limits) const {
+LOOM_HOT Plan Tuner::choose(const OpDesc& op, int nranks, const TunerLimits& limits) const {
   Plan plan;
   plan.channels = std::max(1, std::min(channels_ > 0 ? channels_ : 1, limits.maxChannels));
   plan.chunkBytes = chunkBytes_;

@@ -18,6 +18,7 @@
 #include "src/device/host_memory.h"
 #include "src/topology/numa.h"
 #include "transports/shm/shm_transport.h"
+#include "src/core/hot.h"
 
 namespace loom {
 
@@ -136,10 +137,14 @@ static long futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const times
 }
 
 void ShmInbox::ring_bell() const {
-  ShmInboxHeader* h = header();
   // Pairs with the fence in sleep(): either the sleeper sees our head/tail
   // update on its last check, or we see its sleeping flag here.
   std::atomic_thread_fence(std::memory_order_seq_cst);
+  ring_bell_fenced();
+}
+
+LOOM_HOT void ShmInbox::ring_bell_fenced() const {
+  ShmInboxHeader* h = header();
   uint32_t how = h->sleeping.load(std::memory_order_relaxed);
   if (how == kSleepFutex) {
     h->bell.fetch_add(1, std::memory_order_relaxed);

@@ -13,6 +13,7 @@
 #include "src/core/error.h"
 #include "src/core/log.h"
 #include "transports/shm/shm_transport.h"
+#include "src/core/hot.h"
 
 namespace loom {
 
@@ -126,6 +127,13 @@ class ShmTransport : public Transport, public Doorbell, public PeerMemory {
   uint8_t* window(int r) const override { return box(r)->window(); }
   void wake(int r) const override {
     if (r != env_.rank) box(r)->ring_bell();
+  }
+  // The one-shot paths wake every peer twice per operation: one fence
+  // (what each ring_bell pays) for all of them.
+  LOOM_HOT void wakeOthers(int me, int nranks) const override {
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    for (int r = 0; r < nranks; ++r)
+      if (r != me) box(r)->ring_bell_fenced();
   }
   void checkPeer(int r) const override {
     if (r != env_.rank) shmCheckPeer(box(r), r, env_.pid[size_t(r)], pidfds_[size_t(r)]);

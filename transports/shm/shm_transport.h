@@ -81,6 +81,9 @@ class ShmInbox {
 
   // Wakes the owner if it sleeps.  Call after publishing head/tail.
   void ring_bell() const;
+  // ring_bell without its fence: for a caller that fenced once before
+  // ringing several bells (ShmTransport::wakeOthers).
+  void ring_bell_fenced() const;
   // Owner side: sleep until the bell moves past `seen` or timeoutUs passes.
   void sleep(uint32_t seen, int64_t timeoutUs) const;
   // Owner side, after a poll() that included wakeFd(): empty it.
