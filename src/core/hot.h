@@ -4,8 +4,8 @@
 // keeps together, so that path spans a few code pages instead of twenty.
 // That matters most with more ranks than cores: every operation then
 // resumes each rank after another process ran on its CPU, and each page
-// it touches again can cost a TLB refill (measured on the dev VM, see
-// docs/performance.md).
+// it touches again can cost a TLB refill (docs/algorithms.md, the pull
+// line, has the measurement).
 #pragma once
 
 #if defined(__GNUC__)
