@@ -305,6 +305,9 @@ class UcxWorker {
         p.dataEp = nullptr;
         LOOM_WARN("NET", "rank %d: no second UCX endpoint to rank %d (%s): its direct transfers share the "
                   "error-handling one, which UCX may give no zero-copy path", rank_, peer, ucs_status_string(s));
+      } else {
+        LOOM_INFO("NET", "rank %d: UCX data endpoint to rank %d (no error handling) for direct transfers", rank_,
+                  peer);
       }
     }
     return p.ep;
