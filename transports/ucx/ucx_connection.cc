@@ -69,6 +69,7 @@ struct PeerState {
   // Direct transfers' endpoint when `ep` is in mode PEER (ucx_transport.h,
   // "Two endpoints"); nullptr: they use `ep`.
   ucp_ep_h dataEp = nullptr;
+  bool dataTried = false;  // dataEp was attempted (made once, or its failure warned once)
   ucs_status_t error = UCS_OK;  // set by the endpoint's error handler
   bool dead = false;            // loom saw the peer's process exit
   bool peerMode = true;         // endpoint made with UCP_ERR_HANDLING_MODE_PEER
@@ -251,11 +252,8 @@ class UcxWorker {
     p.addr.assign(rec.addr, rec.addr + rec.len);
   }
 
-  // The endpoint to `peer` (made on first use).  withData: direct transfers
-  // will run to this peer, so a mode-PEER endpoint gets its data endpoint
-  // too; every connection to one peer passes the same value (the pair's
-  // threshold), so both ranks make the same endpoints in the same order.
-  ucp_ep_h ep(int peer, bool withData) {
+  // The endpoint to `peer` (made on first use).
+  ucp_ep_h ep(int peer) {
     auto it = peers_.find(peer);
     if (it == peers_.end() || it->second.addr.empty())
       fail(loomInternalError, "rank %d has no UCX address of rank %d", rank_, peer);
@@ -292,31 +290,34 @@ class UcxWorker {
       p.ep = nullptr;
       fail(loomRemoteError, "rank %d cannot open a UCX endpoint to rank %d: %s", rank_, peer, ucs_status_string(s));
     }
-    if (withData && p.peerMode) {
-      // Made right after `ep` on both ranks: UCX pairs a worker's endpoints
-      // to one peer in creation order, so this one meets the peer's data
-      // endpoint (same mode), never its mode-PEER one.
-      ucp_ep_params_t dp{};
-      dp.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-      dp.address = ep.address;
-      dp.err_mode = UCP_ERR_HANDLING_MODE_NONE;
-      s = ucp_ep_create(worker_, &dp, &p.dataEp);
-      if (s != UCS_OK) {
-        p.dataEp = nullptr;
-        LOOM_WARN("NET", "rank %d: no second UCX endpoint to rank %d (%s): its direct transfers share the "
-                  "error-handling one, which UCX may give no zero-copy path", rank_, peer, ucs_status_string(s));
-      } else {
-        LOOM_INFO("NET", "rank %d: UCX data endpoint to rank %d (no error handling) for direct transfers", rank_,
-                  peer);
-      }
-    }
     return p.ep;
   }
 
-  // Where direct transfers to `peer` are sent (after ep(peer, true)).
+  // Where direct transfers to `peer` are sent (after ep(peer)): a mode-PEER
+  // endpoint's data endpoint, made by both ranks of a pair at its first
+  // direct transfer (the sender to send, the receiver when it offers its
+  // buffer), so only pairs that use direct transfers have one.  It is each
+  // rank's second endpoint to that peer, and UCX pairs a worker's endpoints
+  // to one peer in creation order: it meets the peer's data endpoint (same
+  // mode), never its mode-PEER one.
   ucp_ep_h dataEp(int peer) {
     PeerState& p = peers_[peer];
-    return p.dataEp ? p.dataEp : p.ep;
+    if (!p.peerMode || !p.ep) return p.ep;
+    if (p.dataEp || p.dataTried) return p.dataEp ? p.dataEp : p.ep;
+    p.dataTried = true;
+    ucp_ep_params_t dp{};
+    dp.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    dp.address = reinterpret_cast<const ucp_address_t*>(p.addr.data());
+    dp.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    ucs_status_t s = ucp_ep_create(worker_, &dp, &p.dataEp);
+    if (s != UCS_OK) {
+      p.dataEp = nullptr;
+      LOOM_WARN("NET", "rank %d: no second UCX endpoint to rank %d (%s): its direct transfers share the "
+                "error-handling one, which UCX may give no zero-copy path", rank_, peer, ucs_status_string(s));
+      return p.ep;
+    }
+    LOOM_INFO("NET", "rank %d: UCX data endpoint to rank %d (no error handling) for direct transfers", rank_, peer);
+    return p.dataEp;
   }
 
   // The peer's endpoint failure, if any.
@@ -415,8 +416,7 @@ class UcxConnection : public Connection, public DirectTransfer {
                 int peerPid, size_t directMin)
       : w_(std::move(w)), rank_(rank), peer_(peer), channel_(channel), slotBytes_(slotBytes),
         slots_(uint64_t(slots)), stride_(sizeof(SlotTag) + slotBytes), peerPid_(peerPid), directMin_(directMin) {
-    ep_ = w_->ep(peer, directMin_ > 0);
-    dataEp_ = w_->dataEp(peer);
+    ep_ = w_->ep(peer);
     if (!w_->peerMode(peer)) {
       if (peerPid_ > 0) pidfd_ = int(syscall(SYS_pidfd_open, peerPid_, 0));
       else if (channel == 0)
@@ -585,7 +585,7 @@ class UcxConnection : public Connection, public DirectTransfer {
     prm.cb.send = &UcxConnection::onSend;
     prm.user_data = &op;
     op.busy = true;
-    void* r = ucp_tag_send_nbx(dataEp_, src, bytes, directTag(rank_, channel_), &prm);
+    void* r = ucp_tag_send_nbx(w_->dataEp(peer_), src, bytes, directTag(rank_, channel_), &prm);
     if (UCS_PTR_IS_ERR(r)) {
       op.busy = false;
       op.status = UCS_PTR_STATUS(r);
@@ -617,6 +617,7 @@ class UcxConnection : public Connection, public DirectTransfer {
            rank_, peer_, channel_);
     op = SlotOp{};
     directBytes_ = bytes;
+    w_->dataEp(peer_);  // this rank's half of the pair's data endpoints (the peer sends on its own)
     ucp_request_param_t prm{};
     prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     prm.cb.recv = &UcxConnection::onRecv;
@@ -773,7 +774,6 @@ class UcxConnection : public Connection, public DirectTransfer {
   size_t directSendBytes_ = 0;  // the direct send in progress (likewise)
   int pidfd_ = -1;  // watched when UCX cannot report the peer's failure
   ucp_ep_h ep_ = nullptr;
-  ucp_ep_h dataEp_ = nullptr;  // direct transfers' (ep_ or the peer's data endpoint)
   Rings* r_ = nullptr;
   ucp_mem_h sendMemh_ = nullptr, recvMemh_ = nullptr;
   uint64_t sendHead_ = 0, sendDone_ = 0;

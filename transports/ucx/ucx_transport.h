@@ -65,11 +65,12 @@
 // neither, so its rendezvous sent every direct transfer as 64 KiB active
 // messages copied out of UCX's receive buffers (`ucx_info -e -u te` shows no
 // rma_bw lane; ucx_perftest -e dropped to 0.5-0.6x of itself at 2 MiB, and
-// loom with it).  So when a pair uses direct transfers, each rank makes a
-// second endpoint to the peer in mode NONE right after the first, and sends
-// only direct data on it: UCX pairs the two ranks' endpoints in creation
-// order, and a mode-NONE tcp endpoint has the rma_bw lanes (tcp puts from the
-// sender's buffer, received straight into the receiver's).  The request
+// loom with it).  So at a pair's first direct transfer each rank makes a
+// second endpoint to the peer in mode NONE, and sends only direct data on
+// it: UCX pairs the two ranks' endpoints in creation order, and a mode-NONE
+// tcp endpoint has the rma_bw lanes (tcp puts from the sender's buffer,
+// received straight into the receiver's).  Pairs that only run collectives
+// keep one endpoint (and one socket per lane).  The request
 // slots, credits and failure detection stay on the mode-PEER endpoint: a
 // dead peer fails that one (loomRemoteError as before), and a direct send
 // left pending on the data endpoint is abandoned like any other (below).
