@@ -179,6 +179,11 @@ TEST_CASE("loomSend/loomRecv from LOOM_UCX_RENDEZVOUS_BYTES up go as one exact U
   CHECK(count("direct transfer of 200003 bytes") == 24);
   CHECK(count("direct transfer of 4194304 bytes") == 24);
   CHECK(count("UCX  WARN") == 0);  // the mismatched pair's leftovers are not UCX warnings
+  // tcp: the direct data goes on each rank's second, mode-NONE endpoint (the
+  // mode-PEER one has no zero-copy rendezvous there); sm's only endpoint is
+  // mode NONE already.
+  if (std::string(tls) == "tcp") CHECK(count("UCX data endpoint to rank") >= 2);
+  else CHECK(count("UCX data endpoint to rank") == 0);
   // Off: every byte through the slots, still exact.
   REQUIRE(loomtest::shell("LOOM_UCX_RENDEZVOUS_BYTES=0 " + run + "200003,4194304 >" + log + " 2>&1 || { tail -20 " +
                           log + "; exit 1; }") == 0);

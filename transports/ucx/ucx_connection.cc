@@ -66,6 +66,10 @@ ucs_log_func_rc_t quietLog(const char*, unsigned, const char*, ucs_log_level_t, 
 struct PeerState {
   std::vector<uint8_t> addr;
   ucp_ep_h ep = nullptr;
+  // Direct transfers' endpoint when `ep` is in mode PEER (ucx_transport.h,
+  // "Two endpoints"); nullptr: they use `ep`.
+  ucp_ep_h dataEp = nullptr;
+  bool dataTried = false;  // dataEp was attempted (made once, or its failure warned once)
   ucs_status_t error = UCS_OK;  // set by the endpoint's error handler
   bool dead = false;            // loom saw the peer's process exit
   bool peerMode = true;         // endpoint made with UCP_ERR_HANDLING_MODE_PEER
@@ -118,13 +122,15 @@ class UcxWorker {
     std::vector<void*> reqs;
     for (auto& kv : peers_) {
       PeerState& p = kv.second;
-      if (!p.ep) continue;
-      ucp_request_param_t prm{};
-      prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      prm.flags = (p.error != UCS_OK || p.dead) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-      void* r = ucp_ep_close_nbx(p.ep, &prm);
-      if (UCS_PTR_IS_PTR(r)) reqs.push_back(r);
-      p.ep = nullptr;
+      for (ucp_ep_h* e : {&p.dataEp, &p.ep}) {
+        if (!*e) continue;
+        ucp_request_param_t prm{};
+        prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+        prm.flags = (p.error != UCS_OK || p.dead) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+        void* r = ucp_ep_close_nbx(*e, &prm);
+        if (UCS_PTR_IS_PTR(r)) reqs.push_back(r);
+        *e = nullptr;
+      }
     }
     int64_t deadline = nowMs() + 2000;
     for (void* r : reqs) {
@@ -246,6 +252,7 @@ class UcxWorker {
     p.addr.assign(rec.addr, rec.addr + rec.len);
   }
 
+  // The endpoint to `peer` (made on first use).
   ucp_ep_h ep(int peer) {
     auto it = peers_.find(peer);
     if (it == peers_.end() || it->second.addr.empty())
@@ -284,6 +291,33 @@ class UcxWorker {
       fail(loomRemoteError, "rank %d cannot open a UCX endpoint to rank %d: %s", rank_, peer, ucs_status_string(s));
     }
     return p.ep;
+  }
+
+  // Where direct transfers to `peer` are sent (after ep(peer)): a mode-PEER
+  // endpoint's data endpoint, made by both ranks of a pair at its first
+  // direct transfer (the sender to send, the receiver when it offers its
+  // buffer), so only pairs that use direct transfers have one.  It is each
+  // rank's second endpoint to that peer, and UCX pairs a worker's endpoints
+  // to one peer in creation order: it meets the peer's data endpoint (same
+  // mode), never its mode-PEER one.
+  ucp_ep_h dataEp(int peer) {
+    PeerState& p = peers_[peer];
+    if (!p.peerMode || !p.ep) return p.ep;
+    if (p.dataEp || p.dataTried) return p.dataEp ? p.dataEp : p.ep;
+    p.dataTried = true;
+    ucp_ep_params_t dp{};
+    dp.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    dp.address = reinterpret_cast<const ucp_address_t*>(p.addr.data());
+    dp.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    ucs_status_t s = ucp_ep_create(worker_, &dp, &p.dataEp);
+    if (s != UCS_OK) {
+      p.dataEp = nullptr;
+      LOOM_WARN("NET", "rank %d: no second UCX endpoint to rank %d (%s): its direct transfers share the "
+                "error-handling one, which UCX may give no zero-copy path", rank_, peer, ucs_status_string(s));
+      return p.ep;
+    }
+    LOOM_INFO("NET", "rank %d: UCX data endpoint to rank %d (no error handling) for direct transfers", rank_, peer);
+    return p.dataEp;
   }
 
   // The peer's endpoint failure, if any.
@@ -551,7 +585,7 @@ class UcxConnection : public Connection, public DirectTransfer {
     prm.cb.send = &UcxConnection::onSend;
     prm.user_data = &op;
     op.busy = true;
-    void* r = ucp_tag_send_nbx(ep_, src, bytes, directTag(rank_, channel_), &prm);
+    void* r = ucp_tag_send_nbx(w_->dataEp(peer_), src, bytes, directTag(rank_, channel_), &prm);
     if (UCS_PTR_IS_ERR(r)) {
       op.busy = false;
       op.status = UCS_PTR_STATUS(r);
@@ -583,6 +617,7 @@ class UcxConnection : public Connection, public DirectTransfer {
            rank_, peer_, channel_);
     op = SlotOp{};
     directBytes_ = bytes;
+    w_->dataEp(peer_);  // this rank's half of the pair's data endpoints (the peer sends on its own)
     ucp_request_param_t prm{};
     prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     prm.cb.recv = &UcxConnection::onRecv;

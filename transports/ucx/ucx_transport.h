@@ -58,9 +58,28 @@
 // calls: tcp reads, sm's cma reads; a user forcing UCX_RNDV_SCHEME=put_zcopy
 // on sm would let the peer write on its own).
 //
+// Two endpoints per peer where the first is in mode PEER (below): UCX 1.13
+// gives a mode-PEER endpoint a zero-copy (put/get) rendezvous lane only on
+// transports whose memory domain can invalidate registrations or that
+// connect endpoint to endpoint; tcp reached through a worker address is
+// neither, so its rendezvous sent every direct transfer as 64 KiB active
+// messages copied out of UCX's receive buffers (`ucx_info -e -u te` shows no
+// rma_bw lane; ucx_perftest -e dropped to 0.5-0.6x of itself at 2 MiB, and
+// loom with it).  So at a pair's first direct transfer each rank makes a
+// second endpoint to the peer in mode NONE, and sends only direct data on
+// it: UCX pairs the two ranks' endpoints in creation order, and a mode-NONE
+// tcp endpoint has the rma_bw lanes (tcp puts from the sender's buffer,
+// received straight into the receiver's).  Pairs that only run collectives
+// keep one endpoint (and one socket per lane).  The request
+// slots, credits and failure detection stay on the mode-PEER endpoint: a
+// dead peer fails that one (loomRemoteError as before), and a direct send
+// left pending on the data endpoint is abandoned like any other (below).
+// A mode-NONE failure on tcp only completes that endpoint's requests with an
+// error (no abort), which the direct send reports as the peer's failure.
+//
 // One UCP context and worker per communicator (a communicator's operations
 // are serialised, so the worker runs in UCS_THREAD_MODE_SERIALIZED), one
-// endpoint per peer (error handling mode PEER: a dead peer fails its
+// endpoint per peer, plus the data endpoint above (error handling mode PEER: a dead peer fails its
 // endpoint, and checkPeer() turns that into loomRemoteError; UCX 1.13's
 // shared-memory transports cannot do mode PEER, so a peer reachable only
 // through them gets a mode-NONE endpoint and its process is watched through
