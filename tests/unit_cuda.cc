@@ -77,7 +77,7 @@ const loom::CudaApi kRecording = {
     },
     // The communicator's resources: the backend never calls them.
     nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-    nullptr,
+    nullptr, nullptr,
 };
 
 void* handle(uintptr_t v) { return reinterpret_cast<void*>(v); }
@@ -385,7 +385,7 @@ const loom::CudaApi kDriverTable = {
     },
     [](const void* p, void** base, size_t* n) {
       *base = const_cast<void*>(p);
-      *n = loom::flagAreaBytes(8) + loom::deviceWindowBytes(loom::kDeviceSlotBytes, 8);
+      *n = loom::flagAreaBytes(8) + loom::streamWindowBytes(loom::kDeviceSlotBytes) + loom::p2pRegionBytes(loom::kDeviceSlotBytes);
       return 0;
     },
     [](void* base, void* h) {
@@ -415,6 +415,11 @@ const loom::CudaApi kDriverTable = {
     },
     [](const uint64_t* a, uint64_t* v, void*) {
       *v = *a;
+      return 0;
+    },
+    [](void** p, size_t n) {  // cudaMalloc alone: send/recv staging
+      *p = malloc(n);
+      record(loom::strf("mallocRaw %zu", n));
       return 0;
     },
 };

@@ -260,6 +260,13 @@ struct SimComms {
       ts.emplace_back([&, r] {
         loom::DeviceCommOptions o = opts;
         if (distinctProcesses) o.process = 1000 + uint64_t(r);
+        // Send/recv regions: the peer's own answer (the communicator asks
+        // over its control plane).  Every rank is made before any sends.
+        if (!o.fetchRegion)
+          o.fetchRegion = [this, r](int peer) {
+            if (!comms[size_t(peer)]) loom::fail(loomRemoteError, "rank %d has no communicator", peer);
+            return comms[size_t(peer)]->p2pRegionFor(r);
+          };
         if (!slotPerRank.empty()) o.slotBytes = slotPerRank[size_t(r)];
         auto driver = std::make_unique<SimDriver>(mem, &world, r, r % gpus_);
         drivers[size_t(r)] = driver.get();
