@@ -794,7 +794,7 @@ DeviceMemoryStats DeviceComm::memoryStats() const {
   }
   st.regionBytesOut = st.regionsOut * p2pRegionBytes(slotBytes_);
   std::lock_guard<std::mutex> i(inMu_);
-  for (uint8_t* p : in_) st.regionsIn += p != nullptr;
+  for (int r = 0; r < nranks_; ++r) st.regionsIn += r != rank_ && in_[size_t(r)];
   return st;
 }
 

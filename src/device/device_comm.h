@@ -240,7 +240,7 @@ struct DeviceMemoryStats {
   size_t blockBytes = 0;      // allocated at init: the flags and the collectives' window
   size_t regionsOut = 0;      // send/recv staging allocated here (one per receiver)
   size_t regionBytesOut = 0;  // their bytes
-  size_t regionsIn = 0;       // peers' staging for this rank mapped here (one per sender)
+  size_t regionsIn = 0;       // peers' staging for this rank mapped here (one per sender but itself)
 };
 
 class DeviceComm {
