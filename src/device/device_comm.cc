@@ -663,8 +663,11 @@ void DeviceComm::check(const OpDesc& op) const {
   if (!serves(op.coll))
     fail(loomInvalidUsage, "%s is not implemented on %s communicators yet", collectiveName(op.coll), driver_->name());
   if (op.tagged)
-    fail(loomInvalidUsage, "tagged send/recv (loomSendTagged/loomRecvTagged) is not implemented on %s communicators "
-         "yet (loomSend/loomRecv are)", driver_->name());
+    fail(loomInvalidUsage,
+         "tagged send/recv (loomSendTagged/loomRecvTagged) is not supported on %s communicators: a receive is "
+         "enqueued on the stream before the sender's tags are known, so it cannot match by tag (use "
+         "loomSend/loomRecv, matched in issue order per pair)",
+         driver_->name());
   const Shape sh = shapeOf(op, rank_, nranks_);
   if (op.count > 0) {
     if (sh.needSend) checkBuffer("sendbuff", op.sendbuf);
