@@ -35,7 +35,10 @@
 #include "src/core/error.h"
 #include "src/device/device.h"
 #include "src/device/device_choice.h"
+#include "src/device/cuda_loader.h"
 #include "src/device/device_comm.h"
+#include "src/device/device_memory.h"
+#include "src/device/host_memory.h"
 #include "src/device/host_reduce.h"
 #include "tests/sim_device.h"
 
@@ -1777,4 +1780,95 @@ TEST_CASE("CUDA communicators through the C API (simulated device): one group sp
   CHECK(loomGroupEnd() == loomInvalidUsage);
   CHECK(b[0] == -1.0f);
   for (auto& h : host) CHECK(loomCommDestroy(h) == loomSuccess);
+}
+
+TEST_CASE("loomMemAlloc on a CUDA process (LOOM_DEVICE=cuda, simulated device): device memory of the current "
+          "device, exportable through cuda_ipc at any offset, usable by CUDA communicators, freed by loomMemFree; "
+          "host memory otherwise; without a usable device the reason",
+          "[devcomm][api]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(2, 1, 256);
+  {
+    DeviceEnv env(mem, world);
+    const size_t before = mem.live(), freesBefore = mem.frees();
+    void* p = nullptr;
+    REQUIRE(loomMemAlloc(&p, 1000) == loomSuccess);
+    REQUIRE(p != nullptr);
+    CHECK(mem.live() == before + 1);
+    CHECK(mem.deviceOf(p) == 0);
+    CHECK(loom::deviceMemLive() == 1);
+    void* none = nullptr;
+    CHECK(loomMemAlloc(&none, 0) == loomInvalidArgument);
+    CHECK(std::string(loomGetLastError(nullptr)).find("size is 0") != std::string::npos);
+    {
+      // A buffer inside it, as a peer process maps it: the same bytes.
+      SimDriver drv(mem, &world, 0, 0);
+      auto* u = static_cast<uint8_t*>(p);
+      memset(u, 0, 1000);
+      u[100] = 42;
+      u[299] = 43;
+      const loom::IpcRecord rec = loom::exportRange(drv, u + 100, 200, 1);
+      CHECK(rec.offset == 100);
+      loom::IpcImportCache peer(drv, 2);
+      const uint8_t* q = peer.import(0, rec);
+      CHECK(q != u + 100);  // mapped again, at another address
+      CHECK(q[0] == 42);
+      CHECK(q[199] == 43);
+      peer.release(0, rec);
+    }
+    // CUDA communicators take it: an all-reduce on loomMemAlloc buffers.
+    std::vector<loomComm_t> comms = initCudaComms(2);
+    REQUIRE(comms.size() == 2);
+    int32_t* buf[2];
+    for (auto& b : buf) {
+      void* v = nullptr;
+      REQUIRE(loomMemAlloc(&v, 4000) == loomSuccess);
+      b = static_cast<int32_t*>(v);
+    }
+    for (int r = 0; r < 2; ++r)
+      for (int i = 0; i < 1000; ++i) buf[r][i] = r * 10 + i;
+    auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+    for (int r = 0; r < 2; ++r)
+      CHECK(loomAllReduce(buf[r], buf[r], 1000, loomInt32, loomSum, comms[size_t(r)], fakeStream) == loomSuccess);
+    for (int r = 0; r < 2; ++r) {
+      std::string msg;
+      REQUIRE(world.rank(r).synchronize(&msg) == loomSuccess);
+    }
+    long wrong = 0;
+    for (int r = 0; r < 2; ++r)
+      for (int i = 0; i < 1000; ++i) wrong += buf[r][i] != 10 + 2 * i;
+    CHECK(wrong == 0);
+    for (int r = 0; r < 2; ++r) CHECK(loomCommDestroy(comms[size_t(r)]) == loomSuccess);
+    for (auto* b : buf) CHECK(loomMemFree(b) == loomSuccess);
+    CHECK(loomMemFree(p) == loomSuccess);
+    CHECK(mem.frees() >= freesBefore + 3);
+    CHECK(loom::deviceMemLive() == 0);
+    CHECK(loomMemFree(p) == loomInvalidArgument);  // freed already
+  }
+  // LOOM_DEVICE unset: host memory, as before.
+  void* h = nullptr;
+  REQUIRE(loomMemAlloc(&h, 4096) == loomSuccess);
+  CHECK(mem.deviceOf(h) == -1);
+  void* base = nullptr;
+  size_t bytes = 0;
+  CHECK(loom::hostMemFind(h, &base, &bytes));
+  CHECK(loom::deviceMemLive() == 0);
+  CHECK(loomMemFree(h) == loomSuccess);
+  // LOOM_DEVICE=cuda with CUDA itself: no GPU here gives the reason.
+  setenv("LOOM_DEVICE", "cuda", 1);
+  loom::configReload();
+  std::string why;
+  void* c = nullptr;
+  const loomResult_t rc = loomMemAlloc(&c, 4096);
+  const std::string err = loomGetLastError(nullptr);
+  unsetenv("LOOM_DEVICE");
+  loom::configReload();
+  if (loom::cudaDeviceCount(&why) == 0) {
+    CHECK(rc == loomInvalidUsage);
+    CHECK(err.find("LOOM_DEVICE=cuda, but this process has no usable CUDA device") != std::string::npos);
+  } else {  // the GPU machine: device memory of the current device
+    CHECK(rc == loomSuccess);
+    CHECK(loom::cudaPointerDevice(c) >= 0);
+    CHECK(loomMemFree(c) == loomSuccess);
+  }
 }

@@ -23,6 +23,7 @@
 #include "src/core/stream.h"
 #include "src/device/cuda_loader.h"
 #include "src/device/device_choice.h"
+#include "src/device/device_memory.h"
 #include "src/device/host_memory.h"
 #include "src/device/host_reduce.h"
 
@@ -734,14 +735,16 @@ loomResult_t loomCommSetTimeout(loomComm_t comm, int64_t timeoutMs) {
 loomResult_t loomMemAlloc(void** ptr, size_t size) {
   return guarded("loomMemAlloc", nullptr, [&] {
     if (!ptr) fail(loomInvalidArgument, "ptr is NULL");
-    *ptr = hostMemAlloc(size);
+    // Device memory where LOOM_DEVICE chooses CUDA (as ncclMemAlloc), else host memory peers can map.
+    void* p = deviceMemAlloc(size);
+    *ptr = p ? p : hostMemAlloc(size);
     return loomSuccess;
   });
 }
 
 loomResult_t loomMemFree(void* ptr) {
   return guarded("loomMemFree", nullptr, [&] {
-    if (ptr) hostMemFree(ptr);
+    if (ptr && !deviceMemFree(ptr)) hostMemFree(ptr);
     return loomSuccess;
   });
 }
