@@ -1695,7 +1695,7 @@ TEST_CASE("CUDA communicator through the C API (simulated device): send/recv sta
 
 TEST_CASE("CUDA communicators through the C API (simulated device): one group spanning several communicators (one "
           "thread issues both ranks' parts: collectives and send/recv), tagged send/recv is loomInvalidUsage and "
-          "launches nothing of its group; host communicators refuse a group spanning several",
+          "launches nothing of its group, host communicators refuse a group spanning several",
           "[devcomm][api]") {
   {
     SimMemory mem;
@@ -1783,8 +1783,8 @@ TEST_CASE("CUDA communicators through the C API (simulated device): one group sp
 }
 
 TEST_CASE("loomMemAlloc on a CUDA process (LOOM_DEVICE=cuda, simulated device): device memory of the current "
-          "device, exportable through cuda_ipc at any offset, usable by CUDA communicators, freed by loomMemFree; "
-          "host memory otherwise; without a usable device the reason",
+          "device, exportable through cuda_ipc at any offset, usable by CUDA communicators, freed by loomMemFree, "
+          "host memory otherwise, without a usable device the reason",
           "[devcomm][api]") {
   SimMemory mem;
   loomsim::SimDeviceWorld world(2, 1, 256);
