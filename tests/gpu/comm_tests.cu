@@ -22,6 +22,9 @@
 //   groups  one group spanning two communicators (a second one made from
 //           another unique id): an all-reduce on each and a send/recv ring
 //           on the second, exact; tagged send/recv is loomInvalidUsage
+//   memalloc loomMemAlloc with LOOM_DEVICE=cuda: device memory of device 0
+//           (cudaPointerGetAttributes), cudaIpcGetMemHandle takes it, an
+//           all-reduce on it is exact, loomMemFree frees it
 // Prints one row per N and check; exits non-zero on any wrong value, error
 // or crash (run.sh bounds the run with timeout(1)).
 //
@@ -356,6 +359,29 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, size_t maxCount) 
     std::printf("RESULT groups 2 %ld\n", groupBad);
   }
 
+  // memalloc: loomMemAlloc gives device memory on a CUDA process.
+  {
+    long bad = 0;
+    const size_t n = 1 << 18;
+    void* p = nullptr;
+    LK(loomMemAlloc(&p, n * 4));
+    cudaPointerAttributes at;
+    CK(cudaPointerGetAttributes(&at, p));
+    bad += at.type != cudaMemoryTypeDevice || at.device != 0;
+    cudaIpcMemHandle_t h;
+    bad += cudaIpcGetMemHandle(&h, p) != cudaSuccess;
+    std::vector<float> v(n, float(me + 1)), got(n);
+    CK(cudaMemcpy(p, v.data(), n * 4, cudaMemcpyHostToDevice));
+    LK(loomAllReduce(p, p, n, loomFloat32, loomSum, comm, loomStream_t(st)));
+    CK(cudaStreamSynchronize(st));
+    CK(cudaMemcpy(got.data(), p, n * 4, cudaMemcpyDeviceToHost));
+    long wrongVals = 0;
+    for (float x : got) wrongVals += x != float(N * (N + 1) / 2);
+    bad += wrongVals != 0;
+    bad += loomMemFree(p) != loomSuccess;
+    std::printf("RESULT memalloc 4 %ld\n", bad);
+  }
+
   // order: the call returns while earlier work on the stream still runs.
   {
     const size_t n = size_t(1) << 20;
@@ -468,7 +494,7 @@ int main(int argc, char** argv) {
         std::printf("rank %d of %d exited abnormally (status %d)\n", r, N, st);
       }
     }
-    for (const char* check : {"comm", "p2p", "lazy", "groups", "order", "errors"}) {
+    for (const char* check : {"comm", "p2p", "lazy", "groups", "memalloc", "order", "errors"}) {
       long cases = 0, wrong = 0;
       bool seen = false;
       for (int r = 0; r < N; ++r) {

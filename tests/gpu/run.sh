@@ -8,8 +8,8 @@
 # communicators through the C API (loom-gpu-comm-tests: LOOM_DEVICE=cuda,
 # 1, 2 and 4 processes sharing the one GPU, every collective on device
 # buffers, send/recv staging made on first use, a group over two
-# communicators, the call returning before the stream's work is done,
-# errors),
+# communicators, loomMemAlloc's device memory, the call returning before
+# the stream's work is done, errors),
 # their all-reduce speed (loom-gpu-comm-perf, printed, not judged), loom-perf
 # on device buffers (-G: all-reduce up to 256 MiB, all-to-all, gather,
 # scatter and sendrecv, 2 ranks, checked), a short
