@@ -766,11 +766,17 @@ void DeviceComm::prepareP2P(const std::vector<OpDesc>& ops) {
       fail(loomInternalError, "send/recv setup given %s (peer %d)", collectiveName(op.coll), op.peer);
     if (op.count == 0) continue;  // moves nothing
     if (op.isSend || op.peer == rank_) {
-      std::lock_guard<std::mutex> g(p2pMu_);
-      outRegionLocked(op.peer);
+      uint8_t* own;
+      {
+        std::lock_guard<std::mutex> g(p2pMu_);
+        outRegionLocked(op.peer);
+        own = static_cast<uint8_t*>(out_[size_t(op.peer)]);
+      }
+      // Never inMu_ under p2pMu_: inMu_ is held while a peer is asked, whose
+      // answer may need that peer's p2pMu_.
       if (op.peer != rank_) continue;
       std::lock_guard<std::mutex> i(inMu_);
-      in_[size_t(rank_)] = static_cast<uint8_t*>(out_[size_t(rank_)]);  // its own, as it is
+      in_[size_t(rank_)] = own;  // its own, as it is
       continue;
     }
     std::lock_guard<std::mutex> i(inMu_);
