@@ -365,12 +365,9 @@ StreamProgram compileP2PProgram(const std::vector<OpDesc>& ops, int rank, int nr
     most = std::max(most, (bytes + chunk - 1) / chunk);
   }
   Builder b(p);
-  const int me = rank;
-  // Chunk k of a pair (its k-th overall) is in slot k % 2 of the sender's
+  // Chunk k of a pair (its k-th overall) is in chunk k % 2 of the sender's
   // region for the receiver.
-  auto slotOf = [&](int receiver, uint64_t k) {
-    return streamWindowBytes(slotBytes) + (size_t(receiver) * 2 + size_t(k % 2)) * chunk;
-  };
+  auto chunkAt = [&](uint64_t k) { return size_t(k % 2) * chunk; };
   for (size_t c = 0; c < most; ++c) {
     for (int pass = 0; pass < 2; ++pass)  // this chunk of every send, then of every receive
       for (const Member& m : members) {
@@ -379,14 +376,14 @@ StreamProgram compileP2PProgram(const std::vector<OpDesc>& ops, int rank, int nr
         const size_t len = std::min(chunk, m.bytes - off);
         if (m.send) {
           const uint64_t k = st->sent[size_t(m.peer)]++;
-          // The receiver has copied out chunk k - 2, which used this slot.
+          // The receiver has copied out chunk k - 2, which used this chunk.
           if (k >= 2) b.wait(0, m.peer, kFlagP2PAcked, k - 1);
-          b.copy(0, winAt(me, slotOf(m.peer, k)), ProgramRef{Space::Send, m.buffer, off}, len);
+          b.copy(0, ProgramRef{Space::P2POut, m.peer, chunkAt(k)}, ProgramRef{Space::Send, m.buffer, off}, len);
           b.setPeer(0, m.peer, kFlagP2PSent, k + 1);
         } else {
           const uint64_t k = st->recvd[size_t(m.peer)]++;
           b.wait(0, m.peer, kFlagP2PSent, k + 1);
-          b.copy(0, ProgramRef{Space::Recv, m.buffer, off}, winAt(m.peer, slotOf(me, k)), len);
+          b.copy(0, ProgramRef{Space::Recv, m.buffer, off}, ProgramRef{Space::P2PIn, m.peer, chunkAt(k)}, len);
           b.setPeer(0, m.peer, kFlagP2PAcked, k + 1);
         }
       }

@@ -35,19 +35,15 @@ inline size_t streamWindowBytes(size_t slotBytes) { return 2 * slotBytes; }
 StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo,
                                    size_t slotBytes, uint64_t* round);
 
-// Send/recv.  A pair's messages go through the sender's window, after the
-// two collective slots: per destination two chunks of p2pChunkBytes, used
-// by alternate chunks of that pair.  Pairs count their own chunks (no
-// communicator-wide round: ranks not in a send take no part), in the
-// per-pair flags (kFlagP2PSent/kFlagP2PAcked, stream_program.h).
+// Send/recv.  A pair's messages go through a region of the sender's
+// device memory for that receiver: two chunks of p2pChunkBytes, used by
+// alternate chunks of the pair.  Regions are made on first use of the pair
+// (DeviceComm::prepareP2P), not at init, so a communicator that never sends
+// or receives has none.  Pairs count their own chunks (no communicator-wide
+// round: ranks not in a send take no part), in the per-pair flags
+// (kFlagP2PSent/kFlagP2PAcked, stream_program.h).
 inline size_t p2pChunkBytes(size_t slotBytes) { return slotBytes / 2; }
-inline size_t p2pWindowBytes(size_t slotBytes, int nranks) {
-  return size_t(nranks) * 2 * p2pChunkBytes(slotBytes);
-}
-// A window in all: the collectives' two slots, then the send/recv chunks.
-inline size_t deviceWindowBytes(size_t slotBytes, int nranks) {
-  return streamWindowBytes(slotBytes) + p2pWindowBytes(slotBytes, nranks);
-}
+inline size_t p2pRegionBytes(size_t slotBytes) { return 2 * p2pChunkBytes(slotBytes); }
 // What a rank has done with each peer so far (every program advances it).
 struct P2PCounters {
   std::vector<uint64_t> sent;   // per peer: chunks staged for it
@@ -57,7 +53,9 @@ struct P2PCounters {
 // Rank `rank`'s program for the sends and receives `ops` (P2P, in the
 // order issued; a group's members or one call): send i reads buffer i of
 // the sends (ProgramRef rank i, buffer 0 = ops' first send), receive j
-// writes buffer j of the receives.  Chunk c of every member runs before
+// writes buffer j of the receives; a send stages its chunks in
+// Space::P2POut of its peer, a receive copies them out of Space::P2PIn of
+// its peer.  Chunk c of every member runs before
 // chunk c + 1 of any, sends of a chunk before receives, so that the
 // members of a group never wait on each other in a cycle (a send and a
 // receive that depend on each other must be in one group, as in NCCL).

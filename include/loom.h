@@ -230,6 +230,11 @@ LOOM_API loomResult_t loomCommDump(loomComm_t comm, char* buf, size_t size);
 /* Shaped like NCCL's ncclMemAlloc / ncclCommRegister; the same calls will
  * cover CUDA device memory and RDMA registration.
  *
+ * On a process whose communicators run on CUDA (LOOM_DEVICE=cuda, or auto
+ * with a GPU), loomMemAlloc returns device memory of the current CUDA
+ * device, as ncclMemAlloc does (cudaMalloc'd: CUDA IPC can export any
+ * buffer inside it; not zeroed), and loomMemFree frees it.  Otherwise:
+ *
  * loomMemAlloc returns host memory that the other ranks on this host can map
  * (a memfd, whole pages, placed on the caller's NUMA node where the rank is
  * bound to one, every page faulted in).  All-reduces of 1 MiB and more whose

@@ -77,7 +77,7 @@ const loom::CudaApi kRecording = {
     },
     // The communicator's resources: the backend never calls them.
     nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-    nullptr,
+    nullptr, nullptr,
 };
 
 void* handle(uintptr_t v) { return reinterpret_cast<void*>(v); }
@@ -385,7 +385,7 @@ const loom::CudaApi kDriverTable = {
     },
     [](const void* p, void** base, size_t* n) {
       *base = const_cast<void*>(p);
-      *n = loom::flagAreaBytes(8) + loom::deviceWindowBytes(loom::kDeviceSlotBytes, 8);
+      *n = loom::flagAreaBytes(8) + loom::streamWindowBytes(loom::kDeviceSlotBytes) + loom::p2pRegionBytes(loom::kDeviceSlotBytes);
       return 0;
     },
     [](void* base, void* h) {
@@ -415,6 +415,11 @@ const loom::CudaApi kDriverTable = {
     },
     [](const uint64_t* a, uint64_t* v, void*) {
       *v = *a;
+      return 0;
+    },
+    [](void** p, size_t n) {  // cudaMalloc alone: send/recv staging
+      *p = malloc(n);
+      record(loom::strf("mallocRaw %zu", n));
       return 0;
     },
 };
@@ -501,6 +506,25 @@ TEST_CASE("CUDA communicator driver: its calls through the plug-in table (device
     CHECK(countOf("setDevice") == 0);  // already current
     CHECK(countOf("record ") == 4);  // fork and join of each program
     CHECK(countOf(loom::strf("wait %p", stream)) > 0);  // program stream 0 is the caller's
+    // Send/recv staging: made at the first send to a peer, with cudaMalloc
+    // alone (no memset, no device synchronisation: streams may be waiting
+    // on peers), once per peer.
+    CHECK(countOf("mallocRaw") == 0);
+    loom::OpDesc send;
+    send.coll = loom::Collective::P2P;
+    send.isSend = true;
+    send.peer = 1;
+    send.sendbuf = x.data();
+    send.count = 1000;
+    send.dtype = loomUint8;
+    g_drv.clear();
+    dc[0]->runP2P({send}, stream);
+    dc[0]->runP2P({send}, stream);
+    CHECK(countOf("mallocRaw") == 1);
+    CHECK(countOf(loom::strf("mallocRaw %zu", loom::p2pRegionBytes(loom::kDeviceSlotBytes))) == 1);
+    CHECK(countOf("malloc ") == 0);
+    CHECK(dc[0]->memoryStats().regionsOut == 1);
+    CHECK(dc[1]->memoryStats().regionsOut == 0);
   }
   g_failIpcOpen = 0;
 

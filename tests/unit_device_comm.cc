@@ -23,6 +23,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -34,7 +35,10 @@
 #include "src/core/error.h"
 #include "src/device/device.h"
 #include "src/device/device_choice.h"
+#include "src/device/cuda_loader.h"
 #include "src/device/device_comm.h"
+#include "src/device/device_memory.h"
+#include "src/device/host_memory.h"
 #include "src/device/host_reduce.h"
 #include "tests/sim_device.h"
 
@@ -135,6 +139,10 @@ class SimMemory {
   }
   int opens() const { return opens_; }
   int closes() const { return closes_; }
+  size_t live() const {  // allocations not freed
+    std::lock_guard<std::mutex> g(mu_);
+    return allocs_.size();
+  }
 
  private:
   struct Alloc {
@@ -260,6 +268,13 @@ struct SimComms {
       ts.emplace_back([&, r] {
         loom::DeviceCommOptions o = opts;
         if (distinctProcesses) o.process = 1000 + uint64_t(r);
+        // Send/recv regions: the peer's own answer (the communicator asks
+        // over its control plane).  Every rank is made before any sends.
+        if (!o.fetchRegion)
+          o.fetchRegion = [this, r](int peer) {
+            if (!comms[size_t(peer)]) loom::fail(loomRemoteError, "rank %d has no communicator", peer);
+            return comms[size_t(peer)]->p2pRegionFor(r);
+          };
         if (!slotPerRank.empty()) o.slotBytes = slotPerRank[size_t(r)];
         auto driver = std::make_unique<SimDriver>(mem, &world, r, r % gpus_);
         drivers[size_t(r)] = driver.get();
@@ -623,7 +638,7 @@ TEST_CASE("device communicator (simulated device): host memory, another device's
   d.tagged = true;
   m = err(d, &rc);
   CHECK(rc == loomInvalidUsage);
-  CHECK(m.find("tagged send/recv (loomSendTagged/loomRecvTagged) is not implemented on sim communicators yet") !=
+  CHECK(m.find("tagged send/recv (loomSendTagged/loomRecvTagged) is not supported on sim communicators") !=
         std::string::npos);
   d.tagged = false;
   // The exchanges check their buffers like the rest: scatter's root needs
@@ -1457,4 +1472,403 @@ TEST_CASE("device communicator (simulated device): a send whose receiver never c
   CHECK(seen.peers[0] == 2);
   CHECK(!s.comms[1]->failed());
   CHECK(!s.comms[2]->failed());
+}
+
+namespace {
+
+// A send/recv pattern where only some pairs communicate: 0 -> 1, 2 -> 0,
+// 3 -> 3 (a self-send), N-1 -> 1 (rank 1 hears from two senders), as far
+// as N has those ranks.  Message m of the pattern has 1300 + 7 m bytes (3
+// chunks of 512: the sender waits for acks).
+std::vector<std::pair<int, int>> somePairs(int N) {
+  std::vector<std::pair<int, int>> v{{0, 1}};
+  if (N >= 3) v.emplace_back(2, 0);
+  if (N >= 4) v.emplace_back(3, 3);
+  if (N >= 5) v.emplace_back(N - 1, 1);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("device communicator (simulated device): send/recv staging is made on a pair's first use: none at init "
+          "or for collectives, one region per pair that communicates (N = 2..8, some pairs only, a receive posted "
+          "before the sender's first send), exact, reused after",
+          "[devcomm]") {
+  loom::DeviceCommOptions opts;
+  opts.slotBytes = 1024;
+  for (int N = 2; N <= 8; ++N) {
+    SimComms s(N, 1, opts);
+    for (int r = 0; r < N; ++r) REQUIRE(s.initErrors[size_t(r)].empty());
+    INFO("N=" << N);
+    // Init allocates one block per rank: flags and the collectives' two slots, nothing for send/recv.
+    CHECK(s.mem.live() == size_t(N));
+    for (int r = 0; r < N; ++r) {
+      const loom::DeviceMemoryStats m = s.comms[size_t(r)]->memoryStats();
+      CHECK(m.blockBytes == loom::flagAreaBytes(N) + loom::streamWindowBytes(1024));
+      CHECK(m.regionsOut == 0);
+      CHECK(m.regionsIn == 0);
+    }
+    // Collectives do not make any either.
+    std::vector<int32_t*> ar;
+    for (int r = 0; r < N; ++r) {
+      ar.push_back(reinterpret_cast<int32_t*>(s.mem.alloc(0, 4000)));
+      for (int i = 0; i < 1000; ++i) ar[size_t(r)][i] = r + i;
+    }
+    for (int r = 0; r < N; ++r) {
+      loom::OpDesc op;
+      op.sendbuf = op.recvbuf = ar[size_t(r)];
+      op.count = 1000;
+      op.dtype = loomInt32;
+      s.comms[size_t(r)]->run(op, nullptr);
+    }
+    REQUIRE(syncAll(s).empty());
+    long wrong = 0;
+    for (int r = 0; r < N; ++r)
+      for (int i = 0; i < 1000; ++i) wrong += ar[size_t(r)][i] != N * (N - 1) / 2 + N * i;
+    CHECK(wrong == 0);
+    for (int r = 0; r < N; ++r) CHECK(s.comms[size_t(r)]->memoryStats().regionsOut == 0);
+
+    const std::vector<std::pair<int, int>> pairs = somePairs(N);
+    std::vector<uint8_t*> in, out;
+    std::mt19937_64 rng{uint64_t(N)};
+    for (size_t m = 0; m < pairs.size(); ++m) {
+      const size_t bytes = 1300 + 7 * m;
+      in.push_back(s.mem.alloc(0, bytes));
+      out.push_back(s.mem.alloc(0, bytes));
+      for (size_t i = 0; i < bytes; ++i) in[m][i] = uint8_t(rng());
+      memset(out[m], 0xee, bytes);
+    }
+    const size_t before = s.mem.live();
+    const int opensBefore = s.mem.opens();
+    auto desc = [&](size_t m, bool send) {
+      P2POp o{send, send ? pairs[m].second : pairs[m].first, 1300 + 7 * m, loomUint8, send ? in[m] : out[m], {}};
+      return p2pDesc(o);
+    };
+    // Rank 1 receives from rank 0 before rank 0 has sent anything: asking
+    // for rank 0's region makes it.
+    s.comms[1]->runP2P({desc(0, false)}, nullptr);
+    CHECK(s.comms[0]->memoryStats().regionsOut == 1);
+    CHECK(s.comms[1]->memoryStats().regionsIn == 1);
+    s.comms[0]->runP2P({desc(0, true)}, nullptr);
+    // The others: sender, then receiver (a self-send: one program).
+    auto issue = [&](size_t m) {
+      const int from = pairs[m].first, to = pairs[m].second;
+      if (from == to) return s.comms[size_t(from)]->runP2P({desc(m, true), desc(m, false)}, nullptr);
+      s.comms[size_t(from)]->runP2P({desc(m, true)}, nullptr);
+      s.comms[size_t(to)]->runP2P({desc(m, false)}, nullptr);
+    };
+    for (size_t m = 1; m < pairs.size(); ++m) issue(m);
+    REQUIRE(syncAll(s).empty());
+    for (size_t m = 0; m < pairs.size(); ++m)
+      CHECK(memcmp(in[m], out[m], 1300 + 7 * m) == 0);
+    // One region per (sender, receiver) that communicated, at the sender;
+    // the receiver maps it (its own as is), opening a handle for each peer.
+    size_t regions = 0, remote = 0;
+    for (int r = 0; r < N; ++r) {
+      std::set<int> to, from;
+      for (const auto& [a, b] : pairs) {
+        if (a == r) to.insert(b);
+        if (b == r && a != r) from.insert(a);  // a self-send maps nothing
+      }
+      regions += to.size();
+      const loom::DeviceMemoryStats st = s.comms[size_t(r)]->memoryStats();
+      CHECK(st.regionsOut == to.size());
+      CHECK(st.regionBytesOut == to.size() * loom::p2pRegionBytes(1024));
+      CHECK(st.regionsIn == from.size());
+    }
+    for (const auto& [a, b] : pairs) remote += a != b;
+    CHECK(s.mem.live() - before == regions);
+    CHECK(size_t(s.mem.opens() - opensBefore) == remote);
+    // The same traffic again: no new region, no new handle opened.
+    for (size_t m = 0; m < pairs.size(); ++m) memset(out[m], 0xee, 1300 + 7 * m);
+    for (size_t m = 0; m < pairs.size(); ++m) issue(m);
+    REQUIRE(syncAll(s).empty());
+    for (size_t m = 0; m < pairs.size(); ++m) CHECK(memcmp(in[m], out[m], 1300 + 7 * m) == 0);
+    CHECK(s.mem.live() - before == regions);
+    CHECK(size_t(s.mem.opens() - opensBefore) == remote);
+  }
+}
+
+TEST_CASE("device communicator: a send/recv region answer round-trips, a peer's error keeps its code and text, "
+          "garbage is loomRemoteError",
+          "[devcomm]") {
+  loom::IpcRecord rec;
+  memset(rec.handle, 0x5a, sizeof rec.handle);
+  rec.base = 0x1000;
+  rec.allocBytes = rec.bytes = 4096;
+  rec.process = 77;
+  loom::IpcRecord got;
+  CHECK(loom::decodeRegionAnswer(3, loom::encodeRegionAnswer(loomSuccess, &rec, ""), &got));
+  CHECK(memcmp(&got, &rec, sizeof rec) == 0);
+  CHECK_FALSE(loom::decodeRegionAnswer(3, loom::encodeRegionAnswer(loomInProgress, nullptr, "not ready"), &got));
+  try {
+    loom::decodeRegionAnswer(3, loom::encodeRegionAnswer(loomUnhandledCudaError, nullptr, "cudaMalloc failed"), &got);
+    FAIL("no error");
+  } catch (const loom::Error& e) {
+    CHECK(e.code() == loomUnhandledCudaError);
+    CHECK(std::string(e.what()) == "rank 3 could not give its send/recv region: cudaMalloc failed");
+  }
+  for (std::vector<uint8_t> bad : {std::vector<uint8_t>{}, std::vector<uint8_t>{1, 2}, std::vector<uint8_t>(8, 0xff),
+                                   std::vector<uint8_t>(4 + sizeof rec - 1, 0)}) {
+    try {
+      loom::decodeRegionAnswer(3, bad, &got);
+      FAIL("no error for " << bad.size() << " bytes");
+    } catch (const loom::Error& e) {
+      CHECK(e.code() == loomRemoteError);
+    }
+  }
+}
+
+namespace {
+
+std::string dumpOf(loomComm_t c) {
+  char buf[4096];
+  if (loomCommDump(c, buf, sizeof buf) != loomSuccess) return "(dump failed)";
+  return buf;
+}
+
+}  // namespace
+
+TEST_CASE("CUDA communicator through the C API (simulated device): send/recv staging on first use through the "
+          "control plane (a receive before the sender's send, only the pair allocates, loomCommDump shows it), a "
+          "peer that is gone is loomRemoteError and the communicator still works",
+          "[devcomm][api]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(3, 1, 256);
+  DeviceEnv env(mem, world);
+  std::vector<loomComm_t> comms = initCudaComms(3);
+  REQUIRE(comms.size() == 3);
+  auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+  for (int r = 0; r < 3; ++r) {
+    std::string d = dumpOf(comms[size_t(r)]);
+    INFO(d);
+    CHECK(d.find(loom::strf("device sim:0: %zu B allocated at init", loom::flagAreaBytes(3) +
+                                                                          loom::streamWindowBytes(loom::kDeviceSlotBytes))) !=
+          std::string::npos);
+    CHECK(d.find("send/recv staging: 0 regions allocated here (0 B), 0 of peers mapped here") != std::string::npos);
+  }
+  const size_t n = 3 << 20;  // 12 MiB: six chunks of 2 MiB, so the sender waits for acks
+  auto* src = reinterpret_cast<int32_t*>(mem.alloc(0, n * 4));
+  auto* dst = reinterpret_cast<int32_t*>(mem.alloc(0, n * 4));
+  for (size_t i = 0; i < n; ++i) src[i] = int32_t(i * 7 + 1), dst[i] = -1;
+  // Rank 2 receives from rank 0 first: rank 0's control thread makes the region.
+  REQUIRE(loomRecv(dst, n, loomInt32, 0, comms[2], fakeStream) == loomSuccess);
+  CHECK(dumpOf(comms[0]).find("send/recv staging: 1 region allocated here (4194304 B), 0 of peers") !=
+        std::string::npos);
+  REQUIRE(loomSend(src, n, loomInt32, 2, comms[0], fakeStream) == loomSuccess);
+  for (int r : {0, 2}) {
+    std::string msg;
+    REQUIRE(world.rank(r).synchronize(&msg) == loomSuccess);
+  }
+  long wrong = 0;
+  for (size_t i = 0; i < n; ++i) wrong += dst[i] != int32_t(i * 7 + 1);
+  CHECK(wrong == 0);
+  CHECK(dumpOf(comms[0]).find("send/recv staging: 1 region allocated here (4194304 B), 0 of peers mapped here") !=
+        std::string::npos);
+  CHECK(dumpOf(comms[1]).find("send/recv staging: 0 regions allocated here (0 B), 0 of peers mapped here") !=
+        std::string::npos);
+  CHECK(dumpOf(comms[2]).find("send/recv staging: 0 regions allocated here (0 B), 1 of peers mapped here") !=
+        std::string::npos);
+
+  // Rank 1 goes away: rank 2's first receive from it cannot be set up.
+  CHECK(loomCommDestroy(comms[1]) == loomSuccess);
+  CHECK(loomRecv(dst, 16, loomInt32, 1, comms[2], fakeStream) == loomRemoteError);
+  std::string why = loomGetLastError(comms[2]);
+  INFO(why);
+  CHECK(why.find("rank 1 is gone (its control socket refuses)") != std::string::npos);
+  // Nothing was enqueued and the communicator did not fail: 0 -> 2 still works.
+  loomResult_t ae = loomInternalError;
+  CHECK(loomCommGetAsyncError(comms[2], &ae) == loomSuccess);
+  CHECK(ae == loomSuccess);
+  for (size_t i = 0; i < 64; ++i) dst[i] = -1;
+  REQUIRE(loomSend(src, 64, loomInt32, 2, comms[0], fakeStream) == loomSuccess);
+  REQUIRE(loomRecv(dst, 64, loomInt32, 0, comms[2], fakeStream) == loomSuccess);
+  for (int r : {0, 2}) {
+    std::string msg;
+    REQUIRE(world.rank(r).synchronize(&msg) == loomSuccess);
+  }
+  wrong = 0;
+  for (size_t i = 0; i < 64; ++i) wrong += dst[i] != int32_t(i * 7 + 1);
+  CHECK(wrong == 0);
+  for (int r : {0, 2}) CHECK(loomCommDestroy(comms[size_t(r)]) == loomSuccess);
+}
+
+TEST_CASE("CUDA communicators through the C API (simulated device): one group spanning several communicators (one "
+          "thread issues both ranks' parts: collectives and send/recv), tagged send/recv is loomInvalidUsage and "
+          "launches nothing of its group, host communicators refuse a group spanning several",
+          "[devcomm][api]") {
+  {
+    SimMemory mem;
+    loomsim::SimDeviceWorld world(2, 1, 256);
+    DeviceEnv env(mem, world);
+    std::vector<loomComm_t> comms = initCudaComms(2);
+    REQUIRE(comms.size() == 2);
+    loomStream_t streams[2] = {reinterpret_cast<loomStream_t>(uintptr_t(0x7e57)),
+                               reinterpret_cast<loomStream_t>(uintptr_t(0x7e58))};
+    const int kN = 5000;
+    int32_t *ar[2], *sendb[2], *recvb[2];
+    for (int r = 0; r < 2; ++r) {
+      ar[r] = reinterpret_cast<int32_t*>(mem.alloc(0, kN * 4));
+      sendb[r] = reinterpret_cast<int32_t*>(mem.alloc(0, kN * 4));
+      recvb[r] = reinterpret_cast<int32_t*>(mem.alloc(0, kN * 4));
+      for (int i = 0; i < kN; ++i) ar[r][i] = r * 100 + i, sendb[r][i] = r * 1000000 + i, recvb[r][i] = -1;
+    }
+    // Rank 0's receive waits for rank 1's send, issued after it in the
+    // group: one group, both communicators.
+    REQUIRE(loomGroupStart() == loomSuccess);
+    for (int r = 0; r < 2; ++r)
+      CHECK(loomAllReduce(ar[r], ar[r], kN, loomInt32, loomSum, comms[size_t(r)], streams[r]) == loomSuccess);
+    CHECK(loomRecv(recvb[0], kN, loomInt32, 1, comms[0], streams[0]) == loomSuccess);
+    CHECK(loomSend(sendb[0], kN, loomInt32, 1, comms[0], streams[0]) == loomSuccess);
+    CHECK(loomRecv(recvb[1], kN, loomInt32, 0, comms[1], streams[1]) == loomSuccess);
+    CHECK(loomSend(sendb[1], kN, loomInt32, 0, comms[1], streams[1]) == loomSuccess);
+    REQUIRE(loomGroupEnd() == loomSuccess);
+    for (int r = 0; r < 2; ++r) {
+      std::string msg;
+      REQUIRE(world.rank(r).synchronize(&msg) == loomSuccess);
+    }
+    long wrong = 0;
+    for (int r = 0; r < 2; ++r)
+      for (int i = 0; i < kN; ++i)
+        wrong += (ar[r][i] != 100 + 2 * i) + (recvb[r][i] != (1 - r) * 1000000 + i);
+    CHECK(wrong == 0);
+
+    // One communicator, two streams in one group: refused, nothing launched.
+    const uint64_t round0 = comms[0]->deviceComm()->round();
+    REQUIRE(loomGroupStart() == loomSuccess);
+    CHECK(loomAllReduce(ar[0], ar[0], kN, loomInt32, loomSum, comms[0], streams[0]) == loomSuccess);
+    CHECK(loomAllReduce(ar[0], ar[0], kN, loomInt32, loomSum, comms[0], streams[1]) == loomInvalidUsage);
+    CHECK(std::string(loomGetLastError(comms[0])).find("all operations of a group on one communicator must use "
+                                                       "one stream") != std::string::npos);
+    CHECK(loomGroupEnd() == loomInvalidUsage);
+    CHECK(comms[0]->deviceComm()->round() == round0);
+
+    // Tagged send/recv: refused with its reason, alone and in a group
+    // (which then launches nothing, its good members included).
+    CHECK(loomSendTagged(sendb[0], 16, loomInt32, 1, 3, comms[0], streams[0]) == loomInvalidUsage);
+    std::string why = loomGetLastError(comms[0]);
+    CHECK(why.find("tagged send/recv (loomSendTagged/loomRecvTagged) is not supported on sim communicators: a "
+                   "receive is enqueued on the stream before the sender's tags are known") !=
+          std::string::npos);
+    CHECK(loomRecvTagged(recvb[0], 16, loomInt32, LOOM_ANY_SOURCE, LOOM_ANY_TAG, comms[0], streams[0], nullptr) ==
+          loomInvalidUsage);
+    CHECK(std::string(loomGetLastError(comms[0])).find("tagged send/recv") != std::string::npos);
+    REQUIRE(loomGroupStart() == loomSuccess);
+    CHECK(loomAllReduce(ar[0], ar[0], kN, loomInt32, loomSum, comms[0], streams[0]) == loomSuccess);
+    CHECK(loomAllReduce(ar[1], ar[1], kN, loomInt32, loomSum, comms[1], streams[1]) == loomSuccess);
+    CHECK(loomRecvTagged(recvb[1], 16, loomInt32, 0, 3, comms[1], streams[1], nullptr) == loomInvalidUsage);
+    CHECK(loomGroupEnd() == loomInvalidUsage);
+    CHECK(std::string(loomGetLastError(nullptr)).find("the group was not launched") != std::string::npos);
+    CHECK(comms[0]->deviceComm()->round() == round0);
+    CHECK(comms[1]->deviceComm()->round() == round0);
+    for (int r = 0; r < 2; ++r) CHECK(loomCommDestroy(comms[size_t(r)]) == loomSuccess);
+  }
+  // Host communicators (one rank each): a group spanning two is refused
+  // when the second joins, and nothing of it runs.
+  loomComm_t host[2] = {nullptr, nullptr};
+  for (auto& h : host) {
+    loomUniqueId id;
+    REQUIRE(loomGetUniqueId(&id) == loomSuccess);
+    REQUIRE(loomCommInitRank(&h, 1, id, 0) == loomSuccess);
+  }
+  std::vector<float> a(64, 1.0f), b(64, -1.0f);
+  REQUIRE(loomGroupStart() == loomSuccess);
+  CHECK(loomAllReduce(a.data(), b.data(), 64, loomFloat32, loomSum, host[0], nullptr) == loomSuccess);
+  CHECK(loomAllReduce(a.data(), b.data(), 64, loomFloat32, loomSum, host[1], nullptr) == loomInvalidUsage);
+  CHECK(std::string(loomGetLastError(host[1])).find("a group spanning several communicators needs CUDA "
+                                                    "communicators") != std::string::npos);
+  CHECK(loomGroupEnd() == loomInvalidUsage);
+  CHECK(b[0] == -1.0f);
+  for (auto& h : host) CHECK(loomCommDestroy(h) == loomSuccess);
+}
+
+TEST_CASE("loomMemAlloc on a CUDA process (LOOM_DEVICE=cuda, simulated device): device memory of the current "
+          "device, exportable through cuda_ipc at any offset, usable by CUDA communicators, freed by loomMemFree, "
+          "host memory otherwise, without a usable device the reason",
+          "[devcomm][api]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(2, 1, 256);
+  {
+    DeviceEnv env(mem, world);
+    const size_t before = mem.live(), freesBefore = mem.frees();
+    void* p = nullptr;
+    REQUIRE(loomMemAlloc(&p, 1000) == loomSuccess);
+    REQUIRE(p != nullptr);
+    CHECK(mem.live() == before + 1);
+    CHECK(mem.deviceOf(p) == 0);
+    CHECK(loom::deviceMemLive() == 1);
+    void* none = nullptr;
+    CHECK(loomMemAlloc(&none, 0) == loomInvalidArgument);
+    CHECK(std::string(loomGetLastError(nullptr)).find("size is 0") != std::string::npos);
+    {
+      // A buffer inside it, as a peer process maps it: the same bytes.
+      SimDriver drv(mem, &world, 0, 0);
+      auto* u = static_cast<uint8_t*>(p);
+      memset(u, 0, 1000);
+      u[100] = 42;
+      u[299] = 43;
+      const loom::IpcRecord rec = loom::exportRange(drv, u + 100, 200, 1);
+      CHECK(rec.offset == 100);
+      loom::IpcImportCache peer(drv, 2);
+      const uint8_t* q = peer.import(0, rec);
+      CHECK(q != u + 100);  // mapped again, at another address
+      CHECK(q[0] == 42);
+      CHECK(q[199] == 43);
+      peer.release(0, rec);
+    }
+    // CUDA communicators take it: an all-reduce on loomMemAlloc buffers.
+    std::vector<loomComm_t> comms = initCudaComms(2);
+    REQUIRE(comms.size() == 2);
+    int32_t* buf[2];
+    for (auto& b : buf) {
+      void* v = nullptr;
+      REQUIRE(loomMemAlloc(&v, 4000) == loomSuccess);
+      b = static_cast<int32_t*>(v);
+    }
+    for (int r = 0; r < 2; ++r)
+      for (int i = 0; i < 1000; ++i) buf[r][i] = r * 10 + i;
+    auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+    for (int r = 0; r < 2; ++r)
+      CHECK(loomAllReduce(buf[r], buf[r], 1000, loomInt32, loomSum, comms[size_t(r)], fakeStream) == loomSuccess);
+    for (int r = 0; r < 2; ++r) {
+      std::string msg;
+      REQUIRE(world.rank(r).synchronize(&msg) == loomSuccess);
+    }
+    long wrong = 0;
+    for (int r = 0; r < 2; ++r)
+      for (int i = 0; i < 1000; ++i) wrong += buf[r][i] != 10 + 2 * i;
+    CHECK(wrong == 0);
+    for (int r = 0; r < 2; ++r) CHECK(loomCommDestroy(comms[size_t(r)]) == loomSuccess);
+    for (auto* b : buf) CHECK(loomMemFree(b) == loomSuccess);
+    CHECK(loomMemFree(p) == loomSuccess);
+    CHECK(mem.frees() >= freesBefore + 3);
+    CHECK(loom::deviceMemLive() == 0);
+    CHECK(loomMemFree(p) == loomInvalidArgument);  // freed already
+  }
+  // LOOM_DEVICE unset: host memory, as before.
+  void* h = nullptr;
+  REQUIRE(loomMemAlloc(&h, 4096) == loomSuccess);
+  CHECK(mem.deviceOf(h) == -1);
+  void* base = nullptr;
+  size_t bytes = 0;
+  CHECK(loom::hostMemFind(h, &base, &bytes));
+  CHECK(loom::deviceMemLive() == 0);
+  CHECK(loomMemFree(h) == loomSuccess);
+  // LOOM_DEVICE=cuda with CUDA itself: no GPU here gives the reason.
+  setenv("LOOM_DEVICE", "cuda", 1);
+  loom::configReload();
+  std::string why;
+  void* c = nullptr;
+  const loomResult_t rc = loomMemAlloc(&c, 4096);
+  const std::string err = loomGetLastError(nullptr);
+  unsetenv("LOOM_DEVICE");
+  loom::configReload();
+  if (loom::cudaDeviceCount(&why) == 0) {
+    CHECK(rc == loomInvalidUsage);
+    CHECK(err.find("LOOM_DEVICE=cuda, but this process has no usable CUDA device") != std::string::npos);
+  } else {  // the GPU machine: device memory of the current device
+    CHECK(rc == loomSuccess);
+    CHECK(loom::cudaPointerDevice(c) >= 0);
+    CHECK(loomMemFree(c) == loomSuccess);
+  }
 }

@@ -23,6 +23,7 @@
 #include "src/core/stream.h"
 #include "src/device/cuda_loader.h"
 #include "src/device/device_choice.h"
+#include "src/device/device_memory.h"
 #include "src/device/host_memory.h"
 #include "src/device/host_reduce.h"
 #include "src/core/hot.h"
@@ -34,15 +35,42 @@ namespace {
 thread_local std::string tlsLastError;
 thread_local std::string tlsCommError;
 
-struct GroupState {
-  int depth = 0;
-  std::vector<OpDesc> ops;
+// A group's members on one communicator (one stream each).
+struct GroupPart {
   loomComm* comm = nullptr;
   loomStream_t stream = nullptr;
+  std::vector<OpDesc> ops;
+};
+struct GroupState {
+  int depth = 0;
+  std::vector<GroupPart> parts;  // in the order the communicators joined
   loomResult_t error = loomSuccess;
   std::string errorMsg;
 };
 thread_local GroupState tlsGroup;
+
+// Adds checked members to the caller's group.  One stream per
+// communicator; several communicators only when all are CUDA ones (their
+// calls only enqueue, so one thread can issue every rank's part; a host
+// communicator's group runs on the calling thread and would wait there for
+// its peers while the next communicator's part, maybe the one they wait
+// for, has not started).
+void joinGroup(GroupState& g, loomComm* comm, loomStream_t stream, const std::vector<OpDesc>& ops) {
+  for (GroupPart& part : g.parts)
+    if (part.comm == comm) {
+      if (part.stream != stream)
+        fail(loomInvalidUsage,
+             "all operations of a group on one communicator must use one stream (stream %p, then %p)",
+             static_cast<void*>(part.stream), static_cast<void*>(stream));
+      part.ops.insert(part.ops.end(), ops.begin(), ops.end());
+      return;
+    }
+  if (!g.parts.empty() && (!comm->deviceComm() || !g.parts[0].comm->deviceComm()))
+    fail(loomInvalidUsage,
+         "a group spanning several communicators needs CUDA communicators (LOOM_DEVICE=cuda); a host "
+         "communicator's group must use that communicator alone");
+  g.parts.push_back(GroupPart{comm, stream, ops});
+}
 
 // Runs f, converting exceptions into a result code and a message that names
 // the call.
@@ -288,6 +316,10 @@ LOOM_HOT loomResult_t issueOp(const char* call, loomComm* comm, loomStream_t str
         comm->deviceComm()->check(op);
       }
       hostStream = comm->deviceComm() ? nullptr : hostStreamOf(stream);
+      if (g.depth > 0) {
+        joinGroup(g, comm, stream, {op});
+        return loomSuccess;
+      }
     } catch (const Error& e) {
       // A group with a bad member is not launched at all (see loomGroupEnd).
       if (g.depth > 0 && g.error == loomSuccess) {
@@ -295,16 +327,6 @@ LOOM_HOT loomResult_t issueOp(const char* call, loomComm* comm, loomStream_t str
         g.errorMsg = std::string(call) + ": " + e.what();
       }
       throw;
-    }
-    if (g.depth > 0) {
-      if (g.ops.empty()) {
-        g.comm = comm;
-        g.stream = stream;
-      } else if (g.comm != comm || g.stream != stream) {
-        fail(loomInvalidUsage, "all operations of a group must use one communicator and one stream");
-      }
-      g.ops.push_back(op);
-      return loomSuccess;
     }
     if (!stream) {
       // Blocking call: run it here, without allocating (the latency path).
@@ -345,23 +367,17 @@ loomResult_t issueExchange(const char* call, loomComm* comm, loomStream_t stream
         for (const OpDesc& op : ops) comm->deviceComm()->check(op);
       }
       hostStream = comm->deviceComm() ? nullptr : hostStreamOf(stream);
+      if (ops.empty()) return loomSuccess;
+      if (g.depth > 0) {
+        joinGroup(g, comm, stream, ops);
+        return loomSuccess;
+      }
     } catch (const Error& e) {
       if (g.depth > 0 && g.error == loomSuccess) {
         g.error = e.code();
         g.errorMsg = std::string(call) + ": " + e.what();
       }
       throw;
-    }
-    if (ops.empty()) return loomSuccess;
-    if (g.depth > 0) {
-      if (g.ops.empty()) {
-        g.comm = comm;
-        g.stream = stream;
-      } else if (g.comm != comm || g.stream != stream) {
-        fail(loomInvalidUsage, "all operations of a group must use one communicator and one stream");
-      }
-      g.ops.insert(g.ops.end(), ops.begin(), ops.end());
-      return loomSuccess;
     }
     return submit(comm, hostStream, std::move(ops));
   });
@@ -720,14 +736,16 @@ loomResult_t loomCommSetTimeout(loomComm_t comm, int64_t timeoutMs) {
 loomResult_t loomMemAlloc(void** ptr, size_t size) {
   return guarded("loomMemAlloc", nullptr, [&] {
     if (!ptr) fail(loomInvalidArgument, "ptr is NULL");
-    *ptr = hostMemAlloc(size);
+    // Device memory where LOOM_DEVICE chooses CUDA (as ncclMemAlloc), else host memory peers can map.
+    void* p = deviceMemAlloc(size);
+    *ptr = p ? p : hostMemAlloc(size);
     return loomSuccess;
   });
 }
 
 loomResult_t loomMemFree(void* ptr) {
   return guarded("loomMemFree", nullptr, [&] {
-    if (ptr) hostMemFree(ptr);
+    if (ptr && !deviceMemFree(ptr)) hostMemFree(ptr);
     return loomSuccess;
   });
 }
@@ -930,9 +948,7 @@ loomResult_t loomGroupEnd(void) {
     return loomInvalidUsage;
   }
   if (--g.depth > 0) return loomSuccess;
-  std::vector<OpDesc> ops = std::move(g.ops);
-  loomComm* comm = g.comm;
-  loomStream_t stream = g.stream;
+  std::vector<GroupPart> parts = std::move(g.parts);
   loomResult_t err = g.error;
   std::string msg = g.errorMsg;
   g = GroupState();
@@ -940,25 +956,38 @@ loomResult_t loomGroupEnd(void) {
     tlsLastError = "loomGroupEnd: the group was not launched because one of its operations failed: " + msg;
     return err;
   }
-  if (ops.empty()) return loomSuccess;
-  return guarded("loomGroupEnd", comm, [&] {
-    if (comm->deviceComm()) {
-      // The collectives in order on the caller's stream, each a stream
-      // program (every rank enqueues the same sequence, so rounds agree),
-      // then the sends and receives as one program.  Each member was
-      // checked when it joined the group.
-      std::vector<OpDesc> p2p;
-      for (const OpDesc& op : ops) {
-        if (op.coll == Collective::P2P)
-          p2p.push_back(op);
-        else
-          runOnDevice(comm, stream, op);
-      }
-      if (!p2p.empty()) runP2POnDevice(comm, stream, p2p);
+  if (parts.empty()) return loomSuccess;
+  if (!parts[0].comm->deviceComm())  // a host group: one communicator (joinGroup)
+    return guarded("loomGroupEnd", parts[0].comm,
+                   [&] { return submit(parts[0].comm, hostStreamOf(parts[0].stream), std::move(parts[0].ops)); });
+  // CUDA communicators, in the order they joined.  Each part's collectives
+  // in order on its stream, each a stream program (every rank enqueues the
+  // same sequence, so rounds agree), then its sends and receives as one
+  // program.  Each member was checked when it joined the group; the
+  // send/recv staging of every part is set up first (it may ask peers and
+  // enqueues nothing), so a peer that does not answer launches nothing.
+  std::vector<std::vector<OpDesc>> p2p(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i)
+    for (const OpDesc& op : parts[i].ops)
+      if (op.coll == Collective::P2P) p2p[i].push_back(op);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (p2p[i].empty()) continue;
+    loomResult_t r = guarded("loomGroupEnd", parts[i].comm, [&] {
+      parts[i].comm->deviceComm()->prepareP2P(p2p[i]);
       return loomSuccess;
-    }
-    return submit(comm, hostStreamOf(stream), std::move(ops));
-  });
+    });
+    if (r != loomSuccess) return r;
+  }
+  for (size_t i = 0; i < parts.size(); ++i) {
+    loomResult_t r = guarded("loomGroupEnd", parts[i].comm, [&] {
+      for (const OpDesc& op : parts[i].ops)
+        if (op.coll != Collective::P2P) runOnDevice(parts[i].comm, parts[i].stream, op);
+      if (!p2p[i].empty()) runP2POnDevice(parts[i].comm, parts[i].stream, p2p[i]);
+      return loomSuccess;
+    });
+    if (r != loomSuccess) return r;
+  }
+  return loomSuccess;
 }
 
 loomResult_t loomStreamCreate(loomStream_t* stream) {

@@ -7,7 +7,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "algorithms/algorithms.h"
 #include "src/core/clock.h"
@@ -161,6 +163,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
       if (p.localKey == mine.localKey) a = resolveAddr(a.ss.ss_family == AF_INET6 ? "::1" : "127.0.0.1", a.port());
       ctlAddrs.push_back(a);
     }
+    ctl_->setRegionAnswer([this](int from) { return deviceRegionAnswer(from); });
     ctl_->start(root.commTag, ctlAddrs, [this](const CtlMsg& m) { onNotice(m); }, [this] { return cause(); });
   }
   // Which ranks share a host, and where each sits (the tuner reads it).
@@ -245,7 +248,44 @@ loom::DeviceCommOptions loomComm::deviceOptions() {
   o.probeAfterMs = std::min<int64_t>(1000, o.timeoutMs);
   o.peerGone = [this](int peer, std::string* why) { return devicePeerGone(peer, why); };
   o.onFailure = [this](const Error& e) { failOperation(e); };
+  o.fetchRegion = [this](int peer) { return fetchDeviceRegion(peer); };
   return o;
+}
+
+std::vector<uint8_t> loomComm::deviceRegionAnswer(int from) {
+  // The control thread stops before device_ goes (~loomComm); until the
+  // DeviceComm is made, the asker is told to ask again.
+  DeviceComm* d = deviceForFail_.load();
+  if (!d) return encodeRegionAnswer(loomInProgress, nullptr, "not ready");
+  try {
+    IpcRecord rec = d->p2pRegionFor(from);
+    return encodeRegionAnswer(loomSuccess, &rec, "");
+  } catch (const Error& e) {
+    return encodeRegionAnswer(e.code(), nullptr, e.what());
+  }
+}
+
+IpcRecord loomComm::fetchDeviceRegion(int peer) {
+  const int64_t start = nowMs(), timeout = timeoutMs_.load();
+  for (;;) {
+    loomResult_t prior = asyncError();
+    if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", lastError().c_str());
+    const int64_t now = nowMs();
+    std::vector<uint8_t> answer;
+    Reach reach = ctl_ ? ctl_->askRegion(peer, &answer, now + std::min<int64_t>(1000, std::max<int64_t>(1, timeout)))
+                       : Reach::Refused;
+    if (reach == Reach::Refused)
+      fail(loomRemoteError, "rank %d: rank %d is gone (its control socket refuses): no send/recv from it", rank_,
+           peer);
+    if (reach == Reach::Acked) {
+      IpcRecord rec;
+      if (decodeRegionAnswer(peer, answer, &rec)) return rec;  // else: not ready yet
+    }
+    if (timeout > 0 && nowMs() - start >= timeout)
+      fail(loomTimeout, "rank %d: rank %d did not give its send/recv region within %lld ms (LOOM_TIMEOUT_MS)",
+           rank_, peer, (long long)timeout);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
 }
 
 bool loomComm::devicePeerGone(int peer, std::string* why) {

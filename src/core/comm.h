@@ -249,6 +249,11 @@ struct loomComm : public loom::ExecEnv,
   // The device watchdog's probe: whether the control plane knows `peer` is
   // gone, or its control socket refuses (*why says which).
   bool devicePeerGone(int peer, std::string* why);
+  // CUDA send/recv staging through the control plane: asks `peer` for its
+  // region for this rank (DeviceCommOptions::fetchRegion), and answers a
+  // peer's question on the control thread.
+  loom::IpcRecord fetchDeviceRegion(int peer);
+  std::vector<uint8_t> deviceRegionAnswer(int from);
   loom::DeviceCommOptions deviceOptions();  // the watchdog wired to this communicator
 
   std::mutex turnMutex_;

@@ -22,6 +22,7 @@
 #include "src/core/error.h"
 #include "src/core/log.h"
 #include "src/core/hot.h"
+#include "src/device/device_comm.h"
 
 using namespace loom;
 
@@ -107,6 +108,13 @@ std::string loomComm::dump() {
   }
   uint64_t queued = issued - served - (start && issued > served ? 1 : 0);
   if (queued) s += strf("  queued behind it: %llu operations\n", (unsigned long long)queued);
+  if (const DeviceComm* d = device_.get()) {
+    const DeviceMemoryStats m = d->memoryStats();
+    s += strf("  device %s:%d: %zu B allocated at init (flags and the collectives' window); send/recv staging: "
+              "%zu region%s allocated here (%zu B), %zu of peers mapped here\n",
+              d->deviceName(), d->device(), m.blockBytes, m.regionsOut, m.regionsOut == 1 ? "" : "s",
+              m.regionBytesOut, m.regionsIn);
+  }
   return s;
 }
 

@@ -66,7 +66,7 @@ long ctlMissing(const uint8_t* bytes, size_t n, const uint8_t secret[16], uint64
   memcpy(&h, bytes, sizeof h);
   if (h.magic != kCtlMagic) return *why = "bad magic", -1;
   if (memcmp(h.secret, secret, 16) != 0 || h.commTag != commTag) return *why = "another communicator", -1;
-  if (h.type < uint32_t(CtlType::Probe) || h.type > uint32_t(CtlType::Refuse))
+  if (h.type < uint32_t(CtlType::Probe) || h.type > uint32_t(CtlType::Region))
     return *why = strf("unknown type %u", h.type), -1;
   if (h.from < 0 || h.from >= nranks) return *why = strf("sender rank %d", h.from), -1;
   if (h.pad != 0) return *why = "reserved bytes set", -1;
@@ -321,17 +321,20 @@ void Control::send(int fd, const CtlMsg& m, int64_t deadlineMs) {
   sendAll(fd, b.data(), b.size(), deadlineMs);
 }
 
-Reach Control::askWhy(int r, CtlCause* c, int64_t deadlineMs) {
+namespace {
+
+// One question to rank r on a connection of its own, and its answer.
+Reach ask(Control& ctl, int rank, int r, CtlType type, CtlMsg* a, int64_t deadlineMs) {
   try {
-    int fd = dial(r, deadlineMs);
+    int fd = ctl.dial(r, deadlineMs);
     if (fd < 0) return Reach::Refused;
-    CtlMsg q, a;
-    q.type = CtlType::Why;
-    q.from = rank_;
+    CtlMsg q;
+    q.type = type;
+    q.from = rank;
     bool ok = false;
     try {
-      send(fd, q, deadlineMs);
-      ok = recv(fd, &a, deadlineMs);
+      ctl.send(fd, q, deadlineMs);
+      ok = ctl.recv(fd, a, deadlineMs);
     } catch (const Error& e) {
       close(fd);
       if (e.code() == loomTimeout) return Reach::Timeout;
@@ -341,11 +344,27 @@ Reach Control::askWhy(int r, CtlCause* c, int64_t deadlineMs) {
     // A connection accepted and then closed unanswered: the process died
     // between the two (its listener would refuse the next one).
     if (!ok) return Reach::Refused;
-    if (a.type != CtlType::Why || a.from != r || !decodeCause(a.extra, nranks_, c)) return Reach::Timeout;
+    if (a->type != type || a->from != r) return Reach::Timeout;
     return Reach::Acked;
   } catch (const Error&) {
     return Reach::Timeout;
   }
+}
+
+}  // namespace
+
+Reach Control::askWhy(int r, CtlCause* c, int64_t deadlineMs) {
+  CtlMsg a;
+  Reach reach = ask(*this, rank_, r, CtlType::Why, &a, deadlineMs);
+  if (reach == Reach::Acked && !decodeCause(a.extra, nranks_, c)) return Reach::Timeout;
+  return reach;
+}
+
+Reach Control::askRegion(int r, std::vector<uint8_t>* answer, int64_t deadlineMs) {
+  CtlMsg a;
+  Reach reach = ask(*this, rank_, r, CtlType::Region, &a, deadlineMs);
+  if (reach == Reach::Acked) *answer = std::move(a.extra);
+  return reach;
 }
 
 bool Control::recv(int fd, CtlMsg* m, int64_t deadlineMs) {
@@ -465,11 +484,15 @@ void Control::loop() {
             joins_.emplace_back(in.fd, m);
             cv_.notify_all();
             handed = true;
-          } else if (m.type == CtlType::Why) {
+          } else if (m.type == CtlType::Why || m.type == CtlType::Region) {
             CtlMsg a;
-            a.type = CtlType::Why;
+            a.type = m.type;
             a.from = rank_;
-            a.extra = encodeCause(cause_ ? cause_() : CtlCause{});
+            if (m.type == CtlType::Why)
+              a.extra = encodeCause(cause_ ? cause_() : CtlCause{});
+            else if (region_)
+              a.extra = region_(m.from);
+            if (a.extra.size() > kMaxExtra) a.extra.clear();
             std::vector<uint8_t> b = encodeCtl(a, secret_, commTag_.load());
             // A fresh connection's send buffer takes it whole; if not, the asker times out.
             ssize_t w = ::send(in.fd, b.data(), b.size(), MSG_NOSIGNAL | MSG_DONTWAIT);

@@ -7,7 +7,9 @@
 //  - liveness probes: a rank whose process is gone refuses the connection
 //    (the kernel closed its listener), so "refused" means dead for certain,
 //  - the shrink agreement (src/core/shrink.cc): Join connections are handed
-//    to the shrinking thread instead of being answered.
+//    to the shrinking thread instead of being answered,
+//  - questions answered with a message (Why; Region: a CUDA communicator's
+//    send/recv staging for the asker, src/device/device_comm.h).
 // Outgoing messages also go through the thread's event loop (non-blocking
 // sockets), so two ranks notifying each other at once never wait on each
 // other.
@@ -39,6 +41,8 @@ enum class CtlType : uint32_t {
   Why = 9,       // why did your communicator fail? (answered with a Why message, not a byte)
   Refuse = 10,   // shrink: coordinator -> member, no agreement: the ranks listed do not answer and
                  // outnumber the members (this side of a network cut may be the smaller one)
+  Region = 11,   // CUDA send/recv: the sender's staging region for the asker (answered with a
+                 // Region message whose extra bytes the answer function wrote)
 };
 
 struct CtlMsg {
@@ -91,6 +95,14 @@ class Control {
   // Asks rank r why its communicator failed: Acked with *c filled, Refused
   // (its process is gone), or Timeout.  Safe from any thread but the control one.
   Reach askWhy(int r, CtlCause* c, int64_t deadlineMs);
+  // Answers Region questions (on the control thread; it may allocate
+  // device memory, nothing slower): the answer's extra bytes (at most
+  // 2040).  Set before start().  Unset: the answer is empty.
+  void setRegionAnswer(std::function<std::vector<uint8_t>(int from)> answer) { region_ = std::move(answer); }
+  // Asks rank r a Region question: Acked with the answer's extra bytes in
+  // *answer, Refused (its process is gone), or Timeout.  Any thread but
+  // the control one.
+  Reach askRegion(int r, std::vector<uint8_t>* answer, int64_t deadlineMs);
 
   // Sends m to every rank r with to[r] at once and waits until each answered,
   // refused, or deadlineMs passed.  Safe from any thread but the control one.
@@ -134,6 +146,7 @@ class Control {
   std::vector<SockAddr> peers_;
   std::function<void(const CtlMsg&)> onNotice_;
   std::function<CtlCause()> cause_;
+  std::function<std::vector<uint8_t>(int from)> region_;
   std::thread thread_;
 
   std::mutex mutex_;  // guards everything below

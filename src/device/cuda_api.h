@@ -59,9 +59,14 @@ struct CudaApi {
   // *value = *addr (device memory), through `stream`, waiting for it
   // (cudaMemcpyAsync + cudaStreamSynchronize).
   int (*readValue64)(const uint64_t* addr, uint64_t* value, void* stream);
+  // ---- ABI 3 ----
+  // cudaMalloc alone: not zeroed, and never waits for the device (send/recv
+  // staging is made while the communicator's streams may wait on peers, so
+  // a synchronising call there could deadlock).
+  int (*mallocRaw)(void** ptr, size_t bytes);
 };
 
-constexpr int kCudaApiVersion = 2;
+constexpr int kCudaApiVersion = 3;
 // sizeof(cudaIpcMemHandle_t) (CUDA_IPC_HANDLE_SIZE); the plug-in checks it.
 constexpr size_t kCudaIpcHandleBytes = 64;
 

@@ -33,6 +33,11 @@ class CudaDeviceDriver final : public DeviceDriver {
     check(api_.mallocZeroed(&p, bytes), "cudaMalloc");
     return p;
   }
+  void* allocateStaging(size_t bytes) override {
+    void* p = nullptr;
+    check(api_.mallocRaw(&p, bytes), "cudaMalloc");
+    return p;
+  }
   void release(void* p) override { check(api_.freeMem(p), "cudaFree"); }
   void addressRange(const void* p, void** base, size_t* bytes) const override {
     check(api_.addressRange(p, base, bytes), "cuMemGetAddressRange");

@@ -110,12 +110,45 @@ IpcRecord exportRange(const DeviceDriver& driver, const void* p, size_t bytes, u
   return rec;
 }
 
+std::vector<uint8_t> encodeRegionAnswer(loomResult_t code, const IpcRecord* rec, const std::string& msg) {
+  const int32_t c = int32_t(code);
+  const bool ok = code == loomSuccess && rec;
+  const size_t text = std::min<size_t>(msg.size(), 1024);
+  std::vector<uint8_t> out(sizeof c + (ok ? sizeof *rec : text));
+  memcpy(out.data(), &c, sizeof c);
+  if (ok)
+    memcpy(out.data() + sizeof c, rec, sizeof *rec);
+  else if (text)
+    memcpy(out.data() + sizeof c, msg.data(), text);
+  return out;
+}
+
+bool decodeRegionAnswer(int peer, const std::vector<uint8_t>& bytes, IpcRecord* rec) {
+  int32_t c = -1;
+  if (bytes.size() >= sizeof c) memcpy(&c, bytes.data(), sizeof c);
+  if (c < 0 || c >= int32_t(loomNumResults))
+    fail(loomRemoteError, "rank %d's answer for its send/recv region is garbage (%zu bytes)", peer, bytes.size());
+  if (c == int32_t(loomInProgress)) return false;
+  if (c == int32_t(loomSuccess)) {
+    if (bytes.size() != sizeof c + sizeof *rec)
+      fail(loomRemoteError, "rank %d's send/recv region record is %zu bytes, not %zu", peer, bytes.size() - sizeof c,
+           sizeof *rec);
+    memcpy(rec, bytes.data() + sizeof c, sizeof *rec);
+    return true;
+  }
+  std::string text;
+  for (size_t i = sizeof c; i < bytes.size(); ++i)  // printable only: it ends up in logs
+    text.push_back(bytes[i] >= 0x20 && bytes[i] < 0x7f ? char(bytes[i]) : '?');
+  fail(loomResult_t(c), "rank %d could not give its send/recv region: %s", peer, text.c_str());
+}
+
 DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> driver, const AllGather& allGather,
                        const DeviceCommOptions& options)
     : rank_(rank),
       nranks_(nranks),
       slotBytes_(options.slotBytes),
       oneShotBytes_(options.oneShotBytes),
+      process_(options.process),
       drainTimeoutMs_(options.drainTimeoutMs),
       driver_(std::move(driver)),
       timeoutMs_(options.timeoutMs),
@@ -124,10 +157,16 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
       peerGone_(options.peerGone),
       onFailure_(options.onFailure) {
   const uint64_t process = options.process;
+  fetchRegion_ = options.fetchRegion;
+  out_.assign(size_t(nranks), nullptr);
+  outRecords_.resize(size_t(nranks));
+  in_.assign(size_t(nranks), nullptr);
+  inRecords_.resize(size_t(nranks));
   if (slotBytes_ < 256 || slotBytes_ % 256)
     fail(loomInvalidArgument, "device slots of %zu bytes: need a multiple of 256", slotBytes_);
   imports_ = std::make_unique<IpcImportCache>(*driver_, process);
-  const size_t flagBytes = flagAreaBytes(nranks), blockBytes = flagBytes + deviceWindowBytes(slotBytes_, nranks);
+  const size_t flagBytes = flagAreaBytes(nranks), blockBytes = flagBytes + streamWindowBytes(slotBytes_);
+  blockBytes_ = blockBytes;
   block_ = driver_->allocate(blockBytes);
   try {
     IpcRecord mine = exportRange(*driver_, block_, blockBytes, process);
@@ -193,6 +232,8 @@ struct DeviceRemains {
   std::unique_ptr<IpcImportCache> imports;
   std::vector<IpcRecord> records;
   void* block = nullptr;
+  std::vector<void*> regions;                     // send/recv staging allocated here
+  std::vector<std::pair<int, IpcRecord>> mapped;  // peers' staging mapped here
   std::vector<uint64_t*> released;
   const uint64_t* ownDone = nullptr;
   uint64_t target = 0;
@@ -221,7 +262,14 @@ struct DeviceRemains {
   void free() {
     for (int r = 0; r < int(records.size()); ++r)
       if (r != rank) imports->release(r, records[size_t(r)]);
+    for (const auto& [r, rec] : mapped) imports->release(r, rec);
     imports.reset();
+    for (void* p : regions) {
+      try {
+        driver->release(p);
+      } catch (const Error&) {  // nothing to tell from here
+      }
+    }
     try {
       driver->release(block);
     } catch (const Error&) {  // nothing to tell from here
@@ -330,6 +378,16 @@ void DeviceComm::stopWatchdog() {
 
 DeviceComm::~DeviceComm() {
   stopWatchdog();
+  {
+    std::lock_guard<std::mutex> g(p2pMu_);
+    closing_ = true;  // no region is made from here on
+  }
+  std::vector<void*> regions;
+  std::vector<std::pair<int, IpcRecord>> mapped;
+  for (void* p : out_)
+    if (p) regions.push_back(p);
+  for (int r = 0; r < nranks_; ++r)
+    if (in_[size_t(r)] && r != rank_) mapped.emplace_back(r, inRecords_[size_t(r)]);
   if (failed() || drainTimeoutMs_ == 0) {
     // Failed or abandoned: never wait for the peers, but never free what a
     // stream of this rank may still touch either.
@@ -339,6 +397,8 @@ DeviceComm::~DeviceComm() {
     rest->imports = std::move(imports_);
     rest->records = records_;
     rest->block = block_;
+    rest->regions = regions;
+    rest->mapped = mapped;
     rest->released = released_;
     rest->ownDone = flags_[size_t(rank_)] + kFlagDone;
     rest->target = enqueued_.load();
@@ -365,7 +425,14 @@ DeviceComm::~DeviceComm() {
   }
   for (int r = 0; r < int(windows_.size()); ++r)
     if (r != rank_) imports_->release(r, records_[size_t(r)]);
+  for (const auto& [r, rec] : mapped) imports_->release(r, rec);
   imports_.reset();
+  for (void* p : regions) {
+    try {
+      driver_->release(p);
+    } catch (const Error&) {  // nothing to tell from a destructor
+    }
+  }
   try {
     driver_->release(block_);
   } catch (const Error&) {  // nothing to tell from a destructor
@@ -596,8 +663,11 @@ void DeviceComm::check(const OpDesc& op) const {
   if (!serves(op.coll))
     fail(loomInvalidUsage, "%s is not implemented on %s communicators yet", collectiveName(op.coll), driver_->name());
   if (op.tagged)
-    fail(loomInvalidUsage, "tagged send/recv (loomSendTagged/loomRecvTagged) is not implemented on %s communicators "
-         "yet (loomSend/loomRecv are)", driver_->name());
+    fail(loomInvalidUsage,
+         "tagged send/recv (loomSendTagged/loomRecvTagged) is not supported on %s communicators: a receive is "
+         "enqueued on the stream before the sender's tags are known, so it cannot match by tag (use "
+         "loomSend/loomRecv, matched in issue order per pair)",
+         driver_->name());
   const Shape sh = shapeOf(op, rank_, nranks_);
   if (op.count > 0) {
     if (sh.needSend) checkBuffer("sendbuff", op.sendbuf);
@@ -622,7 +692,7 @@ void DeviceComm::run(const OpDesc& op, void* callerStream) {
   b.recv = needRecv ? op.recvbuf : nullptr;
   b.recvBytes = needRecv ? recvBytes : 0;
   b.windows = windows_;
-  b.windowBytes = deviceWindowBytes(slotBytes_, nranks_);
+  b.windowBytes = streamWindowBytes(slotBytes_);
   b.flags = flags_;
   b.flagCopies = flagCopies_;
   struct Current {  // the driver's device for the calls below, the caller's again after
@@ -656,11 +726,98 @@ void DeviceComm::run(const OpDesc& op, void* callerStream) {
   wcv_.notify_all();
 }
 
+const IpcRecord& DeviceComm::outRegionLocked(int peer) {
+  if (closing_) fail(loomRemoteError, "rank %d's %s communicator is being destroyed", rank_, driver_->name());
+  if (!out_[size_t(peer)]) {
+    const size_t bytes = p2pRegionBytes(slotBytes_);
+    const int previous = driver_->enter();
+    void* p = nullptr;
+    try {
+      p = driver_->allocateStaging(bytes);
+      outRecords_[size_t(peer)] = exportRange(*driver_, p, bytes, process_);
+    } catch (...) {
+      if (p) {
+        try {
+          driver_->release(p);
+        } catch (const Error&) {  // the first error is the one to report
+        }
+      }
+      driver_->leave(previous);
+      throw;
+    }
+    driver_->leave(previous);
+    out_[size_t(peer)] = p;
+    LOOM_INFO("DEVICE", "rank %d: send/recv staging for rank %d: %zu B on %s:%d", rank_, peer, bytes,
+               driver_->name(), driver_->device());
+  }
+  return outRecords_[size_t(peer)];
+}
+
+IpcRecord DeviceComm::p2pRegionFor(int reader) {
+  if (reader < 0 || reader >= nranks_)
+    fail(loomRemoteError, "rank %d asked for a send/recv region for rank %d of %d", rank_, reader, nranks_);
+  std::lock_guard<std::mutex> g(p2pMu_);
+  return outRegionLocked(reader);
+}
+
+void DeviceComm::prepareP2P(const std::vector<OpDesc>& ops) {
+  for (const OpDesc& op : ops) {
+    if (op.coll != Collective::P2P || op.peer < 0 || op.peer >= nranks_)
+      fail(loomInternalError, "send/recv setup given %s (peer %d)", collectiveName(op.coll), op.peer);
+    if (op.count == 0) continue;  // moves nothing
+    if (op.isSend || op.peer == rank_) {
+      uint8_t* own;
+      {
+        std::lock_guard<std::mutex> g(p2pMu_);
+        outRegionLocked(op.peer);
+        own = static_cast<uint8_t*>(out_[size_t(op.peer)]);
+      }
+      // Never inMu_ under p2pMu_: inMu_ is held while a peer is asked, whose
+      // answer may need that peer's p2pMu_.
+      if (op.peer != rank_) continue;
+      std::lock_guard<std::mutex> i(inMu_);
+      in_[size_t(rank_)] = own;  // its own, as it is
+      continue;
+    }
+    std::lock_guard<std::mutex> i(inMu_);
+    if (in_[size_t(op.peer)]) continue;
+    if (!fetchRegion_)
+      fail(loomInvalidUsage, "rank %d: this %s communicator has no way to ask rank %d for its send/recv region",
+           rank_, driver_->name(), op.peer);
+    const IpcRecord rec = fetchRegion_(op.peer);
+    if (rec.bytes != p2pRegionBytes(slotBytes_))
+      fail(loomRemoteError, "rank %d's send/recv region for rank %d is %llu bytes, this rank expects %zu: every "
+           "rank must use the same slot size", op.peer, rank_, (unsigned long long)rec.bytes,
+           p2pRegionBytes(slotBytes_));
+    in_[size_t(op.peer)] = imports_->import(op.peer, rec);
+    inRecords_[size_t(op.peer)] = rec;
+  }
+}
+
+DeviceMemoryStats DeviceComm::memoryStats() const {
+  DeviceMemoryStats st;
+  st.blockBytes = blockBytes_;
+  {
+    std::lock_guard<std::mutex> g(p2pMu_);
+    for (void* p : out_) st.regionsOut += p != nullptr;
+  }
+  st.regionBytesOut = st.regionsOut * p2pRegionBytes(slotBytes_);
+  std::lock_guard<std::mutex> i(inMu_);
+  for (int r = 0; r < nranks_; ++r) st.regionsIn += r != rank_ && in_[size_t(r)];
+  return st;
+}
+
 void DeviceComm::runP2P(const std::vector<OpDesc>& ops, void* callerStream) {
   for (const OpDesc& op : ops) {
     if (op.coll != Collective::P2P) fail(loomInternalError, "runP2P given %s", collectiveName(op.coll));
     check(op);
   }
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (failCode_ != loomSuccess)
+      fail(failCode_, "the %s communicator has failed: %s", driver_->name(), failed_.c_str());
+  }
+  prepareP2P(ops);
   // Send i reads buffer i of the sends, receive j writes buffer j of the
   // receives (compileP2PProgram's numbering).
   ProgramBuffers b;
@@ -678,10 +835,19 @@ void DeviceComm::runP2P(const std::vector<OpDesc>& ops, void* callerStream) {
     }
   }
   b.windows = windows_;
-  b.windowBytes = deviceWindowBytes(slotBytes_, nranks_);
+  b.windowBytes = streamWindowBytes(slotBytes_);
   b.flags = flags_;
   b.flagCopies = flagCopies_;
   b.peerFlags = peerFlags_;
+  b.p2pBytes = p2pRegionBytes(slotBytes_);
+  {
+    std::lock_guard<std::mutex> g(p2pMu_);
+    for (void* o : out_) b.p2pOut.push_back(static_cast<uint8_t*>(o));
+  }
+  {
+    std::lock_guard<std::mutex> i(inMu_);
+    b.p2pIn = in_;
+  }
   std::lock_guard<std::mutex> g(mu_);
   if (failCode_ != loomSuccess) fail(failCode_, "the %s communicator has failed: %s", driver_->name(), failed_.c_str());
   P2PCounters counters = p2p_;

@@ -23,9 +23,16 @@
 // every stream wait of a rank is on its own memory, and a rank can release
 // its own waits without touching (or releasing) any peer's.
 //
-// Send/recv (runP2P) uses the chunks after the collective slots in each
-// window and the per-pair flags (kFlagP2PSent/kFlagP2PAcked, written into
-// one reader's row only): every wait is still on this rank's own memory.
+// Send/recv (runP2P) stages its chunks in a region of the sender's device
+// memory per receiver, and synchronises on the per-pair flags
+// (kFlagP2PSent/kFlagP2PAcked, written into one reader's row only): every
+// wait is still on this rank's own memory.  The regions are made on the
+// pair's first use, not at init (prepareP2P): a sender allocates its region
+// for a receiver at its first send to it; a receiver asks the sender for
+// it at its first receive from it (options.fetchRegion: the communicator's
+// control plane, whose thread answers through p2pRegionFor and allocates
+// the region then if the sender has not yet), so the receiver never waits
+// for the sender's own calls, only for its control thread.
 //
 // Failure (DeviceComm::markFailed: a peer's Fail notice, loomCommAbort, an
 // enqueue error, or the watchdog below): the communicator fails for good,
@@ -65,7 +72,8 @@ namespace loom {
 constexpr size_t kIpcHandleBytes = 64;  // cudaIpcMemHandle_t
 // Flags first in a rank's block (a row of kFlagCount per rank), padded so
 // the window starts 256-byte aligned.  The window: the collectives' two
-// slots, then the send/recv chunks (deviceWindowBytes).
+// slots (streamWindowBytes); send/recv staging is allocated apart, per pair
+// on first use (p2pRegionBytes).
 inline size_t flagAreaBytes(int nranks) {
   return (size_t(nranks) * kFlagCount * sizeof(uint64_t) + 255) / 256 * 256;
 }
@@ -107,6 +115,11 @@ class DeviceDriver {
   virtual int pointerDevice(const void* p) const = 0;
   // Zeroed device memory; released with release().
   virtual void* allocate(size_t bytes) = 0;
+  // Device memory that need not be zeroed, allocated without waiting for
+  // the device (CUDA: cudaMalloc alone; allocate's memset and synchronise
+  // would wait for streams that may wait on peers): send/recv staging,
+  // made while the communicator runs.  Released with release().
+  virtual void* allocateStaging(size_t bytes) { return allocate(bytes); }
   virtual void release(void* p) = 0;
   // The allocation `p` points into (cuMemGetAddressRange).
   virtual void addressRange(const void* p, void** base, size_t* bytes) const = 0;
@@ -177,6 +190,15 @@ class IpcImportCache {
 // Describes [p, p + bytes) of this process's device memory for the peers.
 IpcRecord exportRange(const DeviceDriver& driver, const void* p, size_t bytes, uint64_t process);
 
+// The answer to a peer's question for a send/recv region, as bytes (the
+// control plane carries them): a result code, then the record (loomSuccess)
+// or the error's text.  loomInProgress: not ready yet, ask again.
+std::vector<uint8_t> encodeRegionAnswer(loomResult_t code, const IpcRecord* rec, const std::string& msg);
+// Rank `peer`'s answer: true with *rec filled, false for loomInProgress;
+// throws its error (the code it sent, the text naming it), or
+// loomRemoteError for bytes that are no answer.
+bool decodeRegionAnswer(int peer, const std::vector<uint8_t>& bytes, IpcRecord* rec);
+
 struct DeviceCommOptions {
   size_t slotBytes = kDeviceSlotBytes;        // every rank must use the same
   size_t oneShotBytes = kDeviceOneShotBytes;  // all-reduce: one-shot up to this size
@@ -205,6 +227,20 @@ struct DeviceCommOptions {
   // streams are done; after this long it is left allocated (never freed
   // under a running stream).
   int64_t reapTimeoutMs = 60000;
+  // Send/recv: asks rank `peer` for its staging region for this rank (the
+  // peer's p2pRegionFor(this rank)) and waits for the answer; throws Error
+  // (the peer gone, no answer by the deadline, its allocation failed).  The
+  // communicator asks over its control plane; tests call the peer.  Empty:
+  // a receive from another rank is loomInvalidUsage.
+  std::function<IpcRecord(int peer)> fetchRegion{};
+};
+
+// What a DeviceComm has allocated and mapped (memoryStats(), loomCommDump).
+struct DeviceMemoryStats {
+  size_t blockBytes = 0;      // allocated at init: the flags and the collectives' window
+  size_t regionsOut = 0;      // send/recv staging allocated here (one per receiver)
+  size_t regionBytesOut = 0;  // their bytes
+  size_t regionsIn = 0;       // peers' staging for this rank mapped here (one per sender but itself)
 };
 
 class DeviceComm {
@@ -241,6 +277,17 @@ class DeviceComm {
   // chunk across the members, so a group's sends and receives never wait
   // on each other in a cycle).  Checks and failure as run().
   void runP2P(const std::vector<OpDesc>& ops, void* callerStream);
+  // Makes the send/recv regions `ops` need (a send: this rank's region for
+  // the receiver; a receive: the sender's, asked for through
+  // options.fetchRegion and mapped here), once per pair; runP2P calls it.
+  // Enqueues nothing and moves no counter, so an error here (loomRemoteError
+  // or loomTimeout: the peer did not answer; a device error allocating)
+  // leaves the communicator as it was, and the call may be repeated.
+  void prepareP2P(const std::vector<OpDesc>& ops);
+  // This rank's region for `reader`, allocated now if it has none yet (the
+  // answer to a peer's fetchRegion; any thread).
+  IpcRecord p2pRegionFor(int reader);
+  DeviceMemoryStats memoryStats() const;
 
   // Which all-reduce program `bytes` gets.
   StreamAlgorithm allReduceAlgorithm(size_t bytes) const {
@@ -282,9 +329,13 @@ class DeviceComm {
   void release();
   // The watchdog's own failure: markFailed, then onFailure.
   void failFromWatchdog(loomResult_t code, const std::string& msg, int peer);
+  // This rank's region for `peer`, allocated if needed (p2pMu_ held).
+  const IpcRecord& outRegionLocked(int peer);
 
   int rank_, nranks_;
   size_t slotBytes_, oneShotBytes_;
+  uint64_t process_;
+  size_t blockBytes_ = 0;
   int64_t drainTimeoutMs_;
   std::unique_ptr<DeviceDriver> driver_;
   std::unique_ptr<IpcImportCache> imports_;
@@ -296,6 +347,18 @@ class DeviceComm {
   std::vector<uint64_t*> released_;    // the flags a release writes (every peer row here)
   std::vector<uint64_t*> peerFlags_;   // per rank r: this rank's row in r's area (per-pair flag writes)
   P2PCounters p2p_;                    // send/recv: chunks per peer, programs (under mu_)
+  std::function<IpcRecord(int)> fetchRegion_;
+  // Send/recv staging, per peer.  Out: this rank's allocations (p2pMu_,
+  // which p2pRegionFor takes on the control thread too); in: the peers'
+  // regions for this rank as mapped here (inMu_, API threads only: it is
+  // held while a peer is asked, which is safe because peers answer from
+  // their control threads, which take p2pMu_ alone).
+  mutable std::mutex p2pMu_, inMu_;
+  bool closing_ = false;  // p2pMu_: destruction began, p2pRegionFor refuses
+  std::vector<void*> out_;
+  std::vector<IpcRecord> outRecords_;
+  std::vector<uint8_t*> in_;
+  std::vector<IpcRecord> inRecords_;  // the imports to release (rank != this one)
   mutable std::mutex mu_;  // one program enqueued at a time, in round order
   uint64_t round_ = 0;
   std::string failed_;  // set once the communicator failed

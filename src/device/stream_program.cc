@@ -35,6 +35,10 @@ std::string refName(const ProgramRef& r) {
       return r.rank ? strf("recv#%d+%zu", r.rank, r.offset) : strf("recv+%zu", r.offset);
     case Space::Window:
       return strf("win[%d]+%zu", r.rank, r.offset);
+    case Space::P2POut:
+      return strf("out[%d]+%zu", r.rank, r.offset);
+    case Space::P2PIn:
+      return strf("in[%d]+%zu", r.rank, r.offset);
   }
   return "?";
 }
@@ -112,6 +116,14 @@ struct Resolver {
         if (r.rank < 0 || size_t(r.rank) >= b.windows.size()) bad("names a rank with no window");
         if (r.offset > b.windowBytes || bytes > b.windowBytes - r.offset) bad("goes past a window");
         return b.windows[size_t(r.rank)] + r.offset;
+      case Space::P2POut:
+      case Space::P2PIn: {
+        const std::vector<uint8_t*>& regions = r.space == Space::P2POut ? b.p2pOut : b.p2pIn;
+        if (r.rank < 0 || size_t(r.rank) >= regions.size() || !regions[size_t(r.rank)])
+          bad("names a send/recv region it was not given");
+        if (r.offset > b.p2pBytes || bytes > b.p2pBytes - r.offset) bad("goes past a send/recv region");
+        return regions[size_t(r.rank)] + r.offset;
+      }
     }
     bad("names an unknown buffer");
   }

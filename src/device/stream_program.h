@@ -28,6 +28,8 @@ enum class Space : uint8_t {
   Send,    // this rank's send buffer
   Recv,    // this rank's recv buffer
   Window,  // rank `rank`'s window (peer memory)
+  P2POut,  // send/recv: this rank's staging region for receiver `rank`
+  P2PIn,   // send/recv: sender `rank`'s staging region for this rank (peer memory)
 };
 
 struct ProgramRef {
@@ -119,6 +121,11 @@ struct ProgramBuffers {
     size_t bytes = 0;
   };
   std::vector<Range> moreSends, moreRecvs;
+  // Send/recv staging, per peer r: this rank's region for r (P2POut) and
+  // r's region for this rank as mapped here (P2PIn), p2pBytes each; null
+  // where the pair has none (regions are made on the pair's first use).
+  std::vector<uint8_t*> p2pOut, p2pIn;
+  size_t p2pBytes = 0;
 };
 
 // What executes stream operations: one call per op, in program order per

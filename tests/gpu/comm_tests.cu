@@ -16,6 +16,15 @@
 //           loomAllToAllv of uneven blocks: exact
 //   errors  a host pointer and a loom host stream on a CUDA communicator:
 //           loomInvalidArgument with a message
+//   lazy    send/recv staging is made on first use (loomCommDump): none
+//           after init and the collectives, one region after the ring (to
+//           the next rank), one per rank after the all-to-allv
+//   groups  one group spanning two communicators (a second one made from
+//           another unique id): an all-reduce on each and a send/recv ring
+//           on the second, exact; tagged send/recv is loomInvalidUsage
+//   memalloc loomMemAlloc with LOOM_DEVICE=cuda: device memory of device 0
+//           (cudaPointerGetAttributes), cudaIpcGetMemHandle takes it, an
+//           all-reduce on it is exact, loomMemFree frees it
 // Prints one row per N and check; exits non-zero on any wrong value, error
 // or crash (run.sh bounds the run with timeout(1)).
 //
@@ -189,13 +198,22 @@ __global__ void slowFill(float* p, size_t n, float value, long long spinCycles) 
 }
 
 // One rank (a process).  Prints "RESULT <check> <cases> <wrong>" lines.
-int rankMain(int me, int N, loomUniqueId id, size_t maxCount) {
+// Send/recv staging regions this rank allocated, as loomCommDump says (-1: not found).
+long regionsOut(loomComm_t comm) {
+  char buf[8192];
+  if (loomCommDump(comm, buf, sizeof buf) != loomSuccess) return -1;
+  const char* at = std::strstr(buf, "send/recv staging: ");
+  return at ? std::strtol(at + std::strlen("send/recv staging: "), nullptr, 10) : -1;
+}
+
+int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, size_t maxCount) {
   CK(cudaSetDevice(0));
   setenv("LOOM_DEVICE", "cuda", 1);
   loomComm_t comm;
   LK(loomCommInitRank(&comm, N, id, me));
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  long lazyBad = regionsOut(comm) != 0;  // none at init
 
   // comm: every collective x type x op, in and out of place, issued back to
   // back in batches, one synchronisation per batch.
@@ -236,6 +254,7 @@ int rankMain(int me, int N, loomUniqueId id, size_t maxCount) {
       }
   flush();
   std::printf("RESULT comm %ld %ld\n", cases, wrong);
+  lazyBad += regionsOut(comm) != 0;  // nor for collectives
 
   // p2p: send/recv in a group (a ring: to the next rank, from the
   // previous, sizes from one element to many chunks), and an all-to-allv
@@ -264,6 +283,7 @@ int rankMain(int me, int N, loomUniqueId id, size_t maxCount) {
       CK(cudaFree(s));
       CK(cudaFree(r));
     }
+    lazyBad += regionsOut(comm) != 1;  // the ring: one receiver (the next rank, or itself)
     // all-to-allv: rank q sends (q + j) % 3 * 777 + 1 elements to rank j.
     auto cnt = [](int q, int j) { return size_t((q + j) % 3) * 777 + 1; };
     const size_t nr = static_cast<size_t>(N);
@@ -297,6 +317,69 @@ int rankMain(int me, int N, loomUniqueId id, size_t maxCount) {
     CK(cudaFree(s));
     CK(cudaFree(r));
     std::printf("RESULT p2p %ld %ld\n", p2pCases, p2pWrong);
+    lazyBad += regionsOut(comm) != N;  // every rank received from this one
+    std::printf("RESULT lazy 4 %ld\n", lazyBad);
+  }
+
+  // groups: one group over two communicators; tagged send/recv refused.
+  {
+    loomComm_t comm2;
+    LK(loomCommInitRank(&comm2, N, id2, me));
+    const size_t n = 300000;
+    float *a, *b, *s, *r;
+    CK(cudaMalloc(&a, n * 4));
+    CK(cudaMalloc(&b, n * 4));
+    CK(cudaMalloc(&s, n * 4));
+    CK(cudaMalloc(&r, n * 4));
+    std::vector<float> ones(n, float(me + 1)), twos(n, float(2 * (me + 1))), mine(n, float(100 + me));
+    CK(cudaMemcpyAsync(a, ones.data(), n * 4, cudaMemcpyHostToDevice, st));
+    CK(cudaMemcpyAsync(b, twos.data(), n * 4, cudaMemcpyHostToDevice, st));
+    CK(cudaMemcpyAsync(s, mine.data(), n * 4, cudaMemcpyHostToDevice, st));
+    const int next = (me + 1) % N, prev = (me + N - 1) % N;
+    LK(loomGroupStart());
+    LK(loomAllReduce(a, a, n, loomFloat32, loomSum, comm, loomStream_t(st)));
+    LK(loomAllReduce(b, b, n, loomFloat32, loomSum, comm2, loomStream_t(st)));
+    LK(loomRecv(r, n, loomFloat32, prev, comm2, loomStream_t(st)));
+    LK(loomSend(s, n, loomFloat32, next, comm2, loomStream_t(st)));
+    LK(loomGroupEnd());
+    CK(cudaStreamSynchronize(st));
+    std::vector<float> ga(n), gb(n), gr(n);
+    CK(cudaMemcpy(ga.data(), a, n * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(gb.data(), b, n * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(gr.data(), r, n * 4, cudaMemcpyDeviceToHost));
+    const float sum = float(N * (N + 1) / 2);
+    long bad = 0;
+    for (size_t i = 0; i < n; ++i) bad += ga[i] != sum || gb[i] != 2 * sum || gr[i] != float(100 + prev);
+    long groupBad = bad != 0;
+    loomResult_t rc = loomSendTagged(s, 16, loomFloat32, next, 1, comm2, loomStream_t(st));
+    groupBad += rc != loomInvalidUsage || std::string(loomGetLastError(comm2)).find("tagged") == std::string::npos;
+    CK(cudaStreamSynchronize(st));
+    LK(loomCommDestroy(comm2));
+    for (float* p : {a, b, s, r}) CK(cudaFree(p));
+    std::printf("RESULT groups 2 %ld\n", groupBad);
+  }
+
+  // memalloc: loomMemAlloc gives device memory on a CUDA process.
+  {
+    long bad = 0;
+    const size_t n = 1 << 18;
+    void* p = nullptr;
+    LK(loomMemAlloc(&p, n * 4));
+    cudaPointerAttributes at;
+    CK(cudaPointerGetAttributes(&at, p));
+    bad += at.type != cudaMemoryTypeDevice || at.device != 0;
+    cudaIpcMemHandle_t h;
+    bad += cudaIpcGetMemHandle(&h, p) != cudaSuccess;
+    std::vector<float> v(n, float(me + 1)), got(n);
+    CK(cudaMemcpy(p, v.data(), n * 4, cudaMemcpyHostToDevice));
+    LK(loomAllReduce(p, p, n, loomFloat32, loomSum, comm, loomStream_t(st)));
+    CK(cudaStreamSynchronize(st));
+    CK(cudaMemcpy(got.data(), p, n * 4, cudaMemcpyDeviceToHost));
+    long wrongVals = 0;
+    for (float x : got) wrongVals += x != float(N * (N + 1) / 2);
+    bad += wrongVals != 0;
+    bad += loomMemFree(p) != loomSuccess;
+    std::printf("RESULT memalloc 4 %ld\n", bad);
   }
 
   // order: the call returns while earlier work on the stream still runs.
@@ -376,8 +459,9 @@ int main(int argc, char** argv) {
   int failures = 0;
   std::printf("%-8s %-64s %8s  %s\n", "check", "cases", "wrong", "result");
   for (int N : rankCounts) {
-    loomUniqueId id;
+    loomUniqueId id, id2;
     LK(loomGetUniqueId(&id));
+    LK(loomGetUniqueId(&id2));
     std::vector<pid_t> pids;
     std::vector<int> pipes;
     for (int r = 0; r < N; ++r) {
@@ -387,7 +471,7 @@ int main(int argc, char** argv) {
       if (p == 0) {
         close(fds[0]);
         dup2(fds[1], 1);
-        _exit(rankMain(r, N, id, maxCount));
+        _exit(rankMain(r, N, id, id2, maxCount));
       }
       close(fds[1]);
       pids.push_back(p);
@@ -410,7 +494,7 @@ int main(int argc, char** argv) {
         std::printf("rank %d of %d exited abnormally (status %d)\n", r, N, st);
       }
     }
-    for (const char* check : {"comm", "p2p", "order", "errors"}) {
+    for (const char* check : {"comm", "p2p", "lazy", "groups", "memalloc", "order", "errors"}) {
       long cases = 0, wrong = 0;
       bool seen = false;
       for (int r = 0; r < N; ++r) {

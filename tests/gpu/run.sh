@@ -7,7 +7,9 @@
 # program variant with 1, 2 and 4 ranks on the one GPU, stream order), CUDA
 # communicators through the C API (loom-gpu-comm-tests: LOOM_DEVICE=cuda,
 # 1, 2 and 4 processes sharing the one GPU, every collective on device
-# buffers, the call returning before the stream's work is done, errors),
+# buffers, send/recv staging made on first use, a group over two
+# communicators, loomMemAlloc's device memory, the call returning before
+# the stream's work is done, errors),
 # their all-reduce speed (loom-gpu-comm-perf, printed, not judged), loom-perf
 # on device buffers (-G: all-reduce up to 256 MiB, all-to-all, gather,
 # scatter and sendrecv, 2 ranks, checked), a short

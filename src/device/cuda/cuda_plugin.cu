@@ -128,6 +128,11 @@ int mallocZeroed(void** ptr, size_t bytes) {
   return int(rc);
 }
 
+int mallocRaw(void** ptr, size_t bytes) {
+  *ptr = nullptr;
+  return int(cudaMalloc(ptr, bytes));
+}
+
 int freeMem(void* ptr) { return int(cudaFree(ptr)); }
 
 int addressRange(const void* p, void** base, size_t* bytes) {
@@ -185,7 +190,7 @@ const CudaApi kApi = {kCudaApiVersion, waitValue64,     writeValue64,   memcpyAs
                       eventRecord,     streamWaitEvent, errorString,    deviceCount,    pointerDevice, getDevice,
                       setDevice,       mallocZeroed,    freeMem,        addressRange,   ipcGetHandle,  ipcOpenHandle,
                       ipcCloseHandle,  streamCreate,    streamDestroy,  eventCreate,    eventDestroy,
-                      readValue64};
+                      readValue64,     mallocRaw};
 
 }  // namespace
 }  // namespace cuda

@@ -1,0 +1,81 @@
+// loomMemAlloc's device memory (device_memory.h): a registry of live
+// allocations, each with the driver that made it, so that loomMemFree
+// frees it the same way.
+#include "src/device/device_memory.h"
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "src/core/config.h"
+#include "src/core/error.h"
+#include "src/device/device_choice.h"
+#include "src/device/device_comm.h"
+
+namespace loom {
+
+namespace {
+
+struct Allocation {
+  std::unique_ptr<DeviceDriver> driver;
+  size_t bytes = 0;
+};
+
+std::mutex g_mu;
+std::map<void*, Allocation>& live() {
+  static auto* m = new std::map<void*, Allocation>();  // leaked: used at exit
+  return *m;
+}
+
+}  // namespace
+
+void* deviceMemAlloc(size_t bytes) {
+  const std::string& d = config().device;
+  if (d.empty() || d == "host") return nullptr;  // without loading the CUDA plug-in
+  const DeviceChoice choice = checkDeviceChoice();
+  if (!choice.cuda) return nullptr;
+  if (bytes == 0) fail(loomInvalidArgument, "size is 0");
+  Allocation a;
+  a.driver = deviceDriverFor(choice, 0, 1);
+  a.bytes = bytes;
+  const int previous = a.driver->enter();
+  void* p = nullptr;
+  try {
+    p = a.driver->allocateStaging(bytes);
+  } catch (...) {
+    a.driver->leave(previous);
+    throw;
+  }
+  a.driver->leave(previous);
+  std::lock_guard<std::mutex> g(g_mu);
+  live().emplace(p, std::move(a));
+  return p;
+}
+
+bool deviceMemFree(void* ptr) {
+  Allocation a;
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    auto it = live().find(ptr);
+    if (it == live().end()) return false;
+    a = std::move(it->second);
+    live().erase(it);
+  }
+  const int previous = a.driver->enter();
+  try {
+    a.driver->release(ptr);
+  } catch (...) {
+    a.driver->leave(previous);
+    throw;
+  }
+  a.driver->leave(previous);
+  return true;
+}
+
+size_t deviceMemLive() {
+  std::lock_guard<std::mutex> g(g_mu);
+  return live().size();
+}
+
+}  // namespace loom

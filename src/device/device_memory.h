@@ -1,0 +1,24 @@
+// loomMemAlloc / loomMemFree on a process whose communicators run on CUDA
+// (LOOM_DEVICE=cuda, or auto with a GPU): device memory of the current
+// device, as ncclMemAlloc gives, allocated through the DeviceDriver (so the
+// tests' simulated device stands in for CUDA).  It is cudaMalloc'd, so the
+// communicator's cuda_ipc export (cuMemGetAddressRange for the base, then
+// cudaIpcGetMemHandle) works on any buffer inside it.
+#pragma once
+#include <cstddef>
+
+namespace loom {
+
+// Device memory of `bytes` (not zeroed, as cudaMalloc), or nullptr when
+// LOOM_DEVICE says the host (the caller then gives host memory).  Throws
+// loom::Error: loomInvalidArgument for size 0, loomInvalidUsage when
+// LOOM_DEVICE=cuda has no usable device (the reason, as communicator init
+// gives it), loomUnhandledCudaError with CUDA's message.
+void* deviceMemAlloc(size_t bytes);
+// Frees `ptr` and returns true if deviceMemAlloc returned it (and it is
+// still live); false otherwise, touching nothing.
+bool deviceMemFree(void* ptr);
+// Live allocations of deviceMemAlloc (tests).
+size_t deviceMemLive();
+
+}  // namespace loom
