@@ -234,8 +234,10 @@ NCCL_SHIM_API(ncclResult_t, ncclCommCuDevice, const ncclComm_t comm, int* device
               "ncclCommCuDevice: a loom host communicator has no CUDA device (host buffers)");
 }
 
-// Host memory from loomMemAlloc (whole pages, so NCCL_WIN_REQUIRED_ALIGNMENT
-// holds): peers on the host reduce straight out of it.
+// loomMemAlloc: CUDA device memory on the current device when the process
+// has a GPU (the shim sets LOOM_DEVICE=auto), as NCCL gives; host memory
+// otherwise (whole pages, so NCCL_WIN_REQUIRED_ALIGNMENT holds), which
+// peers on the host reduce straight out of.
 NCCL_SHIM_API(ncclResult_t, ncclMemAlloc, void** ptr, size_t size) {
   ensureEnv();
   if (!ptr) return fail(ncclInvalidArgument, "ncclMemAlloc: ptr is NULL");
