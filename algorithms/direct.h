@@ -199,12 +199,13 @@ template <class Ready>
 void directWait(DirectContext& ctx, Ready ready, int peer, const SlotTag& tag, const char* what) {
   if (ready()) return;
   Backoff backoff(ctx.env.spinUs(), ctx.env.oversubscribed(), ctx.env.cpuContention());
-  int64_t lastCheck = nowNs();
+  int64_t lastCheck = 0;
   std::vector<pollfd> none;
   for (;;) {
     if (ready()) return;
     if (backoff.spin()) continue;
-    int64_t now = nowNs();
+    const int64_t now = backoff.lastNs();
+    if (!lastCheck) lastCheck = now;  // the first check 20 ms into the sleeping
     if (now - lastCheck > 20 * 1000000LL) {
       lastCheck = now;
       ctx.env.checkAborted();

@@ -43,10 +43,19 @@ class Backoff {
   Backoff(int64_t spinUs, bool yield, std::atomic<uint32_t>* contention = nullptr)
       : spinNs_(spinUs * 1000), yield_(yield), contention_(contention) {}
   // Restart after progress.
-  void reset() { start_ = 0; }
+  void reset() { start_ = 0, freeYields_ = 0; }
   // One round of waiting; false once the spin budget is spent (time to sleep).
   bool spin() {
+    // Yielding from the start (more ranks than cores), a round costs a
+    // system call and usually a switch: the first few read no clock, and
+    // most waits end within them (8 ranks on 2 cores, 8 B all-reduce).
+    if (yield_ && spinNs_ > 0 && freeYields_ < kFreeYields) {
+      ++freeYields_;
+      sched_yield();
+      return true;
+    }
     int64_t now = nowNs();
+    last_ = now;
     if (start_ == 0) start_ = now;
     if (now - start_ >= spinNs_) return false;
     if (yield_) {
@@ -60,8 +69,11 @@ class Backoff {
     }
     return true;
   }
-  // Nanoseconds since the wait began.
-  int64_t waited() const { return start_ ? nowNs() - start_ : 0; }
+  // Nanoseconds from the wait's start to the last spin() (every caller
+  // asks right after a spin(): its clock read serves, rather than another).
+  int64_t waited() const { return start_ ? last_ - start_ : 0; }
+  // The clock as the last spin() read it.
+  int64_t lastNs() const { return last_; }
 
   // A yield longer than this ran something else on the CPU (a yield that
   // switches nothing costs a system call: 0.1-1.5 us).
@@ -80,10 +92,13 @@ class Backoff {
 
  private:
   static constexpr int64_t kPauseOnlyNs = 2000;
+  static constexpr int kFreeYields = 4;
   int64_t spinNs_;
   bool yield_;
   std::atomic<uint32_t>* contention_;
   int64_t start_ = 0;
+  int64_t last_ = 0;
+  int freeYields_ = 0;
 };
 
 }  // namespace loom

@@ -9,6 +9,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -34,7 +35,7 @@ LOOM_HOT void loomComm::noteRunning(const SlotTag& tag, size_t nops) {
   actRoot_.store(tag.root, std::memory_order_relaxed);
   actOps_.store(int32_t(nops), std::memory_order_relaxed);
   actPeer_.store(-1, std::memory_order_relaxed);
-  actStartNs_.store(nowNs(), std::memory_order_release);
+  actStartNs_.store(nowCoarseNs(), std::memory_order_release);  // shown in ms
 }
 
 void loomComm::noteWaiting(int peer) {
@@ -94,11 +95,12 @@ std::string loomComm::dump() {
   int64_t start = actStartNs_.load(std::memory_order_acquire);
   int64_t now = nowNs();
   if (start) {
+    const int64_t coarse = nowCoarseNs();  // noteRunning's clock
     SlotTag t = loadTag(actSeq_, actCount_, actSig_, actRoot_);
     int nops = actOps_.load(std::memory_order_relaxed);
     s += strf("  running: %s%s for %lld ms\n", describeTag(t).c_str(),
               nops > 1 ? strf(" and %d more of its group", nops - 1).c_str() : "",
-              (long long)((now - start) / 1000000));
+              (long long)(std::max<int64_t>(coarse - start, 0) / 1000000));
     int peer = actPeer_.load(std::memory_order_acquire);
     if (peer >= 0)
       s += strf("  waiting for rank %d (%s) for %lld ms\n", peer, transportTo(peer),

@@ -147,7 +147,7 @@ class Runner {
       if (backoff.spin()) continue;
       // Idle past the spin budget: check for failures, then sleep.
       env_.checkAborted();
-      int64_t now = nowNs();
+      int64_t now = backoff.lastNs();
       if (now - lastCheck > 20 * 1000000LL) {
         lastCheck = now;
         try {

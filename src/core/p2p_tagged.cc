@@ -73,7 +73,7 @@ loomResult_t TaggedP2P::run(ExecEnv& env, TaggedHost& host, const std::vector<Op
     }
     if (backoff.spin()) continue;
     env.checkAborted();
-    int64_t now = nowNs();
+    int64_t now = backoff.lastNs();
     if (now - lastCheck > 20 * 1000000LL) {
       lastCheck = now;
       checkPeers(env, host);
