@@ -131,7 +131,8 @@ struct DirectState {
   std::vector<uint8_t*> windows;                  // PeerMemory::window(r), looked up once
   std::vector<uint8_t> piece;                     // zero-copy all-reduce: one reduced piece
   std::array<uint64_t, 2> lastPull{{0, 0}};        // stamp last published in the pull line, per parity
-  std::vector<uint64_t> pullDone;                 // per rank: the highest `done` seen in its pull line
+  std::vector<uint64_t> pullDone;                 // per rank: pulls it has finished, as far as seen
+  uint64_t pullUnpublished = 0;                   // stamp of my last pull, finished but its `done` not stored
 };
 
 // Everything a direct algorithm runs with.
@@ -157,6 +158,15 @@ struct DirectContext {
 
 // algorithms/one_shot.cc: every collective but P2P, blocks of at most mailBytes.
 void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag);
+// A pull all-reduce (one_shot.cc) leaves its `done` unstored: this rank's
+// next pull line says it finished (a line is published only after the
+// previous operation ended), which saves a store and a round of wake-ups
+// per operation.  Every other operation stores it first, through this (the
+// direct paths themselves, loomComm::runOps for the rest); it does nothing
+// when there is nothing to store.
+void directPublishPullDone(DirectContext& ctx);
+// Whether oneShotRun runs `op` as a pull all-reduce.
+bool oneShotPulls(const OpDesc& op, int nranks);
 // algorithms/staged.cc: all-reduce of any size, in chunks of stageBytes.
 void stagedRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag);
 

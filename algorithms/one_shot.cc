@@ -95,9 +95,12 @@ void directCheckStalled(const DirectContext& ctx, int peer, const SlotTag& mine)
 // The smallest all-reduces: each rank publishes its block in its own pull
 // line and reads everyone's in place, in rank order (bit-identical results
 // everywhere).  A line's data of parity p is rewritten two operations
-// later, once every rank's `done` shows it read them; a rank learns the
-// others' `done` from the lines it reads anyway, so it waits for it only
-// when the operation in between was not a pull.
+// later, once every rank finished that operation: its `done` says so, or
+// its line carrying a later stamp does (a rank publishes only after its
+// previous operation ended).  A rank learns that from the lines it reads
+// anyway, so it waits only when the operation in between was not a pull;
+// and it stores its own `done` only before an operation that is not a pull
+// (directPublishPullDone).
 LOOM_HOT static void pullAllReduce(DirectContext& ctx, const OpDesc& op, const SlotTag& tag, size_t block) {
   const int N = ctx.nranks, me = ctx.rank;
   const int parity = int(tag.seq & 1);
@@ -109,17 +112,22 @@ LOOM_HOT static void pullAllReduce(DirectContext& ctx, const OpDesc& op, const S
     for (int r = 0; r < N; ++r) {
       if (r == me || st.pullDone[size_t(r)] >= last) continue;
       DirectPullLine* l = ctx.win(r).pullLine();
-      directWait(ctx, [&] { return l->done.load(std::memory_order_acquire) >= last; }, r, tag,
-                 "its acknowledgement");
-      st.pullDone[size_t(r)] = l->done.load(std::memory_order_acquire);
+      directWait(ctx,
+                 [&] {
+                   return l->done.load(std::memory_order_acquire) >= last ||
+                          l->seq.load(std::memory_order_acquire) > last;
+                 },
+                 r, tag, "its acknowledgement");
+      st.pullDone[size_t(r)] = last;
     }
   }
   DirectPullMeta m{uint8_t(op.count), uint8_t(block), uint8_t(op.coll), uint8_t(op.dtype), uint8_t(op.op),
                    {uint8_t(stamp), uint8_t(stamp >> 8), uint8_t(stamp >> 16)}};
   ctx.device.copy(mine->data[parity], op.sendbuf, block, CopyHint::Cached);
   mine->meta[parity] = m;
-  mine->seq.store(stamp, std::memory_order_release);
+  mine->seq.store(stamp, std::memory_order_release);  // and so: my previous pull is done
   st.lastPull[size_t(parity)] = stamp;
+  st.pullUnpublished = 0;
   ctx.mem.wakeOthers(me, N);
 
   // op over the lines in rank order, assembled aside: a mismatch found at a
@@ -154,27 +162,45 @@ LOOM_HOT static void pullAllReduce(DirectContext& ctx, const OpDesc& op, const S
     if (qm.bytes != m.bytes || (ctx.checkMode && (qm.count != m.count || qm.coll != m.coll || qm.dtype != m.dtype ||
                                                   qm.op != m.op)))
       failMismatch(me, q, pullTag(qm, tag.seq), tag);
-    if (q != me) st.pullDone[size_t(q)] = std::max(st.pullDone[size_t(q)], l->done.load(std::memory_order_acquire));
+    // q published this operation, so it finished every earlier one.
+    if (q != me) st.pullDone[size_t(q)] = std::max(st.pullDone[size_t(q)], stamp - 1);
     if (q == 0) ctx.device.copy(out, l->data[parity], block, CopyHint::Cached);
     else ctx.device.reduce(out, out, l->data[parity], op.count, op.dtype, op.op);
   }
   if (op.op == loomAvg) ctx.device.divide(out, out, op.count, op.dtype, N);
   ctx.device.copy(op.recvbuf, out, block, CopyHint::Cached);
-  mine->done.store(stamp, std::memory_order_release);
-  // A rank whose next operation was not a pull may wait for this `done`.
-  ctx.mem.wakeOthers(me, N);
+  st.pullUnpublished = stamp;
+}
+
+LOOM_HOT bool oneShotPulls(const OpDesc& op, int nranks) {
+  const size_t block = op.count * dtypeSize(op.dtype);
+  return op.coll == Collective::AllReduce && block > 0 && block <= kPullBytes &&
+         nranks > 1;
+}
+
+void directPublishPullDone(DirectContext& ctx) {
+  DirectState& st = ctx.state;
+  if (!st.pullUnpublished) return;
+  ctx.win(ctx.rank).pullLine()->done.store(st.pullUnpublished, std::memory_order_release);
+  st.pullUnpublished = 0;
+  // A rank whose next pull follows this operation may wait for it.
+  ctx.mem.wakeOthers(ctx.rank, ctx.nranks);
 }
 
 LOOM_HOT void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
   const int N = ctx.nranks, me = ctx.rank;
   const size_t esz = dtypeSize(op.dtype), block = op.count * esz;
-  if (block == 0) return;
-  if (block > ctx.layout.mailBytes)
-    fail(loomInternalError, "one-shot block of %zu bytes above the mailbox's %zu", block, ctx.layout.mailBytes);
-  if (op.coll == Collective::AllReduce && block <= kPullBytes && ctx.nranks > 1) {
+  if (oneShotPulls(op, N)) {
     pullAllReduce(ctx, op, tag, block);
     return;
   }
+  // Before anything else, even an operation of no bytes: two pulls on
+  // either side of an operation that stored nothing would each wait for
+  // the other's `done`.
+  directPublishPullDone(ctx);
+  if (block == 0) return;
+  if (block > ctx.layout.mailBytes)
+    fail(loomInternalError, "one-shot block of %zu bytes above the mailbox's %zu", block, ctx.layout.mailBytes);
   const int parity = int(tag.seq & 1);
   const uint64_t stamp = tag.seq + 1;
   const uint8_t* send = static_cast<const uint8_t*>(op.sendbuf);

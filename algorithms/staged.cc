@@ -59,6 +59,7 @@ void stagedRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
   const int N = ctx.nranks, me = ctx.rank;
   const size_t esz = dtypeSize(op.dtype);
   if (op.coll != Collective::AllReduce) fail(loomInternalError, "the staged path serves all-reduce only");
+  directPublishPullDone(ctx);
   if (directZeroCopy(ctx, op, tag)) return;
   const size_t chunkElems = std::max<size_t>(1, ctx.layout.stageBytes / esz);
   const uint8_t* send = static_cast<const uint8_t*>(op.sendbuf);

@@ -196,6 +196,13 @@ TEST_CASE("ranks that call different collectives fail with an error instead of h
   CHECK(loomRun(std::string(kTcp) + " LOOM_ALGO=ring LOOM_TIMEOUT_MS=20000", n, "mismatch", 60) == 0);
 }
 
+TEST_CASE("tiny all-reduces on the pull line alternate exactly with every other kind of operation and late ranks",
+          "[mp]") {
+  int n = GENERATE(2, 3, 8);
+  INFO("nranks " << n);
+  CHECK(loomRun(std::string(kShm) + " LOOM_TIMEOUT_MS=20000", n, "pullmix", 120) == 0);
+}
+
 TEST_CASE("tiny all-reduces that disagree on the pull line or with mailboxes or a broadcast or a large one fail instead of hanging",
           "[mp][fault]") {
   int n = GENERATE(2, 3, 8);

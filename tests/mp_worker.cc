@@ -9,6 +9,9 @@
 //   mp-worker badargs      wrong arguments fail cleanly and do no harm
 //   mp-worker mismatch     ranks calling different collectives get an error, no hang
 //   mp-worker a2amismatch  an all-to-all whose counts disagree: an error, no hang
+//   mp-worker pullmix      tiny all-reduces (the pull line) alternating with
+//                          every other kind of operation, one rank late at
+//                          times: all exact, none waits for a timeout
 //   mp-worker smallmismatch count|path|coll|large  rank 0 calls another tiny
 //                          all-reduce (or a broadcast) than the others, or
 //                          the others a large one: all fail
@@ -638,6 +641,73 @@ static void scenarioMismatch(loomComm_t comm) {
 //   path:  2 floats against 64 (pull line against mailboxes)
 //   coll:  a broadcast of 2 floats against an all-reduce of 2 (the root of
 //          a one-shot broadcast returns before anyone reads: it may succeed)
+// A pull all-reduce stores its `done` only when the rank's next operation
+// is not a pull (algorithms/direct.h): every kind of operation between two
+// pulls, a late rank among them (a broadcast's root then runs ahead into
+// the next pull and waits for the late rank's `done`).
+static void scenarioPullMix(loomComm_t comm) {
+  const int n = gSize, me = gRank;
+  std::vector<float> big(size_t(1) << 19);  // 2 MiB: the staged path (or zero-copy's vote)
+  int64_t late = 0;
+  for (int i = 0; i < 120; ++i) {
+    int64_t v = me + i, want = int64_t(n) * (n - 1) / 2 + int64_t(n) * i;
+    CHECK_LOOM(loomAllReduce(&v, &v, 1, loomInt64, loomSum, comm, nullptr));
+    expect(v == want, "pull " + std::to_string(i));
+    const int kind = i % 7, root = i % n;
+    if (i % 14 == 1 && me == (root + 1) % n) {
+      usleep(20000);  // past every spin: the root sleeps in its next pull
+      ++late;
+    }
+    switch (kind) {
+      case 0: {  // nothing moves
+        CHECK_LOOM(loomAllReduce(&v, &v, 0, loomInt64, loomSum, comm, nullptr));
+        break;
+      }
+      case 1: {  // the root returns without hearing from the others
+        double b[2] = {me == root ? 1.5 * i : 0, me == root ? -2.0 : 0};
+        CHECK_LOOM(loomBroadcast(b, b, 2, loomFloat64, root, comm, nullptr));
+        expect(b[0] == 1.5 * i && b[1] == -2.0, "broadcast " + std::to_string(i));
+        break;
+      }
+      case 2: {  // mailboxes
+        std::vector<int32_t> m(16, me + 1);
+        CHECK_LOOM(loomAllReduce(m.data(), m.data(), m.size(), loomInt32, loomSum, comm, nullptr));
+        expect(m[15] == n * (n + 1) / 2, "64 B all-reduce " + std::to_string(i));
+        break;
+      }
+      case 3: {
+        std::fill(big.begin(), big.end(), float(me + 1));
+        CHECK_LOOM(loomAllReduce(big.data(), big.data(), big.size(), loomFloat32, loomSum, comm, nullptr));
+        expect(big.back() == float(n * (n + 1) / 2), "2 MiB all-reduce " + std::to_string(i));
+        break;
+      }
+      case 4: {  // a ring of sends and receives
+        int64_t s = me * 1000 + i, r = -1;
+        CHECK_LOOM(loomGroupStart());
+        CHECK_LOOM(loomSend(&s, 1, loomInt64, (me + 1) % n, comm, nullptr));
+        CHECK_LOOM(loomRecv(&r, 1, loomInt64, (me + n - 1) % n, comm, nullptr));
+        CHECK_LOOM(loomGroupEnd());
+        expect(r == ((me + n - 1) % n) * 1000 + i, "send/recv " + std::to_string(i));
+        break;
+      }
+      case 5: {
+        std::vector<int64_t> g(size_t(n), -1);
+        int64_t mine = me * 7 + i;
+        CHECK_LOOM(loomAllGather(&mine, g.data(), 1, loomInt64, comm, nullptr));
+        for (int r = 0; r < n; ++r) expect(g[size_t(r)] == r * 7 + i, "all-gather " + std::to_string(i));
+        break;
+      }
+      default: {  // two pulls in a row
+        int64_t w = 1;
+        CHECK_LOOM(loomAllReduce(&w, &w, 1, loomInt64, loomSum, comm, nullptr));
+        expect(w == n, "second pull " + std::to_string(i));
+      }
+    }
+  }
+  CHECK_LOOM(loomAllReduce(&late, &late, 1, loomInt64, loomSum, comm, nullptr));
+  expect(late > 0, "some rank was late");
+}
+
 static void scenarioSmallMismatch(loomComm_t comm, const std::string& mode) {
   // large: the others' all-reduce is large enough to vote on zero-copy
   // (8 MiB) while rank 0's goes through the pull line.
@@ -1749,6 +1819,7 @@ int main(int argc, char** argv) {
   else if (sc == "mismatch") scenarioMismatch(comm);
   else if (sc == "a2amismatch") scenarioExchangeMismatch(comm);
   else if (sc == "smallmismatch") scenarioSmallMismatch(comm, argc > 2 ? argv[2] : "count");
+  else if (sc == "pullmix") scenarioPullMix(comm);
   else if (sc == "split") scenarioSplit(comm);
   else if (sc == "tagged") scenarioTagged(comm);
   else if (sc == "taggedtimeout") scenarioTaggedTimeout(comm);

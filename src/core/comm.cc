@@ -563,6 +563,12 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
     ~Idle() { c->noteIdle(); }
   } idle{this};
   try {
+    // A pull all-reduce leaves its `done` for the next operation to store
+    // (algorithms/direct.h); the direct paths store it themselves.
+    if (directState_.pullUnpublished && !(ops.size() == 1 && !ops[0].tagged && isDirect(choose(ops[0])))) {
+      DirectContext ctx = directContext();
+      directPublishPullDone(ctx);
+    }
     size_t nTagged = 0;
     for (const OpDesc& op : ops) nTagged += op.tagged;
     if (nTagged) {
