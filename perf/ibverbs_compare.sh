@@ -24,10 +24,12 @@
 #     these link MTUs in turn, set on the veth pair under rxe0 in the running
 #     VM (rxe's active MTU follows: 1500 -> 1024, 9000 -> 4096), so that MTUs
 #     are compared in one VM run.  Default: the rig's (run-in-vm.sh --mtu, 9000).
-#   --append ARGS: extra guest kernel arguments (run-in-vm.sh --append), e.g.
+#   --append ARGS: guest kernel arguments (run-in-vm.sh --append); default
 #     init_on_alloc=0: Debian's kernel zeroes every allocation, so rxe pays a
-#     memset of each packet's buffer (7% of the VM's CPU in an ibverbs
-#     all-reduce at 1 KiB MTU, perf record in the guest), a cost no NIC has.
+#     memset of each packet's kmalloc'd buffer (7% of the guest's CPU in an
+#     ibverbs all-reduce at 1 KiB MTU, perf record in the guest), a cost no
+#     NIC has; tcp's page fragments are zeroed too (clear_page, 6%).  Both
+#     transports and perftest run without it; --append "" keeps it.
 #   --allreduce: only the all-reduce cells (ibverbs and tcp).
 #   --rendezvous: instead, one-way point-to-point bandwidth at 1..16 MiB with
 #     and without the rendezvous (LOOM_IB_RENDEZVOUS_BYTES=0: every byte
@@ -42,7 +44,7 @@ set -euo pipefail
 ROUNDS=${ROUNDS:-3}
 MODE=${MODE:-basic}
 BEFORE=${BEFORE:-}
-MTUS=${MTUS:-} APPEND=${APPEND:-} ONLY_AR=${ONLY_AR:-0}
+MTUS=${MTUS:-} APPEND=${APPEND-init_on_alloc=0} ONLY_AR=${ONLY_AR:-0}
 while (($#)); do
   case "$1" in
     -r) ROUNDS=$2; shift 2 ;;
