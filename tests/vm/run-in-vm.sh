@@ -6,11 +6,15 @@
 #
 #   tests/vm/run-in-vm.sh [--rxe] [--timeout S] [--smp N] [--mem MiB]
 #                         [--net-socket listen:PORT|connect:PORT --ip A.B.C.D]
-#                         -- COMMAND...
+#                         [--mtu N] [--append KERNEL-ARGS] -- COMMAND...
 #
 # --rxe: before the command, load rdma_rxe and put a Soft-RoCE device rxe0
 #   on a netdev (a veth pair inside the VM; with --net-socket, the VM's
 #   virtio NIC, so that two VMs joined by that socket reach each other).
+# --mtu N: that netdev's MTU, 9000 by default: jumbo frames, as RoCE
+#   deployments run them, give rxe an active MTU of 4096 (1500 gives 1024:
+#   four times the packets, and under emulation every packet's kernel path
+#   is expensive).  --append: more guest kernel arguments.
 # The command runs as root in the VM, in the caller's working directory;
 # its output is this script's output and its exit status is this script's.
 # Exit 77 (ctest's skip code here) when the VM cannot be built or booted on
@@ -24,7 +28,7 @@
 # no real machine has, which a spinning rank pays on every round.
 set -euo pipefail
 
-RXE=0 TIMEOUT=300 SMP=2 MEM=1024 NETSOCK="" IP=""
+RXE=0 TIMEOUT=300 SMP=2 MEM=1024 NETSOCK="" IP="" MTU=9000 APPEND=""
 while (($#)); do
   case "$1" in
     --rxe) RXE=1; shift ;;
@@ -33,6 +37,8 @@ while (($#)); do
     --mem) MEM="$2"; shift 2 ;;
     --net-socket) NETSOCK="$2"; shift 2 ;;
     --ip) IP="$2"; shift 2 ;;
+    --mtu) MTU="$2"; shift 2 ;;
+    --append) APPEND="$2"; shift 2 ;;
     --) shift; break ;;
     *) echo "run-in-vm: unknown option $1 (usage: see the top of $0)" >&2; exit 2 ;;
   esac
@@ -93,10 +99,11 @@ cmdfile="$WORK/cmd.sh"
     echo "modprobe -a crc32_generic rdma_rxe ib_uverbs veth || exit 90"
     if [[ -n "$NETSOCK" ]]; then
       echo "modprobe virtio_net; i=0; until [ -e /sys/class/net/eth0 ]; do i=\$((i+1)); [ \$i -gt 50 ] && exit 91; sleep 0.1; done"
-      echo "ip link set lo up; ip link set eth0 up; ip addr add ${IP:-10.0.9.1}/24 dev eth0 || exit 91"
+      echo "ip link set lo up; ip link set eth0 mtu $MTU up || exit 91; ip addr add ${IP:-10.0.9.1}/24 dev eth0 || exit 91"
       echo "rdma link add rxe0 type rxe netdev eth0 || exit 92"
     else
       echo "ip link set lo up; ip link add veth0 type veth peer name veth1 || exit 91"
+      echo "ip link set veth0 mtu $MTU && ip link set veth1 mtu $MTU || exit 91"
       echo "ip addr add ${IP:-10.0.9.1}/24 dev veth0; ip link set veth0 up; ip link set veth1 up"
       echo "rdma link add rxe0 type rxe netdev veth0 || exit 92"
     fi
@@ -140,7 +147,7 @@ fi
 
 timeout --foreground -k 5 "$TIMEOUT" "$QEMU" -accel tcg,thread=multi -cpu max -smp "$SMP" -m "$MEM" \
   -nographic -no-reboot -kernel "$KERNEL" -initrd "$WORK/initrd.gz" \
-  -append "console=ttyS0 quiet loglevel=1 panic=-1 rdinit=/init clocksource=tsc tsc=reliable" \
+  -append "console=ttyS0 quiet loglevel=1 panic=-1 rdinit=/init clocksource=tsc tsc=reliable${APPEND:+ $APPEND}" \
   -virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap \
   "${NET[@]}" </dev/null >"$WORK/console" 2>&1 &
 QPID=$!

@@ -64,6 +64,9 @@ struct Cts {
 
 size_t roundUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
+// enum ibv_mtu (1: 256 .. 5: 4096) in bytes.
+int mtuBytes(int mtu) { return mtu >= 1 && mtu <= 5 ? 128 << mtu : 0; }
+
 }  // namespace
 
 int IbConnection::creditEvery(int slots) { return std::max(1, slots / 2); }
@@ -157,7 +160,11 @@ void IbConnection::start(const IbConnRecord& remote, const IbRecord& peerDev, in
   remoteRkey_ = remote.ringRkey;
   ibv_qp_attr a{};
   a.qp_state = IBV_QPS_RTR;
+  // The smaller of both ports' active MTUs: a packet the other end's link
+  // cannot carry would be dropped (rxe sets DF), not fragmented.
   a.path_mtu = ibv_mtu(std::min(int(dev_->mtu), int(peerDev.mtu)));
+  LOOM_INFO("NET", "rank %d: ibverbs QP to rank %d (channel %d): path MTU %d (this port %d, the peer's %d)", rank_,
+            peer_, channel_, mtuBytes(a.path_mtu), mtuBytes(dev_->mtu), mtuBytes(peerDev.mtu));
   a.dest_qp_num = remote.qpn;
   a.rq_psn = remote.psn;
   a.max_dest_rd_atomic = 1;
