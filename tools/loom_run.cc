@@ -157,22 +157,45 @@ bool parseInt(const char* s, long lo, long hi, long* out) {
   return true;
 }
 
-// A free TCP port on 127.0.0.1. The kernel picks it; we close the socket again so
-// rank 0 can bind it. Racy in theory (someone else may grab it), fine in practice.
-int freePort() {
+// Whether `port` on 127.0.0.1 can be bound now (0: any; *got the one bound).
+bool bindable(int port, int* got) {
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return -1;
+  if (fd < 0) return false;
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
+  a.sin_port = htons(uint16_t(port));
   socklen_t len = sizeof a;
-  int port = -1;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0)
-    port = ntohs(a.sin_port);
+  bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+            getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  if (ok) *got = ntohs(a.sin_port);
   close(fd);
-  return port;
+  return ok;
+}
+
+// A free TCP port on 127.0.0.1 for rank 0 to bind.  The socket that found
+// it is closed again, so another process may take the port before rank 0
+// does.  The kernel's own pick (port 0) comes from the ephemeral range,
+// which every outgoing connection on the host also draws from (many of
+// them while tests run in parallel): a port below that range, tried at
+// random, is taken only by another listener choosing the same one.
+int freePort() {
+  int lo = 32768;
+  if (FILE* f = fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
+    int a = 0, b = 0;
+    if (fscanf(f, "%d %d", &a, &b) == 2 && a > 0) lo = a;
+    fclose(f);
+  }
+  int got = -1;
+  const int first = 10000, span = lo - first;
+  if (span >= 1000) {
+    unsigned seed = unsigned(getpid()) * 2654435761u ^ unsigned(time(nullptr));
+    for (int i = 0; i < 64; ++i) {
+      seed = seed * 1103515245u + 12345u;
+      if (bindable(first + int((seed >> 8) % unsigned(span)), &got)) return got;
+    }
+  }
+  return bindable(0, &got) ? got : -1;
 }
 
 // 16 random bytes as 32 hex digits: getrandom(), or /dev/urandom if unavailable.
