@@ -78,6 +78,12 @@ class DirectTransfer {
   virtual void directRecv(void* dst, size_t bytes) = 0;
   // Done: the data is in dst.
   virtual State directRecvState() = 0;
+  // True when this process moved bytes of a transfer in flight since the
+  // last call (UCX over tcp reads and writes the socket in progress()): the
+  // executor then counts it as progress and keeps spinning, as a sleeping
+  // receiver would let the socket fill and wait for a wake-up per burst.
+  // Transports whose bytes move without this process (shm, RDMA) say false.
+  virtual bool directMoved() { return false; }
 };
 
 class Connection {

@@ -268,7 +268,9 @@ class Runner {
         l.direct = DirectPhase::Started;
         *progressed = true;
       }
-      return d->directSendState();
+      State st = d->directSendState();
+      if (st == State::Waiting && d->directMoved()) *progressed = true;
+      return st;
     }
     if (l.direct == DirectPhase::None) {
       SlotTag got;
@@ -290,7 +292,9 @@ class Runner {
       if (request[1]) return State::Slots;
       d->directRecv(ptr(l, s.dst), s.bytes);
     }
-    return d->directRecvState();
+    State st = d->directRecvState();
+    if (st == State::Waiting && d->directMoved()) *progressed = true;
+    return st;
   }
 
   void finalize(const LaneState& l, const Step& s, void* data, size_t bytes) {

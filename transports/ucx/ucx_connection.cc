@@ -361,9 +361,14 @@ class UcxWorker {
   }
 
   void progress() {
-    for (int i = 0; i < 16 && ucp_worker_progress(worker_); ++i) {
+    for (int i = 0; i < 16; ++i) {
+      unsigned n = ucp_worker_progress(worker_);
+      if (!n) break;
+      events_ += n;
     }
   }
+  // Events progress() handled so far (UcxConnection::directMoved).
+  uint64_t events() const { return events_; }
 
   void addPollFds(std::vector<pollfd>& fds) {
     for (const pollfd& p : fds)
@@ -393,6 +398,7 @@ class UcxWorker {
   int rank_ = -1;
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
+  uint64_t events_ = 0;  // handled by progress()
   int efd_ = -1;
   int readyFd_ = -1;
   std::map<int, PeerState> peers_;
@@ -633,6 +639,13 @@ class UcxConnection : public Connection, public DirectTransfer {
     ucp_worker_progress(w_->worker());
   }
 
+  bool directMoved() override {
+    const uint64_t e = w_->events();
+    const bool moved = e != seenEvents_;
+    seenEvents_ = e;
+    return moved;
+  }
+
   State directRecvState() override {
     progress();
     const SlotOp& op = r_->directRecv;
@@ -772,6 +785,7 @@ class UcxConnection : public Connection, public DirectTransfer {
   size_t directMin_;         // direct transfers from this many bytes (0: none)
   size_t directBytes_ = 0;      // the direct receive in progress (0: none, or reported done)
   size_t directSendBytes_ = 0;  // the direct send in progress (likewise)
+  uint64_t seenEvents_ = 0;     // the worker's events at the last directMoved()
   int pidfd_ = -1;  // watched when UCX cannot report the peer's failure
   ucp_ep_h ep_ = nullptr;
   Rings* r_ = nullptr;
