@@ -13,8 +13,8 @@
 
 #include "algorithms/direct.h"
 #include "algorithms/registry.h"
-#include "src/device/host_reduce.h"  // dtypeSize
 #include "src/core/hot.h"
+#include "src/device/host_reduce.h"  // dtypeSize
 
 namespace loom {
 

@@ -20,13 +20,13 @@
 #include "src/core/comm.h"
 #include "src/core/config.h"
 #include "src/core/error.h"
+#include "src/core/hot.h"
 #include "src/core/stream.h"
 #include "src/device/cuda_loader.h"
 #include "src/device/device_choice.h"
 #include "src/device/device_memory.h"
 #include "src/device/host_memory.h"
 #include "src/device/host_reduce.h"
-#include "src/core/hot.h"
 
 using namespace loom;
 

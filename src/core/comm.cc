@@ -16,12 +16,12 @@
 #include "src/core/comm_dump.h"
 #include "src/core/config.h"
 #include "src/core/error.h"
+#include "src/core/hot.h"
 #include "src/core/log.h"
 #include "src/device/device_choice.h"
 #include "src/device/host_reduce.h"
 #include "src/topology/cpu_bind.h"
 #include "src/tuner/tuner.h"
-#include "src/core/hot.h"
 
 using namespace loom;
 

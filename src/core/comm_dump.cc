@@ -21,8 +21,8 @@
 #include "src/core/comm.h"
 #include "src/core/config.h"
 #include "src/core/error.h"
-#include "src/core/log.h"
 #include "src/core/hot.h"
+#include "src/core/log.h"
 #include "src/device/device_comm.h"
 
 using namespace loom;

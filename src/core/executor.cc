@@ -7,10 +7,10 @@
 #include "src/core/backoff.h"
 #include "src/core/clock.h"
 #include "src/core/error.h"
+#include "src/core/hot.h"
 #include "src/core/trace.h"
 #include "src/device/device.h"
 #include "src/device/host_reduce.h"
-#include "src/core/hot.h"
 
 namespace loom {
 

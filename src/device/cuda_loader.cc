@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "src/core/error.h"
-#include "src/core/log.h"
 #include "src/core/hot.h"
+#include "src/core/log.h"
 
 namespace loom {
 

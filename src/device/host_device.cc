@@ -4,10 +4,10 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "src/core/hot.h"
 #include "src/device/device.h"
 #include "src/device/host_copy.h"
 #include "src/device/host_reduce.h"
-#include "src/core/hot.h"
 
 namespace loom {
 

@@ -21,8 +21,8 @@
 #include <cstring>
 #include <type_traits>
 
-#include "src/device/reduce_ops.h"
 #include "src/core/hot.h"
+#include "src/device/reduce_ops.h"
 
 #if defined(__x86_64__)
 #include <cpuid.h>

@@ -4,9 +4,9 @@
 #include <atomic>
 
 #include "src/core/error.h"
+#include "src/core/hot.h"
 #include "src/core/log.h"
 #include "src/device/host_reduce.h"
-#include "src/core/hot.h"
 
 namespace loom {
 

@@ -14,11 +14,11 @@
 #include <cstring>
 
 #include "src/core/error.h"
+#include "src/core/hot.h"
 #include "src/core/log.h"
 #include "src/device/host_memory.h"
 #include "src/topology/numa.h"
 #include "transports/shm/shm_transport.h"
-#include "src/core/hot.h"
 
 namespace loom {
 

@@ -11,9 +11,9 @@
 #include <cstring>
 
 #include "src/core/error.h"
+#include "src/core/hot.h"
 #include "src/core/log.h"
 #include "transports/shm/shm_transport.h"
-#include "src/core/hot.h"
 
 namespace loom {
 
