@@ -14,7 +14,7 @@
 #include "algorithms/direct.h"
 #include "algorithms/registry.h"
 #include "src/core/hot.h"
-#include "src/device/host_reduce.h"  // dtypeSize
+#include "src/device/host_reduce.h"
 
 namespace loom {
 
@@ -107,6 +107,7 @@ LOOM_HOT static void pullAllReduce(DirectContext& ctx, const OpDesc& op, const S
   const uint64_t stamp = tag.seq + 1;
   DirectState& st = ctx.state;
   st.pullDone.resize(size_t(N), 0);
+  st.pullData.resize(size_t(N));
   DirectPullLine* mine = ctx.win(me).pullLine();
   if (uint64_t last = st.lastPull[size_t(parity)]) {
     for (int r = 0; r < N; ++r) {
@@ -130,9 +131,8 @@ LOOM_HOT static void pullAllReduce(DirectContext& ctx, const OpDesc& op, const S
   st.pullUnpublished = 0;
   ctx.mem.wakeOthers(me, N);
 
-  // op over the lines in rank order, assembled aside: a mismatch found at a
-  // later line leaves the caller's buffer as it was.
-  alignas(16) uint8_t out[kPullBytes];
+  // Every line checked first, then op over them in rank order, assembled
+  // aside: a mismatch leaves the caller's buffer as it was.
   for (int q = 0; q < N; ++q) {
     DirectPullLine* l = ctx.win(q).pullLine();
     SlotTag other;
@@ -164,10 +164,12 @@ LOOM_HOT static void pullAllReduce(DirectContext& ctx, const OpDesc& op, const S
       failMismatch(me, q, pullTag(qm, tag.seq), tag);
     // q published this operation, so it finished every earlier one.
     if (q != me) st.pullDone[size_t(q)] = std::max(st.pullDone[size_t(q)], stamp - 1);
-    if (q == 0) ctx.device.copy(out, l->data[parity], block, CopyHint::Cached);
-    else ctx.device.reduce(out, out, l->data[parity], op.count, op.dtype, op.op);
+    st.pullData[size_t(q)] = l->data[parity];
   }
-  if (op.op == loomAvg) ctx.device.divide(out, out, op.count, op.dtype, N);
+  // The lines are host memory wherever the caller's buffers live.
+  alignas(16) uint8_t out[kPullBytes];
+  reduceHostLines(out, st.pullData.data(), N, op.count, op.dtype, op.op);
+  if (op.op == loomAvg) divideHost(out, out, op.count, op.dtype, N);
   ctx.device.copy(op.recvbuf, out, block, CopyHint::Cached);
   st.pullUnpublished = stamp;
 }

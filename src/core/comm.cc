@@ -504,7 +504,7 @@ LOOM_HOT SlotTag loomComm::tagFor(const OpDesc& op) {
 }
 
 LOOM_HOT uint64_t loomComm::issueOne(const OpDesc& op, SlotTag* tag) {
-  std::lock_guard<std::mutex> lock(seqMutex_);
+  std::lock_guard<SeqLock> lock(seqMutex_);
   *tag = tagFor(op);
   return takeTicket();
 }
@@ -524,9 +524,12 @@ LOOM_HOT void loomComm::runDirect(Algorithm algo, const OpDesc& op, const SlotTa
 LOOM_HOT loomResult_t loomComm::runOne(const OpDesc& op, const SlotTag& tag) {
   if (op.tagged) return runOps({op}, {tag});
   const size_t block = op.count * dtypeSize(op.dtype);
-  if (lastChoice_.block != block || lastChoice_.coll != op.coll) lastChoice_ = {op.coll, block, choose(op)};
+  if (lastChoice_.block != block || lastChoice_.coll != op.coll) {
+    const AlgorithmEntry& e = algorithmEntry(choose(op));
+    lastChoice_ = {op.coll, block, e.algo, e.direct ? e.runDirect : nullptr};
+  }
   const Algorithm algo = lastChoice_.algo;
-  if (!isDirect(algo)) return runOps({op}, {tag});
+  if (!lastChoice_.runDirect) return runOps({op}, {tag});
   loomResult_t prior = asyncError();
   if (prior != loomSuccess) {
     setLastError(strf("rank %d: the communicator failed earlier: %s", rank_, lastError().c_str()));
@@ -535,7 +538,8 @@ LOOM_HOT loomResult_t loomComm::runOne(const OpDesc& op, const SlotTag& tag) {
   noteRunning(tag, 1);
   try {
     double t0 = tracer_ ? Tracer::nowUs() : 0;
-    runDirect(algo, op, tag);
+    DirectContext ctx = directContext();
+    lastChoice_.runDirect(ctx, op, tag);
     if (tracer_) traceRun(t0, {op}, {tag}, algo);
     noteIdle();
     return loomSuccess;
@@ -546,7 +550,7 @@ LOOM_HOT loomResult_t loomComm::runOne(const OpDesc& op, const SlotTag& tag) {
 }
 
 uint64_t loomComm::issue(const std::vector<OpDesc>& ops, std::vector<SlotTag>* tags) {
-  std::lock_guard<std::mutex> lock(seqMutex_);
+  std::lock_guard<SeqLock> lock(seqMutex_);
   for (const OpDesc& op : ops) tags->push_back(tagFor(op));
   return takeTicket();
 }

@@ -1,6 +1,8 @@
 // The communicator: who the ranks are, how to reach each one, and the order
 // in which its operations run.  It is the executor's environment (ExecEnv).
 #pragma once
+#include <sched.h>
+
 #include <array>
 #include <atomic>
 #include <condition_variable>
@@ -237,6 +239,7 @@ struct loomComm : public loom::ExecEnv,
     loom::Collective coll;
     size_t block = SIZE_MAX;
     loom::Algorithm algo;
+    loom::RunDirectFn runDirect;  // the algorithm's, when it is a direct path
   } lastChoice_;
   std::map<std::pair<int, int>, std::unique_ptr<loom::Connection>> conns_;
   std::unique_ptr<loom::TaggedP2P> tagged_;  // loomSendTagged / loomRecvTagged
@@ -261,7 +264,20 @@ struct loomComm : public loom::ExecEnv,
   std::atomic<uint64_t> nextTicket_{0}, serving_{0};
   std::atomic<int> turnWaiters_{0};
 
-  std::mutex seqMutex_;
+  // Held for a few instructions (a tag and a ticket), by the issuing
+  // thread: uncontended it is one exchange and one store, no libc calls
+  // (the blocking latency path takes it once per operation).
+  class SeqLock {
+   public:
+    void lock() {
+      while (held_.exchange(true, std::memory_order_acquire)) sched_yield();
+    }
+    void unlock() { held_.store(false, std::memory_order_release); }
+
+   private:
+    std::atomic<bool> held_{false};
+  };
+  SeqLock seqMutex_;
   uint64_t collSeq_ = 0;
   std::vector<uint64_t> sendSeq_, recvSeq_;
 

@@ -199,6 +199,28 @@ ReduceFn pick(loomDataType_t type, loomRedOp_t op) {
       type, [&](auto ty) { return pickOp<decltype(ty)>(op, avx2); }, ReduceFn(nullptr));
 }
 
+template <class Ty, class Op>
+void linesLoop(void* dst, const void* const* src, int n, size_t count) {
+  using S = typename Ty::Store;
+  for (size_t i = 0; i < count; ++i) {
+    S acc = ld<S>(static_cast<const u8*>(src[0]), i);
+    for (int k = 1; k < n; ++k) acc = Kernel<Ty, Op>::one(acc, ld<S>(static_cast<const u8*>(src[k]), i));
+    st<S>(static_cast<u8*>(dst), i, acc);
+  }
+}
+
+template <class Ty>
+void linesOp(void* dst, const void* const* src, int n, size_t count, loomRedOp_t op) {
+  switch (op) {
+    case loomSum:
+    case loomAvg: return linesLoop<Ty, Sum>(dst, src, n, count);
+    case loomProd: return linesLoop<Ty, Prod>(dst, src, n, count);
+    case loomMax: return linesLoop<Ty, Max>(dst, src, n, count);
+    case loomMin: return linesLoop<Ty, Min>(dst, src, n, count);
+    default: return;
+  }
+}
+
 // ---- division (loomAvg's last step; runs once per collective, so only the
 // baseline ISA).  Integers divide in 64 bits so a divisor wider than the type
 // is exact; x86 has no SIMD integer divide, so their loops stay scalar. ------
@@ -234,22 +256,6 @@ void hostReduceForceGeneric(bool on) {
 }
 }  // namespace detail
 
-size_t dtypeSize(loomDataType_t type) {
-  switch (type) {
-    case loomInt8:
-    case loomUint8: return 1;
-    case loomFloat16:
-    case loomBfloat16: return 2;
-    case loomInt32:
-    case loomUint32:
-    case loomFloat32: return 4;
-    case loomInt64:
-    case loomUint64:
-    case loomFloat64: return 8;
-    default: return 0;
-  }
-}
-
 const char* dtypeName(loomDataType_t type) {
   static const char* const kNames[loomNumTypes] = {"int8",    "uint8",   "int32",   "uint32",
                                                    "int64",   "uint64",  "float16", "float32",
@@ -268,6 +274,12 @@ LOOM_HOT void reduceHost(void* dst, const void* a, const void* b, size_t n, loom
                 loomRedOp_t op) {
   if (n == 0) return;
   if (ReduceFn fn = pick(type, op)) fn(dst, a, b, n);
+}
+
+void reduceHostLines(void* dst, const void* const* src, int n, size_t count, loomDataType_t type,
+                     loomRedOp_t op) {
+  elementwise::withElem(
+      type, [&](auto ty) { linesOp<decltype(ty)>(dst, src, n, count, op); return 0; }, 0);
 }
 
 void divideHost(void* dst, const void* src, size_t n, loomDataType_t type, int divisor) {

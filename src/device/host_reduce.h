@@ -6,8 +6,23 @@
 
 namespace loom {
 
-// Bytes per element of a datatype; 0 for an unknown type.
-size_t dtypeSize(loomDataType_t type);
+// Bytes per element of a datatype; 0 for an unknown type.  Inline: every
+// operation asks, on the latency path too.
+inline size_t dtypeSize(loomDataType_t type) {
+  switch (type) {
+    case loomInt8:
+    case loomUint8: return 1;
+    case loomFloat16:
+    case loomBfloat16: return 2;
+    case loomInt32:
+    case loomUint32:
+    case loomFloat32: return 4;
+    case loomInt64:
+    case loomUint64:
+    case loomFloat64: return 8;
+    default: return 0;
+  }
+}
 const char* dtypeName(loomDataType_t type);  // "float32", ...; "?" if unknown
 const char* redOpName(loomRedOp_t op);       // "sum", ...; "?" if unknown
 
@@ -17,6 +32,16 @@ const char* redOpName(loomRedOp_t op);       // "sum", ...; "?" if unknown
 // (round to nearest even).  Integer sum/prod wrap (two's complement).
 void reduceHost(void* dst, const void* a, const void* b, size_t n, loomDataType_t type,
                 loomRedOp_t op);
+
+// dst[i] = src[0][i] op src[1][i] op ... op src[n-1][i], combined in that
+// order with the same arithmetic as reduceHost, one pair at a time: the
+// values of n-1 reduceHost calls (a NaN may carry another payload, as
+// reduceHost's vector and scalar paths may differ there).  For a few
+// elements (the pull line of algorithms/one_shot.cc): one dispatch and scalar
+// loops instead of a kernel call per source.  dst may alias src[0]
+// (exactly).  n >= 1.
+void reduceHostLines(void* dst, const void* const* src, int n, size_t count, loomDataType_t type,
+                     loomRedOp_t op);
 
 // dst[i] = src[i] / divisor for i < n (the last step of loomAvg).  Integers
 // truncate toward zero; float16/bfloat16 divide in float32 and round once.

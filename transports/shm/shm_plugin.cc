@@ -79,6 +79,9 @@ class ShmTransport : public Transport, public Doorbell, public PeerMemory {
         if (pidfds_[r] >= 0) close(pidfds_[r]);
         pidfds_[r] = -1;
       }
+    headers_.assign(peerInbox_.size(), nullptr);
+    for (size_t r = 0; r < peerInbox_.size(); ++r)
+      if (peerInbox_[r]) headers_[r] = peerInbox_[r]->header();
   }
 
   std::unique_ptr<Connection> connect(int peer, int channel, int64_t, ConnectHost&) override {
@@ -129,11 +132,15 @@ class ShmTransport : public Transport, public Doorbell, public PeerMemory {
     if (r != env_.rank) box(r)->ring_bell();
   }
   // The one-shot paths wake every peer twice per operation: one fence
-  // (what each ring_bell pays) for all of them.
+  // (what each ring_bell pays) for all of them, and one look per peer at its
+  // `sleeping` word through headers_ (one array), not through its ShmInbox.
   LOOM_HOT void wakeOthers(int me, int nranks) const override {
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    for (int r = 0; r < nranks; ++r)
-      if (r != me) box(r)->ring_bell_fenced();
+    for (int r = 0; r < nranks; ++r) {
+      if (r == me) continue;
+      const ShmInboxHeader* h = size_t(r) < headers_.size() ? headers_[size_t(r)] : nullptr;
+      if (!h || h->sleeping.load(std::memory_order_relaxed)) box(r)->ring_bell_fenced();
+    }
   }
   void checkPeer(int r) const override {
     if (r != env_.rank) shmCheckPeer(box(r), r, env_.pid[size_t(r)], pidfds_[size_t(r)]);
@@ -160,6 +167,7 @@ class ShmTransport : public Transport, public Doorbell, public PeerMemory {
   ShmLayout layout_;
   std::unique_ptr<ShmInbox> inbox_;
   std::vector<std::unique_ptr<ShmInbox>> peerInbox_;
+  std::vector<const ShmInboxHeader*> headers_;  // peerInbox_[r]'s header, or nullptr
   std::vector<int> pidfds_;
   mutable HostImportCache imports_;  // peers' loomMemAlloc buffers mapped here
 };
