@@ -132,7 +132,6 @@ struct DirectState {
   std::vector<uint8_t> piece;                     // zero-copy all-reduce: one reduced piece
   std::array<uint64_t, 2> lastPull{{0, 0}};        // stamp last published in the pull line, per parity
   std::vector<uint64_t> pullDone;                 // per rank: pulls it has finished, as far as seen
-  std::vector<const void*> pullData;              // per rank: its line's data of this pull
   uint64_t pullUnpublished = 0;                   // stamp of my last pull, finished but its `done` not stored
 };
 

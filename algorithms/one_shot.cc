@@ -107,7 +107,6 @@ LOOM_HOT static void pullAllReduce(DirectContext& ctx, const OpDesc& op, const S
   const uint64_t stamp = tag.seq + 1;
   DirectState& st = ctx.state;
   st.pullDone.resize(size_t(N), 0);
-  st.pullData.resize(size_t(N));
   DirectPullLine* mine = ctx.win(me).pullLine();
   if (uint64_t last = st.lastPull[size_t(parity)]) {
     for (int r = 0; r < N; ++r) {
@@ -131,8 +130,13 @@ LOOM_HOT static void pullAllReduce(DirectContext& ctx, const OpDesc& op, const S
   st.pullUnpublished = 0;
   ctx.mem.wakeOthers(me, N);
 
-  // Every line checked first, then op over them in rank order, assembled
-  // aside: a mismatch leaves the caller's buffer as it was.
+  // op over the lines in rank order, each as soon as it is there (the last
+  // one's arrival ends the wait: little work after it), assembled aside: a
+  // mismatch found at a later line leaves the caller's buffer as it was.
+  // The lines and `out` are host memory wherever the caller's buffers live.
+  const HostReduceFn combine = hostReduceSmallFn(op.dtype, op.op);
+  if (!combine) fail(loomInternalError, "rank %d: no reduction for %s", me, describeTag(tag).c_str());
+  alignas(16) uint8_t out[kPullBytes];
   for (int q = 0; q < N; ++q) {
     DirectPullLine* l = ctx.win(q).pullLine();
     SlotTag other;
@@ -164,11 +168,9 @@ LOOM_HOT static void pullAllReduce(DirectContext& ctx, const OpDesc& op, const S
       failMismatch(me, q, pullTag(qm, tag.seq), tag);
     // q published this operation, so it finished every earlier one.
     if (q != me) st.pullDone[size_t(q)] = std::max(st.pullDone[size_t(q)], stamp - 1);
-    st.pullData[size_t(q)] = l->data[parity];
+    if (q == 0) memcpy(out, l->data[parity], block);
+    else combine(out, out, l->data[parity], op.count);
   }
-  // The lines are host memory wherever the caller's buffers live.
-  alignas(16) uint8_t out[kPullBytes];
-  reduceHostLines(out, st.pullData.data(), N, op.count, op.dtype, op.op);
   if (op.op == loomAvg) divideHost(out, out, op.count, op.dtype, N);
   ctx.device.copy(op.recvbuf, out, block, CopyHint::Cached);
   st.pullUnpublished = stamp;

@@ -416,35 +416,31 @@ bool sameElements(loomDataType_t t, loomRedOp_t op, const uint8_t* got, const ui
   return true;
 }
 
-TEST_CASE("reduceHostLines equals reduceHost applied source by source, in order", "[reduce]") {
+TEST_CASE("hostReduceSmallFn gives reduceHost's values for every type, op, n and alias", "[reduce]") {
   std::mt19937_64 rng(99);
-  const size_t counts[] = {1, 2, 3, 4, 8, 16};
   for (bool generic : {false, true}) {
     ForceGeneric force(generic);
     for (loomDataType_t t : kTypes)
-      for (loomRedOp_t op : kOps)
-        for (size_t n : counts)
-          for (int sources : {1, 2, 3, 8, 9}) {
+      for (loomRedOp_t op : kOps) {
+        loom::HostReduceFn fn = loom::hostReduceSmallFn(t, op);
+        REQUIRE(fn != nullptr);
+        for (size_t n : {size_t(1), size_t(2), size_t(3), size_t(4), size_t(8), size_t(16)})
+          for (int alias = 0; alias < 3; ++alias) {  // none, dst==a, dst==b
             const size_t bytes = n * loom::dtypeSize(t);
-            std::vector<std::vector<uint8_t>> src;
-            std::vector<const void*> ptrs;
-            for (int k = 0; k < sources; ++k) src.push_back(randomBytes(t, n, rng));
-            for (const auto& s : src) ptrs.push_back(s.data());
-            std::vector<uint8_t> want = src[0];
-            for (int k = 1; k < sources; ++k) loom::reduceHost(want.data(), want.data(), src[size_t(k)].data(), n, t, op);
-            std::vector<uint8_t> got(bytes + 1, 0xAB);
-            loom::reduceHostLines(got.data(), ptrs.data(), sources, n, t, op);
-            INFO(loom::dtypeName(t) << " " << loom::redOpName(op) << " n=" << n << " sources=" << sources
+            std::vector<uint8_t> a = randomBytes(t, n, rng), b = randomBytes(t, n, rng);
+            std::vector<uint8_t> want(bytes), got(bytes + 1, 0xAB);
+            loom::reduceHost(want.data(), a.data(), b.data(), n, t, op);
+            uint8_t* d = alias == 1 ? a.data() : alias == 2 ? b.data() : got.data();
+            fn(d, a.data(), b.data(), n);
+            INFO(loom::dtypeName(t) << " " << loom::redOpName(op) << " n=" << n << " alias=" << alias
                                     << " generic=" << generic);
-            REQUIRE(sameElements(t, op, got.data(), want.data(), n));
+            REQUIRE(sameElements(t, op, d, want.data(), n));
             REQUIRE(got[bytes] == 0xAB);
-            // In place over the first source, as the pull line may.
-            std::vector<uint8_t> first = src[0];
-            ptrs[0] = first.data();
-            loom::reduceHostLines(first.data(), ptrs.data(), sources, n, t, op);
-            REQUIRE(sameElements(t, op, first.data(), want.data(), n));
           }
+      }
   }
+  CHECK(loom::hostReduceSmallFn(loomDataType_t(loomNumTypes), loomSum) == nullptr);
+  CHECK(loom::hostReduceSmallFn(loomInt32, loomRedOp_t(loomNumOps)) == nullptr);
 }
 
 TEST_CASE("reduceHost with n = 0 touches nothing, even through null pointers", "[reduce]") {

@@ -200,24 +200,23 @@ ReduceFn pick(loomDataType_t type, loomRedOp_t op) {
 }
 
 template <class Ty, class Op>
-void linesLoop(void* dst, const void* const* src, int n, size_t count) {
+void smallPair(void* dst, const void* a, const void* b, size_t n) {
   using S = typename Ty::Store;
-  for (size_t i = 0; i < count; ++i) {
-    S acc = ld<S>(static_cast<const u8*>(src[0]), i);
-    for (int k = 1; k < n; ++k) acc = Kernel<Ty, Op>::one(acc, ld<S>(static_cast<const u8*>(src[k]), i));
-    st<S>(static_cast<u8*>(dst), i, acc);
-  }
+  u8* d = static_cast<u8*>(dst);
+  const u8* pa = static_cast<const u8*>(a);
+  const u8* pb = static_cast<const u8*>(b);
+  for (size_t i = 0; i < n; ++i) st<S>(d, i, Kernel<Ty, Op>::one(ld<S>(pa, i), ld<S>(pb, i)));
 }
 
 template <class Ty>
-void linesOp(void* dst, const void* const* src, int n, size_t count, loomRedOp_t op) {
+ReduceFn smallOp(loomRedOp_t op) {
   switch (op) {
     case loomSum:
-    case loomAvg: return linesLoop<Ty, Sum>(dst, src, n, count);
-    case loomProd: return linesLoop<Ty, Prod>(dst, src, n, count);
-    case loomMax: return linesLoop<Ty, Max>(dst, src, n, count);
-    case loomMin: return linesLoop<Ty, Min>(dst, src, n, count);
-    default: return;
+    case loomAvg: return &smallPair<Ty, Sum>;
+    case loomProd: return &smallPair<Ty, Prod>;
+    case loomMax: return &smallPair<Ty, Max>;
+    case loomMin: return &smallPair<Ty, Min>;
+    default: return nullptr;
   }
 }
 
@@ -276,10 +275,8 @@ LOOM_HOT void reduceHost(void* dst, const void* a, const void* b, size_t n, loom
   if (ReduceFn fn = pick(type, op)) fn(dst, a, b, n);
 }
 
-void reduceHostLines(void* dst, const void* const* src, int n, size_t count, loomDataType_t type,
-                     loomRedOp_t op) {
-  elementwise::withElem(
-      type, [&](auto ty) { linesOp<decltype(ty)>(dst, src, n, count, op); return 0; }, 0);
+HostReduceFn hostReduceSmallFn(loomDataType_t type, loomRedOp_t op) {
+  return elementwise::withElem(type, [&](auto ty) { return smallOp<decltype(ty)>(op); }, ReduceFn(nullptr));
 }
 
 void divideHost(void* dst, const void* src, size_t n, loomDataType_t type, int divisor) {

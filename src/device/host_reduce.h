@@ -33,15 +33,15 @@ const char* redOpName(loomRedOp_t op);       // "sum", ...; "?" if unknown
 void reduceHost(void* dst, const void* a, const void* b, size_t n, loomDataType_t type,
                 loomRedOp_t op);
 
-// dst[i] = src[0][i] op src[1][i] op ... op src[n-1][i], combined in that
-// order with the same arithmetic as reduceHost, one pair at a time: the
-// values of n-1 reduceHost calls (a NaN may carry another payload, as
-// reduceHost's vector and scalar paths may differ there).  For a few
-// elements (the pull line of algorithms/one_shot.cc): one dispatch and scalar
-// loops instead of a kernel call per source.  dst may alias src[0]
-// (exactly).  n >= 1.
-void reduceHostLines(void* dst, const void* const* src, int n, size_t count, loomDataType_t type,
-                     loomRedOp_t op);
+// A pairwise reduction: dst[i] = a[i] op b[i] for i < n.
+using HostReduceFn = void (*)(void* dst, const void* a, const void* b, size_t n);
+// reduceHost's arithmetic for (type, op) as scalar loops, chosen once per
+// operation, for a few elements at a time (the pull line of
+// algorithms/one_shot.cc reduces N lines of at most 16 bytes): no dispatch
+// and no vector set-up per call.  The values of reduceHost (a NaN may carry
+// another payload, as reduceHost's vector and scalar paths may differ
+// there).  dst may alias a or b (exactly).  nullptr for an unknown type or op.
+HostReduceFn hostReduceSmallFn(loomDataType_t type, loomRedOp_t op);
 
 // dst[i] = src[i] / divisor for i < n (the last step of loomAvg).  Integers
 // truncate toward zero; float16/bfloat16 divide in float32 and round once.
