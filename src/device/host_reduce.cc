@@ -200,7 +200,7 @@ ReduceFn pick(loomDataType_t type, loomRedOp_t op) {
 }
 
 template <class Ty, class Op>
-void smallPair(void* dst, const void* a, const void* b, size_t n) {
+LOOM_HOT void smallPair(void* dst, const void* a, const void* b, size_t n) {
   using S = typename Ty::Store;
   u8* d = static_cast<u8*>(dst);
   const u8* pa = static_cast<const u8*>(a);
@@ -275,7 +275,7 @@ LOOM_HOT void reduceHost(void* dst, const void* a, const void* b, size_t n, loom
   if (ReduceFn fn = pick(type, op)) fn(dst, a, b, n);
 }
 
-HostReduceFn hostReduceSmallFn(loomDataType_t type, loomRedOp_t op) {
+LOOM_HOT HostReduceFn hostReduceSmallFn(loomDataType_t type, loomRedOp_t op) {
   return elementwise::withElem(type, [&](auto ty) { return smallOp<decltype(ty)>(op); }, ReduceFn(nullptr));
 }
 
