@@ -323,18 +323,21 @@ LOOM_HOT bool plainSmallAllReduce(const loomComm* comm, loomStream_t stream, con
          op.sendMem == MemoryKind::Host && op.recvMem == MemoryKind::Host && !comm->deviceComm();
 }
 
+// A blocking call (NULL stream), checked: runs it here, in its turn,
+// without allocating (the latency path).
+LOOM_HOT loomResult_t runBlocking(loomComm* comm, const OpDesc& op) {
+  loomResult_t prior = comm->asyncError();
+  if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->lastError().c_str());
+  SlotTag tag;
+  uint64_t ticket = comm->issueOne(op, &tag);
+  comm->waitTurn(ticket);
+  loomResult_t r = comm->runOne(op, tag);
+  comm->endTurn();
+  return r;
+}
+
 LOOM_HOT loomResult_t issueOp(const char* call, loomComm* comm, loomStream_t stream, const OpDesc& op) {
-  if (plainSmallAllReduce(comm, stream, op))
-    return guarded(call, comm, [&]() -> loomResult_t {
-      loomResult_t prior = comm->asyncError();
-      if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->lastError().c_str());
-      SlotTag tag;
-      uint64_t ticket = comm->issueOne(op, &tag);
-      comm->waitTurn(ticket);
-      loomResult_t r = comm->runOne(op, tag);
-      comm->endTurn();
-      return r;
-    });
+  if (plainSmallAllReduce(comm, stream, op)) return guarded(call, comm, [&] { return runBlocking(comm, op); });
   return guarded(call, comm, [&]() -> loomResult_t {
     GroupState& g = tlsGroup;
     HostStream* hostStream;
@@ -360,17 +363,7 @@ LOOM_HOT loomResult_t issueOp(const char* call, loomComm* comm, loomStream_t str
       }
       throw;
     }
-    if (!stream) {
-      // Blocking call: run it here, without allocating (the latency path).
-      loomResult_t prior = comm->asyncError();
-      if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->lastError().c_str());
-      SlotTag tag;
-      uint64_t ticket = comm->issueOne(op, &tag);
-      comm->waitTurn(ticket);
-      loomResult_t r = comm->runOne(op, tag);
-      comm->endTurn();
-      return r;
-    }
+    if (!stream) return runBlocking(comm, op);
     return submit(comm, hostStream, {op});
   });
 }
