@@ -62,10 +62,10 @@ const std::vector<ConfigVar>& configTable() {
        "microseconds a waiting rank spins before it sleeps (futex / poll); when a host runs more ranks "
        "than cores the spin yields the CPU"},
       {"LOOM_CPU_BIND", "auto|on|off", "auto",
-       "auto: when a host runs at least as many ranks (two or more) as they may use CPUs and every rank of the "
-       "host has the same CPU set (nobody bound them), each rank binds all its threads to an even share of that "
-       "set at init, ranks of the host in contiguous blocks; on: bind also when CPUs are to spare; off: never (a "
-       "launcher's binding is always kept)"},
+       "auto: when a host runs more ranks than they may use CPUs and every rank of the host has the same CPU set "
+       "(nobody bound them), each rank binds all its threads to an even share of that set at init, ranks of the "
+       "host in contiguous blocks; on: bind even without oversubscription; off: never (a launcher's binding is "
+       "always kept)"},
       {"LOOM_SLOT_BYTES", "int", "65536", "bytes per slot of a connection (the slice size)"},
       {"LOOM_SLOTS", "int", "8", "slots per connection ring (pipelining depth)"},
       {"LOOM_TAGGED_EAGER_BYTES", "int", "1048576",

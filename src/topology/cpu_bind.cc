@@ -83,13 +83,8 @@ CpuBindPlan planCpuBind(CpuBindMode mode, int localIndex, int localCount, const 
     p.why = "not bound: the ranks of this host run on different CPU sets (bound by their launcher), kept";
     return p;
   }
-  // Auto binds ranks that fill the CPUs or more: then no rank can have more
-  // than its share at any moment anyway, and a scheduler that packs tasks
-  // (the dev VMs' does) can no longer stack two of them on one CPU.  With
-  // CPUs to spare it leaves placement (and hardware threads) to the kernel.
-  if (mode == CpuBindMode::Auto && (localCount < ncpu || localCount == 1)) {
-    p.why = strf("not bound: %d rank%s on this host, %d CPUs (LOOM_CPU_BIND=on binds anyway)", localCount,
-                 localCount == 1 ? "" : "s", ncpu);
+  if (mode == CpuBindMode::Auto && localCount <= ncpu) {
+    p.why = strf("not bound: %d ranks on this host, %d CPUs (LOOM_CPU_BIND=on binds anyway)", localCount, ncpu);
     return p;
   }
   // Contiguous blocks: rank i takes CPUs [i*ncpu/n, (i+1)*ncpu/n), or, with
@@ -99,8 +94,7 @@ CpuBindPlan planCpuBind(CpuBindMode mode, int localIndex, int localCount, const 
   if (hi <= lo) hi = lo + 1;
   for (int64_t c = lo; c < hi; ++c) p.cpus.push_back(allowed[size_t(c)]);
   p.why = strf("bound to CPU %s: rank %d of %d on this host, %d CPUs%s", formatCpuList(p.cpus).c_str(),
-               localIndex, localCount, ncpu,
-               localCount > ncpu ? " (oversubscribed)" : localCount == ncpu ? " (one CPU per rank)" : "");
+               localIndex, localCount, ncpu, localCount > ncpu ? " (oversubscribed)" : "");
   return p;
 }
 

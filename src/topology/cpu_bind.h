@@ -1,20 +1,17 @@
-// Binding ranks to CPUs when a host runs as many ranks as it has CPUs, or more.
+// Binding ranks to CPUs when a host runs more ranks than it has CPUs.
 //
 // A rank that waits for a peer yields its CPU (src/core/backoff.h), so an
 // oversubscribed host's small collectives cost one context switch per rank
 // per operation on each CPU.  Left to itself, the scheduler of a virtual
 // machine may keep all of them on one CPU (measured on the 2-vCPU dev VMs:
 // 8 ranks of an 8 B all-reduce all on one vCPU, 13-25 us; bound 4 + 4,
-// about 10 us).  The same scheduler also started 2 ranks on 2 vCPUs on one
-// of them (8 B all-reduce: 3.5 us for the whole of a short run, 0.2 us
-// bound).  So when a host's ranks fill its CPUs or more and nobody bound
-// them (every local rank has the same CPU set), each rank binds all of its
+// about 10 us).  So when a host is oversubscribed and nobody bound its
+// ranks (every local rank has the same CPU set), each rank binds all of its
 // threads to an even share of that set, local ranks in contiguous blocks
 // (neighbours of a ring mostly share a CPU: a hand-off there needs no
-// inter-processor wake-up).  With CPUs to spare nothing is bound (hardware
-// threads and NUMA placement stay the kernel's).  LOOM_CPU_BIND=on binds
-// in every case, off never; a launcher's binding (mpirun, taskset per
-// rank) is always kept.
+// inter-processor wake-up).  LOOM_CPU_BIND=on binds without
+// oversubscription too, off never; a launcher's binding (mpirun, taskset
+// per rank) is always kept.
 #pragma once
 #include <cstdint>
 #include <string>
