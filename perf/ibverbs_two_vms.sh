@@ -338,5 +338,5 @@ for tr in $PERFCELL; do
   echo "VM $ROLE, $tr, samples per symbol (perf report -n --no-children --sort sym):"
   perf report -i /tmp/perf.$tr.data -n --no-children --sort sym --stdio -g none 2>/tmp/perf.err |
     awk '/^# Samples/ || (!/^#/ && !/^$/ && n++ < 22)'
-  [[ -s /tmp/perf.err ]] && tail -3 /tmp/perf.err
+  if [[ -s /tmp/perf.err ]]; then tail -3 /tmp/perf.err; fi
 done
