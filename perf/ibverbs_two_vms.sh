@@ -164,7 +164,8 @@ loomcell() {  # lib transport loom-perf-args...
   local key="/tmp/tuned.$tr.$(tr -c 'A-Za-z0-9=_.-' _ <<<"$cellenv")"
   if [[ $ROLE == a && ! -e $key ]]; then
     touch "$key"
-    echo "LOOM_TRANSPORTS=$tr${cellenv:+ $cellenv}: $(grep -o 'TUNE AllReduce.*' /tmp/cell.log | head -1);" \
+    echo "LOOM_TRANSPORTS=$tr${cellenv:+ $cellenv}: $(grep -o 'TUNE AllReduce.*' /tmp/cell.log | head -1)" \
+      "$([[ "${COMMONENV:-} $cellenv" == *LOOM_ALGO=* ]] && echo '(LOOM_ALGO overrides it)');" \
       "$(grep -o 'slots [0-9]* x [0-9]* B' /tmp/cell.log | head -1)" >&2
   fi
   # (rows as loom-perf prints them without loom-run: size count type op root time ...)
