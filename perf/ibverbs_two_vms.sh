@@ -13,7 +13,8 @@
 #               then over tcp: busbw ratio ibverbs / tcp per size
 #   one way     loom-perf sendrecv -p oneway 1 MiB (rank 0 sends, rank 1
 #               receives) over ibverbs, then tcp: ratio ibverbs / tcp
-#   latency     loom-perf sendrecv -p pingpong 8 B (half the round trip)
+#   latency     loom-perf sendrecv -p pingpong 8 B (half the round trip),
+#               over ibverbs, then tcp: ratio of the times tcp / ibverbs
 #   baselines   (once per round and MTU) ib_write_bw -s 1 MiB from A to B,
 #               ib_send_lat -s 8, and a plain TCP stream of 64 MiB from A
 #               to B (python3 sockets, timed by the sender up to the
@@ -22,8 +23,9 @@
 # numbers measure the emulator; the ratios are what count.
 #
 # usage: perf/ibverbs_two_vms.sh [-r ROUNDS] [--before LIBDIR] [--mtus "9000 1500"]
-#                                [--sizes "B..."] [--smp N] [--wire unix|stream|udp] [--append ARGS]
-#                                [--variants "ENV|..."] [--env ENV] [--calibrate] [--no-baselines] [--perf "ibverbs tcp"] [BINDIR]
+#          [--sizes "B..."] [--smp N] [--wire unix|stream|udp] [--append ARGS]
+#          [--variants "ENV|..."] [--env ENV] [--calibrate] [--no-baselines]
+#          [--perf "ibverbs tcp"] [BINDIR]
 #   --before LIBDIR: every loom cell also runs with LD_LIBRARY_PATH=LIBDIR (an
 #     older build's lib/), alternating with BINDIR's own, in the same VMs.
 #   --mtus: the link MTUs (both VMs' eth0 set to each in turn, in the running
@@ -35,11 +37,12 @@
 #     unix (default): a unix stream socket, lossless and without Nagle's
 #       algorithm, as a lossless (PFC) Ethernet fabric that RoCE expects;
 #     stream: -netdev socket over host TCP (tests/vm/ibverbs_two_vms.sh's):
-#       lossless, but the host socket holds back a small frame while the one
-#       before it is unacknowledged, so a RoCE round trip (data, ACK, reply)
-#       costs 20-40 ms where guest tcp's costs 0.5 ms (ib_send_lat 22 ms);
+#       lossless, but apparently Nagle's algorithm on the host socket holds
+#       back a small frame while the one before it is unacknowledged: a RoCE
+#       round trip (data, ACK, reply) costs about 20 ms (ib_send_lat 22 ms)
+#       where guest tcp's costs 0.5 ms;
 #     udp: one datagram per frame; frames are lost when a qemu falls behind,
-#       which costs rxe a 67 ms retransmission timeout each.
+#       each loss a transport timeout for rxe (LOOM_IB_TIMEOUT).
 #   --append: guest kernel arguments; default init_on_alloc=0 (see
 #     perf/ibverbs_compare.sh: Debian's kernel zeroes every allocation).
 #   --variants "ENV|ENV...": the loom cells (both transports) run once per ENV
