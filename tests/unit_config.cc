@@ -52,6 +52,7 @@ TEST_CASE("every default in config.cc's table is the value config() uses when th
       {"LOOM_IB_GID_INDEX", [&] { return num(c.ibGidIndex); }},
       {"LOOM_IB_RENDEZVOUS_BYTES", [&] { return num(c.ibRendezvousBytes); }},
       {"LOOM_IB_REG_CACHE_BYTES", [&] { return num(c.ibRegCacheBytes); }},
+      {"LOOM_IB_TIMEOUT", [&] { return num(c.ibTimeout); }},
       {"LOOM_SOCKET_IFNAME", [&] { return c.socketIfname; }},
       {"LOOM_HOST_ID", [&] { return c.hostId; }},
       {"LOOM_TOPO_FILE", [&] { return c.topoFile; }},

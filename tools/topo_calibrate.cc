@@ -79,8 +79,10 @@ Calibration calibrate(loomComm_t comm, const CalibrateOptions& opt) {
   // Rank 0 picks one peer per class, as it sees the links, and tells everyone.
   // Network pairs are measured under the transport they use (LOOM_TRANSPORTS
   // decides: shm,ucx puts ucx between hosts).
-  const char* keys[] = {"shm", "shm_xnuma", "tcp", "ucx"};
-  int32_t peerFor[4] = {-1, -1, -1, -1};
+  // The keys are the cost model's link names (costLinkName).
+  const char* keys[] = {"shm", "shm_xnuma", "tcp", "ucx", "verbs"};
+  constexpr int kKeys = int(sizeof keys / sizeof keys[0]);
+  int32_t peerFor[kKeys] = {-1, -1, -1, -1, -1};
   if (me == 0) {
     for (int r = 1; r < n; ++r) {
       int k;
@@ -88,15 +90,17 @@ Calibration calibrate(loomComm_t comm, const CalibrateOptions& opt) {
         k = topo.linkClass(0, r) == LinkClass::ShmCrossNuma ? 1 : 0;
       else if (strcmp(comm->transportTo(r), "ucx") == 0)
         k = 3;
+      else if (strcmp(comm->transportTo(r), "ibverbs") == 0)
+        k = 4;
       else
         k = 2;
       if (peerFor[k] < 0) peerFor[k] = r;
     }
   }
-  check(loomBroadcast(peerFor, peerFor, 4, loomInt32, 0, comm, nullptr), comm, "loomBroadcast");
+  check(loomBroadcast(peerFor, peerFor, kKeys, loomInt32, 0, comm, nullptr), comm, "loomBroadcast");
 
   std::vector<uint8_t> buf(std::max<size_t>(opt.bandwidthBytes, 8), 0x5a);
-  for (int k = 0; k < 4; ++k) {
+  for (int k = 0; k < kKeys; ++k) {
     int peer = peerFor[k];
     if (peer < 0) {
       if (me == 0)

@@ -18,7 +18,7 @@ struct CalibrateOptions {
 };
 
 struct LinkMeasurement {
-  std::string key;        // "shm", "shm_xnuma", "tcp": the tuning-file prefix
+  std::string key;        // "shm", "shm_xnuma", "tcp", "ucx", "verbs": the tuning-file prefix
   int peer = -1;          // measured between rank 0 and this rank
   double alphaUs = 0;     // one-way latency of an 8-byte message
   double betaGBps = 0;    // bandwidth of large messages, latency taken out

@@ -47,6 +47,10 @@ const std::vector<ConfigVar>& configTable() {
        "ibverbs: loomSend/loomRecv steps of at least this many bytes are written by RDMA straight into the "
        "receiver's buffer (rendezvous) instead of through the slots; 0: never (a pair uses the larger of its two "
        "values)"},
+      {"LOOM_IB_TIMEOUT", "int", "18",
+       "ibverbs: the queue pairs' transport timeout, 4.096 us x 2^N (18: 1.07 s, InfiniBand's encoding, 1-31): "
+       "a write not acknowledged within it is sent again, up to 7 times; too short a timeout resends whole "
+       "windows whose acknowledgement was only late (a loaded host, a slow link)"},
       {"LOOM_IB_REG_CACHE_BYTES", "int", "1073741824",
        "ibverbs: bytes of user-buffer memory registrations kept cached while unused (least recently used "
        "dropped first); only memory the kernel keeps coherent (on-demand paging) is cached beyond its operation"},
@@ -168,6 +172,7 @@ static Config readConfig() {
   c.ibGidIndex = envInt("LOOM_IB_GID_INDEX", -1, -1, 65535);
   c.ibRendezvousBytes = envInt("LOOM_IB_RENDEZVOUS_BYTES", 1 << 20, 0, int64_t(1) << 40);
   c.ibRegCacheBytes = envInt("LOOM_IB_REG_CACHE_BYTES", int64_t(1) << 30, 0, int64_t(1) << 50);
+  c.ibTimeout = envInt("LOOM_IB_TIMEOUT", 18, 1, 31);
   c.socketIfname = envStr("LOOM_SOCKET_IFNAME");
   c.hostId = envStr("LOOM_HOST_ID");
   c.topoFile = envStr("LOOM_TOPO_FILE");

@@ -30,6 +30,7 @@ struct Config {
   int64_t ibGidIndex;         // LOOM_IB_GID_INDEX (-1 = automatic)
   int64_t ibRendezvousBytes;  // LOOM_IB_RENDEZVOUS_BYTES (0 = off)
   int64_t ibRegCacheBytes;    // LOOM_IB_REG_CACHE_BYTES
+  int64_t ibTimeout;          // LOOM_IB_TIMEOUT (QP timeout exponent)
   std::string socketIfname;   // LOOM_SOCKET_IFNAME
   std::string hostId;         // LOOM_HOST_ID
   std::string topoFile;       // LOOM_TOPO_FILE

@@ -5,7 +5,8 @@
 # overlay on top, so every installed program and the build tree are there.
 #
 #   tests/vm/run-in-vm.sh [--rxe] [--timeout S] [--smp N] [--mem MiB]
-#                         [--net-socket listen:PORT|connect:PORT --ip A.B.C.D]
+#                         [--net-socket listen:PORT|connect:PORT|udp:LPORT:RPORT|
+#                                       unix-listen:PATH|unix-connect:PATH --ip A.B.C.D]
 #                         [--mtu N] [--append KERNEL-ARGS] -- COMMAND...
 #
 # --rxe: before the command, load rdma_rxe and put a Soft-RoCE device rxe0
@@ -142,7 +143,14 @@ NET=(-nic none)
 if [[ -n "$NETSOCK" ]]; then
   mode=${NETSOCK%%:*} port=${NETSOCK#*:}
   mac=52:54:00:12:34:$(printf %02x "$(( ${IP##*.} % 256 ))")
-  NET=(-netdev "socket,id=n0,$mode=127.0.0.1:$port" -device "virtio-net-pci,netdev=n0,mac=$mac")
+  if [[ $mode == udp ]]; then  # udp:LOCALPORT:REMOTEPORT, one datagram per frame
+    NET=(-netdev "socket,id=n0,udp=127.0.0.1:${port#*:},localaddr=127.0.0.1:${port%%:*}")
+  elif [[ $mode == unix-listen || $mode == unix-connect ]]; then  # a unix stream socket at PATH
+    NET=(-netdev "stream,id=n0,server=$([[ $mode == unix-listen ]] && echo on || echo off),addr.type=unix,addr.path=$port")
+  else
+    NET=(-netdev "socket,id=n0,$mode=127.0.0.1:$port")
+  fi
+  NET+=(-device "virtio-net-pci,netdev=n0,mac=$mac")
 fi
 
 timeout --foreground -k 5 "$TIMEOUT" "$QEMU" -accel tcg,thread=multi -cpu max -smp "$SMP" -m "$MEM" \

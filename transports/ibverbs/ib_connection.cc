@@ -14,6 +14,7 @@
 #include <random>
 
 #include "src/core/clock.h"
+#include "src/core/config.h"
 #include "src/core/error.h"
 #include "src/core/log.h"
 
@@ -184,7 +185,12 @@ void IbConnection::start(const IbConnRecord& remote, const IbRecord& peerDev, in
          strerror(errno));
   ibv_qp_attr s{};
   s.qp_state = IBV_QPS_RTS;
-  s.timeout = 14;
+  // A write unacknowledged after 4.096 us x 2^timeout is sent again (with
+  // every write after it).  14 (67 ms) fired for writes that had arrived
+  // but whose acknowledgement was late -- behind a burst of data the other
+  // way, on a loaded host: Soft-RoCE between two VMs resent thousands of
+  // packets per all-reduce (perf/ibverbs_two_vms.sh, docs/usage.md).
+  s.timeout = uint8_t(config().ibTimeout);
   s.retry_cnt = 7;
   s.rnr_retry = 7;
   s.sq_psn = psn_;
