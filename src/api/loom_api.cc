@@ -310,8 +310,8 @@ loomResult_t submit(loomComm* comm, HostStream* stream, std::vector<OpDesc> ops)
 // The latency path (8 ranks on 2 cores pay this once per rank and time
 // slice): an all-reduce on the host with the NULL stream, from a process where
 // no thread is inside a group, whose arguments need none of validate()'s
-// general checks: a block of at most 16 bytes (no overflow), host buffers
-// that are one buffer or do not overlap.  The same turn and run as the
+// general checks: at most 16 elements (no overflow), host buffers that are
+// one buffer or do not overlap.  The same turn and run as the
 // general path; anything else, errors included, goes there.
 LOOM_HOT bool plainSmallAllReduce(const loomComm* comm, loomStream_t stream, const OpDesc& op) {
   if (stream || !comm || op.coll != Collective::AllReduce || gOpenGroups.load(std::memory_order_relaxed) != 0)

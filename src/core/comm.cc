@@ -234,12 +234,6 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
     LOOM_INFO("INIT", "rank %d: device communicator on %s:%d, windows of 2 x %zu B", rank, device_->deviceName(),
               device_->device(), kDeviceSlotBytes);
   }
-  // Long yields during init (peers still starting, the launcher, page
-  // faults) say nothing about the CPUs once every rank runs: the first
-  // operations start without that mark (src/core/backoff.h), which a
-  // program making a few hundred small all-reduces would otherwise carry
-  // through all of them (2 ranks on 2 cores, 8 B: 0.65 instead of 0.2 us).
-  cpuContention_.store(0, std::memory_order_relaxed);
   LOOM_INFO("INIT", "rank %d of %d ready: host %s, %d local peers, slots %u x %u B, transports %s", rank, nranks,
             mine.hostId, local, root.slots, root.slotBytes, transportSpec_.c_str());
 }
