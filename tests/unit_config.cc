@@ -69,6 +69,8 @@ TEST_CASE("every default in config.cc's table is the value config() uses when th
       {"LOOM_TUNING_FILE", [&] { return c.tuningFile; }},
       {"LOOM_CHECK_MODE", [&] { return std::string(c.checkMode ? "on" : "off"); }},
       {"LOOM_DEVICE", [&] { return c.device; }},
+      {"LOOM_DEVICE_PATH", [&] { return c.devicePath; }},
+      {"LOOM_DEVICE_STAGE_BYTES", [&] { return num(c.deviceStageBytes); }},
       {"LOOM_CPU_BIND", [&] { return c.cpuBind; }},
       {"LOOM_DUMP_SIGNAL", [&] { return num(c.dumpSignal); }},
       {"LOOM_TRACE", [&] { return c.trace; }},

@@ -77,7 +77,7 @@ const loom::CudaApi kRecording = {
     },
     // The communicator's resources: the backend never calls them.
     nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-    nullptr, nullptr,
+    nullptr, nullptr, nullptr, nullptr,
 };
 
 void* handle(uintptr_t v) { return reinterpret_cast<void*>(v); }
@@ -420,6 +420,16 @@ const loom::CudaApi kDriverTable = {
     [](void** p, size_t n) {  // cudaMalloc alone: send/recv staging
       *p = malloc(n);
       record(loom::strf("mallocRaw %zu", n));
+      return 0;
+    },
+    [](void** p, size_t n) {  // pinned host memory: the staged path
+      *p = malloc(n);
+      record(loom::strf("hostAlloc %zu", n));
+      return 0;
+    },
+    [](void* p) {
+      free(p);
+      record("hostFree");
       return 0;
     },
 };

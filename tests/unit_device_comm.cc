@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
 #include <catch2/catch.hpp>
 #include <condition_variable>
 #include <cstdint>
@@ -40,6 +41,7 @@
 #include "src/device/device_memory.h"
 #include "src/device/host_memory.h"
 #include "src/device/host_reduce.h"
+#include "src/device/staged_comm.h"
 #include "tests/sim_device.h"
 
 namespace {
@@ -192,6 +194,20 @@ class SimDriver final : public loom::DeviceDriver {
   void exportHandle(void* base, uint8_t h[loom::kIpcHandleBytes]) const override { mem_.handle(base, h); }
   void* openHandle(const uint8_t h[loom::kIpcHandleBytes]) override { return mem_.open(h); }
   void closeHandle(void* mapped) override { mem_.closeMapping(mapped); }
+  // Pinned host memory is host memory here (pointerDevice says -1).
+  void* allocateHost(size_t bytes) override {
+    hostAllocs.fetch_add(1);
+    return aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+  }
+  void releaseHost(void* p) override {
+    hostFrees.fetch_add(1);
+    ::free(p);
+  }
+  void storeHostFlag(uint64_t* flag, uint64_t value) override {
+    reinterpret_cast<std::atomic<uint64_t>*>(flag)->store(value, std::memory_order_release);
+    if (world_) world_->notify();
+  }
+  std::atomic<size_t> hostAllocs{0}, hostFrees{0};
   std::atomic<bool> failLaunch{false};  // backend() fails as a CUDA launch would
   loom::StreamBackend& backend(void* callerStream, int streams, int events) override {
     (void)callerStream;
@@ -342,8 +358,8 @@ struct Prepared {
   size_t recvBytes = 0;
 };
 
-Prepared prepare(SimComms& s, const Op& o, std::mt19937_64& rng) {
-  const int N = s.n();
+// Rank r's buffers on simulated device r % gpus of `mem`.
+Prepared prepare(SimMemory& mem, int N, int gpus, const Op& o, std::mt19937_64& rng) {
   const size_t esz = loom::dtypeSize(o.type), n = o.count;
   size_t sendElems = n, recvElems = n;
   if (o.coll == Collective::ReduceScatter || o.coll == Collective::AllToAll || o.coll == Collective::Scatter)
@@ -356,15 +372,15 @@ Prepared prepare(SimComms& s, const Op& o, std::mt19937_64& rng) {
   p.recvBytes = recvElems * esz;
   std::vector<std::vector<uint8_t>> before(static_cast<size_t>(N));
   for (int r = 0; r < N; ++r) {
-    const int dev = r % s.gpus;
+    const int dev = r % gpus;
     const size_t big = std::max(sendElems, recvElems) * esz + 8;
-    uint8_t* rb = s.mem.alloc(dev, big);
+    uint8_t* rb = mem.alloc(dev, big);
     fillRandom(rb, big / esz, o.type, rng);  // garbage before the operation
     uint8_t *in, *out;
     // All-to-all has no in-place form; gather and scatter one at the root.
     const bool ip = o.inPlace && o.coll != Collective::AllToAll && (!rootOnly || r == o.root);
     if (!ip) {
-      in = s.mem.alloc(dev, sendElems * esz + 8);
+      in = mem.alloc(dev, sendElems * esz + 8);
       out = rb;
     } else if (o.coll == Collective::Gather) {
       in = rb + size_t(r) * n * esz;
@@ -430,6 +446,8 @@ Prepared prepare(SimComms& s, const Op& o, std::mt19937_64& rng) {
   }
   return p;
 }
+
+Prepared prepare(SimComms& s, const Op& o, std::mt19937_64& rng) { return prepare(s.mem, s.n(), s.gpus, o, rng); }
 
 void issue(SimComms& s, const Prepared& p, int r) {
   loom::OpDesc d;
@@ -1026,6 +1044,13 @@ TEST_CASE("IPC import cache: one open per (rank, base), offsets applied, kept wh
 
 namespace {
 
+// The IPC path's device side of a communicator (its round counter).
+loom::DeviceComm& ipcOf(loomComm_t c) {
+  auto* d = dynamic_cast<loom::DeviceComm*>(c->deviceComm());
+  REQUIRE(d != nullptr);
+  return *d;
+}
+
 struct DeviceEnv {  // LOOM_DEVICE=cuda with simulated drivers, undone on scope exit
   DeviceEnv(SimMemory& mem, loomsim::SimDeviceWorld& world) {
     loom::setDeviceDriverFactoryForTesting(
@@ -1169,7 +1194,7 @@ TEST_CASE("CUDA communicator through the C API (LOOM_DEVICE=cuda, simulated devi
 
   // A group with a bad member (host memory; a send) enqueues nothing: the
   // good member before it never runs (its round is not used).
-  const uint64_t roundBefore = comms[0]->deviceComm()->round();
+  const uint64_t roundBefore = ipcOf(comms[0]).round();
   REQUIRE(loomGroupStart() == loomSuccess);
   CHECK(loomAllReduce(dev, dev, 16, loomFloat32, loomSum, comms[0], fakeStream) == loomSuccess);
   CHECK(loomAllReduce(host.data(), dev, 16, loomFloat32, loomSum, comms[0], fakeStream) == loomInvalidArgument);
@@ -1181,7 +1206,7 @@ TEST_CASE("CUDA communicator through the C API (LOOM_DEVICE=cuda, simulated devi
   CHECK(loomRecv(host.data(), 16, loomFloat32, 1, comms[0], fakeStream) == loomInvalidArgument);
   CHECK(loomGroupEnd() == loomInvalidArgument);
   CHECK(std::string(loomGetLastError(nullptr)).find("recvbuff") != std::string::npos);
-  CHECK(comms[0]->deviceComm()->round() == roundBefore);
+  CHECK(ipcOf(comms[0]).round() == roundBefore);
 
   // A group of collectives on both ranks: enqueued at loomGroupEnd, in
   // order, exact after the stream synchronises.
@@ -1642,7 +1667,7 @@ TEST_CASE("CUDA communicator through the C API (simulated device): send/recv sta
   for (int r = 0; r < 3; ++r) {
     std::string d = dumpOf(comms[size_t(r)]);
     INFO(d);
-    CHECK(d.find(loom::strf("device sim:0: %zu B allocated at init", loom::flagAreaBytes(3) +
+    CHECK(d.find(loom::strf("device sim:0, ipc path: %zu B allocated at init", loom::flagAreaBytes(3) +
                                                                           loom::streamWindowBytes(loom::kDeviceSlotBytes))) !=
           std::string::npos);
     CHECK(d.find("send/recv staging: 0 regions allocated here (0 B), 0 of peers mapped here") != std::string::npos);
@@ -1732,14 +1757,14 @@ TEST_CASE("CUDA communicators through the C API (simulated device): one group sp
     CHECK(wrong == 0);
 
     // One communicator, two streams in one group: refused, nothing launched.
-    const uint64_t round0 = comms[0]->deviceComm()->round();
+    const uint64_t round0 = ipcOf(comms[0]).round();
     REQUIRE(loomGroupStart() == loomSuccess);
     CHECK(loomAllReduce(ar[0], ar[0], kN, loomInt32, loomSum, comms[0], streams[0]) == loomSuccess);
     CHECK(loomAllReduce(ar[0], ar[0], kN, loomInt32, loomSum, comms[0], streams[1]) == loomInvalidUsage);
     CHECK(std::string(loomGetLastError(comms[0])).find("all operations of a group on one communicator must use "
                                                        "one stream") != std::string::npos);
     CHECK(loomGroupEnd() == loomInvalidUsage);
-    CHECK(comms[0]->deviceComm()->round() == round0);
+    CHECK(ipcOf(comms[0]).round() == round0);
 
     // Tagged send/recv: refused with its reason, alone and in a group
     // (which then launches nothing, its good members included).
@@ -1757,8 +1782,8 @@ TEST_CASE("CUDA communicators through the C API (simulated device): one group sp
     CHECK(loomRecvTagged(recvb[1], 16, loomInt32, 0, 3, comms[1], streams[1], nullptr) == loomInvalidUsage);
     CHECK(loomGroupEnd() == loomInvalidUsage);
     CHECK(std::string(loomGetLastError(nullptr)).find("the group was not launched") != std::string::npos);
-    CHECK(comms[0]->deviceComm()->round() == round0);
-    CHECK(comms[1]->deviceComm()->round() == round0);
+    CHECK(ipcOf(comms[0]).round() == round0);
+    CHECK(ipcOf(comms[1]).round() == round0);
     for (int r = 0; r < 2; ++r) CHECK(loomCommDestroy(comms[size_t(r)]) == loomSuccess);
   }
   // Host communicators (one rank each): a group spanning two is refused
@@ -1869,4 +1894,270 @@ TEST_CASE("loomMemAlloc on a CUDA process (LOOM_DEVICE=cuda, simulated device): 
     CHECK(loom::cudaPointerDevice(c) >= 0);
     CHECK(loomMemFree(c) == loomSuccess);
   }
+}
+
+// ---- The staged path: device buffers between hosts ----------------------
+
+namespace {
+
+struct ScopedEnv {  // an environment variable for a scope, the configuration read again
+  const char* name;
+  ScopedEnv(const char* n, const char* value) : name(n) {
+    setenv(n, value, 1);
+    loom::configReload();
+  }
+  ~ScopedEnv() {
+    unsetenv(name);
+    loom::configReload();
+  }
+};
+
+// N CUDA communicators through the C API, one thread each, rank r on host
+// hostOf(r); the codes and messages of every init in *rcs / *errs.
+std::vector<loomComm_t> initCudaCommsOn(int n, const std::function<std::string(int)>& hostOf,
+                                        std::vector<loomResult_t>* rcsOut = nullptr,
+                                        std::vector<std::string>* errs = nullptr) {
+  loomUniqueId id;
+  if (loomGetUniqueId(&id) != loomSuccess) return {};
+  std::vector<loomComm_t> comms(size_t(n), nullptr);
+  std::vector<loomResult_t> rcs(size_t(n), loomSuccess);
+  std::vector<std::string> msgs(static_cast<size_t>(n));
+  std::vector<std::thread> ts;
+  for (int r = 0; r < n; ++r)
+    ts.emplace_back([&, r] {
+      loom::setThreadHostIdForTesting(hostOf(r));
+      rcs[size_t(r)] = loomCommInitRank(&comms[size_t(r)], n, id, r);
+      msgs[size_t(r)] = loomGetLastError(nullptr);
+      loom::setThreadHostIdForTesting("");
+    });
+  for (auto& t : ts) t.join();
+  if (rcsOut) *rcsOut = rcs;
+  if (errs) *errs = msgs;
+  for (loomResult_t rc : rcs)
+    if (rc != loomSuccess) return {};
+  return comms;
+}
+
+std::string twoHosts(int r) { return r % 2 ? "staged-test-host-b" : "staged-test-host-a"; }
+
+// One prepared collective through the C API on rank r.
+loomResult_t issueApi(loomComm_t c, const Prepared& p, int r, loomStream_t s) {
+  const void* in = p.send[size_t(r)];
+  void* out = p.recv[size_t(r)];
+  const Op& o = p.o;
+  switch (o.coll) {
+    case Collective::AllReduce: return loomAllReduce(in, out, o.count, o.type, o.op, c, s);
+    case Collective::ReduceScatter: return loomReduceScatter(in, out, o.count, o.type, o.op, c, s);
+    case Collective::AllGather: return loomAllGather(in, out, o.count, o.type, c, s);
+    case Collective::Broadcast: return loomBroadcast(in, out, o.count, o.type, o.root, c, s);
+    case Collective::Reduce: return loomReduce(in, out, o.count, o.type, o.op, o.root, c, s);
+    case Collective::AllToAll: return loomAllToAll(in, out, o.count, o.type, c, s);
+    case Collective::Gather: return loomGather(in, out, o.count, o.type, o.root, c, s);
+    case Collective::Scatter: return loomScatter(in, out, o.count, o.type, o.root, c, s);
+    default: return loomInternalError;
+  }
+}
+
+// verify() for results the host path computed: its algorithms combine the
+// ranks in their own order, so floating-point values may differ from the
+// rank-order fold in the last bits (within a relative tolerance of the
+// type); integers and moved bytes are exact.
+std::string verifyNear(const Prepared& p, int N) {
+  const loomDataType_t t = p.o.type;
+  const bool fp = t == loomFloat16 || t == loomBfloat16 || t == loomFloat32 || t == loomFloat64;
+  const bool reduces = p.o.coll == Collective::AllReduce || p.o.coll == Collective::ReduceScatter ||
+                       p.o.coll == Collective::Reduce;
+  if (!fp || !reduces) return verify(p, N);
+  const size_t esz = loom::dtypeSize(t);
+  // Inputs are in [-4, 4): each of the N - 1 roundings is off by at most
+  // half an ulp of a value up to 4N.
+  const double ulp = t == loomFloat64 ? 0x1p-52 : t == loomFloat32 ? 0x1p-23 : t == loomFloat16 ? 0x1p-10 : 0x1p-7;
+  const double tol = ulp * 4 * N * N;
+  auto value = [&](const uint8_t* e) -> double {
+    uint16_t h;
+    float f;
+    double d;
+    switch (t) {
+      case loomFloat16: memcpy(&h, e, 2); return loom::halfToFloat(h);
+      case loomBfloat16: memcpy(&h, e, 2); return loom::bf16ToFloat(h);
+      case loomFloat32: memcpy(&f, e, 4); return f;
+      default: memcpy(&d, e, 8); return d;
+    }
+  };
+  for (int r = 0; r < N; ++r) {
+    const std::vector<uint8_t>& e = p.expect[size_t(r)];
+    for (size_t i = 0; i + esz <= e.size(); i += esz) {
+      const double want = value(e.data() + i), got = value(p.recv[size_t(r)] + i);
+      if (std::fabs(got - want) > tol)
+        return loom::strf("%s: rank %d element %zu is %g, want %g", opName(p.o, N).c_str(), r, i / esz, got, want);
+    }
+  }
+  return "";
+}
+
+loom::StagedDeviceComm* stagedOf(loomComm_t c) { return dynamic_cast<loom::StagedDeviceComm*>(c->deviceComm()); }
+
+}  // namespace
+
+TEST_CASE("CUDA communicator across hosts (simulated device, ranks as threads posing as two hosts): the staged "
+          "path, every collective exact for N = 2 and 3 through the C API, back to back on the stream, pieces that "
+          "reuse every slot, send/recv groups and all-to-allv",
+          "[devcomm][staged]") {
+  ScopedEnv piece("LOOM_DEVICE_STAGE_BYTES", "4096");  // many pieces from small buffers
+  for (int N : {2, 3}) {
+    SimMemory mem;
+    loomsim::SimDeviceWorld world(N, 1, 256, patientDevice());
+    DeviceEnv env(mem, world);
+    std::vector<loomResult_t> rcs;
+    std::vector<std::string> errs;
+    std::vector<loomComm_t> comms = initCudaCommsOn(N, twoHosts, &rcs, &errs);
+    INFO("N=" << N << ": " << (errs.empty() ? "" : errs[0]));
+    REQUIRE(comms.size() == size_t(N));
+    for (int r = 0; r < N; ++r) {
+      REQUIRE(stagedOf(comms[size_t(r)]) != nullptr);
+      CHECK(dumpOf(comms[size_t(r)]).find("staged path") != std::string::npos);
+    }
+    auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+    std::mt19937_64 rng(uint64_t(N) * 77);
+    std::vector<Op> ops = everyCollective(N);
+    // Many pieces each (4 KiB per side): more pieces than slots.
+    ops.push_back({Collective::AllReduce, loomFloat32, loomSum, 10000, 0, false});
+    ops.push_back({Collective::AllReduce, loomInt32, loomAvg, 3001, 0, true});
+    ops.push_back({Collective::AllGather, loomInt32, loomSum, 3000, 0, true});
+    ops.push_back({Collective::ReduceScatter, loomBfloat16, loomSum, 2999, 0, false});
+    ops.push_back({Collective::AllToAll, loomInt64, loomSum, 1500, 0, false});
+    ops.push_back({Collective::Broadcast, loomUint8, loomSum, 20000, N - 1, false});
+    ops.push_back({Collective::Gather, loomFloat32, loomSum, 2500, 1, false});
+    ops.push_back({Collective::Scatter, loomFloat32, loomSum, 2500, 0, true});
+    std::vector<Prepared> prepared;
+    for (const Op& o : ops) prepared.push_back(prepare(mem, N, 1, o, rng));
+    size_t pieces = 0;
+    for (const Prepared& p : prepared) {
+      for (int r = 0; r < N; ++r) CHECK(issueApi(comms[size_t(r)], p, r, fakeStream) == loomSuccess);
+      loom::OpDesc d;
+      d.coll = p.o.coll, d.count = p.o.count, d.dtype = p.o.type;
+      pieces += stagedOf(comms[0])->pieces(d);
+    }
+    CHECK(pieces >= ops.size() + 8 * 4);  // the last eight: four pieces or more each
+    for (int r = 0; r < N; ++r) {
+      std::string msg;
+      CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
+      INFO(msg);
+    }
+    for (const Prepared& p : prepared) CHECK(verifyNear(p, N) == "");
+    for (int r = 0; r < N; ++r) CHECK(stagedOf(comms[size_t(r)])->hostStepsRun() == pieces);
+
+    // Send/recv: a ring in one group per rank (one thread drives every
+    // communicator), then all-to-allv with a different count per pair.
+    const size_t n = 5000;  // 20 KB: staged whole, in one host group
+    std::vector<int32_t*> out, in;
+    for (int r = 0; r < N; ++r) {
+      out.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, n * 4)));
+      in.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, n * 4)));
+      for (size_t i = 0; i < n; ++i) out[size_t(r)][i] = int32_t(r * 1000003 + int(i)), in[size_t(r)][i] = -1;
+    }
+    REQUIRE(loomGroupStart() == loomSuccess);
+    for (int r = 0; r < N; ++r) {
+      CHECK(loomSend(out[size_t(r)], n, loomInt32, (r + 1) % N, comms[size_t(r)], fakeStream) == loomSuccess);
+      CHECK(loomRecv(in[size_t(r)], n, loomInt32, (r + N - 1) % N, comms[size_t(r)], fakeStream) == loomSuccess);
+    }
+    REQUIRE(loomGroupEnd() == loomSuccess);
+    // all-to-allv: rank r sends r + q + 1 elements to rank q.
+    const size_t NN = static_cast<size_t>(N);
+    std::vector<std::vector<size_t>> sc(NN), sd(NN), rc(NN), rd(NN);
+    std::vector<int32_t*> vs, vr;
+    for (int r = 0; r < N; ++r) {
+      size_t so = 0, ro = 0;
+      for (int q = 0; q < N; ++q) {
+        sc[size_t(r)].push_back(size_t(r + q + 1)), sd[size_t(r)].push_back(so), so += size_t(r + q + 1);
+        rc[size_t(r)].push_back(size_t(q + r + 1)), rd[size_t(r)].push_back(ro), ro += size_t(q + r + 1);
+      }
+      vs.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, so * 4)));
+      vr.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, ro * 4)));
+      for (int q = 0; q < N; ++q)
+        for (size_t i = 0; i < sc[size_t(r)][size_t(q)]; ++i) vs[size_t(r)][sd[size_t(r)][size_t(q)] + i] = r * 100 + q * 10000 + int(i);
+    }
+    for (int r = 0; r < N; ++r)
+      CHECK(loomAllToAllv(vs[size_t(r)], sc[size_t(r)].data(), sd[size_t(r)].data(), vr[size_t(r)],
+                          rc[size_t(r)].data(), rd[size_t(r)].data(), loomInt32, comms[size_t(r)],
+                          fakeStream) == loomSuccess);
+    for (int r = 0; r < N; ++r) {
+      std::string msg;
+      CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
+      INFO(msg);
+    }
+    long wrong = 0;
+    for (int r = 0; r < N; ++r) {
+      const int from = (r + N - 1) % N;
+      for (size_t i = 0; i < n; ++i) wrong += in[size_t(r)][i] != int32_t(from * 1000003 + int(i));
+      for (int q = 0; q < N; ++q)  // block from rank q: q's block for r
+        for (size_t i = 0; i < rc[size_t(r)][size_t(q)]; ++i)
+          wrong += vr[size_t(r)][rd[size_t(r)][size_t(q)] + i] != q * 100 + r * 10000 + int(i);
+    }
+    CHECK(wrong == 0);
+    for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
+    CHECK(loom::waitDeviceRemains(10000));
+  }
+}
+
+TEST_CASE("CUDA communicators and hosts: LOOM_DEVICE_PATH=ipc across hosts fails init on every rank saying why; "
+          "LOOM_DEVICE_PATH=staged stages on one host too, and the pinned memory is freed at destroy",
+          "[devcomm][staged]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(2, 1, 256, patientDevice());
+  std::vector<SimDriver*> drivers;
+  std::mutex dmu;
+  loom::setDeviceDriverFactoryForTesting([&](int r, int) {
+    auto d = std::make_unique<SimDriver>(mem, &world, r, 0);
+    std::lock_guard<std::mutex> g(dmu);
+    drivers.push_back(d.get());
+    return d;
+  });
+  ScopedEnv device("LOOM_DEVICE", "cuda");
+  {
+    ScopedEnv path("LOOM_DEVICE_PATH", "ipc");
+    std::vector<loomResult_t> rcs;
+    std::vector<std::string> errs;
+    CHECK(initCudaCommsOn(2, twoHosts, &rcs, &errs).empty());
+    for (int r = 0; r < 2; ++r) {
+      CHECK(rcs[size_t(r)] == loomInvalidUsage);
+      INFO(errs[size_t(r)]);
+      CHECK(errs[size_t(r)].find("LOOM_DEVICE_PATH=ipc") != std::string::npos);
+      CHECK(errs[size_t(r)].find("CUDA IPC works within a host only") != std::string::npos);
+    }
+  }
+  {
+    ScopedEnv path("LOOM_DEVICE_PATH", "staged");
+    drivers.clear();
+    std::vector<loomComm_t> comms = initCudaCommsOn(2, [](int) { return std::string(); });
+    REQUIRE(comms.size() == 2);
+    auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+    const size_t n = 3 << 20;  // 12 MiB: six pieces of 2 MiB (the default)
+    std::vector<float*> buf;
+    for (int r = 0; r < 2; ++r) {
+      REQUIRE(stagedOf(comms[size_t(r)]) != nullptr);
+      CHECK(stagedOf(comms[size_t(r)])->pieces([&] {
+        loom::OpDesc d;
+        d.count = n;
+        return d;
+      }()) == 6);
+      buf.push_back(reinterpret_cast<float*>(mem.alloc(0, n * 4)));
+      for (size_t i = 0; i < n; ++i) buf[size_t(r)][i] = float(i % 1000) + float(r);
+    }
+    for (int r = 0; r < 2; ++r)
+      CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], n, loomFloat32, loomSum, comms[size_t(r)], fakeStream) ==
+            loomSuccess);
+    for (int r = 0; r < 2; ++r) {
+      std::string msg;
+      CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
+    }
+    long wrong = 0;
+    for (int r = 0; r < 2; ++r)
+      for (size_t i = 0; i < n; ++i) wrong += buf[size_t(r)][i] != 2 * float(i % 1000) + 1;
+    CHECK(wrong == 0);
+    for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
+    CHECK(loom::waitDeviceRemains(10000));
+    REQUIRE(drivers.size() == 2);
+  }
+  loom::setDeviceDriverFactoryForTesting(nullptr);
 }

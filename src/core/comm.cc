@@ -35,6 +35,9 @@ void checkRankInfo(RankInfo* info, int r) {
     fail(loomRemoteError, "rank %d sent a control address of %u bytes, family %u, during init", r, info->ctlLen,
          unsigned(info->ctlAddr.ss_family));
   if (r != 0) return;
+  if (info->devicePath > 2 || info->deviceStageBytes < 4096 || info->deviceStageBytes > (1u << 30) || info->deviceStageBytes % 256)
+    fail(loomRemoteError, "rank 0 sent device path %u, staged pieces of %u B during init", info->devicePath,
+         info->deviceStageBytes);
   // The bounds config.cc enforces on rank 0's own environment.
   if (info->slots < 2 || info->slots > 1024 || info->slotBytes < 4096 || info->slotBytes > (64u << 20) ||
       info->slotBytes % 64 || info->mailBytes > (1u << 20) || info->mailBytes % 64 ||
@@ -50,6 +53,12 @@ void checkRankInfo(RankInfo* info, int r) {
          e.what());
   }
 }
+
+namespace {
+thread_local std::string tlsTestHostId;
+}
+
+void setThreadHostIdForTesting(const std::string& hostId) { tlsTestHostId = hostId; }
 
 }  // namespace loom
 
@@ -122,7 +131,9 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
   const DeviceChoice deviceChoice = checkDeviceChoice();
   RankInfo mine{};
   mine.deviceKind = deviceChoice.cuda ? 1 : 0;
-  std::string host = cfg.hostId.empty() ? machineHostId() : cfg.hostId;
+  std::string host = !tlsTestHostId.empty() ? tlsTestHostId : cfg.hostId.empty() ? machineHostId() : cfg.hostId;
+  mine.devicePath = cfg.devicePath == "ipc" ? 1 : cfg.devicePath == "staged" ? 2 : 0;
+  mine.deviceStageBytes = uint32_t(cfg.deviceStageBytes);
   snprintf(mine.hostId, sizeof mine.hostId, "%s", host.c_str());
   mine.localKey = localKey();
   mine.pid = int32_t(getpid());
@@ -214,25 +225,40 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
   taggedRetryMs_.assign(size_t(nranks), 0);
   if (!cfg.trace.empty()) tracer_ = std::make_unique<Tracer>(cfg.trace, rank, nranks);
   if (deviceChoice.cuda) {
-    // Windows are shared through CUDA IPC, which only works within a host.
-    for (int r = 0; r < nranks; ++r)
-      if (!env.sameHost(r))
-        fail(loomInvalidUsage,
-             "LOOM_DEVICE=cuda: rank %d is on host %s, this rank on %s; CUDA communicators need every rank on one "
-             "host for now",
-             r, env.hostId[size_t(r)].c_str(), env.hostId[size_t(rank)].c_str());
-    device_ = std::make_unique<DeviceComm>(
-        rank, nranks, deviceDriverFor(deviceChoice, rank, nranks),
-        [&boot](const void* m, size_t bytes, void* all) {
-          std::vector<uint8_t> v = boot.allGather(m, bytes);
-          memcpy(all, v.data(), v.size());
-        },
-        deviceOptions());
+    // CUDA IPC maps device memory within a host only: ranks on several
+    // hosts stage through pinned host memory and the host transports.
+    int away = -1;
+    for (int r = 0; r < nranks && away < 0; ++r)
+      if (!env.sameHost(r)) away = r;
+    if (root.devicePath == 1 && away >= 0)
+      fail(loomInvalidUsage,
+           "LOOM_DEVICE_PATH=ipc: rank %d is on host %s, this rank on %s, and CUDA IPC works within a host only "
+           "(auto or staged stage device buffers through pinned host memory between hosts)",
+           away, env.hostId[size_t(away)].c_str(), env.hostId[size_t(rank)].c_str());
+    const bool staged = root.devicePath == 2 || away >= 0;
+    if (staged) {
+      StagedCommOptions o = stagedOptions();
+      o.pieceBytes = root.deviceStageBytes;
+      device_ = std::make_unique<StagedDeviceComm>(rank, nranks, deviceDriverFor(deviceChoice, rank, nranks), o);
+    } else {
+      device_ = std::make_unique<DeviceComm>(
+          rank, nranks, deviceDriverFor(deviceChoice, rank, nranks),
+          [&boot](const void* m, size_t bytes, void* all) {
+            std::vector<uint8_t> v = boot.allGather(m, bytes);
+            memcpy(all, v.data(), v.size());
+          },
+          deviceOptions());
+    }
     deviceForFail_.store(device_.get());
     // A notice that failed the communicator while device_ was being made.
     if (asyncError() != loomSuccess) device_->markFailed(asyncError(), lastError());
-    LOOM_INFO("INIT", "rank %d: device communicator on %s:%d, windows of 2 x %zu B", rank, device_->deviceName(),
-              device_->device(), kDeviceSlotBytes);
+    if (staged)
+      LOOM_INFO("INIT", "rank %d: device communicator on %s:%d, staged through pinned host memory (%s)", rank,
+                device_->deviceName(), device_->device(),
+                away >= 0 ? "ranks on several hosts" : "LOOM_DEVICE_PATH=staged");
+    else
+      LOOM_INFO("INIT", "rank %d: device communicator on %s:%d, CUDA IPC windows of 2 x %zu B", rank,
+                device_->deviceName(), device_->device(), kDeviceSlotBytes);
   }
   LOOM_INFO("INIT", "rank %d of %d ready: host %s, %d local peers, slots %u x %u B, transports %s", rank, nranks,
             mine.hostId, local, root.slots, root.slotBytes, transportSpec_.c_str());
@@ -252,10 +278,29 @@ loom::DeviceCommOptions loomComm::deviceOptions() {
   return o;
 }
 
+loom::StagedCommOptions loomComm::stagedOptions() {
+  StagedCommOptions o;
+  o.timeoutMs = timeoutMs_.load();
+  // A host operation's turn is taken now, on the API thread, in call
+  // order; the staging thread runs it once the stream has staged its input.
+  o.issueHost = [this](const std::vector<OpDesc>& ops) -> std::function<void()> {
+    auto tags = std::make_shared<std::vector<SlotTag>>();
+    const uint64_t ticket = issue(ops, tags.get());
+    return [this, ops, tags, ticket] {
+      waitTurn(ticket);
+      const loomResult_t r = runOps(ops, *tags);
+      endTurn();
+      if (r != loomSuccess) fail(r, "%s", lastError().c_str());
+    };
+  };
+  o.onFailure = [this](const Error& e) { failOperation(e); };
+  return o;
+}
+
 std::vector<uint8_t> loomComm::deviceRegionAnswer(int from) {
   // The control thread stops before device_ goes (~loomComm); until the
   // DeviceComm is made, the asker is told to ask again.
-  DeviceComm* d = deviceForFail_.load();
+  DeviceCollectives* d = deviceForFail_.load();
   if (!d) return encodeRegionAnswer(loomInProgress, nullptr, "not ready");
   try {
     IpcRecord rec = d->p2pRegionFor(from);
@@ -769,7 +814,7 @@ bool loomComm::failFirst(loomResult_t code, const std::string& msg, CtlType noti
     LOOM_WARN("COLL", "%s", msg.c_str());
     // A CUDA communicator's streams may wait on peers' flags: release them
     // (never waiting for the device).
-    if (DeviceComm* d = deviceForFail_.load()) d->markFailed(code, msg);
+    if (DeviceCollectives* d = deviceForFail_.load()) d->markFailed(code, msg);
     // Tell the peers at once rather than letting them wait for a timeout,
     // then on the control sockets, which also finds out who is dead.  A
     // revoke travels on the control sockets alone, so that every rank's

@@ -24,6 +24,7 @@
 #include "src/core/registration.h"
 #include "src/core/trace.h"
 #include "src/device/device_comm.h"
+#include "src/device/staged_comm.h"
 #include "src/topology/comm_topology.h"
 #include "src/tuner/tuner.h"
 #include "transports/transport.h"
@@ -46,7 +47,9 @@ struct RankInfo {
   RankTopo topo;       // this rank's machine and placement (topology())
   sockaddr_storage ctlAddr;  // this rank's control socket (src/core/control.h)
   uint32_t ctlLen;
-  uint32_t pad2;
+  uint32_t devicePath; // LOOM_DEVICE_PATH: 0 auto, 1 ipc, 2 staged; rank 0's value is used by all
+  uint32_t deviceStageBytes; // LOOM_DEVICE_STAGE_BYTES (the staged path's piece); rank 0's value is used by all
+  uint32_t pad3;
   uint64_t cpuSet;     // cpuSetHash of the CPUs it may run on (src/topology/cpu_bind.h)
 };
 
@@ -54,6 +57,11 @@ struct RankInfo {
 // throws loomRemoteError for values this build could not use; terminates
 // the strings.  Rank 0's communicator-wide settings are checked when r == 0.
 void checkRankInfo(RankInfo* info, int r);
+
+// Tests only: the host identity of the communicators the calling thread
+// creates from now on (empty: LOOM_HOST_ID, else the machine's), so that
+// ranks as threads of one process pose as several hosts.
+void setThreadHostIdForTesting(const std::string& hostId);
 
 }  // namespace loom
 
@@ -136,7 +144,7 @@ struct loomComm : public loom::ExecEnv,
   loom::RegistrationTable& registrations() { return registrations_; }
   // The device side of a CUDA communicator (LOOM_DEVICE=cuda), nullptr on
   // the host: its collectives are stream programs on the caller's stream.
-  loom::DeviceComm* deviceComm() const { return device_.get(); }
+  loom::DeviceCollectives* deviceComm() const { return device_.get(); }
   std::vector<loom::Transport*> transportList() const {
     std::vector<loom::Transport*> v;
     for (const auto& t : transports_) v.push_back(t.get());
@@ -245,10 +253,10 @@ struct loomComm : public loom::ExecEnv,
   std::unique_ptr<loom::TaggedP2P> tagged_;  // loomSendTagged / loomRecvTagged
   std::vector<int64_t> taggedRetryMs_;       // per peer: when to look for its tagged connection again
   loom::RegistrationTable registrations_;  // released before the transports
-  std::unique_ptr<loom::DeviceComm> device_;  // CUDA communicators only
+  std::unique_ptr<loom::DeviceCollectives> device_;  // CUDA communicators only
   // device_ for failFirst, which the control thread may run while init
   // still builds device_ (and after the control thread stops: nullptr).
-  std::atomic<loom::DeviceComm*> deviceForFail_{nullptr};
+  std::atomic<loom::DeviceCollectives*> deviceForFail_{nullptr};
   // The device watchdog's probe: whether the control plane knows `peer` is
   // gone, or its control socket refuses (*why says which).
   bool devicePeerGone(int peer, std::string* why);
@@ -258,6 +266,7 @@ struct loomComm : public loom::ExecEnv,
   loom::IpcRecord fetchDeviceRegion(int peer);
   std::vector<uint8_t> deviceRegionAnswer(int from);
   loom::DeviceCommOptions deviceOptions();  // the watchdog wired to this communicator
+  loom::StagedCommOptions stagedOptions();  // the staged path wired to the host path
 
   std::mutex turnMutex_;
   std::condition_variable turnCv_;

@@ -110,13 +110,7 @@ std::string loomComm::dump() {
   }
   uint64_t queued = issued - served - (start && issued > served ? 1 : 0);
   if (queued) s += strf("  queued behind it: %llu operations\n", (unsigned long long)queued);
-  if (const DeviceComm* d = device_.get()) {
-    const DeviceMemoryStats m = d->memoryStats();
-    s += strf("  device %s:%d: %zu B allocated at init (flags and the collectives' window); send/recv staging: "
-              "%zu region%s allocated here (%zu B), %zu of peers mapped here\n",
-              d->deviceName(), d->device(), m.blockBytes, m.regionsOut, m.regionsOut == 1 ? "" : "s",
-              m.regionBytesOut, m.regionsIn);
-  }
+  if (const DeviceCollectives* d = device_.get()) s += d->describe();
   return s;
 }
 

@@ -101,6 +101,14 @@ const std::vector<ConfigVar>& configTable() {
        "where a new communicator's collectives run: host memory, or CUDA device memory on the CUDA device "
        "current at init (cuda fails init with the reason on machines without a usable GPU; auto: cuda where "
        "the process has a usable GPU, else host; every rank must choose alike)"},
+      {"LOOM_DEVICE_PATH", "auto|ipc|staged", "auto",
+       "how a CUDA communicator moves device buffers: ipc maps the ranks' device memory through CUDA IPC (one host "
+       "only); staged copies through pinned host memory and the host transports (any hosts); auto: ipc when every "
+       "rank is on one host, else staged (rank 0's value is used by all)"},
+      {"LOOM_DEVICE_STAGE_BYTES", "bytes", "2M",
+       "the staged path's piece: bytes a CUDA communicator stages per side and step through pinned host memory; "
+       "it keeps 4 slots of 2 pieces (16 MiB pinned at the default), and stages up to 3 pieces ahead of the one "
+       "on the network (a multiple of 256; rank 0's value is used by all)"},
       {"LOOM_CHECK_MODE", "on|off", "on",
        "check that ranks call the same operation (sequence number + signature per slot); also 1|0; "
        "perf/check_mode_cost.sh measures its cost"},
@@ -162,6 +170,19 @@ static std::string envStr(const char* name, const char* dflt = "") {
   return v ? v : dflt;
 }
 
+// One of `choices`; anything else is warned about and the default used.
+static std::string envChoice(const char* name, std::initializer_list<const char*> choices, const char* dflt) {
+  const char* v = env(name);
+  if (!v) return dflt;
+  std::string list;
+  for (const char* c : choices) {
+    if (strcmp(v, c) == 0) return v;
+    list += list.empty() ? c : std::string("|") + c;
+  }
+  LOOM_WARN("INIT", "ignoring %s=%s: expected %s", name, v, list.c_str());
+  return dflt;
+}
+
 static Config readConfig() {
   Config c;
   c.timeoutMs = envInt("LOOM_TIMEOUT_MS", 600000, 1, int64_t(1) << 40);
@@ -190,6 +211,8 @@ static Config readConfig() {
   c.tuningFile = envStr("LOOM_TUNING_FILE");
   c.checkMode = envBool("LOOM_CHECK_MODE", true);
   c.device = envStr("LOOM_DEVICE", "host");
+  c.deviceStageBytes = envInt("LOOM_DEVICE_STAGE_BYTES", 2 << 20, 4096, 1 << 30) & ~int64_t(255);
+  c.devicePath = envChoice("LOOM_DEVICE_PATH", {"auto", "ipc", "staged"}, "auto");
   c.dumpSignal = envInt("LOOM_DUMP_SIGNAL", 0, 0, 64);
   c.trace = envStr("LOOM_TRACE");
   c.rank = envStr("LOOM_RANK");

@@ -64,9 +64,17 @@ struct CudaApi {
   // staging is made while the communicator's streams may wait on peers, so
   // a synchronising call there could deadlock).
   int (*mallocRaw)(void** ptr, size_t bytes);
+  // ---- ABI 4 ----
+  // Pinned host memory mapped into the device's address space
+  // (cudaHostAlloc, portable and mapped), at one address for host and
+  // device: the staged path's buffers and flags, which copies, stream
+  // memory operations and host threads all touch.  Fails (cudaErrorNotSupported)
+  // when the device pointer differs from the host one (no unified addressing).
+  int (*hostAllocMapped)(void** ptr, size_t bytes);
+  int (*hostFree)(void* ptr);  // cudaFreeHost
 };
 
-constexpr int kCudaApiVersion = 3;
+constexpr int kCudaApiVersion = 4;
 // sizeof(cudaIpcMemHandle_t) (CUDA_IPC_HANDLE_SIZE); the plug-in checks it.
 constexpr size_t kCudaIpcHandleBytes = 64;
 

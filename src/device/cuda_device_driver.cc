@@ -39,6 +39,12 @@ class CudaDeviceDriver final : public DeviceDriver {
     return p;
   }
   void release(void* p) override { check(api_.freeMem(p), "cudaFree"); }
+  void* allocateHost(size_t bytes) override {
+    void* p = nullptr;
+    check(api_.hostAllocMapped(&p, bytes), "cudaHostAlloc (mapped, at one address for host and device)");
+    return p;
+  }
+  void releaseHost(void* p) override { check(api_.hostFree(p), "cudaFreeHost"); }
   void addressRange(const void* p, void** base, size_t* bytes) const override {
     check(api_.addressRange(p, base, bytes), "cuMemGetAddressRange");
   }

@@ -223,11 +223,10 @@ bool DeviceComm::drain() {
 
 namespace {
 
-// What a failed communicator leaves while its streams may still run: its
-// device memory, the peers' mappings and the driver, with what the reaper
-// needs to keep releasing and to see the streams finish.
-struct DeviceRemains {
-  int rank = 0;
+// What a failed IPC communicator leaves while its streams may still run:
+// its device memory, the peers' mappings and the driver, with what the
+// reaper needs to keep releasing and to see the streams finish.
+struct IpcRemains final : DeviceRemains {
   std::unique_ptr<DeviceDriver> driver;
   std::unique_ptr<IpcImportCache> imports;
   std::vector<IpcRecord> records;
@@ -239,10 +238,9 @@ struct DeviceRemains {
   uint64_t target = 0;
   const uint64_t* ownP2PDone = nullptr;  // and the send/recv programs'
   uint64_t p2pTarget = 0;
-  int64_t deadline = 0;
 
   // Releases once more; true once the streams are done.
-  bool step() {
+  bool step() override {
     bool done = false;
     try {
       const int previous = driver->enter();
@@ -259,7 +257,7 @@ struct DeviceRemains {
     }
     return done;
   }
-  void free() {
+  void free() override {
     for (int r = 0; r < int(records.size()); ++r)
       if (r != rank) imports->release(r, records[size_t(r)]);
     for (const auto& [r, rec] : mapped) imports->release(r, rec);
@@ -365,6 +363,20 @@ Reaper& reaper() {
 }  // namespace
 
 size_t deviceRemainsPending() { return reaper().pending(); }
+
+void reapDeviceRemains(std::unique_ptr<DeviceRemains> r) {
+  if (r->step())
+    r->free();
+  else if (r->deadline <= nowMs())
+    reaper().giveUp(std::move(r));
+  else
+    reaper().add(std::move(r));
+}
+
+IpcRecord DeviceCollectives::p2pRegionFor(int reader) {
+  fail(loomRemoteError, "rank %d asked this %s communicator (%s path) for a send/recv region, which it has none of",
+       reader, deviceName(), pathName());
+}
 bool waitDeviceRemains(int64_t timeoutMs) { return reaper().waitEmpty(timeoutMs); }
 
 void DeviceComm::stopWatchdog() {
@@ -391,7 +403,7 @@ DeviceComm::~DeviceComm() {
   if (failed() || drainTimeoutMs_ == 0) {
     // Failed or abandoned: never wait for the peers, but never free what a
     // stream of this rank may still touch either.
-    auto rest = std::make_unique<DeviceRemains>();
+    auto rest = std::make_unique<IpcRemains>();
     rest->rank = rank_;
     rest->driver = std::move(driver_);
     rest->imports = std::move(imports_);
@@ -404,13 +416,8 @@ DeviceComm::~DeviceComm() {
     rest->target = enqueued_.load();
     rest->ownP2PDone = flags_[size_t(rank_)] + kFlagP2PDone;
     rest->p2pTarget = p2pEnqueued_.load();
-    rest->deadline = nowMs() + reapTimeoutMs_;
-    if (rest->step())
-      rest->free();
-    else if (reapTimeoutMs_ <= 0)
-      reaper().giveUp(std::move(rest));
-    else
-      reaper().add(std::move(rest));
+    rest->deadline = reapTimeoutMs_ <= 0 ? 0 : nowMs() + reapTimeoutMs_;
+    reapDeviceRemains(std::move(rest));
     return;
   }
   // The caller synchronised its own streams (as NCCL requires before
@@ -618,30 +625,26 @@ uint64_t DeviceComm::round() const {
   return round_;
 }
 
-void DeviceComm::checkBuffer(const char* what, const void* p) const {
-  const int d = driver_->pointerDevice(p);
+namespace {
+
+void checkBuffer(const DeviceDriver& driver, const char* what, const void* p) {
+  const int d = driver.pointerDevice(p);
   if (d < 0)
     fail(loomInvalidArgument,
          "%s %p is host memory, but this communicator runs on %s:%d: pass device memory (a device communicator "
          "does not stage host buffers, as NCCL does not)",
-         what, p, driver_->name(), driver_->device());
-  if (d != driver_->device())
+         what, p, driver.name(), driver.device());
+  if (d != driver.device())
     fail(loomInvalidArgument, "%s %p is memory of %s:%d, but this communicator runs on %s:%d", what, p,
-         driver_->name(), d, driver_->name(), driver_->device());
+         driver.name(), d, driver.name(), driver.device());
 }
 
-namespace {
+}  // namespace
 
-// The buffers one rank's part of `op` uses (a root-only side is not used
-// elsewhere) and their sizes.
-struct Shape {
-  bool needSend = true, needRecv = true;
-  size_t sendBytes = 0, recvBytes = 0;
-};
-Shape shapeOf(const OpDesc& op, int rank, int nranks) {
+DeviceOpShape deviceOpShape(const OpDesc& op, int rank, int nranks) {
   const size_t bytes = op.count * dtypeSize(op.dtype), N = size_t(nranks);
   const bool root = rank == op.root;
-  Shape s;
+  DeviceOpShape s;
   s.sendBytes = s.recvBytes = bytes;
   switch (op.coll) {
     case Collective::ReduceScatter: s.sendBytes *= N; break;
@@ -657,29 +660,37 @@ Shape shapeOf(const OpDesc& op, int rank, int nranks) {
   return s;
 }
 
-}  // namespace
-
-void DeviceComm::check(const OpDesc& op) const {
-  if (!serves(op.coll))
-    fail(loomInvalidUsage, "%s is not implemented on %s communicators yet", collectiveName(op.coll), driver_->name());
+void checkDeviceOp(const DeviceDriver& driver, const OpDesc& op, int rank, int nranks) {
+  if (!DeviceComm::serves(op.coll))
+    fail(loomInvalidUsage, "%s is not implemented on %s communicators yet", collectiveName(op.coll), driver.name());
   if (op.tagged)
     fail(loomInvalidUsage,
          "tagged send/recv (loomSendTagged/loomRecvTagged) is not supported on %s communicators: a receive is "
          "enqueued on the stream before the sender's tags are known, so it cannot match by tag (use "
          "loomSend/loomRecv, matched in issue order per pair)",
-         driver_->name());
-  const Shape sh = shapeOf(op, rank_, nranks_);
+         driver.name());
+  const DeviceOpShape sh = deviceOpShape(op, rank, nranks);
   if (op.count > 0) {
-    if (sh.needSend) checkBuffer("sendbuff", op.sendbuf);
-    if (sh.needRecv) checkBuffer("recvbuff", op.recvbuf);
+    if (sh.needSend) checkBuffer(driver, "sendbuff", op.sendbuf);
+    if (sh.needRecv) checkBuffer(driver, "recvbuff", op.recvbuf);
   }
+}
+
+void DeviceComm::check(const OpDesc& op) const { checkDeviceOp(*driver_, op, rank_, nranks_); }
+
+std::string DeviceComm::describe() const {
+  const DeviceMemoryStats m = memoryStats();
+  return strf("  device %s:%d, ipc path: %zu B allocated at init (flags and the collectives' window); send/recv "
+              "staging: %zu region%s allocated here (%zu B), %zu of peers mapped here\n",
+              deviceName(), device(), m.blockBytes, m.regionsOut, m.regionsOut == 1 ? "" : "s", m.regionBytesOut,
+              m.regionsIn);
 }
 
 void DeviceComm::run(const OpDesc& op, void* callerStream) {
   if (op.coll == Collective::P2P) return runP2P({op}, callerStream);
   check(op);
   const size_t esz = dtypeSize(op.dtype), n = op.count;
-  const Shape sh = shapeOf(op, rank_, nranks_);
+  const DeviceOpShape sh = deviceOpShape(op, rank_, nranks_);
   const bool needSend = sh.needSend, needRecv = sh.needRecv;
   const size_t sendBytes = sh.sendBytes, recvBytes = sh.recvBytes;
   std::lock_guard<std::mutex> g(mu_);

@@ -121,6 +121,14 @@ class DeviceDriver {
   // made while the communicator runs.  Released with release().
   virtual void* allocateStaging(size_t bytes) { return allocate(bytes); }
   virtual void release(void* p) = 0;
+  // Pinned host memory the device reads and writes at the same address
+  // (CUDA: cudaHostAlloc, mapped and portable), not zeroed: the staged
+  // path's buffers and flags (staged_comm.h).  Released with releaseHost().
+  virtual void* allocateHost(size_t bytes) = 0;
+  virtual void releaseHost(void* p) = 0;
+  // Writes a flag in pinned host memory (allocateHost) from the host, as a
+  // release store (the simulated device also wakes its waiting streams).
+  virtual void storeHostFlag(uint64_t* flag, uint64_t value) { __atomic_store_n(flag, value, __ATOMIC_RELEASE); }
   // The allocation `p` points into (cuMemGetAddressRange).
   virtual void addressRange(const void* p, void** base, size_t* bytes) const = 0;
   // IPC handle of an allocation's base; opening maps a peer's allocation
@@ -243,7 +251,68 @@ struct DeviceMemoryStats {
   size_t regionsIn = 0;       // peers' staging for this rank mapped here (one per sender but itself)
 };
 
-class DeviceComm {
+// A communicator's device side as the API and the communicator use it,
+// whichever way it moves the bytes: DeviceComm (below: every rank's device
+// memory mapped through CUDA IPC; one host) or StagedDeviceComm
+// (staged_comm.h: through pinned host memory and the host path's
+// transports; ranks on any hosts).  Both enqueue on the caller's stream and
+// return; both fail for good at their first error.
+class DeviceCollectives {
+ public:
+  virtual ~DeviceCollectives() = default;
+  virtual int device() const = 0;
+  virtual const char* deviceName() const = 0;
+  // "ipc" or "staged" (loomCommDump, the init log line).
+  virtual const char* pathName() const = 0;
+  // Whether run()/runP2P() would take `op` (see DeviceComm::check).
+  virtual void check(const OpDesc& op) const = 0;
+  virtual void run(const OpDesc& op, void* callerStream) = 0;
+  virtual void runP2P(const std::vector<OpDesc>& ops, void* callerStream) = 0;
+  // What runP2P needs made before anything of a group is enqueued (nothing
+  // on the staged path).
+  virtual void prepareP2P(const std::vector<OpDesc>& ops) = 0;
+  // A peer's question for this rank's send/recv region (the IPC path only;
+  // the staged path has none and says so).
+  virtual IpcRecord p2pRegionFor(int reader);
+  virtual bool failed() const = 0;
+  virtual bool markFailed(loomResult_t code, const std::string& msg) = 0;
+  virtual void setTimeoutMs(int64_t ms) = 0;
+  // The owner stops the threads that call back into it before it goes.
+  virtual void stopWatchdog() = 0;
+  // Destruction will not wait for the peers (failed or aborted).
+  virtual void abandon() = 0;
+  // loomCommDump's lines about the device side.
+  virtual std::string describe() const = 0;
+};
+
+// The buffers one rank's part of `op` reads and writes (a root-only side
+// is not used elsewhere) and their sizes.
+struct DeviceOpShape {
+  bool needSend = true, needRecv = true;
+  size_t sendBytes = 0, recvBytes = 0;
+};
+DeviceOpShape deviceOpShape(const OpDesc& op, int rank, int nranks);
+// The checks both paths make before taking `op`: a collective the device
+// side serves (else loomInvalidUsage), no tags, buffers of the driver's
+// device (else loomInvalidArgument naming the buffer).
+void checkDeviceOp(const DeviceDriver& driver, const OpDesc& op, int rank, int nranks);
+
+// What a failed communicator leaves while its streams may still use it: a
+// reaper thread calls step() (release the waits once more; true once the
+// streams are done) every millisecond, then free(); at `deadline` it gives
+// up and leaves the memory allocated (never freed under a running stream).
+struct DeviceRemains {
+  virtual ~DeviceRemains() = default;
+  virtual bool step() = 0;
+  virtual void free() = 0;
+  int rank = 0;
+  int64_t deadline = 0;
+};
+// Frees `r` now if its streams are done, else hands it to the reaper (or,
+// with a deadline already past, leaves it allocated with a warning).
+void reapDeviceRemains(std::unique_ptr<DeviceRemains> r);
+
+class DeviceComm final : public DeviceCollectives {
  public:
   // All-gathers `bytes` of every rank into `all` (nranks * bytes), in rank
   // order: the communicator's bootstrap, or the test's.
@@ -252,12 +321,14 @@ class DeviceComm {
   // Allocates this rank's block, exchanges records, imports every peer's.
   DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> driver, const AllGather& allGather,
              const DeviceCommOptions& options = {});
-  ~DeviceComm();
+  ~DeviceComm() override;
   DeviceComm(const DeviceComm&) = delete;
   DeviceComm& operator=(const DeviceComm&) = delete;
 
-  int device() const { return driver_->device(); }
-  const char* deviceName() const { return driver_->name(); }
+  int device() const override { return driver_->device(); }
+  const char* deviceName() const override { return driver_->name(); }
+  const char* pathName() const override { return "ipc"; }
+  std::string describe() const override;
   size_t slotBytes() const { return slotBytes_; }
 
   // Whether the device path runs `coll` (the others: loomInvalidUsage from run()).
@@ -266,27 +337,27 @@ class DeviceComm {
   // loomInvalidUsage) on buffers of this device (else loomInvalidArgument
   // naming the buffer).  Changes nothing (a group checks every member
   // before it runs any).
-  void check(const OpDesc& op) const;
+  void check(const OpDesc& op) const override;
   // Checks op (check()), compiles this rank's program
   // and enqueues it on callerStream.  Returns once enqueued.  An error
   // while enqueueing leaves the communicator failed (its rounds can no
   // longer agree with the peers'): every later call fails with it.
-  void run(const OpDesc& op, void* callerStream);
+  void run(const OpDesc& op, void* callerStream) override;
   // Sends and receives (P2P ops: one call, or a group's members in order)
   // as one stream program on callerStream (compileP2PProgram: chunk by
   // chunk across the members, so a group's sends and receives never wait
   // on each other in a cycle).  Checks and failure as run().
-  void runP2P(const std::vector<OpDesc>& ops, void* callerStream);
+  void runP2P(const std::vector<OpDesc>& ops, void* callerStream) override;
   // Makes the send/recv regions `ops` need (a send: this rank's region for
   // the receiver; a receive: the sender's, asked for through
   // options.fetchRegion and mapped here), once per pair; runP2P calls it.
   // Enqueues nothing and moves no counter, so an error here (loomRemoteError
   // or loomTimeout: the peer did not answer; a device error allocating)
   // leaves the communicator as it was, and the call may be repeated.
-  void prepareP2P(const std::vector<OpDesc>& ops);
+  void prepareP2P(const std::vector<OpDesc>& ops) override;
   // This rank's region for `reader`, allocated now if it has none yet (the
   // answer to a peer's fetchRegion; any thread).
-  IpcRecord p2pRegionFor(int reader);
+  IpcRecord p2pRegionFor(int reader) override;
   DeviceMemoryStats memoryStats() const;
 
   // Which all-reduce program `bytes` gets.
@@ -295,29 +366,28 @@ class DeviceComm {
   }
   uint64_t round() const;  // the round counter (tests)
   // Whether the communicator failed (every later run() then fails).
-  bool failed() const;
+  bool failed() const override;
   // The failure (loomSuccess if none) and its message.
   loomResult_t failure(std::string* msg) const;
   // Fails the communicator (the first failure's code and message stay) and
   // has the watchdog release every stream wait this rank has pending.
   // Never waits for the device.  True for the first failure.
-  bool markFailed(loomResult_t code, const std::string& msg);
+  bool markFailed(loomResult_t code, const std::string& msg) override;
   // Whether every program enqueued so far has finished on the device (its
   // own done flag reached the last round), as read now.  The watchdog's
   // (and tests'): the CUDA driver's reads are not meant for two threads.
   bool programsDone();
   // loomCommSetTimeout: the watchdog's timeout from now on (0: none).
-  void setTimeoutMs(int64_t ms) { timeoutMs_.store(ms); }
+  void setTimeoutMs(int64_t ms) override { timeoutMs_.store(ms); }
   // Stops the watchdog thread (the owner, before it tears down what the
   // callbacks use); destruction still releases and frees safely.
-  void stopWatchdog();
+  void stopWatchdog() override;
   // Destruction will not wait for the peers (the communicator failed or
   // was aborted: loomCommAbort never blocks).
-  void abandon() { drainTimeoutMs_ = 0; }
+  void abandon() override { drainTimeoutMs_ = 0; }
   const IpcImportCache& imports() const { return *imports_; }
 
  private:
-  void checkBuffer(const char* what, const void* p) const;
   // Waits until every peer's done flag shows it finished the last round
   // (so none reads this rank's window any more); false at the deadline.
   bool drain();

@@ -135,6 +135,22 @@ int mallocRaw(void** ptr, size_t bytes) {
 
 int freeMem(void* ptr) { return int(cudaFree(ptr)); }
 
+int hostAllocMapped(void** ptr, size_t bytes) {
+  *ptr = nullptr;
+  cudaError_t rc = cudaHostAlloc(ptr, bytes, cudaHostAllocPortable | cudaHostAllocMapped);
+  if (rc != cudaSuccess) return int(rc);
+  void* onDevice = nullptr;
+  rc = cudaHostGetDevicePointer(&onDevice, *ptr, 0);
+  if (rc == cudaSuccess && onDevice != *ptr) rc = cudaErrorNotSupported;  // one address for both, or nothing
+  if (rc != cudaSuccess) {
+    cudaFreeHost(*ptr);
+    *ptr = nullptr;
+  }
+  return int(rc);
+}
+
+int hostFree(void* ptr) { return int(cudaFreeHost(ptr)); }
+
 int addressRange(const void* p, void** base, size_t* bytes) {
   const Driver& d = driver();
   if (d.status != cudaSuccess) return int(d.status);
@@ -190,7 +206,7 @@ const CudaApi kApi = {kCudaApiVersion, waitValue64,     writeValue64,   memcpyAs
                       eventRecord,     streamWaitEvent, errorString,    deviceCount,    pointerDevice, getDevice,
                       setDevice,       mallocZeroed,    freeMem,        addressRange,   ipcGetHandle,  ipcOpenHandle,
                       ipcCloseHandle,  streamCreate,    streamDestroy,  eventCreate,    eventDestroy,
-                      readValue64,     mallocRaw};
+                      readValue64,     mallocRaw,       hostAllocMapped, hostFree};
 
 }  // namespace
 }  // namespace cuda
