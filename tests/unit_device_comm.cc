@@ -181,6 +181,9 @@ class SimMemory {
 
 // The DeviceDriver of one rank on a simulated device: memory from
 // SimMemory, the stream backend of the rank in a SimDeviceWorld.
+// Pinned host allocations of every SimDriver not yet released.
+std::atomic<long> g_pinnedLive{0};
+
 class SimDriver final : public loom::DeviceDriver {
  public:
   SimDriver(SimMemory& mem, loomsim::SimDeviceWorld* world, int rank, int device)
@@ -196,18 +199,17 @@ class SimDriver final : public loom::DeviceDriver {
   void closeHandle(void* mapped) override { mem_.closeMapping(mapped); }
   // Pinned host memory is host memory here (pointerDevice says -1).
   void* allocateHost(size_t bytes) override {
-    hostAllocs.fetch_add(1);
+    g_pinnedLive.fetch_add(1);
     return aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
   }
   void releaseHost(void* p) override {
-    hostFrees.fetch_add(1);
+    g_pinnedLive.fetch_sub(1);
     ::free(p);
   }
   void storeHostFlag(uint64_t* flag, uint64_t value) override {
     reinterpret_cast<std::atomic<uint64_t>*>(flag)->store(value, std::memory_order_release);
     if (world_) world_->notify();
   }
-  std::atomic<size_t> hostAllocs{0}, hostFrees{0};
   std::atomic<bool> failLaunch{false};  // backend() fails as a CUDA launch would
   loom::StreamBackend& backend(void* callerStream, int streams, int events) override {
     (void)callerStream;
@@ -2097,6 +2099,7 @@ TEST_CASE("CUDA communicator across hosts (simulated device, ranks as threads po
     CHECK(wrong == 0);
     for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
     CHECK(loom::waitDeviceRemains(10000));
+    CHECK(g_pinnedLive.load() == 0);
   }
 }
 
@@ -2158,6 +2161,121 @@ TEST_CASE("CUDA communicators and hosts: LOOM_DEVICE_PATH=ipc across hosts fails
     for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
     CHECK(loom::waitDeviceRemains(10000));
     REQUIRE(drivers.size() == 2);
+    CHECK(g_pinnedLive.load() == 0);
   }
   loom::setDeviceDriverFactoryForTesting(nullptr);
+}
+
+
+TEST_CASE("CUDA communicator across hosts (simulated device): a rank's loomCommAbort while the others' staged "
+          "all-reduce waits for it fails them with its reason, releases their streams, later calls fail at once, and "
+          "destroy frees the pinned memory",
+          "[devcomm][staged][abort]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(3, 1, 256, patientDevice());
+  DeviceEnv env(mem, world);
+  ScopedEnv piece("LOOM_DEVICE_STAGE_BYTES", "4096");
+  std::vector<loomComm_t> comms = initCudaCommsOn(3, twoHosts);
+  REQUIRE(comms.size() == 3);
+  auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+  const size_t n = 20000;  // 20 pieces
+  std::vector<int32_t*> buf;
+  for (int r = 0; r < 2; ++r) buf.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, n * 4)));
+  for (int r = 0; r < 2; ++r)
+    CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) ==
+          loomSuccess);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const int64_t t0 = loom::nowMs();
+  CHECK(loomCommAbort(comms[2]) == loomSuccess);  // rank 2 never took part
+  CHECK(loom::nowMs() - t0 < 5000);
+  for (int r = 0; r < 2; ++r) {
+    std::string msg;
+    CHECK(world.rank(r).synchronize(&msg) == loomSuccess);  // released: the streams ran to the end
+    loomResult_t ae = loomSuccess;
+    CHECK(loomCommGetAsyncError(comms[size_t(r)], &ae) == loomSuccess);
+    CHECK(ae == loomRemoteError);
+    std::string last = loomGetLastError(comms[size_t(r)]);
+    INFO(last);
+    CHECK(last.find("aborted") != std::string::npos);
+    CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) ==
+          loomRemoteError);
+  }
+  for (int r = 0; r < 2; ++r) CHECK(loomCommDestroy(comms[size_t(r)]) == loomSuccess);
+  CHECK(loom::waitDeviceRemains(10000));
+  CHECK(g_pinnedLive.load() == 0);
+}
+
+TEST_CASE("CUDA communicator across hosts (simulated device): a caller's stream that never reaches the staging copy "
+          "fails the communicator with loomTimeout saying so (the peer with loomRemoteError), nothing hangs, and once "
+          "the stream moves again it runs to the end",
+          "[devcomm][staged][abort]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(2, 2, 256, patientDevice());  // a GPU each: rank 0's blocked kernel holds its own
+  DeviceEnv env(mem, world);
+  std::vector<loomComm_t> comms = initCudaCommsOn(2, twoHosts);
+  REQUIRE(comms.size() == 2);
+  auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+  std::atomic<bool> go{false};
+  world.rank(0).enqueueWork(0, [&] {  // the caller's own kernel, which does not finish for now
+    while (!go.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  const size_t n = 1000;
+  std::vector<float*> buf;
+  for (int r = 0; r < 2; ++r) {
+    buf.push_back(reinterpret_cast<float*>(mem.alloc(0, n * 4)));
+    CHECK(loomCommSetTimeout(comms[size_t(r)], 400) == loomSuccess);
+  }
+  const int64_t t0 = loom::nowMs();
+  for (int r = 0; r < 2; ++r)
+    CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], n, loomFloat32, loomSum, comms[size_t(r)], fakeStream) ==
+          loomSuccess);
+  // Rank 1's stream is released once the failure reaches it.
+  std::string msg;
+  CHECK(world.rank(1).synchronize(&msg) == loomSuccess);
+  CHECK(loom::nowMs() - t0 < 10000);
+  loomResult_t ae = loomSuccess;
+  for (int i = 0; i < 500 && ae == loomSuccess; ++i) {
+    CHECK(loomCommGetAsyncError(comms[0], &ae) == loomSuccess);
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  CHECK(ae == loomTimeout);
+  std::string last = loomGetLastError(comms[0]);
+  INFO(last);
+  CHECK(last.find("did not reach the staging copy of AllReduce") != std::string::npos);
+  CHECK(loomCommGetAsyncError(comms[1], &ae) == loomSuccess);
+  CHECK(ae == loomRemoteError);
+  go.store(true);
+  CHECK(world.rank(0).synchronize(&msg) == loomSuccess);
+  for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
+  CHECK(loom::waitDeviceRemains(10000));
+  CHECK(g_pinnedLive.load() == 0);
+}
+
+TEST_CASE("staged path: pieces hold the same elements of every rank's block and fit their slot, for every "
+          "collective, N and type",
+          "[devcomm][staged]") {
+  for (int N : {1, 2, 3, 8, 64}) {
+    SimMemory mem;
+    loomsim::SimDeviceWorld world(1, 1, 256);
+    loom::StagedCommOptions o;
+    o.pieceBytes = 4096;
+    o.issueHost = [](const std::vector<loom::OpDesc>&) { return std::function<void()>([] {}); };
+    loom::StagedDeviceComm c(0, N, std::make_unique<SimDriver>(mem, &world, 0, 0), o);
+    for (Collective coll : {Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather,
+                            Collective::Broadcast, Collective::Reduce, Collective::AllToAll, Collective::Gather,
+                            Collective::Scatter})
+      for (loomDataType_t t : {loomInt8, loomFloat16, loomFloat32, loomFloat64}) {
+        loom::OpDesc d;
+        d.coll = coll, d.dtype = t, d.count = 100000;
+        const size_t e = c.pieceElements(d), esz = loom::dtypeSize(t);
+        const bool perRank = coll != Collective::AllReduce && coll != Collective::Broadcast &&
+                             coll != Collective::Reduce;
+        INFO(loom::collectiveName(coll) << " N=" << N << " " << loom::dtypeName(t));
+        CHECK(e >= 1);
+        CHECK(e * esz * (perRank ? size_t(N) : 1) <= std::max<size_t>(4096, size_t(N) * 16));
+        CHECK(c.pieces(d) == (d.count + e - 1) / e);
+        d.count = 0;
+        CHECK(c.pieces(d) == 0);
+      }
+  }
 }
