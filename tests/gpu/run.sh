@@ -9,7 +9,8 @@
 # 1, 2 and 4 processes sharing the one GPU, every collective on device
 # buffers, send/recv staging made on first use, a group over two
 # communicators, loomMemAlloc's device memory, the call returning before
-# the stream's work is done, errors),
+# the stream's work is done, errors), the same with LOOM_DEVICE_PATH=staged
+# (device buffers through pinned host memory, the path between hosts),
 # their all-reduce speed (loom-gpu-comm-perf, printed, not judged), loom-perf
 # on device buffers (-G: all-reduce up to 256 MiB, all-to-all, gather,
 # scatter and sendrecv, 2 ranks, checked), a short
@@ -46,6 +47,10 @@ step "stream programs (simulated device)" "$build/bin/loom-unit-tests" "[streamp
 step "device communicator (simulated device)" "$build/bin/loom-unit-tests" "[devcomm]"
 step "GPU: kernels, programs (1,2,4 ranks), order" timeout 1800 "$build/bin/loom-gpu-tests" --ranks 1,2,4
 step "GPU: CUDA communicators (1,2,4 processes, one GPU)" timeout 1800 "$build/bin/loom-gpu-comm-tests" --ranks 1,2,4
+# The staged path (pinned host memory and the host transports: what ranks
+# on several hosts use), forced on this one host.
+step "GPU: CUDA communicators, staged path (2,4 processes)" env LOOM_DEVICE_PATH=staged timeout 1800 \
+  "$build/bin/loom-gpu-comm-tests" --ranks 2,4
 # A measurement (issue 15's goals: busbw at 256 MiB >= 60% of the copy
 # bandwidth it prints, 8 B <= 30 us); fails only if a rank fails.
 step "GPU: all-reduce speed, 2 processes (loom-gpu-comm-perf)" timeout 900 "$build/bin/loom-gpu-comm-perf" --ranks 2
@@ -53,6 +58,8 @@ step "GPU: all-reduce speed, 2 processes (loom-gpu-comm-perf)" timeout 900 "$bui
 # loom-gpu-comm-perf's copy bandwidth above.
 step "loom-perf -G all_reduce, 2 ranks, 8 B .. 256 MiB" timeout 900 "$build/bin/loom-run" -n 2 \
   "$build/bin/loom-perf" all_reduce -G -b 8 -e 256M -f 4 -c 1
+step "loom-perf -G all_reduce, staged path, 2 ranks, 8 B .. 256 MiB" env LOOM_DEVICE_PATH=staged timeout 900 \
+  "$build/bin/loom-run" -n 2 "$build/bin/loom-perf" all_reduce -G -b 8 -e 256M -f 4 -c 1
 for coll in alltoall gather scatter sendrecv; do
   step "loom-perf -G $coll, 2 ranks, 8 B .. 64 MiB" timeout 900 "$build/bin/loom-run" -n 2 \
     "$build/bin/loom-perf" "$coll" -G -b 8 -e 64M -f 8 -c 1 -r 1
