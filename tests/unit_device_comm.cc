@@ -2103,7 +2103,7 @@ TEST_CASE("CUDA communicator across hosts (simulated device, ranks as threads po
   }
 }
 
-TEST_CASE("CUDA communicators and hosts: LOOM_DEVICE_PATH=ipc across hosts fails init on every rank saying why; "
+TEST_CASE("CUDA communicators and hosts: LOOM_DEVICE_PATH=ipc across hosts fails init on every rank saying why, "
           "LOOM_DEVICE_PATH=staged stages on one host too, and the pinned memory is freed at destroy",
           "[devcomm][staged]") {
   SimMemory mem;

@@ -111,6 +111,7 @@ TEST_CASE("rank records: rank 0's settings are bounded before use", "[parsers]")
   snprintf(info.transports, sizeof info.transports, "shm,tcp");
   info.mailBytes = 16384;
   info.stageBytes = 262144;
+  info.deviceStageBytes = 2 << 20;
   info.ctlAddr.ss_family = AF_INET;
   info.ctlLen = sizeof(sockaddr_in);
   CHECK_NOTHROW(loom::checkRankInfo(&info, 0));
@@ -121,6 +122,12 @@ TEST_CASE("rank records: rank 0's settings are bounded before use", "[parsers]")
   CHECK_NOTHROW(loom::checkRankInfo(&bad, 1));  // only rank 0's settings are used
   bad = info;
   bad.slotBytes = 0xffffffffu;
+  CHECK_THROWS_AS(loom::checkRankInfo(&bad, 0), loom::Error);
+  bad = info;
+  bad.deviceStageBytes = 100;  // the staged path's piece: a multiple of 256, at least 4096
+  CHECK_THROWS_AS(loom::checkRankInfo(&bad, 0), loom::Error);
+  bad = info;
+  bad.devicePath = 7;
   CHECK_THROWS_AS(loom::checkRankInfo(&bad, 0), loom::Error);
   bad = info;
   memset(bad.transports, 'x', sizeof bad.transports);  // unterminated, unknown

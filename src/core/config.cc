@@ -105,7 +105,7 @@ const std::vector<ConfigVar>& configTable() {
        "how a CUDA communicator moves device buffers: ipc maps the ranks' device memory through CUDA IPC (one host "
        "only); staged copies through pinned host memory and the host transports (any hosts); auto: ipc when every "
        "rank is on one host, else staged (rank 0's value is used by all)"},
-      {"LOOM_DEVICE_STAGE_BYTES", "bytes", "2M",
+      {"LOOM_DEVICE_STAGE_BYTES", "int", "2097152",
        "the staged path's piece: bytes a CUDA communicator stages per side and step through pinned host memory; "
        "it keeps 4 slots of 2 pieces (16 MiB pinned at the default), and stages up to 3 pieces ahead of the one "
        "on the network (a multiple of 256; rank 0's value is used by all)"},
