@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# nccl-tests on loom's NCCL drop-in (libloom_nccl.so), 2 ranks on one GPU,
+# on the GPU machine (issue 16):
+#   tests/gpu/nccl_tests.sh NCCL_TESTS_SRC [build-dir]      (default: build-gpu)
+# NCCL_TESTS_SRC is a checkout of github.com/NVIDIA/nccl-tests; it is not
+# part of loom (fetch it beside the project, never commit it).
+#
+# Builds the shim in build-dir (and loom with it), then nccl-tests against
+# NCCL 2.28's nccl.h (NCCL_INCLUDE, default /usr/local/cuda/include) and the
+# shim as libnccl.so, for the GPU's compute capability, and runs
+#   all_reduce_perf -b 8 -e 256M -f 2 -g 1
+# with 2 ranks on GPU 0 (NCCL itself refuses two ranks on one GPU):
+#   - mpirun found: nccl-tests built with MPI=1, 2 processes, and
+#     NCCL_TESTS_DEVICE=0 so that both take GPU 0 (nccl-tests otherwise
+#     gives local rank r GPU r);
+#   - no mpirun: one process with 2 threads (-t 2).  nccl-tests gives thread
+#     t GPU t, so a copy of its source is built with every thread on GPU
+#     NCCL_TESTS_DEVICE (one line of src/common.cu; the original is untouched).
+# Then the other collectives briefly (8 B .. 64 MiB).  LD_LIBRARY_PATH puts
+# the shim's libnccl.so.2 first, so nothing is rebuilt against loom.
+# Exits non-zero if a run fails or reports a wrong value.
+set -uo pipefail
+here=$(cd "$(dirname "$0")/../.." && pwd)
+src=${1:?usage: tests/gpu/nccl_tests.sh NCCL_TESTS_SRC [build-dir]}
+src=$(cd "$src" && pwd)
+build=${2:-$here/build-gpu}
+cuda=${CUDA_HOME:-/usr/local/cuda}
+nccl_include=${NCCL_INCLUDE:-$cuda/include}
+[ -f "$nccl_include/nccl.h" ] || { echo "no nccl.h in $nccl_include (set NCCL_INCLUDE)"; exit 2; }
+command -v nvidia-smi >/dev/null && nvidia-smi -L
+cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '.')
+cc=${cc:-90}
+
+cmake -S "$here" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_CUDA_ARCHS="$cc" \
+  -DLOOM_NCCL_INCLUDE_DIR="$nccl_include" -DLOOM_BUILD_TORCH=OFF >/dev/null || exit 2
+cmake --build "$build" -j"$(nproc)" --target loom loom_cuda loom_nccl || exit 2
+shimdir=$build/lib/loom_nccl
+[ -e "$shimdir/libnccl.so.2" ] || { echo "no $shimdir/libnccl.so.2"; exit 2; }
+
+# NCCL_HOME for nccl-tests' Makefile: NVIDIA's header, the shim as the library.
+home=$build/nccl-tests-home
+mkdir -p "$home/include" "$home/lib"
+ln -sf "$nccl_include/nccl.h" "$home/include/nccl.h"
+[ -f "$nccl_include/nccl_device.h" ] && ln -sf "$nccl_include/nccl_device.h" "$home/include/nccl_device.h"
+ln -sf "$shimdir/libnccl.so.2" "$home/lib/libnccl.so"
+ln -sf "$shimdir/libnccl.so.2" "$home/lib/libnccl.so.2"
+
+work=$build/nccl-tests
+rm -rf "$work" && cp -r "$src" "$work"
+if command -v mpirun >/dev/null; then
+  mode=mpi
+  mpi_home=${MPI_HOME:-$(dirname "$(dirname "$(command -v mpirun)")")}
+  make -C "$work/src" -j"$(nproc)" MPI=1 MPI_HOME="$mpi_home" CUDA_HOME="$cuda" NCCL_HOME="$home" \
+    NVCC_GENCODE="-gencode=arch=compute_$cc,code=sm_$cc" BUILDDIR="$work/build" >/dev/null || exit 2
+  launch=(mpirun --allow-run-as-root --oversubscribe -np 2 -x NCCL_TESTS_DEVICE=0 -x LD_LIBRARY_PATH -x LOOM_DEVICE)
+  shape=(-g 1)
+else
+  mode=threads
+  grep -q 'gpus\[i\] = (gpu0 != -1 ? gpu0 : localRank\*nThreads\*nGpus) + i;' "$work/src/common.cu" ||
+    { echo "nccl-tests' device assignment changed: adapt the patch"; exit 2; }
+  sed -i 's/gpus\[i\] = (gpu0 != -1 ? gpu0 : localRank\*nThreads\*nGpus) + i;/gpus[i] = gpu0 != -1 ? gpu0 : localRank*nThreads*nGpus + i;/' \
+    "$work/src/common.cu"
+  make -C "$work/src" -j"$(nproc)" MPI=0 CUDA_HOME="$cuda" NCCL_HOME="$home" \
+    NVCC_GENCODE="-gencode=arch=compute_$cc,code=sm_$cc" BUILDDIR="$work/build" >/dev/null || exit 2
+  export NCCL_TESTS_DEVICE=0
+  launch=()
+  shape=(-t 2 -g 1)
+fi
+echo "nccl-tests ($mode) on $(readlink -f "$shimdir/libnccl.so.2")"
+export LD_LIBRARY_PATH=$shimdir:$build/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export LOOM_DEVICE=cuda NCCL_DEBUG=VERSION
+
+status=0
+run() {  # name, args...: fails on a non-zero exit or a wrong value
+  local name=$1 out
+  shift
+  echo "== $name"
+  out=$(timeout 900 "${launch[@]}" "$work/build/$name" "${shape[@]}" "$@" 2>&1)
+  local rc=$?
+  echo "$out"
+  if [ $rc -ne 0 ] || ! grep -q 'Out of bounds values : 0 OK' <<<"$out"; then
+    echo "!! $name failed (exit $rc)"
+    status=1
+  fi
+}
+run all_reduce_perf -b 8 -e 256M -f 2
+for t in all_gather_perf reduce_scatter_perf broadcast_perf reduce_perf alltoall_perf sendrecv_perf gather_perf \
+  scatter_perf; do
+  run "$t" -b 8 -e 64M -f 8
+done
+exit $status
