@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# PyTorch on the GPU machine (its torch, 2.11 there), one command:
+#   tests/gpu/torch.sh [build-dir]      (default: build-gpu-torch)
+# 1. loom_torch (issue 17) built against this machine's torch (c10d of
+#    torch 2.x, where the dev VM has Debian's 1.13) and its tests run
+#    (ctest -R "torch:": every collective against gloo, DDP, tags, timeouts,
+#    monitored_barrier, shrink, zero-copy, the crash loop), CPU tensors.
+# 2. torch's own "nccl" backend on loom's NCCL drop-in (issue 16):
+#    tests/gpu/torch_shim.py with LD_PRELOAD=libloom_nccl.so, 2 ranks on one
+#    GPU, every collective and a short DDP run against gloo.
+# PYTHON picks the interpreter (default: python3).  Exits non-zero if a step
+# fails; prints a table.
+set -uo pipefail
+here=$(cd "$(dirname "$0")/../.." && pwd)
+build=${1:-$here/build-gpu-torch}
+py=${PYTHON:-python3}
+"$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())' ||
+  { echo "no torch for $py"; exit 2; }
+prefix=$("$py" -c 'import torch; print(torch.utils.cmake_prefix_path)')
+cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '.')
+cc=${cc:-90}
+
+status=0
+names=() results=()
+step() {
+  local name=$1
+  shift
+  echo "== $name: $*"
+  if "$@"; then results+=("ok"); else results+=("FAIL ($?)"); status=1; fi
+  names+=("$name")
+}
+step "configure (torch from $prefix)" cmake -S "$here" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$prefix" -DPython3_EXECUTABLE="$(command -v "$py")" -DLOOM_BUILD_TORCH=ON \
+  -DLOOM_CUDA_ARCHS="$cc"
+step "build loom, loom_torch, the shim" cmake --build "$build" -j"$(nproc)"
+step "loom_torch built for this torch" bash -c "ls '$build'/python/loom_torch/*.so"
+step "loom_torch tests on this torch (ctest -R torch:)" ctest --test-dir "$build" -R "^torch:" --output-on-failure \
+  --timeout 900
+step "torch nccl backend on libloom_nccl.so, 2 ranks on one GPU" env LD_PRELOAD="$build/lib/libloom_nccl.so" \
+  LOOM_DEVICE=cuda NCCL_DEBUG=VERSION timeout 1200 "$py" "$here/tests/gpu/torch_shim.py"
+echo
+printf '%-60s %s\n' "step" "result"
+for i in "${!names[@]}"; do printf '%-60s %s\n' "${names[$i]}" "${results[$i]}"; done
+exit $status
