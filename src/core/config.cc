@@ -100,7 +100,8 @@ const std::vector<ConfigVar>& configTable() {
       {"LOOM_DEVICE", "host|cuda|auto", "host",
        "where a new communicator's collectives run: host memory, or CUDA device memory on the CUDA device "
        "current at init (cuda fails init with the reason on machines without a usable GPU; auto: cuda where "
-       "the process has a usable GPU, else host; every rank must choose alike)"},
+       "the process has a usable GPU, else host; every rank must choose alike); loomCommInitRankConfig's "
+       "config may name the kind and device instead"},
       {"LOOM_CHECK_MODE", "on|off", "on",
        "check that ranks call the same operation (sequence number + signature per slot); also 1|0; "
        "perf/check_mode_cost.sh measures its cost"},
