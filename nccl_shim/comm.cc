@@ -158,10 +158,15 @@ NCCL_SHIM_API(ncclResult_t, ncclCommInitAll, ncclComm_t* comms, int ndev, const 
   int devices = 0;
   if (loomResult_t r = loomCudaDeviceCount(&devices)) return fromLoom(r, call);
   auto deviceOf = [&](int i) { return devlist ? devlist[i] : i; };
-  for (int i = 0; i < ndev; ++i)
-    if (deviceOf(i) < 0 || (devices > 0 && deviceOf(i) >= devices))
-      return fail(ncclInvalidArgument, "%s: %s[%d] = %d is not a CUDA device of this process (it has %d)", call,
-                  devlist ? "devlist" : "device", i, deviceOf(i), devices);
+  for (int i = 0; i < ndev; ++i) {
+    if (!(deviceOf(i) < 0 || (devices > 0 && deviceOf(i) >= devices))) continue;
+    if (devlist)
+      return fail(ncclInvalidArgument, "%s: devlist[%d] = %d is not a CUDA device of this process (it has %d)",
+                  call, i, devlist[i], devices);
+    return fail(ncclInvalidArgument,
+                "%s: ndev %d with devlist NULL puts rank i on device i, but this process has %d CUDA device%s",
+                call, ndev, devices, devices == 1 ? "" : "s");
+  }
   loomUniqueId id;
   if (loomResult_t r = loomGetUniqueId(&id)) return fromLoom(r, call);
   std::vector<loomComm_t> loom(size_t(ndev), nullptr);

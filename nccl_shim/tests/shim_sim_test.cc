@@ -307,6 +307,9 @@ TEST_CASE("NCCL shim on CUDA communicators (simulated device): ncclCommInitAll m
   CHECK(std::string(ncclGetLastError(nullptr)).find("devlist[1] = 2 is not a CUDA device of this process") !=
         std::string::npos);
   CHECK(comms[0] == nullptr);
+  CHECK(ncclCommInitAll(comms, 3, nullptr) == ncclInvalidArgument);
+  CHECK(std::string(ncclGetLastError(nullptr)).find("ndev 3 with devlist NULL puts rank i on device i, but this "
+                                                     "process has 2 CUDA devices") != std::string::npos);
   CHECK(ncclCommInitAll(comms, 0, nullptr) == ncclInvalidArgument);
   CHECK(std::string(ncclGetLastError(nullptr)).find("ndev 0") != std::string::npos);
   CHECK(ncclCommInitAll(nullptr, 2, nullptr) == ncclInvalidArgument);
