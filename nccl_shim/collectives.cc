@@ -158,7 +158,8 @@ NCCL_SHIM_API(ncclResult_t, ncclAlltoAll, const void* sendbuff, void* recvbuff, 
   if (ncclResult_t r = prologue(call, comm, stream)) return r;
   if (ncclResult_t r = moveType(call, datatype, &t)) return r;
   loomComm_t lc = comm->loom;
-  return submit(comm, call, stream, [=](loomStream_t s) { return loomAllToAll(sendbuff, recvbuff, count, t, lc, s); });
+  return submit(comm, call, stream,
+                [=](loomStream_t s) { return loomAllToAll(sendbuff, recvbuff, count, t, lc, s); });
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclGather, const void* sendbuff, void* recvbuff, size_t count,
@@ -194,7 +195,8 @@ NCCL_SHIM_API(ncclResult_t, ncclSend, const void* sendbuff, size_t count, ncclDa
   if (ncclResult_t r = prologue(call, comm, stream)) return r;
   if (ncclResult_t r = moveType(call, datatype, &t)) return r;
   loomComm_t lc = comm->loom;
-  return submit(comm, call, stream, [=](loomStream_t s) { return loomSend(sendbuff, count, t, peer, lc, s); });
+  return submit(comm, call, stream,
+                [=](loomStream_t s) { return loomSend(sendbuff, count, t, peer, lc, s); });
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclRecv, void* recvbuff, size_t count, ncclDataType_t datatype, int peer,
@@ -204,5 +206,6 @@ NCCL_SHIM_API(ncclResult_t, ncclRecv, void* recvbuff, size_t count, ncclDataType
   if (ncclResult_t r = prologue(call, comm, stream)) return r;
   if (ncclResult_t r = moveType(call, datatype, &t)) return r;
   loomComm_t lc = comm->loom;
-  return submit(comm, call, stream, [=](loomStream_t s) { return loomRecv(recvbuff, count, t, peer, lc, s); });
+  return submit(comm, call, stream,
+                [=](loomStream_t s) { return loomRecv(recvbuff, count, t, peer, lc, s); });
 }

@@ -161,11 +161,13 @@ NCCL_SHIM_API(ncclResult_t, ncclCommInitAll, ncclComm_t* comms, int ndev, const 
   for (int i = 0; i < ndev; ++i) {
     if (!(deviceOf(i) < 0 || (devices > 0 && deviceOf(i) >= devices))) continue;
     if (devlist)
-      return fail(ncclInvalidArgument, "%s: devlist[%d] = %d is not a CUDA device of this process (it has %d)",
-                  call, i, devlist[i], devices);
-    return fail(ncclInvalidArgument,
-                "%s: ndev %d with devlist NULL puts rank i on device i, but this process has %d CUDA device%s",
-                call, ndev, devices, devices == 1 ? "" : "s");
+      return fail(ncclInvalidArgument,
+                  "%s: devlist[%d] = %d is not a CUDA device of this process (it has %d)", call, i,
+                  devlist[i], devices);
+    return fail(
+        ncclInvalidArgument,
+        "%s: ndev %d with devlist NULL puts rank i on device i, but this process has %d CUDA device%s", call,
+        ndev, devices, devices == 1 ? "" : "s");
   }
   loomUniqueId id;
   if (loomResult_t r = loomGetUniqueId(&id)) return fromLoom(r, call);
@@ -299,10 +301,11 @@ NCCL_SHIM_API(ncclResult_t, ncclCommCuDevice, const ncclComm_t comm, int* device
   ensureEnv();
   if (!comm || !device) return fail(ncclInvalidArgument, "ncclCommCuDevice: NULL argument");
   if (!comm->cuda())
-    return fail(ncclInvalidUsage,
-                "ncclCommCuDevice: this communicator runs on the host (LOOM_DEVICE=%s when it was made) and has "
-                "no CUDA device (host buffers)",
-                comm->loomDevice.c_str());
+    return fail(
+        ncclInvalidUsage,
+        "ncclCommCuDevice: this communicator runs on the host (LOOM_DEVICE=%s when it was made) and has "
+        "no CUDA device (host buffers)",
+        comm->loomDevice.c_str());
   *device = comm->cudaDevice;
   return ncclSuccess;
 }

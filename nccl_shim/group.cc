@@ -69,11 +69,12 @@ ncclResult_t endGroup(std::vector<PendingOp> ops) {
     (op.comm->cuda() ? cuda : host) = op.comm;
   }
   if (host && cuda)
-    return fail(ncclInvalidUsage,
-                "ncclGroupEnd: the group mixes a host communicator (rank %d of %d) and a CUDA communicator (rank "
-                "%d of %d, CUDA device %d); a group must use host communicators only or CUDA ones only; the "
-                "group was not launched",
-                host->rank, host->nranks, cuda->rank, cuda->nranks, cuda->cudaDevice);
+    return fail(
+        ncclInvalidUsage,
+        "ncclGroupEnd: the group mixes a host communicator (rank %d of %d) and a CUDA communicator (rank "
+        "%d of %d, CUDA device %d); a group must use host communicators only or CUDA ones only; the "
+        "group was not launched",
+        host->rank, host->nranks, cuda->rank, cuda->nranks, cuda->cudaDevice);
   if (cuda) return fromLoom(launchOnDevices(ops), "ncclGroupEnd");
   auto opsOf = [&](ncclComm* c) {
     std::vector<PendingOp*> mine;
@@ -170,13 +171,14 @@ ncclResult_t checkComm(const char* call, ncclComm_t comm) {
 ncclResult_t checkStream(const char* call, ncclComm_t comm, cudaStream_t stream) {
   if (!stream || comm->cuda()) return ncclSuccess;
   const char* device = comm->loomDevice.c_str();
-  return fail(ncclInvalidUsage,
-              "%s: stream %p is a CUDA stream, but this communicator runs on the host (LOOM_DEVICE=%s when it "
-              "was made%s): a host communicator takes host buffers with stream 0 (NULL), where each call "
-              "returns when it is complete; for CUDA streams and device buffers make the communicator on a "
-              "process with a GPU (LOOM_DEVICE=cuda, or auto)",
-              call, static_cast<void*>(stream), device,
-              strcmp(device, "auto") == 0 ? ", which found no usable CUDA device" : "");
+  return fail(
+      ncclInvalidUsage,
+      "%s: stream %p is a CUDA stream, but this communicator runs on the host (LOOM_DEVICE=%s when it "
+      "was made%s): a host communicator takes host buffers with stream 0 (NULL), where each call "
+      "returns when it is complete; for CUDA streams and device buffers make the communicator on a "
+      "process with a GPU (LOOM_DEVICE=cuda, or auto)",
+      call, static_cast<void*>(stream), device,
+      strcmp(device, "auto") == 0 ? ", which found no usable CUDA device" : "");
 }
 
 size_t typeSize(ncclDataType_t t) {

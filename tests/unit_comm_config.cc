@@ -87,9 +87,10 @@ loomResult_t refused(const loomConfig_t& config, std::string* msg) {
 
 }  // namespace
 
-TEST_CASE("loomCommInitRankConfig on the host: deviceKind host, FromEnv (LOOM_DEVICE unset) and a NULL config "
-          "make host communicators (loomCommCuDevice -1) that run collectives",
-          "[devcomm][config]") {
+TEST_CASE(
+    "loomCommInitRankConfig on the host: deviceKind host, FromEnv (LOOM_DEVICE unset) and a NULL config "
+    "make host communicators (loomCommCuDevice -1) that run collectives",
+    "[devcomm][config]") {
   unsetenv("LOOM_DEVICE");
   loom::configReload();
   loomConfig_t host = LOOM_CONFIG_INITIALIZER;
@@ -124,10 +125,11 @@ TEST_CASE("loomCommInitRankConfig on the host: deviceKind host, FromEnv (LOOM_DE
   CHECK(std::string(loomGetLastError(nullptr)).find("comm is NULL") != std::string::npos);
 }
 
-TEST_CASE("loomCommInitRankConfig on simulated CUDA devices: the config's cudaDevice reaches the driver (rank 0 on "
-          "device 1, rank 1 on device 0, whatever the current device), loomCommCuDevice reports it, a split keeps "
-          "it, and an all-reduce on those devices is exact",
-          "[devcomm][config]") {
+TEST_CASE(
+    "loomCommInitRankConfig on simulated CUDA devices: the config's cudaDevice reaches the driver (rank 0 on "
+    "device 1, rank 1 on device 0, whatever the current device), loomCommCuDevice reports it, a split keeps "
+    "it, and an all-reduce on those devices is exact",
+    "[devcomm][config]") {
   SimDevices sim(2, 2);
   int count = -1;
   CHECK(loomCudaDeviceCount(&count) == loomSuccess);
@@ -203,10 +205,11 @@ TEST_CASE("loomCommInitRankConfig on simulated CUDA devices: the config's cudaDe
   for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
 }
 
-TEST_CASE("loomCommInitRankConfig refuses each bad field with loomInvalidArgument naming it (magic, version older "
-          "and newer, size, deviceKind, cudaDevice, host with a device, a device beyond the process's), and CUDA "
-          "without a device as LOOM_DEVICE=cuda does, before waiting for any peer",
-          "[devcomm][config]") {
+TEST_CASE(
+    "loomCommInitRankConfig refuses each bad field with loomInvalidArgument naming it (magic, version older "
+    "and newer, size, deviceKind, cudaDevice, host with a device, a device beyond the process's), and CUDA "
+    "without a device as LOOM_DEVICE=cuda does, before waiting for any peer",
+    "[devcomm][config]") {
   unsetenv("LOOM_DEVICE");
   loom::configReload();
   std::string msg;
@@ -251,7 +254,8 @@ TEST_CASE("loomCommInitRankConfig refuses each bad field with loomInvalidArgumen
   c = LOOM_CONFIG_INITIALIZER;
   c.deviceKind = loomDeviceCuda;
   if (devices == 0) {  // no GPU (CI): the error LOOM_DEVICE=cuda gives
-    expect(c, loomInvalidUsage, "config deviceKind loomDeviceCuda, but this process has no usable CUDA device");
+    expect(c, loomInvalidUsage,
+           "config deviceKind loomDeviceCuda, but this process has no usable CUDA device");
     c.cudaDevice = 3;
     expect(c, loomInvalidUsage, "no usable CUDA device");
   } else {

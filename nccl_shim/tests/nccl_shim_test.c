@@ -517,7 +517,8 @@ static void errorsAndRest(ncclComm_t comm) {
     OK(ncclGroupStart());
     for (int i = 0; i < 2; ++i) OK(ncclAllReduce(&v[i], &s[i], 1, ncclInt64, ncclSum, all[i], 0));
     OK(ncclGroupEnd());
-    CHECK(s[0] == 12 + rank && s[1] == 12 + rank, "InitAll: sums %lld %lld", (long long)s[0], (long long)s[1]);
+    CHECK(s[0] == 12 + rank && s[1] == 12 + rank, "InitAll: sums %lld %lld", (long long)s[0],
+          (long long)s[1]);
     OK(ncclCommDestroy(all[0]));
     OK(ncclCommDestroy(all[1]));
   }
@@ -530,7 +531,8 @@ static void errorsAndRest(ncclComm_t comm) {
   FAILS(ncclGroupSimulateEnd(&sim), ncclInvalidUsage, "cannot simulate");
   CHECK(strlen(ncclGetErrorString(ncclInvalidUsage)) > 0, "no error string");
   PASSED(
-      "errors: CUDA stream, float8 reduction, bad type/op/comm/root/peer/buffer, CuDevice, windows; InitAll on the host");
+      "errors: CUDA stream, float8 reduction, bad type/op/comm/root/peer/buffer, CuDevice, windows; InitAll "
+      "on the host");
 
   ncclResult_t async = ncclInternalError;
   OK(ncclCommGetAsyncError(comm, &async));

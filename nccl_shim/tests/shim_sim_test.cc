@@ -110,10 +110,11 @@ int32_t in(int k, int r, size_t i) { return int32_t((i * 7 + size_t(r) * 13 + si
 
 }  // namespace
 
-TEST_CASE("NCCL shim on CUDA communicators (simulated device): every collective with a non-NULL cudaStream_t on "
-          "device buffers, N = 2..4 ranks on one and on two devices, exact after the streams synchronise, "
-          "send/recv in a group, groups spanning every rank's communicator from one thread, ncclCommCuDevice",
-          "[nccl][devcomm]") {
+TEST_CASE(
+    "NCCL shim on CUDA communicators (simulated device): every collective with a non-NULL cudaStream_t on "
+    "device buffers, N = 2..4 ranks on one and on two devices, exact after the streams synchronise, "
+    "send/recv in a group, groups spanning every rank's communicator from one thread, ncclCommCuDevice",
+    "[nccl][devcomm]") {
   for (int devices = 1; devices <= 2; ++devices)
     for (int n = 2; n <= 4; ++n) {
       CAPTURE(devices, n);
@@ -131,8 +132,29 @@ TEST_CASE("NCCL shim on CUDA communicators (simulated device): every collective 
 
       // Buffers per rank (on its device): one block of c elements per use.
       const size_t c = 600, big = 40000;  // big: the reduce-scatter + all-gather all-reduce
-      enum { kArIn, kArOut, kArBig, kMax, kAvg, kRed, kRsIn, kRsOut, kBc, kBcast, kAgIn, kAgOut, kA2aIn,
-             kA2aOut, kGaIn, kGaOut, kScIn, kScOut, kSend, kRecv, kUses };
+      enum {
+        kArIn,
+        kArOut,
+        kArBig,
+        kMax,
+        kAvg,
+        kRed,
+        kRsIn,
+        kRsOut,
+        kBc,
+        kBcast,
+        kAgIn,
+        kAgOut,
+        kA2aIn,
+        kA2aOut,
+        kGaIn,
+        kGaOut,
+        kScIn,
+        kScOut,
+        kSend,
+        kRecv,
+        kUses
+      };
       std::vector<size_t> len(kUses, c);
       for (int u : {kRsIn, kAgOut, kA2aIn, kA2aOut, kGaOut, kScIn}) len[size_t(u)] = c * size_t(n);
       len[kArBig] = big;
@@ -248,10 +270,11 @@ TEST_CASE("NCCL shim on CUDA communicators (simulated device): every collective 
     }
 }
 
-TEST_CASE("NCCL shim on CUDA communicators (simulated device): ncclCommInitAll makes ndev ranks on the devices "
-          "devlist names (or 0..ndev-1), ncclCommCuDevice reports them, a one-thread group over them is exact, a "
-          "device that does not exist is refused at once",
-          "[nccl][devcomm]") {
+TEST_CASE(
+    "NCCL shim on CUDA communicators (simulated device): ncclCommInitAll makes ndev ranks on the devices "
+    "devlist names (or 0..ndev-1), ncclCommCuDevice reports them, a one-thread group over them is exact, a "
+    "device that does not exist is refused at once",
+    "[nccl][devcomm]") {
   for (bool named : {true, false}) {
     CAPTURE(named);
     SimCuda sim(2, 2);
@@ -308,17 +331,19 @@ TEST_CASE("NCCL shim on CUDA communicators (simulated device): ncclCommInitAll m
         std::string::npos);
   CHECK(comms[0] == nullptr);
   CHECK(ncclCommInitAll(comms, 3, nullptr) == ncclInvalidArgument);
-  CHECK(std::string(ncclGetLastError(nullptr)).find("ndev 3 with devlist NULL puts rank i on device i, but this "
-                                                     "process has 2 CUDA devices") != std::string::npos);
+  CHECK(std::string(ncclGetLastError(nullptr))
+            .find("ndev 3 with devlist NULL puts rank i on device i, but this "
+                  "process has 2 CUDA devices") != std::string::npos);
   CHECK(ncclCommInitAll(comms, 0, nullptr) == ncclInvalidArgument);
   CHECK(std::string(ncclGetLastError(nullptr)).find("ndev 0") != std::string::npos);
   CHECK(ncclCommInitAll(nullptr, 2, nullptr) == ncclInvalidArgument);
 }
 
-TEST_CASE("NCCL shim: a CUDA stream on a host communicator is refused naming the host communicator and "
-          "LOOM_DEVICE, as is ncclCommCuDevice, and on a CUDA communicator a group mixing it with a host one, "
-          "PreMulSum, host memory and two streams on one communicator in a group are refused and launch nothing",
-          "[nccl][devcomm]") {
+TEST_CASE(
+    "NCCL shim: a CUDA stream on a host communicator is refused naming the host communicator and "
+    "LOOM_DEVICE, as is ncclCommCuDevice, and on a CUDA communicator a group mixing it with a host one, "
+    "PreMulSum, host memory and two streams on one communicator in a group are refused and launch nothing",
+    "[nccl][devcomm]") {
   // Two host communicators (LOOM_DEVICE=host) ...
   setenv("LOOM_DEVICE", "host", 1);
   std::string err;
@@ -351,8 +376,9 @@ TEST_CASE("NCCL shim: a CUDA stream on a host communicator is refused naming the
   CHECK(ncclAllReduce(x, y, 4, ncclFloat32, ncclSum, host[0], nullptr) == ncclSuccess);
   CHECK(ncclGroupEnd() == ncclInvalidUsage);
   last = ncclGetLastError(nullptr);
-  CHECK(last.find("ncclGroupEnd: the group mixes a host communicator (rank 0 of 2) and a CUDA communicator (rank "
-                  "0 of 2, CUDA device 0)") != std::string::npos);
+  CHECK(last.find(
+            "ncclGroupEnd: the group mixes a host communicator (rank 0 of 2) and a CUDA communicator (rank "
+            "0 of 2, CUDA device 0)") != std::string::npos);
   CHECK(last.find("the group was not launched") != std::string::npos);
   CHECK(cuda[0]->loom->deviceComm()->round() == before);
 
@@ -367,7 +393,8 @@ TEST_CASE("NCCL shim: a CUDA stream on a host communicator is refused naming the
   // PreMulSum would scale device memory on the host: refused.
   int32_t scalar = 3;
   ncclRedOp_t op;
-  CHECK(ncclRedOpCreatePreMulSum(&op, &scalar, ncclInt32, ncclScalarHostImmediate, cuda[0]) == ncclInvalidUsage);
+  CHECK(ncclRedOpCreatePreMulSum(&op, &scalar, ncclInt32, ncclScalarHostImmediate, cuda[0]) ==
+        ncclInvalidUsage);
   CHECK(std::string(ncclGetLastError(nullptr)).find("cannot scale device buffers") != std::string::npos);
   // ... while a host communicator still has it.
   CHECK(ncclRedOpCreatePreMulSum(&op, &scalar, ncclInt32, ncclScalarHostImmediate, host[0]) == ncclSuccess);

@@ -469,8 +469,8 @@ DeviceRequest deviceRequestOf(const loomConfig_t* config) {
          LOOM_CONFIG_MAGIC);
   if (config->version < 1 || config->version > LOOM_CONFIG_VERSION)
     fail(loomInvalidArgument,
-         "config version %u: this library (loom %d.%d.%d) knows loomConfig_t versions 1 to %d; was the program "
-         "built against another loom.h?",
+         "config version %u: this library (loom %d.%d.%d) knows loomConfig_t versions 1 to %d; was the "
+         "program built against another loom.h?",
          config->version, LOOM_MAJOR, LOOM_MINOR, LOOM_PATCH, LOOM_CONFIG_VERSION);
   if (config->size != kConfigBytes[config->version])
     fail(loomInvalidArgument,
@@ -709,7 +709,8 @@ loomResult_t loomCommSplit(loomComm_t comm, int color, int key, loomComm_t* newc
     if (r != loomSuccess) return r;
     if (newRank < 0) return loomSuccess;
     UniqueIdData id = decodeUniqueId(ids[size_t(members[0].second)]);
-    std::shared_ptr<loomComm> c = loomComm::create(id, int(members.size()), newRank, nullptr, comm->deviceRequest());
+    std::shared_ptr<loomComm> c =
+        loomComm::create(id, int(members.size()), newRank, nullptr, comm->deviceRequest());
     *newcomm = c.get();
     return loomSuccess;
   });

@@ -74,8 +74,8 @@ DeviceChoice checkDeviceChoice(const DeviceRequest& request) {
   if (devices == 0)
     fail(loomInvalidUsage, "%s, but this process has no usable CUDA device: %s", source.c_str(), why.c_str());
   if (request.device >= devices)
-    fail(loomInvalidArgument, "config cudaDevice %d: this process has %d CUDA device%s (0 to %d)", request.device,
-         devices, devices == 1 ? "" : "s", devices - 1);
+    fail(loomInvalidArgument, "config cudaDevice %d: this process has %d CUDA device%s (0 to %d)",
+         request.device, devices, devices == 1 ? "" : "s", devices - 1);
   c.cuda = true;
   if (factory) {  // -1: the factory picks its "current device"
     c.device = request.device;
