@@ -134,6 +134,55 @@ LOOM_API loomResult_t loomGetUniqueId(loomUniqueId* uniqueId);
  * [0, nranks). */
 LOOM_API loomResult_t loomCommInitRank(loomComm_t* comm, int nranks, loomUniqueId commId, int rank);
 
+/* The configuration form of init.  Fill a loomConfig_t from
+ * LOOM_CONFIG_INITIALIZER, then set the fields to change:
+ *
+ *   loomConfig_t config = LOOM_CONFIG_INITIALIZER;
+ *   config.deviceKind = loomDeviceCuda;
+ *   config.cudaDevice = 1;
+ *   loomCommInitRankConfig(&comm, nranks, id, rank, &config);
+ *
+ * size, magic and version are the initializer's: they tell the library which
+ * loom.h the program was built with, so a struct from an older or newer
+ * header is either read as that version or refused (loomInvalidArgument
+ * naming the version), never misread. */
+typedef enum {
+  loomDeviceFromEnv = 0, /* what LOOM_DEVICE says (unset: host); the default */
+  loomDeviceHost = 1,    /* host memory, loom host streams */
+  loomDeviceCuda = 2,    /* CUDA device memory, cudaStream_t streams */
+  loomDeviceAuto = 3     /* CUDA where the process has a CUDA device, else the host */
+} loomDeviceKind_t;
+
+#define LOOM_CONFIG_MAGIC 0x6c6f6f6dU /* "loom" */
+#define LOOM_CONFIG_VERSION 1
+typedef struct {
+  size_t size;          /* sizeof(loomConfig_t) of the program's loom.h */
+  unsigned int magic;   /* LOOM_CONFIG_MAGIC */
+  unsigned int version; /* LOOM_CONFIG_VERSION of the program's loom.h */
+  int deviceKind;       /* a loomDeviceKind_t: where the communicator runs */
+  /* The CUDA device of a communicator that runs on CUDA: an ordinal below
+   * the process's device count, or -1 (the default) for the device current
+   * on the calling thread at init, as loomCommInitRank takes.  A host
+   * communicator (deviceKind host, or LOOM_DEVICE/auto choosing the host)
+   * ignores it; deviceKind loomDeviceHost with an ordinal >= 0 is a
+   * contradiction and refused. */
+  int cudaDevice;
+} loomConfig_t;
+#define LOOM_CONFIG_INITIALIZER \
+  { sizeof(loomConfig_t), LOOM_CONFIG_MAGIC, LOOM_CONFIG_VERSION, loomDeviceFromEnv, -1 }
+
+/* loomCommInitRank with a configuration (NULL: loomCommInitRank's).  Every
+ * rank must choose the same device kind (loomInvalidUsage otherwise); ranks
+ * may name different CUDA devices, or the same one.  Returns
+ * loomInvalidArgument, naming the field, for a config not made from
+ * LOOM_CONFIG_INITIALIZER (magic), a version or size this library does not
+ * know, an unknown deviceKind, a cudaDevice below -1 or beyond the process's
+ * devices, or cudaDevice >= 0 with deviceKind loomDeviceHost; CUDA chosen
+ * on a process without a usable CUDA device is loomInvalidUsage with the
+ * reason, as LOOM_DEVICE=cuda is. */
+LOOM_API loomResult_t loomCommInitRankConfig(loomComm_t* comm, int nranks, loomUniqueId commId, int rank,
+                                             const loomConfig_t* config);
+
 /* Creates a communicator from launcher environment variables, in this order
  * of preference:
  *   loom-run:  LOOM_RANK, LOOM_WORLD_SIZE, LOOM_ROOT_ADDR (host:port), LOOM_SECRET
@@ -151,7 +200,8 @@ LOOM_API loomResult_t loomCommInitFromEnv(loomComm_t* comm);
 /* Creates communicators by splitting comm: ranks passing the same color end
  * up in one new communicator, ordered by key (ties: by rank in comm).  Every
  * rank of comm must call it.  color < 0 (LOOM_SPLIT_NOCOLOR) gives
- * *newcomm = NULL.  Returns loomInvalidArgument on NULL arguments. */
+ * *newcomm = NULL.  The new communicators run on comm's device (its CUDA
+ * device, or the host).  Returns loomInvalidArgument on NULL arguments. */
 #define LOOM_SPLIT_NOCOLOR (-1)
 LOOM_API loomResult_t loomCommSplit(loomComm_t comm, int color, int key, loomComm_t* newcomm);
 
@@ -186,7 +236,7 @@ LOOM_API loomResult_t loomCommRevoke(loomComm_t comm);
  * membership even if another rank dies during the shrink, and none waits
  * past about twice the communicator's timeout.  New ranks are the old ones
  * in order, renumbered from 0; the new communicator has its own connections,
- * tuning and topology, and comm's timeout.  comm is usually revoked or
+ * tuning and topology, and comm's timeout and device.  comm is usually revoked or
  * failed first; it is not freed (destroy or abort it afterwards).  A rank
  * that is alive but did not call within the timeout is left out: if it calls
  * while the others still agree it gets *newcomm = NULL, later it gets
@@ -198,6 +248,16 @@ LOOM_API loomResult_t loomCommShrink(loomComm_t comm, const int* excludeRanks, i
 /* Number of ranks / this rank's index.  loomInvalidArgument on NULL. */
 LOOM_API loomResult_t loomCommCount(const loomComm_t comm, int* count);
 LOOM_API loomResult_t loomCommUserRank(const loomComm_t comm, int* rank);
+
+/* The CUDA device a communicator runs on (its ordinal, as cudaGetDevice
+ * numbers them), or -1 for a host communicator.  loomInvalidArgument on
+ * NULL. */
+LOOM_API loomResult_t loomCommCuDevice(const loomComm_t comm, int* device);
+
+/* The number of CUDA devices this process can make communicators on (what
+ * loomConfig_t's cudaDevice may name): 0 where there is no GPU, CUDA driver
+ * or loom CUDA plug-in.  loomInvalidArgument on NULL. */
+LOOM_API loomResult_t loomCudaDeviceCount(int* count);
 
 /* Stores in *asyncError the error that failed the communicator in the
  * background (loomSuccess when none).  Once a communicator has failed every

@@ -3,7 +3,11 @@
 // NCCL's datatypes int8..bfloat16 and ops sum..avg have loom's numbering and
 // pass through.  float8 (e4m3, e5m2) moves as bytes (uint8) where nothing is
 // reduced and is refused where it would be.  A PreMulSum operator is loom's
-// sum over a scaled copy of the input, made when the operation is issued.
+// sum over a scaled copy of the input, made when the operation is issued
+// (host communicators only: the copy is made on the host).
+//
+// On a CUDA communicator the caller's cudaStream_t is loom's stream: each
+// call is enqueued on it and returns, as NCCL's do.
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -34,7 +38,7 @@ ncclResult_t prologue(const char* call, ncclComm_t comm, cudaStream_t stream) {
   ensureEnv();
   clearLastError();
   if (ncclResult_t r = checkComm(call, comm)) return r;
-  return checkStream(call, stream);
+  return checkStream(call, comm, stream);
 }
 
 // The op and type of a reducing call.  The PreMulSum is copied: NCCL lets
@@ -60,6 +64,8 @@ ncclResult_t reduction(const char* call, ncclComm_t comm, ncclDataType_t type, n
                   "%s: unknown reduction op %d (not built in, not a PreMulSum of this comm)", call, o);
     out->pms = it->second;
   }
+  if (comm->cuda())  // never made on one (ncclRedOpCreatePreMulSum): the host must not read device buffers
+    return fail(ncclInvalidUsage, "%s: PreMulSum op %d on a CUDA communicator", call, o);
   if (out->pms.type != type)
     return fail(ncclInvalidArgument, "%s: the PreMulSum op %d was made for datatype %d, not %d", call, o,
                 int(out->pms.type), t);
@@ -80,7 +86,7 @@ NCCL_SHIM_API(ncclResult_t, ncclAllReduce, const void* sendbuff, void* recvbuff,
   if (ncclResult_t r = reduction(call, comm, datatype, op, sendbuff, count, &red)) return r;
   auto scratch = red.preMul ? std::make_shared<std::vector<char>>() : nullptr;
   loomComm_t lc = comm->loom;
-  return submit(comm, call, [=](loomStream_t s) {
+  return submit(comm, call, stream, [=](loomStream_t s) {
     return loomAllReduce(red.input(sendbuff, count, scratch.get()), recvbuff, count, loomDataType_t(datatype),
                          red.op, lc, s);
   });
@@ -94,7 +100,7 @@ NCCL_SHIM_API(ncclResult_t, ncclReduce, const void* sendbuff, void* recvbuff, si
   if (ncclResult_t r = reduction(call, comm, datatype, op, sendbuff, count, &red)) return r;
   auto scratch = red.preMul ? std::make_shared<std::vector<char>>() : nullptr;
   loomComm_t lc = comm->loom;
-  return submit(comm, call, [=](loomStream_t s) {
+  return submit(comm, call, stream, [=](loomStream_t s) {
     return loomReduce(red.input(sendbuff, count, scratch.get()), recvbuff, count, loomDataType_t(datatype),
                       red.op, root, lc, s);
   });
@@ -111,7 +117,7 @@ NCCL_SHIM_API(ncclResult_t, ncclReduceScatter, const void* sendbuff, void* recvb
   if (ncclResult_t r = reduction(call, comm, datatype, op, sendbuff, inCount, &red)) return r;
   auto scratch = red.preMul ? std::make_shared<std::vector<char>>() : nullptr;
   loomComm_t lc = comm->loom;
-  return submit(comm, call, [=](loomStream_t s) {
+  return submit(comm, call, stream, [=](loomStream_t s) {
     // A scaled copy is never in place: loom then reads all of it.
     return loomReduceScatter(red.input(sendbuff, inCount, scratch.get()), recvbuff, recvcount,
                              loomDataType_t(datatype), red.op, lc, s);
@@ -125,7 +131,7 @@ NCCL_SHIM_API(ncclResult_t, ncclBroadcast, const void* sendbuff, void* recvbuff,
   if (ncclResult_t r = prologue(call, comm, stream)) return r;
   if (ncclResult_t r = moveType(call, datatype, &t)) return r;
   loomComm_t lc = comm->loom;
-  return submit(comm, call,
+  return submit(comm, call, stream,
                 [=](loomStream_t s) { return loomBroadcast(sendbuff, recvbuff, count, t, root, lc, s); });
 }
 
@@ -141,7 +147,7 @@ NCCL_SHIM_API(ncclResult_t, ncclAllGather, const void* sendbuff, void* recvbuff,
   if (ncclResult_t r = prologue(call, comm, stream)) return r;
   if (ncclResult_t r = moveType(call, datatype, &t)) return r;
   loomComm_t lc = comm->loom;
-  return submit(comm, call,
+  return submit(comm, call, stream,
                 [=](loomStream_t s) { return loomAllGather(sendbuff, recvbuff, sendcount, t, lc, s); });
 }
 
@@ -152,7 +158,8 @@ NCCL_SHIM_API(ncclResult_t, ncclAlltoAll, const void* sendbuff, void* recvbuff, 
   if (ncclResult_t r = prologue(call, comm, stream)) return r;
   if (ncclResult_t r = moveType(call, datatype, &t)) return r;
   loomComm_t lc = comm->loom;
-  return submit(comm, call, [=](loomStream_t s) { return loomAllToAll(sendbuff, recvbuff, count, t, lc, s); });
+  return submit(comm, call, stream,
+                [=](loomStream_t s) { return loomAllToAll(sendbuff, recvbuff, count, t, lc, s); });
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclGather, const void* sendbuff, void* recvbuff, size_t count,
@@ -164,7 +171,7 @@ NCCL_SHIM_API(ncclResult_t, ncclGather, const void* sendbuff, void* recvbuff, si
   if (root < 0 || root >= comm->nranks)
     return fail(ncclInvalidArgument, "%s: root %d is out of range [0, %d)", call, root, comm->nranks);
   loomComm_t lc = comm->loom;
-  return submit(comm, call,
+  return submit(comm, call, stream,
                 [=](loomStream_t s) { return loomGather(sendbuff, recvbuff, count, t, root, lc, s); });
 }
 
@@ -177,7 +184,7 @@ NCCL_SHIM_API(ncclResult_t, ncclScatter, const void* sendbuff, void* recvbuff, s
   if (root < 0 || root >= comm->nranks)
     return fail(ncclInvalidArgument, "%s: root %d is out of range [0, %d)", call, root, comm->nranks);
   loomComm_t lc = comm->loom;
-  return submit(comm, call,
+  return submit(comm, call, stream,
                 [=](loomStream_t s) { return loomScatter(sendbuff, recvbuff, count, t, root, lc, s); });
 }
 
@@ -188,7 +195,8 @@ NCCL_SHIM_API(ncclResult_t, ncclSend, const void* sendbuff, size_t count, ncclDa
   if (ncclResult_t r = prologue(call, comm, stream)) return r;
   if (ncclResult_t r = moveType(call, datatype, &t)) return r;
   loomComm_t lc = comm->loom;
-  return submit(comm, call, [=](loomStream_t s) { return loomSend(sendbuff, count, t, peer, lc, s); });
+  return submit(comm, call, stream,
+                [=](loomStream_t s) { return loomSend(sendbuff, count, t, peer, lc, s); });
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclRecv, void* recvbuff, size_t count, ncclDataType_t datatype, int peer,
@@ -198,5 +206,6 @@ NCCL_SHIM_API(ncclResult_t, ncclRecv, void* recvbuff, size_t count, ncclDataType
   if (ncclResult_t r = prologue(call, comm, stream)) return r;
   if (ncclResult_t r = moveType(call, datatype, &t)) return r;
   loomComm_t lc = comm->loom;
-  return submit(comm, call, [=](loomStream_t s) { return loomRecv(recvbuff, count, t, peer, lc, s); });
+  return submit(comm, call, stream,
+                [=](loomStream_t s) { return loomRecv(recvbuff, count, t, peer, lc, s); });
 }

@@ -2,7 +2,11 @@
 // loom's communicators.
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <new>
+#include <string>
+#include <thread>
+#include <vector>
 
 #include "nccl_shim/shim.h"
 
@@ -27,9 +31,16 @@ ncclResult_t wrap(loomComm_t loom, ncclComm_t* out, const char* call) {
   c->loom = loom;
   loomCommCount(loom, &c->nranks);
   loomCommUserRank(loom, &c->rank);
+  loomCommCuDevice(loom, &c->cudaDevice);
+  const char* device = getenv("LOOM_DEVICE");
+  c->loomDevice = device ? device : "";
   *out = c;
-  logf(Level::Info, "%s: rank %d of %d ready (loom communicator %p)", call, c->rank, c->nranks,
-       static_cast<void*>(loom));
+  if (c->cuda())
+    logf(Level::Info, "%s: rank %d of %d ready on CUDA device %d (loom communicator %p)", call, c->rank,
+         c->nranks, c->cudaDevice, static_cast<void*>(loom));
+  else
+    logf(Level::Info, "%s: rank %d of %d ready on the host (loom communicator %p)", call, c->rank, c->nranks,
+         static_cast<void*>(loom));
   return ncclSuccess;
 }
 
@@ -132,13 +143,70 @@ NCCL_SHIM_API(ncclResult_t, ncclCommInitRankScalable, ncclComm_t* newcomm, int n
   return pncclCommInitRankConfig(newcomm, nranks, commIds[0], myrank, config);
 }
 
-NCCL_SHIM_API(ncclResult_t, ncclCommInitAll, ncclComm_t* comm, int ndev, const int* devlist) {
+// NCCL's semantics: ndev ranks of one new communicator in this process,
+// rank i on CUDA device devlist[i] (device i when devlist is NULL).  Each
+// init blocks until every rank has joined, so they run concurrently, one
+// thread each.  The devices are checked first, so that no rank waits for
+// one that failed at once.  Where loom makes host communicators (no GPU,
+// LOOM_DEVICE=host) the devices are not used: ndev host communicators.
+NCCL_SHIM_API(ncclResult_t, ncclCommInitAll, ncclComm_t* comms, int ndev, const int* devlist) {
+  const char* call = "ncclCommInitAll";
   ensureEnv();
-  (void)comm, (void)devlist;
-  return fail(ncclInvalidUsage,
-              "ncclCommInitAll(ndev %d): one process driving several CUDA devices needs CUDA communicators, "
-              "which loom does not have yet; start one rank per process or thread with ncclCommInitRank",
-              ndev);
+  if (!comms) return fail(ncclInvalidArgument, "%s: comms is NULL", call);
+  if (ndev < 1) return fail(ncclInvalidArgument, "%s: ndev %d must be at least 1", call, ndev);
+  for (int i = 0; i < ndev; ++i) comms[i] = nullptr;
+  int devices = 0;
+  if (loomResult_t r = loomCudaDeviceCount(&devices)) return fromLoom(r, call);
+  auto deviceOf = [&](int i) { return devlist ? devlist[i] : i; };
+  for (int i = 0; i < ndev; ++i) {
+    if (!(deviceOf(i) < 0 || (devices > 0 && deviceOf(i) >= devices))) continue;
+    if (devlist)
+      return fail(ncclInvalidArgument,
+                  "%s: devlist[%d] = %d is not a CUDA device of this process (it has %d)", call, i,
+                  devlist[i], devices);
+    return fail(
+        ncclInvalidArgument,
+        "%s: ndev %d with devlist NULL puts rank i on device i, but this process has %d CUDA device%s", call,
+        ndev, devices, devices == 1 ? "" : "s");
+  }
+  loomUniqueId id;
+  if (loomResult_t r = loomGetUniqueId(&id)) return fromLoom(r, call);
+  std::vector<loomComm_t> loom(size_t(ndev), nullptr);
+  std::vector<loomResult_t> rc(size_t(ndev), loomSuccess);
+  std::vector<std::string> why(static_cast<size_t>(ndev));
+  std::vector<std::thread> threads;
+  try {
+    for (int i = 0; i < ndev; ++i)
+      threads.emplace_back([&, i] {
+        loomConfig_t config = LOOM_CONFIG_INITIALIZER;
+        config.cudaDevice = deviceOf(i);
+        rc[size_t(i)] = loomCommInitRankConfig(&loom[size_t(i)], ndev, id, i, &config);
+        if (rc[size_t(i)] != loomSuccess) why[size_t(i)] = loomGetLastError(nullptr);
+      });
+  } catch (const std::exception& e) {
+    // The ranks already started wait for the others until loom's timeout.
+    for (std::thread& t : threads) t.join();
+    for (loomComm_t c : loom) loomCommAbort(c);
+    return fail(ncclSystemError, "%s: cannot start a thread per rank: %s", call, e.what());
+  }
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i < ndev; ++i)
+    if (rc[size_t(i)] != loomSuccess) {
+      for (loomComm_t c : loom) loomCommAbort(c);
+      return fail(toNccl(rc[size_t(i)]), "%s: rank %d (device %d): %s", call, i, deviceOf(i),
+                  why[size_t(i)].c_str());
+    }
+  for (int i = 0; i < ndev; ++i)
+    if (ncclResult_t r = wrap(loom[size_t(i)], &comms[i], call)) {
+      for (int j = 0; j < i; ++j) {
+        loomCommAbort(comms[j]->loom);
+        unwrap(comms[j]);
+        comms[j] = nullptr;
+      }
+      for (int j = i + 1; j < ndev; ++j) loomCommAbort(loom[size_t(j)]);  // wrap aborted loom[i]
+      return r;
+    }
+  return ncclSuccess;
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclCommSplit, ncclComm_t comm, int color, int key, ncclComm_t* newcomm,
@@ -169,8 +237,10 @@ NCCL_SHIM_API(ncclResult_t, ncclCommShrink, ncclComm_t comm, int* excludeRanksLi
       excludeRanksCount);
 }
 
-// Operations through the shim complete before their call returns, so nothing
-// is in flight: finalizing marks the communicator so later operations fail.
+// A host communicator's operations complete before their call returns, so
+// nothing is in flight; a CUDA communicator's are on the caller's streams,
+// and ncclCommDestroy waits for them (loomCommDestroy drains the device
+// side).  Finalizing marks the communicator so later operations fail.
 NCCL_SHIM_API(ncclResult_t, ncclCommFinalize, ncclComm_t comm) {
   ensureEnv();
   if (ncclResult_t r = checkComm("ncclCommFinalize", comm)) return r;
@@ -229,9 +299,15 @@ NCCL_SHIM_API(ncclResult_t, ncclCommUserRank, const ncclComm_t comm, int* rank) 
 
 NCCL_SHIM_API(ncclResult_t, ncclCommCuDevice, const ncclComm_t comm, int* device) {
   ensureEnv();
-  (void)comm, (void)device;
-  return fail(ncclInvalidUsage,
-              "ncclCommCuDevice: a loom host communicator has no CUDA device (host buffers)");
+  if (!comm || !device) return fail(ncclInvalidArgument, "ncclCommCuDevice: NULL argument");
+  if (!comm->cuda())
+    return fail(
+        ncclInvalidUsage,
+        "ncclCommCuDevice: this communicator runs on the host (LOOM_DEVICE=%s when it was made) and has "
+        "no CUDA device (host buffers)",
+        comm->loomDevice.c_str());
+  *device = comm->cudaDevice;
+  return ncclSuccess;
 }
 
 // loomMemAlloc: CUDA device memory on the current device when the process

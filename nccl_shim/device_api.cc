@@ -17,8 +17,8 @@ ncclResult_t noDeviceApi(const char* call) {
   ensureEnv();
   return fail(
       ncclInvalidUsage,
-      "%s: NCCL's device API (kernels that communicate) needs CUDA communicators, which loom does not "
-      "have yet",
+      "%s: NCCL's device API (the caller's kernels communicating through NCCL) is not implemented: loom's "
+      "CUDA communicators run their own stream programs, not user kernels",
       call);
 }
 

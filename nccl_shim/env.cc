@@ -232,6 +232,8 @@ void mapDevice() {
 void warnOthers() {
   for (char** e = environ; e && *e; ++e) {
     if (strncmp(*e, "NCCL_", 5) != 0) continue;
+    // nccl-tests' own settings (NCCL_TESTS_DEVICE, ...), not NCCL's.
+    if (strncmp(*e, "NCCL_TESTS_", 11) == 0) continue;
     std::string name(*e, strcspn(*e, "="));
     if (isMapped(name.c_str())) continue;
     const char* why = nullptr;

@@ -1,15 +1,21 @@
 // Errors, argument checks and groups: how an NCCL call becomes loom calls.
 //
-// Outside a group an operation runs at once on loom's NULL stream (the call
-// returns when it is complete).  Inside ncclGroupStart/ncclGroupEnd the shim
-// queues operations itself and launches them at the outermost ncclGroupEnd:
-// that way a call the shim refuses (a CUDA stream, a float8 reduction)
+// Outside a group a host communicator's operation runs at once on loom's
+// NULL stream (the call returns when it is complete); a CUDA communicator's
+// is enqueued on the caller's cudaStream_t.  Inside
+// ncclGroupStart/ncclGroupEnd the shim queues operations itself and
+// launches them at the outermost ncclGroupEnd: that way a call the shim
+// refuses (a CUDA stream on a host communicator, a float8 reduction)
 // cancels the whole group as NCCL does, and a group may span communicators.
-// One communicator: one loom group on the NULL stream.  Several: one loom
-// group per communicator on that communicator's host stream, so they progress
-// together, then the shim waits for all of them.
+// Host communicators: one as one loom group on the NULL stream; several as
+// one loom group per communicator on that communicator's host stream, so
+// they progress together, then the shim waits for all of them.  CUDA
+// communicators: one loom group, each call on its own cudaStream_t (loom's
+// groups may span CUDA communicators; they only enqueue).  A group mixing
+// host and CUDA communicators is refused whole.
 #include <cstdarg>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -41,13 +47,35 @@ loomResult_t launch(const std::vector<PendingOp*>& ops, loomStream_t stream) {
   return first != loomSuccess ? first : r;
 }
 
+// CUDA communicators' operations as one loom group, each on its own stream.
+loomResult_t launchOnDevices(std::vector<PendingOp>& ops) {
+  loomResult_t first = loomGroupStart();
+  for (PendingOp& op : ops) {
+    loomResult_t r = op.issue(op.stream);
+    if (first == loomSuccess) first = r;
+  }
+  loomResult_t r = loomGroupEnd();
+  return first != loomSuccess ? first : r;
+}
+
 ncclResult_t endGroup(std::vector<PendingOp> ops) {
   std::vector<ncclComm*> comms;
+  const ncclComm* host = nullptr;
+  const ncclComm* cuda = nullptr;
   for (const PendingOp& op : ops) {
     bool seen = false;
     for (ncclComm* c : comms) seen |= c == op.comm;
     if (!seen) comms.push_back(op.comm);
+    (op.comm->cuda() ? cuda : host) = op.comm;
   }
+  if (host && cuda)
+    return fail(
+        ncclInvalidUsage,
+        "ncclGroupEnd: the group mixes a host communicator (rank %d of %d) and a CUDA communicator (rank "
+        "%d of %d, CUDA device %d); a group must use host communicators only or CUDA ones only; the "
+        "group was not launched",
+        host->rank, host->nranks, cuda->rank, cuda->nranks, cuda->cudaDevice);
+  if (cuda) return fromLoom(launchOnDevices(ops), "ncclGroupEnd");
   auto opsOf = [&](ncclComm* c) {
     std::vector<PendingOp*> mine;
     for (PendingOp& op : ops)
@@ -140,12 +168,17 @@ ncclResult_t checkComm(const char* call, ncclComm_t comm) {
   return ncclSuccess;
 }
 
-ncclResult_t checkStream(const char* call, cudaStream_t stream) {
-  if (!stream) return ncclSuccess;
-  return fail(ncclInvalidUsage,
-              "%s: stream %p is a CUDA stream, and loom cannot order work on CUDA streams yet: this build "
-              "takes host buffers with stream 0 (NULL), where each call returns when it is complete",
-              call, static_cast<void*>(stream));
+ncclResult_t checkStream(const char* call, ncclComm_t comm, cudaStream_t stream) {
+  if (!stream || comm->cuda()) return ncclSuccess;
+  const char* device = comm->loomDevice.c_str();
+  return fail(
+      ncclInvalidUsage,
+      "%s: stream %p is a CUDA stream, but this communicator runs on the host (LOOM_DEVICE=%s when it "
+      "was made%s): a host communicator takes host buffers with stream 0 (NULL), where each call "
+      "returns when it is complete; for CUDA streams and device buffers make the communicator on a "
+      "process with a GPU (LOOM_DEVICE=cuda, or auto)",
+      call, static_cast<void*>(stream), device,
+      strcmp(device, "auto") == 0 ? ", which found no usable CUDA device" : "");
 }
 
 size_t typeSize(ncclDataType_t t) {

@@ -146,6 +146,14 @@ NCCL_SHIM_API(ncclResult_t, ncclRedOpCreatePreMulSum, ncclRedOp_t* op, void* sca
   if (t < 0 || t >= int(loomNumTypes)) return fail(ncclInvalidArgument, "%s: unknown datatype %d", call, t);
   if (residence != ncclScalarDevice && residence != ncclScalarHostImmediate)
     return fail(ncclInvalidArgument, "%s: unknown scalar residence %d", call, int(residence));
+  // The scaling runs on the host (scaleInto); a CUDA communicator's buffers
+  // are device memory, which the host must not touch.
+  if (comm->cuda())
+    return fail(ncclInvalidUsage,
+                "%s: this communicator runs on CUDA device %d, and loom cannot scale device buffers yet "
+                "(PreMulSum scales on the host); use ncclSum and scale the input or result yourself, or "
+                "ncclAvg for a mean",
+                call, comm->cudaDevice);
   ncclComm::PreMulSum p{};
   p.type = datatype;
   p.residence = residence;

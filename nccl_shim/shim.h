@@ -23,6 +23,11 @@ struct ncclComm {
   loomComm_t loom = nullptr;
   int rank = 0;
   int nranks = 0;
+  // loomCommCuDevice: the CUDA device of a CUDA communicator (its calls take
+  // the caller's cudaStream_t and device buffers), -1 on the host.
+  int cudaDevice = -1;
+  bool cuda() const { return cudaDevice >= 0; }
+  std::string loomDevice;  // LOOM_DEVICE when it was made, for messages
   bool finalized = false;
   loomStream_t groupStream = nullptr;  // made on first use by a multi-communicator group
 
@@ -62,10 +67,13 @@ const char* lastError();
 
 // One operation as the shim hands it to loom: issue() makes the loom call
 // on the given stream.  Scratch memory it
-// needs lives in the closure until the operation has completed.
+// needs lives in the closure until the operation has completed.  stream is
+// the caller's cudaStream_t on a CUDA communicator (loom's stream argument
+// there), NULL on a host one.
 struct PendingOp {
   ncclComm* comm;
   const char* name;
+  loomStream_t stream;
   std::function<loomResult_t(loomStream_t)> issue;
 };
 
@@ -73,19 +81,23 @@ bool inGroup();
 // Queues op for ncclGroupEnd.
 ncclResult_t enqueue(PendingOp op);
 
-// Runs issue now, outside a group (a blocking call on loom's NULL stream,
-// with nothing allocated: the latency path), or queues it for ncclGroupEnd.
-// The caller has checked the communicator (checkComm).
+// Runs issue now, outside a group, or queues it for ncclGroupEnd.  A host
+// communicator's call is blocking, on loom's NULL stream, with nothing
+// allocated (the latency path); a CUDA communicator's is enqueued on the
+// caller's cudaStream_t, passed through as loom's stream.  The caller has
+// checked the communicator (checkComm) and the stream (checkStream).
 template <class Issue>
-ncclResult_t submit(ncclComm* comm, const char* name, Issue&& issue) {
-  if (inGroup()) return enqueue(PendingOp{comm, name, std::forward<Issue>(issue)});
-  return fromLoom(issue(nullptr), name);
+ncclResult_t submit(ncclComm* comm, const char* name, cudaStream_t stream, Issue&& issue) {
+  loomStream_t s = comm->cuda() ? reinterpret_cast<loomStream_t>(stream) : nullptr;
+  if (inGroup()) return enqueue(PendingOp{comm, name, s, std::forward<Issue>(issue)});
+  return fromLoom(issue(s), name);
 }
 
 // Argument checks shared by the entry points.  Each returns ncclSuccess or
 // records the reason (fail) and returns the NCCL code.
 ncclResult_t checkComm(const char* call, ncclComm_t comm);
-ncclResult_t checkStream(const char* call, cudaStream_t stream);
+// Any stream on a CUDA communicator; only NULL on a host one.
+ncclResult_t checkStream(const char* call, ncclComm_t comm, cudaStream_t stream);
 // A datatype that moves bytes only: float8 travels as uint8.
 ncclResult_t moveType(const char* call, ncclDataType_t in, loomDataType_t* out);
 size_t typeSize(ncclDataType_t t);

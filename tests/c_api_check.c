@@ -12,6 +12,13 @@ int main(void) {
   loomComm_t comm = NULL;
   if (loomCommInitRank(&comm, 0, (loomUniqueId){{0}}, 0) != loomInvalidArgument) return 1;
   if (strstr(loomGetLastError(NULL), "nranks") == NULL) return 1;
+  /* The config initializer is C too; a config refused names its field. */
+  loomConfig_t config = LOOM_CONFIG_INITIALIZER;
+  config.deviceKind = 9;
+  if (loomCommInitRankConfig(&comm, 2, (loomUniqueId){{0}}, 0, &config) != loomInvalidArgument) return 1;
+  if (strstr(loomGetLastError(NULL), "deviceKind 9") == NULL) return 1;
+  int count = -1;
+  if (loomCudaDeviceCount(&count) != loomSuccess || count < 0) return 1;
   char dump[64];
   if (loomCommDump(NULL, dump, sizeof dump) != loomInvalidArgument) return 1;
   printf("loom.h compiles and links as C; version %d\n", version);

@@ -43,198 +43,15 @@
 #include "src/device/host_reduce.h"
 #include "src/device/staged_comm.h"
 #include "tests/sim_device.h"
+#include "tests/sim_driver.h"
 
 namespace {
 
 using loom::Collective;
 
-// A failed check inside the simulated driver, which runs on the ranks'
-// threads: Catch2's REQUIRE is not thread-safe (TSan found it), so the
-// driver throws like a CUDA call would, and the test sees the error.
-void simCheck(bool ok, const char* what) {
-  if (!ok) loom::fail(loomSystemError, "sim driver: %s failed", what);
-}
-
-// Device memory of simulated devices, shared by every rank of a test (all
-// threads of this process).  Each allocation is a memfd; "opening" its
-// handle maps the memfd again, at another address.
-class SimMemory {
- public:
-  ~SimMemory() {
-    for (auto& [base, a] : allocs_) {
-      munmap(base, a.bytes);
-      close(a.fd);
-    }
-    for (auto& [base, bytes] : freed_) munmap(base, bytes);
-  }
-  uint8_t* alloc(int device, size_t bytes) {
-    int fd = memfd_create("loom-sim-device", MFD_CLOEXEC);
-    simCheck(fd >= 0, "memfd_create");
-    simCheck(ftruncate(fd, off_t(bytes)) == 0, "ftruncate");
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    simCheck(p != MAP_FAILED, "mmap");
-    std::lock_guard<std::mutex> g(mu_);
-    allocs_[static_cast<uint8_t*>(p)] = Alloc{device, bytes, fd, ++serial_};
-    return static_cast<uint8_t*>(p);
-  }
-  void free(void* p) {
-    std::lock_guard<std::mutex> g(mu_);
-    auto it = allocs_.find(static_cast<uint8_t*>(p));
-    if (it == allocs_.end()) loom::fail(loomInvalidArgument, "sim free of %p: not an allocation base", p);
-    // Freed memory stays mapped (not reused) until the SimMemory goes: a
-    // peer destroying its communicator later may still read the flags in
-    // it, which on a GPU is memory CUDA keeps while it is mapped.
-    freed_.emplace_back(it->first, it->second.bytes);
-    close(it->second.fd);
-    allocs_.erase(it);
-  }
-  size_t frees() const {
-    std::lock_guard<std::mutex> g(mu_);
-    return freed_.size();
-  }
-  // -1 unless p is inside an allocation (or a mapping of one).
-  int deviceOf(const void* p) const {
-    std::lock_guard<std::mutex> g(mu_);
-    const Alloc* a = find(p, nullptr);
-    return a ? a->device : -1;
-  }
-  void range(const void* p, void** base, size_t* bytes) const {
-    std::lock_guard<std::mutex> g(mu_);
-    uint8_t* b = nullptr;
-    const Alloc* a = find(p, &b);
-    if (!a) loom::fail(loomInvalidArgument, "sim: %p is not device memory", p);
-    *base = b;
-    *bytes = a->bytes;
-  }
-  void handle(void* base, uint8_t out[loom::kIpcHandleBytes]) const {
-    std::lock_guard<std::mutex> g(mu_);
-    auto it = allocs_.find(static_cast<uint8_t*>(base));
-    if (it == allocs_.end()) loom::fail(loomInvalidArgument, "sim: no allocation at %p", base);
-    memset(out, 0, loom::kIpcHandleBytes);
-    memcpy(out, &it->second.serial, sizeof(uint64_t));
-  }
-  void* open(const uint8_t h[loom::kIpcHandleBytes]) {
-    uint64_t serial;
-    memcpy(&serial, h, sizeof serial);
-    std::lock_guard<std::mutex> g(mu_);
-    for (auto& [base, a] : allocs_)
-      if (a.serial == serial) {
-        void* p = mmap(nullptr, a.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, a.fd, 0);
-        simCheck(p != MAP_FAILED, "mmap of an opened handle");
-        mappings_[static_cast<uint8_t*>(p)] = {base, a.bytes};
-        ++opens_;
-        return p;
-      }
-    loom::fail(loomUnhandledCudaError, "sim: invalid IPC handle (serial %llu)", (unsigned long long)serial);
-  }
-  void closeMapping(void* p) {
-    std::lock_guard<std::mutex> g(mu_);
-    auto it = mappings_.find(static_cast<uint8_t*>(p));
-    if (it == mappings_.end()) loom::fail(loomUnhandledCudaError, "sim: close of %p: not a mapping", p);
-    munmap(p, it->second.second);
-    mappings_.erase(it);
-    ++closes_;
-  }
-  size_t openMappings() const {
-    std::lock_guard<std::mutex> g(mu_);
-    return mappings_.size();
-  }
-  int opens() const { return opens_; }
-  int closes() const { return closes_; }
-  size_t live() const {  // allocations not freed
-    std::lock_guard<std::mutex> g(mu_);
-    return allocs_.size();
-  }
-
- private:
-  struct Alloc {
-    int device;
-    size_t bytes;
-    int fd;
-    uint64_t serial;
-  };
-  // The allocation p lies in, directly or through a mapping (*base: the
-  // start of whichever it is in).
-  const Alloc* find(const void* p, uint8_t** base) const {
-    auto q = static_cast<const uint8_t*>(p);
-    for (auto& [b, a] : allocs_)
-      if (q >= b && q < b + a.bytes) {
-        if (base) *base = b;
-        return &a;
-      }
-    for (auto& [m, bb] : mappings_) {
-      auto it = allocs_.find(bb.first);
-      if (it != allocs_.end() && q >= m && q < m + it->second.bytes) {
-        if (base) *base = m;
-        return &it->second;
-      }
-    }
-    return nullptr;
-  }
-  mutable std::mutex mu_;
-  std::map<uint8_t*, Alloc> allocs_;
-  std::map<uint8_t*, std::pair<uint8_t*, size_t>> mappings_;  // mapping -> (allocation base, bytes)
-  std::vector<std::pair<uint8_t*, size_t>> freed_;
-  uint64_t serial_ = 0;
-  int opens_ = 0, closes_ = 0;
-};
-
-// The DeviceDriver of one rank on a simulated device: memory from
-// SimMemory, the stream backend of the rank in a SimDeviceWorld.
-// Pinned host allocations of every SimDriver not yet released.
-std::atomic<long> g_pinnedLive{0};
-
-class SimDriver final : public loom::DeviceDriver {
- public:
-  SimDriver(SimMemory& mem, loomsim::SimDeviceWorld* world, int rank, int device)
-      : mem_(mem), world_(world), rank_(rank), device_(device) {}
-  int device() const override { return device_; }
-  const char* name() const override { return "sim"; }
-  int pointerDevice(const void* p) const override { return mem_.deviceOf(p); }
-  void* allocate(size_t bytes) override { return mem_.alloc(device_, bytes); }
-  void release(void* p) override { mem_.free(p); }
-  void addressRange(const void* p, void** base, size_t* bytes) const override { mem_.range(p, base, bytes); }
-  void exportHandle(void* base, uint8_t h[loom::kIpcHandleBytes]) const override { mem_.handle(base, h); }
-  void* openHandle(const uint8_t h[loom::kIpcHandleBytes]) override { return mem_.open(h); }
-  void closeHandle(void* mapped) override { mem_.closeMapping(mapped); }
-  // Pinned host memory is host memory here (pointerDevice says -1).
-  void* allocateHost(size_t bytes) override {
-    g_pinnedLive.fetch_add(1);
-    return aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
-  }
-  void releaseHost(void* p) override {
-    g_pinnedLive.fetch_sub(1);
-    ::free(p);
-  }
-  void storeHostFlag(uint64_t* flag, uint64_t value) override {
-    reinterpret_cast<std::atomic<uint64_t>*>(flag)->store(value, std::memory_order_release);
-    if (world_) world_->notify();
-  }
-  std::atomic<bool> failLaunch{false};  // backend() fails as a CUDA launch would
-  loom::StreamBackend& backend(void* callerStream, int streams, int events) override {
-    (void)callerStream;
-    if (failLaunch.load()) loom::fail(loomUnhandledCudaError, "sim: cuStreamWaitValue64 failed: device lost");
-    simCheck(streams <= 2, "at most 2 side streams");
-    simCheck(events <= 8, "at most 8 events");
-    return world_->rank(rank_);
-  }
-  uint64_t readFlag(const uint64_t* flag) override {
-    return reinterpret_cast<const std::atomic<uint64_t>*>(flag)->load(std::memory_order_acquire);
-  }
-  // As a write on a stream of its own: at once, waking the streams that wait.
-  void writeFlags(uint64_t* const* flags, size_t n, uint64_t value) override {
-    for (size_t i = 0; i < n; ++i)
-      reinterpret_cast<std::atomic<uint64_t>*>(flags[i])->store(value, std::memory_order_release);
-    writes.fetch_add(n);
-    if (world_) world_->notify();
-  }
-  std::atomic<size_t> writes{0};  // flags written by writeFlags (tests)
-
- private:
-  SimMemory& mem_;
-  loomsim::SimDeviceWorld* world_;
-  int rank_, device_;
-};
+using loomsim::SimDriver;
+using loomsim::SimMemory;
+using loomsim::g_pinnedLive;
 
 // An all-gather between threads (the bootstrap's role).
 class ThreadExchange {
@@ -1056,7 +873,7 @@ loom::DeviceComm& ipcOf(loomComm_t c) {
 struct DeviceEnv {  // LOOM_DEVICE=cuda with simulated drivers, undone on scope exit
   DeviceEnv(SimMemory& mem, loomsim::SimDeviceWorld& world) {
     loom::setDeviceDriverFactoryForTesting(
-        [&mem, &world](int r, int) { return std::make_unique<SimDriver>(mem, &world, r, 0); });
+        [&mem, &world](int r, int, int) { return std::make_unique<SimDriver>(mem, &world, r, 0); });
     setenv("LOOM_DEVICE", "cuda", 1);
     loom::configReload();
   }
@@ -2110,7 +1927,7 @@ TEST_CASE("CUDA communicators and hosts: LOOM_DEVICE_PATH=ipc across hosts fails
   loomsim::SimDeviceWorld world(2, 1, 256, patientDevice());
   std::vector<SimDriver*> drivers;
   std::mutex dmu;
-  loom::setDeviceDriverFactoryForTesting([&](int r, int) {
+  loom::setDeviceDriverFactoryForTesting([&](int r, int, int) {
     auto d = std::make_unique<SimDriver>(mem, &world, r, 0);
     std::lock_guard<std::mutex> g(dmu);
     drivers.push_back(d.get());

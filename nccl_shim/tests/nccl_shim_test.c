@@ -504,8 +504,25 @@ static void errorsAndRest(ncclComm_t comm) {
   FAILS(ncclAlltoAll(NULL, y, 1, ncclFloat32, comm, 0), ncclInvalidArgument, "sendbuff is NULL");
   FAILS(ncclGather(x, y, 1, ncclFloat32, -1, comm, 0), ncclInvalidArgument, "root -1");
   FAILS(ncclSend(x, 4, ncclFloat32, nranks, comm, 0), ncclInvalidArgument, "peer");
-  ncclComm_t all[2];
-  FAILS(ncclCommInitAll(all, 2, NULL), ncclInvalidUsage, "CUDA");
+  /* ncclCommInitAll: without a GPU (LOOM_DEVICE=auto) two host
+   * communicators in this process, driven from this thread by a group. */
+  ncclComm_t all[2] = {NULL, NULL};
+  OK(ncclCommInitAll(all, 2, NULL));
+  {
+    int64_t v[2] = {5 + rank, 7}, s[2] = {0, 0};
+    int n0 = 0, r1 = -1;
+    OK(ncclCommCount(all[0], &n0));
+    OK(ncclCommUserRank(all[1], &r1));
+    CHECK(n0 == 2 && r1 == 1, "InitAll: count %d, rank %d", n0, r1);
+    OK(ncclGroupStart());
+    for (int i = 0; i < 2; ++i) OK(ncclAllReduce(&v[i], &s[i], 1, ncclInt64, ncclSum, all[i], 0));
+    OK(ncclGroupEnd());
+    CHECK(s[0] == 12 + rank && s[1] == 12 + rank, "InitAll: sums %lld %lld", (long long)s[0],
+          (long long)s[1]);
+    OK(ncclCommDestroy(all[0]));
+    OK(ncclCommDestroy(all[1]));
+  }
+  FAILS(ncclCommInitAll(all, 0, NULL), ncclInvalidArgument, "ndev 0");
   int dev;
   FAILS(ncclCommCuDevice(comm, &dev), ncclInvalidUsage, "no CUDA device");
   FAILS(ncclCommWindowRegister(comm, x, sizeof x, NULL, 0), ncclInvalidUsage, "symmetric memory");
@@ -514,7 +531,8 @@ static void errorsAndRest(ncclComm_t comm) {
   FAILS(ncclGroupSimulateEnd(&sim), ncclInvalidUsage, "cannot simulate");
   CHECK(strlen(ncclGetErrorString(ncclInvalidUsage)) > 0, "no error string");
   PASSED(
-      "errors: CUDA stream, float8 reduction, bad type/op/comm/root/peer/buffer, InitAll, CuDevice, windows");
+      "errors: CUDA stream, float8 reduction, bad type/op/comm/root/peer/buffer, CuDevice, windows; InitAll "
+      "on the host");
 
   ncclResult_t async = ncclInternalError;
   OK(ncclCommGetAsyncError(comm, &async));

@@ -452,6 +452,71 @@ OpDesc tagged(OpDesc d, int tag, loomP2PStatus* status) {
   return d;
 }
 
+// The bytes of loomConfig_t in each version (index: version), so that a
+// struct from an older loom.h is read as what it is.
+constexpr size_t kConfigBytes[] = {0, sizeof(loomConfig_t)};
+static_assert(sizeof kConfigBytes / sizeof kConfigBytes[0] == LOOM_CONFIG_VERSION + 1,
+              "a size for every config version");
+
+// What loomCommInitRankConfig's config asks for; throws loomInvalidArgument
+// naming the field.  NULL: LOOM_DEVICE and the current device.
+DeviceRequest deviceRequestOf(const loomConfig_t* config) {
+  DeviceRequest r;
+  if (!config) return r;
+  if (config->magic != LOOM_CONFIG_MAGIC)
+    fail(loomInvalidArgument,
+         "config was not initialised with LOOM_CONFIG_INITIALIZER (magic 0x%x, expected 0x%x)", config->magic,
+         LOOM_CONFIG_MAGIC);
+  if (config->version < 1 || config->version > LOOM_CONFIG_VERSION)
+    fail(loomInvalidArgument,
+         "config version %u: this library (loom %d.%d.%d) knows loomConfig_t versions 1 to %d; was the "
+         "program built against another loom.h?",
+         config->version, LOOM_MAJOR, LOOM_MINOR, LOOM_PATCH, LOOM_CONFIG_VERSION);
+  if (config->size != kConfigBytes[config->version])
+    fail(loomInvalidArgument,
+         "config size %zu: a version %u loomConfig_t has %zu bytes (not initialised with "
+         "LOOM_CONFIG_INITIALIZER, or built against another loom.h?)",
+         config->size, config->version, kConfigBytes[config->version]);
+  const int kind = config->deviceKind;
+  switch (kind) {
+    case loomDeviceFromEnv: r.kind = DeviceRequest::Kind::FromEnv; break;
+    case loomDeviceHost: r.kind = DeviceRequest::Kind::Host; break;
+    case loomDeviceCuda: r.kind = DeviceRequest::Kind::Cuda; break;
+    case loomDeviceAuto: r.kind = DeviceRequest::Kind::Auto; break;
+    default:
+      fail(loomInvalidArgument,
+           "config deviceKind %d is not a loomDeviceKind_t (loomDeviceFromEnv 0, loomDeviceHost 1, "
+           "loomDeviceCuda 2, loomDeviceAuto 3)",
+           kind);
+  }
+  if (config->cudaDevice < -1)
+    fail(loomInvalidArgument,
+         "config cudaDevice %d: expected a CUDA device ordinal (>= 0), or -1 for the current device",
+         config->cudaDevice);
+  if (kind == loomDeviceHost && config->cudaDevice >= 0)
+    fail(loomInvalidArgument, "config cudaDevice %d names a CUDA device, but deviceKind is loomDeviceHost",
+         config->cudaDevice);
+  r.device = config->cudaDevice;
+  return r;
+}
+
+loomResult_t initRank(const char* call, loomComm_t* comm, int nranks, const loomUniqueId& commId, int rank,
+                      const loomConfig_t* config) {
+  return guarded(call, nullptr, [&] {
+    if (!comm) fail(loomInvalidArgument, "comm is NULL");
+    *comm = nullptr;
+    if (nranks < 1) fail(loomInvalidArgument, "nranks %d must be at least 1", nranks);
+    checkRank("rank", rank, nranks);
+    const DeviceRequest device = deviceRequestOf(config);
+    configReload();
+    checkDeviceChoice(device);  // before waiting for the peers
+    UniqueIdData id = decodeUniqueId(commId);
+    std::shared_ptr<loomComm> c = loomComm::create(id, nranks, rank, nullptr, device);
+    *comm = c.get();
+    return loomSuccess;
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -496,18 +561,12 @@ loomResult_t loomGetUniqueId(loomUniqueId* id) {
 }
 
 loomResult_t loomCommInitRank(loomComm_t* comm, int nranks, loomUniqueId commId, int rank) {
-  return guarded("loomCommInitRank", nullptr, [&] {
-    if (!comm) fail(loomInvalidArgument, "comm is NULL");
-    *comm = nullptr;
-    if (nranks < 1) fail(loomInvalidArgument, "nranks %d must be at least 1", nranks);
-    checkRank("rank", rank, nranks);
-    configReload();
-    checkDeviceChoice();
-    UniqueIdData id = decodeUniqueId(commId);
-    std::shared_ptr<loomComm> c = loomComm::create(id, nranks, rank);
-    *comm = c.get();
-    return loomSuccess;
-  });
+  return initRank("loomCommInitRank", comm, nranks, commId, rank, nullptr);
+}
+
+loomResult_t loomCommInitRankConfig(loomComm_t* comm, int nranks, loomUniqueId commId, int rank,
+                                    const loomConfig_t* config) {
+  return initRank("loomCommInitRankConfig", comm, nranks, commId, rank, config);
 }
 
 namespace {
@@ -650,7 +709,8 @@ loomResult_t loomCommSplit(loomComm_t comm, int color, int key, loomComm_t* newc
     if (r != loomSuccess) return r;
     if (newRank < 0) return loomSuccess;
     UniqueIdData id = decodeUniqueId(ids[size_t(members[0].second)]);
-    std::shared_ptr<loomComm> c = loomComm::create(id, int(members.size()), newRank);
+    std::shared_ptr<loomComm> c =
+        loomComm::create(id, int(members.size()), newRank, nullptr, comm->deviceRequest());
     *newcomm = c.get();
     return loomSuccess;
   });
@@ -733,6 +793,23 @@ loomResult_t loomCommUserRank(const loomComm_t comm, int* rank) {
     checkComm(comm);
     if (!rank) fail(loomInvalidArgument, "rank is NULL");
     *rank = comm->rank();
+    return loomSuccess;
+  });
+}
+
+loomResult_t loomCommCuDevice(const loomComm_t comm, int* device) {
+  return guarded("loomCommCuDevice", nullptr, [&] {
+    checkComm(comm);
+    if (!device) fail(loomInvalidArgument, "device is NULL");
+    *device = comm->deviceComm() ? comm->deviceComm()->device() : -1;
+    return loomSuccess;
+  });
+}
+
+loomResult_t loomCudaDeviceCount(int* count) {
+  return guarded("loomCudaDeviceCount", nullptr, [&] {
+    if (!count) fail(loomInvalidArgument, "count is NULL");
+    *count = deviceCountForInit();
     return loomSuccess;
   });
 }

@@ -62,11 +62,12 @@ void setThreadHostIdForTesting(const std::string& hostId) { tlsTestHostId = host
 
 }  // namespace loom
 
-std::shared_ptr<loomComm> loomComm::create(const UniqueIdData& id, int nranks, int rank, BootCheck bootCheck) {
+std::shared_ptr<loomComm> loomComm::create(const UniqueIdData& id, int nranks, int rank, BootCheck bootCheck,
+                                           const DeviceRequest& device) {
   std::shared_ptr<loomComm> c(new loomComm());
   c->self_ = c;
   try {
-    c->init(id, nranks, rank, bootCheck);
+    c->init(id, nranks, rank, bootCheck, device);
   } catch (...) {
     c->self_.reset();
     throw;
@@ -99,7 +100,8 @@ loomComm::~loomComm() {
   transports_.clear();
 }
 
-void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootCheck& bootCheck) {
+void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootCheck& bootCheck,
+                    const DeviceRequest& device) {
   const Config& cfg = config();
   rank_ = rank;
   nranks_ = nranks;
@@ -128,7 +130,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
     advertise = defaultInterfaceAddr();
   advertise.setPort(0);
 
-  const DeviceChoice deviceChoice = checkDeviceChoice();
+  const DeviceChoice deviceChoice = checkDeviceChoice(device);
   RankInfo mine{};
   mine.deviceKind = deviceChoice.cuda ? 1 : 0;
   std::string host = !tlsTestHostId.empty() ? tlsTestHostId : cfg.hostId.empty() ? machineHostId() : cfg.hostId;

@@ -23,6 +23,7 @@
 #include "src/core/p2p_tagged.h"
 #include "src/core/registration.h"
 #include "src/core/trace.h"
+#include "src/device/device_choice.h"
 #include "src/device/device_comm.h"
 #include "src/device/staged_comm.h"
 #include "src/topology/comm_topology.h"
@@ -71,8 +72,10 @@ struct loomComm : public loom::ExecEnv,
                   public std::enable_shared_from_this<loomComm> {
  public:
   // Creates and joins; throws loom::Error.  bootCheck: see Bootstrap.
+  // device: where it runs (loomCommInitRankConfig; default LOOM_DEVICE).
   static std::shared_ptr<loomComm> create(const loom::UniqueIdData& id, int nranks, int rank,
-                                          loom::BootCheck bootCheck = nullptr);
+                                          loom::BootCheck bootCheck = nullptr,
+                                          const loom::DeviceRequest& device = loom::DeviceRequest());
   ~loomComm() override;
 
   int nranks() const { return nranks_; }
@@ -145,6 +148,14 @@ struct loomComm : public loom::ExecEnv,
   // The device side of a CUDA communicator (LOOM_DEVICE=cuda), nullptr on
   // the host: its collectives are stream programs on the caller's stream.
   loom::DeviceCollectives* deviceComm() const { return device_.get(); }
+  // This communicator's device, as a request (split and shrink make their
+  // communicators on it).
+  loom::DeviceRequest deviceRequest() const {
+    loom::DeviceRequest r;
+    r.kind = device_ ? loom::DeviceRequest::Kind::Cuda : loom::DeviceRequest::Kind::Host;
+    r.device = device_ ? device_->device() : -1;
+    return r;
+  }
   std::vector<loom::Transport*> transportList() const {
     std::vector<loom::Transport*> v;
     for (const auto& t : transports_) v.push_back(t.get());
@@ -191,7 +202,8 @@ struct loomComm : public loom::ExecEnv,
 
  private:
   loomComm() = default;
-  void init(const loom::UniqueIdData& id, int nranks, int rank, const loom::BootCheck& bootCheck);
+  void init(const loom::UniqueIdData& id, int nranks, int rank, const loom::BootCheck& bootCheck,
+            const loom::DeviceRequest& device);
   // Fails the communicator if it has not failed yet (true) and tells the peers.
   // root/rootMsg: where the failure began when it is inherited from a peer.
   bool failFirst(loomResult_t code, const std::string& msg, loom::CtlType notice = loom::CtlType::Fail,

@@ -100,7 +100,8 @@ const std::vector<ConfigVar>& configTable() {
       {"LOOM_DEVICE", "host|cuda|auto", "host",
        "where a new communicator's collectives run: host memory, or CUDA device memory on the CUDA device "
        "current at init (cuda fails init with the reason on machines without a usable GPU; auto: cuda where "
-       "the process has a usable GPU, else host; every rank must choose alike)"},
+       "the process has a usable GPU, else host; every rank must choose alike); loomCommInitRankConfig's "
+       "config may name the kind and device instead"},
       {"LOOM_DEVICE_PATH", "auto|ipc|staged", "auto",
        "how a CUDA communicator moves device buffers: ipc maps the ranks' device memory through CUDA IPC (one host "
        "only); staged copies through pinned host memory and the host transports (any hosts); auto: ipc when every "

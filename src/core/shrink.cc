@@ -358,7 +358,7 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
         fail(loomRemoteError, "rank %d: ranks%s died during loomCommShrink", me, listRanks(gone).c_str());
     };
     try {
-      std::shared_ptr<loomComm> c = create(id, int(members.size()), newRank, check);
+      std::shared_ptr<loomComm> c = create(id, int(members.size()), newRank, check, deviceRequest());
       c->setTimeoutMs(T);
       LOOM_INFO("SHRINK", "rank %d: now rank %d of %d; left out:%s", me, newRank, int(members.size()),
                 listRanks(out).c_str());

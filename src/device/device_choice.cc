@@ -1,4 +1,5 @@
-// LOOM_DEVICE at communicator init (device_choice.h).
+// The device of a new communicator: LOOM_DEVICE or the config form of init
+// (device_choice.h).
 #include "src/device/device_choice.h"
 
 #include <mutex>
@@ -15,6 +16,13 @@ namespace {
 
 std::mutex g_factoryMu;
 DeviceDriverFactory g_factory;  // tests' simulated device
+int g_factoryDevices = 0;
+
+// The simulated devices of a test factory, 0 without one.
+int testFactoryDevices() {
+  std::lock_guard<std::mutex> g(g_factoryMu);
+  return g_factory ? g_factoryDevices : 0;
+}
 
 bool haveTestFactory() {
   std::lock_guard<std::mutex> g(g_factoryMu);
@@ -23,38 +31,68 @@ bool haveTestFactory() {
 
 }  // namespace
 
-void setDeviceDriverFactoryForTesting(DeviceDriverFactory factory) {
+void setDeviceDriverFactoryForTesting(DeviceDriverFactory factory, int devices) {
   std::lock_guard<std::mutex> g(g_factoryMu);
   g_factory = std::move(factory);
+  g_factoryDevices = devices;
 }
 
-DeviceChoice checkDeviceChoice() {
+int deviceCountForInit() {
+  if (haveTestFactory()) return testFactoryDevices();
+  std::string why;
+  return cudaDeviceCount(&why);
+}
+
+DeviceChoice checkDeviceChoice(const DeviceRequest& request) {
   // Loads the CUDA plug-in now (about 0.3 ms on the dev VM), not in the
   // first collective, which asks it where each buffer lives.
   std::string why;
-  const int devices = cudaDeviceCount(&why);
-  const std::string& d = config().device;
+  int devices = cudaDeviceCount(&why);
+  // The mode asked for, and how the messages name where it came from.
+  std::string mode, source;
+  switch (request.kind) {
+    case DeviceRequest::Kind::FromEnv:
+      mode = config().device.empty() ? "host" : config().device;
+      source = "LOOM_DEVICE=" + config().device;
+      break;
+    case DeviceRequest::Kind::Host: mode = "host", source = "config deviceKind loomDeviceHost"; break;
+    case DeviceRequest::Kind::Cuda: mode = "cuda", source = "config deviceKind loomDeviceCuda"; break;
+    case DeviceRequest::Kind::Auto: mode = "auto", source = "config deviceKind loomDeviceAuto"; break;
+  }
   DeviceChoice c;
-  if (d.empty() || d == "host") return c;
-  if (d != "cuda" && d != "auto") fail(loomInvalidUsage, "LOOM_DEVICE=%s: expected host, cuda or auto", d.c_str());
+  if (mode == "host") return c;
+  if (mode != "cuda" && mode != "auto")
+    fail(loomInvalidUsage, "LOOM_DEVICE=%s: expected host, cuda or auto", mode.c_str());
+  const bool factory = haveTestFactory();
+  if (factory) {
+    devices = testFactoryDevices();
+    why = "the test's simulated devices";
+  }
   // auto: CUDA where this process has a usable GPU, host memory otherwise
   // (what the NCCL shim asks for unless the user chose).
-  if (d == "auto" && devices == 0 && !haveTestFactory()) return c;
-  if (haveTestFactory()) {
-    c.cuda = true;
-    c.device = 0;
+  if (mode == "auto" && devices == 0) return c;
+  if (devices == 0)
+    fail(loomInvalidUsage, "%s, but this process has no usable CUDA device: %s", source.c_str(), why.c_str());
+  if (request.device >= devices)
+    fail(loomInvalidArgument, "config cudaDevice %d: this process has %d CUDA device%s (0 to %d)",
+         request.device, devices, devices == 1 ? "" : "s", devices - 1);
+  c.cuda = true;
+  if (factory) {  // -1: the factory picks its "current device"
+    c.device = request.device;
     return c;
   }
-  if (devices == 0)
-    fail(loomInvalidUsage, "LOOM_DEVICE=cuda, but this process has no usable CUDA device: %s", why.c_str());
+  if (request.device >= 0) {
+    c.device = request.device;
+    return c;
+  }
   const CudaApi* api = cudaPlugin(&why);
   int dev = -1;
   if (int rc = api->getDevice(&dev))
-    fail(loomUnhandledCudaError, "LOOM_DEVICE=cuda: cudaGetDevice failed: %s (CUDA error %d)", api->errorString(rc),
-         rc);
+    fail(loomUnhandledCudaError, "%s: cudaGetDevice failed: %s (CUDA error %d)", source.c_str(),
+         api->errorString(rc), rc);
   if (dev < 0 || dev >= devices)
-    fail(loomInvalidUsage, "LOOM_DEVICE=cuda: the current CUDA device %d is not one of the %d devices", dev, devices);
-  c.cuda = true;
+    fail(loomInvalidUsage, "%s: the current CUDA device %d is not one of the %d devices", source.c_str(), dev,
+         devices);
   c.device = dev;
   return c;
 }
@@ -62,7 +100,7 @@ DeviceChoice checkDeviceChoice() {
 std::unique_ptr<DeviceDriver> deviceDriverFor(const DeviceChoice& choice, int rank, int nranks) {
   {
     std::lock_guard<std::mutex> g(g_factoryMu);
-    if (g_factory) return g_factory(rank, nranks);
+    if (g_factory) return g_factory(rank, nranks, choice.device);
   }
   std::string why;
   const CudaApi* api = cudaPlugin(&why);

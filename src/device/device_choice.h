@@ -1,4 +1,5 @@
-// Which device a new communicator runs on (LOOM_DEVICE).
+// Which device a new communicator runs on (LOOM_DEVICE, or the config
+// form of init: loomCommInitRankConfig).
 #pragma once
 #include <functional>
 #include <memory>
@@ -7,27 +8,45 @@ namespace loom {
 
 class DeviceDriver;
 
+// What init was asked for: loomConfig_t's deviceKind and cudaDevice, or
+// LOOM_DEVICE and the current device (the default).
+struct DeviceRequest {
+  enum class Kind { FromEnv, Host, Cuda, Auto };
+  Kind kind = Kind::FromEnv;
+  int device = -1;  // the CUDA ordinal named; -1: the current device at init
+};
+
 struct DeviceChoice {
   bool cuda = false;  // false: the host
-  int device = -1;    // the CUDA device (current at init) when cuda
+  // The CUDA device when cuda: the one requested, else the current one at
+  // init (with a test factory: as requested, -1 letting the factory pick).
+  int device = -1;
 };
 
 // Called by every communicator init before anything else is set up: the
-// device LOOM_DEVICE names, or loomInvalidUsage with the reason it cannot
-// be used (LOOM_DEVICE=cuda on a process without a usable CUDA device says
-// what is missing: no plug-in, no driver, cudaGetDeviceCount's error, or
-// zero devices).  Also loads the CUDA plug-in, if there is one.
-DeviceChoice checkDeviceChoice();
+// device requested (by default what LOOM_DEVICE names), or loomInvalidUsage
+// with the reason it cannot be used (CUDA on a process without a usable
+// CUDA device says what is missing: no plug-in, no driver,
+// cudaGetDeviceCount's error, or zero devices), loomInvalidArgument for a
+// requested device beyond the process's.  Also loads the CUDA plug-in, if
+// there is one.
+DeviceChoice checkDeviceChoice(const DeviceRequest& request = DeviceRequest());
+
+// The CUDA devices a communicator may be made on: cudaGetDeviceCount's
+// (0 without a GPU, driver or plug-in), or a test factory's simulated ones.
+int deviceCountForInit();
 
 // The driver of rank `rank`'s device communicator (choice.cuda): CUDA's,
 // on choice.device.
 std::unique_ptr<DeviceDriver> deviceDriverFor(const DeviceChoice& choice, int rank, int nranks);
 
-// Tests only: with a factory set, LOOM_DEVICE=cuda needs no CUDA device and
-// communicators get the factory's drivers (the simulated device), so the
-// API's CUDA-communicator path runs on machines without a GPU.  An empty
-// function restores CUDA.
-using DeviceDriverFactory = std::function<std::unique_ptr<DeviceDriver>(int rank, int nranks)>;
-void setDeviceDriverFactoryForTesting(DeviceDriverFactory factory);
+// Tests only: with a factory set, CUDA needs no CUDA device: the process
+// has `devices` simulated devices, and communicators get the factory's
+// drivers (the simulated device), so the API's CUDA-communicator path runs
+// on machines without a GPU.  The factory gets the device init asked for
+// (loomConfig_t's cudaDevice), or -1 when none was named: the "current
+// device", which the factory picks.  An empty function restores CUDA.
+using DeviceDriverFactory = std::function<std::unique_ptr<DeviceDriver>(int rank, int nranks, int device)>;
+void setDeviceDriverFactoryForTesting(DeviceDriverFactory factory, int devices = 1);
 
 }  // namespace loom

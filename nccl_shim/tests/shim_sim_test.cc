@@ -1,0 +1,419 @@
+// The NCCL shim on CUDA communicators, without a GPU: the shim's objects
+// linked with libloom.a, LOOM_DEVICE=cuda on loom's simulated device
+// (tests/sim_device.*, tests/sim_driver.h), ranks as threads of this
+// process.  Every collective the shim maps, through the NCCL API, on
+// simulated device buffers with a non-NULL cudaStream_t, N = 2..4 on one
+// and two devices, exact after the streams synchronise; send/recv groups;
+// groups spanning every rank's communicator from one thread;
+// ncclCommCuDevice; ncclCommInitAll on two devices; and the refusals: a
+// CUDA stream on a host communicator, a group mixing host and CUDA
+// communicators, PreMulSum on device buffers, host memory on a CUDA
+// communicator.
+#include <nccl.h>
+
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "loom.h"
+#include "nccl_shim/shim.h"
+#include "src/core/comm.h"
+#include "src/core/config.h"
+#include "src/device/device_choice.h"
+#include "tests/sim_device.h"
+#include "tests/sim_driver.h"
+
+namespace {
+
+using loomsim::SimDriver;
+using loomsim::SimMemory;
+
+// A cudaStream_t the simulated device never dereferences.
+cudaStream_t fakeStream(uintptr_t v = 0x7e57) { return reinterpret_cast<cudaStream_t>(v); }
+
+// LOOM_DEVICE=cuda on `devices` simulated devices for `nranks` ranks: rank r
+// on the device its init names, else on r % devices.  Undone on scope exit.
+struct SimCuda {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world;
+  std::mutex mu;
+  std::vector<int> asked;  // by rank: the device init asked the factory for
+  SimCuda(int nranks, int devices) : world(nranks, devices, 256), asked(size_t(nranks), -100) {
+    loom::setDeviceDriverFactoryForTesting(
+        [this, devices](int r, int, int device) {
+          {
+            std::lock_guard<std::mutex> g(mu);
+            asked[size_t(r)] = device;
+          }
+          return std::make_unique<SimDriver>(mem, &world, r, device >= 0 ? device : r % devices);
+        },
+        devices);
+    setenv("LOOM_DEVICE", "cuda", 1);
+  }
+  ~SimCuda() {
+    unsetenv("LOOM_DEVICE");
+    loom::configReload();
+    loom::setDeviceDriverFactoryForTesting(nullptr);
+  }
+  int32_t* alloc(int device, size_t n) { return reinterpret_cast<int32_t*>(mem.alloc(device, n * 4)); }
+  // Waits for every rank's streams; false (with the message) on an error.
+  bool sync(std::string* msg) {
+    for (int r = 0; r < world.nranks(); ++r)
+      if (world.rank(r).synchronize(msg) != loomSuccess) return false;
+    return true;
+  }
+};
+
+// n ranks through ncclCommInitRank, one thread each (each blocks until all
+// have joined).
+std::vector<ncclComm_t> initRanks(int n, std::string* err) {
+  ncclUniqueId id;
+  if (ncclGetUniqueId(&id) != ncclSuccess) {
+    *err = ncclGetLastError(nullptr);
+    return {};
+  }
+  std::vector<ncclComm_t> comms(size_t(n), nullptr);
+  std::vector<ncclResult_t> rcs(size_t(n), ncclSuccess);
+  std::vector<std::string> errs(static_cast<size_t>(n));
+  std::vector<std::thread> ts;
+  for (int r = 0; r < n; ++r)
+    ts.emplace_back([&, r] {
+      rcs[size_t(r)] = ncclCommInitRank(&comms[size_t(r)], n, id, r);
+      errs[size_t(r)] = ncclGetLastError(nullptr);
+    });
+  for (auto& t : ts) t.join();
+  for (int r = 0; r < n; ++r)
+    if (rcs[size_t(r)] != ncclSuccess) {
+      *err = errs[size_t(r)];
+      for (ncclComm_t c : comms) ncclCommDestroy(c);
+      return {};
+    }
+  return comms;
+}
+
+// Runs body(r) on a thread per rank (each rank issues its own calls).
+void perRank(int n, const std::function<void(int)>& body) {
+  std::vector<std::thread> ts;
+  for (int r = 0; r < n; ++r) ts.emplace_back(body, r);
+  for (auto& t : ts) t.join();
+}
+
+// Rank r's input element i of the collective with index k (small values:
+// sums and products of up to 4 ranks stay exact in int32).
+int32_t in(int k, int r, size_t i) { return int32_t((i * 7 + size_t(r) * 13 + size_t(k) * 5) % 101) - 50; }
+
+}  // namespace
+
+namespace {
+// The IPC path's round counter of a shim communicator's loom device side.
+uint64_t ipcRound(ncclComm_t c) {
+  auto* d = dynamic_cast<loom::DeviceComm*>(c->loom->deviceComm());
+  REQUIRE(d != nullptr);
+  return d->round();
+}
+}  // namespace
+
+TEST_CASE(
+    "NCCL shim on CUDA communicators (simulated device): every collective with a non-NULL cudaStream_t on "
+    "device buffers, N = 2..4 ranks on one and on two devices, exact after the streams synchronise, "
+    "send/recv in a group, groups spanning every rank's communicator from one thread, ncclCommCuDevice",
+    "[nccl][devcomm]") {
+  for (int devices = 1; devices <= 2; ++devices)
+    for (int n = 2; n <= 4; ++n) {
+      CAPTURE(devices, n);
+      SimCuda sim(n, devices);
+      std::string err;
+      std::vector<ncclComm_t> comms = initRanks(n, &err);
+      INFO(err);
+      REQUIRE(comms.size() == size_t(n));
+      std::vector<int> dev(static_cast<size_t>(n));
+      for (int r = 0; r < n; ++r) {
+        CHECK(ncclCommCuDevice(comms[size_t(r)], &dev[size_t(r)]) == ncclSuccess);
+        CHECK(dev[size_t(r)] == r % devices);  // the factory's current device
+        CHECK(sim.asked[size_t(r)] == -1);     // ncclCommInitRank names none
+      }
+
+      // Buffers per rank (on its device): one block of c elements per use.
+      const size_t c = 600, big = 40000;  // big: the reduce-scatter + all-gather all-reduce
+      enum {
+        kArIn,
+        kArOut,
+        kArBig,
+        kMax,
+        kAvg,
+        kRed,
+        kRsIn,
+        kRsOut,
+        kBc,
+        kBcast,
+        kAgIn,
+        kAgOut,
+        kA2aIn,
+        kA2aOut,
+        kGaIn,
+        kGaOut,
+        kScIn,
+        kScOut,
+        kSend,
+        kRecv,
+        kUses
+      };
+      std::vector<size_t> len(kUses, c);
+      for (int u : {kRsIn, kAgOut, kA2aIn, kA2aOut, kGaOut, kScIn}) len[size_t(u)] = c * size_t(n);
+      len[kArBig] = big;
+      std::vector<std::vector<int32_t*>> b(static_cast<size_t>(n), std::vector<int32_t*>(kUses));
+      for (int r = 0; r < n; ++r)
+        for (int u = 0; u < kUses; ++u) {
+          int32_t* p = sim.alloc(dev[size_t(r)], len[size_t(u)]);
+          for (size_t i = 0; i < len[size_t(u)]; ++i) p[i] = in(u, r, i);
+          b[size_t(r)][size_t(u)] = p;
+        }
+      const int root = n - 1;
+      std::vector<ncclResult_t> rc(size_t(n) * 32, ncclSuccess);
+      perRank(n, [&](int r) {
+        ncclComm_t comm = comms[size_t(r)];
+        cudaStream_t s = fakeStream();
+        auto* x = b[size_t(r)].data();
+        ncclResult_t* out = &rc[size_t(r) * 32];
+        int k = 0;
+        out[k++] = ncclAllReduce(x[kArIn], x[kArOut], c, ncclInt32, ncclSum, comm, s);
+        out[k++] = ncclAllReduce(x[kArBig], x[kArBig], big, ncclInt32, ncclSum, comm, s);  // in place
+        out[k++] = ncclAllReduce(x[kMax], x[kMax], c, ncclInt32, ncclMax, comm, s);
+        out[k++] = ncclAllReduce(x[kAvg], x[kAvg], c, ncclInt32, ncclAvg, comm, s);
+        out[k++] = ncclReduce(x[kRed], x[kRed], c, ncclInt32, ncclProd, root, comm, s);
+        out[k++] = ncclReduceScatter(x[kRsIn], x[kRsOut], c, ncclInt32, ncclSum, comm, s);
+        out[k++] = ncclBroadcast(x[kBc], x[kBc], c, ncclInt32, 0, comm, s);
+        out[k++] = ncclBcast(x[kBcast], c, ncclInt32, root, comm, s);
+        out[k++] = ncclAllGather(x[kAgIn], x[kAgOut], c, ncclInt32, comm, s);
+        out[k++] = ncclAlltoAll(x[kA2aIn], x[kA2aOut], c, ncclInt32, comm, s);
+        out[k++] = ncclGather(x[kGaIn], x[kGaOut], c, ncclInt32, 0, comm, s);
+        out[k++] = ncclScatter(x[kScIn], x[kScOut], c, ncclInt32, root, comm, s);
+        // A ring of sends and receives in one group, on another stream.
+        out[k++] = ncclGroupStart();
+        out[k++] = ncclSend(x[kSend], c, ncclInt32, (r + 1) % n, comm, fakeStream(0x5eed));
+        out[k++] = ncclRecv(x[kRecv], c, ncclInt32, (r + n - 1) % n, comm, fakeStream(0x5eed));
+        out[k++] = ncclGroupEnd();
+      });
+      for (size_t i = 0; i < rc.size(); ++i) {
+        CAPTURE(i);
+        CHECK(rc[i] == ncclSuccess);
+      }
+      std::string msg;
+      bool synced = sim.sync(&msg);
+      INFO(msg);
+      REQUIRE(synced);
+
+      long wrong = 0;
+      for (int r = 0; r < n; ++r) {
+        auto* x = b[size_t(r)].data();
+        for (size_t i = 0; i < c; ++i) {
+          int32_t sum = 0, mx = INT32_MIN, prod = 1, rs = 0;
+          for (int q = 0; q < n; ++q) {
+            sum += in(kArIn, q, i);
+            mx = std::max(mx, in(kMax, q, i));
+            prod *= in(kRed, q, i);
+            rs += in(kRsIn, q, size_t(r) * c + i);
+          }
+          int32_t avgSum = 0;
+          for (int q = 0; q < n; ++q) avgSum += in(kAvg, q, i);
+          wrong += x[kArOut][i] != sum;
+          wrong += x[kMax][i] != mx;
+          wrong += x[kAvg][i] != avgSum / n;
+          if (r == root) wrong += x[kRed][i] != prod;
+          wrong += x[kRsOut][i] != rs;
+          wrong += x[kBc][i] != in(kBc, 0, i);
+          wrong += x[kBcast][i] != in(kBcast, root, i);
+          wrong += x[kScOut][i] != in(kScIn, root, size_t(r) * c + i);
+          wrong += x[kRecv][i] != in(kSend, (r + n - 1) % n, i);
+          for (int q = 0; q < n; ++q) {
+            wrong += x[kAgOut][size_t(q) * c + i] != in(kAgIn, q, i);
+            wrong += x[kA2aOut][size_t(q) * c + i] != in(kA2aIn, q, size_t(r) * c + i);
+            if (r == 0) wrong += x[kGaOut][size_t(q) * c + i] != in(kGaIn, q, i);
+          }
+        }
+        for (size_t i = 0; i < big; ++i) {
+          int32_t sum = 0;
+          for (int q = 0; q < n; ++q) sum += in(kArBig, q, i);
+          wrong += x[kArBig][i] != sum;
+        }
+      }
+      CHECK(wrong == 0);
+
+      // One thread issues every rank's part as one group (as a process
+      // driving several GPUs does): an all-reduce and a ring of
+      // sends/receives on every communicator, each on its own stream.
+      for (int r = 0; r < n; ++r)
+        for (int u : {kArIn, kSend}) {
+          int32_t* p = b[size_t(r)][size_t(u)];
+          for (size_t i = 0; i < c; ++i) p[i] = in(u + 40, r, i);
+        }
+      REQUIRE(ncclGroupStart() == ncclSuccess);
+      for (int r = 0; r < n; ++r) {
+        auto* x = b[size_t(r)].data();
+        cudaStream_t s = fakeStream(0x1000 + uintptr_t(r) * 16);
+        CHECK(ncclAllReduce(x[kArIn], x[kArOut], c, ncclInt32, ncclSum, comms[size_t(r)], s) == ncclSuccess);
+        CHECK(ncclSend(x[kSend], c, ncclInt32, (r + 1) % n, comms[size_t(r)], s) == ncclSuccess);
+        CHECK(ncclRecv(x[kRecv], c, ncclInt32, (r + n - 1) % n, comms[size_t(r)], s) == ncclSuccess);
+      }
+      CHECK(ncclGroupEnd() == ncclSuccess);
+      INFO(ncclGetLastError(nullptr));
+      synced = sim.sync(&msg);
+      INFO(msg);
+      REQUIRE(synced);
+      wrong = 0;
+      for (int r = 0; r < n; ++r)
+        for (size_t i = 0; i < c; ++i) {
+          int32_t sum = 0;
+          for (int q = 0; q < n; ++q) sum += in(kArIn + 40, q, i);
+          wrong += b[size_t(r)][kArOut][i] != sum;
+          wrong += b[size_t(r)][kRecv][i] != in(kSend + 40, (r + n - 1) % n, i);
+        }
+      CHECK(wrong == 0);
+      for (ncclComm_t comm : comms) CHECK(ncclCommDestroy(comm) == ncclSuccess);
+    }
+}
+
+TEST_CASE(
+    "NCCL shim on CUDA communicators (simulated device): ncclCommInitAll makes ndev ranks on the devices "
+    "devlist names (or 0..ndev-1), ncclCommCuDevice reports them, a one-thread group over them is exact, a "
+    "device that does not exist is refused at once",
+    "[nccl][devcomm]") {
+  for (bool named : {true, false}) {
+    CAPTURE(named);
+    SimCuda sim(2, 2);
+    const int devlist[2] = {1, 0};
+    ncclComm_t comms[2] = {nullptr, nullptr};
+    REQUIRE(ncclCommInitAll(comms, 2, named ? devlist : nullptr) == ncclSuccess);
+    for (int r = 0; r < 2; ++r) {
+      const int want = named ? devlist[r] : r;
+      int d = -5, rank = -1, count = 0;
+      CHECK(ncclCommCuDevice(comms[r], &d) == ncclSuccess);
+      CHECK(d == want);
+      CHECK(sim.asked[size_t(r)] == want);  // the config's device reached the driver
+      CHECK(ncclCommUserRank(comms[r], &rank) == ncclSuccess);
+      CHECK(rank == r);
+      CHECK(ncclCommCount(comms[r], &count) == ncclSuccess);
+      CHECK(count == 2);
+    }
+    const size_t c = 5000;
+    int32_t* in0[2];
+    int32_t* out0[2];
+    int32_t* ag[2];
+    for (int r = 0; r < 2; ++r) {
+      const int d = named ? devlist[r] : r;
+      in0[r] = sim.alloc(d, c);
+      out0[r] = sim.alloc(d, c);
+      ag[r] = sim.alloc(d, 2 * c);
+      for (size_t i = 0; i < c; ++i) in0[r][i] = int32_t(i) + 100000 * r;
+    }
+    REQUIRE(ncclGroupStart() == ncclSuccess);
+    for (int r = 0; r < 2; ++r) {
+      CHECK(ncclAllReduce(in0[r], out0[r], c, ncclInt32, ncclSum, comms[r], fakeStream()) == ncclSuccess);
+      CHECK(ncclAllGather(in0[r], ag[r], c, ncclInt32, comms[r], fakeStream()) == ncclSuccess);
+    }
+    REQUIRE(ncclGroupEnd() == ncclSuccess);
+    std::string msg;
+    const bool synced = sim.sync(&msg);
+    INFO(msg);
+    REQUIRE(synced);
+    long wrong = 0;
+    for (int r = 0; r < 2; ++r)
+      for (size_t i = 0; i < c; ++i) {
+        wrong += out0[r][i] != 2 * int32_t(i) + 100000;
+        wrong += ag[r][i] != int32_t(i);
+        wrong += ag[r][c + i] != int32_t(i) + 100000;
+      }
+    CHECK(wrong == 0);
+    for (ncclComm_t comm : comms) CHECK(ncclCommDestroy(comm) == ncclSuccess);
+  }
+  SimCuda sim(2, 2);
+  ncclComm_t comms[2] = {reinterpret_cast<ncclComm_t>(1), reinterpret_cast<ncclComm_t>(1)};
+  const int bad[2] = {0, 2};
+  CHECK(ncclCommInitAll(comms, 2, bad) == ncclInvalidArgument);
+  CHECK(std::string(ncclGetLastError(nullptr)).find("devlist[1] = 2 is not a CUDA device of this process") !=
+        std::string::npos);
+  CHECK(comms[0] == nullptr);
+  CHECK(ncclCommInitAll(comms, 3, nullptr) == ncclInvalidArgument);
+  CHECK(std::string(ncclGetLastError(nullptr))
+            .find("ndev 3 with devlist NULL puts rank i on device i, but this "
+                  "process has 2 CUDA devices") != std::string::npos);
+  CHECK(ncclCommInitAll(comms, 0, nullptr) == ncclInvalidArgument);
+  CHECK(std::string(ncclGetLastError(nullptr)).find("ndev 0") != std::string::npos);
+  CHECK(ncclCommInitAll(nullptr, 2, nullptr) == ncclInvalidArgument);
+}
+
+TEST_CASE(
+    "NCCL shim: a CUDA stream on a host communicator is refused naming the host communicator and "
+    "LOOM_DEVICE, as is ncclCommCuDevice, and on a CUDA communicator a group mixing it with a host one, "
+    "PreMulSum, host memory and two streams on one communicator in a group are refused and launch nothing",
+    "[nccl][devcomm]") {
+  // Two host communicators (LOOM_DEVICE=host) ...
+  setenv("LOOM_DEVICE", "host", 1);
+  std::string err;
+  std::vector<ncclComm_t> host = initRanks(2, &err);
+  INFO(err);
+  REQUIRE(host.size() == 2);
+  float x[4] = {1, 2, 3, 4}, y[4];
+  CHECK(ncclAllReduce(x, y, 4, ncclFloat32, ncclSum, host[0], fakeStream()) == ncclInvalidUsage);
+  std::string last = ncclGetLastError(nullptr);
+  INFO(last);
+  CHECK(last.find("ncclAllReduce: stream 0x7e57 is a CUDA stream, but this communicator runs on the host "
+                  "(LOOM_DEVICE=host when it was made)") != std::string::npos);
+  CHECK(last.find("stream 0 (NULL)") != std::string::npos);
+  CHECK(ncclSend(x, 4, ncclFloat32, 1, host[0], fakeStream()) == ncclInvalidUsage);
+  int dev = -5;
+  CHECK(ncclCommCuDevice(host[0], &dev) == ncclInvalidUsage);
+  CHECK(std::string(ncclGetLastError(nullptr)).find("runs on the host (LOOM_DEVICE=host when it was made)") !=
+        std::string::npos);
+  CHECK(ncclCommCuDevice(host[0], nullptr) == ncclInvalidArgument);
+
+  // ... and two CUDA ones on a simulated device.
+  SimCuda sim(2, 1);
+  std::vector<ncclComm_t> cuda = initRanks(2, &err);
+  REQUIRE(cuda.size() == 2);
+  REQUIRE(cuda[0]->loom->deviceComm() != nullptr);
+  const uint64_t before = ipcRound(cuda[0]);
+  int32_t* d = sim.alloc(0, 64);
+  REQUIRE(ncclGroupStart() == ncclSuccess);
+  CHECK(ncclAllReduce(d, d, 16, ncclInt32, ncclSum, cuda[0], fakeStream()) == ncclSuccess);
+  CHECK(ncclAllReduce(x, y, 4, ncclFloat32, ncclSum, host[0], nullptr) == ncclSuccess);
+  CHECK(ncclGroupEnd() == ncclInvalidUsage);
+  last = ncclGetLastError(nullptr);
+  CHECK(last.find(
+            "ncclGroupEnd: the group mixes a host communicator (rank 0 of 2) and a CUDA communicator (rank "
+            "0 of 2, CUDA device 0)") != std::string::npos);
+  CHECK(last.find("the group was not launched") != std::string::npos);
+  CHECK(ipcRound(cuda[0]) == before);
+
+  // Two streams on one CUDA communicator in one group: loom refuses the group.
+  REQUIRE(ncclGroupStart() == ncclSuccess);
+  CHECK(ncclAllReduce(d, d, 16, ncclInt32, ncclSum, cuda[0], fakeStream(0x10)) == ncclSuccess);
+  CHECK(ncclAllReduce(d, d, 16, ncclInt32, ncclSum, cuda[0], fakeStream(0x20)) == ncclSuccess);
+  CHECK(ncclGroupEnd() == ncclInvalidUsage);
+  CHECK(std::string(ncclGetLastError(nullptr)).find("must use one stream") != std::string::npos);
+  CHECK(ipcRound(cuda[0]) == before);
+
+  // PreMulSum would scale device memory on the host: refused.
+  int32_t scalar = 3;
+  ncclRedOp_t op;
+  CHECK(ncclRedOpCreatePreMulSum(&op, &scalar, ncclInt32, ncclScalarHostImmediate, cuda[0]) ==
+        ncclInvalidUsage);
+  CHECK(std::string(ncclGetLastError(nullptr)).find("cannot scale device buffers") != std::string::npos);
+  // ... while a host communicator still has it.
+  CHECK(ncclRedOpCreatePreMulSum(&op, &scalar, ncclInt32, ncclScalarHostImmediate, host[0]) == ncclSuccess);
+  CHECK(ncclRedOpDestroy(op, host[0]) == ncclSuccess);
+
+  // Host memory on a CUDA communicator: loom's message, nothing enqueued.
+  CHECK(ncclAllReduce(x, d, 4, ncclFloat32, ncclSum, cuda[0], fakeStream()) == ncclInvalidArgument);
+  CHECK(std::string(ncclGetLastError(nullptr)).find("is host memory") != std::string::npos);
+  CHECK(ipcRound(cuda[0]) == before);
+
+  for (ncclComm_t c : cuda) CHECK(ncclCommDestroy(c) == ncclSuccess);
+  for (ncclComm_t c : host) CHECK(ncclCommDestroy(c) == ncclSuccess);
+}

@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""torch.distributed's backend "nccl" on loom's NCCL shim, 2 ranks on one GPU.
+
+NCCL itself refuses two ranks on one GPU ("Duplicate GPU detected"); loom's
+CUDA communicators allow it.  Every rank uses cuda:0.  Each collective's
+result on the default group (backend "nccl": the shim) is compared with a
+reference computed from every rank's input (gathered through a gloo group;
+small integers, so every type's result is exact); then a short DDP
+run on the shim is compared with the same run whose gradients gloo reduces
+(within 1e-5).  Exits non-zero on any difference.
+
+On the GPU machine (docs/nccl.md, "On a GPU machine"):
+    LD_PRELOAD=$PWD/build-gpu/lib/libloom_nccl.so NCCL_DEBUG=VERSION \
+        torchrun --standalone --nproc-per-node 2 tests/gpu/nccl_shim_torch.py
+"""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+failures = []
+
+
+def check(name, got, want, exact=True):
+    got, want = got.detach().cpu(), want.detach().cpu()
+    if got.shape == want.shape and (torch.equal(got, want) if exact else torch.allclose(got, want, 1e-5, 1e-6)):
+        return
+    diff = (got.double() - want.double()).abs().max().item() if got.shape == want.shape else float("nan")
+    failures.append(f"{name}: differs from the reference (max |diff| {diff}, shapes {tuple(got.shape)} "
+                    f"{tuple(want.shape)})")
+
+
+def gathered(x, world, gloo):
+    """Every rank's x (as int64, through gloo): the reference's inputs."""
+    parts = [torch.empty_like(x, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(parts, x.to(torch.int64), group=gloo)
+    return parts
+
+
+def collectives(rank, world, dev, gloo):
+    g = torch.Generator().manual_seed(1234 + rank)
+    # Small integers in every type (bfloat16 holds them exactly up to 256):
+    # any reduction order gives the same bits, so results are compared exactly.
+    n = 1 << 20
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64):
+        x = torch.randint(-60, 60, (n,), generator=g)
+        parts = torch.stack(gathered(x, world, gloo))
+        for op, ref in ((dist.ReduceOp.SUM, parts.sum(0)), (dist.ReduceOp.MAX, parts.max(0).values),
+                        (dist.ReduceOp.MIN, parts.min(0).values)):
+            a = x.to(dtype).to(dev)
+            dist.all_reduce(a, op=op)
+            check(f"all_reduce {dtype} {op}", a, ref.to(dtype))
+        if dtype.is_floating_point:
+            a = x.to(dtype).to(dev)
+            dist.all_reduce(a, op=dist.ReduceOp.AVG)
+            check(f"all_reduce {dtype} AVG", a, (parts.sum(0).double() / world).to(dtype))
+    m = 4096
+    x = torch.randint(-1000, 1000, (m,), generator=g).float()
+    parts = gathered(x, world, gloo)
+    out = torch.empty(world * m, device=dev)
+    dist.all_gather_into_tensor(out, x.to(dev))
+    check("all_gather_into_tensor", out, torch.cat(parts).float())
+    big = torch.randint(-1000, 1000, (world * m,), generator=g).float()
+    bigs = gathered(big, world, gloo)
+    rs = torch.empty(m, device=dev)
+    dist.reduce_scatter_tensor(rs, big.to(dev))
+    check("reduce_scatter_tensor", rs, torch.stack(bigs).sum(0)[rank * m:(rank + 1) * m].float())
+    bc = x.to(dev) if rank == 1 else torch.zeros(m, device=dev)
+    dist.broadcast(bc, src=1)
+    check("broadcast from rank 1", bc, parts[1].float())
+    red = x.to(dev)
+    dist.reduce(red, dst=0)
+    if rank == 0:
+        check("reduce to rank 0", red, torch.stack(parts).sum(0).float())
+    a2a = torch.empty(world * m, device=dev)
+    dist.all_to_all_single(a2a, big.to(dev))
+    check("all_to_all_single", a2a, torch.cat([b[rank * m:(rank + 1) * m] for b in bigs]).float())
+    peer, src = (rank + 1) % world, (rank - 1) % world
+    got = torch.empty(m, device=dev)
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, x.to(dev), peer), dist.P2POp(dist.irecv, got, src)])
+    for r in reqs:
+        r.wait()
+    check("send/recv ring (batch_isend_irecv)", got, parts[src].float())
+    torch.cuda.synchronize()
+
+
+def ddp(rank, dev, gloo):
+    def run(group):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 1)).to(dev)
+        net = DDP(model, device_ids=[0], process_group=group)
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(99 + rank)  # each rank its own data
+        for _ in range(10):
+            xb = torch.randn(32, 64, generator=g).to(dev)
+            yb = torch.randn(32, 1, generator=g).to(dev)
+            opt.zero_grad()
+            nn.functional.mse_loss(net(xb), yb).backward()
+            opt.step()
+        torch.cuda.synchronize()
+        return [p.detach().clone() for p in model.parameters()]
+
+    shim = run(None)  # the default group: backend "nccl", the shim
+    ref = run(gloo)
+    for i, (a, b) in enumerate(zip(shim, ref)):
+        check(f"DDP parameter {i} after 10 steps (gloo reducing the gradients as reference)", a, b, exact=False)
+
+
+def main():
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(0)  # every rank on the one GPU
+    dev = torch.device("cuda", 0)
+    dist.init_process_group("nccl")
+    gloo = dist.new_group(backend="gloo")
+    print(f"rank {rank}/{world}: torch {torch.__version__}, NCCL version reported "
+          f"{torch.cuda.nccl.version()}, device {torch.cuda.get_device_name(0)}", flush=True)
+    collectives(rank, world, dev, gloo)
+    ddp(rank, dev, gloo)
+    dist.barrier(group=gloo)
+    dist.destroy_process_group()
+    for f in failures:
+        print(f"rank {rank}: FAIL {f}", flush=True)
+    print(f"rank {rank}: {'OK' if not failures else 'FAILED'}: collectives and DDP on the shim match gloo",
+          flush=True)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
