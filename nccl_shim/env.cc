@@ -33,8 +33,8 @@ const Unsupported kUnsupported[] = {
     {"NCCL_IB_TIMEOUT", "loom's ibverbs transport sets its own QP timeout (LOOM_TIMEOUT_MS bounds every wait)"},
     {"NCCL_IB_RETRY_CNT", "loom's ibverbs transport sets its own QP retry count"},
     {"NCCL_IB_QPS_PER_CONNECTION", "loom's ibverbs transport opens one QP per connection (LOOM_NCHANNELS connections)"},
-    {"NCCL_P2P_DISABLE", "loom's CUDA communicators always use CUDA IPC between the ranks of a host"},
-    {"NCCL_P2P_LEVEL", "loom's CUDA communicators always use CUDA IPC between the ranks of a host"},
+    {"NCCL_P2P_LEVEL", "loom's CUDA communicators use CUDA IPC between all ranks of a host or none "
+                       "(NCCL_P2P_DISABLE=1 / LOOM_DEVICE_PATH=staged: none)"},
     {"NCCL_NVLS_ENABLE", "loom has no NVLink SHARP support"},
     {"NCCL_CUMEM_ENABLE", "loom's CUDA windows come from cudaMalloc, shared through CUDA IPC handles"},
     {"NCCL_PROTO", "loom has no LL/LL128/Simple protocols (LOOM_SLOT_BYTES sets its slice size)"},
@@ -56,7 +56,7 @@ bool isMapped(const char* name) {
   static const char* const kMapped[] = {"NCCL_DEBUG",      "NCCL_DEBUG_SUBSYS",   "NCCL_SOCKET_IFNAME",
                                         "NCCL_ALGO",       "NCCL_SHM_DISABLE",    "NCCL_NET",
                                         "NCCL_IB_DISABLE", "NCCL_CHECK_POINTERS", "NCCL_IB_HCA",
-                                        "NCCL_IB_GID_INDEX"};
+                                        "NCCL_IB_GID_INDEX", "NCCL_P2P_DISABLE"};
   for (const char* m : kMapped)
     if (strcmp(m, name) == 0) return true;
   return false;
@@ -224,6 +224,11 @@ void mapIb() {
 // is a CUDA one where the process has a GPU, a host one otherwise (so the
 // shim's host-buffer use keeps working on machines without one).
 void mapDevice() {
+  // NCCL_P2P_DISABLE=1: no direct access between the GPUs of a host; loom's
+  // counterpart stages device buffers through pinned host memory.
+  if (const char* v = env("NCCL_P2P_DISABLE")) {
+    if (strcmp(v, "0") != 0) mapTo("NCCL_P2P_DISABLE", v, "LOOM_DEVICE_PATH", "staged");
+  }
   if (env("LOOM_DEVICE")) return;
   setenv("LOOM_DEVICE", "auto", 1);
   logf(Level::Info, "LOOM_DEVICE=auto: CUDA communicators where there is a GPU, host ones otherwise");

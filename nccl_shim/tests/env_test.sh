@@ -13,7 +13,7 @@ fail() { echo "FAILED: $*"; echo "--- output:"; cat "$out"; exit 1; }
 
 # 1. NCCL_DEBUG=INFO: the mapping is logged and loom itself runs over tcp only.
 env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH NCCL_SOCKET_IFNAME==lo NCCL_SHM_DISABLE=1 NCCL_ALGO=Tree \
-  LOOM_ALGO=ring NCCL_IB_HCA=mlx5_0 NCCL_IB_GID_INDEX=3 NCCL_P2P_DISABLE=1 NCCL_NOT_A_VARIABLE=1 NCCL_TESTS_DEVICE=0 \
+  LOOM_ALGO=ring NCCL_IB_HCA=mlx5_0 NCCL_IB_GID_INDEX=3 NCCL_P2P_DISABLE=1 NCCL_P2P_LEVEL=NVL NCCL_NOT_A_VARIABLE=1 NCCL_TESTS_DEVICE=0 \
   "$RUN" -n 2 --timeout 60 "$TEST" "$DIR" --init-only >"$out" 2>&1 || fail "the program failed"
 grep -q 'NCCL_DEBUG=INFO -> LOOM_DEBUG=INFO' "$out" || fail "NCCL_DEBUG not mapped"
 grep -q 'NCCL_SOCKET_IFNAME==lo -> LOOM_SOCKET_IFNAME=lo' "$out" || fail "NCCL_SOCKET_IFNAME not mapped"
@@ -26,7 +26,8 @@ grep -q 'ready:.*transports tcp' "$out" || fail "loom did not run with LOOM_TRAN
 grep -q 'NCCL_IB_HCA=mlx5_0 -> LOOM_IB_HCA=mlx5_0' "$out" || fail "NCCL_IB_HCA not mapped"
 grep -q 'NCCL_IB_GID_INDEX=3 -> LOOM_IB_GID_INDEX=3' "$out" || fail "NCCL_IB_GID_INDEX not mapped"
 grep -q 'LOOM_DEVICE=auto: CUDA communicators where there is a GPU' "$out" || fail "LOOM_DEVICE not defaulted to auto"
-for v in NCCL_P2P_DISABLE; do
+grep -q 'NCCL_P2P_DISABLE=1 -> LOOM_DEVICE_PATH=staged' "$out" || fail "NCCL_P2P_DISABLE not mapped"
+for v in NCCL_P2P_LEVEL; do
   n="$(grep -c "$v has no effect" "$out" || true)"
   [ "$n" = 2 ] || fail "$v: warned $n times, expected once per rank (2)"
 done

@@ -15,7 +15,8 @@
 #     gives local rank r GPU r);
 #   - no mpirun: one process with 2 threads (-t 2).  nccl-tests gives thread
 #     t GPU t, so a copy of its source is built with every thread on GPU
-#     NCCL_TESTS_DEVICE (one line of src/common.cu; the original is untouched).
+#     NCCL_TESTS_DEVICE (one line of src/common.cu; the original is untouched),
+#     and -p 1 so that each thread initialises its own communicator.
 # Then the other collectives briefly (8 B .. 64 MiB).  LD_LIBRARY_PATH puts
 # the shim's libnccl.so.2 first, so nothing is rebuilt against loom.
 # Exits non-zero if a run fails or reports a wrong value.
@@ -47,15 +48,15 @@ ln -sf "$shimdir/libnccl.so.2" "$home/lib/libnccl.so.2"
 
 work=$build/nccl-tests
 rm -rf "$work" && cp -r "$src" "$work"
-if command -v mpirun >/dev/null; then
-  mode=mpi
+# NCCL_TESTS_MODE=mpi|threads chooses; by default MPI when mpirun is there.
+mode=${NCCL_TESTS_MODE:-$(command -v mpirun >/dev/null && echo mpi || echo threads)}
+if [ "$mode" = mpi ]; then
   mpi_home=${MPI_HOME:-$(dirname "$(dirname "$(command -v mpirun)")")}
   make -C "$work/src" -j"$(nproc)" MPI=1 MPI_HOME="$mpi_home" CUDA_HOME="$cuda" NCCL_HOME="$home" \
     NVCC_GENCODE="-gencode=arch=compute_$cc,code=sm_$cc" BUILDDIR="$work/build" >/dev/null || exit 2
   launch=(mpirun --allow-run-as-root --oversubscribe -np 2 -x NCCL_TESTS_DEVICE=0 -x LD_LIBRARY_PATH -x LOOM_DEVICE)
   shape=(-g 1)
 else
-  mode=threads
   grep -q 'gpus\[i\] = (gpu0 != -1 ? gpu0 : localRank\*nThreads\*nGpus) + i;' "$work/src/common.cu" ||
     { echo "nccl-tests' device assignment changed: adapt the patch"; exit 2; }
   sed -i 's/gpus\[i\] = (gpu0 != -1 ? gpu0 : localRank\*nThreads\*nGpus) + i;/gpus[i] = gpu0 != -1 ? gpu0 : localRank*nThreads*nGpus + i;/' \
@@ -64,7 +65,7 @@ else
     NVCC_GENCODE="-gencode=arch=compute_$cc,code=sm_$cc" BUILDDIR="$work/build" >/dev/null || exit 2
   export NCCL_TESTS_DEVICE=0
   launch=()
-  shape=(-t 2 -g 1)
+  shape=(-t 2 -g 1 -p 1)  # parallel init: each thread makes its own communicator
 fi
 echo "nccl-tests ($mode) on $(readlink -f "$shimdir/libnccl.so.2")"
 export LD_LIBRARY_PATH=$shimdir:$build/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
