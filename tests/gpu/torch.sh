@@ -6,8 +6,8 @@
 #    (ctest -R "torch:": every collective against gloo, DDP, tags, timeouts,
 #    monitored_barrier, shrink, zero-copy, the crash loop), CPU tensors.
 # 2. torch's own "nccl" backend on loom's NCCL drop-in (issue 16):
-#    tests/gpu/torch_shim.py with LD_PRELOAD=libloom_nccl.so, 2 ranks on one
-#    GPU, every collective and a short DDP run against gloo.
+#    tests/gpu/nccl_shim_torch.py with LD_PRELOAD=libloom_nccl.so, 2 ranks on
+#    one GPU (torchrun), every collective and a short DDP run against gloo.
 # PYTHON picks the interpreter (default: python3).  Exits non-zero if a step
 # fails; prints a table.
 set -uo pipefail
@@ -37,7 +37,8 @@ step "loom_torch built for this torch" bash -c "ls '$build'/python/loom_torch/*.
 step "loom_torch tests on this torch (ctest -R torch:)" ctest --test-dir "$build" -R "^torch:" --output-on-failure \
   --timeout 900
 step "torch nccl backend on libloom_nccl.so, 2 ranks on one GPU" env LD_PRELOAD="$build/lib/libloom_nccl.so" \
-  LOOM_DEVICE=cuda NCCL_DEBUG=VERSION timeout 1200 "$py" "$here/tests/gpu/torch_shim.py"
+  NCCL_DEBUG=VERSION timeout 1200 "$py" -m torch.distributed.run --standalone --nproc-per-node 2 \
+  "$here/tests/gpu/nccl_shim_torch.py"
 echo
 printf '%-60s %s\n' "step" "result"
 for i in "${!names[@]}"; do printf '%-60s %s\n' "${names[$i]}" "${results[$i]}"; done
