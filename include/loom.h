@@ -259,6 +259,12 @@ LOOM_API loomResult_t loomCommCuDevice(const loomComm_t comm, int* device);
  * or loom CUDA plug-in.  loomInvalidArgument on NULL. */
 LOOM_API loomResult_t loomCudaDeviceCount(int* count);
 
+/* The calling thread's current CUDA device (cudaGetDevice's ordinal), the
+ * one loomCommInitRank puts a CUDA communicator on, or -1 where the process
+ * has no CUDA device.  loomInvalidArgument on NULL; loomUnhandledCudaError
+ * with CUDA's message if CUDA cannot say. */
+LOOM_API loomResult_t loomCudaGetDevice(int* device);
+
 /* Stores in *asyncError the error that failed the communicator in the
  * background (loomSuccess when none).  Once a communicator has failed every
  * later call on it returns that error; destroy or abort it, or shrink it.

@@ -28,21 +28,65 @@ ncclResult_t wrap(loomComm_t loom, ncclComm_t* out, const char* call) {
     loomCommAbort(loom);
     return fail(ncclSystemError, "%s: out of memory", call);
   }
+  fillComm(c, loom, call);
+  *out = c;
+  return ncclSuccess;
+}
+
+}  // namespace
+
+void nccl_shim::fillComm(ncclComm* c, loomComm_t loom, const char* call) {
   c->loom = loom;
   loomCommCount(loom, &c->nranks);
   loomCommUserRank(loom, &c->rank);
   loomCommCuDevice(loom, &c->cudaDevice);
   const char* device = getenv("LOOM_DEVICE");
   c->loomDevice = device ? device : "";
-  *out = c;
   if (c->cuda())
     logf(Level::Info, "%s: rank %d of %d ready on CUDA device %d (loom communicator %p)", call, c->rank,
          c->nranks, c->cudaDevice, static_cast<void*>(loom));
   else
     logf(Level::Info, "%s: rank %d of %d ready on the host (loom communicator %p)", call, c->rank, c->nranks,
          static_cast<void*>(loom));
+}
+
+ncclResult_t nccl_shim::runInits(std::vector<PendingInit>& inits) {
+  const size_t n = inits.size();
+  std::vector<loomComm_t> loom(n, nullptr);
+  std::vector<loomResult_t> rc(n, loomSuccess);
+  std::vector<std::string> why(n);
+  auto initOne = [&](size_t i) {
+    loomConfig_t config = LOOM_CONFIG_INITIALIZER;
+    config.cudaDevice = inits[i].device;
+    rc[i] = loomCommInitRankConfig(&loom[i], inits[i].nranks, inits[i].id, inits[i].rank, &config);
+    if (rc[i] != loomSuccess) why[i] = loomGetLastError(nullptr);
+  };
+  if (n == 1) {
+    initOne(0);
+  } else {
+    std::vector<std::thread> threads;
+    try {
+      for (size_t i = 0; i < n; ++i) threads.emplace_back(initOne, i);
+    } catch (const std::exception& e) {
+      // The ranks already started wait for the others until loom's timeout.
+      for (std::thread& t : threads) t.join();
+      for (loomComm_t c : loom) loomCommAbort(c);
+      return fail(ncclSystemError, "cannot start a thread per rank to initialise %zu communicators: %s", n,
+                  e.what());
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  for (size_t i = 0; i < n; ++i)
+    if (rc[i] != loomSuccess) {
+      for (loomComm_t c : loom) loomCommAbort(c);
+      return fail(toNccl(rc[i]), "rank %d of %d (device %d): %s", inits[i].rank, inits[i].nranks, inits[i].device,
+                  why[i].c_str());
+    }
+  for (size_t i = 0; i < n; ++i) fillComm(inits[i].comm, loom[i], "ncclCommInitRank");
   return ncclSuccess;
 }
+
+namespace {
 
 void unwrap(ncclComm_t comm) {
   if (comm->groupStream) loomStreamDestroy(comm->groupStream);
@@ -122,6 +166,20 @@ NCCL_SHIM_API(ncclResult_t, ncclCommInitRankConfig, ncclComm_t* comm, int nranks
   if (ncclResult_t r = checkConfig("ncclCommInitRankConfig", config)) return r;
   loomUniqueId id;
   memcpy(&id, &commId, sizeof id);
+  if (inGroup()) {
+    // As NCCL: made at the group's end, with the others of the group.
+    if (nranks < 1 || rank < 0 || rank >= nranks)
+      return fail(ncclInvalidArgument, "ncclCommInitRank: rank %d of %d ranks", rank, nranks);
+    int device = -1;
+    if (loomResult_t r = loomCudaGetDevice(&device)) return fromLoom(r, "ncclCommInitRank");
+    ncclComm* c = new (std::nothrow) ncclComm;
+    if (!c) return fail(ncclSystemError, "ncclCommInitRank: out of memory");
+    c->rank = rank;
+    c->nranks = nranks;
+    enqueueInit(PendingInit{c, nranks, rank, id, device});
+    *comm = c;
+    return ncclSuccess;
+  }
   loomComm_t loom = nullptr;
   loomResult_t r = loomCommInitRank(&loom, nranks, id, rank);
   if (r != loomSuccess) return fromLoom(r, "ncclCommInitRank");
@@ -171,41 +229,21 @@ NCCL_SHIM_API(ncclResult_t, ncclCommInitAll, ncclComm_t* comms, int ndev, const 
   }
   loomUniqueId id;
   if (loomResult_t r = loomGetUniqueId(&id)) return fromLoom(r, call);
-  std::vector<loomComm_t> loom(size_t(ndev), nullptr);
-  std::vector<loomResult_t> rc(size_t(ndev), loomSuccess);
-  std::vector<std::string> why(static_cast<size_t>(ndev));
-  std::vector<std::thread> threads;
-  try {
-    for (int i = 0; i < ndev; ++i)
-      threads.emplace_back([&, i] {
-        loomConfig_t config = LOOM_CONFIG_INITIALIZER;
-        config.cudaDevice = deviceOf(i);
-        rc[size_t(i)] = loomCommInitRankConfig(&loom[size_t(i)], ndev, id, i, &config);
-        if (rc[size_t(i)] != loomSuccess) why[size_t(i)] = loomGetLastError(nullptr);
-      });
-  } catch (const std::exception& e) {
-    // The ranks already started wait for the others until loom's timeout.
-    for (std::thread& t : threads) t.join();
-    for (loomComm_t c : loom) loomCommAbort(c);
-    return fail(ncclSystemError, "%s: cannot start a thread per rank: %s", call, e.what());
+  std::vector<PendingInit> inits;
+  for (int i = 0; i < ndev; ++i) {
+    ncclComm* c = new (std::nothrow) ncclComm;
+    if (!c) {
+      for (PendingInit& p : inits) delete p.comm;
+      return fail(ncclSystemError, "%s: out of memory", call);
+    }
+    inits.push_back(PendingInit{c, ndev, i, id, deviceOf(i)});
   }
-  for (std::thread& t : threads) t.join();
-  for (int i = 0; i < ndev; ++i)
-    if (rc[size_t(i)] != loomSuccess) {
-      for (loomComm_t c : loom) loomCommAbort(c);
-      return fail(toNccl(rc[size_t(i)]), "%s: rank %d (device %d): %s", call, i, deviceOf(i),
-                  why[size_t(i)].c_str());
-    }
-  for (int i = 0; i < ndev; ++i)
-    if (ncclResult_t r = wrap(loom[size_t(i)], &comms[i], call)) {
-      for (int j = 0; j < i; ++j) {
-        loomCommAbort(comms[j]->loom);
-        unwrap(comms[j]);
-        comms[j] = nullptr;
-      }
-      for (int j = i + 1; j < ndev; ++j) loomCommAbort(loom[size_t(j)]);  // wrap aborted loom[i]
-      return r;
-    }
+  if (ncclResult_t r = runInits(inits)) {
+    for (PendingInit& p : inits) delete p.comm;
+    std::string why = lastError();
+    return fail(r, "%s: %s", call, why.c_str());
+  }
+  for (int i = 0; i < ndev; ++i) comms[i] = inits[size_t(i)].comm;
   return ncclSuccess;
 }
 

@@ -30,6 +30,7 @@ thread_local std::string tlsError;
 struct Group {
   int depth = 0;
   std::vector<PendingOp> ops;
+  std::vector<PendingInit> inits;
   ncclResult_t error = ncclSuccess;
   std::string errorMsg;
 };
@@ -160,10 +161,17 @@ ncclResult_t enqueue(PendingOp op) {
   return ncclSuccess;
 }
 
+void enqueueInit(PendingInit init) { tlsGroup.inits.push_back(init); }
+
 ncclResult_t checkComm(const char* call, ncclComm_t comm) {
   if (!comm) return fail(ncclInvalidArgument, "%s: comm is NULL", call);
   if (comm->finalized)
     return fail(ncclInvalidUsage, "%s: the communicator was finalized (ncclCommFinalize); only destroy it",
+                call);
+  if (!comm->loom)
+    return fail(ncclInvalidUsage,
+                "%s: the communicator's ncclCommInitRank ran inside a group and completes at its ncclGroupEnd "
+                "(or failed there); call it after the group",
                 call);
   return ncclSuccess;
 }
@@ -234,8 +242,10 @@ NCCL_SHIM_API(ncclResult_t, ncclGroupEnd) {
   g = Group();
   if (done.error != ncclSuccess) {
     tlsError = "ncclGroupEnd: the group was not launched because one of its calls failed: " + done.errorMsg;
-    return done.error;
+    return done.error;  // deferred inits included: their handles stay without a communicator
   }
+  if (!done.inits.empty())
+    if (ncclResult_t r = runInits(done.inits)) return r;
   for (const PendingOp& op : done.ops)
     if (op.comm->finalized)
       return fail(ncclInvalidUsage,

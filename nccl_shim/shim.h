@@ -81,6 +81,25 @@ bool inGroup();
 // Queues op for ncclGroupEnd.
 ncclResult_t enqueue(PendingOp op);
 
+// ncclCommInitRank* inside a group, as NCCL runs it: the handle is returned
+// at once and the initialisation happens at the outermost ncclGroupEnd,
+// every deferred one at the same time (one thread each: each blocks until
+// its communicator's ranks have all joined, so one thread can make several
+// ranks), on the CUDA device that was current at the call.
+struct PendingInit {
+  ncclComm* comm;  // returned to the caller; its loom communicator comes at ncclGroupEnd
+  int nranks;
+  int rank;
+  loomUniqueId id;
+  int device;  // loomCudaGetDevice at the call (-1: none)
+};
+void enqueueInit(PendingInit init);
+// Makes the loom communicators of `inits` (all at once) and fills their
+// handles; the first error, with every rank's reason, if any failed.
+ncclResult_t runInits(std::vector<PendingInit>& inits);
+// Fills a handle from its loom communicator: rank, size, device.
+void fillComm(ncclComm* c, loomComm_t loom, const char* call);
+
 // Runs issue now, outside a group, or queues it for ncclGroupEnd.  A host
 // communicator's call is blocking, on loom's NULL stream, with nothing
 // allocated (the latency path); a CUDA communicator's is enqueued on the

@@ -23,6 +23,7 @@
 
 #include "loom.h"
 #include "nccl_shim/shim.h"
+#include "src/core/clock.h"
 #include "src/core/comm.h"
 #include "src/core/config.h"
 #include "src/device/device_choice.h"
@@ -416,4 +417,65 @@ TEST_CASE(
 
   for (ncclComm_t c : cuda) CHECK(ncclCommDestroy(c) == ncclSuccess);
   for (ncclComm_t c : host) CHECK(ncclCommDestroy(c) == ncclSuccess);
+}
+
+TEST_CASE(
+    "NCCL shim on CUDA communicators (simulated device): ncclCommInitRank inside a group (nccl-tests' way to "
+    "make several ranks from one thread) returns the handles at once, makes the communicators at ncclGroupEnd "
+    "on the device current at each call, refuses calls on them inside the group, and they work after it",
+    "[nccl][devcomm]") {
+  SimCuda sim(2, 2);
+  ncclUniqueId id;
+  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+  ncclComm_t comms[2] = {nullptr, nullptr};
+  const int current[2] = {1, 0};  // as cudaSetDevice before each init
+  REQUIRE(ncclGroupStart() == ncclSuccess);
+  for (int r = 0; r < 2; ++r) {
+    loom::setThreadDeviceForTesting(current[r]);
+    CHECK(ncclCommInitRank(&comms[r], 2, id, r) == ncclSuccess);
+    CHECK(comms[r] != nullptr);
+  }
+  loom::setThreadDeviceForTesting(-1);
+  int32_t* early = sim.alloc(1, 16);
+  CHECK(ncclAllReduce(early, early, 16, ncclInt32, ncclSum, comms[0], fakeStream()) == ncclInvalidUsage);
+  CHECK(std::string(ncclGetLastError(nullptr)).find("completes at its ncclGroupEnd") != std::string::npos);
+  // That refusal cancels the group, as any refused call does: nothing is made.
+  CHECK(ncclGroupEnd() == ncclInvalidUsage);
+  for (ncclComm_t c : comms) CHECK(ncclCommDestroy(c) == ncclSuccess);
+
+  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+  REQUIRE(ncclGroupStart() == ncclSuccess);
+  for (int r = 0; r < 2; ++r) {
+    loom::setThreadDeviceForTesting(current[r]);
+    CHECK(ncclCommInitRank(&comms[r], 2, id, r) == ncclSuccess);
+  }
+  loom::setThreadDeviceForTesting(-1);
+  const int64_t t0 = loom::nowMs();
+  REQUIRE(ncclGroupEnd() == ncclSuccess);
+  CHECK(loom::nowMs() - t0 < 20000);  // both made together, not one waiting for the other's timeout
+  for (int r = 0; r < 2; ++r) {
+    int d = -5;
+    CHECK(ncclCommCuDevice(comms[r], &d) == ncclSuccess);
+    CHECK(d == current[r]);
+    CHECK(sim.asked[size_t(r)] == current[r]);
+  }
+  const size_t c = 3000;
+  int32_t* buf[2];
+  for (int r = 0; r < 2; ++r) {
+    buf[r] = sim.alloc(current[r], c);
+    for (size_t i = 0; i < c; ++i) buf[r][i] = int32_t(i) * (r + 1);
+  }
+  REQUIRE(ncclGroupStart() == ncclSuccess);
+  for (int r = 0; r < 2; ++r)
+    CHECK(ncclAllReduce(buf[r], buf[r], c, ncclInt32, ncclSum, comms[r], fakeStream()) == ncclSuccess);
+  REQUIRE(ncclGroupEnd() == ncclSuccess);
+  std::string msg;
+  const bool synced = sim.sync(&msg);
+  INFO(msg);
+  REQUIRE(synced);
+  long wrong = 0;
+  for (int r = 0; r < 2; ++r)
+    for (size_t i = 0; i < c; ++i) wrong += buf[r][i] != 3 * int32_t(i);
+  CHECK(wrong == 0);
+  for (ncclComm_t comm : comms) CHECK(ncclCommDestroy(comm) == ncclSuccess);
 }

@@ -814,6 +814,14 @@ loomResult_t loomCudaDeviceCount(int* count) {
   });
 }
 
+loomResult_t loomCudaGetDevice(int* device) {
+  return guarded("loomCudaGetDevice", nullptr, [&] {
+    if (!device) fail(loomInvalidArgument, "device is NULL");
+    *device = currentCudaDevice();
+    return loomSuccess;
+  });
+}
+
 loomResult_t loomCommGetAsyncError(loomComm_t comm, loomResult_t* asyncError) {
   return guarded("loomCommGetAsyncError", nullptr, [&] {
     checkComm(comm);

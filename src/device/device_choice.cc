@@ -37,6 +37,23 @@ void setDeviceDriverFactoryForTesting(DeviceDriverFactory factory, int devices) 
   g_factoryDevices = devices;
 }
 
+namespace {
+thread_local int tlsTestDevice = -1;
+}
+
+void setThreadDeviceForTesting(int device) { tlsTestDevice = device; }
+
+int currentCudaDevice() {
+  if (haveTestFactory()) return tlsTestDevice;
+  std::string why;
+  if (cudaDeviceCount(&why) == 0) return -1;
+  const CudaApi* api = cudaPlugin(&why);
+  int dev = -1;
+  if (int rc = api->getDevice(&dev))
+    fail(loomUnhandledCudaError, "cudaGetDevice failed: %s (CUDA error %d)", api->errorString(rc), rc);
+  return dev;
+}
+
 int deviceCountForInit() {
   if (haveTestFactory()) return testFactoryDevices();
   std::string why;
@@ -77,8 +94,8 @@ DeviceChoice checkDeviceChoice(const DeviceRequest& request) {
     fail(loomInvalidArgument, "config cudaDevice %d: this process has %d CUDA device%s (0 to %d)",
          request.device, devices, devices == 1 ? "" : "s", devices - 1);
   c.cuda = true;
-  if (factory) {  // -1: the factory picks its "current device"
-    c.device = request.device;
+  if (factory) {  // the thread's test device, else -1: the factory picks
+    c.device = request.device >= 0 ? request.device : tlsTestDevice;
     return c;
   }
   if (request.device >= 0) {

@@ -35,6 +35,14 @@ DeviceChoice checkDeviceChoice(const DeviceRequest& request = DeviceRequest());
 // The CUDA devices a communicator may be made on: cudaGetDeviceCount's
 // (0 without a GPU, driver or plug-in), or a test factory's simulated ones.
 int deviceCountForInit();
+// The calling thread's current CUDA device (cudaGetDevice), -1 where the
+// process has none; with a test factory, the thread's
+// setThreadDeviceForTesting value (-1: none set).
+int currentCudaDevice();
+// Tests only: the simulated "current device" of the calling thread, which
+// a communicator made on this thread without naming one gets (-1: the
+// factory's choice).
+void setThreadDeviceForTesting(int device);
 
 // The driver of rank `rank`'s device communicator (choice.cuda): CUDA's,
 // on choice.device.
