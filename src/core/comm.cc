@@ -35,7 +35,8 @@ void checkRankInfo(RankInfo* info, int r) {
     fail(loomRemoteError, "rank %d sent a control address of %u bytes, family %u, during init", r, info->ctlLen,
          unsigned(info->ctlAddr.ss_family));
   if (r != 0) return;
-  if (info->devicePath > 2 || info->deviceStageBytes < 4096 || info->deviceStageBytes > (1u << 30) || info->deviceStageBytes % 256)
+  if (info->devicePath > 2 || info->deviceStageBytes < 4096 || info->deviceStageBytes > (1u << 30) ||
+      info->deviceStageBytes % 256)
     fail(loomRemoteError, "rank 0 sent device path %u, staged pieces of %u B during init", info->devicePath,
          info->deviceStageBytes);
   // The bounds config.cc enforces on rank 0's own environment.

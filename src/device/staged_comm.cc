@@ -46,7 +46,8 @@ StagedDeviceComm::StagedDeviceComm(int rank, int nranks, std::unique_ptr<DeviceD
       onFailure_(std::move(options.onFailure)),
       timeoutMs_(options.timeoutMs) {
   if (!issueHost_) fail(loomInternalError, "a staged device communicator needs the host path");
-  if (options.slots < 2) fail(loomInvalidArgument, "staged device path: %d slots, need at least 2", options.slots);
+  if (options.slots < 2)
+    fail(loomInvalidArgument, "staged device path: %d slots, need at least 2", options.slots);
   const int previous = driver_->enter();
   try {
     for (int i = 0; i < options.slots; ++i) slots_.push_back(allocateBuffer(2 * pieceBytes_));
@@ -82,10 +83,11 @@ std::string StagedDeviceComm::describe() const {
     std::lock_guard<std::mutex> g(mu_);
     bulk = bulk_ ? bulk_->bytes : 0;
   }
-  return strf("  device %s:%d, staged path (pinned host memory, then the host path): %zu B pinned (%zu slots of 2 "
-              "x %zu B, send/recv %zu B); host steps run: %llu\n",
-              deviceName(), device(), pinnedBytes(), slots_.size(), pieceBytes_, bulk,
-              (unsigned long long)stepsRun_.load());
+  return strf(
+      "  device %s:%d, staged path (pinned host memory, then the host path): %zu B pinned (%zu slots of 2 "
+      "x %zu B, send/recv %zu B); host steps run: %llu\n",
+      deviceName(), device(), pinnedBytes(), slots_.size(), pieceBytes_, bulk,
+      (unsigned long long)stepsRun_.load());
 }
 
 void StagedDeviceComm::check(const OpDesc& op) const { checkDeviceOp(*driver_, op, rank_, nranks_); }
@@ -122,14 +124,16 @@ void StagedDeviceComm::failIfFailed() const {
     fail(failCode_, "the %s communicator has failed: %s", driver_->name(), failMsg_.c_str());
 }
 
-void StagedDeviceComm::enqueueIn(StreamBackend& be, Buffer& b, uint64_t use, const std::vector<Copy>& copies) {
+void StagedDeviceComm::enqueueIn(StreamBackend& be, Buffer& b, uint64_t use,
+                                 const std::vector<Copy>& copies) {
   if (use > 1) be.waitFlag(0, b.free(), use - 1, rank_);  // its last use is copied out
   for (const Copy& c : copies)
     if (c.bytes) be.copy(0, c.dst, c.src, c.bytes);
   be.setFlag(0, b.in(), use);
 }
 
-void StagedDeviceComm::enqueueOut(StreamBackend& be, Buffer& b, uint64_t use, const std::vector<Copy>& copies) {
+void StagedDeviceComm::enqueueOut(StreamBackend& be, Buffer& b, uint64_t use,
+                                  const std::vector<Copy>& copies) {
   be.waitFlag(0, b.out(), use, rank_);
   for (const Copy& c : copies)
     if (c.bytes) be.copy(0, c.dst, c.src, c.bytes);
@@ -191,7 +195,8 @@ void StagedDeviceComm::run(const OpDesc& op, void* callerStream) {
       std::vector<Copy> copies;
       if (sh.needRecv)
         for (size_t j = 0; j < bout; ++j)
-          copies.push_back({recv + ((bout > 1 ? j * op.count : 0) + a.first) * esz, out + j * a.len * esz, a.len * esz});
+          copies.push_back(
+              {recv + ((bout > 1 ? j * op.count : 0) + a.first) * esz, out + j * a.len * esz, a.len * esz});
       enqueueOut(be, *a.b, a.use, copies);
     };
     for (size_t p = 0; p < n; ++p) {
@@ -208,7 +213,8 @@ void StagedDeviceComm::run(const OpDesc& op, void* callerStream) {
       std::vector<Copy> copies;
       if (sh.needSend)
         for (size_t j = 0; j < bin; ++j)
-          copies.push_back({in + j * len * esz, send + ((bin > 1 ? j * op.count : 0) + first) * esz, len * esz});
+          copies.push_back(
+              {in + j * len * esz, send + ((bin > 1 ? j * op.count : 0) + first) * esz, len * esz});
       enqueueIn(be, b, use, copies);
       ahead.push_back({&b, use, first, len});
       // At most slots - 1 pieces ahead: the next piece on this slot waits
@@ -245,7 +251,8 @@ void StagedDeviceComm::runP2P(const std::vector<OpDesc>& ops, void* callerStream
     auto grown = allocateBuffer(std::max(total, bulk_ ? 2 * bulk_->bytes : size_t(256)));
     if (bulk_) retired_.push_back(std::move(bulk_));
     bulk_ = std::move(grown);
-    LOOM_INFO("DEVICE", "rank %d: staged send/recv buffer of %zu B (pinned host memory)", rank_, bulk_->bytes);
+    LOOM_INFO("DEVICE", "rank %d: staged send/recv buffer of %zu B (pinned host memory)", rank_,
+              bulk_->bytes);
   }
   Buffer& b = *bulk_;
   const uint64_t use = ++b.uses;
@@ -266,7 +273,10 @@ void StagedDeviceComm::runP2P(const std::vector<OpDesc>& ops, void* callerStream
   std::vector<Step> steps;
   try {
     StreamBackend& be = driver_->backend(callerStream, 1, 0);
-    steps.push_back({&b, use, issueHost_(host), ops.size() > 1 ? "a send/recv group" : ops[0].isSend ? "Send" : "Recv",
+    steps.push_back({&b, use, issueHost_(host),
+                     ops.size() > 1  ? "a send/recv group"
+                     : ops[0].isSend ? "Send"
+                                     : "Recv",
                      0, 1});
     enqueueIn(be, b, use, in);
     enqueueOut(be, b, use, out);
@@ -285,15 +295,19 @@ bool StagedDeviceComm::waitIn(const Step& s) {
     if (failed()) return false;
     const int64_t now = nowMs(), timeout = timeoutMs_.load();
     const bool stopping = stopping_.load(std::memory_order_acquire);
-    if ((timeout > 0 && now - start >= timeout) || (stopping && (abandoned_ || now - stopAtMs_ >= drainTimeoutMs_))) {
+    if ((timeout > 0 && now - start >= timeout) ||
+        (stopping && (abandoned_ || now - stopAtMs_ >= drainTimeoutMs_))) {
       const std::string msg =
-          stopping ? strf("rank %d: the %s communicator was destroyed while %s (piece %zu of %zu) waited for the "
-                          "caller's stream to stage its input; the stream never got there (synchronise the "
-                          "streams before loomCommDestroy)",
-                          rank_, driver_->name(), s.what, s.piece + 1, s.pieces)
-                   : strf("rank %d: the caller's stream did not reach the staging copy of %s (piece %zu of %zu) "
-                          "within %lld ms (LOOM_TIMEOUT_MS): it waits for something that does not happen",
-                          rank_, s.what, s.piece + 1, s.pieces, (long long)(now - start));
+          stopping
+              ? strf(
+                    "rank %d: the %s communicator was destroyed while %s (piece %zu of %zu) waited for the "
+                    "caller's stream to stage its input; the stream never got there (synchronise the "
+                    "streams before loomCommDestroy)",
+                    rank_, driver_->name(), s.what, s.piece + 1, s.pieces)
+              : strf(
+                    "rank %d: the caller's stream did not reach the staging copy of %s (piece %zu of %zu) "
+                    "within %lld ms (LOOM_TIMEOUT_MS): it waits for something that does not happen",
+                    rank_, s.what, s.piece + 1, s.pieces, (long long)(now - start));
       if (markFailed(stopping ? loomInvalidUsage : loomTimeout, msg)) {
         LOOM_WARN("DEVICE", "%s", msg.c_str());
         if (onFailure_) onFailure_(Error(stopping ? loomInvalidUsage : loomTimeout, msg));
@@ -420,8 +434,10 @@ StagedDeviceComm::~StagedDeviceComm() {
     while (!rest->step() && nowMs() < deadline) std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
   if (!rest->step() && !rest->released) {
-    LOOM_WARN("DEVICE", "rank %d: the streams still use the staged path's pinned memory; it is freed once they are "
-              "done", rank_);
+    LOOM_WARN("DEVICE",
+              "rank %d: the streams still use the staged path's pinned memory; it is freed once they are "
+              "done",
+              rank_);
   }
   rest->deadline = reapTimeoutMs_ <= 0 ? 0 : nowMs() + reapTimeoutMs_;
   reapDeviceRemains(std::move(rest));
