@@ -1087,19 +1087,36 @@ TEST_CASE("CUDA communicator through the C API (LOOM_DEVICE=cuda, simulated devi
 
 namespace {
 
-// N CUDA communicators (simulated device) through the C API, one thread each.
-std::vector<loomComm_t> initCudaComms(int n) {
+// N CUDA communicators through the C API, one thread each, rank r on host
+// hostOf(r); the codes and messages of every init in *rcs / *errs.
+std::vector<loomComm_t> initCudaCommsOn(int n, const std::function<std::string(int)>& hostOf,
+                                        std::vector<loomResult_t>* rcsOut = nullptr,
+                                        std::vector<std::string>* errs = nullptr) {
   loomUniqueId id;
   if (loomGetUniqueId(&id) != loomSuccess) return {};
   std::vector<loomComm_t> comms(size_t(n), nullptr);
   std::vector<loomResult_t> rcs(size_t(n), loomSuccess);
+  std::vector<std::string> msgs(static_cast<size_t>(n));
   std::vector<std::thread> ts;
   for (int r = 0; r < n; ++r)
-    ts.emplace_back([&, r] { rcs[size_t(r)] = loomCommInitRank(&comms[size_t(r)], n, id, r); });
+    ts.emplace_back([&, r] {
+      loom::setThreadHostIdForTesting(hostOf(r));
+      rcs[size_t(r)] = loomCommInitRank(&comms[size_t(r)], n, id, r);
+      msgs[size_t(r)] = loomGetLastError(nullptr);
+      loom::setThreadHostIdForTesting("");
+    });
   for (auto& t : ts) t.join();
+  if (rcsOut) *rcsOut = rcs;
+  if (errs) *errs = msgs;
   for (loomResult_t rc : rcs)
     if (rc != loomSuccess) return {};
   return comms;
+}
+
+
+// N CUDA communicators (simulated device) through the C API, one thread each, all on this host.
+std::vector<loomComm_t> initCudaComms(int n) {
+  return initCudaCommsOn(n, [](int) { return std::string(); });
 }
 
 }  // namespace
@@ -1730,32 +1747,6 @@ struct ScopedEnv {  // an environment variable for a scope, the configuration re
     loom::configReload();
   }
 };
-
-// N CUDA communicators through the C API, one thread each, rank r on host
-// hostOf(r); the codes and messages of every init in *rcs / *errs.
-std::vector<loomComm_t> initCudaCommsOn(int n, const std::function<std::string(int)>& hostOf,
-                                        std::vector<loomResult_t>* rcsOut = nullptr,
-                                        std::vector<std::string>* errs = nullptr) {
-  loomUniqueId id;
-  if (loomGetUniqueId(&id) != loomSuccess) return {};
-  std::vector<loomComm_t> comms(size_t(n), nullptr);
-  std::vector<loomResult_t> rcs(size_t(n), loomSuccess);
-  std::vector<std::string> msgs(static_cast<size_t>(n));
-  std::vector<std::thread> ts;
-  for (int r = 0; r < n; ++r)
-    ts.emplace_back([&, r] {
-      loom::setThreadHostIdForTesting(hostOf(r));
-      rcs[size_t(r)] = loomCommInitRank(&comms[size_t(r)], n, id, r);
-      msgs[size_t(r)] = loomGetLastError(nullptr);
-      loom::setThreadHostIdForTesting("");
-    });
-  for (auto& t : ts) t.join();
-  if (rcsOut) *rcsOut = rcs;
-  if (errs) *errs = msgs;
-  for (loomResult_t rc : rcs)
-    if (rc != loomSuccess) return {};
-  return comms;
-}
 
 std::string twoHosts(int r) { return r % 2 ? "staged-test-host-b" : "staged-test-host-a"; }
 

@@ -706,11 +706,7 @@ void DeviceComm::run(const OpDesc& op, void* callerStream) {
   b.windowBytes = streamWindowBytes(slotBytes_);
   b.flags = flags_;
   b.flagCopies = flagCopies_;
-  struct Current {  // the driver's device for the calls below, the caller's again after
-    DeviceDriver& d;
-    int previous;
-    ~Current() { d.leave(previous); }
-  } current{*driver_, driver_->enter()};
+  DeviceScope current(*driver_);
   try {
     round_ = round;  // the peers advance theirs whatever happens here
     if (p.ops.empty()) return;
@@ -863,11 +859,7 @@ void DeviceComm::runP2P(const std::vector<OpDesc>& ops, void* callerStream) {
   if (failCode_ != loomSuccess) fail(failCode_, "the %s communicator has failed: %s", driver_->name(), failed_.c_str());
   P2PCounters counters = p2p_;
   StreamProgram p = compileP2PProgram(ops, rank_, nranks_, slotBytes_, &counters);
-  struct Current {  // the driver's device for the calls below, the caller's again after
-    DeviceDriver& d;
-    int previous;
-    ~Current() { d.leave(previous); }
-  } current{*driver_, driver_->enter()};
+  DeviceScope current(*driver_);
   try {
     p2p_ = counters;  // the peers count these chunks whatever happens here
     if (p.ops.empty()) return;

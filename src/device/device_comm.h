@@ -160,6 +160,17 @@ class DeviceDriver {
   virtual void leave(int previous) { (void)previous; }
 };
 
+// The driver's device for the calls of a scope (DeviceDriver::enter), the
+// caller's current device again when it ends.
+struct DeviceScope {
+  DeviceDriver& d;
+  int previous;
+  explicit DeviceScope(DeviceDriver& driver) : d(driver), previous(driver.enter()) {}
+  ~DeviceScope() { d.leave(previous); }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+};
+
 // Peers' device allocations mapped here, keyed by (rank, the owner's base
 // address).  Opening a handle costs about a millisecond, so a mapping is
 // kept while anything refers to it; a record with the same key but another

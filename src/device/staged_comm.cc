@@ -48,15 +48,15 @@ StagedDeviceComm::StagedDeviceComm(int rank, int nranks, std::unique_ptr<DeviceD
   if (!issueHost_) fail(loomInternalError, "a staged device communicator needs the host path");
   if (options.slots < 2)
     fail(loomInvalidArgument, "staged device path: %d slots, need at least 2", options.slots);
-  const int previous = driver_->enter();
-  try {
-    for (int i = 0; i < options.slots; ++i) slots_.push_back(allocateBuffer(2 * pieceBytes_));
-  } catch (...) {
-    for (auto& b : slots_) driver_->releaseHost(b->mem);
-    driver_->leave(previous);
-    throw;
+  {
+    DeviceScope current(*driver_);
+    try {
+      for (int i = 0; i < options.slots; ++i) slots_.push_back(allocateBuffer(2 * pieceBytes_));
+    } catch (...) {
+      for (auto& b : slots_) driver_->releaseHost(b->mem);
+      throw;
+    }
   }
-  driver_->leave(previous);
   worker_ = std::thread([this] { work(); });
 }
 
@@ -155,18 +155,6 @@ void StagedDeviceComm::push(std::vector<Step>& steps) {
   qcv_.notify_all();
 }
 
-namespace {
-
-// The driver's device for the calls of a scope, the caller's again after.
-struct Current {
-  DeviceDriver& d;
-  int previous;
-  explicit Current(DeviceDriver& driver) : d(driver), previous(driver.enter()) {}
-  ~Current() { d.leave(previous); }
-};
-
-}  // namespace
-
 void StagedDeviceComm::run(const OpDesc& op, void* callerStream) {
   if (op.coll == Collective::P2P) return runP2P({op}, callerStream);
   check(op);
@@ -178,7 +166,7 @@ void StagedDeviceComm::run(const OpDesc& op, void* callerStream) {
   std::lock_guard<std::mutex> g(mu_);
   failIfFailed();
   if (n == 0) return;
-  Current current(*driver_);
+  DeviceScope current(*driver_);
   std::vector<Step> steps;
   try {
     StreamBackend& be = driver_->backend(callerStream, 1, 0);
@@ -243,7 +231,7 @@ void StagedDeviceComm::runP2P(const std::vector<OpDesc>& ops, void* callerStream
     at.push_back(total);
     total += roundUp(op.count * dtypeSize(op.dtype), 256);
   }
-  Current current(*driver_);
+  DeviceScope current(*driver_);
   if (!bulk_ || bulk_->bytes < total) {
     // Outgrown: streams may still use the old buffer, so it stays until
     // the communicator goes.  Nothing is issued yet: an allocation error

@@ -135,14 +135,14 @@ class StagedDeviceComm final : public DeviceCollectives {
     const char* what = "";  // for messages: the collective, its piece of how many
     size_t piece = 0, pieces = 0;
   };
-  // One use of `b` on stream 0 of `be`: its first half (wait until the last
-  // use is copied out, then the copies in) and its second (wait for the
-  // host, then the copies out).
   struct Copy {
     void* dst;
     const void* src;
     size_t bytes;
   };
+  // One use of `b` on stream 0 of `be`: its first half (wait until the last
+  // use is copied out, then the copies in) and its second (wait for the
+  // host, then the copies out).
   void enqueueIn(StreamBackend& be, Buffer& b, uint64_t use, const std::vector<Copy>& copies);
   void enqueueOut(StreamBackend& be, Buffer& b, uint64_t use, const std::vector<Copy>& copies);
   std::unique_ptr<Buffer> allocateBuffer(size_t bytes);
