@@ -133,12 +133,27 @@ static size_t a2avCount(size_t count, int from, int to) { return count + size_t(
 
 // Buffers of runChecked: ordinary memory, or (gLoomMemBuffers) memory from
 // loomMemAlloc, which the peers of the host map (the zero-copy paths).
+// Ordinary memory comes from a per-role pool that only grows: a fresh
+// 256 MiB buffer per check costs 64 Ki page faults, and on the CI VM the
+// 64 MiB matrix spent most of its time in the kernel faulting pages in
+// (6.7 M faults, 19 s of 22 with 4 ranks).  Every use still fills the
+// whole buffer, so nothing of an earlier check survives into a later one.
 static bool gLoomMemBuffers = false;
+enum BufRole { kSendBuf, kRecvBuf, kWantBuf, kBufRoles };
+static char* pooledBuffer(BufRole role, size_t bytes) {
+  static std::vector<char> pool[kBufRoles];
+  std::vector<char>& v = pool[role];
+  if (v.size() < bytes) {
+    std::vector<char>().swap(v);  // free before growing: one copy at a time
+    v.resize(bytes);
+  }
+  return v.data();
+}
 struct CheckedBuf {
-  std::vector<char> heap;
   void* alloc = nullptr;
+  char* mem = nullptr;
   size_t n;
-  CheckedBuf(size_t bytes, int fill) : n(bytes) {
+  CheckedBuf(BufRole role, size_t bytes, int fill) : n(bytes) {
     if (gLoomMemBuffers && loomMemAlloc(&alloc, bytes) == loomSuccess) {
       memset(alloc, fill, bytes);
       return;
@@ -147,14 +162,15 @@ struct CheckedBuf {
       fprintf(stderr, "rank %d: loomMemAlloc(%zu) failed: %s\n", gRank, bytes, loomGetLastError(nullptr));
       exit(4);
     }
-    heap.assign(bytes, char(fill));
+    mem = pooledBuffer(role, bytes);
+    memset(mem, fill, bytes);
   }
   ~CheckedBuf() {
     if (alloc) loomMemFree(alloc);
   }
   CheckedBuf(const CheckedBuf&) = delete;
   CheckedBuf& operator=(const CheckedBuf&) = delete;
-  char* data() { return alloc ? static_cast<char*>(alloc) : heap.data(); }
+  char* data() { return alloc ? static_cast<char*>(alloc) : mem; }
 };
 
 // Runs one collective and checks it exactly.  Returns false on a loom error.
@@ -173,8 +189,9 @@ static void runChecked(loomComm_t comm, loomStream_t stream, Coll coll, loomData
       rcounts[size_t(j)] = a2avCount(count, j, me), rdispls[size_t(j)] = recvCount, recvCount += rcounts[size_t(j)];
     }
   }
-  CheckedBuf sbuf(sendCount * esz + 64, 0), rbuf(recvCount * esz + 64, 0x5a);
-  std::vector<char> want(recvCount * esz + 8);
+  CheckedBuf sbuf(kSendBuf, sendCount * esz + 64, 0), rbuf(kRecvBuf, recvCount * esz + 64, 0x5a);
+  char* want = pooledBuffer(kWantBuf, recvCount * esz + 8);
+  memset(want, 0, recvCount * esz + 8);
   void* send = sbuf.data();
   void* recv = rbuf.data();
   loomRedOp_t fillOp = (coll == AG || coll == BC) ? loomMax : op;
@@ -216,29 +233,33 @@ static void runChecked(loomComm_t comm, loomStream_t stream, Coll coll, loomData
     exit(4);
   }
   if ((coll == RED || coll == GATHER) && me != root) return;
-  if (coll == A2AV) {
-    // Rank j's block to me: its elements sdispls_j[me].. of its input.
-    for (int j = 0; j < n; ++j) {
-      size_t from = 0;
-      for (int k = 0; k < me; ++k) from += a2avCount(count, j, k);
-      for (size_t i = 0; i < rcounts[size_t(j)]; ++i)
-        store(want.data(), t, rdispls[size_t(j)] + i, inputValue(loomMax, t, j, from + i));
-    }
+  // The expected result, block by block (each block is a run of one
+  // rank's inputs or of the reduction at consecutive indices).
+  char* const w = want;
+  auto block = [&](size_t b) { return w + b * count * esz; };
+  switch (coll) {
+    case AR:
+    case RED: fillExpected(w, op, t, n, count); break;
+    case RS: fillExpected(w, op, t, n, count, size_t(me) * count); break;
+    case BC: fillInput(w, loomMax, t, root, count); break;
+    case SCATTER: fillInput(w, loomMax, t, root, count, size_t(me) * count); break;
+    case AG:
+    case GATHER:
+      for (int j = 0; j < n; ++j) fillInput(block(size_t(j)), loomMax, t, j, count, size_t(j) * count);
+      break;
+    case A2A:
+      for (int j = 0; j < n; ++j) fillInput(block(size_t(j)), loomMax, t, j, count, size_t(me) * count);
+      break;
+    case A2AV:
+      // Rank j's block to me: its elements sdispls_j[me].. of its input.
+      for (int j = 0; j < n; ++j) {
+        size_t from = 0;
+        for (int k = 0; k < me; ++k) from += a2avCount(count, j, k);
+        fillInput(w + rdispls[size_t(j)] * esz, loomMax, t, j, rcounts[size_t(j)], from);
+      }
+      break;
   }
-  for (size_t i = 0; i < recvCount && coll != A2AV; ++i) {
-    switch (coll) {
-      case AR:
-      case RED: storeExpected(want.data(), op, t, n, i, i); break;
-      case RS: storeExpected(want.data(), op, t, n, i, size_t(me) * count + i); break;
-      case AG: store(want.data(), t, i, inputValue(loomMax, t, int(i / count), i)); break;
-      case BC: store(want.data(), t, i, inputValue(loomMax, t, root, i)); break;
-      case GATHER: store(want.data(), t, i, inputValue(loomMax, t, int(i / count), i)); break;
-      case A2A: store(want.data(), t, i, inputValue(loomMax, t, int(i / count), size_t(me) * count + i % count)); break;
-      case SCATTER: store(want.data(), t, i, inputValue(loomMax, t, root, size_t(me) * count + i)); break;
-      case A2AV: break;
-    }
-  }
-  size_t wrong = countWrong(recv, want.data(), recvCount, t);
+  size_t wrong = countWrong(recv, want, recvCount, t);
   expect(wrong == 0, what + ": " + std::to_string(wrong) + " wrong elements");
 }
 
@@ -488,7 +509,7 @@ static void allReduceChecked(loomComm_t comm, void* send, void* recv, size_t cou
                              const std::string& what) {
   fillInput(send, op, t, gRank, count);
   std::vector<char> want(count * typeSize(t) + 8);
-  for (size_t i = 0; i < count; ++i) storeExpected(want.data(), op, t, gSize, i, i);
+  fillExpected(want.data(), op, t, gSize, count);
   loomResult_t r = loomAllReduce(send, recv, count, t, op, comm, nullptr);
   if (r != loomSuccess) {
     fprintf(stderr, "rank %d: %s returned %s: %s\n", gRank, what.c_str(), loomGetErrorString(r), loomGetLastError(comm));

@@ -1082,7 +1082,7 @@ class CollBuffers {
 
   // Reduction over all ranks of global elements [gi0, gi0 + n) into p.
   void reduced(uint8_t* p, size_t gi0, size_t n) const {
-    for (size_t i = 0; i < n; ++i) loomtest::storeExpected(p, c_.op, c_.dtype, N_, i, gi0 + i);
+    loomtest::fillExpected(p, c_.op, c_.dtype, N_, n, gi0);
   }
 
   const std::vector<uint8_t>& fullReduction() {

@@ -167,13 +167,13 @@ std::string runAll(int rank, loomComm_t comm, int n, size_t count, loomDataType_
   // all-reduce
   loomtest::fillInput(send.data(), op, t, rank, count);
   if (loomAllReduce(send.data(), recv.data(), count, t, op, comm, nullptr) != loomSuccess) return loomGetLastError(comm);
-  for (size_t i = 0; i < count; ++i) loomtest::storeExpected(want.data(), op, t, n, i, i);
+  loomtest::fillExpected(want.data(), op, t, n, count);
   expect("all-reduce", count);
   // reduce-scatter: block `rank` of the reduced n x count buffer
   loomtest::fillInput(send.data(), op, t, rank, count * size_t(n));
   if (loomReduceScatter(send.data(), recv.data(), count, t, op, comm, nullptr) != loomSuccess)
     return loomGetLastError(comm);
-  for (size_t i = 0; i < count; ++i) loomtest::storeExpected(want.data(), op, t, n, i, size_t(rank) * count + i);
+  loomtest::fillExpected(want.data(), op, t, n, count, size_t(rank) * count);
   expect("reduce-scatter", count);
   // all-gather: each rank's block is its sum-pattern input
   loomtest::fillInput(send.data(), loomSum, t, rank, count);
@@ -190,7 +190,7 @@ std::string runAll(int rank, loomComm_t comm, int n, size_t count, loomDataType_
   loomtest::fillInput(send.data(), op, t, rank, count);
   if (loomReduce(send.data(), recv.data(), count, t, op, 0, comm, nullptr) != loomSuccess) return loomGetLastError(comm);
   if (rank == 0) {
-    for (size_t i = 0; i < count; ++i) loomtest::storeExpected(want.data(), op, t, n, i, i);
+    loomtest::fillExpected(want.data(), op, t, n, count);
     expect("reduce", count);
   }
   return err;

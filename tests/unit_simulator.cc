@@ -4,6 +4,7 @@
 // sends against the ring's theoretical volume; the ring's step counts; and
 // the simulator itself (transport, groups, p2p, mismatch and deadlock
 // detection).
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <cstdlib>
@@ -92,6 +93,32 @@ int runMatrix(int n, const std::vector<TypeOp>& red, const std::vector<loomDataT
 }
 
 }  // namespace
+
+TEST_CASE("the tests' periodic fills equal the element-by-element definitions, across the index wrap", "[sim]") {
+  // fillInput/fillExpected copy one period of the inputs instead of
+  // computing every element; every result check of the simulator and of
+  // mp-worker rests on them, so they are checked against the definitions.
+  const size_t base = GENERATE(size_t(0), size_t(1000003) - 50000, size_t(3) * 1000003 - 7, size_t(123457));
+  const size_t count = 3 * loomtest::kInputPeriod + 12345;  // several periods, and the wrap when base is near it
+  for (loomDataType_t t : {loomInt8, loomUint8, loomInt32, loomUint64, loomFloat16, loomBfloat16, loomFloat32,
+                           loomFloat64})
+    for (loomRedOp_t op : {loomSum, loomProd, loomMax, loomMin, loomAvg}) {
+      INFO("type " << loomtest::typeName(t) << ", op " << loomtest::opName(op) << ", base " << base);
+      const size_t bytes = count * loomtest::typeSize(t);
+      std::vector<uint8_t> fast(bytes), slow(bytes);
+      // The first byte that differs (bytes when none): a vector comparison
+      // would print 100 K elements on failure.
+      auto firstDiff = [&] {
+        return size_t(std::mismatch(fast.begin(), fast.end(), slow.begin()).first - fast.begin());
+      };
+      loomtest::fillInput(fast.data(), op, t, 5, count, base);
+      for (size_t i = 0; i < count; ++i) loomtest::store(slow.data(), t, i, loomtest::inputValue(op, t, 5, base + i));
+      CHECK(firstDiff() == bytes);
+      loomtest::fillExpected(fast.data(), op, t, 7, count, base);
+      for (size_t i = 0; i < count; ++i) loomtest::storeExpected(slow.data(), op, t, 7, i, base + i);
+      CHECK(firstDiff() == bytes);
+    }
+}
 
 TEST_CASE("sim: ring, every collective x type x op, N 1..8", "[sim]") {
   std::vector<TypeOp> all;
