@@ -238,7 +238,7 @@ const char* foreignEnv(const char* name) {
       // Slurm's srun
       "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID", "SLURM_STEP_ID",
       // UCX's own settings, which loom's defaults give way to
-      "UCX_TLS", "UCX_KEEPALIVE_INTERVAL", "UCX_RNDV_THRESH",
+      "UCX_TLS", "UCX_KEEPALIVE_INTERVAL", "UCX_RNDV_THRESH", "UCX_TCP_CONN_NB",
   };
   for (const char* f : kForeign)
     if (strcmp(f, name) == 0) return env(name);

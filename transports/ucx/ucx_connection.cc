@@ -57,6 +57,21 @@ ucs_log_func_rc_t abandonedLog(const char* file, unsigned, const char*, ucs_log_
   return UCS_LOG_FUNC_RC_CONTINUE;
 }
 
+// UCX warns about a setting given through ucp_config_modify that no
+// transport took; loom's CONN_NB for tcp (init) is such a setting whenever
+// tcp is not in use (UCX_TLS=sm, ...), which is no mistake of the user's.
+ucs_log_func_rc_t unusedTcpConnNbLog(const char* file, unsigned, const char*, ucs_log_level_t level,
+                                     const ucs_log_component_config_t*, const char* fmt, va_list ap) {
+  if (level != UCS_LOG_LEVEL_WARN || !file || !strstr(file, "ucp_worker.c")) return UCS_LOG_FUNC_RC_CONTINUE;
+  char msg[256];
+  va_list copy;
+  va_copy(copy, ap);
+  vsnprintf(msg, sizeof msg, fmt, copy);
+  va_end(copy);
+  return strcmp(msg, "invalid configuration: CONN_NB=y") == 0 ? UCS_LOG_FUNC_RC_STOP
+                                                                  : UCS_LOG_FUNC_RC_CONTINUE;
+}
+
 // Swallows UCX's log while loom probes for a feature it can do without.
 ucs_log_func_rc_t quietLog(const char*, unsigned, const char*, ucs_log_level_t, const ucs_log_component_config_t*,
                            const char*, va_list) {
@@ -202,6 +217,24 @@ class UcxWorker {
     // Direct transfers, larger than a slot, stay rendezvous (zero-copy).
     if (!foreignEnv("UCX_RNDV_THRESH"))
       ucp_config_modify(cfg, "RNDV_THRESH", std::to_string(slotMessageBytes + 1).c_str());
+    // tcp connects without blocking.  With UCX's default (UCX_TCP_CONN_NB=n)
+    // a survivor can crash inside UCX when a peer dies while it is being
+    // connected: ucp_ep_create connects and sends tcp's connection request
+    // itself; when the peer has just accepted and dies before reading it,
+    // the send fails, UCX reconnects, the reconnect is refused, and UCX marks
+    // the endpoint failed -- for one without its send side yet that means
+    // "destroy at the next progress" -- then gives it its send side and
+    // hands it to UCP anyway (uct_tcp_ep_connect and
+    // uct_tcp_ep_create_socket_and_connect in 1.13's tcp_ep.c; unchanged in
+    // UCX's master of 2026-08).  The next ucp_worker_progress destroys an
+    // endpoint UCP still uses: Debian's build aborts on the assertion at
+    // tcp_ep.c:478, one without assertions would free it under UCP.  A
+    // non-blocking connect returns EINPROGRESS (on loopback too, to a closed
+    // port too), so the request and any reconnect happen in progress, after
+    // the endpoint is complete, where a failure reaches the endpoint's error
+    // handler like any other (loomRemoteError).  ucp_config_modify takes a
+    // transport's setting without the transport's prefix.
+    if (!foreignEnv("UCX_TCP_CONN_NB")) ucp_config_modify(cfg, "CONN_NB", "y");
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
     params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
@@ -213,7 +246,9 @@ class UcxWorker {
     wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_EVENTS;
     wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
     wp.events = UCP_WAKEUP_TAG_SEND | UCP_WAKEUP_TAG_RECV | UCP_WAKEUP_TX | UCP_WAKEUP_RX;
+    ucs_log_push_handler(&unusedTcpConnNbLog);
     s = ucp_worker_create(context_, &wp, &worker_);
+    ucs_log_pop_handler();
     if (s != UCS_OK) return bad(why, "ucp_worker_create", s);
     s = ucp_worker_get_efd(worker_, &efd_);
     if (s != UCS_OK) {
