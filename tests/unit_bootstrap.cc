@@ -5,9 +5,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -85,6 +87,23 @@ TEST_CASE("garbage and wrong secrets on the bootstrap port are dropped while ini
   CHECK(loomCommDestroy(comms[0]) == loomSuccess);
   CHECK(loomCommDestroy(comms[1]) == loomSuccess);
   unsetenv("LOOM_SOCKET_IFNAME");
+}
+
+TEST_CASE("the bootstrap port derived from a job id stays below Linux's ephemeral ports and is the same for every rank",
+          "[bootstrap]") {
+  // Outgoing connections take their local ports from 32768-60999 by
+  // default; a derived port in there can be held by one (mpirun's own), and
+  // rank 0's bind then fails.
+  int lo = 65536, hi = 0;
+  for (int i = 0; i < 5000; ++i) {
+    const std::string job = "ompi:" + std::to_string(i * 7919) + "@job" + std::to_string(i);
+    const int port = loom::bootstrapPortForJob(job);
+    lo = std::min(lo, port), hi = std::max(hi, port);
+    REQUIRE(port == loom::bootstrapPortForJob(job));
+  }
+  CHECK(lo >= 20000);
+  CHECK(hi <= 32767);
+  CHECK(hi - lo > 10000);  // spread over the range, not a handful of ports
 }
 
 TEST_CASE("loopback and unspecified addresses are never advertised to other hosts", "[bootstrap]") {

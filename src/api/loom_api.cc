@@ -647,7 +647,7 @@ loomResult_t loomCommInitFromEnv(loomComm_t* comm) {
       long port;
       if (env("LOOM_ROOT_PORT")) port = envRank("LOOM_ROOT_PORT");
       else if (env("MASTER_PORT")) port = envRank("MASTER_PORT") + 1;
-      else port = 20000 + long(std::hash<std::string>()(jobKey) % 20000);
+      else port = bootstrapPortForJob(jobKey);
       if (port <= 0 || port > 65535) fail(loomInvalidArgument, "bootstrap port %ld is out of range", port);
       root = std::string(env("MASTER_ADDR") ? env("MASTER_ADDR") : "127.0.0.1") + ":" + std::to_string(port);
     }

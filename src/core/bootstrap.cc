@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <mutex>
 
@@ -355,6 +356,12 @@ std::vector<uint8_t> Bootstrap::allGather(const void* mine, size_t bytes) {
          rank_, e.what());
   }
   return all;
+}
+
+int bootstrapPortForJob(const std::string& jobKey) {
+  // Rank 0's bind failed with "Address already in use" in a CI run when the
+  // range reached into the ephemeral ports (mpirun's own connections).
+  return 20000 + int(std::hash<std::string>()(jobKey) % 12768);
 }
 
 }  // namespace loom

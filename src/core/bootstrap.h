@@ -41,6 +41,10 @@ UniqueIdData decodeUniqueId(const loomUniqueId& id);
 // Builds an id for a root at hostPort with the given secret (environment
 // launchers); rank 0 binds the port itself.
 loomUniqueId uniqueIdFor(const std::string& hostPort, const uint8_t secret[16]);
+// The bootstrap port loomCommInitFromEnv derives from a launcher's job id
+// when nothing names one: 20000-32767, below Linux's default ephemeral
+// range (32768-60999), where an outgoing connection could hold it.
+int bootstrapPortForJob(const std::string& jobKey);
 
 // The address this process should use to reach the root described by id.
 SockAddr rootAddress(const UniqueIdData& id);
