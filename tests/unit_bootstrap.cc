@@ -106,6 +106,34 @@ TEST_CASE("the bootstrap port derived from a job id stays below Linux's ephemera
   CHECK(hi - lo > 10000);  // spread over the range, not a handful of ports
 }
 
+TEST_CASE("a bootstrap port another process holds fails init from the environment naming it and the way out",
+          "[bootstrap]") {
+  int holder = socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(holder >= 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(bind(holder, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  REQUIRE(listen(holder, 1) == 0);
+  socklen_t len = sizeof a;
+  REQUIRE(getsockname(holder, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+  const std::string root = "127.0.0.1:" + std::to_string(ntohs(a.sin_port));
+  setenv("LOOM_RANK", "0", 1);
+  setenv("LOOM_WORLD_SIZE", "2", 1);
+  setenv("LOOM_ROOT_ADDR", root.c_str(), 1);
+  loomComm_t comm = nullptr;
+  CHECK(loomCommInitFromEnv(&comm) == loomSystemError);
+  const std::string msg = loomGetLastError(nullptr);
+  INFO(msg);
+  CHECK(msg.find("cannot open the bootstrap port " + root) != std::string::npos);
+  CHECK(msg.find("LOOM_ROOT_PORT") != std::string::npos);
+  CHECK(comm == nullptr);
+  unsetenv("LOOM_RANK");
+  unsetenv("LOOM_WORLD_SIZE");
+  unsetenv("LOOM_ROOT_ADDR");
+  close(holder);
+}
+
 TEST_CASE("loopback and unspecified addresses are never advertised to other hosts", "[bootstrap]") {
   // A rank sharing the root's loopback domain sees the root on 127.0.0.1;
   // init must not advertise that (ranks on other hosts could not reach it).

@@ -228,7 +228,10 @@ void Bootstrap::serve(const UniqueIdData& id, const BootCheck& check) {
     try {
       listenFd = listenOn(a);
     } catch (const Error& e) {
-      fail(e.code(), "rank 0 cannot open the bootstrap port %s: %s", a.str().c_str(), e.what());
+      fail(e.code(),
+           "rank 0 cannot open the bootstrap port %s: %s (every rank must name the same free port: "
+           "LOOM_ROOT_ADDR=host:port, or LOOM_ROOT_PORT under torchrun, mpirun and srun)",
+           a.str().c_str(), e.what());
     }
   }
   local_ = localAddr(listenFd);
