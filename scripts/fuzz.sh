@@ -44,19 +44,16 @@ fuzz_one() {
   execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' || echo '?')
   echo "fuzz: $t: $res, $execs executions in ${secs} s, corpus $(ls "build-fuzz/corpus/$t" | wc -l) inputs" \
     >"build-fuzz/$t.result"
-  [ "$res" = ok ]
 }
 par="$(getconf _NPROCESSORS_ONLN)"
-pids=()
 for t in "${targets[@]}"; do
   while [ "$(jobs -rp | wc -l)" -ge "$par" ]; do wait -n || true; done
   fuzz_one "$t" &
-  pids+=($!)
 done
+wait
+# Each target's result file says how it went (none: it died).
 status=0
-for i in "${!targets[@]}"; do
-  t=${targets[$i]}
-  wait "${pids[$i]}" 2>/dev/null || true  # the result file says how it went
+for t in "${targets[@]}"; do
   if [ -f "build-fuzz/$t.result" ]; then cat "build-fuzz/$t.result"; else echo "fuzz: $t: FAILED (no result)"; fi
   if ! grep -qs ': ok,' "build-fuzz/$t.result"; then
     status=1

@@ -152,8 +152,7 @@ static char* pooledBuffer(BufRole role, size_t bytes) {
 struct CheckedBuf {
   void* alloc = nullptr;
   char* mem = nullptr;
-  size_t n;
-  CheckedBuf(BufRole role, size_t bytes, int fill) : n(bytes) {
+  CheckedBuf(BufRole role, size_t bytes, int fill) {
     if (gLoomMemBuffers && loomMemAlloc(&alloc, bytes) == loomSuccess) {
       memset(alloc, fill, bytes);
       return;
@@ -235,14 +234,13 @@ static void runChecked(loomComm_t comm, loomStream_t stream, Coll coll, loomData
   if ((coll == RED || coll == GATHER) && me != root) return;
   // The expected result, block by block (each block is a run of one
   // rank's inputs or of the reduction at consecutive indices).
-  char* const w = want;
-  auto block = [&](size_t b) { return w + b * count * esz; };
+  auto block = [&](size_t b) { return want + b * count * esz; };
   switch (coll) {
     case AR:
-    case RED: fillExpected(w, op, t, n, count); break;
-    case RS: fillExpected(w, op, t, n, count, size_t(me) * count); break;
-    case BC: fillInput(w, loomMax, t, root, count); break;
-    case SCATTER: fillInput(w, loomMax, t, root, count, size_t(me) * count); break;
+    case RED: fillExpected(want, op, t, n, count); break;
+    case RS: fillExpected(want, op, t, n, count, size_t(me) * count); break;
+    case BC: fillInput(want, loomMax, t, root, count); break;
+    case SCATTER: fillInput(want, loomMax, t, root, count, size_t(me) * count); break;
     case AG:
     case GATHER:
       for (int j = 0; j < n; ++j) fillInput(block(size_t(j)), loomMax, t, j, count, size_t(j) * count);
@@ -255,7 +253,7 @@ static void runChecked(loomComm_t comm, loomStream_t stream, Coll coll, loomData
       for (int j = 0; j < n; ++j) {
         size_t from = 0;
         for (int k = 0; k < me; ++k) from += a2avCount(count, j, k);
-        fillInput(w + rdispls[size_t(j)] * esz, loomMax, t, j, rcounts[size_t(j)], from);
+        fillInput(want + rdispls[size_t(j)] * esz, loomMax, t, j, rcounts[size_t(j)], from);
       }
       break;
   }
