@@ -34,6 +34,7 @@
 #include "src/core/comm.h"
 #include "src/core/config.h"
 #include "src/core/error.h"
+#include "src/core/hier_device.h"
 #include "src/device/device.h"
 #include "src/device/device_choice.h"
 #include "src/device/cuda_loader.h"
@@ -2086,4 +2087,267 @@ TEST_CASE("staged path: pieces hold the same elements of every rank's block and 
         CHECK(c.pieces(d) == 0);
       }
   }
+}
+
+// ---- The hierarchical path: several ranks on each of several hosts --------
+
+namespace {
+
+loom::HierDeviceComm* hierOf(loomComm_t c) { return dynamic_cast<loom::HierDeviceComm*>(c->deviceComm()); }
+
+struct HierLayout {
+  int N;
+  std::function<std::string(int)> hostOf;
+  int hosts, perHost;
+  const char* what;
+};
+
+std::vector<HierLayout> hierLayouts() {
+  return {
+      {4, [](int r) { return "hier-host-" + std::to_string(r / 2); }, 2, 2, "2 hosts x 2, ranks in host order"},
+      {4, [](int r) { return "hier-host-" + std::to_string(r % 2); }, 2, 2, "2 hosts x 2, ranks interleaved"},
+      {6, [](int r) { return "hier-host-" + std::to_string(r % 3); }, 3, 2, "3 hosts x 2"},
+      {6, [](int r) { return "hier-host-" + std::to_string(r % 2); }, 2, 3, "2 hosts x 3"},
+  };
+}
+
+}  // namespace
+
+TEST_CASE("hierarchical device path: where each rank sits, and how an all-reduce is split", "[devcomm][hierdev]") {
+  const std::vector<std::string> ids = {"b", "a", "b", "a", "c", "c"};
+  loom::HierShape s = loom::hierShapeOf(ids, 3);
+  CHECK(s.usable());
+  CHECK(s.hosts == 3);
+  CHECK(s.perHost == 2);
+  CHECK(s.hostOf == std::vector<int>{0, 1, 0, 1, 2, 2});  // hosts in the order of their lowest rank
+  CHECK(s.localOf == std::vector<int>{0, 0, 1, 1, 0, 1});
+  CHECK(s.hostIndex == 1);
+  CHECK(s.localIndex == 1);
+  s = loom::hierShapeOf({"a", "a", "b"}, 0);
+  CHECK_FALSE(s.usable());
+  CHECK(s.why.find("host a has 2 ranks, host b has 1") != std::string::npos);
+  s = loom::hierShapeOf({"a", "a"}, 0);
+  CHECK_FALSE(s.usable());
+  CHECK(s.why.find("one host") != std::string::npos);
+  s = loom::hierShapeOf({"a", "b", "c"}, 2);
+  CHECK_FALSE(s.usable());
+  CHECK(s.why.find("each host has one rank") != std::string::npos);
+  for (size_t count : {size_t(0), size_t(1), size_t(2), size_t(3), size_t(7), size_t(1000), size_t(1001)})
+    for (int L : {1, 2, 3, 8}) {
+      const loom::HierSplit sp = loom::hierSplit(count, L);
+      CHECK(sp.shard * size_t(L) + sp.tail == count);
+      CHECK(sp.tail < size_t(L));
+    }
+}
+
+TEST_CASE("CUDA communicator on several hosts with several ranks each (simulated device, ranks as threads posing as "
+          "hosts): the hierarchical path, all-reduces through the local and rail communicators exact (tails, every "
+          "op, in and out of place), every other collective and send/recv on the flat path",
+          "[devcomm][hierdev]") {
+  ScopedEnv piece("LOOM_DEVICE_STAGE_BYTES", "4096");  // the rail's and the flat path's pieces: many
+  ScopedEnv minBytes("LOOM_DEVICE_HIER_MIN_BYTES", "64");
+  for (const HierLayout& lay : hierLayouts()) {
+    const int N = lay.N;
+    INFO(lay.what);
+    SimMemory mem;
+    loomsim::SimDeviceWorld world(N, 1, 256, patientDevice());
+    DeviceEnv env(mem, world);
+    std::vector<loomResult_t> rcs;
+    std::vector<std::string> errs;
+    std::vector<loomComm_t> comms = initCudaCommsOn(N, lay.hostOf, &rcs, &errs);
+    INFO("init: " << (errs.empty() ? "" : errs[0]));
+    REQUIRE(comms.size() == size_t(N));
+    for (int r = 0; r < N; ++r) {
+      loom::HierDeviceComm* h = hierOf(comms[size_t(r)]);
+      REQUIRE(h != nullptr);
+      CHECK(h->shape().hosts == lay.hosts);
+      CHECK(h->shape().perHost == lay.perHost);
+      CHECK(h->localComm()->nranks() == lay.perHost);
+      CHECK(h->localComm()->rank() == h->shape().localIndex);
+      CHECK(std::string(h->localComm()->deviceComm()->pathName()) == "ipc");
+      CHECK(h->railComm()->nranks() == lay.hosts);
+      CHECK(h->railComm()->rank() == h->shape().hostIndex);
+      CHECK(std::string(h->railComm()->deviceComm()->pathName()) == "staged");
+      CHECK(std::string(h->flat()->pathName()) == "staged");
+      CHECK(dumpOf(comms[size_t(r)]).find("hierarchical path") != std::string::npos);
+    }
+    auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+    std::mt19937_64 rng(uint64_t(N) * 31 + uint64_t(lay.perHost));
+    std::vector<Op> ops = everyCollective(N);
+    ops.push_back({Collective::AllReduce, loomFloat32, loomSum, 10000, 0, false});  // shards in many rail pieces
+    ops.push_back({Collective::AllReduce, loomInt32, loomSum, 3001, 0, true});      // a tail (3001 % L != 0 for L=2)
+    ops.push_back({Collective::AllReduce, loomInt64, loomSum, 3002, 0, false});     // and for L=3
+    ops.push_back({Collective::AllReduce, loomBfloat16, loomAvg, 2999, 0, true});   // average: by L, then by hosts
+    ops.push_back({Collective::AllReduce, loomInt32, loomAvg, 3000, 0, false});     // integers average flat
+    ops.push_back({Collective::AllReduce, loomFloat16, loomMax, 1001, 0, false});
+    ops.push_back({Collective::AllReduce, loomUint8, loomMin, 4099, 0, true});
+    ops.push_back({Collective::AllReduce, loomInt64, loomProd, 77, 0, false});
+    ops.push_back({Collective::AllReduce, loomInt32, loomSum, 10, 0, true});  // 40 B: under the threshold, flat
+    std::vector<Prepared> prepared;
+    for (const Op& o : ops) prepared.push_back(prepare(mem, N, 1, o, rng));
+    uint64_t hierWanted = 0;
+    for (const Prepared& p : prepared) {
+      for (int r = 0; r < N; ++r) CHECK(issueApi(comms[size_t(r)], p, r, fakeStream) == loomSuccess);
+      loom::OpDesc d;
+      d.coll = p.o.coll, d.count = p.o.count, d.dtype = p.o.type, d.op = p.o.op;
+      hierWanted += hierOf(comms[0])->hierarchical(d);
+    }
+    CHECK(hierWanted >= 12);
+    for (int r = 0; r < N; ++r) {
+      std::string msg;
+      CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
+      INFO(msg);
+    }
+    for (const Prepared& p : prepared) CHECK(verifyNear(p, N) == "");
+    for (int r = 0; r < N; ++r) CHECK(hierOf(comms[size_t(r)])->hierRuns() == hierWanted);
+
+    // Send/recv: a ring in one group (the flat path).
+    const size_t n = 5000;
+    std::vector<int32_t*> out, in;
+    for (int r = 0; r < N; ++r) {
+      out.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, n * 4)));
+      in.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, n * 4)));
+      for (size_t i = 0; i < n; ++i) out[size_t(r)][i] = int32_t(r * 1000003 + int(i)), in[size_t(r)][i] = -1;
+    }
+    REQUIRE(loomGroupStart() == loomSuccess);
+    for (int r = 0; r < N; ++r) {
+      CHECK(loomSend(out[size_t(r)], n, loomInt32, (r + 1) % N, comms[size_t(r)], fakeStream) == loomSuccess);
+      CHECK(loomRecv(in[size_t(r)], n, loomInt32, (r + N - 1) % N, comms[size_t(r)], fakeStream) == loomSuccess);
+    }
+    REQUIRE(loomGroupEnd() == loomSuccess);
+    for (int r = 0; r < N; ++r) {
+      std::string msg;
+      CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
+      INFO(msg);
+    }
+    long wrong = 0;
+    for (int r = 0; r < N; ++r)
+      for (size_t i = 0; i < n; ++i) wrong += in[size_t(r)][i] != int32_t(((r + N - 1) % N) * 1000003 + int(i));
+    CHECK(wrong == 0);
+    for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
+    CHECK(loom::waitDeviceRemains(10000));
+    CHECK(g_pinnedLive.load() == 0);
+  }
+}
+
+TEST_CASE("CUDA communicators and the hierarchical path: auto takes it where it applies and stages otherwise, "
+          "LOOM_DEVICE_PATH=hier where it does not apply fails init on every rank saying why, staged forces staging",
+          "[devcomm][hierdev]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(4, 1, 256, patientDevice());
+  DeviceEnv env(mem, world);
+  auto pairs = [](int r) { return "hier-host-" + std::to_string(r / 2); };
+  auto uneven = [](int r) { return r < 2 ? std::string("hier-host-a") : std::string("hier-host-b"); };
+  {
+    std::vector<loomComm_t> comms = initCudaCommsOn(4, pairs);  // auto, 2 x 2
+    REQUIRE(comms.size() == 4);
+    for (loomComm_t c : comms) CHECK(hierOf(c) != nullptr);
+    for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
+  }
+  {
+    std::vector<loomComm_t> comms = initCudaCommsOn(3, uneven);  // auto, 2 + 1: staged
+    REQUIRE(comms.size() == 3);
+    for (loomComm_t c : comms) CHECK(stagedOf(c) != nullptr);
+    for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
+  }
+  {
+    ScopedEnv path("LOOM_DEVICE_PATH", "staged");
+    std::vector<loomComm_t> comms = initCudaCommsOn(4, pairs);
+    REQUIRE(comms.size() == 4);
+    for (loomComm_t c : comms) CHECK(stagedOf(c) != nullptr);
+    for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
+  }
+  {
+    ScopedEnv path("LOOM_DEVICE_PATH", "hier");
+    struct Case {
+      int n;
+      std::function<std::string(int)> hostOf;
+      const char* why;
+    };
+    for (const Case& k : {Case{3, uneven, "host hier-host-a has 2 ranks, host hier-host-b has 1"},
+                          Case{2, [](int) { return std::string(); }, "every rank is on one host"},
+                          Case{2, twoHosts, "each host has one rank"}}) {
+      std::vector<loomResult_t> rcs;
+      std::vector<std::string> errs;
+      CHECK(initCudaCommsOn(k.n, k.hostOf, &rcs, &errs).empty());
+      for (int r = 0; r < k.n; ++r) {
+        CHECK(rcs[size_t(r)] == loomInvalidUsage);
+        INFO(errs[size_t(r)]);
+        CHECK(errs[size_t(r)].find("LOOM_DEVICE_PATH=hier") != std::string::npos);
+        CHECK(errs[size_t(r)].find(k.why) != std::string::npos);
+      }
+    }
+  }
+  CHECK(loom::waitDeviceRemains(10000));
+  CHECK(g_pinnedLive.load() == 0);
+}
+
+TEST_CASE("CUDA communicator on the hierarchical path (simulated device): a rank's loomCommAbort while the others' "
+          "all-reduce waits for it fails them with its reason, releases their streams, later calls fail at once, "
+          "destroy frees everything",
+          "[devcomm][hierdev][abort]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(4, 1, 256, patientDevice());
+  DeviceEnv env(mem, world);
+  ScopedEnv piece("LOOM_DEVICE_STAGE_BYTES", "4096");
+  ScopedEnv minBytes("LOOM_DEVICE_HIER_MIN_BYTES", "0");
+  std::vector<loomComm_t> comms = initCudaCommsOn(4, [](int r) { return "hier-host-" + std::to_string(r / 2); });
+  REQUIRE(comms.size() == 4);
+  auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+  const size_t n = 20001;  // shards of 10000 (10 rail pieces) and a tail
+  std::vector<int32_t*> buf;
+  for (int r = 0; r < 3; ++r) buf.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, n * 4)));
+  for (int r = 0; r < 3; ++r)
+    CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) ==
+          loomSuccess);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const int64_t t0 = loom::nowMs();
+  CHECK(loomCommAbort(comms[3]) == loomSuccess);  // rank 3 never took part
+  CHECK(loom::nowMs() - t0 < 5000);
+  for (int r = 0; r < 3; ++r) {
+    std::string msg;
+    CHECK(world.rank(r).synchronize(&msg) == loomSuccess);  // released: the streams ran to the end
+    loomResult_t ae = loomSuccess;
+    CHECK(loomCommGetAsyncError(comms[size_t(r)], &ae) == loomSuccess);
+    CHECK(ae == loomRemoteError);
+    std::string last = loomGetLastError(comms[size_t(r)]);
+    INFO(last);
+    CHECK(last.find("aborted") != std::string::npos);
+    CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) ==
+          loomRemoteError);
+  }
+  const int64_t t1 = loom::nowMs();
+  for (int r = 0; r < 3; ++r) CHECK(loomCommDestroy(comms[size_t(r)]) == loomSuccess);
+  CHECK(loom::nowMs() - t1 < 5000);
+  CHECK(loom::waitDeviceRemains(10000));
+  CHECK(g_pinnedLive.load() == 0);
+}
+
+TEST_CASE("CUDA communicator on the hierarchical path (simulated device): a failure of one rank's internal rail "
+          "communicator fails the communicator on every rank, naming the rail and its members",
+          "[devcomm][hierdev][abort]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(4, 1, 256, patientDevice());
+  DeviceEnv env(mem, world);
+  std::vector<loomComm_t> comms = initCudaCommsOn(4, [](int r) { return "hier-host-" + std::to_string(r / 2); });
+  REQUIRE(comms.size() == 4);
+  hierOf(comms[1])->railComm()->abort();  // rank 1's rail: ranks 1 and 3
+  for (int r = 0; r < 4; ++r) {
+    loomResult_t ae = loomSuccess;
+    for (int i = 0; i < 500 && ae == loomSuccess; ++i) {
+      CHECK(loomCommGetAsyncError(comms[size_t(r)], &ae) == loomSuccess);
+      if (ae == loomSuccess) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    CHECK(ae == loomRemoteError);
+    std::string last = loomGetLastError(comms[size_t(r)]);
+    INFO("rank " << r << ": " << last);
+    CHECK(last.find("rail communicator") != std::string::npos);
+    CHECK(last.find("ranks 1 3") != std::string::npos);
+    CHECK(hierOf(comms[size_t(r)])->failed());
+  }
+  const int64_t t0 = loom::nowMs();
+  for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
+  CHECK(loom::nowMs() - t0 < 5000);
+  CHECK(loom::waitDeviceRemains(10000));
+  CHECK(g_pinnedLive.load() == 0);
 }

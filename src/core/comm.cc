@@ -18,6 +18,7 @@
 #include "src/core/error.h"
 #include "src/core/hot.h"
 #include "src/core/log.h"
+#include "src/core/hier_device.h"
 #include "src/device/device_choice.h"
 #include "src/device/host_reduce.h"
 #include "src/topology/cpu_bind.h"
@@ -35,7 +36,7 @@ void checkRankInfo(RankInfo* info, int r) {
     fail(loomRemoteError, "rank %d sent a control address of %u bytes, family %u, during init", r, info->ctlLen,
          unsigned(info->ctlAddr.ss_family));
   if (r != 0) return;
-  if (info->devicePath > 2 || info->deviceStageBytes < 4096 || info->deviceStageBytes > (1u << 30) ||
+  if (info->devicePath > 3 || info->deviceStageBytes < 4096 || info->deviceStageBytes > (1u << 30) ||
       info->deviceStageBytes % 256)
     fail(loomRemoteError, "rank 0 sent device path %u, staged pieces of %u B during init", info->devicePath,
          info->deviceStageBytes);
@@ -106,7 +107,8 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
   const Config& cfg = config();
   rank_ = rank;
   nranks_ = nranks;
-  logSetRank(rank);
+  part_ = device.part;
+  if (!part_) logSetRank(rank);  // a sub-communicator's rank is not the process's
   timeoutMs_ = cfg.timeoutMs;
   spinUs_ = cfg.spinUs;
   checkMode_ = cfg.checkMode;
@@ -135,8 +137,13 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
   RankInfo mine{};
   mine.deviceKind = deviceChoice.cuda ? 1 : 0;
   std::string host = !tlsTestHostId.empty() ? tlsTestHostId : cfg.hostId.empty() ? machineHostId() : cfg.hostId;
-  mine.devicePath = cfg.devicePath == "ipc" ? 1 : cfg.devicePath == "staged" ? 2 : 0;
+  mine.devicePath = device.path > 0                ? uint32_t(device.path)
+                    : cfg.devicePath == "ipc"      ? 1
+                    : cfg.devicePath == "staged"   ? 2
+                    : cfg.devicePath == "hier"     ? 3
+                                                   : 0;
   mine.deviceStageBytes = uint32_t(cfg.deviceStageBytes);
+  mine.deviceHierMinBytes = uint32_t(cfg.deviceHierMinBytes);
   snprintf(mine.hostId, sizeof mine.hostId, "%s", host.c_str());
   mine.localKey = localKey();
   mine.pid = int32_t(getpid());
@@ -188,7 +195,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
     rankTopos.push_back(p.topo);
   }
   topology_ = CommTopology(hostIds, rankTopos);
-  bindToCpus(cpus);
+  if (!device.part) bindToCpus(cpus);  // the parent bound the process already
   tuner_ = std::make_unique<Tuner>(cfg);
 
   TransportEnv env;
@@ -226,10 +233,12 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
   tl.stashBytes = size_t(cfg.p2pStashBytes);
   tagged_ = std::make_unique<TaggedP2P>(rank, nranks, tl);
   taggedRetryMs_.assign(size_t(nranks), 0);
-  if (!cfg.trace.empty()) tracer_ = std::make_unique<Tracer>(cfg.trace, rank, nranks);
+  if (!cfg.trace.empty() && !device.part) tracer_ = std::make_unique<Tracer>(cfg.trace, rank, nranks);
   if (deviceChoice.cuda) {
     // CUDA IPC maps device memory within a host only: ranks on several
-    // hosts stage through pinned host memory and the host transports.
+    // hosts stage through pinned host memory and the host transports, and
+    // with several ranks on each host all-reduce goes the hierarchical way
+    // (src/core/hier_device.h).
     int away = -1;
     for (int r = 0; r < nranks && away < 0; ++r)
       if (!env.sameHost(r)) away = r;
@@ -238,14 +247,21 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
            "LOOM_DEVICE_PATH=ipc: rank %d is on host %s, this rank on %s, and CUDA IPC works within a host only "
            "(auto or staged stage device buffers through pinned host memory between hosts)",
            away, env.hostId[size_t(away)].c_str(), env.hostId[size_t(rank)].c_str());
-    const bool staged = root.devicePath == 2 || away >= 0;
-    if (staged) {
+    const HierShape shape = hierShapeOf(hostIds, rank);
+    if (root.devicePath == 3 && !shape.usable())
+      fail(loomInvalidUsage, "LOOM_DEVICE_PATH=hier: %s (auto picks the path that applies)", shape.why.c_str());
+    const bool hier = shape.usable() && (root.devicePath == 3 || root.devicePath == 0);
+    const bool staged = !hier && (root.devicePath == 2 || away >= 0);
+    const int driverRank = device.driverRank >= 0 ? device.driverRank : rank;
+    if (hier) {
+      device_ = makeHierDevice(boot, deviceChoice, device, hostIds, root.deviceHierMinBytes, root.deviceStageBytes);
+    } else if (staged) {
       StagedCommOptions o = stagedOptions();
       o.pieceBytes = root.deviceStageBytes;
-      device_ = std::make_unique<StagedDeviceComm>(rank, nranks, deviceDriverFor(deviceChoice, rank, nranks), o);
+      device_ = std::make_unique<StagedDeviceComm>(rank, nranks, deviceDriverFor(deviceChoice, driverRank, nranks), o);
     } else {
       device_ = std::make_unique<DeviceComm>(
-          rank, nranks, deviceDriverFor(deviceChoice, rank, nranks),
+          rank, nranks, deviceDriverFor(deviceChoice, driverRank, nranks),
           [&boot](const void* m, size_t bytes, void* all) {
             std::vector<uint8_t> v = boot.allGather(m, bytes);
             memcpy(all, v.data(), v.size());
@@ -255,13 +271,19 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
     deviceForFail_.store(device_.get());
     // A notice that failed the communicator while device_ was being made.
     if (asyncError() != loomSuccess) device_->markFailed(asyncError(), lastError());
-    if (staged)
-      LOOM_INFO("INIT", "rank %d: device communicator on %s:%d, staged through pinned host memory (%s)", rank,
-                device_->deviceName(), device_->device(),
-                away >= 0 ? "ranks on several hosts" : "LOOM_DEVICE_PATH=staged");
+    const char* part = device.part ? device.part : "";
+    if (hier)
+      LOOM_INFO("INIT", "rank %d: device communicator on %s:%d, hierarchical: %d hosts x %d ranks (CUDA IPC within a "
+                "host, staged between hosts for all-reduces of %u B or more)",
+                rank, device_->deviceName(), device_->device(), shape.hosts, shape.perHost, root.deviceHierMinBytes);
+    else if (staged)
+      LOOM_INFO("INIT", "rank %d%s%s: device communicator on %s:%d, staged through pinned host memory (%s)", rank,
+                *part ? " of the hierarchical path's " : "", part, device_->deviceName(), device_->device(),
+                *part ? "its rail" : away >= 0 ? "ranks on several hosts" : "LOOM_DEVICE_PATH=staged");
     else
-      LOOM_INFO("INIT", "rank %d: device communicator on %s:%d, CUDA IPC windows of 2 x %zu B", rank,
-                device_->deviceName(), device_->device(), kDeviceSlotBytes);
+      LOOM_INFO("INIT", "rank %d%s%s: device communicator on %s:%d, CUDA IPC windows of 2 x %zu B", rank,
+                *part ? " of the hierarchical path's " : "", part, device_->deviceName(), device_->device(),
+                kDeviceSlotBytes);
   }
   LOOM_INFO("INIT", "rank %d of %d ready: host %s, %d local peers, slots %u x %u B, transports %s", rank, nranks,
             mine.hostId, local, root.slots, root.slotBytes, transportSpec_.c_str());
@@ -814,7 +836,11 @@ bool loomComm::failFirst(loomResult_t code, const std::string& msg, CtlType noti
     }
   }
   if (first) {
-    LOOM_WARN("COLL", "%s", msg.c_str());
+    // A hierarchical path's sub-communicator: its parent warns, naming it.
+    if (part_)
+      LOOM_INFO("COLL", "%s communicator: %s", part_, msg.c_str());
+    else
+      LOOM_WARN("COLL", "%s", msg.c_str());
     // A CUDA communicator's streams may wait on peers' flags: release them
     // (never waiting for the device).
     if (DeviceCollectives* d = deviceForFail_.load()) d->markFailed(code, msg);
@@ -825,9 +851,89 @@ bool loomComm::failFirst(loomResult_t code, const std::string& msg, CtlType noti
     if (notice != CtlType::Revoke)
       for (const auto& t : transports_) t->abort();
     notifyPeers(notice);
+    callFailureHook(code, msg);
     return true;
   }
   return false;
+}
+
+void loomComm::setFailureHook(std::function<void(loomResult_t, const std::string&)> hook) {
+  {
+    std::unique_lock<std::mutex> g(hookMutex_);
+    failureHook_ = std::move(hook);
+    // The old hook's calls under way end before its owner may go.
+    hookCv_.wait(g, [this] { return hookCalls_ == 0; });
+  }
+  // Failed before the hook was set: tell it now (a failure racing with
+  // this may tell it twice; failing the owner twice is harmless).
+  const loomResult_t code = asyncError();
+  if (code != loomSuccess) callFailureHook(code, lastError());
+}
+
+void loomComm::callFailureHook(loomResult_t code, const std::string& msg) {
+  // Called without the mutex held: the hook fails the parent, which fails
+  // the other sub-communicator, whose hook runs meanwhile.
+  std::function<void(loomResult_t, const std::string&)> h;
+  {
+    std::lock_guard<std::mutex> g(hookMutex_);
+    if (!failureHook_) return;
+    h = failureHook_;
+    ++hookCalls_;
+  }
+  h(code, msg);
+  {
+    std::lock_guard<std::mutex> g(hookMutex_);
+    --hookCalls_;
+  }
+  hookCv_.notify_all();
+}
+
+std::unique_ptr<DeviceCollectives> loomComm::makeHierDevice(Bootstrap& boot, const DeviceChoice& choice,
+                                                            const DeviceRequest& device,
+                                                            const std::vector<std::string>& hostIds,
+                                                            uint32_t minBytes, uint32_t stageBytes) {
+  HierParts parts;
+  parts.shape = hierShapeOf(hostIds, rank_);
+  parts.minBytes = minBytes;
+  const HierShape& sh = parts.shape;
+  const int driverRank = device.driverRank >= 0 ? device.driverRank : rank_;
+  StagedCommOptions o = stagedOptions();
+  o.pieceBytes = stageBytes;
+  parts.flat = std::make_unique<StagedDeviceComm>(rank_, nranks_, deviceDriverFor(choice, driverRank, nranks_), o);
+  // The first rank of each host makes its local communicator's id, each
+  // rank of the first host its rail's; every rank learns them all through
+  // the bootstrap, then joins its host's and its rail's (every rank in the
+  // same order: local, then rail; the groups of each are disjoint).
+  struct Ids {
+    loomUniqueId local, rail;
+  } mineIds;
+  memset(&mineIds, 0, sizeof mineIds);
+  if (sh.localIndex == 0) makeUniqueId(&mineIds.local);
+  if (sh.hostIndex == 0) makeUniqueId(&mineIds.rail);
+  std::vector<uint8_t> all = boot.allGather(&mineIds, sizeof mineIds);
+  std::vector<Ids> ids(static_cast<size_t>(nranks_));
+  memcpy(ids.data(), all.data(), all.size());
+  int localRoot = -1, railRoot = -1;
+  for (int r = 0; r < nranks_; ++r) {
+    if (localRoot < 0 && sh.hostOf[size_t(r)] == sh.hostIndex) localRoot = r;
+    if (railRoot < 0 && sh.hostOf[size_t(r)] == 0 && sh.localOf[size_t(r)] == sh.localIndex) railRoot = r;
+  }
+  DeviceRequest sub;
+  sub.kind = DeviceRequest::Kind::Cuda;
+  sub.device = choice.device;
+  sub.driverRank = driverRank;
+  sub.path = 1;
+  sub.part = "local";
+  parts.local = loomComm::create(decodeUniqueId(ids[size_t(localRoot)].local), sh.perHost, sh.localIndex, nullptr, sub);
+  sub.path = 2;
+  sub.part = "rail";
+  parts.rail = loomComm::create(decodeUniqueId(ids[size_t(railRoot)].rail), sh.hosts, sh.hostIndex, nullptr, sub);
+  logSetRank(rank_);
+  // Their first failure fails this communicator (which tells its peers);
+  // this one's failure fails them (HierDeviceComm::markFailed).
+  return std::make_unique<HierDeviceComm>(std::move(parts), [this](loomResult_t code, const std::string& msg) {
+    failFirst(code, strf("rank %d: %s", rank_, msg.c_str()));
+  });
 }
 
 void loomComm::notifyPeers(CtlType type) {
@@ -889,6 +995,7 @@ void loomComm::onNotice(const CtlMsg& m) {
 
 void loomComm::revoke() {
   if (revoked_.exchange(true)) return;
+  bool first = false;
   {
     std::lock_guard<std::mutex> lock(errMutex_);
     int expected = loomSuccess;
@@ -896,8 +1003,13 @@ void loomComm::revoke() {
       lastError_ = strf("rank %d: the communicator was revoked on this rank", rank_);
       causeRoot_ = rank_;
       causeMsg_ = lastError_;
+      first = true;
     }
   }
+  // A CUDA communicator's streams may wait on what the peers will not do
+  // now: release them, as a failure does.
+  if (first)
+    if (DeviceCollectives* d = deviceForFail_.load()) d->markFailed(loomRemoteError, lastError());
   // Even when the communicator had failed already: peers learn it is revoked.
   notifyPeers(CtlType::Revoke);
 }

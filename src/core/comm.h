@@ -6,6 +6,7 @@
 #include <array>
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -48,9 +49,9 @@ struct RankInfo {
   RankTopo topo;       // this rank's machine and placement (topology())
   sockaddr_storage ctlAddr;  // this rank's control socket (src/core/control.h)
   uint32_t ctlLen;
-  uint32_t devicePath; // LOOM_DEVICE_PATH: 0 auto, 1 ipc, 2 staged; rank 0's value is used by all
+  uint32_t devicePath; // LOOM_DEVICE_PATH: 0 auto, 1 ipc, 2 staged, 3 hier; rank 0's value is used by all
   uint32_t deviceStageBytes; // LOOM_DEVICE_STAGE_BYTES (the staged path's piece); rank 0's value is used by all
-  uint32_t pad3;
+  uint32_t deviceHierMinBytes; // LOOM_DEVICE_HIER_MIN_BYTES; rank 0's value is used by all
   uint64_t cpuSet;     // cpuSetHash of the CPUs it may run on (src/topology/cpu_bind.h)
 };
 
@@ -133,6 +134,11 @@ struct loomComm : public loom::ExecEnv,
   // nullptr for a rank left out.
   std::shared_ptr<loomComm> shrink(const std::vector<int>& exclude);
   void releaseHandle() { self_.reset(); }
+  // Called (once, on whichever thread fails it) with this communicator's
+  // first failure: a hierarchical parent's sub-communicators tell their
+  // parent this way (src/core/hier_device.h).  nullptr clears it; calls
+  // under way are waited for (so never clear it from the hook itself).
+  void setFailureHook(std::function<void(loomResult_t, const std::string&)> hook);
   bool isAborted() const { return aborted_.load(); }
   const std::vector<loom::RankInfo>& peers() const { return peers_; }
   // Which ranks share a host, each rank's NUMA node, GPU and NIC.
@@ -234,6 +240,7 @@ struct loomComm : public loom::ExecEnv,
                 loom::Algorithm algo, const char* algoName = nullptr);
 
   int rank_ = 0, nranks_ = 0;
+  const char* part_ = nullptr;  // "local" or "rail": a hierarchical path's sub-communicator
   std::atomic<int64_t> timeoutMs_{0};
   int64_t spinUs_ = 0;
   bool checkMode_ = true;
@@ -266,6 +273,17 @@ struct loomComm : public loom::ExecEnv,
   std::vector<int64_t> taggedRetryMs_;       // per peer: when to look for its tagged connection again
   loom::RegistrationTable registrations_;  // released before the transports
   std::unique_ptr<loom::DeviceCollectives> device_;  // CUDA communicators only
+  std::mutex hookMutex_;
+  std::condition_variable hookCv_;
+  std::function<void(loomResult_t, const std::string&)> failureHook_;  // under hookMutex_
+  int hookCalls_ = 0;  // under hookMutex_: calls of the hook under way
+  void callFailureHook(loomResult_t code, const std::string& msg);
+  // The hierarchical device path (several hosts, the same number of ranks
+  // on each): its internal local and rail communicators and the flat path.
+  std::unique_ptr<loom::DeviceCollectives> makeHierDevice(loom::Bootstrap& boot, const loom::DeviceChoice& choice,
+                                                          const loom::DeviceRequest& device,
+                                                          const std::vector<std::string>& hostIds, uint32_t minBytes,
+                                                          uint32_t stageBytes);
   // device_ for failFirst, which the control thread may run while init
   // still builds device_ (and after the control thread stops: nullptr).
   std::atomic<loom::DeviceCollectives*> deviceForFail_{nullptr};

@@ -102,10 +102,17 @@ const std::vector<ConfigVar>& configTable() {
        "current at init (cuda fails init with the reason on machines without a usable GPU; auto: cuda where "
        "the process has a usable GPU, else host; every rank must choose alike); loomCommInitRankConfig's "
        "config may name the kind and device instead"},
-      {"LOOM_DEVICE_PATH", "auto|ipc|staged", "auto",
+      {"LOOM_DEVICE_PATH", "auto|ipc|staged|hier", "auto",
        "how a CUDA communicator moves device buffers: ipc maps the ranks' device memory through CUDA IPC (one host "
-       "only); staged copies through pinned host memory and the host transports (any hosts); auto: ipc when every "
-       "rank is on one host, else staged (rank 0's value is used by all)"},
+       "only); staged copies through pinned host memory and the host transports (any hosts); hier: all-reduce as "
+       "reduce-scatter over CUDA IPC within each host, all-reduce of the shard staged between hosts, all-gather "
+       "within each host (several hosts with the same number of ranks, more than one, on each; the rest staged); "
+       "auto: ipc when every rank is on one host, else hier where it applies, else staged (rank 0's value is used "
+       "by all)"},
+      {"LOOM_DEVICE_HIER_MIN_BYTES", "int", "1048576",
+       "the hierarchical device path takes all-reduces of at least this many bytes; smaller ones are staged whole "
+       "(a guess, not measured on GPUs: below it the three programs' latency should outweigh the bytes saved; "
+       "rank 0's value is used by all)"},
       {"LOOM_DEVICE_STAGE_BYTES", "int", "2097152",
        "the staged path's piece: bytes a CUDA communicator stages per side and step through pinned host memory; "
        "it keeps 4 slots of 2 pieces (16 MiB pinned at the default), and stages up to 3 pieces ahead of the one "
@@ -213,7 +220,8 @@ static Config readConfig() {
   c.checkMode = envBool("LOOM_CHECK_MODE", true);
   c.device = envStr("LOOM_DEVICE", "host");
   c.deviceStageBytes = envInt("LOOM_DEVICE_STAGE_BYTES", 2 << 20, 4096, 1 << 30) & ~int64_t(255);
-  c.devicePath = envChoice("LOOM_DEVICE_PATH", {"auto", "ipc", "staged"}, "auto");
+  c.devicePath = envChoice("LOOM_DEVICE_PATH", {"auto", "ipc", "staged", "hier"}, "auto");
+  c.deviceHierMinBytes = envInt("LOOM_DEVICE_HIER_MIN_BYTES", 1 << 20, 0, int64_t(1) << 31);
   c.dumpSignal = envInt("LOOM_DUMP_SIGNAL", 0, 0, 64);
   c.trace = envStr("LOOM_TRACE");
   c.rank = envStr("LOOM_RANK");

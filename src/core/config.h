@@ -48,7 +48,8 @@ struct Config {
   std::string tuningFile;     // LOOM_TUNING_FILE
   bool checkMode;             // LOOM_CHECK_MODE
   std::string device;         // LOOM_DEVICE (checked by checkDeviceChoice)
-  std::string devicePath;     // LOOM_DEVICE_PATH: auto, ipc or staged
+  std::string devicePath;     // LOOM_DEVICE_PATH: auto, ipc, staged or hier
+  int64_t deviceHierMinBytes = 1 << 20;  // LOOM_DEVICE_HIER_MIN_BYTES
   int64_t deviceStageBytes = 2 << 20;  // LOOM_DEVICE_STAGE_BYTES
   int64_t dumpSignal;         // LOOM_DUMP_SIGNAL (0 = none)
   std::string trace;          // LOOM_TRACE (empty = off)

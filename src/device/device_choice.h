@@ -14,6 +14,14 @@ struct DeviceRequest {
   enum class Kind { FromEnv, Host, Cuda, Auto };
   Kind kind = Kind::FromEnv;
   int device = -1;  // the CUDA ordinal named; -1: the current device at init
+  // Set only for the internal sub-communicators of the hierarchical device
+  // path (src/core/hier_device.h): the path they must take (1: ipc, 2:
+  // staged; 0: LOOM_DEVICE_PATH), the rank whose device driver they use
+  // (the parent's rank; -1: their own), and their role for messages (they
+  // then neither bind CPUs, nor trace, nor change the log's rank).
+  int path = 0;
+  int driverRank = -1;
+  const char* part = nullptr;
 };
 
 struct DeviceChoice {

@@ -1,0 +1,202 @@
+#include "src/core/hier_device.h"
+
+#include <map>
+
+#include "src/core/comm.h"
+#include "src/core/error.h"
+#include "src/device/host_reduce.h"
+
+namespace loom {
+
+HierShape hierShapeOf(const std::vector<std::string>& hostIds, int rank) {
+  HierShape s;
+  const int n = int(hostIds.size());
+  std::map<std::string, int> index;  // host id -> host number
+  std::vector<int> count;
+  for (int r = 0; r < n; ++r) {
+    auto it = index.find(hostIds[size_t(r)]);
+    if (it == index.end()) {
+      it = index.emplace(hostIds[size_t(r)], int(count.size())).first;
+      count.push_back(0);
+    }
+    s.hostOf.push_back(it->second);
+    s.localOf.push_back(count[size_t(it->second)]++);
+  }
+  s.hosts = int(count.size());
+  s.perHost = count.empty() ? 0 : count[0];
+  for (size_t h = 1; h < count.size(); ++h)
+    if (count[h] != count[0]) {
+      s.why = strf("host %s has %d ranks, host %s has %d: the hierarchical path needs the same number on every host",
+                   hostIds[0].c_str(), count[0], [&] {
+                     for (int r = 0; r < n; ++r)
+                       if (s.hostOf[size_t(r)] == int(h)) return hostIds[size_t(r)];
+                     return std::string();
+                   }().c_str(), count[h]);
+      s.perHost = 0;
+      break;
+    }
+  if (rank >= 0 && rank < n) {
+    s.hostIndex = s.hostOf[size_t(rank)];
+    s.localIndex = s.localOf[size_t(rank)];
+  }
+  if (s.why.empty() && s.hosts < 2) s.why = "every rank is on one host (CUDA IPC serves it whole)";
+  if (s.why.empty() && s.perHost < 2)
+    s.why = "each host has one rank (there is nothing to reduce within a host: the staged path serves it)";
+  return s;
+}
+
+HierSplit hierSplit(size_t count, int perHost) {
+  HierSplit s;
+  if (perHost < 1) return {0, count};
+  s.shard = count / size_t(perHost);
+  s.tail = count - s.shard * size_t(perHost);
+  return s;
+}
+
+HierDeviceComm::HierDeviceComm(HierParts parts, std::function<void(loomResult_t, const std::string&)> onSubFailure)
+    : flat_(std::move(parts.flat)),
+      local_(std::move(parts.local)),
+      rail_(std::move(parts.rail)),
+      shape_(std::move(parts.shape)),
+      minBytes_(parts.minBytes) {
+  // Parent ranks of the sub-communicators' members, for messages.
+  std::string localRanks, railRanks;
+  for (size_t r = 0; r < shape_.hostOf.size(); ++r) {
+    if (shape_.hostOf[r] == shape_.hostIndex) localRanks += strf(" %zu", r);
+    if (shape_.localOf[r] == shape_.localIndex) railRanks += strf(" %zu", r);
+  }
+  auto hook = [onSubFailure](const char* part, const std::string& members) {
+    return [onSubFailure, part, members](loomResult_t code, const std::string& msg) {
+      onSubFailure(code, strf("the hierarchical path's %s communicator (its ranks 0.. are this communicator's ranks%s) "
+                              "failed: %s",
+                              part, members.c_str(), msg.c_str()));
+    };
+  };
+  local_->setFailureHook(hook("local", localRanks));
+  rail_->setFailureHook(hook("rail", railRanks));
+}
+
+HierDeviceComm::~HierDeviceComm() {
+  // As loomCommDestroy: every operation issued has run, then the handle's
+  // reference goes (an aborted or failed one releases its streams first).
+  for (std::shared_ptr<loomComm>* sub : {&local_, &rail_}) {
+    if (!*sub) continue;
+    (*sub)->setFailureHook(nullptr);
+    (*sub)->waitIdle();
+    (*sub)->releaseHandle();
+    sub->reset();
+  }
+  flat_.reset();
+}
+
+bool HierDeviceComm::hierarchical(const OpDesc& op) const {
+  if (op.coll != Collective::AllReduce) return false;
+  // Average divides on each level (by L, then by the hosts): within the
+  // rounding for floating point, but truncating twice is not truncating the
+  // sum once, so integers average on the flat path.
+  const bool fp = op.dtype == loomFloat16 || op.dtype == loomBfloat16 || op.dtype == loomFloat32 ||
+                  op.dtype == loomFloat64;
+  if (op.op == loomAvg && !fp) return false;
+  const HierSplit s = hierSplit(op.count, shape_.perHost);
+  return s.shard > 0 && op.count * dtypeSize(op.dtype) >= minBytes_;
+}
+
+void HierDeviceComm::runP2P(const std::vector<OpDesc>& ops, void* callerStream) {
+  std::lock_guard<std::mutex> g(runMu_);
+  flat_->runP2P(ops, callerStream);
+}
+
+void HierDeviceComm::run(const OpDesc& op, void* callerStream) {
+  std::lock_guard<std::mutex> g(runMu_);
+  if (!hierarchical(op)) {
+    flat_->run(op, callerStream);
+    return;
+  }
+  flat_->check(op);  // this device's buffers, a collective served: before anything is enqueued
+  if (failed_.load() || flat_->failed()) fail(loomRemoteError, "the hierarchical device path has failed");
+  for (loomComm* sub : {local_.get(), rail_.get()})
+    if (sub->asyncError() != loomSuccess)
+      fail(sub->asyncError(), "the hierarchical path's %s communicator has failed: %s",
+           sub == local_.get() ? "local" : "rail", sub->lastError().c_str());
+  const HierSplit s = hierSplit(op.count, shape_.perHost);
+  const size_t esz = dtypeSize(op.dtype);
+  auto at = [esz](const void* p, size_t elems) {
+    return static_cast<uint8_t*>(const_cast<void*>(p)) + elems * esz;
+  };
+  uint8_t* mine = at(op.recvbuf, size_t(shape_.localIndex) * s.shard);
+  OpDesc rs = op, ar = op, ag = op;
+  rs.coll = Collective::ReduceScatter;  // in place when the all-reduce is (NCCL's rule)
+  rs.recvbuf = mine;
+  rs.count = s.shard;
+  ar.sendbuf = mine;
+  ar.recvbuf = mine;
+  ar.count = s.shard;
+  ar.sendMem = ar.recvMem = op.recvMem;
+  ag.coll = Collective::AllGather;  // in place: the shard is at this rank's block
+  ag.sendbuf = mine;
+  ag.sendMem = op.recvMem;
+  ag.count = s.shard;
+  try {
+    local_->deviceComm()->run(rs, callerStream);
+    rail_->deviceComm()->run(ar, callerStream);
+    local_->deviceComm()->run(ag, callerStream);
+    if (s.tail > 0) {
+      OpDesc tail = op;
+      tail.sendbuf = at(op.sendbuf, s.shard * size_t(shape_.perHost));
+      tail.recvbuf = at(op.recvbuf, s.shard * size_t(shape_.perHost));
+      tail.count = s.tail;
+      flat_->run(tail, callerStream);
+    }
+  } catch (const Error& e) {
+    // Part of it is enqueued: the peers' programs no longer agree with this
+    // rank's, so every part fails (the caller fails the communicator).
+    markFailed(e.code(), e.what());
+    throw;
+  }
+  hierRuns_.fetch_add(1, std::memory_order_relaxed);
+}
+
+bool HierDeviceComm::failed() const {
+  return failed_.load() || flat_->failed() || local_->asyncError() != loomSuccess ||
+         rail_->asyncError() != loomSuccess;
+}
+
+bool HierDeviceComm::markFailed(loomResult_t code, const std::string& msg) {
+  const bool first = !failed_.exchange(true);
+  flat_->markFailed(code, msg);
+  // Each tells its own peers and releases its streams; their hooks find
+  // the owner failed already.
+  local_->setFailed(code, msg);
+  rail_->setFailed(code, msg);
+  return first;
+}
+
+void HierDeviceComm::setTimeoutMs(int64_t ms) {
+  flat_->setTimeoutMs(ms);
+  local_->setTimeoutMs(ms);
+  rail_->setTimeoutMs(ms);
+}
+
+void HierDeviceComm::stopWatchdog() {
+  // The hooks call into the owner, which is going.
+  local_->setFailureHook(nullptr);
+  rail_->setFailureHook(nullptr);
+  flat_->stopWatchdog();
+}
+
+std::string HierDeviceComm::describe() const {
+  std::string s = strf("hierarchical path: %d hosts x %d ranks, this rank host %d, local index %d; all-reduces of "
+                       "%zu B or more: reduce-scatter (local, %s), all-reduce of the shard (rail, %s), all-gather "
+                       "(local); %llu so far\n",
+                       shape_.hosts, shape_.perHost, shape_.hostIndex, shape_.localIndex, minBytes_,
+                       local_->deviceComm()->pathName(), rail_->deviceComm()->pathName(),
+                       static_cast<unsigned long long>(hierRuns_.load()));
+  s += "  local: " + local_->deviceComm()->describe();
+  if (s.back() != '\n') s += '\n';
+  s += "  rail: " + rail_->deviceComm()->describe();
+  if (s.back() != '\n') s += '\n';
+  s += "  flat: " + flat_->describe();
+  return s;
+}
+
+}  // namespace loom

@@ -1,0 +1,118 @@
+// The hierarchical device path: a CUDA communicator whose ranks sit on
+// several hosts, the same number on each.
+//
+// The staged path alone (src/device/staged_comm.h) copies a rank's whole
+// buffer over PCIe to pinned host memory and all-reduces it over every rank,
+// so each host moves its L GPUs' full buffers through host memory and the
+// network.  The hierarchical path keeps the bulk on the GPUs' own links:
+//
+//   1. reduce-scatter within the host, over CUDA IPC (an internal "local"
+//      communicator of the host's L ranks, the ipc path): rank i of the host
+//      ends with the host's sum of shard i (1/L of the buffer);
+//   2. all-reduce of that shard between hosts, staged through pinned host
+//      memory (an internal "rail" communicator of the ranks with local index
+//      i on every host, the staged path): 1/L of the buffer crosses PCIe and
+//      the network per rank;
+//   3. all-gather within the host, over CUDA IPC: every rank gets every shard.
+//
+// All three are stream programs on the caller's stream, in that order, so
+// each starts once the one before is done and the host thread returns at
+// once.  The elements past the last whole shard (count % L of them) and
+// every other collective, send/recv included, take the parent's own staged
+// path ("flat"), as do all-reduces smaller than LOOM_DEVICE_HIER_MIN_BYTES.
+// Every rank decides alike: the decision depends on the count, the type and
+// rank 0's threshold only.
+//
+// The sub-communicators are made during the parent's init and live as long
+// as it does.  Their failures are the parent's: a sub-communicator's first
+// failure fails the parent (which tells its peers), and the parent's
+// failure (an error, a peer's notice, loomCommAbort, a revoke) fails both
+// sub-communicators, which releases their streams as on the other paths.
+#pragma once
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "src/device/device_comm.h"
+
+struct loomComm;
+
+namespace loom {
+
+// Where a rank sits among the hosts of a communicator (hostIds: one per
+// rank).  Hosts are numbered in the order of their lowest rank, ranks of a
+// host by rank.
+struct HierShape {
+  int hosts = 0;
+  int perHost = 0;      // ranks per host when every host has the same number, else 0
+  int hostIndex = 0;    // this rank's host
+  int localIndex = 0;   // this rank's place on its host
+  std::vector<int> hostOf, localOf;  // per rank
+  // Whether the hierarchical path applies: several hosts, the same number
+  // of ranks on each, more than one.  Else why not.
+  bool usable() const { return hosts > 1 && perHost > 1; }
+  std::string why;
+};
+HierShape hierShapeOf(const std::vector<std::string>& hostIds, int rank);
+
+// How an all-reduce of `count` elements is split over L ranks per host:
+// `shard` elements per local rank through the hierarchy, `tail` through the
+// flat path.
+struct HierSplit {
+  size_t shard = 0, tail = 0;
+};
+HierSplit hierSplit(size_t count, int perHost);
+
+struct HierParts {
+  std::unique_ptr<DeviceCollectives> flat;  // the parent's staged path
+  std::shared_ptr<loomComm> local, rail;    // CUDA communicators: ipc, staged
+  HierShape shape;
+  size_t minBytes = 0;  // LOOM_DEVICE_HIER_MIN_BYTES (rank 0's)
+};
+
+class HierDeviceComm final : public DeviceCollectives {
+ public:
+  // onSubFailure: a sub-communicator failed first (code, its message); the
+  // owner fails itself.  Called on the sub-communicator's thread, never
+  // after stopWatchdog().
+  HierDeviceComm(HierParts parts, std::function<void(loomResult_t, const std::string&)> onSubFailure);
+  ~HierDeviceComm() override;
+
+  int device() const override { return flat_->device(); }
+  const char* deviceName() const override { return flat_->deviceName(); }
+  const char* pathName() const override { return "hier"; }
+  void check(const OpDesc& op) const override { flat_->check(op); }
+  void run(const OpDesc& op, void* callerStream) override;
+  void runP2P(const std::vector<OpDesc>& ops, void* callerStream) override;
+  void prepareP2P(const std::vector<OpDesc>& ops) override { flat_->prepareP2P(ops); }
+  bool failed() const override;
+  bool markFailed(loomResult_t code, const std::string& msg) override;
+  void setTimeoutMs(int64_t ms) override;
+  void stopWatchdog() override;
+  void abandon() override { flat_->abandon(); }
+  std::string describe() const override;
+
+  // Whether run() takes `op` through the hierarchy.
+  bool hierarchical(const OpDesc& op) const;
+  const HierShape& shape() const { return shape_; }
+  loomComm* localComm() const { return local_.get(); }  // tests
+  loomComm* railComm() const { return rail_.get(); }    // tests
+  DeviceCollectives* flat() const { return flat_.get(); }
+  uint64_t hierRuns() const { return hierRuns_.load(); }  // tests: all-reduces through the hierarchy
+
+ private:
+  std::unique_ptr<DeviceCollectives> flat_;
+  std::shared_ptr<loomComm> local_, rail_;
+  HierShape shape_;
+  size_t minBytes_;
+  std::atomic<bool> failed_{false};
+  std::atomic<uint64_t> hierRuns_{0};
+  // One operation's parts go to the sub-communicators together, so that
+  // calls from several threads keep one order on all three.
+  std::mutex runMu_;
+};
+
+}  // namespace loom
