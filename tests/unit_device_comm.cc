@@ -1810,6 +1810,40 @@ loom::StagedDeviceComm* stagedOf(loomComm_t c) { return dynamic_cast<loom::Stage
 
 }  // namespace
 
+namespace {
+
+// Send/recv in a ring, each rank's send and receive in one group (one
+// thread drives every communicator), n int32 each: how many elements
+// arrived wrong once every stream is done.
+long ringSendRecvWrong(SimMemory& mem, loomsim::SimDeviceWorld& world, const std::vector<loomComm_t>& comms,
+                       size_t n) {
+  const int N = int(comms.size());
+  auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+  std::vector<int32_t*> out, in;
+  for (int r = 0; r < N; ++r) {
+    out.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, n * 4)));
+    in.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, n * 4)));
+    for (size_t i = 0; i < n; ++i) out[size_t(r)][i] = int32_t(r * 1000003 + int(i)), in[size_t(r)][i] = -1;
+  }
+  REQUIRE(loomGroupStart() == loomSuccess);
+  for (int r = 0; r < N; ++r) {
+    CHECK(loomSend(out[size_t(r)], n, loomInt32, (r + 1) % N, comms[size_t(r)], fakeStream) == loomSuccess);
+    CHECK(loomRecv(in[size_t(r)], n, loomInt32, (r + N - 1) % N, comms[size_t(r)], fakeStream) == loomSuccess);
+  }
+  REQUIRE(loomGroupEnd() == loomSuccess);
+  for (int r = 0; r < N; ++r) {
+    std::string msg;
+    CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
+    INFO(msg);
+  }
+  long wrong = 0;
+  for (int r = 0; r < N; ++r)
+    for (size_t i = 0; i < n; ++i) wrong += in[size_t(r)][i] != int32_t(((r + N - 1) % N) * 1000003 + int(i));
+  return wrong;
+}
+
+}  // namespace
+
 TEST_CASE("CUDA communicator across hosts (simulated device, ranks as threads posing as two hosts): the staged "
           "path, every collective exact for N = 2 and 3 through the C API, back to back on the stream, pieces that "
           "reuse every slot, send/recv groups and all-to-allv",
@@ -1860,19 +1894,7 @@ TEST_CASE("CUDA communicator across hosts (simulated device, ranks as threads po
 
     // Send/recv: a ring in one group per rank (one thread drives every
     // communicator), then all-to-allv with a different count per pair.
-    const size_t n = 5000;  // 20 KB: staged whole, in one host group
-    std::vector<int32_t*> out, in;
-    for (int r = 0; r < N; ++r) {
-      out.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, n * 4)));
-      in.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, n * 4)));
-      for (size_t i = 0; i < n; ++i) out[size_t(r)][i] = int32_t(r * 1000003 + int(i)), in[size_t(r)][i] = -1;
-    }
-    REQUIRE(loomGroupStart() == loomSuccess);
-    for (int r = 0; r < N; ++r) {
-      CHECK(loomSend(out[size_t(r)], n, loomInt32, (r + 1) % N, comms[size_t(r)], fakeStream) == loomSuccess);
-      CHECK(loomRecv(in[size_t(r)], n, loomInt32, (r + N - 1) % N, comms[size_t(r)], fakeStream) == loomSuccess);
-    }
-    REQUIRE(loomGroupEnd() == loomSuccess);
+    CHECK(ringSendRecvWrong(mem, world, comms, 5000) == 0);  // 20 KB: staged whole, in one host group
     // all-to-allv: rank r sends r + q + 1 elements to rank q.
     const size_t NN = static_cast<size_t>(N);
     std::vector<std::vector<size_t>> sc(NN), sd(NN), rc(NN), rd(NN);
@@ -1899,8 +1921,6 @@ TEST_CASE("CUDA communicator across hosts (simulated device, ranks as threads po
     }
     long wrong = 0;
     for (int r = 0; r < N; ++r) {
-      const int from = (r + N - 1) % N;
-      for (size_t i = 0; i < n; ++i) wrong += in[size_t(r)][i] != int32_t(from * 1000003 + int(i));
       for (int q = 0; q < N; ++q)  // block from rank q: q's block for r
         for (size_t i = 0; i < rc[size_t(r)][size_t(q)]; ++i)
           wrong += vr[size_t(r)][rd[size_t(r)][size_t(q)] + i] != q * 100 + r * 10000 + int(i);
@@ -1976,28 +1996,26 @@ TEST_CASE("CUDA communicators and hosts: LOOM_DEVICE_PATH=ipc across hosts fails
 }
 
 
-TEST_CASE("CUDA communicator across hosts (simulated device): a rank's loomCommAbort while the others' staged "
-          "all-reduce waits for it fails them with its reason, releases their streams, later calls fail at once, and "
-          "destroy frees the pinned memory",
-          "[devcomm][staged][abort]") {
-  SimMemory mem;
-  loomsim::SimDeviceWorld world(3, 1, 256, patientDevice());
-  DeviceEnv env(mem, world);
-  ScopedEnv piece("LOOM_DEVICE_STAGE_BYTES", "4096");
-  std::vector<loomComm_t> comms = initCudaCommsOn(3, twoHosts);
-  REQUIRE(comms.size() == 3);
+namespace {
+
+// The last of `comms` aborts while the others' all-reduce of n int32 waits
+// for it (it never took part): they fail with its reason at once, their
+// streams are released and run to the end, later calls fail at once, and
+// destroy is prompt and frees the pinned memory.
+void checkAbortReleasesOthers(SimMemory& mem, loomsim::SimDeviceWorld& world, const std::vector<loomComm_t>& comms,
+                              size_t n) {
+  const int waiting = int(comms.size()) - 1;
   auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
-  const size_t n = 20000;  // 20 pieces
   std::vector<int32_t*> buf;
-  for (int r = 0; r < 2; ++r) buf.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, n * 4)));
-  for (int r = 0; r < 2; ++r)
+  for (int r = 0; r < waiting; ++r) buf.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, n * 4)));
+  for (int r = 0; r < waiting; ++r)
     CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) ==
           loomSuccess);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   const int64_t t0 = loom::nowMs();
-  CHECK(loomCommAbort(comms[2]) == loomSuccess);  // rank 2 never took part
+  CHECK(loomCommAbort(comms.back()) == loomSuccess);
   CHECK(loom::nowMs() - t0 < 5000);
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < waiting; ++r) {
     std::string msg;
     CHECK(world.rank(r).synchronize(&msg) == loomSuccess);  // released: the streams ran to the end
     loomResult_t ae = loomSuccess;
@@ -2009,9 +2027,26 @@ TEST_CASE("CUDA communicator across hosts (simulated device): a rank's loomCommA
     CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) ==
           loomRemoteError);
   }
-  for (int r = 0; r < 2; ++r) CHECK(loomCommDestroy(comms[size_t(r)]) == loomSuccess);
+  const int64_t t1 = loom::nowMs();
+  for (int r = 0; r < waiting; ++r) CHECK(loomCommDestroy(comms[size_t(r)]) == loomSuccess);
+  CHECK(loom::nowMs() - t1 < 5000);
   CHECK(loom::waitDeviceRemains(10000));
   CHECK(g_pinnedLive.load() == 0);
+}
+
+}  // namespace
+
+TEST_CASE("CUDA communicator across hosts (simulated device): a rank's loomCommAbort while the others' staged "
+          "all-reduce waits for it fails them with its reason, releases their streams, later calls fail at once, and "
+          "destroy frees the pinned memory",
+          "[devcomm][staged][abort]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(3, 1, 256, patientDevice());
+  DeviceEnv env(mem, world);
+  ScopedEnv piece("LOOM_DEVICE_STAGE_BYTES", "4096");
+  std::vector<loomComm_t> comms = initCudaCommsOn(3, twoHosts);
+  REQUIRE(comms.size() == 3);
+  checkAbortReleasesOthers(mem, world, comms, 20000);  // 20 pieces
 }
 
 TEST_CASE("CUDA communicator across hosts (simulated device): a caller's stream that never reaches the staging copy "
@@ -2201,29 +2236,7 @@ TEST_CASE("CUDA communicator on several hosts with several ranks each (simulated
     for (const Prepared& p : prepared) CHECK(verifyNear(p, N) == "");
     for (int r = 0; r < N; ++r) CHECK(hierOf(comms[size_t(r)])->hierRuns() == hierWanted);
 
-    // Send/recv: a ring in one group (the flat path).
-    const size_t n = 5000;
-    std::vector<int32_t*> out, in;
-    for (int r = 0; r < N; ++r) {
-      out.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, n * 4)));
-      in.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, n * 4)));
-      for (size_t i = 0; i < n; ++i) out[size_t(r)][i] = int32_t(r * 1000003 + int(i)), in[size_t(r)][i] = -1;
-    }
-    REQUIRE(loomGroupStart() == loomSuccess);
-    for (int r = 0; r < N; ++r) {
-      CHECK(loomSend(out[size_t(r)], n, loomInt32, (r + 1) % N, comms[size_t(r)], fakeStream) == loomSuccess);
-      CHECK(loomRecv(in[size_t(r)], n, loomInt32, (r + N - 1) % N, comms[size_t(r)], fakeStream) == loomSuccess);
-    }
-    REQUIRE(loomGroupEnd() == loomSuccess);
-    for (int r = 0; r < N; ++r) {
-      std::string msg;
-      CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
-      INFO(msg);
-    }
-    long wrong = 0;
-    for (int r = 0; r < N; ++r)
-      for (size_t i = 0; i < n; ++i) wrong += in[size_t(r)][i] != int32_t(((r + N - 1) % N) * 1000003 + int(i));
-    CHECK(wrong == 0);
+    CHECK(ringSendRecvWrong(mem, world, comms, 5000) == 0);  // the flat path
     for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
     CHECK(loom::waitDeviceRemains(10000));
     CHECK(g_pinnedLive.load() == 0);
@@ -2293,34 +2306,8 @@ TEST_CASE("CUDA communicator on the hierarchical path (simulated device): a rank
   ScopedEnv minBytes("LOOM_DEVICE_HIER_MIN_BYTES", "0");
   std::vector<loomComm_t> comms = initCudaCommsOn(4, [](int r) { return "hier-host-" + std::to_string(r / 2); });
   REQUIRE(comms.size() == 4);
-  auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
-  const size_t n = 20001;  // shards of 10000 (10 rail pieces) and a tail
-  std::vector<int32_t*> buf;
-  for (int r = 0; r < 3; ++r) buf.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, n * 4)));
-  for (int r = 0; r < 3; ++r)
-    CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) ==
-          loomSuccess);
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  const int64_t t0 = loom::nowMs();
-  CHECK(loomCommAbort(comms[3]) == loomSuccess);  // rank 3 never took part
-  CHECK(loom::nowMs() - t0 < 5000);
-  for (int r = 0; r < 3; ++r) {
-    std::string msg;
-    CHECK(world.rank(r).synchronize(&msg) == loomSuccess);  // released: the streams ran to the end
-    loomResult_t ae = loomSuccess;
-    CHECK(loomCommGetAsyncError(comms[size_t(r)], &ae) == loomSuccess);
-    CHECK(ae == loomRemoteError);
-    std::string last = loomGetLastError(comms[size_t(r)]);
-    INFO(last);
-    CHECK(last.find("aborted") != std::string::npos);
-    CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) ==
-          loomRemoteError);
-  }
-  const int64_t t1 = loom::nowMs();
-  for (int r = 0; r < 3; ++r) CHECK(loomCommDestroy(comms[size_t(r)]) == loomSuccess);
-  CHECK(loom::nowMs() - t1 < 5000);
-  CHECK(loom::waitDeviceRemains(10000));
-  CHECK(g_pinnedLive.load() == 0);
+  REQUIRE(hierOf(comms[0]) != nullptr);
+  checkAbortReleasesOthers(mem, world, comms, 20001);  // shards of 10000 (10 rail pieces) and a tail
 }
 
 TEST_CASE("CUDA communicator on the hierarchical path (simulated device): a failure of one rank's internal rail "
