@@ -2330,11 +2330,87 @@ TEST_CASE("CUDA communicator on the hierarchical path (simulated device): a fail
     INFO("rank " << r << ": " << last);
     CHECK(last.find("rail communicator") != std::string::npos);
     CHECK(last.find("ranks 1 3") != std::string::npos);
+    // Where it began, in this communicator's ranks: rank 1 (rank 3's rail
+    // heard of it from rank 1's and names it in its own message; ranks 0
+    // and 2 hear of it from rank 1 and rank 3, both naming rank 1).
+    if (r == 0 || r == 2) CHECK(last.find("failed on rank 1") != std::string::npos);
     CHECK(hierOf(comms[size_t(r)])->failed());
   }
   const int64_t t0 = loom::nowMs();
   for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
   CHECK(loom::nowMs() - t0 < 5000);
+  CHECK(loom::waitDeviceRemains(10000));
+  CHECK(g_pinnedLive.load() == 0);
+}
+
+TEST_CASE("CUDA communicator on the hierarchical path (simulated device): loomCommRevoke while the others' all-reduce "
+          "waits releases every rank's streams and every rank's error says revoked, not a sub-communicator's failure",
+          "[devcomm][hierdev][abort]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(4, 1, 256, patientDevice());
+  DeviceEnv env(mem, world);
+  ScopedEnv minBytes("LOOM_DEVICE_HIER_MIN_BYTES", "0");
+  std::vector<loomComm_t> comms = initCudaCommsOn(4, [](int r) { return "hier-host-" + std::to_string(r / 2); });
+  REQUIRE(comms.size() == 4);
+  auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+  const size_t n = 20001;
+  std::vector<int32_t*> buf;
+  for (int r = 0; r < 3; ++r) buf.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, n * 4)));
+  for (int r = 0; r < 3; ++r)  // rank 3 never takes part
+    CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) ==
+          loomSuccess);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK(loomCommRevoke(comms[0]) == loomSuccess);
+  for (int r = 0; r < 4; ++r) {
+    if (r < 3) {
+      std::string msg;
+      CHECK(world.rank(r).synchronize(&msg) == loomSuccess);  // released
+    }
+    loomResult_t ae = loomSuccess;
+    for (int i = 0; i < 500 && ae == loomSuccess; ++i) {
+      CHECK(loomCommGetAsyncError(comms[size_t(r)], &ae) == loomSuccess);
+      if (ae == loomSuccess) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    CHECK(ae == loomRemoteError);
+    std::string last = loomGetLastError(comms[size_t(r)]);
+    INFO("rank " << r << ": " << last);
+    CHECK(last.find("revoked") != std::string::npos);
+    CHECK(last.find("communicator (its ranks") == std::string::npos);  // no sub-communicator's story
+  }
+  const int64_t t0 = loom::nowMs();
+  for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
+  CHECK(loom::nowMs() - t0 < 5000);
+  CHECK(loom::waitDeviceRemains(10000));
+  CHECK(g_pinnedLive.load() == 0);
+}
+
+TEST_CASE("CUDA communicators split from a hierarchical one with LOOM_DEVICE_PATH=hier: a shape it does not apply to "
+          "takes the path auto picks instead of failing",
+          "[devcomm][hierdev]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(4, 1, 256, patientDevice());
+  DeviceEnv env(mem, world);
+  ScopedEnv path("LOOM_DEVICE_PATH", "hier");
+  std::vector<loomComm_t> comms = initCudaCommsOn(4, [](int r) { return "hier-host-" + std::to_string(r / 2); });
+  REQUIRE(comms.size() == 4);
+  for (loomComm_t c : comms) CHECK(hierOf(c) != nullptr);
+  std::vector<loomComm_t> parts(4, nullptr);
+  std::vector<loomResult_t> rcs(4, loomSuccess);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 4; ++r)  // {0, 1, 2}: hosts of 2 and 1 ranks (staged); {3}: one rank (ipc)
+    ts.emplace_back([&, r] {
+      loom::setThreadHostIdForTesting("hier-host-" + std::to_string(r / 2));
+      rcs[size_t(r)] = loomCommSplit(comms[size_t(r)], r == 3, r, &parts[size_t(r)]);
+      loom::setThreadHostIdForTesting("");
+    });
+  for (auto& t : ts) t.join();
+  for (int r = 0; r < 4; ++r) {
+    CHECK(rcs[size_t(r)] == loomSuccess);
+    REQUIRE(parts[size_t(r)] != nullptr);
+    CHECK(std::string(parts[size_t(r)]->deviceComm()->pathName()) == (r == 3 ? "ipc" : "staged"));
+  }
+  for (loomComm_t c : parts) CHECK(loomCommDestroy(c) == loomSuccess);
+  for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
   CHECK(loom::waitDeviceRemains(10000));
   CHECK(g_pinnedLive.load() == 0);
 }

@@ -106,11 +106,14 @@ void fillRandom(void* buf, size_t n) {
   }
 }
 
-void makeUniqueId(loomUniqueId* out) {
+void makeUniqueId(loomUniqueId* out, const SockAddr* advertiseAt) {
   const Config& cfg = config();
   SockAddr bindAddr, advertise;
   if (!cfg.socketIfname.empty()) {
     bindAddr = advertise = interfaceAddr(cfg.socketIfname);
+  } else if (advertiseAt) {
+    bindAddr = resolveAddr(advertiseAt->ss.ss_family == AF_INET6 ? "::" : "0.0.0.0", 0);
+    advertise = *advertiseAt;
   } else {
     // Listen everywhere; local ranks come through loopback, others through
     // the first interface that is up.

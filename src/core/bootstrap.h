@@ -35,8 +35,11 @@ std::string machineHostId();
 
 void fillRandom(void* buf, size_t n);
 
-// Opens a listener for a new root and describes it in *id.
-void makeUniqueId(loomUniqueId* id);
+// Opens a listener for a new root and describes it in *id.  It advertises
+// `advertise`'s host when given (an address peers are known to reach: a
+// hierarchical device path's sub-communicators use their parent's), else
+// LOOM_SOCKET_IFNAME's, else the first interface that is up.
+void makeUniqueId(loomUniqueId* id, const SockAddr* advertise = nullptr);
 UniqueIdData decodeUniqueId(const loomUniqueId& id);
 // Builds an id for a root at hostPort with the given secret (environment
 // launchers); rank 0 binds the port itself.

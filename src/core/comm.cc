@@ -152,6 +152,17 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
   mine.mailBytes = uint32_t(cfg.shmSmallBytes);
   mine.stageBytes = uint32_t(cfg.shmStageBytes);
   snprintf(mine.transports, sizeof mine.transports, "%s", cfg.transports.c_str());
+  if (const RankInfo* p = device.parentRoot) {
+    // A sub-communicator: its parent's rank 0 settings, whatever the
+    // environment of its own root says.
+    mine.slotBytes = p->slotBytes;
+    mine.slots = p->slots;
+    mine.mailBytes = p->mailBytes;
+    mine.stageBytes = p->stageBytes;
+    memcpy(mine.transports, p->transports, sizeof mine.transports);
+    mine.deviceStageBytes = p->deviceStageBytes;
+    mine.deviceHierMinBytes = p->deviceHierMinBytes;
+  }
   fillRandom(&mine.commTag, sizeof mine.commTag);
   mine.topo = localRankTopo(advertise.ss);
   const std::vector<int> cpus = allowedCpus();
@@ -248,13 +259,13 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
            "(auto or staged stage device buffers through pinned host memory between hosts)",
            away, env.hostId[size_t(away)].c_str(), env.hostId[size_t(rank)].c_str());
     const HierShape shape = hierShapeOf(hostIds, rank);
-    if (root.devicePath == 3 && !shape.usable())
+    if (root.devicePath == 3 && !shape.usable() && !device.derived)
       fail(loomInvalidUsage, "LOOM_DEVICE_PATH=hier: %s (auto picks the path that applies)", shape.why.c_str());
     const bool hier = shape.usable() && (root.devicePath == 3 || root.devicePath == 0);
     const bool staged = !hier && (root.devicePath == 2 || away >= 0);
     const int driverRank = device.driverRank >= 0 ? device.driverRank : rank;
     if (hier) {
-      device_ = makeHierDevice(boot, deviceChoice, device, hostIds, root.deviceHierMinBytes, root.deviceStageBytes);
+      device_ = makeHierDevice(boot, deviceChoice, device, hostIds, advertise);
     } else if (staged) {
       StagedCommOptions o = stagedOptions();
       o.pieceBytes = root.deviceStageBytes;
@@ -285,8 +296,9 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
                 *part ? " of the hierarchical path's " : "", part, device_->deviceName(), device_->device(),
                 kDeviceSlotBytes);
   }
-  LOOM_INFO("INIT", "rank %d of %d ready: host %s, %d local peers, slots %u x %u B, transports %s", rank, nranks,
-            mine.hostId, local, root.slots, root.slotBytes, transportSpec_.c_str());
+  LOOM_INFO("INIT", "rank %d of %d%s%s ready: host %s, %d local peers, slots %u x %u B, transports %s", rank, nranks,
+            part_ ? " of a hierarchical path's " : "", part_ ? part_ : "", mine.hostId, local, root.slots,
+            root.slotBytes, transportSpec_.c_str());
 }
 
 loom::DeviceCommOptions loomComm::deviceOptions() {
@@ -851,13 +863,35 @@ bool loomComm::failFirst(loomResult_t code, const std::string& msg, CtlType noti
     if (notice != CtlType::Revoke)
       for (const auto& t : transports_) t->abort();
     notifyPeers(notice);
-    callFailureHook(code, msg);
+    FailureNote note;
+    note.code = code;
+    note.msg = msg;
+    note.root = root;
+    note.rootMsg = rootMsg;
+    callFailureHook(note);
     return true;
   }
   return false;
 }
 
-void loomComm::setFailureHook(std::function<void(loomResult_t, const std::string&)> hook) {
+void loomComm::failFromParent(loomResult_t code, const std::string& msg) {
+  bool first;
+  {
+    std::lock_guard<std::mutex> lock(errMutex_);
+    int expected = loomSuccess;
+    first = asyncError_.compare_exchange_strong(expected, code);
+    if (first) {
+      causeRoot_ = rank_;
+      causeMsg_ = msg;
+      lastError_ = msg;
+    }
+  }
+  if (!first) return;
+  LOOM_INFO("COLL", "%s communicator: its parent failed: %s", part_ ? part_ : "a", msg.c_str());
+  if (DeviceCollectives* d = deviceForFail_.load()) d->markFailed(code, msg);
+}
+
+void loomComm::setFailureHook(std::function<void(const FailureNote&)> hook) {
   {
     std::unique_lock<std::mutex> g(hookMutex_);
     failureHook_ = std::move(hook);
@@ -866,21 +900,28 @@ void loomComm::setFailureHook(std::function<void(loomResult_t, const std::string
   }
   // Failed before the hook was set: tell it now (a failure racing with
   // this may tell it twice; failing the owner twice is harmless).
-  const loomResult_t code = asyncError();
-  if (code != loomSuccess) callFailureHook(code, lastError());
+  FailureNote note;
+  note.code = asyncError();
+  if (note.code == loomSuccess) return;
+  note.msg = lastError();
+  {
+    std::lock_guard<std::mutex> lock(errMutex_);
+    if (causeRoot_ != rank_) note.root = causeRoot_, note.rootMsg = causeMsg_;
+  }
+  callFailureHook(note);
 }
 
-void loomComm::callFailureHook(loomResult_t code, const std::string& msg) {
+void loomComm::callFailureHook(const FailureNote& note) {
   // Called without the mutex held: the hook fails the parent, which fails
   // the other sub-communicator, whose hook runs meanwhile.
-  std::function<void(loomResult_t, const std::string&)> h;
+  std::function<void(const FailureNote&)> h;
   {
     std::lock_guard<std::mutex> g(hookMutex_);
     if (!failureHook_) return;
     h = failureHook_;
     ++hookCalls_;
   }
-  h(code, msg);
+  h(note);
   {
     std::lock_guard<std::mutex> g(hookMutex_);
     --hookCalls_;
@@ -891,14 +932,15 @@ void loomComm::callFailureHook(loomResult_t code, const std::string& msg) {
 std::unique_ptr<DeviceCollectives> loomComm::makeHierDevice(Bootstrap& boot, const DeviceChoice& choice,
                                                             const DeviceRequest& device,
                                                             const std::vector<std::string>& hostIds,
-                                                            uint32_t minBytes, uint32_t stageBytes) {
+                                                            const SockAddr& advertise) {
+  const RankInfo& root = peers_[0];
   HierParts parts;
   parts.shape = hierShapeOf(hostIds, rank_);
-  parts.minBytes = minBytes;
+  parts.minBytes = root.deviceHierMinBytes;
   const HierShape& sh = parts.shape;
   const int driverRank = device.driverRank >= 0 ? device.driverRank : rank_;
   StagedCommOptions o = stagedOptions();
-  o.pieceBytes = stageBytes;
+  o.pieceBytes = root.deviceStageBytes;
   parts.flat = std::make_unique<StagedDeviceComm>(rank_, nranks_, deviceDriverFor(choice, driverRank, nranks_), o);
   // The first rank of each host makes its local communicator's id, each
   // rank of the first host its rail's; every rank learns them all through
@@ -908,8 +950,9 @@ std::unique_ptr<DeviceCollectives> loomComm::makeHierDevice(Bootstrap& boot, con
     loomUniqueId local, rail;
   } mineIds;
   memset(&mineIds, 0, sizeof mineIds);
-  if (sh.localIndex == 0) makeUniqueId(&mineIds.local);
-  if (sh.hostIndex == 0) makeUniqueId(&mineIds.rail);
+  // Advertised where this communicator's own peers reach this rank.
+  if (sh.localIndex == 0) makeUniqueId(&mineIds.local, &advertise);
+  if (sh.hostIndex == 0) makeUniqueId(&mineIds.rail, &advertise);
   std::vector<uint8_t> all = boot.allGather(&mineIds, sizeof mineIds);
   std::vector<Ids> ids(static_cast<size_t>(nranks_));
   memcpy(ids.data(), all.data(), all.size());
@@ -922,17 +965,28 @@ std::unique_ptr<DeviceCollectives> loomComm::makeHierDevice(Bootstrap& boot, con
   sub.kind = DeviceRequest::Kind::Cuda;
   sub.device = choice.device;
   sub.driverRank = driverRank;
+  sub.parentRoot = &root;
   sub.path = 1;
   sub.part = "local";
-  parts.local = loomComm::create(decodeUniqueId(ids[size_t(localRoot)].local), sh.perHost, sh.localIndex, nullptr, sub);
-  sub.path = 2;
-  sub.part = "rail";
-  parts.rail = loomComm::create(decodeUniqueId(ids[size_t(railRoot)].rail), sh.hosts, sh.hostIndex, nullptr, sub);
+  try {
+    parts.local =
+        loomComm::create(decodeUniqueId(ids[size_t(localRoot)].local), sh.perHost, sh.localIndex, nullptr, sub);
+    sub.path = 2;
+    sub.part = "rail";
+    parts.rail = loomComm::create(decodeUniqueId(ids[size_t(railRoot)].rail), sh.hosts, sh.hostIndex, nullptr, sub);
+  } catch (...) {
+    // A communicator keeps itself (its handle's reference) until released.
+    if (parts.local) {
+      parts.local->abort();
+      parts.local->releaseHandle();
+    }
+    throw;
+  }
   logSetRank(rank_);
   // Their first failure fails this communicator (which tells its peers);
   // this one's failure fails them (HierDeviceComm::markFailed).
-  return std::make_unique<HierDeviceComm>(std::move(parts), [this](loomResult_t code, const std::string& msg) {
-    failFirst(code, strf("rank %d: %s", rank_, msg.c_str()));
+  return std::make_unique<HierDeviceComm>(std::move(parts), [this](const FailureNote& n) {
+    failFirst(n.code, strf("rank %d: %s", rank_, n.msg.c_str()), CtlType::Fail, n.root, n.rootMsg);
   });
 }
 

@@ -21,6 +21,7 @@
 #include "src/core/bootstrap.h"
 #include "src/core/control.h"
 #include "src/core/executor.h"
+#include "src/core/hier_device.h"
 #include "src/core/p2p_tagged.h"
 #include "src/core/registration.h"
 #include "src/core/trace.h"
@@ -138,7 +139,12 @@ struct loomComm : public loom::ExecEnv,
   // first failure: a hierarchical parent's sub-communicators tell their
   // parent this way (src/core/hier_device.h).  nullptr clears it; calls
   // under way are waited for (so never clear it from the hook itself).
-  void setFailureHook(std::function<void(loomResult_t, const std::string&)> hook);
+  void setFailureHook(std::function<void(const loom::FailureNote&)> hook);
+  // A hierarchical path's sub-communicator whose parent failed: fails it on
+  // this rank only (its streams released, its waits stopped), telling no
+  // peer and calling no hook: every rank hears of the parent's failure
+  // from the parent's own notices.
+  void failFromParent(loomResult_t code, const std::string& msg);
   bool isAborted() const { return aborted_.load(); }
   const std::vector<loom::RankInfo>& peers() const { return peers_; }
   // Which ranks share a host, each rank's NUMA node, GPU and NIC.
@@ -158,6 +164,7 @@ struct loomComm : public loom::ExecEnv,
   // communicators on it).
   loom::DeviceRequest deviceRequest() const {
     loom::DeviceRequest r;
+    r.derived = true;
     r.kind = device_ ? loom::DeviceRequest::Kind::Cuda : loom::DeviceRequest::Kind::Host;
     r.device = device_ ? device_->device() : -1;
     return r;
@@ -275,15 +282,15 @@ struct loomComm : public loom::ExecEnv,
   std::unique_ptr<loom::DeviceCollectives> device_;  // CUDA communicators only
   std::mutex hookMutex_;
   std::condition_variable hookCv_;
-  std::function<void(loomResult_t, const std::string&)> failureHook_;  // under hookMutex_
+  std::function<void(const loom::FailureNote&)> failureHook_;  // under hookMutex_
   int hookCalls_ = 0;  // under hookMutex_: calls of the hook under way
-  void callFailureHook(loomResult_t code, const std::string& msg);
+  void callFailureHook(const loom::FailureNote& note);
   // The hierarchical device path (several hosts, the same number of ranks
   // on each): its internal local and rail communicators and the flat path.
   std::unique_ptr<loom::DeviceCollectives> makeHierDevice(loom::Bootstrap& boot, const loom::DeviceChoice& choice,
                                                           const loom::DeviceRequest& device,
-                                                          const std::vector<std::string>& hostIds, uint32_t minBytes,
-                                                          uint32_t stageBytes);
+                                                          const std::vector<std::string>& hostIds,
+                                                          const loom::SockAddr& advertise);
   // device_ for failFirst, which the control thread may run while init
   // still builds device_ (and after the control thread stops: nullptr).
   std::atomic<loom::DeviceCollectives*> deviceForFail_{nullptr};

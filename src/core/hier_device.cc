@@ -53,23 +53,36 @@ HierSplit hierSplit(size_t count, int perHost) {
   return s;
 }
 
-HierDeviceComm::HierDeviceComm(HierParts parts, std::function<void(loomResult_t, const std::string&)> onSubFailure)
+HierDeviceComm::HierDeviceComm(HierParts parts, std::function<void(const FailureNote&)> onSubFailure)
     : flat_(std::move(parts.flat)),
       local_(std::move(parts.local)),
       rail_(std::move(parts.rail)),
       shape_(std::move(parts.shape)),
       minBytes_(parts.minBytes) {
-  // Parent ranks of the sub-communicators' members, for messages.
-  std::string localRanks, railRanks;
+  // This communicator's ranks of the sub-communicators' members, in their
+  // rank order.
+  std::vector<int> localRanks, railRanks;
   for (size_t r = 0; r < shape_.hostOf.size(); ++r) {
-    if (shape_.hostOf[r] == shape_.hostIndex) localRanks += strf(" %zu", r);
-    if (shape_.localOf[r] == shape_.localIndex) railRanks += strf(" %zu", r);
+    if (shape_.hostOf[r] == shape_.hostIndex) localRanks.push_back(int(r));
+    if (shape_.localOf[r] == shape_.localIndex) railRanks.push_back(int(r));
   }
-  auto hook = [onSubFailure](const char* part, const std::string& members) {
-    return [onSubFailure, part, members](loomResult_t code, const std::string& msg) {
-      onSubFailure(code, strf("the hierarchical path's %s communicator (its ranks 0.. are this communicator's ranks%s) "
-                              "failed: %s",
-                              part, members.c_str(), msg.c_str()));
+  auto hook = [onSubFailure](const char* part, const std::vector<int>& members) {
+    std::string list;
+    for (int r : members) list += strf(" %d", r);
+    const std::string what =
+        strf("the hierarchical path's %s communicator (its ranks 0.. are this communicator's ranks%s)", part,
+             list.c_str());
+    return [onSubFailure, what, members](const FailureNote& sub) {
+      FailureNote n = sub;
+      n.msg = what + " failed: " + sub.msg;
+      if (sub.root >= 0 && sub.root < int(members.size())) {
+        n.root = members[size_t(sub.root)];
+        n.rootMsg = what + " failed on its rank " + std::to_string(sub.root) + ": " + sub.rootMsg;
+      } else {
+        n.root = -1;
+        n.rootMsg.clear();
+      }
+      onSubFailure(n);
     };
   };
   local_->setFailureHook(hook("local", localRanks));
@@ -164,10 +177,10 @@ bool HierDeviceComm::failed() const {
 bool HierDeviceComm::markFailed(loomResult_t code, const std::string& msg) {
   const bool first = !failed_.exchange(true);
   flat_->markFailed(code, msg);
-  // Each tells its own peers and releases its streams; their hooks find
-  // the owner failed already.
-  local_->setFailed(code, msg);
-  rail_->setFailed(code, msg);
+  // On this rank only (the peers hear of it from their own parent): their
+  // streams are released, their pending host steps stop.
+  local_->failFromParent(code, msg);
+  rail_->failFromParent(code, msg);
   return first;
 }
 

@@ -20,14 +20,18 @@
 // once.  The elements past the last whole shard (count % L of them) and
 // every other collective, send/recv included, take the parent's own staged
 // path ("flat"), as do all-reduces smaller than LOOM_DEVICE_HIER_MIN_BYTES.
-// Every rank decides alike: the decision depends on the count, the type and
-// rank 0's threshold only.
+// Every rank decides alike: the decision depends on the count, the type,
+// the op and rank 0's threshold only.
 //
 // The sub-communicators are made during the parent's init and live as long
-// as it does.  Their failures are the parent's: a sub-communicator's first
-// failure fails the parent (which tells its peers), and the parent's
-// failure (an error, a peer's notice, loomCommAbort, a revoke) fails both
-// sub-communicators, which releases their streams as on the other paths.
+// as it does.  Their failures are the parent's: a sub-communicator's own
+// failure (its operation's error, its watchdog, a sub-peer's notice) fails
+// the parent, with the root rank translated, and the parent tells its
+// peers.  The parent's failure (an error, a peer's notice, loomCommAbort, a
+// revoke) fails both sub-communicators on this rank only, releasing their
+// streams: every rank hears of it through the parent's own notices, so the
+// sub-communicators send none (which would race with those and name the
+// wrong root).
 #pragma once
 #include <atomic>
 #include <functional>
@@ -66,6 +70,16 @@ struct HierSplit {
 };
 HierSplit hierSplit(size_t count, int perHost);
 
+// A communicator's first failure, as its failure hook reports it
+// (loomComm::setFailureHook).  root: the rank where it began (-1: this
+// one), and that rank's message.
+struct FailureNote {
+  loomResult_t code = loomSuccess;
+  std::string msg;
+  int root = -1;
+  std::string rootMsg;
+};
+
 struct HierParts {
   std::unique_ptr<DeviceCollectives> flat;  // the parent's staged path
   std::shared_ptr<loomComm> local, rail;    // CUDA communicators: ipc, staged
@@ -75,10 +89,11 @@ struct HierParts {
 
 class HierDeviceComm final : public DeviceCollectives {
  public:
-  // onSubFailure: a sub-communicator failed first (code, its message); the
-  // owner fails itself.  Called on the sub-communicator's thread, never
+  // onSubFailure: a sub-communicator failed first (its note, with the root
+  // rank in this communicator's ranks and the message naming the part);
+  // the owner fails itself.  Called on the sub-communicator's thread, never
   // after stopWatchdog().
-  HierDeviceComm(HierParts parts, std::function<void(loomResult_t, const std::string&)> onSubFailure);
+  HierDeviceComm(HierParts parts, std::function<void(const FailureNote&)> onSubFailure);
   ~HierDeviceComm() override;
 
   int device() const override { return flat_->device(); }

@@ -7,6 +7,7 @@
 namespace loom {
 
 class DeviceDriver;
+struct RankInfo;
 
 // What init was asked for: loomConfig_t's deviceKind and cudaDevice, or
 // LOOM_DEVICE and the current device (the default).
@@ -22,6 +23,14 @@ struct DeviceRequest {
   int path = 0;
   int driverRank = -1;
   const char* part = nullptr;
+  // The parent's rank 0 record, whose communicator-wide settings (slots,
+  // transports, staged pieces, ...) a sub-communicator takes instead of its
+  // own root's environment.
+  const RankInfo* parentRoot = nullptr;
+  // Made by loomCommSplit or loomCommShrink from a communicator: where
+  // LOOM_DEVICE_PATH=hier does not apply to its shape, the path auto picks
+  // is taken instead of failing.
+  bool derived = false;
 };
 
 struct DeviceChoice {
