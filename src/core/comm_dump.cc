@@ -74,9 +74,10 @@ std::string loomComm::runningOp() const {
 
 std::string loomComm::dump() {
   uint64_t issued = nextTicket_.load(), served = serving_.load();
-  std::string s = strf("loom rank %d of %d (pid %d, comm %016llx): %llu operations issued, %llu done", rank_,
-                       nranks_, int(getpid()), (unsigned long long)peers_[0].commTag, (unsigned long long)issued,
-                       (unsigned long long)served);
+  std::string s = strf("loom rank %d of %d%s%s%s (pid %d, comm %016llx): %llu operations issued, %llu done", rank_,
+                       nranks_, part_ ? " of a hierarchical path's " : "", part_ ? part_ : "",
+                       part_ ? " communicator" : "", int(getpid()), (unsigned long long)peers_[0].commTag,
+                       (unsigned long long)issued, (unsigned long long)served);
   int err = asyncError_.load();
   if (err != loomSuccess) s += strf("; failed (%s): %s", loomGetErrorString(loomResult_t(err)), lastError().c_str());
   if (revoked_.load()) s += "; revoked";
