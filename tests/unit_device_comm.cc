@@ -42,6 +42,7 @@
 #include "src/device/device_memory.h"
 #include "src/device/host_memory.h"
 #include "src/device/host_reduce.h"
+#include "src/device/op_signature.h"
 #include "src/device/staged_comm.h"
 #include "tests/sim_device.h"
 #include "tests/sim_driver.h"
@@ -2413,4 +2414,122 @@ TEST_CASE("CUDA communicators split from a hierarchical one with LOOM_DEVICE_PAT
   for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
   CHECK(loom::waitDeviceRemains(10000));
   CHECK(g_pinnedLive.load() == 0);
+}
+
+// ---- The IPC path's mismatch check ----------------------------------------
+
+TEST_CASE("IPC path mismatch check: signatures compared across batches in any order, ahead and behind, mismatches "
+          "named with both operations, garbage batches ignored",
+          "[devcomm][mismatch]") {
+  auto desc = [](Collective c, size_t count, loomDataType_t t, loomRedOp_t op, int root) {
+    loom::OpDesc d;
+    d.coll = c, d.count = count, d.dtype = t, d.op = op, d.root = root;
+    return d;
+  };
+  // Equal sequences, 200 operations (several batches), the sender ahead.
+  loom::SignatureCheck a(0, 2), b(1, 0);
+  std::vector<std::vector<uint8_t>> batches;
+  for (int i = 0; i < 200; ++i) {
+    const loom::OpDesc d = desc(i % 3 ? Collective::AllReduce : Collective::Broadcast, size_t(i), loomFloat32,
+                                loomRedOp_t(i % 5), i % 4);
+    a.recordMine(d);
+    for (std::vector<uint8_t> x = a.takeBatch(); !x.empty(); x = a.takeBatch()) batches.push_back(x);
+    if (i < 150) b.recordMine(d);
+  }
+  CHECK(batches.size() >= 4);
+  CHECK_FALSE(a.pending());
+  std::reverse(batches.begin(), batches.end());  // out of order
+  for (const auto& x : batches) b.receive(x);
+  for (const auto& x : batches) b.receive(x);  // repeated
+  CHECK(b.mismatch() == "");
+  // The rest arrives after b enqueues it: compared then.  A broadcast's op
+  // and an all-reduce's root do not matter.
+  for (int i = 150; i < 200; ++i)
+    b.recordMine(desc(i % 3 ? Collective::AllReduce : Collective::Broadcast, size_t(i), loomFloat32,
+                      i % 3 ? loomRedOp_t(i % 5) : loomMax, i % 3 ? 7 : i % 4));
+  CHECK(b.mismatch() == "");
+  // One different count, behind (b enqueued it first).
+  b.recordMine(desc(Collective::AllReduce, 1000, loomFloat32, loomSum, 0));
+  a.recordMine(desc(Collective::AllReduce, 1001, loomFloat32, loomSum, 0));
+  b.receive(a.takeBatch());
+  const std::string m = b.mismatch();
+  INFO(m);
+  CHECK(m.find("mismatched operations") != std::string::npos);
+  CHECK(m.find("#200") != std::string::npos);
+  CHECK(m.find("AllReduce of 1001 x float32, sum on rank 0") != std::string::npos);
+  CHECK(m.find("AllReduce of 1000 x float32, sum on rank 1") != std::string::npos);
+  // A different root, ahead (the sender's arrives first).
+  loom::SignatureCheck c(1, 0);
+  loom::SignatureCheck d0(0, 1);
+  d0.recordMine(desc(Collective::Gather, 5, loomInt8, loomSum, 1));
+  c.receive(d0.takeBatch());
+  CHECK(c.mismatch() == "");
+  c.recordMine(desc(Collective::Gather, 5, loomInt8, loomSum, 0));
+  CHECK(c.mismatch().find("Gather of 5 x int8, root 1 on rank 0 but Gather of 5 x int8, root 0 on rank 1") !=
+        std::string::npos);
+  // Garbage: wrong sizes, reserved bits, too many entries.
+  std::vector<loom::OpSignature> out;
+  CHECK_FALSE(loom::decodeSignatures(std::vector<uint8_t>(23), &out));
+  std::vector<uint8_t> bad = loom::encodeSignatures({loom::OpSignature{}});
+  bad[19] = 1;
+  CHECK_FALSE(loom::decodeSignatures(bad, &out));
+  CHECK_FALSE(loom::decodeSignatures(std::vector<uint8_t>(24 * (loom::kSignatureBatch + 1)), &out));
+  loom::SignatureCheck e(1, 0);
+  e.recordMine(desc(Collective::AllReduce, 1, loomFloat32, loomSum, 0));
+  e.receive(bad);
+  CHECK(e.mismatch() == "");
+}
+
+TEST_CASE("CUDA communicators on the IPC path (simulated device, through the C API): ranks whose collectives differ "
+          "only in count all fail with loomInvalidUsage naming both operations, their streams are released, and "
+          "matching calls never trip the check",
+          "[devcomm][mismatch]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(3, 1, 256, patientDevice());
+  DeviceEnv env(mem, world);
+  std::vector<loomComm_t> comms = initCudaComms(3);
+  REQUIRE(comms.size() == 3);
+  REQUIRE(std::string(comms[0]->deviceComm()->pathName()) == "ipc");
+  auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+  const size_t n = 1000;
+  std::vector<float*> buf;
+  for (int r = 0; r < 3; ++r) buf.push_back(reinterpret_cast<float*>(mem.alloc(0, (n + 1) * 4)));
+  // 300 matching calls: several batches each way, no failure.
+  for (int i = 0; i < 300; ++i)
+    for (int r = 0; r < 3; ++r)
+      CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], size_t(i % 7 + 1), loomFloat32, loomSum, comms[size_t(r)],
+                          fakeStream) == loomSuccess);
+  for (int r = 0; r < 3; ++r) {
+    std::string msg;
+    CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // every batch delivered
+  for (int r = 0; r < 3; ++r) {
+    loomResult_t ae = loomSuccess;
+    CHECK(loomCommGetAsyncError(comms[size_t(r)], &ae) == loomSuccess);
+    CHECK(ae == loomSuccess);
+  }
+  // Rank 1 reduces one element more: the same rounds, so nothing waits.
+  for (int r = 0; r < 3; ++r)
+    CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], r == 1 ? n + 1 : n, loomFloat32, loomSum, comms[size_t(r)],
+                        fakeStream) == loomSuccess);
+  for (int r = 0; r < 3; ++r) {
+    std::string msg;
+    CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
+    loomResult_t ae = loomSuccess;
+    for (int i = 0; i < 500 && ae == loomSuccess; ++i) {
+      CHECK(loomCommGetAsyncError(comms[size_t(r)], &ae) == loomSuccess);
+      if (ae == loomSuccess) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    CHECK(ae == loomInvalidUsage);
+    std::string last = loomGetLastError(comms[size_t(r)]);
+    INFO("rank " << r << ": " << last);
+    CHECK(last.find("mismatched operations") != std::string::npos);
+    CHECK(last.find("AllReduce of 1001 x float32, sum on rank 1") != std::string::npos);
+    CHECK(last.find("AllReduce of 1000 x float32, sum on rank") != std::string::npos);
+    CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], n, loomFloat32, loomSum, comms[size_t(r)], fakeStream) ==
+          loomInvalidUsage);
+  }
+  for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
+  CHECK(loom::waitDeviceRemains(10000));
 }

@@ -312,6 +312,18 @@ loom::DeviceCommOptions loomComm::deviceOptions() {
   o.peerGone = [this](int peer, std::string* why) { return devicePeerGone(peer, why); };
   o.onFailure = [this](const Error& e) { failOperation(e); };
   o.fetchRegion = [this](int peer) { return fetchDeviceRegion(peer); };
+  // The IPC path's mismatch check: batches of signatures to the next rank
+  // (the watchdog stops before ctl_ goes, see ~loomComm).
+  o.sendSignatures = [this](int peer, std::vector<uint8_t> bytes) {
+    if (!ctl_) return;
+    CtlMsg m;
+    m.type = CtlType::Sigs;
+    m.from = rank_;
+    m.extra = std::move(bytes);
+    std::vector<bool> to(size_t(nranks_), false);
+    to[size_t(peer)] = true;
+    ctl_->broadcastAsync(m, to, nowMs() + 2000, nullptr);
+  };
   return o;
 }
 
@@ -1027,6 +1039,10 @@ void loomComm::markDead(const std::vector<bool>& asked, const std::vector<Reach>
 }
 
 void loomComm::onNotice(const CtlMsg& m) {
+  if (m.type == CtlType::Sigs) {  // the IPC path's mismatch check: not a failure
+    if (DeviceCollectives* d = deviceForFail_.load()) d->onPeerSignatures(m.from, m.extra);
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(errMutex_);
     for (int r : m.ranks)

@@ -66,7 +66,7 @@ long ctlMissing(const uint8_t* bytes, size_t n, const uint8_t secret[16], uint64
   memcpy(&h, bytes, sizeof h);
   if (h.magic != kCtlMagic) return *why = "bad magic", -1;
   if (memcmp(h.secret, secret, 16) != 0 || h.commTag != commTag) return *why = "another communicator", -1;
-  if (h.type < uint32_t(CtlType::Probe) || h.type > uint32_t(CtlType::Region))
+  if (h.type < uint32_t(CtlType::Probe) || h.type > uint32_t(CtlType::Sigs))
     return *why = strf("unknown type %u", h.type), -1;
   if (h.from < 0 || h.from >= nranks) return *why = strf("sender rank %d", h.from), -1;
   if (h.pad != 0) return *why = "reserved bytes set", -1;
@@ -503,7 +503,8 @@ void Control::loop() {
             ssize_t w = ::send(in.fd, &ack, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
             (void)w;
             drop = true;
-            if ((m.type == CtlType::Fail || m.type == CtlType::Revoke) && onNotice_) onNotice_(m);
+            if ((m.type == CtlType::Fail || m.type == CtlType::Revoke || m.type == CtlType::Sigs) && onNotice_)
+              onNotice_(m);
           }
         }
       }

@@ -43,6 +43,8 @@ enum class CtlType : uint32_t {
                  // outnumber the members (this side of a network cut may be the smaller one)
   Region = 11,   // CUDA send/recv: the sender's staging region for the asker (answered with a
                  // Region message whose extra bytes the answer function wrote)
+  Sigs = 12,     // CUDA IPC path: signatures of the sender's collectives (src/device/op_signature.h;
+                 // answered, handed to onNotice)
 };
 
 struct CtlMsg {
@@ -87,8 +89,8 @@ class Control {
   const SockAddr& address() const { return advertise_; }
 
   // Starts the thread once every rank's address is known.  onNotice runs on
-  // the control thread for Fail and Revoke messages, and cause to answer Why
-  // questions: neither may block.
+  // the control thread for Fail, Revoke and Sigs messages, and cause to
+  // answer Why questions: neither may block.
   void start(uint64_t commTag, std::vector<SockAddr> peers, std::function<void(const CtlMsg&)> onNotice,
              std::function<CtlCause()> cause);
 

@@ -158,6 +158,10 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
       onFailure_(options.onFailure) {
   const uint64_t process = options.process;
   fetchRegion_ = options.fetchRegion;
+  if (options.sendSignatures && nranks > 1) {
+    sigs_ = std::make_unique<SignatureCheck>(rank, (rank + nranks - 1) % nranks);
+    sendSignatures_ = options.sendSignatures;
+  }
   out_.assign(size_t(nranks), nullptr);
   outRecords_.resize(size_t(nranks));
   in_.assign(size_t(nranks), nullptr);
@@ -475,6 +479,29 @@ bool DeviceComm::programsDone() {
 
 void DeviceComm::release() { driver_->writeFlags(released_.data(), released_.size(), kReleasedFlag); }
 
+int64_t DeviceComm::checkSignatures() {
+  if (!sigs_) return 100;
+  std::string mismatch = sigs_->mismatch();
+  if (!mismatch.empty()) {
+    failFromWatchdog(loomInvalidUsage, mismatch, -1);
+    return 1;
+  }
+  std::vector<uint8_t> batch = sigs_->takeBatch();
+  if (!batch.empty()) sendSignatures_((rank_ + 1) % nranks_, std::move(batch));
+  return sigs_->pending() ? 1 : 100;
+}
+
+void DeviceComm::onPeerSignatures(int from, const std::vector<uint8_t>& bytes) {
+  if (!sigs_ || from != (rank_ + nranks_ - 1) % nranks_) return;
+  sigs_->receive(bytes);
+  if (sigs_->mismatch().empty()) return;
+  {
+    std::lock_guard<std::mutex> w(wmu_);
+    wake_ = true;
+  }
+  wcv_.notify_all();
+}
+
 void DeviceComm::failFromWatchdog(loomResult_t code, const std::string& msg, int peer) {
   if (!markFailed(code, msg)) return;
   LOOM_WARN("DEVICE", "%s", msg.c_str());
@@ -586,7 +613,7 @@ void DeviceComm::watch() {
         }
         sleepMs = released ? 100 : 1;
       } else {
-        sleepMs = checkProgress(nowMs());
+        sleepMs = std::min(checkSignatures(), failedFlag_.load() ? int64_t(1) : checkProgress(nowMs()));
       }
     } catch (const Error& e) {
       if (!warned) LOOM_WARN("DEVICE", "rank %d: device watchdog: %s", rank_, e.what());
@@ -697,6 +724,7 @@ void DeviceComm::run(const OpDesc& op, void* callerStream) {
   if (failCode_ != loomSuccess) fail(failCode_, "the %s communicator has failed: %s", driver_->name(), failed_.c_str());
   uint64_t round = round_;
   StreamProgram p = compileStreamProgram(op, rank_, nranks_, allReduceAlgorithm(n * esz), slotBytes_, &round);
+  if (sigs_) sigs_->recordMine(op);  // the watchdog, woken below, sends it on and reports a mismatch
   ProgramBuffers b;
   b.send = needSend ? op.sendbuf : nullptr;
   b.sendBytes = needSend ? sendBytes : 0;

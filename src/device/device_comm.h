@@ -65,6 +65,7 @@
 #include "algorithms/schedule.h"
 #include "src/core/error.h"
 #include "algorithms/stream_collectives.h"
+#include "src/device/op_signature.h"
 #include "src/device/stream_program.h"
 
 namespace loom {
@@ -252,6 +253,11 @@ struct DeviceCommOptions {
   // communicator asks over its control plane; tests call the peer.  Empty:
   // a receive from another rank is loomInvalidUsage.
   std::function<IpcRecord(int peer)> fetchRegion{};
+  // The mismatch check (src/device/op_signature.h): sends a batch of this
+  // rank's collective signatures to rank `peer` without waiting (the
+  // communicator's control plane; called on the watchdog thread).  Empty:
+  // no check.
+  std::function<void(int peer, std::vector<uint8_t> bytes)> sendSignatures{};
 };
 
 // What a DeviceComm has allocated and mapped (memoryStats(), loomCommDump).
@@ -285,6 +291,9 @@ class DeviceCollectives {
   // A peer's question for this rank's send/recv region (the IPC path only;
   // the staged path has none and says so).
   virtual IpcRecord p2pRegionFor(int reader);
+  // A peer's batch of collective signatures (the IPC path's mismatch
+  // check, src/device/op_signature.h; on the control thread).
+  virtual void onPeerSignatures(int /*from*/, const std::vector<uint8_t>& /*bytes*/) {}
   virtual bool failed() const = 0;
   virtual bool markFailed(loomResult_t code, const std::string& msg) = 0;
   virtual void setTimeoutMs(int64_t ms) = 0;
@@ -369,6 +378,7 @@ class DeviceComm final : public DeviceCollectives {
   // This rank's region for `reader`, allocated now if it has none yet (the
   // answer to a peer's fetchRegion; any thread).
   IpcRecord p2pRegionFor(int reader) override;
+  void onPeerSignatures(int from, const std::vector<uint8_t>& bytes) override;
   DeviceMemoryStats memoryStats() const;
 
   // Which all-reduce program `bytes` gets.
@@ -410,6 +420,9 @@ class DeviceComm final : public DeviceCollectives {
   void release();
   // The watchdog's own failure: markFailed, then onFailure.
   void failFromWatchdog(loomResult_t code, const std::string& msg, int peer);
+  // The mismatch check's step on the watchdog thread: fails on a mismatch
+  // found, sends this rank's next batch; how long to sleep next.
+  int64_t checkSignatures();
   // This rank's region for `peer`, allocated if needed (p2pMu_ held).
   const IpcRecord& outRegionLocked(int peer);
 
@@ -450,6 +463,8 @@ class DeviceComm final : public DeviceCollectives {
   int64_t probeAfterMs_, reapTimeoutMs_;
   std::function<bool(int, std::string*)> peerGone_;
   std::function<void(const Error&)> onFailure_;
+  std::unique_ptr<SignatureCheck> sigs_;  // null: no mismatch check (one rank, or no sender)
+  std::function<void(int, std::vector<uint8_t>)> sendSignatures_;
   std::atomic<uint64_t> enqueued_{0};  // rounds enqueued (the done value the last one sets)
   std::atomic<uint64_t> p2pEnqueued_{0};  // send/recv programs enqueued (kFlagP2PDone's last value)
   std::atomic<bool> failedFlag_{false};

@@ -2,13 +2,15 @@
 // during init: the tcp hello (checkTcpHello), the rank record
 // (checkRankInfo) and the tcp transport's record (checkTcpRecord), and the
 // control socket's messages (ctlMissing / decodeCtl: notices and the shrink
-// agreement), all taken from a peer's bytes.
+// agreement; a CUDA communicator's signature batches), all taken from a
+// peer's bytes.
 #include <cstring>
 #include <string>
 
 #include "src/core/comm.h"
 #include "src/core/control.h"
 #include "src/core/error.h"
+#include "src/device/op_signature.h"
 #include "tests/fuzz/fuzz_common.h"
 #include "transports/tcp/tcp_transport.h"
 
@@ -71,6 +73,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         if (c.code < 0 || c.code >= loomNumResults || c.root < -1 || c.root >= nranks) abort();
         for (char ch : c.msg)
           if (ch < 0x20 || ch > 0x7e) abort();
+      }
+      // A CUDA communicator's signature batch (Sigs): decoded whole or not
+      // at all, and the same bytes again when encoded.
+      std::vector<loom::OpSignature> sigs;
+      if (loom::decodeSignatures(m.extra, &sigs)) {
+        if (sigs.size() > loom::kSignatureBatch || loom::encodeSignatures(sigs) != m.extra) abort();
+        loom::SignatureCheck check(1, 0);
+        check.receive(m.extra);
       }
       break;
     }

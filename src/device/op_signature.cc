@@ -1,0 +1,122 @@
+#include "src/device/op_signature.h"
+
+#include <cstring>
+
+#include "src/core/error.h"
+#include "src/device/host_reduce.h"
+
+namespace loom {
+
+namespace {
+
+constexpr size_t kEntryBytes = 8 + 8 + 4 + 4;  // seq, count, coll|dtype|op, root
+
+}  // namespace
+
+OpSignature signatureOf(uint64_t seq, const OpDesc& op) {
+  OpSignature s;
+  s.seq = seq;
+  s.count = op.count;
+  s.coll = uint8_t(op.coll);
+  s.dtype = uint8_t(op.dtype);
+  s.op = reduces(op.coll) ? uint8_t(op.op) : 0;
+  s.root = rooted(op.coll) ? op.root : 0;
+  return s;
+}
+
+std::string describeSignature(const OpSignature& s) {
+  const Collective c = Collective(s.coll);
+  std::string d = strf("%s of %llu x %s", collectiveName(c), (unsigned long long)s.count,
+                       dtypeName(loomDataType_t(s.dtype)));
+  if (reduces(c)) d += strf(", %s", redOpName(loomRedOp_t(s.op)));
+  if (rooted(c)) d += strf(", root %d", s.root);
+  return d;
+}
+
+std::vector<uint8_t> encodeSignatures(const std::vector<OpSignature>& sigs) {
+  std::vector<uint8_t> out(sigs.size() * kEntryBytes);
+  uint8_t* p = out.data();
+  for (const OpSignature& s : sigs) {
+    const uint32_t kind = uint32_t(s.coll) | uint32_t(s.dtype) << 8 | uint32_t(s.op) << 16;
+    memcpy(p, &s.seq, 8);
+    memcpy(p + 8, &s.count, 8);
+    memcpy(p + 16, &kind, 4);
+    memcpy(p + 20, &s.root, 4);
+    p += kEntryBytes;
+  }
+  return out;
+}
+
+bool decodeSignatures(const std::vector<uint8_t>& bytes, std::vector<OpSignature>* sigs) {
+  sigs->clear();
+  if (bytes.size() % kEntryBytes != 0 || bytes.size() / kEntryBytes > kSignatureBatch) return false;
+  for (const uint8_t* p = bytes.data(); p < bytes.data() + bytes.size(); p += kEntryBytes) {
+    OpSignature s;
+    uint32_t kind;
+    memcpy(&s.seq, p, 8);
+    memcpy(&s.count, p + 8, 8);
+    memcpy(&kind, p + 16, 4);
+    memcpy(&s.root, p + 20, 4);
+    if (kind >> 24) return false;
+    s.coll = uint8_t(kind), s.dtype = uint8_t(kind >> 8), s.op = uint8_t(kind >> 16);
+    sigs->push_back(s);
+  }
+  return true;
+}
+
+void SignatureCheck::recordMine(const OpDesc& op) {
+  std::lock_guard<std::mutex> g(mu_);
+  const OpSignature s = signatureOf(next_++, op);
+  mine_.push_back(s);
+  if (mine_.size() > kKeep) {
+    mine_.pop_front();
+    ++mineBase_;
+    if (sent_ < mineBase_) sent_ = mineBase_;  // never taken: not sent (the next rank skips them)
+  }
+  auto it = ahead_.find(s.seq);
+  if (it != ahead_.end()) {
+    compare(s, it->second);
+    ahead_.erase(it);
+  }
+}
+
+std::vector<uint8_t> SignatureCheck::takeBatch() {
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<OpSignature> batch;
+  while (sent_ < next_ && batch.size() < kSignatureBatch) batch.push_back(mine_[size_t(sent_++ - mineBase_)]);
+  return batch.empty() ? std::vector<uint8_t>() : encodeSignatures(batch);
+}
+
+bool SignatureCheck::pending() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return sent_ < next_;
+}
+
+void SignatureCheck::receive(const std::vector<uint8_t>& bytes) {
+  std::vector<OpSignature> sigs;
+  if (!decodeSignatures(bytes, &sigs)) return;  // not a batch: nothing to compare
+  std::lock_guard<std::mutex> g(mu_);
+  for (const OpSignature& s : sigs) {
+    if (s.seq < mineBase_) continue;  // dropped here: skipped
+    if (s.seq < next_) {
+      compare(mine_[size_t(s.seq - mineBase_)], s);
+    } else if (ahead_.size() < kKeep) {
+      ahead_[s.seq] = s;
+    }
+  }
+}
+
+std::string SignatureCheck::mismatch() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return mismatch_;
+}
+
+void SignatureCheck::compare(const OpSignature& mine, const OpSignature& theirs) {
+  if (mine == theirs || !mismatch_.empty()) return;
+  mismatch_ = strf("rank %d: mismatched operations: the collective #%llu on this communicator is %s on rank %d but "
+                   "%s on rank %d",
+                   rank_, (unsigned long long)mine.seq, describeSignature(theirs).c_str(), from_,
+                   describeSignature(mine).c_str(), rank_);
+}
+
+}  // namespace loom

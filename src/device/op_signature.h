@@ -1,0 +1,80 @@
+// Mismatch checks for the CUDA IPC path.
+//
+// The host path checks every slot's signature, so ranks that call different
+// collectives are told so.  The IPC path's stream programs carry none: two
+// ranks enqueueing, say, an all-reduce of 1000 and one of 1001 elements run
+// the same rounds and finish with undefined output, and other mismatches
+// wait until the watchdog's timeout.  So each rank keeps the signature of
+// every collective it enqueued (its sequence number, collective, count,
+// type, op, root), sends them in batches to the next rank over the control
+// plane, off the streams and the caller's thread, and compares the batches
+// it receives from the previous rank with its own.  Adjacent ranks agreeing
+// on every operation means all do.  A mismatch fails the communicator on
+// every rank with loomInvalidUsage naming both operations, within a few
+// milliseconds of the later of the two enqueues; the mismatched operation's
+// output is undefined, as after any failure.  No flag, copy or kernel is
+// added to the programs.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "algorithms/schedule.h"
+
+namespace loom {
+
+struct OpSignature {
+  uint64_t seq = 0;    // the rank's collectives enqueued before this one
+  uint64_t count = 0;
+  uint8_t coll = 0, dtype = 0, op = 0;  // op: reductions only, else 0
+  int32_t root = 0;                     // rooted collectives only, else 0
+  bool operator==(const OpSignature& o) const {
+    return seq == o.seq && count == o.count && coll == o.coll && dtype == o.dtype && op == o.op && root == o.root;
+  }
+};
+OpSignature signatureOf(uint64_t seq, const OpDesc& op);
+// "AllReduce of 1000 x float32, sum" / "Broadcast of 7 x int8 from rank 2".
+std::string describeSignature(const OpSignature& s);
+
+// A batch as bytes (at most kSignatureBatch entries, under the control
+// plane's 2048 extra bytes), and back: false for bytes that are no batch.
+constexpr size_t kSignatureBatch = 60;
+std::vector<uint8_t> encodeSignatures(const std::vector<OpSignature>& sigs);
+bool decodeSignatures(const std::vector<uint8_t>& bytes, std::vector<OpSignature>* sigs);
+
+class SignatureCheck {
+ public:
+  // rank: this rank; from: the rank whose batches receive() gets (the one
+  // before this in the ring).
+  SignatureCheck(int rank, int from) : rank_(rank), from_(from) {}
+  // This rank enqueues `op` (in enqueue order, the same on every rank).
+  void recordMine(const OpDesc& op);
+  // Up to kSignatureBatch of this rank's signatures not yet taken, as bytes
+  // (empty: none).
+  std::vector<uint8_t> takeBatch();
+  bool pending() const;  // signatures not yet taken
+  // A batch from `from` (any order, repeated entries fine).
+  void receive(const std::vector<uint8_t>& bytes);
+  // The first mismatch found ("" if none).
+  std::string mismatch() const;
+
+  // Signatures kept for comparison, each way; older ones are dropped (the
+  // check then skips them rather than guess).
+  static constexpr size_t kKeep = 4096;
+
+ private:
+  void compare(const OpSignature& mine, const OpSignature& theirs);  // mu_ held
+
+  int rank_, from_;
+  mutable std::mutex mu_;
+  std::deque<OpSignature> mine_;  // seq mineBase_ ..
+  uint64_t mineBase_ = 0, next_ = 0, sent_ = 0;
+  std::map<uint64_t, OpSignature> ahead_;  // theirs not yet enqueued here
+  std::string mismatch_;
+};
+
+}  // namespace loom
