@@ -19,8 +19,10 @@ namespace loom {
 namespace {
 
 constexpr uint32_t kCtlMagic = 0x4c43544cu;  // "LCTL"
-constexpr uint32_t kMaxExtra = 2048;
-constexpr size_t kMaxCauseText = kMaxExtra - 8;
+// Extra bytes of one message: a CUDA communicator's signature batch is the
+// largest (src/device/op_signature.h); causes and answers stay far below.
+constexpr uint32_t kMaxExtra = 16384;
+constexpr size_t kMaxCauseText = 2040;
 
 struct CtlHeader {
   uint32_t magic;

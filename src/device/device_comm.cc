@@ -486,9 +486,15 @@ int64_t DeviceComm::checkSignatures() {
     failFromWatchdog(loomInvalidUsage, mismatch, -1);
     return 1;
   }
+  // A full batch at once, else at most one message per 10 ms.
+  const size_t pending = sigs_->pending();
+  if (pending == 0) return 100;
+  const int64_t now = nowMs(), since = now - sigSentMs_;
+  if (pending < kSignatureBatch && since < 10) return 10 - since;
   std::vector<uint8_t> batch = sigs_->takeBatch();
   if (!batch.empty()) sendSignatures_((rank_ + 1) % nranks_, std::move(batch));
-  return sigs_->pending() ? 1 : 100;
+  sigSentMs_ = now;
+  return sigs_->pending() >= kSignatureBatch ? 1 : 10;
 }
 
 void DeviceComm::onPeerSignatures(int from, const std::vector<uint8_t>& bytes) {

@@ -87,9 +87,9 @@ std::vector<uint8_t> SignatureCheck::takeBatch() {
   return batch.empty() ? std::vector<uint8_t>() : encodeSignatures(batch);
 }
 
-bool SignatureCheck::pending() const {
+size_t SignatureCheck::pending() const {
   std::lock_guard<std::mutex> g(mu_);
-  return sent_ < next_;
+  return size_t(next_ - sent_);
 }
 
 void SignatureCheck::receive(const std::vector<uint8_t>& bytes) {

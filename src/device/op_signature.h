@@ -7,7 +7,9 @@
 // wait until the watchdog's timeout.  So each rank keeps the signature of
 // every collective it enqueued (its sequence number, collective, count,
 // type, op, root), sends them in batches to the next rank over the control
-// plane, off the streams and the caller's thread, and compares the batches
+// plane (a message per 600 collectives, or per 10 ms when fewer: at most
+// about a hundred a second), off the streams and the caller's thread, and
+// compares the batches
 // it receives from the previous rank with its own.  Adjacent ranks agreeing
 // on every operation means all do.  A mismatch fails the communicator on
 // every rank with loomInvalidUsage naming both operations, within a few
@@ -40,9 +42,10 @@ OpSignature signatureOf(uint64_t seq, const OpDesc& op);
 // "AllReduce of 1000 x float32, sum" / "Broadcast of 7 x int8 from rank 2".
 std::string describeSignature(const OpSignature& s);
 
-// A batch as bytes (at most kSignatureBatch entries, under the control
-// plane's 2048 extra bytes), and back: false for bytes that are no batch.
-constexpr size_t kSignatureBatch = 60;
+// A batch as bytes (at most kSignatureBatch entries of 24 bytes, under the
+// control plane's 16 KiB of extra bytes), and back: false for bytes that
+// are no batch.
+constexpr size_t kSignatureBatch = 600;
 std::vector<uint8_t> encodeSignatures(const std::vector<OpSignature>& sigs);
 bool decodeSignatures(const std::vector<uint8_t>& bytes, std::vector<OpSignature>* sigs);
 
@@ -56,7 +59,7 @@ class SignatureCheck {
   // Up to kSignatureBatch of this rank's signatures not yet taken, as bytes
   // (empty: none).
   std::vector<uint8_t> takeBatch();
-  bool pending() const;  // signatures not yet taken
+  size_t pending() const;  // signatures not yet taken
   // A batch from `from` (any order, repeated entries fine).
   void receive(const std::vector<uint8_t>& bytes);
   // The first mismatch found ("" if none).

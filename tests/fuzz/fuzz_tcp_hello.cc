@@ -64,7 +64,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     if (want == 0) {
       loom::CtlMsg m = loom::decodeCtl(msg, have);
-      if (m.from < 0 || m.from >= nranks || int(m.ranks.size()) > nranks || m.extra.size() > 2048) abort();
+      if (m.from < 0 || m.from >= nranks || int(m.ranks.size()) > nranks || m.extra.size() > 16384) abort();
       std::vector<uint8_t> again = loom::encodeCtl(m, loomfuzz::kSecret, commTag);
       if (again.size() != have || memcmp(again.data(), msg, have) != 0) abort();
       // A failure cause in the extra bytes: bounded, printable, a known code.
