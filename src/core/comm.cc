@@ -279,7 +279,12 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
           },
           deviceOptions());
     }
-    deviceForFail_.store(device_.get());
+    {
+      std::lock_guard<std::mutex> g(earlySigsMutex_);
+      deviceForFail_.store(device_.get());
+      for (const auto& [from, bytes] : earlySigs_) device_->onPeerSignatures(from, bytes);
+      earlySigs_.clear();
+    }
     // A notice that failed the communicator while device_ was being made.
     if (asyncError() != loomSuccess) device_->markFailed(asyncError(), lastError());
     const char* part = device.part ? device.part : "";
@@ -1040,7 +1045,13 @@ void loomComm::markDead(const std::vector<bool>& asked, const std::vector<Reach>
 
 void loomComm::onNotice(const CtlMsg& m) {
   if (m.type == CtlType::Sigs) {  // the IPC path's mismatch check: not a failure
-    if (DeviceCollectives* d = deviceForFail_.load()) d->onPeerSignatures(m.from, m.extra);
+    // A faster peer may send before this rank's device side exists: kept
+    // for it (init replays them under the same lock).
+    std::lock_guard<std::mutex> g(earlySigsMutex_);
+    if (DeviceCollectives* d = deviceForFail_.load())
+      d->onPeerSignatures(m.from, m.extra);
+    else if (earlySigs_.size() < 64)
+      earlySigs_.emplace_back(m.from, m.extra);
     return;
   }
   {

@@ -280,6 +280,9 @@ struct loomComm : public loom::ExecEnv,
   std::vector<int64_t> taggedRetryMs_;       // per peer: when to look for its tagged connection again
   loom::RegistrationTable registrations_;  // released before the transports
   std::unique_ptr<loom::DeviceCollectives> device_;  // CUDA communicators only
+  // Mismatch-check batches (CtlType::Sigs) that came before device_.
+  std::mutex earlySigsMutex_;
+  std::vector<std::pair<int, std::vector<uint8_t>>> earlySigs_;
   std::mutex hookMutex_;
   std::condition_variable hookCv_;
   std::function<void(const loom::FailureNote&)> failureHook_;  // under hookMutex_

@@ -98,7 +98,7 @@ bool decodeCause(const std::vector<uint8_t>& extra, int nranks, CtlCause* c) {
   c->code = code;
   c->root = root;
   c->msg.clear();
-  for (size_t i = 8; i < extra.size(); ++i)  // printable text only: it ends up in logs
+  for (size_t i = 8; i < extra.size() && c->msg.size() < kMaxCauseText; ++i)  // printable text only: it ends up in logs
     c->msg.push_back(extra[i] >= 0x20 && extra[i] < 0x7f ? char(extra[i]) : '?');
   return true;
 }

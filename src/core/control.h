@@ -99,7 +99,7 @@ class Control {
   Reach askWhy(int r, CtlCause* c, int64_t deadlineMs);
   // Answers Region questions (on the control thread; it may allocate
   // device memory, nothing slower): the answer's extra bytes (at most
-  // 2040).  Set before start().  Unset: the answer is empty.
+  // 16384; a region record is far smaller).  Set before start().  Unset: the answer is empty.
   void setRegionAnswer(std::function<std::vector<uint8_t>(int from)> answer) { region_ = std::move(answer); }
   // Asks rank r a Region question: Acked with the answer's extra bytes in
   // *answer, Refused (its process is gone), or Timeout.  Any thread but

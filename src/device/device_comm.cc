@@ -390,6 +390,27 @@ void DeviceComm::stopWatchdog() {
   }
   wcv_.notify_all();
   if (watchdog_.joinable()) watchdog_.join();
+  finishSignatures();
+}
+
+void DeviceComm::finishSignatures() {
+  // A healthy communicator going away: what the watchdog had not sent goes
+  // now, and the previous rank's last batches get a moment to arrive, so
+  // that a mismatch in the last calls before destroy is still reported.
+  if (!sigs_ || failed() || !sendSignatures_) return;
+  for (std::vector<uint8_t> b = sigs_->takeBatch(); !b.empty(); b = sigs_->takeBatch())
+    sendSignatures_((rank_ + 1) % nranks_, std::move(b));
+  const int64_t deadline = nowMs() + kSignatureFinishMs;
+  while (sigs_->unchecked() > 0 && sigs_->mismatch().empty() && nowMs() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  const std::string mismatch = sigs_->mismatch();
+  if (!mismatch.empty()) {
+    failFromWatchdog(loomInvalidUsage, mismatch, -1);
+    release();  // the watchdog is gone: release this rank's waits here
+  } else if (sigs_->unchecked() > 0) {
+    LOOM_INFO("DEVICE", "rank %d: the last %zu collectives were not compared with rank %d's before destroy",
+              rank_, sigs_->unchecked(), (rank_ + nranks_ - 1) % nranks_);
+  }
 }
 
 DeviceComm::~DeviceComm() {
@@ -485,6 +506,12 @@ int64_t DeviceComm::checkSignatures() {
   if (!mismatch.empty()) {
     failFromWatchdog(loomInvalidUsage, mismatch, -1);
     return 1;
+  }
+  if (const size_t skipped = sigs_->skipped(); skipped > sigSkippedWarned_) {
+    LOOM_WARN("DEVICE", "rank %d: the mismatch check skipped %zu collectives so far (a batch lost, or one rank "
+              "more than %zu collectives ahead of the next)",
+              rank_, skipped, SignatureCheck::kKeep);
+    sigSkippedWarned_ = skipped * 2;  // warn again only as it grows
   }
   // A full batch at once, else at most one message per 10 ms.
   const size_t pending = sigs_->pending();
@@ -619,7 +646,8 @@ void DeviceComm::watch() {
         }
         sleepMs = released ? 100 : 1;
       } else {
-        sleepMs = std::min(checkSignatures(), failedFlag_.load() ? int64_t(1) : checkProgress(nowMs()));
+        sleepMs = checkSignatures();
+        if (!failedFlag_.load()) sleepMs = std::min(sleepMs, checkProgress(nowMs()));
       }
     } catch (const Error& e) {
       if (!warned) LOOM_WARN("DEVICE", "rank %d: device watchdog: %s", rank_, e.what());
@@ -730,7 +758,6 @@ void DeviceComm::run(const OpDesc& op, void* callerStream) {
   if (failCode_ != loomSuccess) fail(failCode_, "the %s communicator has failed: %s", driver_->name(), failed_.c_str());
   uint64_t round = round_;
   StreamProgram p = compileStreamProgram(op, rank_, nranks_, allReduceAlgorithm(n * esz), slotBytes_, &round);
-  if (sigs_) sigs_->recordMine(op);  // the watchdog, woken below, sends it on and reports a mismatch
   ProgramBuffers b;
   b.send = needSend ? op.sendbuf : nullptr;
   b.sendBytes = needSend ? sendBytes : 0;
@@ -743,8 +770,10 @@ void DeviceComm::run(const OpDesc& op, void* callerStream) {
   DeviceScope current(*driver_);
   try {
     round_ = round;  // the peers advance theirs whatever happens here
-    if (p.ops.empty()) return;
-    enqueueProgram(driver_->backend(callerStream, p.streams, p.events), p, b);
+    // The mismatch check: the watchdog, woken below, sends it on and
+    // reports a mismatch (recorded once the call counts, as round_).
+    if (sigs_) sigs_->recordMine(op);
+    if (!p.ops.empty()) enqueueProgram(driver_->backend(callerStream, p.streams, p.events), p, b);
   } catch (const Error& e) {
     failCode_ = e.code();
     failed_ = e.what();

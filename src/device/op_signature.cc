@@ -67,15 +67,17 @@ bool decodeSignatures(const std::vector<uint8_t>& bytes, std::vector<OpSignature
 void SignatureCheck::recordMine(const OpDesc& op) {
   std::lock_guard<std::mutex> g(mu_);
   const OpSignature s = signatureOf(next_++, op);
-  mine_.push_back(s);
+  mine_.push_back(Mine{s, false});
+  ++unchecked_;
   if (mine_.size() > kKeep) {
+    if (!mine_.front().checked) --unchecked_, ++skipped_;
     mine_.pop_front();
     ++mineBase_;
     if (sent_ < mineBase_) sent_ = mineBase_;  // never taken: not sent (the next rank skips them)
   }
   auto it = ahead_.find(s.seq);
   if (it != ahead_.end()) {
-    compare(s, it->second);
+    compare(mine_.back(), it->second);
     ahead_.erase(it);
   }
 }
@@ -83,7 +85,7 @@ void SignatureCheck::recordMine(const OpDesc& op) {
 std::vector<uint8_t> SignatureCheck::takeBatch() {
   std::lock_guard<std::mutex> g(mu_);
   std::vector<OpSignature> batch;
-  while (sent_ < next_ && batch.size() < kSignatureBatch) batch.push_back(mine_[size_t(sent_++ - mineBase_)]);
+  while (sent_ < next_ && batch.size() < kSignatureBatch) batch.push_back(mine_[size_t(sent_++ - mineBase_)].sig);
   return batch.empty() ? std::vector<uint8_t>() : encodeSignatures(batch);
 }
 
@@ -97,11 +99,12 @@ void SignatureCheck::receive(const std::vector<uint8_t>& bytes) {
   if (!decodeSignatures(bytes, &sigs)) return;  // not a batch: nothing to compare
   std::lock_guard<std::mutex> g(mu_);
   for (const OpSignature& s : sigs) {
-    if (s.seq < mineBase_) continue;  // dropped here: skipped
+    if (s.seq < mineBase_) continue;  // dropped here already (counted then)
     if (s.seq < next_) {
       compare(mine_[size_t(s.seq - mineBase_)], s);
-    } else if (ahead_.size() < kKeep) {
+    } else if (ahead_.size() < kKeep || s.seq < ahead_.rbegin()->first) {
       ahead_[s.seq] = s;
+      if (ahead_.size() > kKeep) ahead_.erase(std::prev(ahead_.end()));  // the newest waits longest
     }
   }
 }
@@ -111,7 +114,19 @@ std::string SignatureCheck::mismatch() const {
   return mismatch_;
 }
 
-void SignatureCheck::compare(const OpSignature& mine, const OpSignature& theirs) {
+size_t SignatureCheck::unchecked() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return unchecked_;
+}
+
+size_t SignatureCheck::skipped() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return skipped_;
+}
+
+void SignatureCheck::compare(Mine& m, const OpSignature& theirs) {
+  if (!m.checked) m.checked = true, --unchecked_;
+  const OpSignature& mine = m.sig;
   if (mine == theirs || !mismatch_.empty()) return;
   mismatch_ = strf("rank %d: mismatched operations: the collective #%llu on this communicator is %s on rank %d but "
                    "%s on rank %d",

@@ -64,19 +64,30 @@ class SignatureCheck {
   void receive(const std::vector<uint8_t>& bytes);
   // The first mismatch found ("" if none).
   std::string mismatch() const;
+  // This rank's signatures kept and not yet compared with the previous
+  // rank's; and how many were never compared (a lost batch, or one side
+  // more than kKeep ahead).
+  size_t unchecked() const;
+  size_t skipped() const;
 
   // Signatures kept for comparison, each way; older ones are dropped (the
   // check then skips them rather than guess).
   static constexpr size_t kKeep = 4096;
 
  private:
-  void compare(const OpSignature& mine, const OpSignature& theirs);  // mu_ held
+  struct Mine;
+  void compare(Mine& mine, const OpSignature& theirs);  // mu_ held
 
   int rank_, from_;
   mutable std::mutex mu_;
-  std::deque<OpSignature> mine_;  // seq mineBase_ ..
+  struct Mine {
+    OpSignature sig;
+    bool checked = false;
+  };
+  std::deque<Mine> mine_;  // seq mineBase_ ..
   uint64_t mineBase_ = 0, next_ = 0, sent_ = 0;
-  std::map<uint64_t, OpSignature> ahead_;  // theirs not yet enqueued here
+  size_t unchecked_ = 0, skipped_ = 0;
+  std::map<uint64_t, OpSignature> ahead_;  // theirs not yet enqueued here (the lowest kKeep)
   std::string mismatch_;
 };
 
