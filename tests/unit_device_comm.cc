@@ -1999,6 +1999,32 @@ TEST_CASE("CUDA communicators and hosts: LOOM_DEVICE_PATH=ipc across hosts fails
 
 namespace {
 
+// loomCommGetAsyncError on c until it reports a failure (or 5 s pass): the
+// code, and loomGetLastError's text in *last.
+loomResult_t awaitAsyncError(loomComm_t c, std::string* last) {
+  loomResult_t ae = loomSuccess;
+  for (int i = 0; i < 500 && ae == loomSuccess; ++i) {
+    CHECK(loomCommGetAsyncError(c, &ae) == loomSuccess);
+    if (ae == loomSuccess) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  *last = loomGetLastError(c);
+  return ae;
+}
+
+// Destroys every communicator of `comms` promptly (a failed one never
+// waits for its peers), then every pinned buffer and device remains are gone.
+void destroyPromptly(const std::vector<loomComm_t>& comms) {
+  const int64_t t0 = loom::nowMs();
+  for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
+  CHECK(loom::nowMs() - t0 < 5000);
+  CHECK(loom::waitDeviceRemains(10000));
+  CHECK(g_pinnedLive.load() == 0);
+}
+
+}  // namespace
+
+namespace {
+
 // The last of `comms` aborts while the others' all-reduce of n int32 waits
 // for it (it never took part): they fail with its reason at once, their
 // streams are released and run to the end, later calls fail at once, and
@@ -2028,11 +2054,7 @@ void checkAbortReleasesOthers(SimMemory& mem, loomsim::SimDeviceWorld& world, co
     CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) ==
           loomRemoteError);
   }
-  const int64_t t1 = loom::nowMs();
-  for (int r = 0; r < waiting; ++r) CHECK(loomCommDestroy(comms[size_t(r)]) == loomSuccess);
-  CHECK(loom::nowMs() - t1 < 5000);
-  CHECK(loom::waitDeviceRemains(10000));
-  CHECK(g_pinnedLive.load() == 0);
+  destroyPromptly(std::vector<loomComm_t>(comms.begin(), comms.end() - 1));
 }
 
 }  // namespace
@@ -2238,9 +2260,7 @@ TEST_CASE("CUDA communicator on several hosts with several ranks each (simulated
     for (int r = 0; r < N; ++r) CHECK(hierOf(comms[size_t(r)])->hierRuns() == hierWanted);
 
     CHECK(ringSendRecvWrong(mem, world, comms, 5000) == 0);  // the flat path
-    for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
-    CHECK(loom::waitDeviceRemains(10000));
-    CHECK(g_pinnedLive.load() == 0);
+    destroyPromptly(comms);
   }
 }
 
@@ -2321,13 +2341,8 @@ TEST_CASE("CUDA communicator on the hierarchical path (simulated device): a fail
   REQUIRE(comms.size() == 4);
   hierOf(comms[1])->railComm()->abort();  // rank 1's rail: ranks 1 and 3
   for (int r = 0; r < 4; ++r) {
-    loomResult_t ae = loomSuccess;
-    for (int i = 0; i < 500 && ae == loomSuccess; ++i) {
-      CHECK(loomCommGetAsyncError(comms[size_t(r)], &ae) == loomSuccess);
-      if (ae == loomSuccess) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    CHECK(ae == loomRemoteError);
-    std::string last = loomGetLastError(comms[size_t(r)]);
+    std::string last;
+    CHECK(awaitAsyncError(comms[size_t(r)], &last) == loomRemoteError);
     INFO("rank " << r << ": " << last);
     CHECK(last.find("rail communicator") != std::string::npos);
     CHECK(last.find("ranks 1 3") != std::string::npos);
@@ -2337,11 +2352,7 @@ TEST_CASE("CUDA communicator on the hierarchical path (simulated device): a fail
     if (r == 0 || r == 2) CHECK(last.find("failed on rank 1") != std::string::npos);
     CHECK(hierOf(comms[size_t(r)])->failed());
   }
-  const int64_t t0 = loom::nowMs();
-  for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
-  CHECK(loom::nowMs() - t0 < 5000);
-  CHECK(loom::waitDeviceRemains(10000));
-  CHECK(g_pinnedLive.load() == 0);
+  destroyPromptly(comms);
 }
 
 TEST_CASE("CUDA communicator on the hierarchical path (simulated device): loomCommRevoke while the others' all-reduce "
@@ -2367,22 +2378,13 @@ TEST_CASE("CUDA communicator on the hierarchical path (simulated device): loomCo
       std::string msg;
       CHECK(world.rank(r).synchronize(&msg) == loomSuccess);  // released
     }
-    loomResult_t ae = loomSuccess;
-    for (int i = 0; i < 500 && ae == loomSuccess; ++i) {
-      CHECK(loomCommGetAsyncError(comms[size_t(r)], &ae) == loomSuccess);
-      if (ae == loomSuccess) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    CHECK(ae == loomRemoteError);
-    std::string last = loomGetLastError(comms[size_t(r)]);
+    std::string last;
+    CHECK(awaitAsyncError(comms[size_t(r)], &last) == loomRemoteError);
     INFO("rank " << r << ": " << last);
     CHECK(last.find("revoked") != std::string::npos);
     CHECK(last.find("communicator (its ranks") == std::string::npos);  // no sub-communicator's story
   }
-  const int64_t t0 = loom::nowMs();
-  for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
-  CHECK(loom::nowMs() - t0 < 5000);
-  CHECK(loom::waitDeviceRemains(10000));
-  CHECK(g_pinnedLive.load() == 0);
+  destroyPromptly(comms);
 }
 
 TEST_CASE("CUDA communicators split from a hierarchical one with LOOM_DEVICE_PATH=hier: a shape it does not apply to "
@@ -2516,13 +2518,8 @@ TEST_CASE("CUDA communicators on the IPC path (simulated device, through the C A
   for (int r = 0; r < 3; ++r) {
     std::string msg;
     CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
-    loomResult_t ae = loomSuccess;
-    for (int i = 0; i < 500 && ae == loomSuccess; ++i) {
-      CHECK(loomCommGetAsyncError(comms[size_t(r)], &ae) == loomSuccess);
-      if (ae == loomSuccess) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    CHECK(ae == loomInvalidUsage);
-    std::string last = loomGetLastError(comms[size_t(r)]);
+    std::string last;
+    CHECK(awaitAsyncError(comms[size_t(r)], &last) == loomInvalidUsage);
     INFO("rank " << r << ": " << last);
     CHECK(last.find("mismatched operations") != std::string::npos);
     CHECK(last.find("AllReduce of 1001 x float32, sum on rank 1") != std::string::npos);
