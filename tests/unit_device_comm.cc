@@ -2512,9 +2512,11 @@ TEST_CASE("CUDA communicators on the IPC path (simulated device, through the C A
     CHECK(ae == loomSuccess);
   }
   // Rank 1 reduces one element more: the same rounds, so nothing waits.
-  for (int r = 0; r < 3; ++r)
-    CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], r == 1 ? n + 1 : n, loomFloat32, loomSum, comms[size_t(r)],
-                        fakeStream) == loomSuccess);
+  for (int r = 0; r < 3; ++r) {  // a rank that calls after the mismatch was found is refused at once
+    const loomResult_t rc = loomAllReduce(buf[size_t(r)], buf[size_t(r)], r == 1 ? n + 1 : n, loomFloat32, loomSum,
+                                          comms[size_t(r)], fakeStream);
+    CHECK((rc == loomSuccess || rc == loomInvalidUsage));
+  }
   for (int r = 0; r < 3; ++r) {
     std::string msg;
     CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
@@ -2529,4 +2531,49 @@ TEST_CASE("CUDA communicators on the IPC path (simulated device, through the C A
   }
   for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
   CHECK(loom::waitDeviceRemains(10000));
+}
+
+TEST_CASE("CUDA communicator on the hierarchical path (simulated device): ranks whose all-reduce counts fall on both "
+          "sides of LOOM_DEVICE_HIER_MIN_BYTES (one hierarchical, the others flat) all fail with loomInvalidUsage "
+          "naming both calls, promptly, instead of waiting for the timeout",
+          "[devcomm][hierdev][mismatch]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(4, 1, 256, patientDevice());
+  DeviceEnv env(mem, world);
+  ScopedEnv minBytes("LOOM_DEVICE_HIER_MIN_BYTES", "1000");
+  std::vector<loomComm_t> comms = initCudaCommsOn(4, [](int r) { return "hier-host-" + std::to_string(r / 2); });
+  REQUIRE(comms.size() == 4);
+  auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+  std::vector<float*> buf;
+  for (int r = 0; r < 4; ++r) buf.push_back(reinterpret_cast<float*>(mem.alloc(0, 4000)));
+  // Matching calls first, through both paths: nothing trips.
+  for (int i = 0; i < 20; ++i)
+    for (int r = 0; r < 4; ++r)
+      CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], i % 2 ? 1000 : 100, loomFloat32, loomSum, comms[size_t(r)],
+                          fakeStream) == loomSuccess);
+  for (int r = 0; r < 4; ++r) {
+    std::string msg;
+    CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
+    loomResult_t ae = loomSuccess;
+    CHECK(loomCommGetAsyncError(comms[size_t(r)], &ae) == loomSuccess);
+    CHECK(ae == loomSuccess);
+  }
+  const int64_t t0 = loom::nowMs();
+  for (int r = 0; r < 4; ++r) {  // rank 0: 4000 B, hierarchical; the others 400 B, flat
+    // A rank that calls after the mismatch was found is refused at once.
+    const loomResult_t rc = loomAllReduce(buf[size_t(r)], buf[size_t(r)], r == 0 ? 1000 : 100, loomFloat32, loomSum,
+                                          comms[size_t(r)], fakeStream);
+    CHECK((rc == loomSuccess || rc == loomInvalidUsage));
+  }
+  for (int r = 0; r < 4; ++r) {
+    std::string msg;
+    CHECK(world.rank(r).synchronize(&msg) == loomSuccess);  // released
+    std::string last;
+    CHECK(awaitAsyncError(comms[size_t(r)], &last) == loomInvalidUsage);
+    INFO("rank " << r << ": " << last);
+    CHECK(last.find("mismatched operations") != std::string::npos);
+    CHECK(last.find("AllReduce of 1000 x float32, sum on rank 0") != std::string::npos);
+  }
+  CHECK(loom::nowMs() - t0 < 10000);
+  destroyPromptly(comms);
 }

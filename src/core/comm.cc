@@ -319,17 +319,19 @@ loom::DeviceCommOptions loomComm::deviceOptions() {
   o.fetchRegion = [this](int peer) { return fetchDeviceRegion(peer); };
   // The IPC path's mismatch check: batches of signatures to the next rank
   // (the watchdog stops before ctl_ goes, see ~loomComm).
-  o.sendSignatures = [this](int peer, std::vector<uint8_t> bytes) {
-    if (!ctl_) return;
-    CtlMsg m;
-    m.type = CtlType::Sigs;
-    m.from = rank_;
-    m.extra = std::move(bytes);
-    std::vector<bool> to(size_t(nranks_), false);
-    to[size_t(peer)] = true;
-    ctl_->broadcastAsync(m, to, nowMs() + 2000, nullptr);
-  };
+  o.sendSignatures = [this](int peer, std::vector<uint8_t> bytes) { sendSignatures(peer, std::move(bytes)); };
   return o;
+}
+
+void loomComm::sendSignatures(int peer, std::vector<uint8_t> bytes) {
+  if (!ctl_) return;
+  CtlMsg m;
+  m.type = CtlType::Sigs;
+  m.from = rank_;
+  m.extra = std::move(bytes);
+  std::vector<bool> to(size_t(nranks_), false);
+  to[size_t(peer)] = true;
+  ctl_->broadcastAsync(m, to, nowMs() + 2000, nullptr);
 }
 
 loom::StagedCommOptions loomComm::stagedOptions() {
@@ -1000,6 +1002,10 @@ std::unique_ptr<DeviceCollectives> loomComm::makeHierDevice(Bootstrap& boot, con
     throw;
   }
   logSetRank(rank_);
+  parts.rank = rank_;
+  parts.nranks = nranks_;
+  parts.sendSignatures = [this](int peer, std::vector<uint8_t> bytes) { sendSignatures(peer, std::move(bytes)); };
+  parts.onMismatch = [this](const std::string& msg) { failFirst(loomInvalidUsage, msg); };
   // Their first failure fails this communicator (which tells its peers);
   // this one's failure fails them (HierDeviceComm::markFailed).
   return std::make_unique<HierDeviceComm>(std::move(parts), [this](const FailureNote& n) {

@@ -306,6 +306,8 @@ struct loomComm : public loom::ExecEnv,
   loom::IpcRecord fetchDeviceRegion(int peer);
   std::vector<uint8_t> deviceRegionAnswer(int from);
   loom::DeviceCommOptions deviceOptions();  // the watchdog wired to this communicator
+  // A mismatch-check batch to `peer` over the control plane, not waiting.
+  void sendSignatures(int peer, std::vector<uint8_t> bytes);
   loom::StagedCommOptions stagedOptions();  // the staged path wired to the host path
 
   std::mutex turnMutex_;

@@ -2,6 +2,7 @@
 
 #include <map>
 
+#include "src/core/clock.h"
 #include "src/core/comm.h"
 #include "src/core/error.h"
 #include "src/device/host_reduce.h"
@@ -87,6 +88,57 @@ HierDeviceComm::HierDeviceComm(HierParts parts, std::function<void(const Failure
   };
   local_->setFailureHook(hook("local", localRanks));
   rail_->setFailureHook(hook("rail", railRanks));
+  rank_ = parts.rank;
+  nranks_ = parts.nranks;
+  if (parts.sendSignatures && parts.onMismatch && nranks_ > 1) {
+    sigs_ = std::make_unique<SignatureCheck>(rank_, (rank_ + nranks_ - 1) % nranks_);
+    sendSigs_ = std::move(parts.sendSignatures);
+    onMismatch_ = std::move(parts.onMismatch);
+    sigThread_ = std::thread([this] { signatureLoop(); });
+  }
+}
+
+void HierDeviceComm::signatureLoop() {
+  std::unique_lock<std::mutex> lk(sigMu_);
+  while (!sigStop_) {
+    sigWake_ = false;
+    lk.unlock();
+    const int64_t sleepMs = signatureStep(false);
+    lk.lock();
+    if (!sigStop_ && !sigWake_)
+      sigCv_.wait_for(lk, std::chrono::milliseconds(sleepMs), [&] { return sigStop_ || sigWake_; });
+  }
+}
+
+int64_t HierDeviceComm::signatureStep(bool flush) {
+  const std::string mismatch = sigs_->mismatch();
+  if (!mismatch.empty()) {
+    if (!mismatchReported_.exchange(true)) onMismatch_(mismatch);
+    return 100;
+  }
+  // As the ipc path's watchdog: a full batch at once, else one per 10 ms.
+  const size_t pending = sigs_->pending();
+  if (pending == 0) return 100;
+  const int64_t now = nowMs(), since = now - sigSentMs_;
+  if (!flush && pending < kSignatureBatch && since < 10) return 10 - since;
+  for (std::vector<uint8_t> b = sigs_->takeBatch(); !b.empty(); b = flush ? sigs_->takeBatch() : std::vector<uint8_t>())
+    sendSigs_((rank_ + 1) % nranks_, std::move(b));
+  sigSentMs_ = now;
+  return sigs_->pending() >= kSignatureBatch ? 1 : 10;
+}
+
+void HierDeviceComm::wakeSignatures() {
+  {
+    std::lock_guard<std::mutex> g(sigMu_);
+    sigWake_ = true;
+  }
+  sigCv_.notify_all();
+}
+
+void HierDeviceComm::onPeerSignatures(int from, const std::vector<uint8_t>& bytes) {
+  if (!sigs_ || from != (rank_ + nranks_ - 1) % nranks_) return;
+  sigs_->receive(bytes);
+  if (!sigs_->mismatch().empty()) wakeSignatures();
 }
 
 HierDeviceComm::~HierDeviceComm() {
@@ -123,6 +175,7 @@ void HierDeviceComm::run(const OpDesc& op, void* callerStream) {
   std::lock_guard<std::mutex> g(runMu_);
   if (!hierarchical(op)) {
     flat_->run(op, callerStream);
+    if (sigs_) sigs_->recordMine(op), wakeSignatures();  // once it counts (check() throws before)
     return;
   }
   flat_->check(op);  // this device's buffers, a collective served: before anything is enqueued
@@ -167,6 +220,7 @@ void HierDeviceComm::run(const OpDesc& op, void* callerStream) {
     throw;
   }
   hierRuns_.fetch_add(1, std::memory_order_relaxed);
+  if (sigs_) sigs_->recordMine(op), wakeSignatures();
 }
 
 bool HierDeviceComm::failed() const {
@@ -191,6 +245,23 @@ void HierDeviceComm::setTimeoutMs(int64_t ms) {
 }
 
 void HierDeviceComm::stopWatchdog() {
+  if (sigThread_.joinable()) {
+    {
+      std::lock_guard<std::mutex> g(sigMu_);
+      sigStop_ = true;
+    }
+    sigCv_.notify_all();
+    sigThread_.join();
+    // A healthy communicator going away: send what is left, give the
+    // previous rank's last batches a moment (as the ipc path does).
+    if (!failed()) {
+      signatureStep(true);
+      const int64_t deadline = nowMs() + 200;
+      while (sigs_->unchecked() > 0 && sigs_->mismatch().empty() && nowMs() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      signatureStep(true);  // reports a mismatch found meanwhile
+    }
+  }
   // The hooks call into the owner, which is going.
   local_->setFailureHook(nullptr);
   rail_->setFailureHook(nullptr);

@@ -21,7 +21,9 @@
 // every other collective, send/recv included, take the parent's own staged
 // path ("flat"), as do all-reduces smaller than LOOM_DEVICE_HIER_MIN_BYTES.
 // Every rank decides alike: the decision depends on the count, the type,
-// the op and rank 0's threshold only.
+// the op and rank 0's threshold only; ranks whose calls differ are caught
+// by the parent's own mismatch check (src/device/op_signature.h), which
+// compares every collective between neighbouring parent ranks.
 //
 // The sub-communicators are made during the parent's init and live as long
 // as it does.  Their failures are the parent's: a sub-communicator's own
@@ -34,13 +36,16 @@
 // wrong root).
 #pragma once
 #include <atomic>
+#include <condition_variable>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "src/device/device_comm.h"
+#include "src/device/op_signature.h"
 
 struct loomComm;
 
@@ -85,6 +90,14 @@ struct HierParts {
   std::shared_ptr<loomComm> local, rail;    // CUDA communicators: ipc, staged
   HierShape shape;
   size_t minBytes = 0;  // LOOM_DEVICE_HIER_MIN_BYTES (rank 0's)
+  // The parent's own mismatch check (src/device/op_signature.h): ranks that
+  // disagree on whether an all-reduce goes through the hierarchy (counts on
+  // both sides of minBytes) would otherwise wait on different
+  // sub-communicators until the timeout.  sendSignatures: a batch to
+  // parent rank `peer` (empty: no check); onMismatch: fail the parent.
+  int rank = 0, nranks = 1;
+  std::function<void(int peer, std::vector<uint8_t> bytes)> sendSignatures{};
+  std::function<void(const std::string& msg)> onMismatch{};
 };
 
 class HierDeviceComm final : public DeviceCollectives {
@@ -103,6 +116,7 @@ class HierDeviceComm final : public DeviceCollectives {
   void run(const OpDesc& op, void* callerStream) override;
   void runP2P(const std::vector<OpDesc>& ops, void* callerStream) override;
   void prepareP2P(const std::vector<OpDesc>& ops) override { flat_->prepareP2P(ops); }
+  void onPeerSignatures(int from, const std::vector<uint8_t>& bytes) override;
   bool failed() const override;
   bool markFailed(loomResult_t code, const std::string& msg) override;
   void setTimeoutMs(int64_t ms) override;
@@ -128,6 +142,25 @@ class HierDeviceComm final : public DeviceCollectives {
   // One operation's parts go to the sub-communicators together, so that
   // calls from several threads keep one order on all three.
   std::mutex runMu_;
+
+  // The parent-level mismatch check: every collective's signature, sent to
+  // the next parent rank by a thread of its own (as the ipc path's
+  // watchdog does), compared with the previous rank's.
+  int rank_ = 0, nranks_ = 1;
+  std::unique_ptr<SignatureCheck> sigs_;
+  std::function<void(int, std::vector<uint8_t>)> sendSigs_;
+  std::function<void(const std::string&)> onMismatch_;
+  std::atomic<bool> mismatchReported_{false};
+  std::mutex sigMu_;
+  std::condition_variable sigCv_;
+  bool sigStop_ = false, sigWake_ = false;  // sigMu_
+  int64_t sigSentMs_ = 0;                   // the signature thread, then stopWatchdog
+  std::thread sigThread_;
+  void signatureLoop();
+  // Reports a mismatch found, sends a batch when one is due (all of them
+  // when flush); how long to sleep next.
+  int64_t signatureStep(bool flush);
+  void wakeSignatures();
 };
 
 }  // namespace loom
