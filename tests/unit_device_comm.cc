@@ -2469,6 +2469,24 @@ TEST_CASE("IPC path mismatch check: signatures compared across batches in any or
   c.recordMine(desc(Collective::Gather, 5, loomInt8, loomSum, 0));
   CHECK(c.mismatch().find("Gather of 5 x int8, root 1 on rank 0 but Gather of 5 x int8, root 0 on rank 1") !=
         std::string::npos);
+  // Pacing: a partial batch at most every 10 ms, a full one at once, all
+  // of them on a flush.
+  loom::SignatureCheck p(0, 1);
+  int64_t next = 0;
+  CHECK(p.due(1000, false, &next).empty());
+  CHECK(next == 100);  // nothing pending
+  p.recordMine(desc(Collective::AllReduce, 1, loomFloat32, loomSum, 0));
+  CHECK(p.due(1000, false, &next).size() == 1);
+  p.recordMine(desc(Collective::AllReduce, 2, loomFloat32, loomSum, 0));
+  CHECK(p.due(1004, false, &next).empty());
+  CHECK(next == 6);
+  CHECK(p.due(1004, true, &next).size() == 1);
+  for (size_t i = 0; i < 2 * loom::kSignatureBatch + 1; ++i)
+    p.recordMine(desc(Collective::AllReduce, 3, loomFloat32, loomSum, 0));
+  CHECK(p.due(1005, false, &next).size() == 1);  // a full batch at once
+  CHECK(next == 1);                              // and another full one waits
+  CHECK(p.due(1005, true, &next).size() == 2);   // the rest on a flush
+  CHECK(p.pending() == 0);
   // Garbage: wrong sizes, reserved bits, too many entries.
   std::vector<loom::OpSignature> out;
   CHECK_FALSE(loom::decodeSignatures(std::vector<uint8_t>(23), &out));

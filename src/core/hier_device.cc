@@ -116,15 +116,9 @@ int64_t HierDeviceComm::signatureStep(bool flush) {
     if (!mismatchReported_.exchange(true)) onMismatch_(mismatch);
     return 100;
   }
-  // As the ipc path's watchdog: a full batch at once, else one per 10 ms.
-  const size_t pending = sigs_->pending();
-  if (pending == 0) return 100;
-  const int64_t now = nowMs(), since = now - sigSentMs_;
-  if (!flush && pending < kSignatureBatch && since < 10) return 10 - since;
-  for (std::vector<uint8_t> b = sigs_->takeBatch(); !b.empty(); b = flush ? sigs_->takeBatch() : std::vector<uint8_t>())
-    sendSigs_((rank_ + 1) % nranks_, std::move(b));
-  sigSentMs_ = now;
-  return sigs_->pending() >= kSignatureBatch ? 1 : 10;
+  int64_t next;
+  for (std::vector<uint8_t>& b : sigs_->due(nowMs(), flush, &next)) sendSigs_((rank_ + 1) % nranks_, std::move(b));
+  return next;
 }
 
 void HierDeviceComm::wakeSignatures() {
@@ -256,9 +250,7 @@ void HierDeviceComm::stopWatchdog() {
     // previous rank's last batches a moment (as the ipc path does).
     if (!failed()) {
       signatureStep(true);
-      const int64_t deadline = nowMs() + 200;
-      while (sigs_->unchecked() > 0 && sigs_->mismatch().empty() && nowMs() < deadline)
-        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      sigs_->awaitChecked(nowMs() + SignatureCheck::kFinishMs);
       signatureStep(true);  // reports a mismatch found meanwhile
     }
   }

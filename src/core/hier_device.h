@@ -154,7 +154,6 @@ class HierDeviceComm final : public DeviceCollectives {
   std::mutex sigMu_;
   std::condition_variable sigCv_;
   bool sigStop_ = false, sigWake_ = false;  // sigMu_
-  int64_t sigSentMs_ = 0;                   // the signature thread, then stopWatchdog
   std::thread sigThread_;
   void signatureLoop();
   // Reports a mismatch found, sends a batch when one is due (all of them

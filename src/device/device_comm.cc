@@ -398,11 +398,9 @@ void DeviceComm::finishSignatures() {
   // now, and the previous rank's last batches get a moment to arrive, so
   // that a mismatch in the last calls before destroy is still reported.
   if (!sigs_ || failed() || !sendSignatures_) return;
-  for (std::vector<uint8_t> b = sigs_->takeBatch(); !b.empty(); b = sigs_->takeBatch())
-    sendSignatures_((rank_ + 1) % nranks_, std::move(b));
-  const int64_t deadline = nowMs() + kSignatureFinishMs;
-  while (sigs_->unchecked() > 0 && sigs_->mismatch().empty() && nowMs() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  int64_t next;
+  for (std::vector<uint8_t>& b : sigs_->due(nowMs(), true, &next)) sendSignatures_((rank_ + 1) % nranks_, std::move(b));
+  sigs_->awaitChecked(nowMs() + SignatureCheck::kFinishMs);
   const std::string mismatch = sigs_->mismatch();
   if (!mismatch.empty()) {
     failFromWatchdog(loomInvalidUsage, mismatch, -1);
@@ -513,15 +511,10 @@ int64_t DeviceComm::checkSignatures() {
               rank_, skipped, SignatureCheck::kKeep);
     sigSkippedWarned_ = skipped * 2;  // warn again only as it grows
   }
-  // A full batch at once, else at most one message per 10 ms.
-  const size_t pending = sigs_->pending();
-  if (pending == 0) return 100;
-  const int64_t now = nowMs(), since = now - sigSentMs_;
-  if (pending < kSignatureBatch && since < 10) return 10 - since;
-  std::vector<uint8_t> batch = sigs_->takeBatch();
-  if (!batch.empty()) sendSignatures_((rank_ + 1) % nranks_, std::move(batch));
-  sigSentMs_ = now;
-  return sigs_->pending() >= kSignatureBatch ? 1 : 10;
+  int64_t next;
+  for (std::vector<uint8_t>& b : sigs_->due(nowMs(), false, &next))
+    sendSignatures_((rank_ + 1) % nranks_, std::move(b));
+  return next;
 }
 
 void DeviceComm::onPeerSignatures(int from, const std::vector<uint8_t>& bytes) {

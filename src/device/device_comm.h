@@ -465,12 +465,10 @@ class DeviceComm final : public DeviceCollectives {
   std::function<void(const Error&)> onFailure_;
   std::unique_ptr<SignatureCheck> sigs_;  // null: no mismatch check (one rank, or no sender)
   std::function<void(int, std::vector<uint8_t>)> sendSignatures_;
-  int64_t sigSentMs_ = 0;  // the last batch sent (watchdog thread only)
   size_t sigSkippedWarned_ = 0;  // watchdog thread only
   // At destruction of a healthy communicator: sends what is left and waits
-  // up to kSignatureFinishMs for the previous rank's last batches.
+  // up to SignatureCheck::kFinishMs for the previous rank's last batches.
   void finishSignatures();
-  static constexpr int64_t kSignatureFinishMs = 200;
   std::atomic<uint64_t> enqueued_{0};  // rounds enqueued (the done value the last one sets)
   std::atomic<uint64_t> p2pEnqueued_{0};  // send/recv programs enqueued (kFlagP2PDone's last value)
   std::atomic<bool> failedFlag_{false};

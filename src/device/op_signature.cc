@@ -1,7 +1,10 @@
 #include "src/device/op_signature.h"
 
+#include <chrono>
 #include <cstring>
+#include <thread>
 
+#include "src/core/clock.h"
 #include "src/core/error.h"
 #include "src/device/host_reduce.h"
 
@@ -107,6 +110,28 @@ void SignatureCheck::receive(const std::vector<uint8_t>& bytes) {
       if (ahead_.size() > kKeep) ahead_.erase(std::prev(ahead_.end()));  // the newest waits longest
     }
   }
+}
+
+std::vector<std::vector<uint8_t>> SignatureCheck::due(int64_t nowMs, bool flush, int64_t* nextMs) {
+  std::vector<std::vector<uint8_t>> out;
+  const size_t waiting = pending();
+  const int64_t since = nowMs - sentMs_;
+  if (waiting == 0) {
+    *nextMs = 100;
+  } else if (!flush && waiting < kSignatureBatch && since < 10) {
+    *nextMs = 10 - since;
+  } else {
+    do out.push_back(takeBatch());
+    while (flush && pending() > 0);
+    sentMs_ = nowMs;
+    *nextMs = pending() >= kSignatureBatch ? 1 : 10;
+  }
+  return out;
+}
+
+void SignatureCheck::awaitChecked(int64_t deadlineMs) const {
+  while (unchecked() > 0 && mismatch().empty() && nowMs() < deadlineMs)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
 }
 
 std::string SignatureCheck::mismatch() const {

@@ -60,6 +60,14 @@ class SignatureCheck {
   // (empty: none).
   std::vector<uint8_t> takeBatch();
   size_t pending() const;  // signatures not yet taken
+  // The batches due at nowMs: a full one at once, else at most one per
+  // 10 ms (every one left when flush); *nextMs: how long until the next is
+  // due.  Called by one thread at a time (the sender's).
+  std::vector<std::vector<uint8_t>> due(int64_t nowMs, bool flush, int64_t* nextMs);
+  // Until every kept signature of this rank was compared, a mismatch was
+  // found, or deadlineMs (a communicator going away gives the previous
+  // rank's last batches this moment).
+  void awaitChecked(int64_t deadlineMs) const;
   // A batch from `from` (any order, repeated entries fine).
   void receive(const std::vector<uint8_t>& bytes);
   // The first mismatch found ("" if none).
@@ -73,6 +81,8 @@ class SignatureCheck {
   // Signatures kept for comparison, each way; older ones are dropped (the
   // check then skips them rather than guess).
   static constexpr size_t kKeep = 4096;
+  // How long awaitChecked waits at destruction, at most.
+  static constexpr int64_t kFinishMs = 200;
 
  private:
   struct Mine;
@@ -86,6 +96,7 @@ class SignatureCheck {
   };
   std::deque<Mine> mine_;  // seq mineBase_ ..
   uint64_t mineBase_ = 0, next_ = 0, sent_ = 0;
+  int64_t sentMs_ = 0;  // due()'s last batch
   size_t unchecked_ = 0, skipped_ = 0;
   std::map<uint64_t, OpSignature> ahead_;  // theirs not yet enqueued here (the lowest kKeep)
   std::string mismatch_;
