@@ -2025,19 +2025,30 @@ void destroyPromptly(const std::vector<loomComm_t>& comms) {
 
 namespace {
 
-// The last of `comms` aborts while the others' all-reduce of n int32 waits
-// for it (it never took part): they fail with its reason at once, their
-// streams are released and run to the end, later calls fail at once, and
-// destroy is prompt and frees the pinned memory.
+// The last of `comms` aborts while the others' `coll` (in place) of n int32
+// waits for it (it never took part): they fail with its reason at once,
+// their streams are released and run to the end, later calls fail at once,
+// and destroy is prompt and frees the pinned and the device memory.
 void checkAbortReleasesOthers(SimMemory& mem, loomsim::SimDeviceWorld& world, const std::vector<loomComm_t>& comms,
-                              size_t n) {
-  const int waiting = int(comms.size()) - 1;
+                              size_t n, Collective coll = Collective::AllReduce) {
+  const int N = int(comms.size()), waiting = N - 1;
   auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+  const size_t elems = coll == Collective::AllReduce ? n : n * size_t(N);
   std::vector<int32_t*> buf;
-  for (int r = 0; r < waiting; ++r) buf.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, n * 4)));
-  for (int r = 0; r < waiting; ++r)
-    CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) ==
-          loomSuccess);
+  for (int r = 0; r < waiting; ++r) buf.push_back(reinterpret_cast<int32_t*>(mem.alloc(0, elems * 4)));
+  auto issue = [&](int r) {  // in place
+    int32_t* b = buf[size_t(r)];
+    loomComm_t c = comms[size_t(r)];
+    switch (coll) {
+      case Collective::ReduceScatter:
+        return loomReduceScatter(b, b + size_t(r) * n, n, loomInt32, loomSum, c, fakeStream);
+      case Collective::AllGather:
+        return loomAllGather(b + size_t(r) * n, b, n, loomInt32, c, fakeStream);
+      default:
+        return loomAllReduce(b, b, n, loomInt32, loomSum, c, fakeStream);
+    }
+  };
+  for (int r = 0; r < waiting; ++r) CHECK(issue(r) == loomSuccess);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   const int64_t t0 = loom::nowMs();
   CHECK(loomCommAbort(comms.back()) == loomSuccess);
@@ -2051,10 +2062,10 @@ void checkAbortReleasesOthers(SimMemory& mem, loomsim::SimDeviceWorld& world, co
     std::string last = loomGetLastError(comms[size_t(r)]);
     INFO(last);
     CHECK(last.find("aborted") != std::string::npos);
-    CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) ==
-          loomRemoteError);
+    CHECK(issue(r) == loomRemoteError);
   }
   destroyPromptly(std::vector<loomComm_t>(comms.begin(), comms.end() - 1));
+  CHECK(mem.live() == buf.size());  // only the test's own buffers
 }
 
 }  // namespace
@@ -2157,15 +2168,16 @@ struct HierLayout {
   int N;
   std::function<std::string(int)> hostOf;
   int hosts, perHost;
+  bool hostMajor;  // ranks numbered host by host: reduce-scatter and all-gather go through the hierarchy too
   const char* what;
 };
 
 std::vector<HierLayout> hierLayouts() {
   return {
-      {4, [](int r) { return "hier-host-" + std::to_string(r / 2); }, 2, 2, "2 hosts x 2, ranks in host order"},
-      {4, [](int r) { return "hier-host-" + std::to_string(r % 2); }, 2, 2, "2 hosts x 2, ranks interleaved"},
-      {6, [](int r) { return "hier-host-" + std::to_string(r % 3); }, 3, 2, "3 hosts x 2"},
-      {6, [](int r) { return "hier-host-" + std::to_string(r % 2); }, 2, 3, "2 hosts x 3"},
+      {4, [](int r) { return "hier-host-" + std::to_string(r / 2); }, 2, 2, true, "2 hosts x 2, ranks in host order"},
+      {4, [](int r) { return "hier-host-" + std::to_string(r % 2); }, 2, 2, false, "2 hosts x 2, ranks interleaved"},
+      {6, [](int r) { return "hier-host-" + std::to_string(r % 3); }, 3, 2, false, "3 hosts x 2, interleaved"},
+      {6, [](int r) { return "hier-host-" + std::to_string(r / 3); }, 2, 3, true, "2 hosts x 3, in host order"},
   };
 }
 
@@ -2181,6 +2193,10 @@ TEST_CASE("hierarchical device path: where each rank sits, and how an all-reduce
   CHECK(s.localOf == std::vector<int>{0, 0, 1, 1, 0, 1});
   CHECK(s.hostIndex == 1);
   CHECK(s.localIndex == 1);
+  CHECK_FALSE(s.hostMajor);
+  CHECK(loom::hierShapeOf({"b", "b", "a", "a", "c", "c"}, 0).hostMajor);
+  CHECK(loom::hierShapeOf({"b", "b", "b", "a", "a", "a"}, 4).hostMajor);
+  CHECK_FALSE(loom::hierShapeOf({"b", "b", "a", "b", "a", "a"}, 4).hostMajor);
   s = loom::hierShapeOf({"a", "a", "b"}, 0);
   CHECK_FALSE(s.usable());
   CHECK(s.why.find("host a has 2 ranks, host b has 1") != std::string::npos);
@@ -2199,8 +2215,9 @@ TEST_CASE("hierarchical device path: where each rank sits, and how an all-reduce
 }
 
 TEST_CASE("CUDA communicator on several hosts with several ranks each (simulated device, ranks as threads posing as "
-          "hosts): the hierarchical path, all-reduces through the local and rail communicators exact (tails, every "
-          "op, in and out of place), every other collective and send/recv on the flat path",
+          "hosts): the hierarchical path, all-reduces (and reduce-scatters and all-gathers where ranks are numbered "
+          "host by host) through the local and rail communicators exact (tails, every op, in and out of place), "
+          "every other collective and send/recv on the flat path",
           "[devcomm][hierdev]") {
   ScopedEnv piece("LOOM_DEVICE_STAGE_BYTES", "4096");  // the rail's and the flat path's pieces: many
   ScopedEnv minBytes("LOOM_DEVICE_HIER_MIN_BYTES", "64");
@@ -2241,6 +2258,16 @@ TEST_CASE("CUDA communicator on several hosts with several ranks each (simulated
     ops.push_back({Collective::AllReduce, loomUint8, loomMin, 4099, 0, true});
     ops.push_back({Collective::AllReduce, loomInt64, loomProd, 77, 0, false});
     ops.push_back({Collective::AllReduce, loomInt32, loomSum, 10, 0, true});  // 40 B: under the threshold, flat
+    // Reduce-scatter and all-gather: blocks in many rail pieces, the
+    // scratch grown between calls (kept while earlier calls may use it).
+    ops.push_back({Collective::ReduceScatter, loomFloat32, loomSum, 3000, 0, false});
+    ops.push_back({Collective::AllGather, loomInt64, loomSum, 2500, 0, true});
+    ops.push_back({Collective::ReduceScatter, loomBfloat16, loomAvg, 9001, 0, true});  // average: by L, then by hosts
+    ops.push_back({Collective::ReduceScatter, loomInt32, loomAvg, 1000, 0, false});    // integers average flat
+    ops.push_back({Collective::ReduceScatter, loomUint8, loomMax, 40001, 0, false});
+    ops.push_back({Collective::AllGather, loomFloat16, loomSum, 70000, 0, false});
+    ops.push_back({Collective::ReduceScatter, loomInt64, loomProd, 33, 0, true});
+    ops.push_back({Collective::AllGather, loomUint8, loomSum, 2, 0, true});  // 2 B per rank: under the threshold
     std::vector<Prepared> prepared;
     for (const Op& o : ops) prepared.push_back(prepare(mem, N, 1, o, rng));
     uint64_t hierWanted = 0;
@@ -2248,7 +2275,11 @@ TEST_CASE("CUDA communicator on several hosts with several ranks each (simulated
       for (int r = 0; r < N; ++r) CHECK(issueApi(comms[size_t(r)], p, r, fakeStream) == loomSuccess);
       loom::OpDesc d;
       d.coll = p.o.coll, d.count = p.o.count, d.dtype = p.o.type, d.op = p.o.op;
-      hierWanted += hierOf(comms[0])->hierarchical(d);
+      const bool hier = hierOf(comms[0])->hierarchical(d);
+      hierWanted += hier;
+      if ((d.coll == Collective::ReduceScatter || d.coll == Collective::AllGather) && d.count >= 1000 &&
+          !(d.op == loomAvg && d.dtype == loomInt32))
+        CHECK(hier == lay.hostMajor);
     }
     CHECK(hierWanted >= 12);
     for (int r = 0; r < N; ++r) {
@@ -2257,7 +2288,12 @@ TEST_CASE("CUDA communicator on several hosts with several ranks each (simulated
       INFO(msg);
     }
     for (const Prepared& p : prepared) CHECK(verifyNear(p, N) == "");
-    for (int r = 0; r < N; ++r) CHECK(hierOf(comms[size_t(r)])->hierRuns() == hierWanted);
+    for (int r = 0; r < N; ++r) {
+      CHECK(hierOf(comms[size_t(r)])->hierRuns() == hierWanted);
+      // The largest scratch: H blocks of the 70000 x float16 all-gather.
+      if (lay.hostMajor) CHECK(hierOf(comms[size_t(r)])->scratchBytes() >= size_t(lay.hosts) * 70000 * 2);
+      if (!lay.hostMajor) CHECK(hierOf(comms[size_t(r)])->scratchBytes() == 0);
+    }
 
     CHECK(ringSendRecvWrong(mem, world, comms, 5000) == 0);  // the flat path
     destroyPromptly(comms);
@@ -2317,18 +2353,26 @@ TEST_CASE("CUDA communicators and the hierarchical path: auto takes it where it 
 }
 
 TEST_CASE("CUDA communicator on the hierarchical path (simulated device): a rank's loomCommAbort while the others' "
-          "all-reduce waits for it fails them with its reason, releases their streams, later calls fail at once, "
-          "destroy frees everything",
+          "all-reduce, reduce-scatter or all-gather waits for it fails them with its reason, releases their streams, "
+          "later calls fail at once, destroy frees everything (the scratch included)",
           "[devcomm][hierdev][abort]") {
-  SimMemory mem;
-  loomsim::SimDeviceWorld world(4, 1, 256, patientDevice());
-  DeviceEnv env(mem, world);
-  ScopedEnv piece("LOOM_DEVICE_STAGE_BYTES", "4096");
-  ScopedEnv minBytes("LOOM_DEVICE_HIER_MIN_BYTES", "0");
-  std::vector<loomComm_t> comms = initCudaCommsOn(4, [](int r) { return "hier-host-" + std::to_string(r / 2); });
-  REQUIRE(comms.size() == 4);
-  REQUIRE(hierOf(comms[0]) != nullptr);
-  checkAbortReleasesOthers(mem, world, comms, 20001);  // shards of 10000 (10 rail pieces) and a tail
+  for (Collective coll : {Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather}) {
+    INFO(loom::collectiveName(coll));
+    SimMemory mem;
+    loomsim::SimDeviceWorld world(4, 1, 256, patientDevice());
+    DeviceEnv env(mem, world);
+    ScopedEnv piece("LOOM_DEVICE_STAGE_BYTES", "4096");
+    ScopedEnv minBytes("LOOM_DEVICE_HIER_MIN_BYTES", "0");
+    std::vector<loomComm_t> comms = initCudaCommsOn(4, [](int r) { return "hier-host-" + std::to_string(r / 2); });
+    REQUIRE(comms.size() == 4);
+    REQUIRE(hierOf(comms[0]) != nullptr);
+    loom::OpDesc d;
+    d.coll = coll, d.count = 20001, d.dtype = loomInt32;
+    CHECK(hierOf(comms[0])->hierarchical(d));
+    // All-reduce: shards of 10000 (10 rail pieces) and a tail; the others:
+    // blocks of 20001 (the rail's pieces: 2 x 20001 x 4 B over 4 KiB).
+    checkAbortReleasesOthers(mem, world, comms, 20001, coll);
+  }
 }
 
 TEST_CASE("CUDA communicator on the hierarchical path (simulated device): a failure of one rank's internal rail "

@@ -961,6 +961,21 @@ std::unique_ptr<DeviceCollectives> loomComm::makeHierDevice(Bootstrap& boot, con
   StagedCommOptions o = stagedOptions();
   o.pieceBytes = root.deviceStageBytes;
   parts.flat = std::make_unique<StagedDeviceComm>(rank_, nranks_, deviceDriverFor(choice, driverRank, nranks_), o);
+  if (sh.hostMajor) {
+    // The hierarchical reduce-scatter's and all-gather's device memory
+    // (every rank decides alike: hostMajor comes from the shared host ids).
+    parts.driver = deviceDriverFor(choice, driverRank, nranks_);
+    DeviceScope current(*parts.driver);
+    parts.orderFlag = static_cast<uint64_t*>(parts.driver->allocate(256));  // zeroed
+  }
+  auto dropFlag = [&parts] {
+    if (!parts.orderFlag) return;
+    try {
+      DeviceScope current(*parts.driver);
+      parts.driver->release(parts.orderFlag);
+    } catch (const Error&) {  // init is failing already
+    }
+  };
   // The first rank of each host makes its local communicator's id, each
   // rank of the first host its rail's; every rank learns them all through
   // the bootstrap, then joins its host's and its rail's (every rank in the
@@ -999,6 +1014,7 @@ std::unique_ptr<DeviceCollectives> loomComm::makeHierDevice(Bootstrap& boot, con
       parts.local->abort();
       parts.local->releaseHandle();
     }
+    dropFlag();
     throw;
   }
   logSetRank(rank_);

@@ -110,9 +110,10 @@ const std::vector<ConfigVar>& configTable() {
        "auto: ipc when every rank is on one host, else hier where it applies, else staged (rank 0's value is used "
        "by all)"},
       {"LOOM_DEVICE_HIER_MIN_BYTES", "int", "1048576",
-       "the hierarchical device path takes all-reduces of at least this many bytes; smaller ones are staged whole "
-       "(a guess, not measured on GPUs: below it the three programs' latency should outweigh the bytes saved; "
-       "rank 0's value is used by all)"},
+       "the hierarchical device path takes all-reduces of at least this many bytes, and reduce-scatters and "
+       "all-gathers whose whole buffer (N blocks) is at least this many; smaller ones are staged whole (a guess, "
+       "not measured on GPUs: below it the programs' latency should outweigh the bytes saved; rank 0's value is "
+       "used by all)"},
       {"LOOM_DEVICE_STAGE_BYTES", "int", "2097152",
        "the staged path's piece: bytes a CUDA communicator stages per side and step through pinned host memory; "
        "it keeps 4 slots of 2 pieces (16 MiB pinned at the default), and stages up to 3 pieces ahead of the one "

@@ -1,10 +1,12 @@
 #include "src/core/hier_device.h"
 
+#include <algorithm>
 #include <map>
 
 #include "src/core/clock.h"
 #include "src/core/comm.h"
 #include "src/core/error.h"
+#include "src/core/log.h"
 #include "src/device/host_reduce.h"
 
 namespace loom {
@@ -36,6 +38,9 @@ HierShape hierShapeOf(const std::vector<std::string>& hostIds, int rank) {
       s.perHost = 0;
       break;
     }
+  s.hostMajor = s.perHost > 0;
+  for (int r = 0; r < n && s.hostMajor; ++r)
+    s.hostMajor = s.hostOf[size_t(r)] * s.perHost + s.localOf[size_t(r)] == r;
   if (rank >= 0 && rank < n) {
     s.hostIndex = s.hostOf[size_t(rank)];
     s.localIndex = s.localOf[size_t(rank)];
@@ -54,12 +59,46 @@ HierSplit hierSplit(size_t count, int perHost) {
   return s;
 }
 
+namespace {
+
+// The reduce-scatter's and all-gather's scratch and order counter, freed
+// once the device has finished the last call that used them.
+struct ScratchRemains final : DeviceRemains {
+  std::unique_ptr<DeviceDriver> driver;
+  uint64_t* flag = nullptr;
+  uint64_t uses = 0;
+  std::vector<void*> blocks;
+
+  bool step() override {
+    try {
+      DeviceScope current(*driver);
+      return uses == 0 || driver->readFlag(flag) >= uses;
+    } catch (const Error& e) {
+      LOOM_WARN("DEVICE", "rank %d: reading the hierarchical path's scratch counter: %s", rank, e.what());
+      return false;
+    }
+  }
+  void free() override {
+    try {
+      DeviceScope current(*driver);
+      for (void* p : blocks) driver->release(p);
+      driver->release(flag);
+    } catch (const Error&) {  // nothing to tell from here
+    }
+    driver.reset();
+  }
+};
+
+}  // namespace
+
 HierDeviceComm::HierDeviceComm(HierParts parts, std::function<void(const FailureNote&)> onSubFailure)
     : flat_(std::move(parts.flat)),
       local_(std::move(parts.local)),
       rail_(std::move(parts.rail)),
       shape_(std::move(parts.shape)),
-      minBytes_(parts.minBytes) {
+      minBytes_(parts.minBytes),
+      driver_(std::move(parts.driver)),
+      orderFlag_(parts.orderFlag) {
   // This communicator's ranks of the sub-communicators' members, in their
   // rank order.
   std::vector<int> localRanks, railRanks;
@@ -146,18 +185,43 @@ HierDeviceComm::~HierDeviceComm() {
     sub->reset();
   }
   flat_.reset();
+  if (orderFlag_) {
+    // The scratch goes once the last call that used it is done on the
+    // device: at once after a healthy run (the caller synchronised its
+    // streams, as NCCL requires before destroy), else by the reaper once
+    // the released streams get there.
+    auto rest = std::make_unique<ScratchRemains>();
+    rest->rank = rank_;
+    rest->driver = std::move(driver_);
+    rest->flag = orderFlag_;
+    rest->uses = scratchUses_;
+    rest->blocks = std::move(retired_);
+    if (scratch_) rest->blocks.push_back(scratch_);
+    rest->deadline = nowMs() + DeviceCommOptions().reapTimeoutMs;
+    reapDeviceRemains(std::move(rest));
+  }
 }
 
 bool HierDeviceComm::hierarchical(const OpDesc& op) const {
-  if (op.coll != Collective::AllReduce) return false;
   // Average divides on each level (by L, then by the hosts): within the
   // rounding for floating point, but truncating twice is not truncating the
   // sum once, so integers average on the flat path.
   const bool fp = op.dtype == loomFloat16 || op.dtype == loomBfloat16 || op.dtype == loomFloat32 ||
                   op.dtype == loomFloat64;
-  if (op.op == loomAvg && !fp) return false;
-  const HierSplit s = hierSplit(op.count, shape_.perHost);
-  return s.shard > 0 && op.count * dtypeSize(op.dtype) >= minBytes_;
+  if (op.op == loomAvg && !fp && op.coll != Collective::AllGather) return false;
+  const size_t esz = dtypeSize(op.dtype);
+  switch (op.coll) {
+    case Collective::AllReduce:
+      return hierSplit(op.count, shape_.perHost).shard > 0 && op.count * esz >= minBytes_;
+    case Collective::ReduceScatter:
+    case Collective::AllGather:
+      // The whole buffer (N blocks) against the threshold, as nccl-tests
+      // counts these collectives' size.
+      return orderFlag_ && op.count > 0 &&
+             op.count * size_t(shape_.hosts) * size_t(shape_.perHost) * esz >= minBytes_;
+    default:
+      return false;
+  }
 }
 
 void HierDeviceComm::runP2P(const std::vector<OpDesc>& ops, void* callerStream) {
@@ -178,6 +242,23 @@ void HierDeviceComm::run(const OpDesc& op, void* callerStream) {
     if (sub->asyncError() != loomSuccess)
       fail(sub->asyncError(), "the hierarchical path's %s communicator has failed: %s",
            sub == local_.get() ? "local" : "rail", sub->lastError().c_str());
+  try {
+    if (op.coll == Collective::AllReduce)
+      runAllReduce(op, callerStream);
+    else
+      runExchange(op, callerStream);
+  } catch (const Error& e) {
+    // Part of it may be enqueued, or this rank's part is missing: the
+    // peers' programs no longer agree with this rank's, so every part fails
+    // (the caller fails the communicator, which tells the peers).
+    markFailed(e.code(), e.what());
+    throw;
+  }
+  hierRuns_.fetch_add(1, std::memory_order_relaxed);
+  if (sigs_) sigs_->recordMine(op), wakeSignatures();
+}
+
+void HierDeviceComm::runAllReduce(const OpDesc& op, void* callerStream) {
   const HierSplit s = hierSplit(op.count, shape_.perHost);
   const size_t esz = dtypeSize(op.dtype);
   auto at = [esz](const void* p, size_t elems) {
@@ -196,25 +277,80 @@ void HierDeviceComm::run(const OpDesc& op, void* callerStream) {
   ag.sendbuf = mine;
   ag.sendMem = op.recvMem;
   ag.count = s.shard;
-  try {
-    local_->deviceComm()->run(rs, callerStream);
-    rail_->deviceComm()->run(ar, callerStream);
-    local_->deviceComm()->run(ag, callerStream);
-    if (s.tail > 0) {
-      OpDesc tail = op;
-      tail.sendbuf = at(op.sendbuf, s.shard * size_t(shape_.perHost));
-      tail.recvbuf = at(op.recvbuf, s.shard * size_t(shape_.perHost));
-      tail.count = s.tail;
-      flat_->run(tail, callerStream);
-    }
-  } catch (const Error& e) {
-    // Part of it is enqueued: the peers' programs no longer agree with this
-    // rank's, so every part fails (the caller fails the communicator).
-    markFailed(e.code(), e.what());
-    throw;
+  local_->deviceComm()->run(rs, callerStream);
+  rail_->deviceComm()->run(ar, callerStream);
+  local_->deviceComm()->run(ag, callerStream);
+  if (s.tail > 0) {
+    OpDesc tail = op;
+    tail.sendbuf = at(op.sendbuf, s.shard * size_t(shape_.perHost));
+    tail.recvbuf = at(op.recvbuf, s.shard * size_t(shape_.perHost));
+    tail.count = s.tail;
+    flat_->run(tail, callerStream);
   }
-  hierRuns_.fetch_add(1, std::memory_order_relaxed);
-  if (sigs_) sigs_->recordMine(op), wakeSignatures();
+}
+
+uint8_t* HierDeviceComm::scratchFor(size_t bytes) {
+  if (bytes <= scratchBytes_) return scratch_;
+  // Grown at least twofold, so a run of growing calls keeps few retired.
+  size_t want = std::max<size_t>(bytes, std::max<size_t>(scratchBytes_ * 2, size_t(1) << 20));
+  want = (want + 4095) / 4096 * 4096;
+  DeviceScope current(*driver_);
+  // Not zeroed, and without waiting for the device: streams of this
+  // process may be waiting on peers (device_comm.h, allocateStaging).
+  auto* p = static_cast<uint8_t*>(driver_->allocateStaging(want));
+  if (scratch_) retired_.push_back(scratch_);
+  scratch_ = p;
+  scratchBytes_ = want;
+  return p;
+}
+
+void HierDeviceComm::runExchange(const OpDesc& op, void* callerStream) {
+  const int H = shape_.hosts, L = shape_.perHost, me = shape_.hostIndex * L + shape_.localIndex;
+  const size_t block = op.count * dtypeSize(op.dtype);  // one rank's block
+  uint8_t* scratch = scratchFor(size_t(H) * block);
+  const uint64_t use = scratchUses_;
+  {
+    // Every earlier call that used the scratch, on whatever stream, is done.
+    DeviceScope current(*driver_);
+    if (use > 0) driver_->backend(callerStream, 1, 0).waitFlag(0, orderFlag_, use, me);
+  }
+  auto run = [callerStream](loomComm* sub, OpDesc part) { sub->deviceComm()->run(part, callerStream); };
+  auto runOf = [](const void* p, size_t bytes) {
+    return static_cast<uint8_t*>(const_cast<void*>(p)) + bytes;
+  };
+  if (op.coll == Collective::ReduceScatter) {
+    // Host h's run of L blocks, reduced over this host, into scratch
+    // element h (this rank's local index picks the block); then the rail's
+    // reduce-scatter of the H elements: element h goes to rail rank h.
+    for (int h = 0; h < H; ++h) {
+      OpDesc part = op;
+      part.sendbuf = runOf(op.sendbuf, size_t(h) * size_t(L) * block);
+      part.recvbuf = scratch + size_t(h) * block;
+      part.recvMem = MemoryKind::CudaDevice;
+      run(local_.get(), part);
+    }
+    OpDesc rail = op;
+    rail.sendbuf = scratch;
+    rail.sendMem = MemoryKind::CudaDevice;
+    run(rail_.get(), rail);
+  } else {
+    // The rail's blocks, host by host, into the scratch; then host h's
+    // element to every rank of this host, into host h's run.
+    OpDesc rail = op;
+    rail.recvbuf = scratch;
+    rail.recvMem = MemoryKind::CudaDevice;
+    run(rail_.get(), rail);
+    for (int h = 0; h < H; ++h) {
+      OpDesc part = op;
+      part.sendbuf = scratch + size_t(h) * block;
+      part.sendMem = MemoryKind::CudaDevice;
+      part.recvbuf = runOf(op.recvbuf, size_t(h) * size_t(L) * block);
+      run(local_.get(), part);
+    }
+  }
+  DeviceScope current(*driver_);
+  driver_->backend(callerStream, 1, 0).setFlag(0, orderFlag_, use + 1);
+  scratchUses_ = use + 1;
 }
 
 bool HierDeviceComm::failed() const {
@@ -260,13 +396,23 @@ void HierDeviceComm::stopWatchdog() {
   flat_->stopWatchdog();
 }
 
+size_t HierDeviceComm::scratchBytes() const {
+  std::lock_guard<std::mutex> g(runMu_);
+  return scratchBytes_;
+}
+
 std::string HierDeviceComm::describe() const {
+  std::lock_guard<std::mutex> g(runMu_);
   std::string s = strf("hierarchical path: %d hosts x %d ranks, this rank host %d, local index %d; all-reduces of "
                        "%zu B or more: reduce-scatter (local, %s), all-reduce of the shard (rail, %s), all-gather "
-                       "(local); %llu so far\n",
+                       "(local); reduce-scatters and all-gathers of as many: %s; %llu so far\n",
                        shape_.hosts, shape_.perHost, shape_.hostIndex, shape_.localIndex, minBytes_,
                        local_->deviceComm()->pathName(), rail_->deviceComm()->pathName(),
+                       orderFlag_ ? "local by host, then rail (all-gather: rail, then local)"
+                                  : "flat (ranks not numbered host by host)",
                        static_cast<unsigned long long>(hierRuns_.load()));
+  if (scratchBytes_) s += strf("  scratch: %zu B of device memory, %llu calls\n", scratchBytes_,
+                               static_cast<unsigned long long>(scratchUses_));
   s += "  local: " + local_->deviceComm()->describe();
   if (s.back() != '\n') s += '\n';
   s += "  rail: " + rail_->deviceComm()->describe();

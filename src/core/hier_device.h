@@ -17,9 +17,30 @@
 //
 // All three are stream programs on the caller's stream, in that order, so
 // each starts once the one before is done and the host thread returns at
-// once.  The elements past the last whole shard (count % L of them) and
-// every other collective, send/recv included, take the parent's own staged
-// path ("flat"), as do all-reduces smaller than LOOM_DEVICE_HIER_MIN_BYTES.
+// once.  The elements past the last whole shard (count % L of them) take
+// the parent's own staged path ("flat").
+//
+// Reduce-scatter and all-gather (recvcount / sendcount c, N = H x L ranks)
+// go the same way when the ranks are numbered host by host, so that host
+// h's blocks are one run of L x c elements (HierShape::hostMajor):
+//
+//   reduce-scatter: for each host h, a local reduce-scatter of host h's run
+//     into element h of a scratch of H x c (the host's sum of the block
+//     rail rank h ends with); then a rail reduce-scatter of the scratch
+//     into the caller's output: c crosses PCIe and the network per host
+//     and rail rank, not N x c;
+//   all-gather: a rail all-gather of the caller's c into the scratch (the
+//     blocks of this rail's ranks, host by host); then for each host h a
+//     local all-gather of scratch element h into host h's run of the
+//     output.
+//
+// The scratch is device memory of this rank's, grown to the largest call
+// and freed with the communicator.  Calls that use it may be on different
+// streams, so each waits on the device (a stream wait on a counter in its
+// own device memory) until every earlier one has finished with it.
+// Everything else (collectives under LOOM_DEVICE_HIER_MIN_BYTES, ranks not
+// numbered host by host for reduce-scatter and all-gather, integer
+// averages, every other collective, send/recv) takes the flat path.
 // Every rank decides alike: the decision depends on the count, the type,
 // the op and rank 0's threshold only; ranks whose calls differ are caught
 // by the parent's own mismatch check (src/device/op_signature.h), which
@@ -59,6 +80,11 @@ struct HierShape {
   int perHost = 0;      // ranks per host when every host has the same number, else 0
   int hostIndex = 0;    // this rank's host
   int localIndex = 0;   // this rank's place on its host
+  // Ranks numbered host by host (rank = hostIndex * perHost + localIndex
+  // for every rank), as torchrun and mpirun by slot number them: what the
+  // hierarchical reduce-scatter and all-gather need (their blocks are in
+  // rank order, so a host's blocks are then one contiguous run).
+  bool hostMajor = false;
   std::vector<int> hostOf, localOf;  // per rank
   // Whether the hierarchical path applies: several hosts, the same number
   // of ranks on each, more than one.  Else why not.
@@ -90,6 +116,12 @@ struct HierParts {
   std::shared_ptr<loomComm> local, rail;    // CUDA communicators: ipc, staged
   HierShape shape;
   size_t minBytes = 0;  // LOOM_DEVICE_HIER_MIN_BYTES (rank 0's)
+  // This rank's device, for the reduce-scatter's and all-gather's scratch,
+  // and the counter that orders its users: 8 zeroed bytes of its device
+  // memory, freed with the rest (null, as on ranks not numbered host by
+  // host: those collectives take the flat path).
+  std::unique_ptr<DeviceDriver> driver;
+  uint64_t* orderFlag = nullptr;
   // The parent's own mismatch check (src/device/op_signature.h): ranks that
   // disagree on whether an all-reduce goes through the hierarchy (counts on
   // both sides of minBytes) would otherwise wait on different
@@ -126,6 +158,7 @@ class HierDeviceComm final : public DeviceCollectives {
 
   // Whether run() takes `op` through the hierarchy.
   bool hierarchical(const OpDesc& op) const;
+  size_t scratchBytes() const;  // tests
   const HierShape& shape() const { return shape_; }
   loomComm* localComm() const { return local_.get(); }  // tests
   loomComm* railComm() const { return rail_.get(); }    // tests
@@ -141,7 +174,20 @@ class HierDeviceComm final : public DeviceCollectives {
   std::atomic<uint64_t> hierRuns_{0};
   // One operation's parts go to the sub-communicators together, so that
   // calls from several threads keep one order on all three.
-  std::mutex runMu_;
+  mutable std::mutex runMu_;
+  void runAllReduce(const OpDesc& op, void* callerStream);
+  void runExchange(const OpDesc& op, void* callerStream);  // reduce-scatter, all-gather
+
+  // The reduce-scatter's and all-gather's scratch (runMu_): its users so
+  // far, each of which sets orderFlag_ to its number when done; outgrown
+  // scratch is kept until destruction (a call in flight may still use it).
+  std::unique_ptr<DeviceDriver> driver_;
+  uint64_t* orderFlag_;  // in device memory of driver_'s (null: not used)
+  uint64_t scratchUses_ = 0;
+  uint8_t* scratch_ = nullptr;
+  size_t scratchBytes_ = 0;
+  std::vector<void*> retired_;
+  uint8_t* scratchFor(size_t bytes);
 
   // The parent-level mismatch check: every collective's signature, sent to
   // the next parent rank by a thread of its own (as the ipc path's

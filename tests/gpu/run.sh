@@ -13,8 +13,9 @@
 # (device buffers through pinned host memory, the path between hosts),
 # their all-reduce speed (loom-gpu-comm-perf, printed, not judged), loom-perf
 # on device buffers (-G: all-reduce up to 256 MiB, all-to-all, gather,
-# scatter and sendrecv, 2 ranks, checked; all-reduce on the hierarchical
-# and the staged path with 4 ranks posing as 2 hosts), a short
+# scatter and sendrecv, 2 ranks, checked; all-reduce, reduce-scatter and
+# all-gather on the hierarchical and the staged path with 4 ranks posing as
+# 2 hosts), a short
 # run of each under compute-sanitizer when it is installed, and prints a
 # table.
 # Exits non-zero on any wrong value, error or hang.
@@ -70,6 +71,16 @@ step "loom-perf -G all_reduce, hierarchical path, 4 ranks as 2 hosts x 2, 8 B ..
 step "loom-perf -G all_reduce, staged path, 4 ranks as 2 hosts x 2 (to compare), 8 B .. 256 MiB" \
   env LOOM_DEVICE_PATH=staged timeout 900 \
   "$build/bin/loom-run" -n 4 --hosts 2 "$build/bin/loom-perf" all_reduce -G -b 8 -e 256M -f 4 -c 1
+# Reduce-scatter and all-gather through the hierarchy too (loom-run --hosts
+# numbers ranks host by host, which they need), against the staged path.
+for coll in reduce_scatter all_gather; do
+  step "loom-perf -G $coll, hierarchical path, 4 ranks as 2 hosts x 2, 8 B .. 64 MiB" \
+    env LOOM_DEVICE_PATH=hier LOOM_DEVICE_HIER_MIN_BYTES=0 timeout 900 \
+    "$build/bin/loom-run" -n 4 --hosts 2 "$build/bin/loom-perf" "$coll" -G -b 8 -e 64M -f 8 -c 1
+  step "loom-perf -G $coll, staged path, 4 ranks as 2 hosts x 2 (to compare), 8 B .. 64 MiB" \
+    env LOOM_DEVICE_PATH=staged timeout 900 \
+    "$build/bin/loom-run" -n 4 --hosts 2 "$build/bin/loom-perf" "$coll" -G -b 8 -e 64M -f 8 -c 1
+done
 for coll in alltoall gather scatter sendrecv; do
   step "loom-perf -G $coll, 2 ranks, 8 B .. 64 MiB" timeout 900 "$build/bin/loom-run" -n 2 \
     "$build/bin/loom-perf" "$coll" -G -b 8 -e 64M -f 8 -c 1 -r 1
