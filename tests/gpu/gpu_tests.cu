@@ -62,6 +62,7 @@ bool finish(cudaStream_t s, double seconds) {
   for (;;) {
     cudaError_t e = cudaStreamQuery(s);
     if (e == cudaSuccess) return true;
+    if (e == cudaErrorNotReady) (void)cudaGetLastError();  // not an error: leave none behind for the next call
     if (e != cudaErrorNotReady) {
       std::fprintf(stderr, "stream error: %s\n", cudaGetErrorString(e));
       std::exit(2);

@@ -119,8 +119,16 @@ int setDevice(int device) { return int(cudaSetDevice(device)); }
 int mallocZeroed(void** ptr, size_t bytes) {
   *ptr = nullptr;
   cudaError_t rc = cudaMalloc(ptr, bytes);
-  if (rc == cudaSuccess) rc = cudaMemset(*ptr, 0, bytes);
-  if (rc == cudaSuccess) rc = cudaDeviceSynchronize();
+  // Zeroed on a stream of its own that waits for nothing else, and only it
+  // is waited for: cudaMemset on the legacy stream and cudaDeviceSynchronize
+  // would also wait for every stream of the process, including the
+  // caller's and other communicators' streams that may be waiting on peers
+  // (which may be waiting for this rank's init).
+  cudaStream_t s = nullptr;
+  if (rc == cudaSuccess) rc = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  if (rc == cudaSuccess) rc = cudaMemsetAsync(*ptr, 0, bytes, s);
+  if (rc == cudaSuccess) rc = cudaStreamSynchronize(s);
+  if (s) cudaStreamDestroy(s);
   if (rc != cudaSuccess && *ptr) {
     cudaFree(*ptr);
     *ptr = nullptr;

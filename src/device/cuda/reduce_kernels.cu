@@ -8,6 +8,12 @@
 // elements; the tail that does not fill a vector, and unaligned buffers,
 // take the one-element-per-thread kernel.  Both are grid-stride loops over
 // at most kMaxBlocks blocks of kThreads threads.
+//
+// Launches go through cudaLaunchKernel, whose return is that launch's own
+// status: after <<<>>>, cudaGetLastError would also return an error an
+// earlier runtime call of the thread left behind (the caller's
+// cudaStreamQuery saying cudaErrorNotReady, a failed cudaMalloc), and a
+// reduction would fail for it.
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -84,13 +90,22 @@ cudaError_t launchReduceTyped(void* dst, const void* const* srcs, int nsrcs, siz
   for (int k = nsrcs; k < kCudaMaxReduceSources; ++k) s.p[k] = nullptr;
   S* d = static_cast<S*>(dst);
   size_t nvec = vec ? n / V : 0;
-  if (nvec) reduceVectors<Ty, Op><<<blocksFor(nvec), kThreads, 0, st>>>(d, s, nsrcs, nvec);
+  if (nvec) {
+    void* args[] = {&d, &s, &nsrcs, &nvec};
+    cudaError_t rc = cudaLaunchKernel(reinterpret_cast<const void*>(&reduceVectors<Ty, Op>), dim3(blocksFor(nvec)),
+                                      dim3(kThreads), args, 0, st);
+    if (rc != cudaSuccess) return rc;
+  }
   size_t done = nvec * V;
   if (done < n) {
     for (int k = 0; k < nsrcs; ++k) s.p[k] += done;
-    reduceElements<Ty, Op><<<blocksFor(n - done), kThreads, 0, st>>>(d + done, s, nsrcs, n - done);
+    S* rest = d + done;
+    size_t left = n - done;
+    void* args[] = {&rest, &s, &nsrcs, &left};
+    return cudaLaunchKernel(reinterpret_cast<const void*>(&reduceElements<Ty, Op>), dim3(blocksFor(left)),
+                            dim3(kThreads), args, 0, st);
   }
-  return cudaGetLastError();
+  return cudaSuccess;
 }
 
 template <class Ty>
@@ -110,9 +125,12 @@ cudaError_t launchDivideTyped(void* dst, const void* src, size_t n, int divisor,
   using S = typename Ty::Store;
   if (divisor <= 1)  // as the host: dividing by one rank copies
     return dst == src ? cudaSuccess : cudaMemcpyAsync(dst, src, n * sizeof(S), cudaMemcpyDefault, st);
-  divideElements<Ty><<<blocksFor(n), kThreads, 0, st>>>(static_cast<S*>(dst), static_cast<const S*>(src), n,
-                                                         typename Ty::Divisor(divisor));
-  return cudaGetLastError();
+  S* d = static_cast<S*>(dst);
+  const S* from = static_cast<const S*>(src);
+  typename Ty::Divisor q(divisor);
+  void* args[] = {&d, &from, &n, &q};
+  return cudaLaunchKernel(reinterpret_cast<const void*>(&divideElements<Ty>), dim3(blocksFor(n)), dim3(kThreads),
+                          args, 0, st);
 }
 
 
