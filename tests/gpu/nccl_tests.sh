@@ -26,13 +26,25 @@ src=${1:?usage: tests/gpu/nccl_tests.sh NCCL_TESTS_SRC [build-dir]}
 src=$(cd "$src" && pwd)
 build=${2:-$here/build-gpu}
 cuda=${CUDA_HOME:-/usr/local/cuda}
+export PATH=$cuda/bin:$PATH
+source "$here/tests/gpu/deps.sh"
+loom_gpu_deps "$here" || exit 2
+limit=${LOOM_GPU_STEP_TIMEOUT:-240}
+# nccl.h: NCCL_INCLUDE, else the toolkit's, else the one of the NCCL wheel
+# that PyTorch brings (nvidia-nccl-cu13 on the GPU machine's image).
 nccl_include=${NCCL_INCLUDE:-$cuda/include}
+if [ ! -f "$nccl_include/nccl.h" ] && [ -z "${NCCL_INCLUDE:-}" ]; then
+  wheel=$(${PYTHON:-python3} -c 'import nvidia.nccl as m, os; print(os.path.join(list(m.__path__)[0], "include"))' \
+    2>/dev/null || true)
+  [ -n "$wheel" ] && [ -f "$wheel/nccl.h" ] && nccl_include=$wheel
+fi
 [ -f "$nccl_include/nccl.h" ] || { echo "no nccl.h in $nccl_include (set NCCL_INCLUDE)"; exit 2; }
+echo "nccl.h: $nccl_include/nccl.h ($(grep -m1 -E '^#define NCCL_VERSION_CODE' "$nccl_include/nccl.h"))"
 command -v nvidia-smi >/dev/null && nvidia-smi -L
 cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '.')
 cc=${cc:-90}
 
-cmake -S "$here" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_CUDA_ARCHS="$cc" \
+cmake -S "$here" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_CUDA_ARCHS="$cc" \
   -DLOOM_NCCL_INCLUDE_DIR="$nccl_include" -DLOOM_BUILD_TORCH=OFF >/dev/null || exit 2
 cmake --build "$build" -j"$(nproc)" --target loom loom_cuda loom_nccl || exit 2
 shimdir=$build/lib/loom_nccl
@@ -61,6 +73,14 @@ else
     { echo "nccl-tests' device assignment changed: adapt the patch"; exit 2; }
   sed -i 's/gpus\[i\] = (gpu0 != -1 ? gpu0 : localRank\*nThreads\*nGpus) + i;/gpus[i] = gpu0 != -1 ? gpu0 : localRank*nThreads*nGpus + i;/' \
     "$work/src/common.cu"
+  # Newer nccl-tests (2.19 on) also check the devices in src/util.cu, the
+  # same way: thread i on GPU NCCL_TESTS_DEVICE + i, refused past the last.
+  if [ -f "$work/src/util.cu" ] && grep -q 'cudaDev = (gpu0 != -1 ? gpu0 : localRank\*nThreads\*nGpus) + i;' "$work/src/util.cu"; then
+    sed -i 's/cudaDev = (gpu0 != -1 ? gpu0 : localRank\*nThreads\*nGpus) + i;/cudaDev = gpu0 != -1 ? gpu0 : localRank*nThreads*nGpus + i;/' \
+      "$work/src/util.cu"
+    sed -i 's/(gpu0 != -1 ? gpu0 : localRank\*nThreads\*nGpus) + nThreads\*nGpus, available_devices/gpu0 != -1 ? gpu0 + 1 : localRank*nThreads*nGpus + nThreads*nGpus, available_devices/' \
+      "$work/src/util.cu"
+  fi
   make -C "$work/src" -j"$(nproc)" MPI=0 CUDA_HOME="$cuda" NCCL_HOME="$home" \
     NVCC_GENCODE="-gencode=arch=compute_$cc,code=sm_$cc" BUILDDIR="$work/build" >/dev/null || exit 2
   export NCCL_TESTS_DEVICE=0
@@ -76,7 +96,7 @@ run() {  # name, args...: fails on a non-zero exit or a wrong value
   local name=$1 out
   shift
   echo "== $name"
-  out=$(timeout 900 "${launch[@]}" "$work/build/$name" "${shape[@]}" "$@" 2>&1)
+  out=$(timeout "$limit" "${launch[@]}" "$work/build/$name" "${shape[@]}" "$@" 2>&1)
   local rc=$?
   echo "$out"
   if [ $rc -ne 0 ] || ! grep -q 'Out of bounds values : 0 OK' <<<"$out"; then

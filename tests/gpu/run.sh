@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
 # The GPU suite, one command on a machine with an NVIDIA GPU:
-#   tests/gpu/run.sh [build-dir]        (default: build-gpu)
+#   tests/gpu/run.sh [PHASE...]         (default: every phase, in order)
+# PHASE: probe, check, perf, hier, sanitize (each builds first if it must).  The
+# lent GPU machine takes at most 10 minutes a call, so there run one or two
+# phases a call (docs/testing.md, "On the GPU machine"); every step has a
+# timeout of LOOM_GPU_STEP_TIMEOUT seconds (default 240).  LOOM_GPU_BUILD
+# names the build folder (default build-gpu).  Where the machine lacks
+# pkg-config, hwloc or Catch2, tests/gpu/deps.sh takes them from .gpudeps
+# (bash scripts/gpu-deps.sh on the dev machine, carried with the call).
 # Builds loom with the CUDA plug-in for the GPU found (its compute
 # capability), runs the host-side CUDA unit tests, the GPU checks
 # (loom-gpu-tests: kernels bit for bit against the host, every collective x
@@ -21,7 +28,18 @@
 # Exits non-zero on any wrong value, error or hang.
 set -uo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
-build=${1:-$here/build-gpu}
+build=${LOOM_GPU_BUILD:-$here/build-gpu}
+limit=${LOOM_GPU_STEP_TIMEOUT:-240}
+phases=("$@")
+[ ${#phases[@]} -eq 0 ] && phases=(probe check perf hier sanitize)
+for p in "${phases[@]}"; do
+  case $p in
+  probe | check | perf | hier | sanitize) ;;
+  *) echo "run.sh: unknown phase $p (probe, check, perf, hier, sanitize)" >&2; exit 2 ;;
+  esac
+done
+run=("$build/bin/loom-run")
+lp=("$build/bin/loom-perf")
 nvsmi=$(command -v nvidia-smi || true)
 if [[ -z "$nvsmi" ]] || ! "$nvsmi" -L >/dev/null 2>&1; then
   echo "run.sh: no GPU (nvidia-smi -L fails): nothing to run" >&2
@@ -30,71 +48,93 @@ fi
 "$nvsmi" -L
 cap=$("$nvsmi" --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .')
 export PATH=/usr/local/cuda/bin:$PATH
+source "$here/tests/gpu/deps.sh"
+loom_gpu_deps "$here" || exit 2
 echo "== build for sm_$cap in $build"
+t0=$SECONDS
 cmake -S "$here" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_BUILD_TORCH=OFF \
   -DLOOM_CUDA_ARCHS="$cap" >"$build.cmake.log" 2>&1 || { tail -20 "$build.cmake.log"; exit 1; }
-cmake --build "$build" -j"$(nproc)" --target loom loom_cuda loom-unit-tests loom-gpu-tests loom-gpu-comm-tests loom-gpu-comm-perf loom-perf loom-run \
-  >"$build.build.log" 2>&1 || { tail -40 "$build.build.log"; exit 1; }
+cmake --build "$build" -j"$(nproc)" --target loom loom_cuda loom-unit-tests loom-gpu-tests loom-gpu-comm-tests \
+  loom-gpu-comm-perf loom-gpu-probe loom-perf loom-run >"$build.build.log" 2>&1 || { tail -40 "$build.build.log"; exit 1; }
+echo "   built in $((SECONDS - t0)) s"
 
 declare -a names results
 status=0
-step() {  # step NAME COMMAND...: runs it, records ok/FAIL
+step() {  # step NAME COMMAND...: runs it under the step timeout, records ok/FAIL
   local name=$1; shift
   echo "== $name: $*"
-  if "$@"; then results+=("ok"); else results+=("FAIL ($?)"); status=1; fi
+  local t=$SECONDS
+  timeout "$limit" "$@"
+  local rc=$?
+  if [ $rc -eq 0 ]; then results+=("ok ($((SECONDS - t)) s)"); elif [ $rc -eq 124 ]; then
+    results+=("TIMEOUT (${limit} s)"); status=1; else results+=("FAIL ($rc)"); status=1; fi
   names+=("$name")
 }
-step "host-side CUDA unit tests" "$build/bin/loom-unit-tests" "[cuda]"
-step "stream programs (simulated device)" "$build/bin/loom-unit-tests" "[streamprog]"
-step "device communicator (simulated device)" "$build/bin/loom-unit-tests" "[devcomm]"
-step "GPU: kernels, programs (1,2,4 ranks), order" timeout 1800 "$build/bin/loom-gpu-tests" --ranks 1,2,4
-step "GPU: CUDA communicators (1,2,4 processes, one GPU)" timeout 1800 "$build/bin/loom-gpu-comm-tests" --ranks 1,2,4
-# The staged path (pinned host memory and the host transports: what ranks
-# on several hosts use), forced on this one host.
-step "GPU: CUDA communicators, staged path (2,4 processes)" env LOOM_DEVICE_PATH=staged timeout 1800 \
-  "$build/bin/loom-gpu-comm-tests" --ranks 2,4
-# A measurement (issue 15's goals: busbw at 256 MiB >= 60% of the copy
-# bandwidth it prints, 8 B <= 30 us); fails only if a rank fails.
-step "GPU: all-reduce speed, 2 processes (loom-gpu-comm-perf)" timeout 900 "$build/bin/loom-gpu-comm-perf" --ranks 2
-# loom-perf with device buffers (-G), checked; its busbw is printed next to
-# loom-gpu-comm-perf's copy bandwidth above.
-step "loom-perf -G all_reduce, 2 ranks, 8 B .. 256 MiB" timeout 900 "$build/bin/loom-run" -n 2 \
-  "$build/bin/loom-perf" all_reduce -G -b 8 -e 256M -f 4 -c 1
-step "loom-perf -G all_reduce, staged path, 2 ranks, 8 B .. 256 MiB" env LOOM_DEVICE_PATH=staged timeout 900 \
-  "$build/bin/loom-run" -n 2 "$build/bin/loom-perf" all_reduce -G -b 8 -e 256M -f 4 -c 1
-# The hierarchical path (reduce-scatter over CUDA IPC within a "host",
-# the shard staged between hosts, all-gather): 4 processes posing as 2
-# hosts of 2 (loom-run --hosts sets LOOM_HOST_ID), every size through it.
-step "loom-perf -G all_reduce, hierarchical path, 4 ranks as 2 hosts x 2, 8 B .. 256 MiB" \
-  env LOOM_DEVICE_PATH=hier LOOM_DEVICE_HIER_MIN_BYTES=0 timeout 900 \
-  "$build/bin/loom-run" -n 4 --hosts 2 "$build/bin/loom-perf" all_reduce -G -b 8 -e 256M -f 4 -c 1
-step "loom-perf -G all_reduce, staged path, 4 ranks as 2 hosts x 2 (to compare), 8 B .. 256 MiB" \
-  env LOOM_DEVICE_PATH=staged timeout 900 \
-  "$build/bin/loom-run" -n 4 --hosts 2 "$build/bin/loom-perf" all_reduce -G -b 8 -e 256M -f 4 -c 1
-# Reduce-scatter and all-gather through the hierarchy too (loom-run --hosts
-# numbers ranks host by host, which they need), against the staged path.
-for coll in reduce_scatter all_gather; do
-  step "loom-perf -G $coll, hierarchical path, 4 ranks as 2 hosts x 2, 8 B .. 64 MiB" \
-    env LOOM_DEVICE_PATH=hier LOOM_DEVICE_HIER_MIN_BYTES=0 timeout 900 \
-    "$build/bin/loom-run" -n 4 --hosts 2 "$build/bin/loom-perf" "$coll" -G -b 8 -e 64M -f 8 -c 1
-  step "loom-perf -G $coll, staged path, 4 ranks as 2 hosts x 2 (to compare), 8 B .. 64 MiB" \
-    env LOOM_DEVICE_PATH=staged timeout 900 \
-    "$build/bin/loom-run" -n 4 --hosts 2 "$build/bin/loom-perf" "$coll" -G -b 8 -e 64M -f 8 -c 1
+for phase in "${phases[@]}"; do
+  case $phase in
+  probe)
+    # What the CUDA code takes for granted, one line each, with timeouts:
+    # stream waits and writes on device and pinned host flags, released
+    # from the host and through CUDA IPC from another process, the device's
+    # attributes, and which of many streams a blocked wait holds back.
+    step "GPU: probe (stream memory operations, IPC, queues)" "$build/bin/loom-gpu-probe"
+    ;;
+  check)
+    step "host-side CUDA unit tests" "$build/bin/loom-unit-tests" "[cuda]"
+    step "GPU: kernels, programs (1,2,4 ranks), order" "$build/bin/loom-gpu-tests" --ranks 1,2,4
+    step "GPU: CUDA communicators (1,2,4 processes, one GPU)" "$build/bin/loom-gpu-comm-tests" --ranks 1,2,4
+    # The staged path (pinned host memory and the host transports: what
+    # ranks on several hosts use), forced on this one host.
+    step "GPU: CUDA communicators, staged path (2,4 processes)" env LOOM_DEVICE_PATH=staged \
+      "$build/bin/loom-gpu-comm-tests" --ranks 2,4
+    ;;
+  perf)
+    # A measurement (issue 15's goals: busbw at 256 MiB >= 60% of the copy
+    # bandwidth it prints, 8 B <= 30 us); fails only if a rank fails.
+    step "GPU: all-reduce speed, 2 processes (loom-gpu-comm-perf)" "$build/bin/loom-gpu-comm-perf" --ranks 2
+    # loom-perf with device buffers (-G), checked; its busbw is printed next
+    # to loom-gpu-comm-perf's copy bandwidth above.
+    step "loom-perf -G all_reduce, 2 ranks, 8 B .. 256 MiB" "${run[@]}" -n 2 "${lp[@]}" all_reduce -G -b 8 -e 256M -f 4 -c 1
+    step "loom-perf -G all_reduce, staged path, 2 ranks, 8 B .. 256 MiB" env LOOM_DEVICE_PATH=staged \
+      "${run[@]}" -n 2 "${lp[@]}" all_reduce -G -b 8 -e 256M -f 4 -c 1
+    for coll in alltoall gather scatter sendrecv; do
+      step "loom-perf -G $coll, 2 ranks, 8 B .. 64 MiB" "${run[@]}" -n 2 "${lp[@]}" "$coll" -G -b 8 -e 64M -f 8 -c 1 -r 1
+    done
+    step "loom-perf --device cuda (the ctest script)" bash "$here/tests/perf_device_test.sh" "$build/bin"
+    ;;
+  hier)
+    # The hierarchical path (within a "host" over CUDA IPC, between hosts
+    # staged): 4 processes posing as 2 hosts of 2 (loom-run --hosts sets
+    # LOOM_HOST_ID and numbers ranks host by host), every size through it,
+    # against the staged path; all-reduce, then reduce-scatter and
+    # all-gather.
+    for coll in all_reduce reduce_scatter all_gather; do
+      step "loom-perf -G $coll, hierarchical path, 4 ranks as 2 hosts x 2, 8 B .. 64 MiB" \
+        env LOOM_DEVICE_PATH=hier LOOM_DEVICE_HIER_MIN_BYTES=0 \
+        "${run[@]}" -n 4 --hosts 2 "${lp[@]}" "$coll" -G -b 8 -e 64M -f 8 -c 1
+      step "loom-perf -G $coll, staged path, 4 ranks as 2 hosts x 2 (to compare), 8 B .. 64 MiB" \
+        env LOOM_DEVICE_PATH=staged "${run[@]}" -n 4 --hosts 2 "${lp[@]}" "$coll" -G -b 8 -e 64M -f 8 -c 1
+    done
+    ;;
+  sanitize)
+    # compute-sanitizer works on the Firecracker machines, not under gVisor
+    # ("Device not supported"): a refusal is reported as such, not as a
+    # finding.
+    if ! command -v compute-sanitizer >/dev/null; then
+      names+=("compute-sanitizer"); results+=("not installed")
+    elif compute-sanitizer --error-exitcode 1 "$build/bin/loom-gpu-tests" --ranks 1 --max-count 64 2>&1 |
+      grep -q "Device not supported"; then
+      names+=("compute-sanitizer"); results+=("refused by this machine (Device not supported)")
+    else
+      step "compute-sanitizer (memcheck, short run)" compute-sanitizer --error-exitcode 1 \
+        "$build/bin/loom-gpu-tests" --ranks 2 --max-count 4096
+      step "compute-sanitizer on CUDA communicators (2 processes)" compute-sanitizer --error-exitcode 1 \
+        --target-processes all "$build/bin/loom-gpu-comm-tests" --ranks 2 --max-count 4096
+    fi
+    ;;
+  esac
 done
-for coll in alltoall gather scatter sendrecv; do
-  step "loom-perf -G $coll, 2 ranks, 8 B .. 64 MiB" timeout 900 "$build/bin/loom-run" -n 2 \
-    "$build/bin/loom-perf" "$coll" -G -b 8 -e 64M -f 8 -c 1 -r 1
-done
-step "loom-perf --device cuda (the ctest script)" bash "$here/tests/perf_device_test.sh" "$build/bin"
-if command -v compute-sanitizer >/dev/null; then
-  step "compute-sanitizer (memcheck, short run)" timeout 1800 compute-sanitizer --error-exitcode 1 \
-    "$build/bin/loom-gpu-tests" --ranks 2 --max-count 4096
-  step "compute-sanitizer on CUDA communicators (2 processes)" timeout 1800 compute-sanitizer --error-exitcode 1 \
-    --target-processes all "$build/bin/loom-gpu-comm-tests" --ranks 2 --max-count 4096
-else
-  names+=("compute-sanitizer"); results+=("not installed")
-fi
 echo
-printf '%-50s %s\n' "step" "result"
-for i in "${!names[@]}"; do printf '%-50s %s\n' "${names[$i]}" "${results[$i]}"; done
+printf '%-75s %s\n' "step" "result"
+for i in "${!names[@]}"; do printf '%-75s %s\n' "${names[$i]}" "${results[$i]}"; done
 exit $status

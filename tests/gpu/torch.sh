@@ -9,7 +9,8 @@
 #    tests/gpu/nccl_shim_torch.py with LD_PRELOAD=libloom_nccl.so, 2 ranks on
 #    one GPU (torchrun), every collective and a short DDP run against gloo.
 # PYTHON picks the interpreter (default: python3).  Exits non-zero if a step
-# fails; prints a table.
+# fails; prints a table.  Steps time out after LOOM_GPU_STEP_TIMEOUT seconds
+# (default 240); tests/gpu/deps.sh brings what the machine lacks (.gpudeps).
 set -uo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 build=${1:-$here/build-gpu-torch}
@@ -17,6 +18,10 @@ py=${PYTHON:-python3}
 "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())' ||
   { echo "no torch for $py"; exit 2; }
 prefix=$("$py" -c 'import torch; print(torch.utils.cmake_prefix_path)')
+export PATH=/usr/local/cuda/bin:$PATH
+source "$here/tests/gpu/deps.sh"
+loom_gpu_deps "$here" || exit 2
+limit=${LOOM_GPU_STEP_TIMEOUT:-240}
 cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '.')
 cc=${cc:-90}
 
@@ -35,9 +40,9 @@ step "configure (torch from $prefix)" cmake -S "$here" -B "$build" -G Ninja -DCM
 step "build loom, loom_torch, the shim" cmake --build "$build" -j"$(nproc)"
 step "loom_torch built for this torch" bash -c "ls '$build'/python/loom_torch/*.so"
 step "loom_torch tests on this torch (ctest -R torch:)" ctest --test-dir "$build" -R "^torch:" --output-on-failure \
-  --timeout 900
+  --timeout "$limit"
 step "torch nccl backend on libloom_nccl.so, 2 ranks on one GPU" env LD_PRELOAD="$build/lib/libloom_nccl.so" \
-  NCCL_DEBUG=VERSION timeout 1200 "$py" -m torch.distributed.run --standalone --nproc-per-node 2 \
+  NCCL_DEBUG=VERSION timeout "$limit" "$py" -m torch.distributed.run --standalone --nproc-per-node 2 \
   "$here/tests/gpu/nccl_shim_torch.py"
 echo
 printf '%-60s %s\n' "step" "result"

@@ -1,0 +1,53 @@
+# Sourced by the GPU scripts (run.sh, nccl_tests.sh, torch.sh): makes
+# loom's build dependencies findable on the lent GPU machine, whose image
+# has nvcc, CMake and ninja but not pkg-config, hwloc or Catch2, and cannot
+# install anything.  Where they are missing, the Debian packages
+# scripts/gpu-deps.sh fetched into .gpudeps (carried with the call) are
+# unpacked into a private prefix ($LOOM_GPU_DEPS_ROOT, default
+# /tmp/loom-gpu-deps), never into /, and PATH, PKG_CONFIG_PATH,
+# CMAKE_PREFIX_PATH and LD_LIBRARY_PATH point at it.
+# LOOM_GPU_DEPS=force unpacks them even where the machine has its own
+# (how the dev machine checks this file); LOOM_GPU_DEPS_AR=1 unpacks with
+# ar and tar instead of dpkg-deb.
+# Also: CUDA_DEVICE_MAX_CONNECTIONS=32 unless set.  CUDA maps a process's
+# streams onto 8 hardware queues by default, and a stream blocked in a wait
+# on a flag holds back every stream behind it in its queue; with several
+# ranks in one process (loom-gpu-tests, nccl-tests' threads) one rank's
+# wait could hold back the stream of the rank it waits for.
+loom_gpu_deps() {
+  local here=$1 need=0
+  export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
+  if [ "${LOOM_GPU_DEPS:-}" = force ]; then
+    need=1
+  else
+    { command -v pkg-config >/dev/null && pkg-config --exists hwloc; } || need=1
+    [ -f /usr/include/catch2/catch.hpp ] || [ -f /usr/local/include/catch2/catch.hpp ] || need=1
+  fi
+  [ "$need" = 0 ] && return 0
+  local debs=$here/.gpudeps root=${LOOM_GPU_DEPS_ROOT:-/tmp/loom-gpu-deps}
+  if ! ls "$debs"/*.deb >/dev/null 2>&1; then
+    echo "deps.sh: this machine lacks pkg-config, hwloc or Catch2, and there is no $debs:" \
+      "run bash scripts/gpu-deps.sh on the dev machine and carry .gpudeps" >&2
+    return 1
+  fi
+  rm -rf "$root" && mkdir -p "$root"
+  local d
+  for d in "$debs"/*.deb; do
+    # libudev1 only where the machine has none (its own matches its kernel).
+    case $(basename "$d") in libudev1_*) ldconfig -p 2>/dev/null | grep -q 'libudev.so.1 ' && continue ;; esac
+    if command -v dpkg-deb >/dev/null && [ "${LOOM_GPU_DEPS_AR:-}" != 1 ]; then
+      dpkg-deb -x "$d" "$root" || return 1
+    else  # a .deb is an ar archive holding data.tar.*
+      local tmp
+      tmp=$(mktemp -d) && (cd "$tmp" && ar x "$d" && tar -xf data.tar.* -C "$root") || return 1
+      rm -rf "$tmp"
+    fi
+  done
+  local lib=$root/usr/lib/x86_64-linux-gnu
+  sed -i "s|^prefix=/usr\$|prefix=$root/usr|" "$lib"/pkgconfig/*.pc
+  export PATH=$root/usr/bin${PATH:+:$PATH}
+  export PKG_CONFIG_PATH=$lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
+  export CMAKE_PREFIX_PATH=$root/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
+  export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  echo "deps.sh: pkg-config, hwloc and Catch2 from .gpudeps in $root ($(pkg-config --modversion hwloc 2>&1))"
+}
