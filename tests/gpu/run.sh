@@ -5,7 +5,8 @@
 # lent GPU machine takes at most 10 minutes a call, so there run one or two
 # phases a call (docs/testing.md, "On the GPU machine"); every step has a
 # timeout of LOOM_GPU_STEP_TIMEOUT seconds (default 240).  LOOM_GPU_BUILD
-# names the build folder (default build-gpu).  Where the machine lacks
+# names the build folder (default build-gpu); LOOM_GPU_RESULTS a file that
+# gets each step's result as it ends.  Where the machine lacks
 # pkg-config, hwloc or Catch2, tests/gpu/deps.sh takes them from .gpudeps
 # (bash scripts/gpu-deps.sh on the dev machine, carried with the call).
 # Builds loom with the CUDA plug-in for the GPU found (its compute
@@ -54,9 +55,23 @@ echo "== build for sm_$cap in $build"
 t0=$SECONDS
 cmake -S "$here" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_BUILD_TORCH=OFF \
   -DLOOM_CUDA_ARCHS="$cap" >"$build.cmake.log" 2>&1 || { tail -20 "$build.cmake.log"; exit 1; }
-cmake --build "$build" -j"$(nproc)" --target loom loom_cuda loom-unit-tests loom-gpu-tests loom-gpu-comm-tests \
-  loom-gpu-comm-perf loom-gpu-probe loom-perf loom-run >"$build.build.log" 2>&1 || { tail -40 "$build.build.log"; exit 1; }
+# Only what the phases asked for run (the unit tests are most of the build).
+targets=(loom loom_cuda)
+for phase in "${phases[@]}"; do
+  case $phase in
+  probe) targets+=(loom-gpu-probe) ;;
+  check) targets+=(loom-unit-tests loom-gpu-tests loom-gpu-comm-tests) ;;
+  perf | hier) targets+=(loom-gpu-comm-perf loom-perf loom-run) ;;
+  sanitize) targets+=(loom-gpu-tests loom-gpu-comm-tests) ;;
+  esac
+done
+cmake --build "$build" -j"$(nproc)" --target "${targets[@]}" >"$build.build.log" 2>&1 ||
+  { tail -40 "$build.build.log"; exit 1; }
 echo "   built in $((SECONDS - t0)) s"
+# LOOM_GPU_RESULTS: a file that gets each step's row as it finishes, so a
+# call cut off at its limit still says what ran (the device tool's $OUT).
+results_file=${LOOM_GPU_RESULTS:-}
+[ -n "$results_file" ] && echo "build: $((SECONDS - t0)) s" >>"$results_file"
 
 declare -a names results
 status=0
@@ -69,6 +84,8 @@ step() {  # step NAME COMMAND...: runs it under the step timeout, records ok/FAI
   if [ $rc -eq 0 ]; then results+=("ok ($((SECONDS - t)) s)"); elif [ $rc -eq 124 ]; then
     results+=("TIMEOUT (${limit} s)"); status=1; else results+=("FAIL ($rc)"); status=1; fi
   names+=("$name")
+  [ -n "$results_file" ] && printf '%-75s %s\n' "$name" "${results[-1]}" >>"$results_file"
+  return 0
 }
 for phase in "${phases[@]}"; do
   case $phase in
