@@ -84,7 +84,7 @@ void SimStream::loop() {
 }
 
 SimRank::SimRank(SimDeviceWorld& world, int rank, SimGpu& gpu, int streams, uint64_t seed)
-    : world_(world), rank_(rank), gpu_(gpu) {
+    : world_(world), rank_(rank), gpu_(gpu), seed_(seed) {
   for (int s = 0; s < streams; ++s)
     streams_.push_back(std::make_unique<SimStream>(*this, gpu, seed * 1000003u + uint64_t(s) * 7919u + 1));
   for (int e = 0; e < 8; ++e) events_.push_back(std::make_unique<Event>());
@@ -133,6 +133,19 @@ loomResult_t SimRank::synchronize(std::string* msg) {
 }
 
 void SimRank::enqueueWork(int s, std::function<void()> fn) { stream(s).enqueue(std::move(fn), true); }
+
+int SimRank::addCallerStream(const void* key) {
+  const int index = int(streams_.size());
+  streams_.push_back(std::make_unique<SimStream>(*this, gpu_, seed_ * 1000003u + uint64_t(index) * 7919u + 1));
+  callers_.emplace_back(key, index);
+  return index;
+}
+
+int SimRank::callerStream(const void* key) const {
+  for (const auto& [k, index] : callers_)
+    if (k == key) return index;
+  return 0;
+}
 
 template <class Ready>
 void SimRank::await(Ready ready, int peer, const char* what) {

@@ -89,6 +89,12 @@ class SimRank final : public loom::StreamBackend {
 
   // The caller's own work on one of its streams (a "kernel").
   void enqueueWork(int stream, std::function<void()> fn);
+  // Another caller stream, as a second cudaStream_t: `key` is the stream
+  // handle the test passes to the API, the result its stream index here
+  // (SimDriver runs a program given that handle on that stream; any other
+  // handle is stream 0).  Add them before anything is enqueued.
+  int addCallerStream(const void* key);
+  int callerStream(const void* key) const;
   // Waits for every stream; loomSuccess or the first error (message in *msg).
   loomResult_t synchronize(std::string* msg);
 
@@ -122,11 +128,39 @@ class SimRank final : public loom::StreamBackend {
   int rank_;
   SimGpu& gpu_;
   std::vector<std::unique_ptr<SimStream>> streams_;
+  std::vector<std::pair<const void*, int>> callers_;  // addCallerStream's
+  uint64_t seed_;
   std::vector<std::unique_ptr<Event>> events_;
   std::atomic<bool> failed_{false};
   mutable std::mutex failMu_;
   loomResult_t failCode_ = loomSuccess;
   std::string failMsg_;
+};
+
+// A rank's backend for programs on one of its added caller streams:
+// program stream 0 is that stream, the side streams are the rank's own.
+class SimCallerBackend final : public loom::StreamBackend {
+ public:
+  SimCallerBackend(SimRank& r, int caller) : r_(r), caller_(caller) {}
+  void waitFlag(int s, const uint64_t* flag, uint64_t value, int owner) override {
+    r_.waitFlag(map(s), flag, value, owner);
+  }
+  void setFlag(int s, uint64_t* flag, uint64_t value) override { r_.setFlag(map(s), flag, value); }
+  void copy(int s, void* dst, const void* src, size_t bytes) override { r_.copy(map(s), dst, src, bytes); }
+  void reduce(int s, void* dst, const void* const* srcs, int nsrcs, size_t count, loomDataType_t type,
+              loomRedOp_t op) override {
+    r_.reduce(map(s), dst, srcs, nsrcs, count, type, op);
+  }
+  void divide(int s, void* dst, const void* src, size_t count, loomDataType_t type, int divisor) override {
+    r_.divide(map(s), dst, src, count, type, divisor);
+  }
+  void recordEvent(int s, int e) override { r_.recordEvent(map(s), e); }
+  void waitEvent(int s, int e) override { r_.waitEvent(map(s), e); }
+
+ private:
+  int map(int s) const { return s == 0 ? caller_ : s; }
+  SimRank& r_;
+  int caller_;
 };
 
 // N ranks, their windows and flags, spread over `gpus` simulated devices

@@ -187,11 +187,14 @@ class SimDriver final : public loom::DeviceDriver {
   }
   std::atomic<bool> failLaunch{false};  // backend() fails as a CUDA launch would
   loom::StreamBackend& backend(void* callerStream, int streams, int events) override {
-    (void)callerStream;
     if (failLaunch.load()) loom::fail(loomUnhandledCudaError, "sim: cuStreamWaitValue64 failed: device lost");
     simCheck(streams <= 2, "at most 2 side streams");
     simCheck(events <= 8, "at most 8 events");
-    return world_->rank(rank_);
+    loomsim::SimRank& r = world_->rank(rank_);
+    const int caller = r.callerStream(callerStream);
+    if (caller == 0) return r;
+    caller_ = std::make_unique<loomsim::SimCallerBackend>(r, caller);  // as CUDA's: valid until the next call
+    return *caller_;
   }
   uint64_t readFlag(const uint64_t* flag) override {
     return reinterpret_cast<const std::atomic<uint64_t>*>(flag)->load(std::memory_order_acquire);
@@ -209,6 +212,7 @@ class SimDriver final : public loom::DeviceDriver {
   SimMemory& mem_;
   loomsim::SimDeviceWorld* world_;
   int rank_, device_;
+  std::unique_ptr<loomsim::SimCallerBackend> caller_;
 };
 
 }  // namespace loomsim

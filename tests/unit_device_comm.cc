@@ -2639,3 +2639,99 @@ TEST_CASE("CUDA communicator on the hierarchical path (simulated device): ranks 
   CHECK(loom::nowMs() - t0 < 10000);
   destroyPromptly(comms);
 }
+
+// ---- One communicator, two streams ------------------------------------------
+
+TEST_CASE("CUDA communicator (simulated device): collectives and send/recv issued on two streams run in the order "
+          "they were issued on each rank, when the first stream is held up by the caller's own work (on the ipc, "
+          "staged and hierarchical paths)",
+          "[devcomm][streams]") {
+  struct Path {
+    const char* name;
+    int n;
+    std::function<std::string(int)> hostOf;
+  };
+  ScopedEnv minBytes("LOOM_DEVICE_HIER_MIN_BYTES", "0");
+  for (const Path& path : {Path{"ipc", 2, [](int) { return std::string(); }},
+                           Path{"staged", 2, [](int r) { return "two-hosts-" + std::to_string(r); }},
+                           Path{"hier", 4, [](int r) { return "hier-host-" + std::to_string(r / 2); }}}) {
+    INFO(path.name);
+    const int N = path.n;
+    SimMemory mem;
+    loomsim::SimDeviceWorld world(N, 1, 256, patientDevice());
+    auto* streamA = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));  // stream 0 of every rank
+    auto* streamB = reinterpret_cast<loomStream_t>(uintptr_t(0xb0b));
+    for (int r = 0; r < N; ++r) REQUIRE(world.rank(r).addCallerStream(streamB) > 0);
+    DeviceEnv env(mem, world);
+    std::vector<loomComm_t> comms = initCudaCommsOn(N, path.hostOf);
+    REQUIRE(comms.size() == size_t(N));
+    CHECK(std::string(comms[0]->deviceComm()->pathName()) == path.name);
+    // Rank 0's stream A is held by its own kernel until `go`; every rank
+    // issues an all-reduce (and a reduce-scatter) on A, then others on B.
+    std::atomic<bool> go{false};
+    world.rank(0).enqueueWork(0, [&] {
+      while (!go.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    });
+    const size_t n = 3000;
+    auto fill = [&](float* p, size_t count, int r, int salt) {
+      for (size_t i = 0; i < count; ++i) p[i] = float((r + 1) * salt + int(i % 7));
+    };
+    const size_t ranks = size_t(N);
+    std::vector<float*> a(ranks), b(ranks), rsIn(ranks), rsOut(ranks), c(ranks);
+    for (int r = 0; r < N; ++r) {
+      a[size_t(r)] = reinterpret_cast<float*>(mem.alloc(0, n * 4));
+      b[size_t(r)] = reinterpret_cast<float*>(mem.alloc(0, n * 4));
+      c[size_t(r)] = reinterpret_cast<float*>(mem.alloc(0, n * 4));
+      rsIn[size_t(r)] = reinterpret_cast<float*>(mem.alloc(0, n * size_t(N) * 4));
+      rsOut[size_t(r)] = reinterpret_cast<float*>(mem.alloc(0, n * 4));
+      fill(a[size_t(r)], n, r, 1);
+      fill(b[size_t(r)], n, r, 10);
+      fill(c[size_t(r)], n, r, 100);
+      fill(rsIn[size_t(r)], n * size_t(N), r, 1000);
+    }
+    for (int r = 0; r < N; ++r) {
+      loomComm_t cm = comms[size_t(r)];
+      CHECK(loomAllReduce(a[size_t(r)], a[size_t(r)], n, loomFloat32, loomSum, cm, streamA) == loomSuccess);
+      CHECK(loomReduceScatter(rsIn[size_t(r)], rsOut[size_t(r)], n, loomFloat32, loomSum, cm, streamA) ==
+            loomSuccess);
+      CHECK(loomAllReduce(b[size_t(r)], b[size_t(r)], n, loomFloat32, loomSum, cm, streamB) == loomSuccess);
+      CHECK(loomAllReduce(c[size_t(r)], c[size_t(r)], n, loomFloat32, loomSum, cm, streamA) == loomSuccess);
+    }
+    // Send/recv: rank 0 sends to rank 1 on A (held), then on B; rank 1
+    // receives them in that order, on A then B.
+    std::vector<float*> msg(2), got(2);
+    for (int k = 0; k < 2; ++k) {
+      msg[size_t(k)] = reinterpret_cast<float*>(mem.alloc(0, n * 4));
+      got[size_t(k)] = reinterpret_cast<float*>(mem.alloc(0, n * 4));
+      fill(msg[size_t(k)], n, k, 7);
+    }
+    CHECK(loomSend(msg[0], n, loomFloat32, 1, comms[0], streamA) == loomSuccess);
+    CHECK(loomSend(msg[1], n, loomFloat32, 1, comms[0], streamB) == loomSuccess);
+    CHECK(loomRecv(got[0], n, loomFloat32, 0, comms[1], streamA) == loomSuccess);
+    CHECK(loomRecv(got[1], n, loomFloat32, 0, comms[1], streamB) == loomSuccess);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // time for the others to run ahead, if they could
+    go.store(true);
+    for (int r = 0; r < N; ++r) {
+      std::string m;
+      CHECK(world.rank(r).synchronize(&m) == loomSuccess);
+      INFO(m);
+    }
+    auto sum = [&](size_t i, int salt, size_t block) {
+      float s = 0;
+      for (int q = 0; q < N; ++q) s += float((q + 1) * salt + int((block + i) % 7));
+      return s;
+    };
+    int wrong = 0;
+    for (int r = 0; r < N; ++r)
+      for (size_t i = 0; i < n; ++i) {
+        wrong += a[size_t(r)][i] != sum(i, 1, 0);
+        wrong += b[size_t(r)][i] != sum(i, 10, 0);
+        wrong += c[size_t(r)][i] != sum(i, 100, 0);
+        wrong += rsOut[size_t(r)][i] != sum(i, 1000, size_t(r) * n);
+      }
+    for (int k = 0; k < 2; ++k)
+      for (size_t i = 0; i < n; ++i) wrong += got[size_t(k)][i] != msg[size_t(k)][i];
+    CHECK(wrong == 0);
+    destroyPromptly(comms);
+  }
+}

@@ -749,6 +749,7 @@ void DeviceComm::run(const OpDesc& op, void* callerStream) {
   const size_t sendBytes = sh.sendBytes, recvBytes = sh.recvBytes;
   std::lock_guard<std::mutex> g(mu_);
   if (failCode_ != loomSuccess) fail(failCode_, "the %s communicator has failed: %s", driver_->name(), failed_.c_str());
+  const uint64_t before = round_;  // rounds enqueued so far: the value the last one's done flag reaches
   uint64_t round = round_;
   StreamProgram p = compileStreamProgram(op, rank_, nranks_, allReduceAlgorithm(n * esz), slotBytes_, &round);
   ProgramBuffers b;
@@ -766,7 +767,14 @@ void DeviceComm::run(const OpDesc& op, void* callerStream) {
     // The mismatch check: the watchdog, woken below, sends it on and
     // reports a mismatch (recorded once the call counts, as round_).
     if (sigs_) sigs_->recordMine(op);
-    if (!p.ops.empty()) enqueueProgram(driver_->backend(callerStream, p.streams, p.events), p, b);
+    if (!p.ops.empty()) {
+      StreamBackend& be = driver_->backend(callerStream, p.streams, p.events);
+      // On another stream than the last program, this one first waits
+      // until that one is done here (see collStream_).
+      if (before > 0 && callerStream != collStream_) be.waitFlag(0, flags_[size_t(rank_)] + kFlagDone, before, rank_);
+      enqueueProgram(be, p, b);
+      collStream_ = callerStream;
+    }
   } catch (const Error& e) {
     failCode_ = e.code();
     failed_ = e.what();
@@ -914,12 +922,16 @@ void DeviceComm::runP2P(const std::vector<OpDesc>& ops, void* callerStream) {
   std::lock_guard<std::mutex> g(mu_);
   if (failCode_ != loomSuccess) fail(failCode_, "the %s communicator has failed: %s", driver_->name(), failed_.c_str());
   P2PCounters counters = p2p_;
+  const uint64_t before = p2p_.programs;  // send/recv programs enqueued so far (kFlagP2PDone's last value)
   StreamProgram p = compileP2PProgram(ops, rank_, nranks_, slotBytes_, &counters);
   DeviceScope current(*driver_);
   try {
     p2p_ = counters;  // the peers count these chunks whatever happens here
     if (p.ops.empty()) return;
-    enqueueProgram(driver_->backend(callerStream, p.streams, p.events), p, b);
+    StreamBackend& be = driver_->backend(callerStream, p.streams, p.events);
+    if (before > 0 && callerStream != p2pStream_) be.waitFlag(0, flags_[size_t(rank_)] + kFlagP2PDone, before, rank_);
+    enqueueProgram(be, p, b);
+    p2pStream_ = callerStream;
   } catch (const Error& e) {
     failCode_ = e.code();
     failed_ = e.what();

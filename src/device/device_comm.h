@@ -455,6 +455,17 @@ class DeviceComm final : public DeviceCollectives {
   std::vector<IpcRecord> inRecords_;  // the imports to release (rank != this one)
   mutable std::mutex mu_;  // one program enqueued at a time, in round order
   uint64_t round_ = 0;
+  // The stream of the last collective program and of the last send/recv
+  // program (mu_).  A rank's programs must run in the order they were
+  // issued: flags only grow, and a program that ran ahead of an earlier one
+  // on another stream would set its flags past the earlier one's values,
+  // so peers would read this rank's window before the earlier round was
+  // in it.  On one stream the stream keeps that order; a program on
+  // another one first waits (a stream wait) until this rank's own done
+  // flag shows every earlier program finished, as NCCL serialises a
+  // communicator's kernels across streams.
+  void* collStream_ = nullptr;
+  void* p2pStream_ = nullptr;
   std::string failed_;  // set once the communicator failed
   loomResult_t failCode_ = loomSuccess;
 
