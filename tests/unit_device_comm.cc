@@ -2658,7 +2658,9 @@ TEST_CASE("CUDA communicator (simulated device): collectives and send/recv issue
     INFO(path.name);
     const int N = path.n;
     SimMemory mem;
-    loomsim::SimDeviceWorld world(N, 1, 256, patientDevice());
+    // A device per rank: rank 0's held kernel holds only its own, so the
+    // others' streams run on while it is held.
+    loomsim::SimDeviceWorld world(N, N, 256, patientDevice());
     auto* streamA = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));  // stream 0 of every rank
     auto* streamB = reinterpret_cast<loomStream_t>(uintptr_t(0xb0b));
     for (int r = 0; r < N; ++r) REQUIRE(world.rank(r).addCallerStream(streamB) > 0);
@@ -2667,7 +2669,7 @@ TEST_CASE("CUDA communicator (simulated device): collectives and send/recv issue
     REQUIRE(comms.size() == size_t(N));
     CHECK(std::string(comms[0]->deviceComm()->pathName()) == path.name);
     // Rank 0's stream A is held by its own kernel until `go`; every rank
-    // issues an all-reduce (and a reduce-scatter) on A, then others on B.
+    // issues an all-reduce on A, one on B, then more on A.
     std::atomic<bool> go{false};
     world.rank(0).enqueueWork(0, [&] {
       while (!go.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -2691,10 +2693,14 @@ TEST_CASE("CUDA communicator (simulated device): collectives and send/recv issue
     }
     for (int r = 0; r < N; ++r) {
       loomComm_t cm = comms[size_t(r)];
+      // a's round uses slot 0 and b's slot 1, so nothing but the ordering
+      // wait keeps b from running while a is held on rank 0; a ran-ahead b
+      // would set rank 0's input flag to b's value, and rank 1 would read
+      // rank 0's slot 0 for a before a was staged there.
       CHECK(loomAllReduce(a[size_t(r)], a[size_t(r)], n, loomFloat32, loomSum, cm, streamA) == loomSuccess);
+      CHECK(loomAllReduce(b[size_t(r)], b[size_t(r)], n, loomFloat32, loomSum, cm, streamB) == loomSuccess);
       CHECK(loomReduceScatter(rsIn[size_t(r)], rsOut[size_t(r)], n, loomFloat32, loomSum, cm, streamA) ==
             loomSuccess);
-      CHECK(loomAllReduce(b[size_t(r)], b[size_t(r)], n, loomFloat32, loomSum, cm, streamB) == loomSuccess);
       CHECK(loomAllReduce(c[size_t(r)], c[size_t(r)], n, loomFloat32, loomSum, cm, streamA) == loomSuccess);
     }
     // Send/recv: rank 0 sends to rank 1 on A (held), then on B; rank 1

@@ -961,21 +961,6 @@ std::unique_ptr<DeviceCollectives> loomComm::makeHierDevice(Bootstrap& boot, con
   StagedCommOptions o = stagedOptions();
   o.pieceBytes = root.deviceStageBytes;
   parts.flat = std::make_unique<StagedDeviceComm>(rank_, nranks_, deviceDriverFor(choice, driverRank, nranks_), o);
-  if (sh.hostMajor) {
-    // The hierarchical reduce-scatter's and all-gather's device memory
-    // (every rank decides alike: hostMajor comes from the shared host ids).
-    parts.driver = deviceDriverFor(choice, driverRank, nranks_);
-    DeviceScope current(*parts.driver);
-    parts.orderFlag = static_cast<uint64_t*>(parts.driver->allocate(256));  // zeroed
-  }
-  auto dropFlag = [&parts] {
-    if (!parts.orderFlag) return;
-    try {
-      DeviceScope current(*parts.driver);
-      parts.driver->release(parts.orderFlag);
-    } catch (const Error&) {  // init is failing already
-    }
-  };
   // The first rank of each host makes its local communicator's id, each
   // rank of the first host its rail's; every rank learns them all through
   // the bootstrap, then joins its host's and its rail's (every rank in the
@@ -1008,13 +993,21 @@ std::unique_ptr<DeviceCollectives> loomComm::makeHierDevice(Bootstrap& boot, con
     sub.path = 2;
     sub.part = "rail";
     parts.rail = loomComm::create(decodeUniqueId(ids[size_t(railRoot)].rail), sh.hosts, sh.hostIndex, nullptr, sub);
+    if (sh.hostMajor) {
+      // The hierarchical reduce-scatter's and all-gather's device memory
+      // (every rank decides alike: hostMajor comes from the shared host
+      // ids), made last so that nothing after it can fail.
+      parts.driver = deviceDriverFor(choice, driverRank, nranks_);
+      DeviceScope current(*parts.driver);
+      parts.orderFlag = static_cast<uint64_t*>(parts.driver->allocate(256));  // zeroed
+    }
   } catch (...) {
     // A communicator keeps itself (its handle's reference) until released.
-    if (parts.local) {
-      parts.local->abort();
-      parts.local->releaseHandle();
-    }
-    dropFlag();
+    for (std::shared_ptr<loomComm>* c : {&parts.local, &parts.rail})
+      if (*c) {
+        (*c)->abort();
+        (*c)->releaseHandle();
+      }
     throw;
   }
   logSetRank(rank_);

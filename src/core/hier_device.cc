@@ -314,6 +314,31 @@ void HierDeviceComm::runExchange(const OpDesc& op, void* callerStream) {
     DeviceScope current(*driver_);
     if (use > 0) driver_->backend(callerStream, 1, 0).waitFlag(0, orderFlag_, use, me);
   }
+  // Counted before any part is enqueued: the scratch is freed only once the
+  // counter reaches this call's number, so a part enqueued before a later
+  // one failed keeps the scratch until the stream has run it.
+  scratchUses_ = use + 1;
+  auto done = [&] {
+    DeviceScope current(*driver_);
+    driver_->backend(callerStream, 1, 0).setFlag(0, orderFlag_, use + 1);
+  };
+  try {
+    runExchangeParts(op, callerStream, scratch, block);
+  } catch (...) {
+    // The parts enqueued run to the end once the failure releases their
+    // waits; the counter follows them.  If even this fails, the counter
+    // never gets there and the reaper leaves the scratch allocated.
+    try {
+      done();
+    } catch (const Error&) {
+    }
+    throw;
+  }
+  done();
+}
+
+void HierDeviceComm::runExchangeParts(const OpDesc& op, void* callerStream, uint8_t* scratch, size_t block) {
+  const int H = shape_.hosts, L = shape_.perHost;
   auto run = [callerStream](loomComm* sub, OpDesc part) { sub->deviceComm()->run(part, callerStream); };
   auto runOf = [](const void* p, size_t bytes) {
     return static_cast<uint8_t*>(const_cast<void*>(p)) + bytes;
@@ -348,9 +373,6 @@ void HierDeviceComm::runExchange(const OpDesc& op, void* callerStream) {
       run(local_.get(), part);
     }
   }
-  DeviceScope current(*driver_);
-  driver_->backend(callerStream, 1, 0).setFlag(0, orderFlag_, use + 1);
-  scratchUses_ = use + 1;
 }
 
 bool HierDeviceComm::failed() const {

@@ -177,6 +177,7 @@ class HierDeviceComm final : public DeviceCollectives {
   mutable std::mutex runMu_;
   void runAllReduce(const OpDesc& op, void* callerStream);
   void runExchange(const OpDesc& op, void* callerStream);  // reduce-scatter, all-gather
+  void runExchangeParts(const OpDesc& op, void* callerStream, uint8_t* scratch, size_t block);
 
   // The reduce-scatter's and all-gather's scratch (runMu_): its users so
   // far, each of which sets orderFlag_ to its number when done; outgrown
