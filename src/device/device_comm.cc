@@ -740,6 +740,16 @@ std::string DeviceComm::describe() const {
               m.regionsIn);
 }
 
+namespace {
+
+// Whether two calls' stream handles are surely one stream.
+// cudaStreamPerThread (handle 2) is a different stream on every thread.
+bool sameStream(const void* a, const void* b) {
+  return a == b && a != reinterpret_cast<const void*>(uintptr_t(2));
+}
+
+}  // namespace
+
 void DeviceComm::run(const OpDesc& op, void* callerStream) {
   if (op.coll == Collective::P2P) return runP2P({op}, callerStream);
   check(op);
@@ -771,7 +781,8 @@ void DeviceComm::run(const OpDesc& op, void* callerStream) {
       StreamBackend& be = driver_->backend(callerStream, p.streams, p.events);
       // On another stream than the last program, this one first waits
       // until that one is done here (see collStream_).
-      if (before > 0 && callerStream != collStream_) be.waitFlag(0, flags_[size_t(rank_)] + kFlagDone, before, rank_);
+      if (before > 0 && !sameStream(callerStream, collStream_))
+        be.waitFlag(0, flags_[size_t(rank_)] + kFlagDone, before, rank_);
       enqueueProgram(be, p, b);
       collStream_ = callerStream;
     }
@@ -929,7 +940,8 @@ void DeviceComm::runP2P(const std::vector<OpDesc>& ops, void* callerStream) {
     p2p_ = counters;  // the peers count these chunks whatever happens here
     if (p.ops.empty()) return;
     StreamBackend& be = driver_->backend(callerStream, p.streams, p.events);
-    if (before > 0 && callerStream != p2pStream_) be.waitFlag(0, flags_[size_t(rank_)] + kFlagP2PDone, before, rank_);
+    if (before > 0 && !sameStream(callerStream, p2pStream_))
+      be.waitFlag(0, flags_[size_t(rank_)] + kFlagP2PDone, before, rank_);
     enqueueProgram(be, p, b);
     p2pStream_ = callerStream;
   } catch (const Error& e) {

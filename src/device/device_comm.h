@@ -463,7 +463,9 @@ class DeviceComm final : public DeviceCollectives {
   // in it.  On one stream the stream keeps that order; a program on
   // another one first waits (a stream wait) until this rank's own done
   // flag shows every earlier program finished, as NCCL serialises a
-  // communicator's kernels across streams.
+  // communicator's kernels across streams.  cudaStreamPerThread counts as
+  // another stream every time (its handle names a different stream on
+  // each thread).
   void* collStream_ = nullptr;
   void* p2pStream_ = nullptr;
   std::string failed_;  // set once the communicator failed
