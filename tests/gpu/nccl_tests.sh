@@ -63,7 +63,12 @@ rm -rf "$work" && cp -r "$src" "$work"
 # NCCL_TESTS_MODE=mpi|threads chooses; by default MPI when mpirun is there.
 mode=${NCCL_TESTS_MODE:-$(command -v mpirun >/dev/null && echo mpi || echo threads)}
 if [ "$mode" = mpi ]; then
-  mpi_home=${MPI_HOME:-$(dirname "$(dirname "$(command -v mpirun)")")}
+  # MPI_HOME holds include/mpi.h and lib/: Open MPI's mpicc says where
+  # (Debian: /usr/lib/x86_64-linux-gnu/openmpi), else beside mpirun.
+  mpi_inc=$(mpicc --showme:incdirs 2>/dev/null | awk '{print $1}')
+  if [ -n "$mpi_inc" ] && [ -f "$mpi_inc/mpi.h" ]; then mpi_default=$(dirname "$mpi_inc"); else
+    mpi_default=$(dirname "$(dirname "$(command -v mpirun)")"); fi
+  mpi_home=${MPI_HOME:-$mpi_default}
   make -C "$work/src" -j"$(nproc)" MPI=1 MPI_HOME="$mpi_home" CUDA_HOME="$cuda" NCCL_HOME="$home" \
     NVCC_GENCODE="-gencode=arch=compute_$cc,code=sm_$cc" BUILDDIR="$work/build" >/dev/null || exit 2
   launch=(mpirun --allow-run-as-root --oversubscribe -np 2 -x NCCL_TESTS_DEVICE=0 -x LD_LIBRARY_PATH -x LOOM_DEVICE)
