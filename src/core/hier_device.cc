@@ -305,14 +305,13 @@ uint8_t* HierDeviceComm::scratchFor(size_t bytes) {
 }
 
 void HierDeviceComm::runExchange(const OpDesc& op, void* callerStream) {
-  const int H = shape_.hosts, L = shape_.perHost, me = shape_.hostIndex * L + shape_.localIndex;
   const size_t block = op.count * dtypeSize(op.dtype);  // one rank's block
-  uint8_t* scratch = scratchFor(size_t(H) * block);
+  uint8_t* scratch = scratchFor(size_t(shape_.hosts) * block);
   const uint64_t use = scratchUses_;
   {
     // Every earlier call that used the scratch, on whatever stream, is done.
     DeviceScope current(*driver_);
-    if (use > 0) driver_->backend(callerStream, 1, 0).waitFlag(0, orderFlag_, use, me);
+    if (use > 0) driver_->backend(callerStream, 1, 0).waitFlag(0, orderFlag_, use, rank_);
   }
   // Counted before any part is enqueued: the scratch is freed only once the
   // counter reaches this call's number, so a part enqueued before a later

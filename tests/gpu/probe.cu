@@ -15,6 +15,7 @@
 //   attrs    the device's stream memory operation attributes (info)
 //   query    whether cudaStreamQuery's cudaErrorNotReady stays behind as
 //            the thread's last error (info: loom's launches no longer read it)
+// A CUDA call that fails outright ends it with exit 3 (CK, CU).
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <sys/wait.h>
@@ -28,6 +29,8 @@
 #include <thread>
 #include <vector>
 
+#include "tests/gpu/gpu_check.h"  // CK: a failed CUDA runtime call ends the probe (exit 3)
+
 namespace {
 
 int g_failed = 0;
@@ -38,14 +41,6 @@ void report(bool ok, const char* what, const std::string& detail = "") {
   if (!ok) ++g_failed;
 }
 
-#define CK(x)                                                                                        \
-  do {                                                                                               \
-    cudaError_t e_ = (x);                                                                            \
-    if (e_ != cudaSuccess) {                                                                         \
-      std::printf("FAIL  %s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));           \
-      std::exit(1);                                                                                  \
-    }                                                                                                \
-  } while (0)
 #define CU(x)                                                                                        \
   do {                                                                                               \
     CUresult r_ = (x);                                                                               \
@@ -53,7 +48,7 @@ void report(bool ok, const char* what, const std::string& detail = "") {
       const char* s_ = "?";                                                                          \
       cuGetErrorString(r_, &s_);                                                                     \
       std::printf("FAIL  %s:%d %s: %s\n", __FILE__, __LINE__, #x, s_);                               \
-      std::exit(1);                                                                                  \
+      std::exit(3);                                                                                  \
     }                                                                                                \
   } while (0)
 

@@ -81,10 +81,12 @@ step() {  # step NAME COMMAND...: runs it under the step timeout, records ok/FAI
   local t=$SECONDS
   timeout "$limit" "$@"
   local rc=$?
-  if [ $rc -eq 0 ]; then results+=("ok ($((SECONDS - t)) s)"); elif [ $rc -eq 124 ]; then
-    results+=("TIMEOUT (${limit} s)"); status=1; else results+=("FAIL ($rc)"); status=1; fi
-  names+=("$name")
-  [ -n "$results_file" ] && printf '%-75s %s\n' "$name" "${results[-1]}" >>"$results_file"
+  if [ $rc -eq 0 ]; then record "$name" "ok ($((SECONDS - t)) s)"; elif [ $rc -eq 124 ]; then
+    record "$name" "TIMEOUT (${limit} s)"; status=1; else record "$name" "FAIL ($rc)"; status=1; fi
+}
+record() {  # record NAME RESULT: a row of the table (and of LOOM_GPU_RESULTS)
+  names+=("$1"); results+=("$2")
+  [ -n "$results_file" ] && printf '%-75s %s\n' "$1" "$2" >>"$results_file"
   return 0
 }
 for phase in "${phases[@]}"; do
@@ -138,10 +140,10 @@ for phase in "${phases[@]}"; do
     # ("Device not supported"): a refusal is reported as such, not as a
     # finding.
     if ! command -v compute-sanitizer >/dev/null; then
-      names+=("compute-sanitizer"); results+=("not installed")
-    elif compute-sanitizer --error-exitcode 1 "$build/bin/loom-gpu-tests" --ranks 1 --max-count 64 2>&1 |
+      record "compute-sanitizer" "not installed"
+    elif timeout "$limit" compute-sanitizer --error-exitcode 1 "$build/bin/loom-gpu-tests" --ranks 1 --max-count 64 2>&1 |
       grep -q "Device not supported"; then
-      names+=("compute-sanitizer"); results+=("refused by this machine (Device not supported)")
+      record "compute-sanitizer" "refused by this machine (Device not supported)"
     else
       step "compute-sanitizer (memcheck, short run)" compute-sanitizer --error-exitcode 1 \
         "$build/bin/loom-gpu-tests" --ranks 2 --max-count 4096
