@@ -36,6 +36,9 @@ inline void simCheck(bool ok, const char* what) {
 class SimMemory {
  public:
   ~SimMemory() {
+    // A destroyed communicator's memory may still be with the reaper
+    // (device_comm.h), which frees it here: before this goes.
+    loom::waitDeviceRemains(30000);
     for (auto& [base, a] : allocs_) {
       munmap(base, a.bytes);
       close(a.fd);
@@ -56,9 +59,12 @@ class SimMemory {
     std::lock_guard<std::mutex> g(mu_);
     auto it = allocs_.find(static_cast<uint8_t*>(p));
     if (it == allocs_.end()) loom::fail(loomInvalidArgument, "sim free of %p: not an allocation base", p);
-    // Freed memory stays mapped (not reused) until the SimMemory goes: a
-    // peer destroying its communicator later may still read the flags in
-    // it, which on a GPU is memory CUDA keeps while it is mapped.
+    // CUDA: freeing exported memory before every importer closed its
+    // handle is undefined behaviour; counted here, and every test's
+    // fixture checks that it never happens.  The memory itself stays
+    // mapped (not reused) until the SimMemory goes.
+    for (auto& [m, target] : mappings_)
+      if (target.first == it->first) ++freedWhileMapped_;
     freed_.emplace_back(it->first, it->second.bytes);
     close(it->second.fd);
     allocs_.erase(it);
@@ -114,6 +120,11 @@ class SimMemory {
     std::lock_guard<std::mutex> g(mu_);
     return mappings_.size();
   }
+  // Frees of memory that a mapping of it still outlived (see free()).
+  size_t freedWhileMapped() const {
+    std::lock_guard<std::mutex> g(mu_);
+    return freedWhileMapped_;
+  }
   int opens() const { return opens_; }
   int closes() const { return closes_; }
   size_t live() const {  // allocations not freed
@@ -152,10 +163,14 @@ class SimMemory {
   std::vector<std::pair<uint8_t*, size_t>> freed_;
   uint64_t serial_ = 0;
   int opens_ = 0, closes_ = 0;
+  size_t freedWhileMapped_ = 0;
 };
 
 // Pinned host allocations of every SimDriver not yet released.
 inline std::atomic<long> g_pinnedLive{0};
+// The rank whose SimDriver fails every openHandle, as a failing
+// cudaIpcOpenMemHandle would (-1: none).
+inline std::atomic<int> g_failOpenRank{-1};
 
 // The DeviceDriver of one rank on a simulated device: memory from
 // SimMemory, the stream backend of the rank in a SimDeviceWorld.
@@ -170,7 +185,12 @@ class SimDriver final : public loom::DeviceDriver {
   void release(void* p) override { mem_.free(p); }
   void addressRange(const void* p, void** base, size_t* bytes) const override { mem_.range(p, base, bytes); }
   void exportHandle(void* base, uint8_t h[loom::kIpcHandleBytes]) const override { mem_.handle(base, h); }
-  void* openHandle(const uint8_t h[loom::kIpcHandleBytes]) override { return mem_.open(h); }
+  void* openHandle(const uint8_t h[loom::kIpcHandleBytes]) override {
+    if (g_failOpenRank.load() == rank_)
+      loom::fail(loomUnhandledCudaError, "sim:%d: cudaIpcOpenMemHandle failed: peer access is not supported between "
+                 "these devices (CUDA error 217)", device_);
+    return mem_.open(h);
+  }
   void closeHandle(void* mapped) override { mem_.closeMapping(mapped); }
   // Pinned host memory is host memory here (pointerDevice says -1).
   void* allocateHost(size_t bytes) override {

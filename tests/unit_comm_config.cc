@@ -46,7 +46,11 @@ struct SimDevices {
         },
         devices);
   }
-  ~SimDevices() { loom::setDeviceDriverFactoryForTesting(nullptr); }
+  ~SimDevices() {
+    loom::setDeviceDriverFactoryForTesting(nullptr);
+    CHECK(loom::waitDeviceRemains(30000));  // the reaper may hold memory of this test's device
+    CHECK(mem.freedWhileMapped() == 0);
+  }
 };
 
 // n ranks as threads, each with its own config (nullptr: loomCommInitRank).

@@ -482,16 +482,21 @@ TEST_CASE("CUDA communicator driver: its calls through the plug-in table (device
     std::unique_ptr<loom::DeviceComm> dc[2];
     std::mutex mu;
     std::condition_variable cv;
-    int arrived = 0;
+    int arrived = 0, taken = 0;
     std::vector<uint8_t> all;
-    auto gather = [&](int r) {
+    auto gather = [&](int r) {  // init makes two exchanges of different sizes
       return [&, r](const void* m, size_t b, void* out) {
         std::unique_lock<std::mutex> g(mu);
-        if (all.empty()) all.resize(2 * b);
+        cv.wait(g, [&] { return arrived < 2; });  // the previous exchange fully taken
+        if (arrived == 0) all.assign(2 * b, 0);
         memcpy(all.data() + size_t(r) * b, m, b);
         if (++arrived == 2) cv.notify_all();
         cv.wait(g, [&] { return arrived == 2; });
         memcpy(out, all.data(), 2 * b);
+        if (++taken == 2) {
+          arrived = taken = 0;
+          cv.notify_all();
+        }
       };
     };
     // Nothing runs the recorded programs, so the peers' done flags never

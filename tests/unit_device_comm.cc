@@ -12,7 +12,10 @@
 // sizes); the host thread returning before the work runs; buffer errors; the import cache's refcounts and address reuse; a dead
 // rank -> an error, not a hang; and the C API's CUDA-communicator path
 // (LOOM_DEVICE=cuda with the simulated device's drivers).
+#include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -42,6 +45,7 @@
 #include "src/device/device_memory.h"
 #include "src/device/host_memory.h"
 #include "src/device/host_reduce.h"
+#include "src/device/map_board.h"
 #include "src/device/op_signature.h"
 #include "src/device/staged_comm.h"
 #include "tests/sim_device.h"
@@ -131,9 +135,10 @@ struct SimComms {
       world.rank(r).synchronize(&msg);
     }
     comms.clear();
-    // A failed communicator's memory may be with the reaper, which uses
+    // A destroyed communicator's memory may be with the reaper, which uses
     // this test's simulated device: it must be done before that goes.
-    loom::waitDeviceRemains(30000);
+    CHECK(loom::waitDeviceRemains(30000));
+    CHECK(mem.freedWhileMapped() == 0);  // never freed while a peer maps it (CUDA: undefined)
   }
   int n() const { return world.nranks(); }
 };
@@ -602,6 +607,181 @@ TEST_CASE("device communicator (simulated device): destroying a rank waits until
   CHECK(verify(p, 2).empty());
 }
 
+TEST_CASE("device communicator (simulated device): a rank's device memory is freed only once no peer maps it, "
+          "destroy returns without waiting for that, and two communicators destroyed in opposite orders on two "
+          "ranks never wait for each other",
+          "[devcomm][unmap]") {
+  loom::DeviceCommOptions opts;
+  opts.slotBytes = 1024;  // drainTimeoutMs stays at its 10 s default
+  std::mt19937_64 rng(21);
+  SECTION("one rank destroyed long before the other") {
+    SimComms s(3, 2, opts);
+    Prepared p = prepare(s, {Collective::AllReduce, loomInt32, loomSum, 600, 0, false}, rng);
+    for (int r = 0; r < 3; ++r) issue(s, p, r);
+    for (int r = 0; r < 3; ++r) {
+      std::string msg;
+      REQUIRE(s.world.rank(r).synchronize(&msg) == loomSuccess);
+    }
+    CHECK(verify(p, 3).empty());
+    const size_t frees = s.mem.frees(), mappings = s.mem.openMappings();
+    CHECK(mappings == 6);  // every rank maps both peers' blocks
+    const int64_t t0 = loom::nowMs();
+    s.comms[0].reset();
+    CHECK(loom::nowMs() - t0 < 5000);  // not a wait for ranks 1 and 2
+    CHECK(s.mem.openMappings() == mappings - 2);  // rank 0's of its peers: closed
+    CHECK(loom::deviceRemainsPending() == 1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    CHECK(s.mem.frees() == frees);  // ranks 1 and 2 still map rank 0's block
+    s.comms[1].reset();
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    CHECK(s.mem.frees() == frees);  // rank 2 still maps both
+    CHECK(loom::deviceRemainsPending() == 2);
+    s.comms[2].reset();  // maps nobody's now: all three go
+    REQUIRE(loom::waitDeviceRemains(10000));
+    CHECK(s.mem.frees() == frees + 3);
+    CHECK(s.mem.openMappings() == 0);
+    CHECK(s.mem.freedWhileMapped() == 0);
+  }
+  SECTION("opposite orders") {
+    SimComms a(2, 1, opts), b(2, 1, opts);
+    for (SimComms* s : {&a, &b}) {
+      Prepared p = prepare(*s, {Collective::AllReduce, loomFloat32, loomSum, 300, 0, false}, rng);
+      for (int r = 0; r < 2; ++r) issue(*s, p, r);
+      for (int r = 0; r < 2; ++r) {
+        std::string msg;
+        REQUIRE(s->world.rank(r).synchronize(&msg) == loomSuccess);
+      }
+    }
+    const size_t liveA = a.mem.live(), liveB = b.mem.live();  // the blocks and the test's buffers
+    std::atomic<int64_t> longest{0};
+    auto destroy = [&longest](std::unique_ptr<loom::DeviceComm>& c) {
+      const int64_t t0 = loom::nowMs();
+      c.reset();
+      const int64_t took = loom::nowMs() - t0;
+      if (took > longest.load()) longest.store(took);
+    };
+    std::thread r0([&] {
+      destroy(a.comms[0]);
+      destroy(b.comms[0]);
+    });
+    std::thread r1([&] {
+      destroy(b.comms[1]);
+      destroy(a.comms[1]);
+    });
+    r0.join();
+    r1.join();
+    CHECK(longest.load() < 5000);  // neither waited out the other's 10 s
+    REQUIRE(loom::waitDeviceRemains(10000));
+    CHECK(a.mem.live() == liveA - 2);
+    CHECK(b.mem.live() == liveB - 2);
+    CHECK(a.mem.freedWhileMapped() + b.mem.freedWhileMapped() == 0);
+  }
+}
+
+TEST_CASE("device communicator (simulated device): a rank that cannot map a peer's memory at init fails every "
+          "rank's init, naming itself and CUDA's error, and leaves nothing allocated",
+          "[devcomm][unmap]") {
+  loom::DeviceCommOptions opts;
+  opts.slotBytes = 1024;
+  loomsim::g_failOpenRank.store(2);
+  struct Restore {
+    ~Restore() { loomsim::g_failOpenRank.store(-1); }
+  } restore;
+  SimComms s(3, 1, opts);
+  for (int r = 0; r < 3; ++r) {
+    INFO("rank " << r << ": " << s.initErrors[size_t(r)]);
+    CHECK(!s.comms[size_t(r)]);
+    const std::string& e = s.initErrors[size_t(r)];
+    CHECK(e.find("cudaIpcOpenMemHandle failed") != std::string::npos);
+    if (r != 2) CHECK(e.find("rank 2 could not map its peers' device memory") != std::string::npos);
+  }
+  REQUIRE(loom::waitDeviceRemains(10000));
+  CHECK(s.mem.live() == 0);
+  CHECK(s.mem.openMappings() == 0);
+  CHECK(s.mem.freedWhileMapped() == 0);
+}
+
+TEST_CASE("map board: a peer's lock says it may still map the owner's memory, until it lets go, its process is "
+          "killed, or it never took it, and a board that is not there is a clear error",
+          "[devcomm][unmap]") {
+  const uint64_t token = loom::thisProcessToken() ^ 0x5a5a;  // not a communicator's board
+  loom::MapBoard board(token);
+  CHECK(board.path().find("loom-maps-") != std::string::npos);
+  CHECK(!board.held(1));
+  {
+    loom::MapHold h(token, board.serial(), 1);
+    CHECK(board.held(1));
+    CHECK(!board.held(2));
+    CHECK(board.holders({0, 1, 2}) == std::vector<int>{1});
+  }
+  CHECK(!board.held(1));  // let go
+  {
+    // Names left by processes killed inside init are skipped, never reused.
+    std::vector<std::string> stale;
+    for (uint32_t k = 1; k <= 3; ++k) {
+      stale.push_back(loom::mapBoardPath(token, board.serial() + k));
+      const int fd = open(stale.back().c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0644);
+      REQUIRE(fd >= 0);
+      close(fd);
+    }
+    loom::MapBoard next(token);
+    CHECK(next.serial() == board.serial() + 4);
+    for (const std::string& p : stale) unlink(p.c_str());
+  }
+  {
+    // A child forked while a hold is taken shares the open file: letting go
+    // here still lets go.
+    auto h = std::make_unique<loom::MapHold>(token, board.serial(), 4);
+    const pid_t idle = fork();
+    REQUIRE(idle >= 0);
+    if (idle == 0)
+      for (;;) pause();
+    CHECK(board.held(4));
+    h.reset();
+    CHECK(!board.held(4));
+    kill(idle, SIGKILL);
+    waitpid(idle, nullptr, 0);
+  }
+  // Another process's hold, and that process killed: the kernel lets go.
+  const std::string path = board.path();
+  int ready[2];
+  REQUIRE(pipe(ready) == 0);
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {  // open and fcntl only: this process has threads
+    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    struct flock l;
+    memset(&l, 0, sizeof l);
+    l.l_type = F_RDLCK;
+    l.l_whence = SEEK_SET;
+    l.l_start = 3;
+    l.l_len = 1;
+    const char ok = fd >= 0 && fcntl(fd, F_OFD_SETLK, &l) == 0 ? 'y' : 'n';
+    if (write(ready[1], &ok, 1) != 1) _exit(1);
+    for (;;) pause();
+  }
+  close(ready[1]);
+  char ok = 0;
+  REQUIRE(read(ready[0], &ok, 1) == 1);
+  close(ready[0]);
+  CHECK(ok == 'y');
+  CHECK(board.held(3));
+  board.unlink();  // the name goes; the locks stay
+  CHECK(access(path.c_str(), F_OK) != 0);
+  CHECK(board.held(3));
+  kill(child, SIGKILL);
+  int status = 0;
+  waitpid(child, &status, 0);
+  CHECK(!board.held(3));
+  try {
+    loom::MapHold gone(token, board.serial(), 1);  // unlinked: cannot be opened any more
+    FAIL("a board that is not there was opened");
+  } catch (const loom::Error& e) {
+    CHECK(e.code() == loomSystemError);
+    CHECK(std::string(e.what()).find(path) != std::string::npos);
+  }
+}
+
 TEST_CASE("device communicator (simulated device): an abandoned communicator (failed or aborted) is destroyed "
           "without waiting for peers that never finish",
           "[devcomm]") {
@@ -694,14 +874,20 @@ TEST_CASE("device communicator (simulated device): a peer that never arrives and
     CHECK(e.code() == loomRemoteError);
     CHECK(std::string(e.what()).find("rank 2 is gone") != std::string::npos);
   }
-  // Destroying the failed ones frees their memory at once (their streams are done).
+  // Destroying the failed ones returns at once; their streams are done, but
+  // rank 2 (alive in this test) still maps their memory: it is freed once
+  // rank 2's communicator is destroyed too, and rank 2's at once.
   const size_t frees = s.mem.frees();
   s.comms[0].reset();
   s.comms[1].reset();
-  CHECK(loom::deviceRemainsPending() == 0);
-  CHECK(s.mem.frees() == frees + 2);
+  CHECK(loom::deviceRemainsPending() == 2);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK(s.mem.frees() == frees);
   s.comms[2].reset();
+  REQUIRE(loom::waitDeviceRemains(10000));
+  CHECK(s.mem.frees() == frees + 3);
   CHECK(s.mem.openMappings() == 0);
+  CHECK(s.mem.freedWhileMapped() == 0);
 }
 
 TEST_CASE("device communicator (simulated device): failing a communicator (loomCommAbort) while its stream waits "
@@ -796,10 +982,14 @@ TEST_CASE("device communicator (simulated device): a failed communicator destroy
   open.store(true);
   std::string msg;
   REQUIRE(s.world.rank(0).synchronize(&msg) == loomSuccess);  // released: it ran to its end
-  REQUIRE(loom::waitDeviceRemains(10000));
-  CHECK(s.mem.frees() == frees + 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  CHECK(s.mem.frees() == frees);  // and rank 1 still maps it
+  CHECK(s.mem.openMappings() == 1);  // rank 0's of rank 1 closed: its streams are done
   s.comms[1].reset();
+  REQUIRE(loom::waitDeviceRemains(10000));
+  CHECK(s.mem.frees() == frees + 2);
   CHECK(s.mem.openMappings() == 0);
+  CHECK(s.mem.freedWhileMapped() == 0);
 }
 
 TEST_CASE("IPC import cache: one open per (rank, base), offsets applied, kept while referenced, reopened when the "
@@ -873,9 +1063,10 @@ loom::DeviceComm& ipcOf(loomComm_t c) {
 }
 
 struct DeviceEnv {  // LOOM_DEVICE=cuda with simulated drivers, undone on scope exit
-  DeviceEnv(SimMemory& mem, loomsim::SimDeviceWorld& world) {
+  SimMemory& mem;
+  DeviceEnv(SimMemory& m, loomsim::SimDeviceWorld& world) : mem(m) {
     loom::setDeviceDriverFactoryForTesting(
-        [&mem, &world](int r, int, int) { return std::make_unique<SimDriver>(mem, &world, r, 0); });
+        [&m, &world](int r, int, int) { return std::make_unique<SimDriver>(m, &world, r, 0); });
     setenv("LOOM_DEVICE", "cuda", 1);
     loom::configReload();
   }
@@ -883,6 +1074,8 @@ struct DeviceEnv {  // LOOM_DEVICE=cuda with simulated drivers, undone on scope 
     unsetenv("LOOM_DEVICE");
     loom::configReload();
     loom::setDeviceDriverFactoryForTesting(nullptr);
+    CHECK(loom::waitDeviceRemains(30000));  // the reaper may hold memory of this test's device
+    CHECK(mem.freedWhileMapped() == 0);     // never freed while a peer maps it (CUDA: undefined)
   }
 };
 

@@ -61,6 +61,8 @@ struct SimCuda {
     unsetenv("LOOM_DEVICE");
     loom::configReload();
     loom::setDeviceDriverFactoryForTesting(nullptr);
+    CHECK(loom::waitDeviceRemains(30000));  // the reaper may hold memory of this test's device
+    CHECK(mem.freedWhileMapped() == 0);     // never freed while a peer maps it (CUDA: undefined)
   }
   int32_t* alloc(int device, size_t n) { return reinterpret_cast<int32_t*>(mem.alloc(device, n * 4)); }
   // Waits for every rank's streams; false (with the message) on an error.

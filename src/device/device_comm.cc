@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <exception>
 #include <random>
 #include <thread>
 
@@ -172,16 +174,56 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
   const size_t flagBytes = flagAreaBytes(nranks), blockBytes = flagBytes + streamWindowBytes(slotBytes_);
   blockBytes_ = blockBytes;
   block_ = driver_->allocate(blockBytes);
+  // A failed init: this rank's part undone, its block freed once no peer
+  // that may have mapped it maps it any more.
+  auto undo = [&] {
+    tracked_.clear();
+    for (int r = 0; r < nranks; ++r)
+      if (r != rank) tracked_.push_back(r);
+    leaveMemory(false);
+  };
   try {
     IpcRecord mine = exportRange(*driver_, block_, blockBytes, process);
+    try {
+      board_ = std::make_unique<MapBoard>(process);
+      mine.board = board_->serial();
+    } catch (const Error& e) {
+      LOOM_WARN("DEVICE", "rank %d: %s; this rank's device memory is freed once the peers finished reading it, "
+                "whether or not they still map it", rank, e.what());
+    }
     records_.resize(size_t(nranks));
     allGather(&mine, sizeof mine, records_.data());
+  } catch (...) {
+    undo();
+    throw;
+  }
+  // Every rank takes a hold on each peer's board before it maps the peer's
+  // memory, then says in a last exchange whether it mapped everything and
+  // whose boards it holds: a rank that failed fails every rank's init (its
+  // peers would wait for it in their first collective), and a board is
+  // unlinked once every peer that will ever open it has.
+  struct Mapped {
+    char error[248];  // empty: every peer's memory is mapped here
+  };
+  Mapped status{};
+  std::vector<uint8_t> holding(size_t(nranks), 0);
+  loomResult_t code = loomSuccess;
+  try {
     auto* own = static_cast<uint64_t*>(block_);
     for (int r = 0; r < nranks; ++r) {
       const IpcRecord& rec = records_[size_t(r)];
       if (rec.bytes != blockBytes)
         fail(loomRemoteError, "rank %d's device window is %llu bytes, this rank's %zu: every rank must use the same "
              "slot size and number of ranks", r, (unsigned long long)rec.bytes, blockBytes);
+      if (r != rank && rec.board != 0) {
+        try {
+          holds_.push_back(std::make_unique<MapHold>(rec.process, rec.board, rank));
+          holding[size_t(r)] = 1;
+        } catch (const Error& e) {
+          LOOM_WARN("DEVICE", "rank %d: %s; rank %d may free its device memory while this rank still maps it", rank,
+                    e.what(), r);
+        }
+      }
       uint8_t* at = r == rank ? static_cast<uint8_t*>(block_) : imports_->import(r, rec);
       windows_.push_back(at + flagBytes);
       flags_.push_back(own + size_t(r) * kFlagCount);
@@ -193,15 +235,47 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
     }
     // Its own copy last: seeing it set means the copies in the peers' memory were written before.
     flagCopies_.push_back(own + size_t(rank) * kFlagCount);
-    movedMs_ = nowMs();
-    watchdog_ = std::thread([this] { watch(); });
+  } catch (const Error& e) {
+    code = e.code();
+    snprintf(status.error, sizeof status.error, "%s", e.what());
+  } catch (const std::exception& e) {
+    code = loomSystemError;
+    snprintf(status.error, sizeof status.error, "%s", e.what());
+  }
+  if (code != loomSuccess && !status.error[0]) snprintf(status.error, sizeof status.error, "%s", "mapping failed");
+  std::vector<uint8_t> mineLast(sizeof status + size_t(nranks)), all(mineLast.size() * size_t(nranks));
+  memcpy(mineLast.data(), &status, sizeof status);
+  memcpy(mineLast.data() + sizeof status, holding.data(), holding.size());
+  try {
+    allGather(mineLast.data(), mineLast.size(), all.data());
   } catch (...) {
-    for (int r = 0; r < int(windows_.size()); ++r)
-      if (r != rank) imports_->release(r, records_[size_t(r)]);
-    imports_.reset();
-    driver_->release(block_);
+    undo();
     throw;
   }
+  if (board_) board_->unlink();
+  if (code != loomSuccess) {
+    undo();
+    fail(code, "%s", status.error);
+  }
+  for (int r = 0; r < nranks; ++r) {
+    const uint8_t* theirs = all.data() + size_t(r) * mineLast.size();
+    Mapped st;
+    memcpy(&st, theirs, sizeof st);
+    st.error[sizeof st.error - 1] = 0;
+    if (st.error[0]) {
+      undo();
+      fail(loomRemoteError, "rank %d could not map its peers' device memory: %s", r, st.error);
+    }
+    if (r != rank && board_) {
+      if (theirs[sizeof st + size_t(rank)])
+        tracked_.push_back(r);
+      else
+        LOOM_INFO("DEVICE", "rank %d: rank %d holds no lock on %s; this rank frees its device memory once rank %d "
+                  "finished reading it", rank, r, board_->path().c_str(), r);
+    }
+  }
+  movedMs_ = nowMs();
+  watchdog_ = std::thread([this] { watch(); });
 }
 
 bool DeviceComm::drain() {
@@ -227,12 +301,16 @@ bool DeviceComm::drain() {
 
 namespace {
 
-// What a failed IPC communicator leaves while its streams may still run:
-// its device memory, the peers' mappings and the driver, with what the
-// reaper needs to keep releasing and to see the streams finish.
+// What a destroyed IPC communicator leaves: its device memory, the peers'
+// mappings (until its streams are done: a failed communicator's may still
+// run) and the driver, with what the reaper needs to keep releasing, to see
+// the streams finish and to see every peer unmap this rank's memory.
 struct IpcRemains final : DeviceRemains {
   std::unique_ptr<DeviceDriver> driver;
-  std::unique_ptr<IpcImportCache> imports;
+  std::unique_ptr<IpcImportCache> imports;  // null once the peers' memory is unmapped here
+  std::vector<std::unique_ptr<MapHold>> holds;
+  std::unique_ptr<MapBoard> board;  // null: no board, the memory goes when the streams are done
+  std::vector<int> tracked;         // the peers whose holds the board tracks
   std::vector<IpcRecord> records;
   void* block = nullptr;
   std::vector<void*> regions;                     // send/recv staging allocated here
@@ -242,30 +320,49 @@ struct IpcRemains final : DeviceRemains {
   uint64_t target = 0;
   const uint64_t* ownP2PDone = nullptr;  // and the send/recv programs'
   uint64_t p2pTarget = 0;
+  bool streamsDone = false;
+  std::vector<int> holding;  // who held the board at the last step (the warning)
 
-  // Releases once more; true once the streams are done.
+  // Releases once more until the streams are done, then unmaps the peers'
+  // memory here; true once no peer maps this rank's.
   bool step() override {
-    bool done = false;
-    try {
-      const int previous = driver->enter();
+    if (!streamsDone) {
       try {
-        done = driver->readFlag(ownDone) >= target && driver->readFlag(ownP2PDone) >= p2pTarget;
-        if (!done) driver->writeFlags(released.data(), released.size(), kReleasedFlag);
-      } catch (...) {
+        const int previous = driver->enter();
+        try {
+          streamsDone = driver->readFlag(ownDone) >= target && driver->readFlag(ownP2PDone) >= p2pTarget;
+          if (!streamsDone) driver->writeFlags(released.data(), released.size(), kReleasedFlag);
+        } catch (...) {
+          driver->leave(previous);
+          throw;
+        }
         driver->leave(previous);
-        throw;
+      } catch (const Error& e) {
+        LOOM_WARN("DEVICE", "rank %d: releasing a failed communicator's stream waits: %s", rank, e.what());
       }
-      driver->leave(previous);
-    } catch (const Error& e) {
-      LOOM_WARN("DEVICE", "rank %d: releasing a failed communicator's stream waits: %s", rank, e.what());
+      if (!streamsDone) return false;
     }
-    return done;
+    unmapPeers();
+    if (board) holding = board->holders(tracked);
+    return holding.empty();
   }
-  void free() override {
+  std::string waitingFor() const override {
+    if (!streamsDone) return "its streams to finish";
+    std::string who;
+    for (int r : holding) who += strf("%s%d", who.empty() ? "" : ", ", r);
+    return strf("rank%s %s to unmap it (to destroy %s communicator%s)", holding.size() > 1 ? "s" : "", who.c_str(),
+                holding.size() > 1 ? "their" : "its", holding.size() > 1 ? "s" : "");
+  }
+  void unmapPeers() {
+    if (!imports) return;
     for (int r = 0; r < int(records.size()); ++r)
       if (r != rank) imports->release(r, records[size_t(r)]);
     for (const auto& [r, rec] : mapped) imports->release(r, rec);
     imports.reset();
+    holds.clear();  // the peers may free what this rank mapped
+  }
+  void free() override {
+    unmapPeers();
     for (void* p : regions) {
       try {
         driver->release(p);
@@ -276,6 +373,7 @@ struct IpcRemains final : DeviceRemains {
       driver->release(block);
     } catch (const Error&) {  // nothing to tell from here
     }
+    board.reset();
     driver.reset();
   }
 };
@@ -305,8 +403,8 @@ class Reaper {
   }
   // Given up on: never freed (a stream may still touch it).
   void giveUp(std::unique_ptr<DeviceRemains> r) {
-    LOOM_WARN("DEVICE", "rank %d: the streams of a failed communicator did not finish; its device memory "
-              "stays allocated", r->rank);
+    LOOM_WARN("DEVICE", "rank %d: a destroyed communicator's device memory stays allocated: it waited for %s "
+              "in vain", r->rank, r->waitingFor().c_str());
     std::lock_guard<std::mutex> k(keptMu_);
     kept_.push_back(std::move(r));
   }
@@ -417,56 +515,49 @@ DeviceComm::~DeviceComm() {
     std::lock_guard<std::mutex> g(p2pMu_);
     closing_ = true;  // no region is made from here on
   }
-  std::vector<void*> regions;
-  std::vector<std::pair<int, IpcRecord>> mapped;
+  const bool running = failed() || drainTimeoutMs_ == 0;
+  if (!running) {
+    // The caller synchronised its own streams (as NCCL requires before
+    // ncclCommDestroy), but a peer may still be reading this rank's window
+    // for the last round: wait for it.
+    try {
+      if (!drain())
+        LOOM_WARN("DEVICE", "rank %d: peers did not finish reading this rank's window within %lld ms; freeing it "
+                  "once they unmapped it", rank_, (long long)drainTimeoutMs_);
+    } catch (const Error& e) {
+      LOOM_WARN("DEVICE", "rank %d: reading the peers' flags failed: %s", rank_, e.what());
+    }
+  }
+  // Failed or abandoned: never wait for the peers, but never free what a
+  // stream of this rank may still touch either.
+  leaveMemory(running);
+}
+
+void DeviceComm::leaveMemory(bool streamsMayRun) {
+  auto rest = std::make_unique<IpcRemains>();
+  rest->rank = rank_;
+  rest->records = records_;
+  rest->block = block_;
   for (void* p : out_)
-    if (p) regions.push_back(p);
+    if (p) rest->regions.push_back(p);
   for (int r = 0; r < nranks_; ++r)
-    if (in_[size_t(r)] && r != rank_) mapped.emplace_back(r, inRecords_[size_t(r)]);
-  if (failed() || drainTimeoutMs_ == 0) {
-    // Failed or abandoned: never wait for the peers, but never free what a
-    // stream of this rank may still touch either.
-    auto rest = std::make_unique<IpcRemains>();
-    rest->rank = rank_;
-    rest->driver = std::move(driver_);
-    rest->imports = std::move(imports_);
-    rest->records = records_;
-    rest->block = block_;
-    rest->regions = regions;
-    rest->mapped = mapped;
+    if (in_[size_t(r)] && r != rank_) rest->mapped.emplace_back(r, inRecords_[size_t(r)]);
+  rest->board = std::move(board_);
+  rest->tracked = tracked_;
+  rest->holds = std::move(holds_);
+  rest->imports = std::move(imports_);
+  rest->deadline = reapTimeoutMs_ <= 0 ? 0 : nowMs() + reapTimeoutMs_;
+  rest->streamsDone = !streamsMayRun;
+  if (streamsMayRun) {
     rest->released = released_;
     rest->ownDone = flags_[size_t(rank_)] + kFlagDone;
     rest->target = enqueued_.load();
     rest->ownP2PDone = flags_[size_t(rank_)] + kFlagP2PDone;
     rest->p2pTarget = p2pEnqueued_.load();
-    rest->deadline = reapTimeoutMs_ <= 0 ? 0 : nowMs() + reapTimeoutMs_;
-    reapDeviceRemains(std::move(rest));
-    return;
   }
-  // The caller synchronised its own streams (as NCCL requires before
-  // ncclCommDestroy), but a peer may still be reading this rank's window
-  // for the last round: wait for it before the block is freed.
-  try {
-    if (!drain())
-      LOOM_WARN("DEVICE", "rank %d: peers did not finish reading this rank's window within %lld ms; freeing it",
-                rank_, (long long)drainTimeoutMs_);
-  } catch (const Error& e) {
-    LOOM_WARN("DEVICE", "rank %d: reading the peers' flags failed: %s", rank_, e.what());
-  }
-  for (int r = 0; r < int(windows_.size()); ++r)
-    if (r != rank_) imports_->release(r, records_[size_t(r)]);
-  for (const auto& [r, rec] : mapped) imports_->release(r, rec);
-  imports_.reset();
-  for (void* p : regions) {
-    try {
-      driver_->release(p);
-    } catch (const Error&) {  // nothing to tell from a destructor
-    }
-  }
-  try {
-    driver_->release(block_);
-  } catch (const Error&) {  // nothing to tell from a destructor
-  }
+  // Freed now if no peer maps it any more, else once none does.
+  rest->driver = std::move(driver_);
+  reapDeviceRemains(std::move(rest));
 }
 
 bool DeviceComm::markFailed(loomResult_t code, const std::string& msg) {

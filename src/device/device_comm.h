@@ -15,7 +15,10 @@
 // through the communicator's init all-gather; every rank imports every
 // other's through an IpcImportCache, so the windows and flags of all ranks
 // are addressable here, and stream waits/writes (cuStreamWaitValue64 /
-// cuStreamWriteValue64) act on the flags directly in device memory.
+// cuStreamWriteValue64) act on the flags directly in device memory.  A
+// rank's memory is freed only once no peer maps it (map_board.h: each peer
+// holds a lock on the owner's board while it maps the owner's memory); a
+// destroy that finds a peer still holding leaves it to the reaper below.
 //
 // Flags are kept where they are read: row r of a rank's flag area holds
 // rank r's kFlagCount flags as this rank sees them, and a rank's SetFlag
@@ -65,6 +68,7 @@
 #include "algorithms/schedule.h"
 #include "src/core/error.h"
 #include "algorithms/stream_collectives.h"
+#include "src/device/map_board.h"
 #include "src/device/op_signature.h"
 #include "src/device/stream_program.h"
 
@@ -97,7 +101,7 @@ struct IpcRecord {
   uint64_t bytes = 0;               // the range's size
   uint64_t process = 0;             // owner's process token (equal: this process, no handle is opened)
   int32_t device = 0;               // owner's device ordinal
-  int32_t pad = 0;
+  uint32_t board = 0;               // a block's: the serial of the owner's map board (map_board.h); 0: none
 };
 
 // This process, as IpcRecord::process says it: random per process and mixed
@@ -244,8 +248,11 @@ struct DeviceCommOptions {
   // A failed communicator destroyed while its streams still run (a wait was
   // released but the caller's stream has not reached it) hands its device
   // memory to a reaper thread that keeps releasing and frees it once the
-  // streams are done; after this long it is left allocated (never freed
-  // under a running stream).
+  // streams are done; a communicator destroyed while a peer still maps its
+  // memory (the peer's communicator is not destroyed yet; map_board.h)
+  // hands it over too, to be freed once no peer maps it.  After this long
+  // it is left allocated (never freed under a running stream, nor while a
+  // peer maps it).
   int64_t reapTimeoutMs = 60000;
   // Send/recv: asks rank `peer` for its staging region for this rank (the
   // peer's p2pRegionFor(this rank)) and waits for the answer; throws Error
@@ -317,14 +324,18 @@ DeviceOpShape deviceOpShape(const OpDesc& op, int rank, int nranks);
 // device (else loomInvalidArgument naming the buffer).
 void checkDeviceOp(const DeviceDriver& driver, const OpDesc& op, int rank, int nranks);
 
-// What a failed communicator leaves while its streams may still use it: a
-// reaper thread calls step() (release the waits once more; true once the
-// streams are done) every millisecond, then free(); at `deadline` it gives
-// up and leaves the memory allocated (never freed under a running stream).
+// What a destroyed communicator leaves while its streams may still use it
+// (it failed) or a peer may still map it: a reaper thread calls step()
+// (release the waits once more; true once the streams are done and no peer
+// maps the memory) every millisecond, then free(); at `deadline` it gives
+// up and leaves the memory allocated (never freed under a running stream,
+// nor while a peer maps it).
 struct DeviceRemains {
   virtual ~DeviceRemains() = default;
   virtual bool step() = 0;
   virtual void free() = 0;
+  // What it still waits for, for the warning when the reaper gives up.
+  virtual std::string waitingFor() const { return "its streams to finish"; }
   int rank = 0;
   int64_t deadline = 0;
 };
@@ -409,6 +420,11 @@ class DeviceComm final : public DeviceCollectives {
   const IpcImportCache& imports() const { return *imports_; }
 
  private:
+  // Hands this rank's memory, the peers' mappings, the holds and the
+  // driver to the reaper (device_comm.cc's IpcRemains), which frees them at
+  // once if it can: once this rank's streams are done (streamsMayRun: it
+  // failed, they may still run), and its memory once no peer maps it.
+  void leaveMemory(bool streamsMayRun);
   // Waits until every peer's done flag shows it finished the last round
   // (so none reads this rank's window any more); false at the deadline.
   bool drain();
@@ -433,6 +449,13 @@ class DeviceComm final : public DeviceCollectives {
   int64_t drainTimeoutMs_;
   std::unique_ptr<DeviceDriver> driver_;
   std::unique_ptr<IpcImportCache> imports_;
+  // Who maps this rank's memory (null: no board could be made, and the
+  // memory is freed once the peers are done reading, as before boards);
+  // the peers whose holds it tracks; this rank's holds on the peers'
+  // boards, dropped once their memory is unmapped here (map_board.h).
+  std::unique_ptr<MapBoard> board_;
+  std::vector<int> tracked_;
+  std::vector<std::unique_ptr<MapHold>> holds_;
   void* block_ = nullptr;
   std::vector<IpcRecord> records_;  // every rank's block
   std::vector<uint8_t*> windows_;
@@ -496,9 +519,10 @@ class DeviceComm final : public DeviceCollectives {
   int64_t movedMs_ = 0, probedMs_ = 0;
 };
 
-// The reaper of failed communicators' device memory (options.reapTimeoutMs):
-// how many are waiting for their streams now, and a wait until none is
-// (tests: their simulated devices must outlive it).  True when none is left.
+// The reaper of destroyed communicators' device memory (options.reapTimeoutMs):
+// how many are waiting for their streams or their peers' unmapping now, and
+// a wait until none is (tests: their simulated devices must outlive it).
+// True when none is left.
 size_t deviceRemainsPending();
 bool waitDeviceRemains(int64_t timeoutMs);
 
