@@ -155,9 +155,9 @@ void SimRank::await(Ready ready, int peer, const char* what) {
     const uint64_t gen = world_.generation();
     if (ready()) return;
     if (world_.dead(rank_) || failed()) loom::fail(loomInternalError, "rank %d stopped", rank_);
-    if (world_.dead(peer))
+    if (world_.options().peerShortcuts && world_.dead(peer))
       loom::fail(loomRemoteError, "rank %d: rank %d died while this rank waited for %s", rank_, peer, what);
-    if (peer != rank_ && world_.rank(peer).failed())
+    if (world_.options().peerShortcuts && peer != rank_ && world_.rank(peer).failed())
       loom::fail(loomRemoteError, "rank %d: rank %d failed while this rank waited for %s: %s", rank_, peer,
                  what, world_.rank(peer).failure().c_str());
     if (loom::nowMs() - start > world_.options().deadlineMs)

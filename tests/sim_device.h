@@ -13,10 +13,13 @@
 // - Events follow CUDA: a wait waits for the last record enqueued before it.
 // - Reductions use the host device's arithmetic (reduce_ops.h), pairwise in
 //   source order, which is what the CUDA kernels compute too.
-// - kill(r) stops rank r's streams; a wait on a flag of a dead or failed rank
-//   fails with loomRemoteError, any other wait with loomTimeout after the
-//   deadline, so a lost peer is an error, never a hang.  A failed stream
-//   skips the rest of its rank's work.
+// - kill(r) stops rank r's streams.  A wait ends when its flag is written,
+//   as a GPU's does, so a failure test proves that the communicator's own
+//   release ended it; a wait still pending after the deadline fails with
+//   loomTimeout, so a test that would hang fails instead.  With
+//   peerShortcuts (the stream-program tests, which have no communicator) a
+//   wait on a flag of a dead or failed rank fails at once with
+//   loomRemoteError.  A failed stream skips the rest of its rank's work.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -36,6 +39,9 @@ namespace loomsim {
 
 struct SimDeviceOptions {
   int64_t deadlineMs = 20000;  // a stream wait fails with loomTimeout after this
+  // A wait on a flag of a dead or failed rank fails at once (loomRemoteError).
+  // Off by default: a GPU's stream wait ends only when the flag is written.
+  bool peerShortcuts = false;
   int pausePermille = 50;      // chance per op of a pause while holding the device
   int maxPauseUs = 200;
   uint64_t seed = 1;

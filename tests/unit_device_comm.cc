@@ -552,21 +552,39 @@ TEST_CASE("device communicator (simulated device): ranks with different slot siz
   CHECK(s.mem.openMappings() == 0);  // nothing left mapped
 }
 
-TEST_CASE("device communicator (simulated device): a dead rank makes the others fail within the deadline",
-          "[devcomm]") {
+TEST_CASE("device communicator (simulated device): a dead rank (its streams stopped, its control socket refusing) "
+          "is found by the others' watchdogs, which release their streams: they complete, and the communicators "
+          "fail naming it",
+          "[devcomm][abort]") {
+  // The simulated device's waits end only when their flag is written, as a
+  // GPU's: nothing but the communicator's release ends them.
   loomsim::SimDeviceOptions so;
-  so.deadlineMs = 3000;
+  so.deadlineMs = 120000;
+  so.peerShortcuts = false;
   loom::DeviceCommOptions opts;
   opts.slotBytes = 1024;
-  opts.drainTimeoutMs = 200;  // destroying waits this long for the dead rank
+  opts.drainTimeoutMs = 200;
+  opts.probeAfterMs = 50;
+  loomsim::SimDeviceWorld* world = nullptr;
+  opts.peerGone = [&world](int peer, std::string* why) {  // as the control plane answers for a dead process
+    if (!world || !world->dead(peer)) return false;
+    *why = "its control socket refuses";
+    return true;
+  };
   SimComms s(3, 1, opts, true, so);
+  world = &s.world;
   std::mt19937_64 rng(4);
   Prepared p = prepare(s, {Collective::AllReduce, loomFloat32, loomSum, 100, 0, false}, rng);
   s.world.kill(2);
   for (int r = 0; r < 2; ++r) issue(s, p, r);
   for (int r = 0; r < 2; ++r) {
     std::string msg;
-    CHECK(s.world.rank(r).synchronize(&msg) == loomRemoteError);
+    CHECK(s.world.rank(r).synchronize(&msg) == loomSuccess);  // released, not failed by the device
+    INFO(msg);
+    std::string why;
+    CHECK(s.comms[size_t(r)]->failure(&why) == loomRemoteError);
+    INFO(why);
+    CHECK(why.find("rank 2 is gone (its control socket refuses)") != std::string::npos);
   }
 }
 

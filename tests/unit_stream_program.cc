@@ -440,6 +440,7 @@ TEST_CASE("stream programs: a killed rank makes the others fail within the deadl
     for (bool dies : {true, false}) {
       loomsim::SimDeviceOptions o;
       o.deadlineMs = 1500;
+      o.peerShortcuts = true;  // the simulator's own failure path: no communicator releases here
       const int N = 4, victim = 2;
       const size_t slot = 1024, n = 5000;
       loomsim::SimDeviceWorld w(N, 1, loom::streamWindowBytes(slot), o);
