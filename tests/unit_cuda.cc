@@ -326,6 +326,7 @@ std::mutex g_drvMu;
 std::atomic<int> g_current{0};      // cudaGetDevice's answer
 std::atomic<int> g_failIpcOpen{0};  // cudaIpcOpenMemHandle's result
 std::atomic<uintptr_t> g_next{0x1000};
+std::vector<std::pair<void*, size_t>> g_blocks;  // cudaMalloc'd (zeroed) memory: the communicators' blocks
 void record(std::string call) {
   std::lock_guard<std::mutex> g(g_drvMu);
   g_drv.push_back(std::move(call));
@@ -376,6 +377,8 @@ const loom::CudaApi kDriverTable = {
     [](void** p, size_t n) {
       *p = calloc(1, n);
       record(loom::strf("malloc %zu", n));
+      std::lock_guard<std::mutex> g(g_drvMu);
+      g_blocks.emplace_back(*p, n);
       return 0;
     },
     [](void* p) {
@@ -468,8 +471,19 @@ TEST_CASE("CUDA communicator driver: its calls through the plug-in table (device
                                  static_cast<void*>(a.data()), size_t(1) << 20));
     CHECK(g_drv[2] == "setDevice 0");
     CHECK(g_current == 0);
+    g_drv.clear();
   }
+  // Destroy frees on the communicator's device, whatever the caller's (or
+  // the reaper thread's) current one is, and restores it.
   CHECK(countOf("free") == 1);
+  {
+    int lastSet = -1;
+    for (const std::string& call : g_drv) {
+      if (call.rfind("setDevice ", 0) == 0) lastSet = std::stoi(call.substr(10));
+      if (call == "free") CHECK(lastSet == 1);
+    }
+    CHECK(g_current == 0);
+  }
 
   // Two ranks of this process (threads): the large all-reduce uses a side
   // stream and two events, made on first use and reused; no IPC open is
@@ -500,10 +514,11 @@ TEST_CASE("CUDA communicator driver: its calls through the plug-in table (device
       };
     };
     // Nothing runs the recorded programs, so the peers' done flags never
-    // move: destroy must not wait for them.
-    // Nor may its reaper keep the memory: nothing will ever finish.
+    // move: destroy must not wait for them (it writes its done flags below,
+    // as the device would once they ran, so that the reaper frees them).
     loom::DeviceCommOptions o{loom::kDeviceSlotBytes, loom::kDeviceOneShotBytes, 7, 0};
     o.reapTimeoutMs = 0;
+    g_blocks.clear();
     std::thread t([&] {
       dc[1] = std::make_unique<loom::DeviceComm>(1, 2, loom::makeCudaDeviceDriver(kDriverTable, 1), gather(1), o);
     });
@@ -540,7 +555,15 @@ TEST_CASE("CUDA communicator driver: its calls through the plug-in table (device
     CHECK(countOf("malloc ") == 0);
     CHECK(dc[0]->memoryStats().regionsOut == 1);
     CHECK(dc[1]->memoryStats().regionsOut == 0);
+    // The programs "ran": every done flag of every row, in both blocks.
+    REQUIRE(g_blocks.size() == 2);
+    for (auto& [p, n] : g_blocks)
+      for (int r = 0; r < 2; ++r) {
+        auto* row = static_cast<uint64_t*>(p) + size_t(r) * loom::kFlagCount;
+        row[loom::kFlagDone] = row[loom::kFlagP2PDone] = uint64_t(1) << 40;
+      }
   }
+  CHECK(loom::waitDeviceRemains(10000));  // freed once neither maps the other's
   g_failIpcOpen = 0;
 
   // A CUDA error: loomUnhandledCudaError with CUDA's message and the device.

@@ -559,7 +559,7 @@ TEST_CASE("device communicator (simulated device): a dead rank (its streams stop
   // The simulated device's waits end only when their flag is written, as a
   // GPU's: nothing but the communicator's release ends them.
   loomsim::SimDeviceOptions so;
-  so.deadlineMs = 120000;
+  so.deadlineMs = 15000;  // far beyond the 50 ms probe: a wait still pending then was never released
   so.peerShortcuts = false;
   loom::DeviceCommOptions opts;
   opts.slotBytes = 1024;
@@ -588,9 +588,9 @@ TEST_CASE("device communicator (simulated device): a dead rank (its streams stop
   }
 }
 
-TEST_CASE("device communicator (simulated device): destroying a rank waits until the peers finished reading "
-          "its window",
-          "[devcomm]") {
+TEST_CASE("device communicator (simulated device): destroying a rank while a peer has yet to read its window "
+          "returns at once, and the window stays until the peer has read it and unmapped it",
+          "[devcomm][unmap]") {
   loom::DeviceCommOptions opts;
   opts.slotBytes = 1024;
   SimComms s(2, 2, opts);
@@ -612,17 +612,20 @@ TEST_CASE("device communicator (simulated device): destroying a rank waits until
   const loomResult_t rc0 = s.world.rank(0).synchronize(&msg);
   INFO(msg);
   REQUIRE(rc0 == loomSuccess);
-  std::atomic<bool> destroyed{false};
-  std::thread t([&] {
-    s.comms[0].reset();
-    destroyed.store(true);
-  });
+  const size_t frees = s.mem.frees();
+  const int64_t t0 = loom::nowMs();
+  s.comms[0].reset();
+  CHECK(loom::nowMs() - t0 < 5000);  // not the 10 s drain: rank 1 holds rank 0's board
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  CHECK(!destroyed.load());  // rank 1 has not read rank 0's window yet
+  CHECK(s.mem.frees() == frees);  // rank 1 has not read rank 0's window yet
   open.store(true);
-  t.join();
   REQUIRE(s.world.rank(1).synchronize(&msg) == loomSuccess);
-  CHECK(verify(p, 2).empty());
+  CHECK(verify(p, 2).empty());  // it read the window after rank 0's destroy
+  CHECK(s.mem.frees() == frees);  // and still maps it
+  s.comms[1].reset();
+  REQUIRE(loom::waitDeviceRemains(10000));
+  CHECK(s.mem.frees() == frees + 2);
+  CHECK(s.mem.freedWhileMapped() == 0);
 }
 
 TEST_CASE("device communicator (simulated device): a rank's device memory is freed only once no peer maps it, "
@@ -696,6 +699,24 @@ TEST_CASE("device communicator (simulated device): a rank's device memory is fre
   }
 }
 
+TEST_CASE("device communicator (simulated device): memory a peer still maps past reapTimeoutMs is kept and "
+          "still freed once the peer lets go, not given up on",
+          "[devcomm][unmap]") {
+  loom::DeviceCommOptions opts;
+  opts.slotBytes = 1024;
+  opts.reapTimeoutMs = 50;
+  SimComms s(2, 1, opts);
+  const size_t frees = s.mem.frees();
+  s.comms[0].reset();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // well past its deadline
+  CHECK(loom::deviceRemainsPending() == 1);  // still polled, not given up on
+  CHECK(s.mem.frees() == frees);
+  s.comms[1].reset();
+  REQUIRE(loom::waitDeviceRemains(10000));
+  CHECK(s.mem.frees() == frees + 2);
+  CHECK(s.mem.freedWhileMapped() == 0);
+}
+
 TEST_CASE("device communicator (simulated device): a rank that cannot map a peer's memory at init fails every "
           "rank's init, naming itself and CUDA's error, and leaves nothing allocated",
           "[devcomm][unmap]") {
@@ -711,7 +732,7 @@ TEST_CASE("device communicator (simulated device): a rank that cannot map a peer
     CHECK(!s.comms[size_t(r)]);
     const std::string& e = s.initErrors[size_t(r)];
     CHECK(e.find("cudaIpcOpenMemHandle failed") != std::string::npos);
-    if (r != 2) CHECK(e.find("rank 2 could not map its peers' device memory") != std::string::npos);
+    if (r != 2) CHECK(e.find("rank 2 could not set up its device window") != std::string::npos);
   }
   REQUIRE(loom::waitDeviceRemains(10000));
   CHECK(s.mem.live() == 0);

@@ -33,7 +33,13 @@ IpcImportCache::~IpcImportCache() {
 }
 
 void IpcImportCache::close(Entry& e) {
-  if (e.opened && e.mapped) driver_.closeHandle(e.mapped);
+  if (e.opened && e.mapped) {
+    try {
+      driver_.closeHandle(e.mapped);
+    } catch (const Error& err) {  // called from destructors: said, not thrown
+      LOOM_WARN("DEVICE", "%s", err.what());
+    }
+  }
   e.mapped = nullptr;
   e.opened = false;
 }
@@ -264,7 +270,7 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
     st.error[sizeof st.error - 1] = 0;
     if (st.error[0]) {
       undo();
-      fail(loomRemoteError, "rank %d could not map its peers' device memory: %s", r, st.error);
+      fail(loomRemoteError, "rank %d could not set up its device window: %s", r, st.error);
     }
     if (r != rank && board_) {
       if (theirs[sizeof st + size_t(rank)])
@@ -286,7 +292,9 @@ bool DeviceComm::drain() {
   if (round_ == 0 && !sent) return true;
   if (drainTimeoutMs_ == 0) return false;
   for (int r = 0; r < nranks_; ++r) {
-    if (r == rank_) continue;
+    // A peer that holds this rank's board keeps its memory allocated until
+    // it unmaps it, after its last read: no need to wait for it here.
+    if (r == rank_ || std::find(tracked_.begin(), tracked_.end(), r) != tracked_.end()) continue;
     // Round g's done value is g + 1: the last round is round_ - 1.  A
     // receiver has copied out every chunk sent to it when it acked them all.
     while (driver_->readFlag(flags_[size_t(r)] + kFlagDone) < round_ ||
@@ -353,16 +361,31 @@ struct IpcRemains final : DeviceRemains {
     return strf("rank%s %s to unmap it (to destroy %s communicator%s)", holding.size() > 1 ? "s" : "", who.c_str(),
                 holding.size() > 1 ? "their" : "its", holding.size() > 1 ? "s" : "");
   }
+  // On the communicator's device (the reaper thread's current one may be
+  // any): the closes, frees and the driver's stream destroys all need it.
   void unmapPeers() {
     if (!imports) return;
+    int previous = -1;
+    try {
+      previous = driver->enter();
+    } catch (const Error& e) {
+      LOOM_WARN("DEVICE", "rank %d: selecting the device to unmap the peers' memory: %s", rank, e.what());
+    }
     for (int r = 0; r < int(records.size()); ++r)
       if (r != rank) imports->release(r, records[size_t(r)]);
     for (const auto& [r, rec] : mapped) imports->release(r, rec);
     imports.reset();
+    driver->leave(previous);
     holds.clear();  // the peers may free what this rank mapped
   }
   void free() override {
     unmapPeers();
+    int previous = -1;
+    try {
+      previous = driver->enter();
+    } catch (const Error& e) {
+      LOOM_WARN("DEVICE", "rank %d: selecting the device to free its memory: %s", rank, e.what());
+    }
     for (void* p : regions) {
       try {
         driver->release(p);
@@ -373,8 +396,15 @@ struct IpcRemains final : DeviceRemains {
       driver->release(block);
     } catch (const Error&) {  // nothing to tell from here
     }
+    driver->leave(previous);
     board.reset();
     driver.reset();
+  }
+  // Once its streams are done it waits for the peers however long it takes
+  // (a peer may keep its communicator for hours); never given up on.
+  bool patient() const override { return streamsDone; }
+  void forget() override {
+    if (board) board->unlink();
   }
 };
 
@@ -391,13 +421,16 @@ class Reaper {
     // The process is exiting: what is left stays allocated (the device
     // goes with the process), reachable from here.
     static auto* kept = new std::vector<std::unique_ptr<DeviceRemains>>();
-    for (auto& r : list_) kept->push_back(std::move(r));
+    for (auto& r : list_) {
+      r->forget();
+      kept->push_back(std::move(r));
+    }
     std::lock_guard<std::mutex> k(keptMu_);
     for (auto& r : kept_) kept->push_back(std::move(r));
   }
   void add(std::unique_ptr<DeviceRemains> r) {
     std::lock_guard<std::mutex> g(mu_);
-    list_.push_back(std::move(r));
+    list_.push_back(std::move(r));  // kept (never freed) even if the thread cannot start
     if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
     cv_.notify_all();
   }
@@ -405,8 +438,16 @@ class Reaper {
   void giveUp(std::unique_ptr<DeviceRemains> r) {
     LOOM_WARN("DEVICE", "rank %d: a destroyed communicator's device memory stays allocated: it waited for %s "
               "in vain", r->rank, r->waitingFor().c_str());
+    r->forget();
     std::lock_guard<std::mutex> k(keptMu_);
     kept_.push_back(std::move(r));
+  }
+  // Past its deadline but patient: told once, then polled slowly.
+  static void overdue(DeviceRemains& r) {
+    if (r.warned) return;
+    r.warned = true;
+    LOOM_WARN("DEVICE", "rank %d: a destroyed communicator's device memory stays allocated until %s", r.rank,
+              r.waitingFor().c_str());
   }
   size_t pending() {
     std::lock_guard<std::mutex> g(mu_);
@@ -430,12 +471,21 @@ class Reaper {
       busy_ = work.size();
       g.unlock();
       std::vector<std::unique_ptr<DeviceRemains>> keep;
+      bool urgent = false;  // some stream may still need releasing: poll every millisecond
+      const int64_t now = nowMs();
       for (auto& r : work) {
-        if (r->step()) {
+        if (r->warned && now < r->nextPollMs) {
+          keep.push_back(std::move(r));
+        } else if (r->step()) {
           r->free();
-        } else if (nowMs() > r->deadline) {
+        } else if (nowMs() > r->deadline && !r->patient()) {
           giveUp(std::move(r));
         } else {
+          if (nowMs() > r->deadline) {
+            overdue(*r);
+            r->nextPollMs = nowMs() + 100;
+          }
+          urgent |= !r->warned;
           keep.push_back(std::move(r));
         }
       }
@@ -443,7 +493,7 @@ class Reaper {
       for (auto& r : keep) list_.push_back(std::move(r));
       busy_ = 0;
       cv_.notify_all();
-      if (!list_.empty()) cv_.wait_for(g, std::chrono::milliseconds(1), [&] { return stop_; });
+      if (!list_.empty()) cv_.wait_for(g, std::chrono::milliseconds(urgent ? 1 : 20), [&] { return stop_; });
     }
   }
 
@@ -467,12 +517,20 @@ Reaper& reaper() {
 size_t deviceRemainsPending() { return reaper().pending(); }
 
 void reapDeviceRemains(std::unique_ptr<DeviceRemains> r) {
-  if (r->step())
+  if (r->step()) {
     r->free();
-  else if (r->deadline <= nowMs())
+    return;
+  }
+  if (r->deadline <= nowMs() && !r->patient()) {
     reaper().giveUp(std::move(r));
-  else
+    return;
+  }
+  const int rank = r->rank;
+  try {
     reaper().add(std::move(r));
+  } catch (const std::exception& e) {  // no thread for the reaper: kept, never freed under a user
+    LOOM_WARN("DEVICE", "rank %d: cannot start the reaper thread: %s", rank, e.what());
+  }
 }
 
 IpcRecord DeviceCollectives::p2pRegionFor(int reader) {

@@ -336,8 +336,16 @@ struct DeviceRemains {
   virtual void free() = 0;
   // What it still waits for, for the warning when the reaper gives up.
   virtual std::string waitingFor() const { return "its streams to finish"; }
+  // Past the deadline it is kept and polled (slowly) instead of given up
+  // on: nothing of this rank's still runs on it, it waits for peers only.
+  virtual bool patient() const { return false; }
+  // Kept for good (given up on, or the process exits): names it owns in
+  // the file system go.
+  virtual void forget() {}
   int rank = 0;
   int64_t deadline = 0;
+  bool warned = false;    // the reaper's: told that it is overdue
+  int64_t nextPollMs = 0;  // the reaper's: an overdue one's next step
 };
 // Frees `r` now if its streams are done, else hands it to the reaper (or,
 // with a deadline already past, leaves it allocated with a warning).
@@ -425,8 +433,10 @@ class DeviceComm final : public DeviceCollectives {
   // once if it can: once this rank's streams are done (streamsMayRun: it
   // failed, they may still run), and its memory once no peer maps it.
   void leaveMemory(bool streamsMayRun);
-  // Waits until every peer's done flag shows it finished the last round
-  // (so none reads this rank's window any more); false at the deadline.
+  // Waits until the done flag of every peer that holds no lock on this
+  // rank's board (map_board.h) shows it finished the last round (so none
+  // reads this rank's window any more); false at the deadline.  Peers that
+  // hold one keep the memory allocated until they unmap it.
   bool drain();
   void watch();  // the watchdog thread
   void enterDevice();  // the driver's device, on the watchdog thread, from its first device call on

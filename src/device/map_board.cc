@@ -30,25 +30,24 @@ struct flock byteLock(short type, int byte) {
 
 }  // namespace
 
-std::string mapBoardDir() {
-  static const std::string dir = [] {
+bool mapBoardInTmp() {
+  static const bool tmp = [] {
     struct stat st;
-    if (stat("/dev/shm", &st) == 0 && S_ISDIR(st.st_mode) && access("/dev/shm", W_OK | X_OK) == 0)
-      return std::string("/dev/shm");
-    return std::string("/tmp");
+    return !(stat("/dev/shm", &st) == 0 && S_ISDIR(st.st_mode) && access("/dev/shm", W_OK | X_OK) == 0);
   }();
-  return dir;
+  return tmp;
 }
 
-std::string mapBoardPath(uint64_t process, uint32_t serial) {
-  return strf("%s/loom-maps-%016llx-%u", mapBoardDir().c_str(), (unsigned long long)process, serial);
+std::string mapBoardPath(uint64_t process, uint32_t id) {
+  return strf("%s/loom-maps-%016llx-%u", id & kMapBoardInTmp ? "/tmp" : "/dev/shm", (unsigned long long)process,
+              id & ~kMapBoardInTmp);
 }
 
 MapBoard::MapBoard(uint64_t process) {
   // A name left by a process killed inside init (tokens are random, but a
   // test's may repeat) is skipped, never reused: a peer may hold it.
   for (int tries = 0; fd_ < 0 && tries < 64; ++tries) {
-    serial_ = ++nextSerial;
+    serial_ = (++nextSerial & ~kMapBoardInTmp) | (mapBoardInTmp() ? kMapBoardInTmp : 0);
     path_ = mapBoardPath(process, serial_);
     fd_ = open(path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (fd_ < 0 && errno != EEXIST) break;
@@ -71,7 +70,9 @@ void MapBoard::unlink() {
 
 bool MapBoard::held(int peer) const {
   struct flock l = byteLock(F_WRLCK, peer);
-  if (fcntl(fd_, F_OFD_GETLK, &l) != 0) return true;
+  // No open-file-description locks here (EINVAL: a kernel before 3.15):
+  // no peer can have taken one either.  Any other failure: held.
+  if (fcntl(fd_, F_OFD_GETLK, &l) != 0) return errno != EINVAL;
   return l.l_type != F_UNLCK;
 }
 
@@ -82,8 +83,8 @@ std::vector<int> MapBoard::holders(const std::vector<int>& peers) const {
   return out;
 }
 
-MapHold::MapHold(uint64_t ownerProcess, uint32_t serial, int self) : self_(self) {
-  const std::string path = mapBoardPath(ownerProcess, serial);
+MapHold::MapHold(uint64_t ownerProcess, uint32_t id, int self) : self_(self), pid_(getpid()) {
+  const std::string path = mapBoardPath(ownerProcess, id);
   fd_ = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd_ < 0) fail(loomSystemError, "cannot open %s: %s", path.c_str(), strerror(errno));
   struct flock l = byteLock(F_RDLCK, self);
@@ -98,9 +99,12 @@ MapHold::MapHold(uint64_t ownerProcess, uint32_t serial, int self) : self_(self)
 MapHold::~MapHold() {
   if (fd_ < 0) return;
   // Unlocked first: a child forked since (a data loader's worker, say)
-  // shares this open file, and closing would leave the lock to it.
-  struct flock l = byteLock(F_UNLCK, self_);
-  fcntl(fd_, F_OFD_SETLK, &l);
+  // shares this open file, and closing would leave the lock to it.  A
+  // forked child closes its copy only: the lock is its parent's.
+  if (getpid() == pid_) {
+    struct flock l = byteLock(F_UNLCK, self_);
+    fcntl(fd_, F_OFD_SETLK, &l);
+  }
   close(fd_);
 }
 

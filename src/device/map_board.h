@@ -29,9 +29,13 @@
 
 namespace loom {
 
-// Where boards live: /dev/shm when it is a writable directory, else /tmp.
-std::string mapBoardDir();
-std::string mapBoardPath(uint64_t process, uint32_t serial);
+// Where boards live: /dev/shm when it is a writable directory, else /tmp
+// (the owner's choice: its board's id says which, so a peer that would
+// choose otherwise still finds it).
+constexpr uint32_t kMapBoardInTmp = 1u << 31;
+bool mapBoardInTmp();
+// A board's file: its owner's process token, its id (serial and directory bit).
+std::string mapBoardPath(uint64_t process, uint32_t id);
 
 // The owner's side.
 class MapBoard {
@@ -42,7 +46,7 @@ class MapBoard {
   ~MapBoard();
   MapBoard(const MapBoard&) = delete;
   MapBoard& operator=(const MapBoard&) = delete;
-  uint32_t serial() const { return serial_; }
+  uint32_t serial() const { return serial_; }  // the board's id (IpcRecord::board)
   const std::string& path() const { return path_; }
   // Removes the name (every peer has it open by now); idempotent.
   void unlink();
@@ -68,7 +72,7 @@ class MapHold {
  public:
   // Opens the owner's board and locks byte `self`.  Throws loomSystemError
   // naming the path when it cannot.
-  MapHold(uint64_t ownerProcess, uint32_t serial, int self);
+  MapHold(uint64_t ownerProcess, uint32_t id, int self);
   ~MapHold();
   MapHold(const MapHold&) = delete;
   MapHold& operator=(const MapHold&) = delete;
@@ -76,6 +80,7 @@ class MapHold {
  private:
   int fd_ = -1;
   int self_;
+  int pid_;  // the holder (a forked child's copy is not)
 };
 
 }  // namespace loom
