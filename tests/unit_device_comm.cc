@@ -2626,6 +2626,11 @@ TEST_CASE("CUDA communicator on the hierarchical path (simulated device): a fail
     // heard of it from rank 1's and names it in its own message; ranks 0
     // and 2 hear of it from rank 1 and rank 3, both naming rank 1).
     if (r == 0 || r == 2) CHECK(last.find("failed on rank 1") != std::string::npos);
+    // The communicator publishes its error, then fails its device side
+    // (failFirst): that follows within moments.
+    const int64_t until = loom::nowMs() + 10000;
+    while (!hierOf(comms[size_t(r)])->failed() && loom::nowMs() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     CHECK(hierOf(comms[size_t(r)])->failed());
   }
   destroyPromptly(comms);
