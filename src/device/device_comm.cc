@@ -361,16 +361,20 @@ struct IpcRemains final : DeviceRemains {
     return strf("rank%s %s to unmap it (to destroy %s communicator%s)", holding.size() > 1 ? "s" : "", who.c_str(),
                 holding.size() > 1 ? "their" : "its", holding.size() > 1 ? "s" : "");
   }
-  // On the communicator's device (the reaper thread's current one may be
-  // any): the closes, frees and the driver's stream destroys all need it.
+  // The communicator's device for the calls that follow (the reaper
+  // thread's current one may be any: closes, frees and the driver's stream
+  // destroys all need it); -1 if it could not be selected (said).
+  int enterQuietly(const char* what) {
+    try {
+      return driver->enter();
+    } catch (const Error& e) {
+      LOOM_WARN("DEVICE", "rank %d: selecting the device to %s: %s", rank, what, e.what());
+      return -1;
+    }
+  }
   void unmapPeers() {
     if (!imports) return;
-    int previous = -1;
-    try {
-      previous = driver->enter();
-    } catch (const Error& e) {
-      LOOM_WARN("DEVICE", "rank %d: selecting the device to unmap the peers' memory: %s", rank, e.what());
-    }
+    const int previous = enterQuietly("unmap the peers' memory");
     for (int r = 0; r < int(records.size()); ++r)
       if (r != rank) imports->release(r, records[size_t(r)]);
     for (const auto& [r, rec] : mapped) imports->release(r, rec);
@@ -380,12 +384,7 @@ struct IpcRemains final : DeviceRemains {
   }
   void free() override {
     unmapPeers();
-    int previous = -1;
-    try {
-      previous = driver->enter();
-    } catch (const Error& e) {
-      LOOM_WARN("DEVICE", "rank %d: selecting the device to free its memory: %s", rank, e.what());
-    }
+    const int previous = enterQuietly("free its memory");
     for (void* p : regions) {
       try {
         driver->release(p);
@@ -586,8 +585,8 @@ DeviceComm::~DeviceComm() {
       LOOM_WARN("DEVICE", "rank %d: reading the peers' flags failed: %s", rank_, e.what());
     }
   }
-  // Failed or abandoned: never wait for the peers, but never free what a
-  // stream of this rank may still touch either.
+  // Failed or abandoned (running): never waits for the peers, but never
+  // frees what a stream of this rank may still touch either.
   leaveMemory(running);
 }
 
