@@ -18,18 +18,10 @@
 #include <string>
 
 #include "include/loom.h"
+#include "tests/mp_common.h"
 #include "tests/proc_util.h"
 
 namespace {
-
-__attribute__((format(printf, 1, 2))) std::string strf_(const char* fmt, ...) {
-  char buf[512];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(buf, sizeof buf, fmt, ap);
-  va_end(ap);
-  return buf;
-}
 
 std::set<std::string> devShm() {
   std::set<std::string> names;
@@ -110,9 +102,9 @@ void killRank(const std::string& phase, const std::string& transports, int n, in
     CHECK(s.ms < timeoutMs + 3000);
     // Abort never waits for peers.
     CHECK(s.abortMs < 1000);
-    returned += strf_(" %d:%s", r, shortName(s.code));
-    times += strf_(" %.0f", s.ms);
-    aborts += strf_(" %.1f", s.abortMs);
+    returned += loomtest::strf(" %d:%s", r, shortName(s.code));
+    times += loomtest::strf(" %.0f", s.ms);
+    aborts += loomtest::strf(" %.1f", s.abortMs);
     worst = std::max(worst, s.ms);
     worstAbort = std::max(worstAbort, s.abortMs);
   }

@@ -6,13 +6,26 @@
 #pragma once
 #include <algorithm>
 #include <cmath>
+#include <cstdarg>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "loom.h"
 
 namespace loomtest {
+
+// printf into a std::string (messages of checks).
+__attribute__((format(printf, 1, 2))) inline std::string strf(const char* fmt, ...) {
+  char buf[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  return buf;
+}
 
 inline size_t typeSize(loomDataType_t t) {
   switch (t) {

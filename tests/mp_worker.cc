@@ -71,6 +71,7 @@
 //                          communicator, the cut side an error.  Writes DIR/rank<r>.
 #include <fcntl.h>
 #include <sched.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <dirent.h>
 #include <signal.h>
@@ -784,16 +785,88 @@ static void scenarioSplit(loomComm_t comm) {
   CHECK_LOOM(loomCommDestroy(half));
 }
 
-// Threads of this process (/proc/self/task entries).
-static int threadCount() {
+// Entries of a directory, less . and ..
+static int entriesOf(const char* dir) {
   int n = 0;
-  if (DIR* d = opendir("/proc/self/task")) {
+  if (DIR* d = opendir(dir)) {
     while (dirent* e = readdir(d))
       if (e->d_name[0] != '.') ++n;
     closedir(d);
   }
   return n;
 }
+
+// Open descriptors of this process, less the one that counts them.
+static int descriptorCount() { return entriesOf("/proc/self/fd") - 1; }
+
+// A communicator holds a few descriptors of its own, however many peers
+// share its host: what it needs of each peer process (a pidfd, a socket to
+// ring its bell) is shared by every communicator of this process.  Then,
+// with the descriptor limit lowered, making communicators until one fails:
+// the failure is an error on every rank (no hang), the ones made still
+// work, and destroying them all gives every descriptor back.
+static void scenarioDescriptors(loomComm_t comm, int perComm) {
+  const int kComms = 24;
+  std::vector<loomComm_t> subs;
+  auto exact = [&](loomComm_t c, const char* what) {
+    std::vector<int32_t> v(1027, gRank + 1);
+    CHECK_LOOM(loomAllReduce(v.data(), v.data(), v.size(), loomInt32, loomSum, c, nullptr));
+    CHECK_LOOM(loomStreamSynchronize(nullptr));
+    expect(v[1026] == gSize * (gSize + 1) / 2, what);
+  };
+  // One first, so that what the process keeps for good (the shared
+  // sockets, the peers' pidfds) is in the baseline.
+  loomComm_t first;
+  CHECK_LOOM(loomCommSplit(comm, 0, gRank, &first));
+  exact(first, "all-reduce on the first split");
+  const int before = descriptorCount();
+  for (int i = 0; i < kComms; ++i) {
+    loomComm_t c;
+    CHECK_LOOM(loomCommSplit(comm, 0, gRank, &c));
+    exact(c, "all-reduce on a split");
+    subs.push_back(c);
+  }
+  const int grown = descriptorCount() - before;
+  expect(grown <= kComms * perComm,
+         loomtest::strf("%d communicators of %d ranks hold %d descriptors (%.1f each; at most %d expected)", kComms, gSize,
+              grown, double(grown) / kComms, perComm));
+  if (gRank == 0) printf("%d ranks: %.1f descriptors per communicator\n", gSize, double(grown) / kComms);
+
+  // Out of descriptors: a little room, then more communicators than fit.
+  struct rlimit old;
+  getrlimit(RLIMIT_NOFILE, &old);
+  struct rlimit low = old;
+  low.rlim_cur = rlim_t(descriptorCount() + 3 + 10 * perComm);
+  setrlimit(RLIMIT_NOFILE, &low);
+  loomResult_t r = loomSuccess;
+  int made = 0;
+  for (int i = 0; i < 200 && r == loomSuccess; ++i) {
+    loomComm_t c = nullptr;
+    r = loomCommSplit(comm, 0, gRank, &c);
+    if (r == loomSuccess) {
+      subs.push_back(c);
+      ++made;
+    }
+  }
+  setrlimit(RLIMIT_NOFILE, &old);
+  const std::string why = loomGetLastError(nullptr);
+  expect(r == loomSystemError || r == loomRemoteError,
+         loomtest::strf("running out of descriptors after %d more communicators: %s (%s)", made, loomGetErrorString(r),
+              why.c_str()));
+  expect(why.find("Too many open files") != std::string::npos || why.find("rank") != std::string::npos,
+         "the error says why or names the rank that failed: " + why);
+  if (gRank == 0) printf("out of descriptors after %d more: %s\n", made, why.c_str());
+  for (loomComm_t c : subs) exact(c, "all-reduce on a split made before the failure");
+  exact(comm, "all-reduce on the parent after the failed split");
+  for (loomComm_t c : subs) CHECK_LOOM(loomCommDestroy(c));
+  CHECK_LOOM(loomCommDestroy(first));
+  // `first` was made before the baseline: its own descriptors go too.
+  const int after = descriptorCount();
+  expect(after <= before, loomtest::strf("after destroy: %d descriptors, %d before the splits", after, before));
+}
+
+// Threads of this process (/proc/self/task entries).
+static int threadCount() { return entriesOf("/proc/self/task"); }
 
 static double msSince(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
@@ -1840,6 +1913,7 @@ int main(int argc, char** argv) {
   else if (sc == "smallmismatch") scenarioSmallMismatch(comm, argc > 2 ? argv[2] : "count");
   else if (sc == "pullmix") scenarioPullMix(comm);
   else if (sc == "split") scenarioSplit(comm);
+  else if (sc == "descriptors") scenarioDescriptors(comm, argc > 2 ? atoi(argv[2]) : 4);
   else if (sc == "tagged") scenarioTagged(comm);
   else if (sc == "taggedtimeout") scenarioTaggedTimeout(comm);
   else if (sc == "taggednostash") scenarioTaggedNoStash(comm);

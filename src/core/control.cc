@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -155,9 +156,12 @@ Control::Control(int rank, int nranks, const uint8_t secret[16], const SockAddr&
   setNonBlocking(listenFd_, true);
   advertise_ = advertise;
   advertise_.setPort(localAddr(listenFd_).port());
-  if (pipe2(wakeFd_, O_CLOEXEC | O_NONBLOCK) != 0) {
+  wakeFd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);  // one descriptor, not a pipe's two
+  if (wakeFd_ < 0) {
+    int e = errno;
     close(listenFd_);
-    failErrno("pipe2");
+    errno = e;
+    failErrno("eventfd");
   }
 }
 
@@ -174,8 +178,7 @@ Control::~Control() {
   stop();
   for (auto& j : joins_) closeQuiet(j.first);
   closeQuiet(listenFd_);
-  closeQuiet(wakeFd_[0]);
-  closeQuiet(wakeFd_[1]);
+  closeQuiet(wakeFd_);
 }
 
 void Control::start(uint64_t commTag, std::vector<SockAddr> peers,
@@ -188,9 +191,9 @@ void Control::start(uint64_t commTag, std::vector<SockAddr> peers,
 }
 
 void Control::wake() {
-  char c = 1;
-  ssize_t w = write(wakeFd_[1], &c, 1);
-  (void)w;
+  uint64_t one = 1;
+  ssize_t w = write(wakeFd_, &one, sizeof one);
+  (void)w;  // EAGAIN only when the counter is full: it is readable already
 }
 
 void Control::broadcastAsync(const CtlMsg& m, const std::vector<bool>& to, int64_t deadlineMs,
@@ -439,7 +442,7 @@ void Control::loop() {
     for (const Out& o : outs)
       timeout = int(std::max<int64_t>(0, std::min<int64_t>(timeout, o.job->deadline - now)));
     pfds.clear();
-    pfds.push_back({wakeFd_[0], POLLIN, 0});
+    pfds.push_back({wakeFd_, POLLIN, 0});
     pfds.push_back({listenFd_, POLLIN, 0});
     for (const In& in : ins) pfds.push_back({in.fd, POLLIN, 0});
     for (const Out& o : outs) pfds.push_back({o.fd, short(o.state == 2 ? POLLIN : POLLOUT), 0});
@@ -451,9 +454,9 @@ void Control::loop() {
     }
     now = nowMs();
     if (pfds[0].revents) {
-      char drain[64];
-      while (read(wakeFd_[0], drain, sizeof drain) > 0) {
-      }
+      uint64_t count;
+      ssize_t r = read(wakeFd_, &count, sizeof count);  // resets the counter
+      (void)r;
     }
     // Incoming messages (the pfds entries match ins / outs as they were before this pass).
     std::vector<In> keptIns;

@@ -143,7 +143,7 @@ class Control {
   uint8_t secret_[16];
   std::atomic<uint64_t> commTag_{0};
   int listenFd_ = -1;
-  int wakeFd_[2] = {-1, -1};
+  int wakeFd_ = -1;  // eventfd: wake() makes it readable
   SockAddr advertise_;
   std::vector<SockAddr> peers_;
   std::function<void(const CtlMsg&)> onNotice_;

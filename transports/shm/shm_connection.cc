@@ -12,9 +12,9 @@ namespace {
 // only the slot and one counter.
 class ShmConnection : public Connection {
  public:
-  ShmConnection(ShmInbox* mine, ShmInbox* peers, int me, int peer, int channel, int peerPid,
-                int peerPidfd)
-      : peers_(peers), peer_(peer), peerPid_(peerPid), peerPidfd_(peerPidfd) {
+  ShmConnection(ShmInbox* mine, ShmInbox* peers, int me, int peer, int channel,
+                std::shared_ptr<const ProcessWatch> peerProcess)
+      : peers_(peers), peer_(peer), peerProcess_(std::move(peerProcess)) {
     out_ = peers->ring(me, channel);
     in_ = mine->ring(peer, channel);
     outSlot0_ = peers->slot(me, channel, 0);
@@ -64,7 +64,7 @@ class ShmConnection : public Connection {
 
   void checkPeer() override {
     try {
-      shmCheckPeer(peers_, peer_, peerPid_, peerPidfd_);
+      shmCheckPeer(peers_, peer_, peerProcess_.get());
     } catch (const Error&) {
       // A peer that finished its part may exit before we consumed the slots
       // it posted: it has failed us only once nothing of it is left to
@@ -80,8 +80,7 @@ class ShmConnection : public Connection {
  private:
   ShmInbox* peers_;
   int peer_;
-  int peerPid_;
-  int peerPidfd_;
+  std::shared_ptr<const ProcessWatch> peerProcess_;
   ShmRingCtl* out_;
   ShmRingCtl* in_;
   uint8_t* outSlot0_;
@@ -96,8 +95,8 @@ class ShmConnection : public Connection {
 }  // namespace
 
 std::unique_ptr<Connection> makeShmConnection(ShmInbox* mine, ShmInbox* peers, int me, int peer,
-                                              int channel, int peerPid, int peerPidfd) {
-  return std::make_unique<ShmConnection>(mine, peers, me, peer, channel, peerPid, peerPidfd);
+                                              int channel, std::shared_ptr<const ProcessWatch> peerProcess) {
+  return std::make_unique<ShmConnection>(mine, peers, me, peer, channel, std::move(peerProcess));
 }
 
 }  // namespace loom

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <climits>
 #include <cstring>
+#include <mutex>
 
 #include "src/core/error.h"
 #include "src/core/hot.h"
@@ -37,6 +38,7 @@ static socklen_t wakeAddress(const std::string& name, sockaddr_un* a) {
 std::unique_ptr<ShmInbox> ShmInbox::create(const ShmLayout& layout, const std::string& wakeName) {
   std::unique_ptr<ShmInbox> box(new ShmInbox());
   box->layout_ = layout;
+  box->owner_ = true;  // from here on: the destructor closes what create made
   box->fd_ = int(syscall(SYS_memfd_create, "loom-inbox", unsigned(MFD_CLOEXEC)));
   if (box->fd_ < 0) failErrno("memfd_create");
   box->wakeFd_ = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
@@ -59,7 +61,6 @@ std::unique_ptr<ShmInbox> ShmInbox::create(const ShmLayout& layout, const std::s
   h->sleeping.store(0);
   h->aborted.store(0);
   h->freeEpoch.store(0);
-  box->owner_ = true;
   hostMemWatchFrees(&h->freeEpoch);
   // The window needs no initialisation: a new memfd reads as zeros.
   for (uint32_t s = 0; s < layout.nranks; ++s)
@@ -67,6 +68,39 @@ std::unique_ptr<ShmInbox> ShmInbox::create(const ShmLayout& layout, const std::s
   std::atomic_thread_fence(std::memory_order_release);
   h->magic = kInboxMagic;
   return box;
+}
+
+// The socket every peer inbox of this process rings its owner's bell
+// through (sendto with the owner's address): one descriptor for the
+// process rather than one per peer per communicator, closed when the last
+// peer inbox goes.  -1 (and errno) if it cannot be made now.
+namespace {
+struct WakeSender {
+  std::mutex mu;
+  int fd = -1;
+  int users = 0;
+};
+WakeSender& wakeSender() {
+  static WakeSender* w = new WakeSender();  // never destroyed: inboxes may outlive static destruction
+  return *w;
+}
+}  // namespace
+
+static int acquireWakeSender() {
+  WakeSender& w = wakeSender();
+  std::lock_guard<std::mutex> lock(w.mu);
+  if (w.fd < 0) w.fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (w.fd >= 0) ++w.users;
+  return w.fd;
+}
+
+static void releaseWakeSender() {
+  WakeSender& w = wakeSender();
+  std::lock_guard<std::mutex> lock(w.mu);
+  if (--w.users == 0) {
+    close(w.fd);
+    w.fd = -1;
+  }
 }
 
 std::unique_ptr<ShmInbox> ShmInbox::map(int pid, int fd, const std::string& wakeName, const ShmLayout& layout,
@@ -79,19 +113,13 @@ std::unique_ptr<ShmInbox> ShmInbox::map(int pid, int fd, const std::string& wake
     return nullptr;
   }
   void* p = mmap(nullptr, layout.totalBytes(), PROT_READ | PROT_WRITE, MAP_SHARED, myfd, 0);
+  int e = errno;
+  close(myfd);  // the mapping keeps the memory
   if (p == MAP_FAILED) {
-    *why = strf("cannot map %s: %s", path, strerror(errno));
-    close(myfd);
+    *why = strf("cannot map %s: %s", path, strerror(e));
     return nullptr;
   }
   std::unique_ptr<ShmInbox> box(new ShmInbox());
-  box->fd_ = myfd;
-  box->wakeFd_ = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (box->wakeFd_ < 0) {
-    *why = strf("socket(AF_UNIX): %s", strerror(errno));
-    return nullptr;
-  }
-  box->wakeLen_ = wakeAddress(wakeName, &box->wakeAddr_);
   box->base_ = static_cast<uint8_t*>(p);
   box->layout_ = layout;
   const ShmInboxHeader* h = box->header();
@@ -99,14 +127,23 @@ std::unique_ptr<ShmInbox> ShmInbox::map(int pid, int fd, const std::string& wake
     *why = strf("inbox of pid %d has a different layout", pid);
     return nullptr;
   }
+  box->wakeFd_ = acquireWakeSender();
+  if (box->wakeFd_ < 0) {
+    *why = strf("socket(AF_UNIX): %s", strerror(errno));
+    return nullptr;
+  }
+  box->wakeLen_ = wakeAddress(wakeName, &box->wakeAddr_);
   return box;
 }
 
 ShmInbox::~ShmInbox() {
-  if (owner_) hostMemUnwatchFrees(&header()->freeEpoch);
+  if (owner_ && base_) hostMemUnwatchFrees(&header()->freeEpoch);  // harmless if never watched
   if (base_) munmap(base_, layout_.totalBytes());
   if (fd_ >= 0) close(fd_);
-  if (wakeFd_ >= 0) close(wakeFd_);
+  if (wakeFd_ >= 0) {
+    if (owner_) close(wakeFd_);
+    else releaseWakeSender();  // a peer's is shared
+  }
 }
 
 ShmRingCtl* ShmInbox::ring(int sender, int channel) const {
@@ -119,17 +156,10 @@ uint8_t* ShmInbox::slot(int sender, int channel, uint64_t index) const {
          size_t(index % layout_.slots) * layout_.slotStride();
 }
 
-void shmCheckPeer(const ShmInbox* box, int peer, int pid, int pidfd) {
+void shmCheckPeer(const ShmInbox* box, int peer, const ProcessWatch* process) {
   if (box->header()->aborted.load(std::memory_order_relaxed))
     failPeer(peer, loomRemoteError, "rank %d aborted its communicator", peer);
-  bool dead = false;
-  if (pidfd >= 0) {
-    pollfd p{pidfd, POLLIN, 0};
-    dead = poll(&p, 1, 0) > 0;
-  } else {
-    dead = kill(pid, 0) != 0 && errno == ESRCH;
-  }
-  if (dead) failPeer(peer, loomRemoteError, "rank %d (pid %d) died", peer, pid);
+  if (process && process->dead()) failPeer(peer, loomRemoteError, "rank %d (pid %d) died", peer, process->pid());
 }
 
 static long futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* ts) {

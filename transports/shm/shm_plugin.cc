@@ -5,14 +5,13 @@
 // a peer opens /proc/<pid>/fd/<fd>.  A pair uses shm only when both ends
 // mapped each other's inbox.
 #include <poll.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <cstring>
 
 #include "src/core/error.h"
 #include "src/core/hot.h"
 #include "src/core/log.h"
+#include "src/core/process_watch.h"
 #include "transports/shm/shm_transport.h"
 
 namespace loom {
@@ -26,11 +25,6 @@ struct ShmRecord {
 
 class ShmTransport : public Transport, public Doorbell, public PeerMemory {
  public:
-  ~ShmTransport() override {
-    for (int fd : pidfds_)
-      if (fd >= 0) close(fd);
-  }
-
   const char* name() const override { return "shm"; }
   bool mayReach(const TransportEnv& env, int peer) const override { return env.sameHost(peer); }
   size_t recordBytes() const override { return sizeof(ShmRecord); }
@@ -39,7 +33,7 @@ class ShmTransport : public Transport, public Doorbell, public PeerMemory {
     env_ = env;
     layout_ = ShmLayout{uint32_t(env.nranks), uint32_t(env.maxChannels), env.slots, env.slotBytes, env.windowBytes};
     peerInbox_.resize(size_t(env.nranks));
-    pidfds_.assign(size_t(env.nranks), -1);
+    watches_.assign(size_t(env.nranks), nullptr);
     ShmRecord rec{-1, 0};
     bool any = false;
     for (bool w : want) any |= w;
@@ -68,7 +62,7 @@ class ShmTransport : public Transport, public Doorbell, public PeerMemory {
       LOOM_WARN("SHM", "rank %d: no shared memory with rank %d (%s)", env_.rank, r, why->c_str());
       return false;
     }
-    pidfds_[size_t(r)] = int(syscall(SYS_pidfd_open, pid, 0));
+    watches_[size_t(r)] = ProcessWatch::of(pid);
     return true;
   }
 
@@ -76,8 +70,7 @@ class ShmTransport : public Transport, public Doorbell, public PeerMemory {
     for (size_t r = 0; r < chosen.size(); ++r)
       if (!chosen[r]) {
         peerInbox_[r].reset();
-        if (pidfds_[r] >= 0) close(pidfds_[r]);
-        pidfds_[r] = -1;
+        watches_[r].reset();
       }
     headers_.assign(peerInbox_.size(), nullptr);
     for (size_t r = 0; r < peerInbox_.size(); ++r)
@@ -86,7 +79,7 @@ class ShmTransport : public Transport, public Doorbell, public PeerMemory {
 
   std::unique_ptr<Connection> connect(int peer, int channel, int64_t, ConnectHost&) override {
     return makeShmConnection(inbox_.get(), peerInbox_[size_t(peer)].get(), env_.rank, peer, channel,
-                             env_.pid[size_t(peer)], pidfds_[size_t(peer)]);
+                             watches_[size_t(peer)]);
   }
 
   void abort() override {
@@ -143,7 +136,7 @@ class ShmTransport : public Transport, public Doorbell, public PeerMemory {
     }
   }
   void checkPeer(int r) const override {
-    if (r != env_.rank) shmCheckPeer(box(r), r, env_.pid[size_t(r)], pidfds_[size_t(r)]);
+    if (r != env_.rank) shmCheckPeer(box(r), r, watches_[size_t(r)].get());
   }
   // Memory from loomMemAlloc: peers map its memfd as they map inboxes.
   bool exportBuffer(const void* p, size_t bytes, PeerBuffer* out) const override {
@@ -168,7 +161,7 @@ class ShmTransport : public Transport, public Doorbell, public PeerMemory {
   std::unique_ptr<ShmInbox> inbox_;
   std::vector<std::unique_ptr<ShmInbox>> peerInbox_;
   std::vector<const ShmInboxHeader*> headers_;  // peerInbox_[r]'s header, or nullptr
-  std::vector<int> pidfds_;
+  std::vector<std::shared_ptr<const ProcessWatch>> watches_;  // the peers' processes (shared process-wide)
   mutable HostImportCache imports_;  // peers' loomMemAlloc buffers mapped here
 };
 

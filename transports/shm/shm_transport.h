@@ -20,6 +20,7 @@
 #include <memory>
 #include <string>
 
+#include "src/core/process_watch.h"
 #include "transports/transport.h"
 
 namespace loom {
@@ -70,6 +71,7 @@ class ShmInbox {
                                        std::string* why);
   ~ShmInbox();
 
+  // Owner side: the memfd's descriptor number, for peers to open.
   int fd() const { return fd_; }
   // Owner side: the socket to poll() for wake-ups.
   int wakeFd() const { return wakeFd_; }
@@ -91,8 +93,8 @@ class ShmInbox {
 
  private:
   ShmInbox() = default;
-  int fd_ = -1;
-  int wakeFd_ = -1;      // owner: bound socket; peer: unbound socket to send from
+  int fd_ = -1;          // owner: the memfd peers open; peer: -1 (closed once mapped)
+  int wakeFd_ = -1;      // owner: bound socket; peer: the process's shared socket to send from
   sockaddr_un wakeAddr_{};
   socklen_t wakeLen_ = 0;
   uint8_t* base_ = nullptr;
@@ -100,13 +102,14 @@ class ShmInbox {
   bool owner_ = false;
 };
 
-// Throws loomRemoteError if the peer owning `box` aborted or its process died.
-void shmCheckPeer(const ShmInbox* box, int peer, int pid, int pidfd);
+// Throws loomRemoteError if the peer owning `box` aborted or its process
+// (watched by `process`) died.
+void shmCheckPeer(const ShmInbox* box, int peer, const ProcessWatch* process);
 
 // Makes the Connection between me and peer on channel over shared memory.
-// peerPidfd (-1 if unavailable) lets checkPeer notice a dead peer.
+// peerProcess lets checkPeer notice a dead peer.
 std::unique_ptr<Connection> makeShmConnection(ShmInbox* mine, ShmInbox* peers, int me, int peer,
-                                              int channel, int peerPid, int peerPidfd);
+                                              int channel, std::shared_ptr<const ProcessWatch> peerProcess);
 
 // The plug-in (shm_plugin.cc): inboxes, their doorbell and their windows.
 std::unique_ptr<Transport> makeShmTransport();

@@ -17,6 +17,7 @@
 #include "src/core/config.h"
 #include "src/core/error.h"
 #include "src/core/log.h"
+#include "src/core/process_watch.h"
 #include "transports/ucx/ucx_transport.h"
 
 namespace loom {
@@ -459,7 +460,7 @@ class UcxConnection : public Connection, public DirectTransfer {
         slots_(uint64_t(slots)), stride_(sizeof(SlotTag) + slotBytes), peerPid_(peerPid), directMin_(directMin) {
     ep_ = w_->ep(peer);
     if (!w_->peerMode(peer)) {
-      if (peerPid_ > 0) pidfd_ = int(syscall(SYS_pidfd_open, peerPid_, 0));
+      if (peerPid_ > 0) peerProcess_ = ProcessWatch::of(peerPid_);
       else if (channel == 0)
         LOOM_WARN("NET", "rank %d: UCX reaches rank %d only through transports without peer-failure handling "
                   "and its process is not visible from here: if it dies, this rank sees only LOOM_TIMEOUT_MS "
@@ -502,7 +503,6 @@ class UcxConnection : public Connection, public DirectTransfer {
     do {
       ucp_worker_progress(w_->worker());
     } while (waiting() && nowMs() < deadline);
-    if (pidfd_ >= 0) close(pidfd_);
     if (r_->pending()) {
       w_->adopt(r_);
       return;
@@ -700,16 +700,7 @@ class UcxConnection : public Connection, public DirectTransfer {
   }
 
   void checkPeer() override {
-    if (pidfd_ >= 0 || (!w_->peerMode(peer_) && peerPid_ > 0)) {
-      bool dead;
-      if (pidfd_ >= 0) {
-        pollfd p{pidfd_, POLLIN, 0};
-        dead = poll(&p, 1, 0) > 0;
-      } else {
-        dead = kill(peerPid_, 0) != 0 && errno == ESRCH;
-      }
-      if (dead) w_->markDead(peer_);
-    }
+    if (peerProcess_ && peerProcess_->dead()) w_->markDead(peer_);
     if (w_->peerError(peer_) == UCS_OK) return;
     // Slots the peer delivered before it went away stay readable.
     const SlotOp& op = r_->recvOps[size_t(recvTail_ % slots_)];
@@ -787,7 +778,7 @@ class UcxConnection : public Connection, public DirectTransfer {
     if (s == UCS_OK) s = seen;
     for (const SlotOp& op : r_->sendOps)
       if (s == UCS_OK && !op.busy && op.status != UCS_OK) s = op.status;
-    if (w_->peerError(peer_) == UCS_ERR_ENDPOINT_TIMEOUT && pidfd_ >= 0)
+    if (w_->peerError(peer_) == UCS_ERR_ENDPOINT_TIMEOUT && peerProcess_ && peerProcess_->dead())
       loom::failPeer(peer_, loomRemoteError, "rank %d: rank %d (pid %d) died; its UCX connection (channel %d) failed while %s",
            rank_, peer_, peerPid_, channel_, doing);
     loom::failPeer(peer_, loomRemoteError, "rank %d: UCX connection to rank %d (channel %d) failed while %s: %s", rank_, peer_,
@@ -821,7 +812,7 @@ class UcxConnection : public Connection, public DirectTransfer {
   size_t directBytes_ = 0;      // the direct receive in progress (0: none, or reported done)
   size_t directSendBytes_ = 0;  // the direct send in progress (likewise)
   uint64_t seenEvents_ = 0;     // the worker's events at the last directMoved()
-  int pidfd_ = -1;  // watched when UCX cannot report the peer's failure
+  std::shared_ptr<const ProcessWatch> peerProcess_;  // watched when UCX cannot report the peer's failure
   ucp_ep_h ep_ = nullptr;
   Rings* r_ = nullptr;
   ucp_mem_h sendMemh_ = nullptr, recvMemh_ = nullptr;
