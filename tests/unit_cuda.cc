@@ -425,8 +425,8 @@ const loom::CudaApi kDriverTable = {
       record(loom::strf("mallocRaw %zu", n));
       return 0;
     },
-    [](void** p, size_t n) {  // pinned host memory: the staged path
-      *p = malloc(n);
+    [](void** p, size_t n) {  // pinned host memory: the staged path, flag reads
+      *p = calloc(1, n);  // memcpyAsync above copies nothing: what it "read" is 0
       record(loom::strf("hostAlloc %zu", n));
       return 0;
     },
@@ -581,4 +581,52 @@ TEST_CASE("CUDA communicator driver: its calls through the plug-in table (device
     }
   }
   g_failIpcOpen = 0;
+}
+
+TEST_CASE("CUDA communicator driver: flag reads land in one pinned buffer, grown when needed and freed with the "
+          "driver, and fall back to pageable memory without pinned memory",
+          "[cuda]") {
+  // The table above, with copies that copy (the flags are host memory
+  // here) and pinned memory that can be refused.
+  static std::atomic<bool> refusePinned{false};
+  loom::CudaApi api = kDriverTable;
+  api.memcpyAsync = [](void* d, const void* src, size_t n, void* s) {
+    record(loom::strf("memcpy %p %p <- %p %zu", s, d, src, n));
+    memcpy(d, src, n);
+    return 0;
+  };
+  api.hostAllocMapped = [](void** p, size_t n) {
+    if (refusePinned) return 2;  // cudaErrorMemoryAllocation
+    *p = calloc(1, n);
+    record(loom::strf("hostAlloc %zu", n));
+    return 0;
+  };
+  std::vector<uint64_t> flags(200);
+  for (size_t i = 0; i < flags.size(); ++i) flags[i] = 1000 + i * 7;
+  for (bool refuse : {false, true}) {
+    INFO((refuse ? "no pinned memory" : "pinned memory"));
+    refusePinned = refuse;
+    g_drv.clear();
+    {
+      auto drv = loom::makeCudaDeviceDriver(api, 1);
+      CHECK(drv->readFlag(&flags[5]) == 1035);
+      std::vector<uint64_t> out(flags.size(), 0);
+      drv->readFlags(flags.data(), 10, out.data());
+      for (size_t i = 0; i < 10; ++i) CHECK(out[i] == flags[i]);
+      CHECK(out[10] == 0);  // nothing past n
+      drv->readFlags(flags.data() + 3, flags.size() - 3, out.data());  // more than the first buffer holds
+      for (size_t i = 0; i + 3 < flags.size(); ++i) CHECK(out[i] == flags[i + 3]);
+      drv->readFlags(flags.data(), 0, out.data());  // nothing to read: no call
+      CHECK(countOf("streamCreate") == 1);  // one read stream for all of them
+      if (!refuse) {
+        CHECK(countOf("hostAlloc 512") == 1);  // 64 flags at first
+        CHECK(countOf("hostAlloc 1576") == 1);  // then 197
+        CHECK(countOf("hostFree") == 1);        // the outgrown one
+      } else {
+        CHECK(countOf("hostAlloc") == 0);
+      }
+    }
+    CHECK(countOf("hostFree") == (refuse ? 0u : 2u));  // the driver frees its buffer
+  }
+  refusePinned = false;
 }

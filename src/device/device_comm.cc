@@ -445,7 +445,7 @@ class Reaper {
   static void overdue(DeviceRemains& r) {
     if (r.warned) return;
     r.warned = true;
-    LOOM_WARN("DEVICE", "rank %d: a destroyed communicator's device memory stays allocated until %s", r.rank,
+    LOOM_WARN("DEVICE", "rank %d: a destroyed communicator's device memory stays allocated while it waits for %s", r.rank,
               r.waitingFor().c_str());
   }
   size_t pending() {
