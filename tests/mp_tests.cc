@@ -188,12 +188,13 @@ TEST_CASE("loomCommSplit makes working sub-communicators", "[mp]") {
 
 TEST_CASE("a communicator holds a few descriptors however many peers share its host, and running out is an error",
           "[mp][shm]") {
-  // Each communicator: its inbox's memfd and wake-up socket, its control
-  // listener and eventfd.  Before the peers' pidfds and bell sockets were
-  // shared per process: 3n + 2 with n ranks on the host.
+  // Each communicator: its inbox's memfd and wake-up socket, the socket it
+  // rings its peers' bells through, its control listener and eventfd.
+  // Before the peers' pidfds were shared per process and the peers' inbox
+  // descriptors closed once mapped: 3n + 2 with n ranks on the host.
   int n = GENERATE(2, 3, 6);
   INFO("nranks " << n);
-  CHECK(loomRun(kShm, n, "descriptors 4") == 0);
+  CHECK(loomRun(kShm, n, "descriptors 5") == 0);
 }
 
 TEST_CASE("ranks that call different collectives fail with an error instead of hanging", "[mp][fault]") {

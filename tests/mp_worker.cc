@@ -832,30 +832,34 @@ static void scenarioDescriptors(loomComm_t comm, int perComm) {
               grown, double(grown) / kComms, perComm));
   if (gRank == 0) printf("%d ranks: %.1f descriptors per communicator\n", gSize, double(grown) / kComms);
 
-  // Out of descriptors: a little room, then more communicators than fit.
+  // Out of descriptors: a little room, then more communicators than fit,
+  // with the limit at each place in a communicator's sequence of opens.
   struct rlimit old;
   getrlimit(RLIMIT_NOFILE, &old);
-  struct rlimit low = old;
-  low.rlim_cur = rlim_t(descriptorCount() + 3 + 10 * perComm);
-  setrlimit(RLIMIT_NOFILE, &low);
-  loomResult_t r = loomSuccess;
-  int made = 0;
-  for (int i = 0; i < 200 && r == loomSuccess; ++i) {
-    loomComm_t c = nullptr;
-    r = loomCommSplit(comm, 0, gRank, &c);
-    if (r == loomSuccess) {
-      subs.push_back(c);
-      ++made;
+  for (int slack = 0; slack < perComm; ++slack) {
+    struct rlimit low = old;
+    low.rlim_cur = rlim_t(descriptorCount() + 3 + slack + 2 * perComm);
+    setrlimit(RLIMIT_NOFILE, &low);
+    loomResult_t r = loomSuccess;
+    int made = 0;
+    for (int i = 0; i < 200 && r == loomSuccess; ++i) {
+      loomComm_t c = nullptr;
+      r = loomCommSplit(comm, 0, gRank, &c);
+      if (r == loomSuccess) {
+        subs.push_back(c);
+        ++made;
+      }
     }
+    setrlimit(RLIMIT_NOFILE, &old);
+    const std::string why = loomGetLastError(nullptr);
+    expect(r == loomSystemError || r == loomRemoteError,
+           loomtest::strf("running out of descriptors after %d more communicators: %s (%s)", made,
+                          loomGetErrorString(r), why.c_str()));
+    expect(why.find("Too many open files") != std::string::npos || why.find("rank") != std::string::npos,
+           "the error says why or names the rank that failed: " + why);
+    if (gRank == 0) printf("out of descriptors after %d more: %s\n", made, why.c_str());
+    exact(comm, "all-reduce on the parent after the failed split");
   }
-  setrlimit(RLIMIT_NOFILE, &old);
-  const std::string why = loomGetLastError(nullptr);
-  expect(r == loomSystemError || r == loomRemoteError,
-         loomtest::strf("running out of descriptors after %d more communicators: %s (%s)", made, loomGetErrorString(r),
-              why.c_str()));
-  expect(why.find("Too many open files") != std::string::npos || why.find("rank") != std::string::npos,
-         "the error says why or names the rank that failed: " + why);
-  if (gRank == 0) printf("out of descriptors after %d more: %s\n", made, why.c_str());
   for (loomComm_t c : subs) exact(c, "all-reduce on a split made before the failure");
   exact(comm, "all-reduce on the parent after the failed split");
   for (loomComm_t c : subs) CHECK_LOOM(loomCommDestroy(c));
@@ -1913,7 +1917,7 @@ int main(int argc, char** argv) {
   else if (sc == "smallmismatch") scenarioSmallMismatch(comm, argc > 2 ? argv[2] : "count");
   else if (sc == "pullmix") scenarioPullMix(comm);
   else if (sc == "split") scenarioSplit(comm);
-  else if (sc == "descriptors") scenarioDescriptors(comm, argc > 2 ? atoi(argv[2]) : 4);
+  else if (sc == "descriptors") scenarioDescriptors(comm, argc > 2 ? atoi(argv[2]) : 5);
   else if (sc == "tagged") scenarioTagged(comm);
   else if (sc == "taggedtimeout") scenarioTaggedTimeout(comm);
   else if (sc == "taggednostash") scenarioTaggedNoStash(comm);

@@ -12,7 +12,6 @@
 #include <cstddef>
 #include <climits>
 #include <cstring>
-#include <mutex>
 
 #include "src/core/error.h"
 #include "src/core/hot.h"
@@ -70,41 +69,8 @@ std::unique_ptr<ShmInbox> ShmInbox::create(const ShmLayout& layout, const std::s
   return box;
 }
 
-// The socket every peer inbox of this process rings its owner's bell
-// through (sendto with the owner's address): one descriptor for the
-// process rather than one per peer per communicator, closed when the last
-// peer inbox goes.  -1 (and errno) if it cannot be made now.
-namespace {
-struct WakeSender {
-  std::mutex mu;
-  int fd = -1;
-  int users = 0;
-};
-WakeSender& wakeSender() {
-  static WakeSender* w = new WakeSender();  // never destroyed: inboxes may outlive static destruction
-  return *w;
-}
-}  // namespace
-
-static int acquireWakeSender() {
-  WakeSender& w = wakeSender();
-  std::lock_guard<std::mutex> lock(w.mu);
-  if (w.fd < 0) w.fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (w.fd >= 0) ++w.users;
-  return w.fd;
-}
-
-static void releaseWakeSender() {
-  WakeSender& w = wakeSender();
-  std::lock_guard<std::mutex> lock(w.mu);
-  if (--w.users == 0) {
-    close(w.fd);
-    w.fd = -1;
-  }
-}
-
 std::unique_ptr<ShmInbox> ShmInbox::map(int pid, int fd, const std::string& wakeName, const ShmLayout& layout,
-                                        std::string* why) {
+                                        int bellFd, std::string* why) {
   char path[64];
   snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, fd);
   int myfd = open(path, O_RDWR | O_CLOEXEC);
@@ -127,11 +93,7 @@ std::unique_ptr<ShmInbox> ShmInbox::map(int pid, int fd, const std::string& wake
     *why = strf("inbox of pid %d has a different layout", pid);
     return nullptr;
   }
-  box->wakeFd_ = acquireWakeSender();
-  if (box->wakeFd_ < 0) {
-    *why = strf("socket(AF_UNIX): %s", strerror(errno));
-    return nullptr;
-  }
+  box->wakeFd_ = bellFd;
   box->wakeLen_ = wakeAddress(wakeName, &box->wakeAddr_);
   return box;
 }
@@ -140,10 +102,7 @@ ShmInbox::~ShmInbox() {
   if (owner_ && base_) hostMemUnwatchFrees(&header()->freeEpoch);  // harmless if never watched
   if (base_) munmap(base_, layout_.totalBytes());
   if (fd_ >= 0) close(fd_);
-  if (wakeFd_ >= 0) {
-    if (owner_) close(wakeFd_);
-    else releaseWakeSender();  // a peer's is shared
-  }
+  if (owner_ && wakeFd_ >= 0) close(wakeFd_);  // a peer's is its transport's bell socket
 }
 
 ShmRingCtl* ShmInbox::ring(int sender, int channel) const {

@@ -5,6 +5,8 @@
 // a peer opens /proc/<pid>/fd/<fd>.  A pair uses shm only when both ends
 // mapped each other's inbox.
 #include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cstring>
 
@@ -25,6 +27,11 @@ struct ShmRecord {
 
 class ShmTransport : public Transport, public Doorbell, public PeerMemory {
  public:
+  ~ShmTransport() override {
+    peerInbox_.clear();  // they ring through bellFd_
+    if (bellFd_ >= 0) close(bellFd_);
+  }
+
   const char* name() const override { return "shm"; }
   bool mayReach(const TransportEnv& env, int peer) const override { return env.sameHost(peer); }
   size_t recordBytes() const override { return sizeof(ShmRecord); }
@@ -40,6 +47,19 @@ class ShmTransport : public Transport, public Doorbell, public PeerMemory {
     if (any) {
       inbox_ = ShmInbox::create(layout_, wakeName(env.rank));
       rec.inboxFd = inbox_->fd();
+      // One socket to ring every peer's bell from.  Per communicator, not
+      // per process: the kernel charges each unread wake-up datagram to
+      // the socket that sent it, and a socket's send buffer holds only a
+      // few hundred, so one socket for every communicator could have one
+      // idle inbox's leftovers silence the bells of all the others.
+      bellFd_ = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+      if (bellFd_ < 0) failErrno("socket(AF_UNIX)");
+      // Room for every peer's queue of unread bells (net.unix.max_dgram_qlen,
+      // 10 by default, of about 768 bytes each) where the default send
+      // buffer (about 280 of them) is too small; the kernel caps it at
+      // net.core.wmem_max.
+      const int want = env.nranks * 16 * 1024;
+      if (want > 200 * 1024) setsockopt(bellFd_, SOL_SOCKET, SO_SNDBUF, &want, sizeof want);
     }
     memcpy(record, &rec, sizeof rec);
   }
@@ -57,7 +77,7 @@ class ShmTransport : public Transport, public Doorbell, public PeerMemory {
       return false;
     }
     int pid = env_.pid[size_t(r)];
-    peerInbox_[size_t(r)] = ShmInbox::map(pid, rec.inboxFd, wakeName(r), layout_, why);
+    peerInbox_[size_t(r)] = ShmInbox::map(pid, rec.inboxFd, wakeName(r), layout_, bellFd_, why);
     if (!peerInbox_[size_t(r)]) {
       LOOM_WARN("SHM", "rank %d: no shared memory with rank %d (%s)", env_.rank, r, why->c_str());
       return false;
@@ -101,6 +121,11 @@ class ShmTransport : public Transport, public Doorbell, public PeerMemory {
 
   // ---- Doorbell ----
   uint32_t begin(bool withFds) override {
+    // Bells rung while this rank was not about to poll are stale: the
+    // caller checks for work after begin() anyway.  Emptied before saying
+    // it sleeps, so that no bell rung for this sleep is lost, and so that
+    // leftovers do not pile up (each is charged to its sender's socket).
+    if (withFds) inbox_->drainWakeFd();
     ShmInboxHeader* h = inbox_->header();
     h->sleeping.store(withFds ? kSleepPoll : kSleepFutex, std::memory_order_relaxed);
     std::atomic_thread_fence(std::memory_order_seq_cst);
@@ -160,6 +185,7 @@ class ShmTransport : public Transport, public Doorbell, public PeerMemory {
   ShmLayout layout_;
   std::unique_ptr<ShmInbox> inbox_;
   std::vector<std::unique_ptr<ShmInbox>> peerInbox_;
+  int bellFd_ = -1;  // the peer inboxes' bell socket (this communicator's)
   std::vector<const ShmInboxHeader*> headers_;  // peerInbox_[r]'s header, or nullptr
   std::vector<std::shared_ptr<const ProcessWatch>> watches_;  // the peers' processes (shared process-wide)
   mutable HostImportCache imports_;  // peers' loomMemAlloc buffers mapped here

@@ -66,9 +66,12 @@ class ShmInbox {
   // abstract unix datagram address, unique per communicator and rank).
   static std::unique_ptr<ShmInbox> create(const ShmLayout& layout, const std::string& wakeName);
   // Maps the inbox of process `pid` (fd number `fd` there) whose wake-up
-  // socket is `wakeName`; returns nullptr and sets *why when impossible.
+  // socket is `wakeName`; its bell rings through `bellFd` (an unbound
+  // datagram socket the caller owns and keeps open while the inbox lives,
+  // shared by the peer inboxes of one communicator); returns nullptr and
+  // sets *why when impossible.
   static std::unique_ptr<ShmInbox> map(int pid, int fd, const std::string& wakeName, const ShmLayout& layout,
-                                       std::string* why);
+                                       int bellFd, std::string* why);
   ~ShmInbox();
 
   // Owner side: the memfd's descriptor number, for peers to open.
@@ -94,7 +97,7 @@ class ShmInbox {
  private:
   ShmInbox() = default;
   int fd_ = -1;          // owner: the memfd peers open; peer: -1 (closed once mapped)
-  int wakeFd_ = -1;      // owner: bound socket; peer: the process's shared socket to send from
+  int wakeFd_ = -1;      // owner: bound socket; peer: the transport's bell socket to send from
   sockaddr_un wakeAddr_{};
   socklen_t wakeLen_ = 0;
   uint8_t* base_ = nullptr;

@@ -2,7 +2,6 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/eventfd.h>
-#include <sys/syscall.h>
 #include <ucp/api/ucp.h>
 #include <ucs/debug/log_def.h>
 #include <unistd.h>
