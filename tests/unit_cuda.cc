@@ -583,8 +583,8 @@ TEST_CASE("CUDA communicator driver: its calls through the plug-in table (device
   g_failIpcOpen = 0;
 }
 
-TEST_CASE("CUDA communicator driver: flag reads land in one pinned buffer, grown when needed and freed with the "
-          "driver, and fall back to pageable memory without pinned memory",
+TEST_CASE("CUDA communicator driver: flag reads land in pinned memory made once at init, never allocated "
+          "while programs may run, and larger reads (or reads without pinned memory) go to pageable memory",
           "[cuda]") {
   // The table above, with copies that copy (the flags are host memory
   // here) and pinned memory that can be refused.
@@ -596,37 +596,52 @@ TEST_CASE("CUDA communicator driver: flag reads land in one pinned buffer, grown
     return 0;
   };
   api.hostAllocMapped = [](void** p, size_t n) {
+    record(loom::strf("hostAlloc %zu", n));
     if (refusePinned) return 2;  // cudaErrorMemoryAllocation
     *p = calloc(1, n);
-    record(loom::strf("hostAlloc %zu", n));
     return 0;
   };
   std::vector<uint64_t> flags(200);
   for (size_t i = 0; i < flags.size(); ++i) flags[i] = 1000 + i * 7;
-  for (bool refuse : {false, true}) {
-    INFO((refuse ? "no pinned memory" : "pinned memory"));
-    refusePinned = refuse;
+  auto readAll = [&](loom::DeviceDriver& drv) {
+    CHECK(drv.readFlag(&flags[5]) == 1035);
+    std::vector<uint64_t> out(flags.size(), 0);
+    drv.readFlags(flags.data(), 10, out.data());  // fits the prepared 64
+    for (size_t i = 0; i < 10; ++i) CHECK(out[i] == flags[i]);
+    CHECK(out[10] == 0);  // nothing past n
+    drv.readFlags(flags.data() + 3, flags.size() - 3, out.data());  // more than was prepared
+    for (size_t i = 0; i + 3 < flags.size(); ++i) CHECK(out[i] == flags[i + 3]);
+    drv.readFlags(flags.data(), 0, out.data());  // nothing to read: no call
+  };
+  for (int mode = 0; mode < 3; ++mode) {
+    const char* names[] = {"prepared", "prepared, pinned memory refused", "not prepared"};
+    INFO(names[mode]);
+    refusePinned = mode == 1;
     g_drv.clear();
     {
       auto drv = loom::makeCudaDeviceDriver(api, 1);
-      CHECK(drv->readFlag(&flags[5]) == 1035);
-      std::vector<uint64_t> out(flags.size(), 0);
-      drv->readFlags(flags.data(), 10, out.data());
-      for (size_t i = 0; i < 10; ++i) CHECK(out[i] == flags[i]);
-      CHECK(out[10] == 0);  // nothing past n
-      drv->readFlags(flags.data() + 3, flags.size() - 3, out.data());  // more than the first buffer holds
-      for (size_t i = 0; i + 3 < flags.size(); ++i) CHECK(out[i] == flags[i + 3]);
-      drv->readFlags(flags.data(), 0, out.data());  // nothing to read: no call
-      CHECK(countOf("streamCreate") == 1);  // one read stream for all of them
-      if (!refuse) {
-        CHECK(countOf("hostAlloc 512") == 1);  // 64 flags at first
-        CHECK(countOf("hostAlloc 1576") == 1);  // then 197
-        CHECK(countOf("hostFree") == 1);        // the outgrown one
-      } else {
-        CHECK(countOf("hostAlloc") == 0);
+      if (mode < 2) {
+        drv->prepareFlagReads(64);
+        drv->prepareFlagReads(64);  // once only
       }
+      const size_t allocs = countOf("hostAlloc");
+      CHECK(allocs == (mode < 2 ? 1u : 0u));
+      CHECK(countOf("hostAlloc 512") == allocs);
+      readAll(*drv);
+      CHECK(countOf("hostAlloc") == allocs);  // reads never allocate
+      CHECK(countOf("hostFree") == 0);
+      CHECK(countOf("streamCreate") == 1);  // one read stream for all of them
     }
-    CHECK(countOf("hostFree") == (refuse ? 0u : 2u));  // the driver frees its buffer
+    CHECK(countOf("hostFree") == (mode == 0 ? 1u : 0u));  // the driver frees its buffer
   }
   refusePinned = false;
+
+  // A communicator prepares its reads at init: the whole flag area.
+  g_drv.clear();
+  {
+    loom::DeviceComm dc(0, 1, loom::makeCudaDeviceDriver(kDriverTable, 1),
+                        [](const void* m, size_t b, void* all) { memcpy(all, m, b); });
+    CHECK(countOf(loom::strf("hostAlloc %zu", loom::kFlagCount * sizeof(uint64_t))) == 1);
+  }
+  CHECK(countOf("hostFree") == 1);
 }

@@ -1,7 +1,6 @@
 // CUDA's DeviceDriver (cuda_device_driver.h): one CUDA call per method.
 #include "src/device/cuda_device_driver.h"
 
-#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -92,24 +91,31 @@ class CudaDeviceDriver final : public DeviceDriver {
     readFlags(flag, 1, &v);
     return v;
   }
+  void prepareFlagReads(size_t n) override {
+    std::lock_guard<std::mutex> lock(readMu_);
+    if (!readStream_) check(api_.streamCreate(&readStream_), "cudaStreamCreateWithFlags");
+    if (readPrepared_ || n == 0) return;
+    readPrepared_ = true;
+    // Once: cudaHostAlloc may synchronise the device, so it is never
+    // retried or grown later, while streams may wait on peers.
+    void* p = nullptr;
+    if (api_.hostAllocMapped(&p, n * sizeof(uint64_t)) != 0) return;  // reads go to pageable memory
+    readBuf_ = static_cast<uint64_t*>(p);
+    readCap_ = n;
+  }
   void readFlags(const uint64_t* first, size_t n, uint64_t* out) override {
     if (n == 0) return;
     std::lock_guard<std::mutex> lock(readMu_);  // the watchdog, destroy's drain and the reaper may all read
     if (!readStream_) check(api_.streamCreate(&readStream_), "cudaStreamCreateWithFlags");
-    // Into pinned memory, so that the copy is one DMA the device does
-    // rather than one staged by the driver through a bounce buffer; then a
-    // synchronising read of the first flag, which orders after it on the
-    // stream (readValue64 synchronises the stream).
-    uint64_t* into = readBuffer(n);
-    if (!into) {  // no pinned memory: pageable (the copy is done when it returns)
-      check(api_.memcpyAsync(out, first, n * sizeof(uint64_t), readStream_), "cudaMemcpyAsync (flags)");
-      uint64_t v = 0;
-      check(api_.readValue64(first, &v, readStream_), "cudaMemcpyAsync (flag)");
-      return;
-    }
+    // Into pinned memory when prepared and large enough: one DMA the device
+    // does, rather than a copy the driver stages through a bounce buffer
+    // (pageable memory: the copy is done when the call returns).  Then a
+    // synchronising read of the first flag on the same stream, which
+    // orders after the copy.
+    uint64_t* into = n <= readCap_ ? readBuf_ : out;
     if (n > 1) check(api_.memcpyAsync(into + 1, first + 1, (n - 1) * sizeof(uint64_t), readStream_), "cudaMemcpyAsync (flags)");
     check(api_.readValue64(first, into, readStream_), "cudaMemcpyAsync (flag)");
-    memcpy(out, into, n * sizeof(uint64_t));
+    if (into != out) memcpy(out, into, n * sizeof(uint64_t));
   }
   void writeFlags(uint64_t* const* flags, size_t n, uint64_t value) override {
     // A non-blocking stream of its own: the writes wait for nothing the
@@ -125,27 +131,13 @@ class CudaDeviceDriver final : public DeviceDriver {
       fail(loomUnhandledCudaError, "cuda:%d: %s failed: %s (CUDA error %d)", device_, call, api_.errorString(rc), rc);
   }
 
-  // The pinned buffer flag reads land in, at least `n` flags long; nullptr
-  // if pinned memory cannot be had (then reads go to pageable memory).
-  uint64_t* readBuffer(size_t n) {
-    if (n <= readCap_) return readBuf_;
-    if (readBuf_) api_.hostFree(readBuf_);
-    readBuf_ = nullptr;
-    readCap_ = 0;
-    void* p = nullptr;
-    const size_t cap = std::max<size_t>(n, 64);
-    if (api_.hostAllocMapped(&p, cap * sizeof(uint64_t)) != 0) return nullptr;
-    readBuf_ = static_cast<uint64_t*>(p);
-    readCap_ = cap;
-    return readBuf_;
-  }
-
   const CudaApi& api_;
   int device_;
   std::mutex readMu_;
   void* readStream_ = nullptr;     // readFlags'
-  uint64_t* readBuf_ = nullptr;    // readFlags' pinned landing place
+  uint64_t* readBuf_ = nullptr;    // readFlags' pinned landing place (prepareFlagReads), readCap_ flags
   size_t readCap_ = 0;
+  bool readPrepared_ = false;
   void* releaseStream_ = nullptr;  // writeFlags'
   std::vector<void*> streams_;  // side streams (program streams 1..)
   std::vector<void*> events_;

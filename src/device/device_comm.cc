@@ -180,6 +180,7 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
   const size_t flagBytes = flagAreaBytes(nranks), blockBytes = flagBytes + streamWindowBytes(slotBytes_);
   blockBytes_ = blockBytes;
   block_ = driver_->allocate(blockBytes);
+  driver_->prepareFlagReads(size_t(nranks) * kFlagCount);  // the watchdog's read of the whole flag area
   // A failed init: this rank's part undone, its block freed once no peer
   // that may have mapped it maps it any more.
   auto undo = [&] {

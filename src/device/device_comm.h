@@ -153,6 +153,11 @@ class DeviceDriver {
   // returns without waiting for the device (it is how a failed
   // communicator releases its pending stream waits; see above).
   virtual void writeFlags(uint64_t* const* flags, size_t n, uint64_t value) = 0;
+  // Readies reads of up to `n` flags at once (CUDA: pinned memory for them
+  // to land in, which may synchronise the device): called at init, before
+  // any program, never while streams may wait on peers.  Larger reads, or
+  // reads without it, still work (CUDA: into pageable memory).
+  virtual void prepareFlagReads(size_t n) { (void)n; }
   // n consecutive flags from `first` (this rank's own device memory) into
   // out, read from the host.
   virtual void readFlags(const uint64_t* first, size_t n, uint64_t* out) {
