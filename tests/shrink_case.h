@@ -108,6 +108,15 @@ inline void shrinkCase(const std::string& mode, const std::string& transports, i
   }
   rmdir(dir.c_str());
   for (const std::string& name : shmNames()) {
+    // UCX's posix memory domain shm_open()s a segment and unlinks it right
+    // after opening it (its peers open it through /proc/<pid>/fd); a rank
+    // SIGKILLed between the two leaves UCX's name behind (seen once in a
+    // loaded run of the init case).  That is UCX's, not loom's.
+    if (name.rfind("ucx_shm_posix_", 0) == 0 && before.count(name) == 0) {
+      printf("shrink case %s: UCX left %s in /dev/shm (a rank killed inside UCX's create-then-unlink)\n",
+             mode.c_str(), name.c_str());
+      continue;
+    }
     INFO("left in /dev/shm: " << name);
     CHECK(before.count(name) == 1);
   }
