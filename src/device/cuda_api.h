@@ -41,7 +41,8 @@ struct CudaApi {
   // ---- a CUDA communicator's own resources (cuda_device_driver.cc) ----
   int (*getDevice)(int* device);  // cudaGetDevice
   int (*setDevice)(int device);   // cudaSetDevice
-  // cudaMalloc, then cudaMemset to zero and cudaDeviceSynchronize: the
+  // cudaMalloc, then zeroed on a stream of its own that is then
+  // synchronised (not the device: other streams may wait on peers): the
   // memory is zero before any peer can map it.
   int (*mallocZeroed)(void** ptr, size_t bytes);
   int (*freeMem)(void* ptr);  // cudaFree

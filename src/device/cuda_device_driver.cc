@@ -96,8 +96,8 @@ class CudaDeviceDriver final : public DeviceDriver {
     if (!readStream_) check(api_.streamCreate(&readStream_), "cudaStreamCreateWithFlags");
     if (readPrepared_ || n == 0) return;
     readPrepared_ = true;
-    // Once: cudaHostAlloc may synchronise the device, so it is never
-    // retried or grown later, while streams may wait on peers.
+    // Once, at init: never retried or grown by a read, which the watchdog
+    // makes while streams may wait on peers.
     void* p = nullptr;
     if (api_.hostAllocMapped(&p, n * sizeof(uint64_t)) != 0) return;  // reads go to pageable memory
     readBuf_ = static_cast<uint64_t*>(p);

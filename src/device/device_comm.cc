@@ -179,8 +179,10 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
   imports_ = std::make_unique<IpcImportCache>(*driver_, process);
   const size_t flagBytes = flagAreaBytes(nranks), blockBytes = flagBytes + streamWindowBytes(slotBytes_);
   blockBytes_ = blockBytes;
+  // The watchdog's reads of the whole flag area; first, so that a failure
+  // here leaves nothing to free but the driver's own.
+  driver_->prepareFlagReads(size_t(nranks) * kFlagCount);
   block_ = driver_->allocate(blockBytes);
-  driver_->prepareFlagReads(size_t(nranks) * kFlagCount);  // the watchdog's read of the whole flag area
   // A failed init: this rank's part undone, its block freed once no peer
   // that may have mapped it maps it any more.
   auto undo = [&] {

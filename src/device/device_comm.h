@@ -154,9 +154,12 @@ class DeviceDriver {
   // communicator releases its pending stream waits; see above).
   virtual void writeFlags(uint64_t* const* flags, size_t n, uint64_t value) = 0;
   // Readies reads of up to `n` flags at once (CUDA: pinned memory for them
-  // to land in, which may synchronise the device): called at init, before
-  // any program, never while streams may wait on peers.  Larger reads, or
-  // reads without it, still work (CUDA: into pageable memory).
+  // to land in): called once at init, next to the block's allocation and
+  // with the same risk, so that no read allocates (the watchdog reads while
+  // streams wait on peers and must never block in an allocation; freeing
+  // pinned memory synchronises the device and happens only when the driver
+  // goes, as cudaFree of the block does).  Larger reads, or reads without
+  // it, still work (CUDA: into pageable memory).
   virtual void prepareFlagReads(size_t n) { (void)n; }
   // n consecutive flags from `first` (this rank's own device memory) into
   // out, read from the host.

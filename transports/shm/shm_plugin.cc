@@ -54,12 +54,13 @@ class ShmTransport : public Transport, public Doorbell, public PeerMemory {
       // idle inbox's leftovers silence the bells of all the others.
       bellFd_ = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
       if (bellFd_ < 0) failErrno("socket(AF_UNIX)");
-      // Room for every peer's queue of unread bells (net.unix.max_dgram_qlen,
-      // 10 by default, of about 768 bytes each) where the default send
-      // buffer (about 280 of them) is too small; the kernel caps it at
-      // net.core.wmem_max.
-      const int want = env.nranks * 16 * 1024;
-      if (want > 200 * 1024) setsockopt(bellFd_, SOL_SOCKET, SO_SNDBUF, &want, sizeof want);
+      // Room for every peer's queue of unread bells (net.unix.max_dgram_qlen
+      // + 1 of them, 11 by default, about 768 bytes each) where the default
+      // send buffer (about 280 bells) is too small.  The kernel doubles the
+      // value and caps it at twice net.core.wmem_max (212992 by default:
+      // full queues of about 50 peers).
+      const int sndbuf = env.nranks * 8 * 1024;
+      if (sndbuf > 100 * 1024) setsockopt(bellFd_, SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof sndbuf);
     }
     memcpy(record, &rec, sizeof rec);
   }
