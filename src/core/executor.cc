@@ -177,7 +177,8 @@ class Runner {
       if (backoff.waited() / 1000000 > env_.timeoutMs()) timeout();
       fds_.clear();
       for (Connection* c : pollers_) c->addPollFds(fds_);
-      uint32_t token = env_.sleepBegin(!fds_.empty());
+      const bool withFds = !fds_.empty();
+      uint32_t token = env_.sleepBegin(withFds);
       if (pass()) {
         env_.sleepEnd();
         backoff.reset();
@@ -186,6 +187,13 @@ class Runner {
       if (!pollers_.empty()) {  // pass() may have changed what the sockets wait for
         fds_.clear();
         for (Connection* c : pollers_) c->addPollFds(fds_);
+      }
+      if (withFds != !fds_.empty()) {
+        // Peers ring this rank the way begin() announced (futex or wake-up
+        // socket), and sleepWait() would now wait the other way: a bell
+        // would go unheard for the whole 5 ms.  Look again instead.
+        env_.sleepEnd();
+        continue;
       }
       env_.sleepWait(token, fds_, doorbell_, 5000);
       env_.sleepEnd();

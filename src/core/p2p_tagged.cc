@@ -92,13 +92,18 @@ loomResult_t TaggedP2P::run(ExecEnv& env, TaggedHost& host, const std::vector<Op
       }
     };
     collect();
-    uint32_t token = env.sleepBegin(!fds.empty());
+    const bool withFds = !fds.empty();
+    uint32_t token = env.sleepBegin(withFds);
     if (pass(env, host)) {
       env.sleepEnd();
       backoff.reset();
       continue;
     }
     collect();
+    if (withFds != !fds.empty()) {  // a connection opened in pass(): see the executor's loop
+      env.sleepEnd();
+      continue;
+    }
     // A peer that has not opened its connection yet cannot wake us: 5 ms at most.
     env.sleepWait(token, fds, doorbell, 5000);
     env.sleepEnd();
