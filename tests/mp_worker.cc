@@ -852,7 +852,9 @@ static void scenarioDescriptors(loomComm_t comm, int perComm) {
     }
     setrlimit(RLIMIT_NOFILE, &old);
     const std::string why = loomGetLastError(nullptr);
-    expect(r == loomSystemError || r == loomRemoteError,
+    // loomTimeout: a joiner of a split whose root gave up finds its
+    // listener closed and stops retrying after 2 s.
+    expect(r == loomSystemError || r == loomRemoteError || r == loomTimeout,
            loomtest::strf("running out of descriptors after %d more communicators: %s (%s)", made,
                           loomGetErrorString(r), why.c_str()));
     expect(why.find("Too many open files") != std::string::npos || why.find("rank") != std::string::npos,

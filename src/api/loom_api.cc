@@ -709,8 +709,12 @@ loomResult_t loomCommSplit(loomComm_t comm, int color, int key, loomComm_t* newc
     if (r != loomSuccess) return r;
     if (newRank < 0) return loomSuccess;
     UniqueIdData id = decodeUniqueId(ids[size_t(members[0].second)]);
-    std::shared_ptr<loomComm> c =
-        loomComm::create(id, int(members.size()), newRank, nullptr, comm->deviceRequest());
+    // The new root listened before the ids went round (makeUniqueId), so a
+    // refused connection means it gave up (out of descriptors, say): a
+    // check, even one that checks nothing, makes the joiners stop retrying
+    // after 2 s instead of at the init timeout.
+    std::shared_ptr<loomComm> c = loomComm::create(id, int(members.size()), newRank,
+                                                   [](const std::vector<bool>&) {}, comm->deviceRequest());
     *newcomm = c.get();
     return loomSuccess;
   });

@@ -322,6 +322,10 @@ void Bootstrap::serve(const UniqueIdData& id, const BootCheck& check) {
         if (fd >= 0) {
           if (pending.size() >= 1024) drop(0, "too many pending connections");
           pending.push_back(Pending{fd, 0, nowMs() + 5000, {}});
+        } else if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+          // The connection stays in the backlog and poll() keeps saying so:
+          // waiting would spin until the timeout while the joiners wait too.
+          failErrno("bootstrap root: accept");
         }
       }
     }

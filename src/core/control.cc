@@ -573,7 +573,17 @@ void Control::loop() {
     if (pfds[1].revents & POLLIN) {
       for (;;) {
         int fd = accept4(listenFd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0 && (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)) {
+          // Out of descriptors: the connection stays in the backlog and
+          // poll() keeps saying so.  Do not spin on it: the peer's own
+          // deadline ends its wait, and this thread looks again later.
+          if (!acceptWarned_) LOOM_WARN("CTL", "rank %d: cannot accept a control connection: %s", rank_, strerror(errno));
+          acceptWarned_ = true;
+          usleep(20000);
+          break;
+        }
         if (fd < 0) break;
+        acceptWarned_ = false;
         setNoDelay(fd);
         if (ins.size() >= 1024) {
           close(fd);

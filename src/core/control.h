@@ -144,6 +144,7 @@ class Control {
   std::atomic<uint64_t> commTag_{0};
   int listenFd_ = -1;
   int wakeFd_ = -1;  // eventfd: wake() makes it readable
+  bool acceptWarned_ = false;  // the control thread's: out of descriptors, said once
   SockAddr advertise_;
   std::vector<SockAddr> peers_;
   std::function<void(const CtlMsg&)> onNotice_;
