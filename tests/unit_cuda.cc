@@ -595,10 +595,11 @@ TEST_CASE("CUDA communicator driver: flag reads land in pinned memory made once 
     memcpy(d, src, n);
     return 0;
   };
+  static void* pinned = nullptr;  // the last pinned buffer handed out
   api.hostAllocMapped = [](void** p, size_t n) {
     record(loom::strf("hostAlloc %zu", n));
     if (refusePinned) return 2;  // cudaErrorMemoryAllocation
-    *p = calloc(1, n);
+    *p = pinned = calloc(1, n);
     return 0;
   };
   std::vector<uint64_t> flags(200);
@@ -608,6 +609,15 @@ TEST_CASE("CUDA communicator driver: flag reads land in pinned memory made once 
     std::vector<uint64_t> out(flags.size(), 0);
     drv.readFlags(flags.data(), 10, out.data());  // fits the prepared 64
     for (size_t i = 0; i < 10; ++i) CHECK(out[i] == flags[i]);
+    // Where the copy landed: the pinned buffer when there is one, else the
+    // caller's (pageable) memory.
+    const bool intoPinned = pinned && countOf("hostAlloc") > 0 && !refusePinned;
+    const void* landed = intoPinned ? static_cast<uint64_t*>(pinned) + 1 : out.data() + 1;
+    const std::string copy = loom::strf(" %p <- %p %zu", landed, static_cast<const void*>(flags.data() + 1),
+                                        9 * sizeof(uint64_t));
+    size_t copies = 0;
+    for (const std::string& c : g_drv) copies += c.rfind("memcpy ", 0) == 0 && c.find(copy) != std::string::npos;
+    CHECK(copies == 1);
     CHECK(out[10] == 0);  // nothing past n
     drv.readFlags(flags.data() + 3, flags.size() - 3, out.data());  // more than was prepared
     for (size_t i = 0; i + 3 < flags.size(); ++i) CHECK(out[i] == flags[i + 3]);

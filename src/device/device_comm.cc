@@ -480,12 +480,12 @@ class Reaper {
           keep.push_back(std::move(r));
         } else if (r->step()) {
           r->free();
-        } else if (nowMs() > r->deadline && !r->patient()) {
+        } else if (const int64_t t = nowMs(); t > r->deadline && !r->patient()) {
           giveUp(std::move(r));
         } else {
-          if (nowMs() > r->deadline) {
+          if (t > r->deadline) {
             overdue(*r);
-            r->nextPollMs = nowMs() + 100;
+            r->nextPollMs = t + 100;
           }
           urgent |= !r->warned;
           keep.push_back(std::move(r));

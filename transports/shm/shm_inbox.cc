@@ -1,6 +1,4 @@
 #include <fcntl.h>
-#include <poll.h>
-#include <signal.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/stat.h>

@@ -1,5 +1,4 @@
 // UCX transport (see ucx_transport.h for the design).
-#include <signal.h>
 #include <stdlib.h>
 #include <sys/eventfd.h>
 #include <ucp/api/ucp.h>
