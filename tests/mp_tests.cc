@@ -248,6 +248,26 @@ TEST_CASE("8 ranks on 2 cores finish a 16 MiB all-reduce promptly (no pathologic
   CHECK(loomRun(kShm, 8, "matrix 4194304 7 0", 120) == 0);
 }
 
+TEST_CASE("loom-run hands rank 0 alone the bootstrap port, listening, and keeps no copy of it", "[mp][launch]") {
+  // Rank 0: LOOM_ROOT_FD is a socket, on LOOM_ROOT_ADDR's port; once rank 0
+  // closes it, nothing listens there (loom-run holds no copy, so ranks are
+  // refused rather than queued when rank 0 is gone).  Others: no LOOM_ROOT_FD.
+  const std::string script =
+      "set -e; port=${LOOM_ROOT_ADDR##*:}; "
+      "if [ \"$LOOM_RANK\" = 0 ]; then "
+      "  [ -S /proc/$$/fd/$LOOM_ROOT_FD ]; "
+      "  grep -q \":$(printf %04X $port) 00000000:0000 0A\" /proc/net/tcp; "
+      "  eval \"exec $LOOM_ROOT_FD>&-\"; "
+      "  for i in $(seq 50); do (exec 9<>/dev/tcp/127.0.0.1/$port) 2>/dev/null || exit 0; sleep 0.05; done; "
+      "  echo still listening; exit 1; "
+      "else [ -z \"${LOOM_ROOT_FD+x}\" ]; fi";
+  CHECK(loomtest::shell(loomtest::binDir() + "/loom-run -n 3 --timeout 60 -- bash -c '" + script + "'") == 0);
+  // A launcher-given root address is the user's: no descriptor then.
+  CHECK(loomtest::shell("LOOM_ROOT_ADDR=127.0.0.1:1 " + loomtest::binDir() +
+                        "/loom-run -n 2 --timeout 60 -- bash -c '[ -z \"${LOOM_ROOT_FD+x}\" ]'") == 0);
+  // And every mp test above starts its ranks this way.
+}
+
 TEST_CASE("loomCommInitFromEnv works under mpirun (OpenMPI)", "[mp][launch]") {
   if (loomtest::shell("command -v mpirun.openmpi >/dev/null") != 0) {
     WARN("mpirun.openmpi is not installed: this launch path was not tested");

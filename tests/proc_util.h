@@ -1,7 +1,11 @@
 // Starting ranks as real processes from a test: through loom-run, or by hand
 // (fault tests, where loom-run would stop the survivors of a killed rank).
 #pragma once
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -39,12 +43,32 @@ struct RankResult {
   int signal = 0;
 };
 
+// A socket listening on a free port of 127.0.0.1 (*port), or -1.
+inline int listenOnFreePort(int* port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || listen(fd, 512) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    if (fd >= 0) close(fd);
+    return -1;
+  }
+  *port = ntohs(a.sin_port);
+  return fd;
+}
+
 // Starts n ranks of mp-worker with loom-run's environment, without loom-run,
-// and waits for all of them (killing stragglers after timeoutSec).
+// and waits for all of them (killing stragglers after timeoutSec).  As
+// loom-run does, rank 0 inherits the bootstrap port already listening, so no
+// other test can take it first.
 inline std::vector<RankResult> spawnRanks(int n, const std::vector<std::string>& args,
                                           const std::vector<std::string>& env, int timeoutSec,
                                           bool* timedOut) {
-  int port = 20000 + int(getpid() % 20000);
+  int port = 0;
+  int rootFd = listenOnFreePort(&port);
+  if (rootFd < 0) port = 20000 + int(getpid() % 12000);  // rank 0 binds it itself
   std::vector<pid_t> pids;
   for (int r = 0; r < n; ++r) {
     pid_t pid = fork();
@@ -53,6 +77,11 @@ inline std::vector<RankResult> spawnRanks(int n, const std::vector<std::string>&
       setenv("LOOM_WORLD_SIZE", std::to_string(n).c_str(), 1);
       setenv("LOOM_ROOT_ADDR", ("127.0.0.1:" + std::to_string(port)).c_str(), 1);
       setenv("LOOM_SECRET", "0123456789abcdef0123456789abcdef", 1);
+      unsetenv("LOOM_ROOT_FD");
+      if (r == 0 && rootFd >= 0) {
+        fcntl(rootFd, F_SETFD, 0);
+        setenv("LOOM_ROOT_FD", std::to_string(rootFd).c_str(), 1);
+      }
       for (const std::string& e : env) putenv(strdup(e.c_str()));
       std::vector<char*> argv;
       std::string prog = binDir() + "/mp-worker";
@@ -62,6 +91,7 @@ inline std::vector<RankResult> spawnRanks(int n, const std::vector<std::string>&
       execv(prog.c_str(), argv.data());
       _exit(127);
     }
+    if (r == 0 && rootFd >= 0) close(rootFd);
     pids.push_back(pid);
   }
   std::vector<RankResult> res;

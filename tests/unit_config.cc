@@ -79,6 +79,7 @@ TEST_CASE("every default in config.cc's table is the value config() uses when th
       {"LOOM_WORLD_SIZE", [&] { return c.worldSize; }},
       {"LOOM_ROOT_ADDR", [&] { return c.rootAddr; }},
       {"LOOM_ROOT_PORT", [&] { return c.rootPort; }},
+      {"LOOM_ROOT_FD", [&] { return c.rootFd; }},
       {"LOOM_SECRET", [&] { return c.secret; }},
       // Set by loom-run for the program; loom itself does not read them.
       {"LOOM_LOCAL_RANK", [] { return std::string(); }},

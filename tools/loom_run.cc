@@ -51,6 +51,8 @@ const char kUsage[] =
     "  LOOM_LOCAL_SIZE  number of ranks in its host block\n"
     "  LOOM_HOST_ID     loomhost<k> (only with --hosts)\n"
     "  LOOM_ROOT_ADDR   127.0.0.1:<free port> (kept if already set)\n"
+    "  LOOM_ROOT_FD     rank 0 only: that port, already listening (unless\n"
+    "                   LOOM_ROOT_ADDR was set)\n"
     "  LOOM_SECRET      32 random hex digits (kept if already set)\n"
     "\n"
     "Rank output is forwarded line by line as \"[rank] line\"; stdin is /dev/null.\n"
@@ -157,45 +159,63 @@ bool parseInt(const char* s, long lo, long hi, long* out) {
   return true;
 }
 
-// Whether `port` on 127.0.0.1 can be bound now (0: any; *got the one bound).
-bool bindable(int port, int* got) {
+// A socket listening on 127.0.0.1 at `port` (0: any), or -1.
+int listenAt(int port) {
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return false;
+  if (fd < 0) return -1;
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   a.sin_port = htons(uint16_t(port));
-  socklen_t len = sizeof a;
-  bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
-            getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
-  if (ok) *got = ntohs(a.sin_port);
-  close(fd);
-  return ok;
+  // As loom's own listeners: the port stays ours while we listen (Linux lets
+  // nobody bind a listening port), and rank 0 can bind it again later.
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || listen(fd, 512) != 0) {
+    int e = errno;
+    close(fd);
+    errno = e;
+    return -1;
+  }
+  return fd;
 }
 
-// A free TCP port on 127.0.0.1 for rank 0 to bind.  The socket that found
-// it is closed again, so another process may take the port before rank 0
-// does.  The kernel's own pick (port 0) comes from the ephemeral range,
-// which every outgoing connection on the host also draws from (many of
-// them while tests run in parallel): a port below that range, tried at
-// random, is taken only by another listener choosing the same one.
-int freePort() {
+// The bootstrap port, listening, for rank 0 to inherit as LOOM_ROOT_FD: held
+// from here on, it cannot be taken by another process before rank 0 serves
+// it, and ranks that connect early wait in its backlog.  The kernel's own
+// pick (port 0) comes from the ephemeral range, where every outgoing
+// connection on the host also draws its port and a later listener on the same
+// host could not bind; so a port below that range, tried at random, first.
+int openRootListener(int* port) {
   int lo = 32768;
   if (FILE* f = fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
     int a = 0, b = 0;
     if (fscanf(f, "%d %d", &a, &b) == 2 && a > 0) lo = a;
     fclose(f);
   }
-  int got = -1;
   const int first = 10000, span = lo - first;
+  int fd = -1;
   if (span >= 1000) {
     unsigned seed = unsigned(getpid()) * 2654435761u ^ unsigned(time(nullptr));
-    for (int i = 0; i < 64; ++i) {
+    for (int i = 0; i < 64 && fd < 0; ++i) {
       seed = seed * 1103515245u + 12345u;
-      if (bindable(first + int((seed >> 8) % unsigned(span)), &got)) return got;
+      fd = listenAt(first + int((seed >> 8) % unsigned(span)));
     }
   }
-  return bindable(0, &got) ? got : -1;
+  if (fd < 0) fd = listenAt(0);
+  if (fd >= 0 && fd <= 2) {  // started with a standard stream closed: keep clear of 0..2
+    int moved = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+    close(fd);
+    fd = moved;
+  }
+  sockaddr_in a{};
+  socklen_t len = sizeof a;
+  if (fd >= 0 && getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    close(fd);
+    fd = -1;
+  }
+  if (fd >= 0) *port = ntohs(a.sin_port);
+  return fd;
 }
 
 // 16 random bytes as 32 hex digits: getrandom(), or /dev/urandom if unavailable.
@@ -385,12 +405,14 @@ int main(int argc, char** argv) {
 
   // ---- environment shared by all ranks ----------------------------------------
   std::string rootAddr, secret;
+  int rootFd = -1;  // the port we chose, listening, until rank 0 has it
   if (const char* e = getenv("LOOM_ROOT_ADDR"); e && *e) {
     rootAddr = e;
   } else {
-    int port = freePort();
-    if (port < 0) {
-      say("loom-run: cannot find a free TCP port on 127.0.0.1: %s", strerror(errno));
+    int port = 0;
+    rootFd = openRootListener(&port);
+    if (rootFd < 0) {
+      say("loom-run: cannot listen on a TCP port of 127.0.0.1: %s", strerror(errno));
       return 1;
     }
     rootAddr = "127.0.0.1:" + std::to_string(port);
@@ -454,6 +476,12 @@ int main(int argc, char** argv) {
       if (hostsGiven) setenv("LOOM_HOST_ID", ("loomhost" + std::to_string(host)).c_str(), 1);
       setenv("LOOM_ROOT_ADDR", rootAddr.c_str(), 1);
       setenv("LOOM_SECRET", secret.c_str(), 1);
+      if (rootFd >= 0) {  // only rank 0 has it: loom-run closes it once rank 0 is started
+        fcntl(rootFd, F_SETFD, 0);
+        setenv("LOOM_ROOT_FD", std::to_string(rootFd).c_str(), 1);
+      } else {
+        unsetenv("LOOM_ROOT_FD");
+      }
       execvp(argv[progIdx], argv + progIdx);
       dprintf(2, "loom-run: cannot run %s: %s\n", argv[progIdx], strerror(errno));
       _exit(127);
@@ -462,6 +490,12 @@ int main(int argc, char** argv) {
     // The write ends must close here, or we would never see EOF on them.
     close(out[1]);
     close(err[1]);
+    // Only rank 0 serves the port; were we to hold it too, ranks would queue
+    // on it after rank 0 died instead of being refused.
+    if (rootFd >= 0) {
+      close(rootFd);
+      rootFd = -1;
+    }
     if (pid < 0) {
       say("loom-run: cannot start rank %ld: fork: %s", r, strerror(forkErr));
       close(out[0]);

@@ -45,6 +45,41 @@ std::string readFirstLine(const char* path) {
   return line;
 }
 
+// loom-run hands rank 0 the bootstrap port already listening, as descriptor
+// LOOM_ROOT_FD, so that no other process can take the port between the
+// launcher's choice and rank 0's bind.  The first init from the environment
+// that serves that port takes it (a later one binds the port itself); a
+// descriptor that is not such a listener is left alone, with a warning.
+int inheritedListener(uint16_t port) {
+  static std::mutex mutex;
+  static std::string seen;  // the value already taken or refused
+  const char* e = getenv("LOOM_ROOT_FD");
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!e || !*e || seen == e) return -1;
+  seen = e;
+  char* end = nullptr;
+  long fd = strtol(e, &end, 10);
+  int listening = 0;
+  socklen_t len = sizeof listening;
+  SockAddr a;
+  a.len = sizeof a.ss;
+  bool ok = *end == 0 && fd > 2 && fd < (1l << 30) &&
+            getsockopt(int(fd), SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) == 0 && listening &&
+            getsockname(int(fd), reinterpret_cast<sockaddr*>(&a.ss), &a.len) == 0 && a.port() == port;
+  if (!ok) {
+    LOOM_WARN("BOOT", "LOOM_ROOT_FD=%s is not a socket listening on port %u; binding the port instead", e,
+              unsigned(port));
+    return -1;
+  }
+  fcntl(int(fd), F_SETFD, FD_CLOEXEC);
+  // Accepted connections inherit SO_REUSEADDR: without it, their TIME_WAIT
+  // would keep a later init in this process from binding the port again.
+  int one = 1;
+  setsockopt(int(fd), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  LOOM_INFO("BOOT", "bootstrap root: serving port %u on the descriptor loom-run opened (%ld)", unsigned(port), fd);
+  return int(fd);
+}
+
 std::string linkTarget(const char* path) {
   char buf[256];
   ssize_t n = readlink(path, buf, sizeof buf - 1);
@@ -225,6 +260,7 @@ void Bootstrap::serve(const UniqueIdData& id, const BootCheck& check) {
       gListeners.erase(it);
     }
   }
+  if (listenFd < 0) listenFd = inheritedListener(id.port);
   if (listenFd < 0) {
     // The id came from the environment: rank 0 opens the port named in it.
     SockAddr a = resolveAddr(id.host, id.port);

@@ -132,6 +132,9 @@ const std::vector<ConfigVar>& configTable() {
       {"LOOM_LOCAL_RANK", "int", "-", "rank within its host; set by loom-run for the program (loom does not read it)"},
       {"LOOM_LOCAL_SIZE", "int", "-", "ranks on its host; set by loom-run for the program (loom does not read it)"},
       {"LOOM_ROOT_ADDR", "host:port", "-", "bootstrap root for loomCommInitFromEnv"},
+      {"LOOM_ROOT_FD", "int", "-",
+       "set by loom-run for rank 0 only: a descriptor already listening on LOOM_ROOT_ADDR's port, which the first "
+       "loomCommInitFromEnv serves (so no other process can take the port first); not for users to set"},
       {"LOOM_ROOT_PORT", "int", "(MASTER_PORT+1)",
        "bootstrap port under torchrun/mpirun/srun when LOOM_ROOT_ADDR is unset"},
       {"LOOM_SECRET", "32 hex", "(derived from job id)",
@@ -229,6 +232,7 @@ static Config readConfig() {
   c.worldSize = envStr("LOOM_WORLD_SIZE");
   c.rootAddr = envStr("LOOM_ROOT_ADDR");
   c.rootPort = envStr("LOOM_ROOT_PORT");
+  c.rootFd = envStr("LOOM_ROOT_FD");
   c.secret = envStr("LOOM_SECRET");
   return c;
 }

@@ -59,6 +59,7 @@ struct Config {
   std::string worldSize;      // LOOM_WORLD_SIZE
   std::string rootAddr;       // LOOM_ROOT_ADDR
   std::string rootPort;       // LOOM_ROOT_PORT
+  std::string rootFd;         // LOOM_ROOT_FD (read by the bootstrap itself, once)
   std::string secret;         // LOOM_SECRET
 };
 
