@@ -262,17 +262,32 @@ NCCL_SHIM_API(ncclResult_t, ncclCommSplit, ncclComm_t comm, int color, int key, 
   return wrap(loom, newcomm, "ncclCommSplit");
 }
 
-// The ranks that remain would call it without the excluded ones, but loom's
-// split needs every rank of the communicator.
+// loomCommShrink has NCCL's contract: the ranks that remain call it with the
+// same list, the excluded ones need not call.  It also leaves out ranks it
+// finds dead (NCCL would wait for them), so the new communicator may be
+// smaller than the list says: ncclCommCount tells.
 NCCL_SHIM_API(ncclResult_t, ncclCommShrink, ncclComm_t comm, int* excludeRanksList, int excludeRanksCount,
               ncclComm_t* newcomm, ncclConfig_t* config, int shrinkFlags) {
   ensureEnv();
-  (void)comm, (void)excludeRanksList, (void)newcomm, (void)config, (void)shrinkFlags;
-  return fail(
-      ncclInvalidUsage,
-      "ncclCommShrink (%d ranks excluded): loom cannot build a communicator without the excluded ranks "
-      "taking part; abort the communicator and make a new one with ncclCommInitRank",
-      excludeRanksCount);
+  if (ncclResult_t r = checkComm("ncclCommShrink", comm, /*revokedOk=*/true)) return r;
+  if (!newcomm) return fail(ncclInvalidArgument, "ncclCommShrink: newcomm is NULL");
+  *newcomm = nullptr;
+  if (ncclResult_t r = checkConfig("ncclCommShrink", config)) return r;
+  if (shrinkFlags != NCCL_SHRINK_DEFAULT && shrinkFlags != NCCL_SHRINK_ABORT)
+    return fail(ncclInvalidArgument,
+                "ncclCommShrink: shrinkFlags %d is neither NCCL_SHRINK_DEFAULT (0) nor NCCL_SHRINK_ABORT (1)",
+                shrinkFlags);
+  if (excludeRanksCount < 0 || (excludeRanksCount > 0 && !excludeRanksList))
+    return fail(ncclInvalidArgument, "ncclCommShrink: excludeRanksList %p with excludeRanksCount %d",
+                static_cast<void*>(excludeRanksList), excludeRanksCount);
+  // NCCL_SHRINK_ABORT: the parent's operations in flight end first (they
+  // fail), here and, through loom's revoke, on the peers.
+  if (shrinkFlags == NCCL_SHRINK_ABORT && !comm->revoked.exchange(true)) loomCommRevoke(comm->loom);
+  loomComm_t loom = nullptr;
+  loomResult_t r = loomCommShrink(comm->loom, excludeRanksList, excludeRanksCount, &loom);
+  if (r != loomSuccess) return fromLoom(r, "ncclCommShrink");
+  if (!loom) return ncclSuccess;  // this rank is excluded
+  return wrap(loom, newcomm, "ncclCommShrink");
 }
 
 // A host communicator's operations complete before their call returns, so
@@ -286,13 +301,25 @@ NCCL_SHIM_API(ncclResult_t, ncclCommFinalize, ncclComm_t comm) {
   return ncclSuccess;
 }
 
+// loomCommRevoke: the communicator's operations in flight and later ones
+// fail (within milliseconds, on the peers too, which loom tells), and it
+// stays valid for ncclCommShrink, destroy and abort.  loom's revoke does not
+// block, and those three deal with whatever is still in flight (a CUDA
+// communicator's stream work is released, then drained), so the
+// communicator counts as quiescent at once: ncclCommGetAsyncError says
+// ncclSuccess from then on (NCCL's ncclInProgress-then-ncclSuccess, without
+// the ncclInProgress).
 NCCL_SHIM_API(ncclResult_t, ncclCommRevoke, ncclComm_t comm, int revokeFlags) {
   ensureEnv();
-  (void)comm;
-  return fail(ncclInvalidUsage,
-              "ncclCommRevoke(flags %d): loom cannot stop a communicator's operations and keep it; use "
-              "ncclCommAbort",
-              revokeFlags);
+  if (ncclResult_t r = checkComm("ncclCommRevoke", comm, /*revokedOk=*/true)) return r;
+  if (revokeFlags != NCCL_REVOKE_DEFAULT)
+    return fail(ncclInvalidArgument, "ncclCommRevoke: revokeFlags %d must be NCCL_REVOKE_DEFAULT (0)",
+                revokeFlags);
+  if (!comm->revoked.exchange(true)) {
+    loomResult_t r = loomCommRevoke(comm->loom);
+    if (r != loomSuccess) return fromLoom(r, "ncclCommRevoke");
+  }
+  return ncclSuccess;
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclCommDestroy, ncclComm_t comm) {
@@ -314,6 +341,10 @@ NCCL_SHIM_API(ncclResult_t, ncclCommAbort, ncclComm_t comm) {
 NCCL_SHIM_API(ncclResult_t, ncclCommGetAsyncError, ncclComm_t comm, ncclResult_t* asyncError) {
   ensureEnv();
   if (!comm || !asyncError) return fail(ncclInvalidArgument, "ncclCommGetAsyncError: NULL argument");
+  if (comm->revoked) {  // revoked here: quiescent (see ncclCommRevoke)
+    *asyncError = ncclSuccess;
+    return ncclSuccess;
+  }
   loomResult_t e = loomSuccess;
   loomResult_t r = loomCommGetAsyncError(comm->loom, &e);
   if (r != loomSuccess) return fromLoom(r, "ncclCommGetAsyncError");

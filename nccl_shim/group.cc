@@ -163,8 +163,13 @@ ncclResult_t enqueue(PendingOp op) {
 
 void enqueueInit(PendingInit init) { tlsGroup.inits.push_back(init); }
 
-ncclResult_t checkComm(const char* call, ncclComm_t comm) {
+ncclResult_t checkComm(const char* call, ncclComm_t comm, bool revokedOk) {
   if (!comm) return fail(ncclInvalidArgument, "%s: comm is NULL", call);
+  if (comm->revoked && !revokedOk)
+    return fail(ncclInvalidUsage,
+                "%s: the communicator was revoked (ncclCommRevoke or ncclCommShrink with NCCL_SHRINK_ABORT); "
+                "shrink, destroy or abort it",
+                call);
   if (comm->finalized)
     return fail(ncclInvalidUsage, "%s: the communicator was finalized (ncclCommFinalize); only destroy it",
                 call);

@@ -5,6 +5,7 @@
 
 #include <nccl.h>
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -29,6 +30,7 @@ struct ncclComm {
   bool cuda() const { return cudaDevice >= 0; }
   std::string loomDevice;  // LOOM_DEVICE when it was made, for messages
   bool finalized = false;
+  std::atomic<bool> revoked{false};  // ncclCommRevoke, or ncclCommShrink with NCCL_SHRINK_ABORT, here
   loomStream_t groupStream = nullptr;  // made on first use by a multi-communicator group
 
   struct PreMulSum {
@@ -114,7 +116,9 @@ ncclResult_t submit(ncclComm* comm, const char* name, cudaStream_t stream, Issue
 
 // Argument checks shared by the entry points.  Each returns ncclSuccess or
 // records the reason (fail) and returns the NCCL code.
-ncclResult_t checkComm(const char* call, ncclComm_t comm);
+// A revoked communicator (ncclCommRevoke) takes only shrink, revoke, destroy
+// and abort: revokedOk for the first two.
+ncclResult_t checkComm(const char* call, ncclComm_t comm, bool revokedOk = false);
 // Any stream on a CUDA communicator; only NULL on a host one.
 ncclResult_t checkStream(const char* call, ncclComm_t comm, cudaStream_t stream);
 // A datatype that moves bytes only: float8 travels as uint8.

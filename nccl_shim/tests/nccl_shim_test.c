@@ -490,6 +490,54 @@ static void split(ncclComm_t comm) {
   PASSED("ncclCommSplit (colors, keys, NOCOLOR, config), a group over two communicators");
 }
 
+/* ncclCommRevoke and ncclCommShrink, on communicators split off for it:
+ * the excluded rank does not call shrink (NCCL's contract). */
+static void revokeAndShrink(ncclComm_t comm) {
+  ncclComm_t parent = NULL, child = NULL;
+  int64_t v = rank, sum = 0, want = 0;
+  for (int r = 0; r < nranks - 1; ++r) want += r;
+  int last = nranks - 1, n = 0;
+
+  /* Revoke, then shrink without the last rank. */
+  OK(ncclCommSplit(comm, 0, rank, &parent, NULL));
+  OK(ncclAllReduce(&v, &sum, 1, ncclInt64, ncclSum, parent, 0));
+  FAILS(ncclCommRevoke(parent, 1), ncclInvalidArgument, "NCCL_REVOKE_DEFAULT");
+  OK(ncclCommRevoke(parent, NCCL_REVOKE_DEFAULT));
+  OK(ncclCommRevoke(parent, NCCL_REVOKE_DEFAULT)); /* again: nothing more to do */
+  ncclResult_t async = ncclInternalError;
+  OK(ncclCommGetAsyncError(parent, &async));
+  CHECK(async == ncclSuccess, "revoked communicator: async state %d, expected ncclSuccess (quiescent)", (int)async);
+  FAILS(ncclAllReduce(&v, &sum, 1, ncclInt64, ncclSum, parent, 0), ncclInvalidUsage, "revoked");
+  FAILS(ncclCommFinalize(parent), ncclInvalidUsage, "revoked");
+  FAILS(ncclCommShrink(parent, &last, 1, &child, NULL, 2), ncclInvalidArgument, "shrinkFlags 2");
+  FAILS(ncclCommShrink(parent, NULL, 1, &child, NULL, NCCL_SHRINK_DEFAULT), ncclInvalidArgument, "excludeRanksList");
+  if (rank != last) {
+    OK(ncclCommShrink(parent, &last, 1, &child, NULL, NCCL_SHRINK_DEFAULT));
+    CHECK(child, "ncclCommShrink gave no communicator");
+    OK(ncclCommCount(child, &n));
+    CHECK(n == nranks - 1, "shrunk communicator of %d ranks, expected %d", n, nranks - 1);
+    sum = 0;
+    OK(ncclAllReduce(&v, &sum, 1, ncclInt64, ncclSum, child, 0));
+    CHECK(sum == want, "shrunk all-reduce %lld, expected %lld", (long long)sum, (long long)want);
+    OK(ncclCommDestroy(child));
+  }
+  OK(ncclCommDestroy(parent));
+
+  /* NCCL_SHRINK_ABORT on a working communicator: revoke and shrink in one
+   * call; nobody excluded. */
+  OK(ncclCommSplit(comm, 0, rank, &parent, NULL));
+  OK(ncclCommShrink(parent, NULL, 0, &child, NULL, NCCL_SHRINK_ABORT));
+  OK(ncclCommCount(child, &n));
+  CHECK(n == nranks, "NCCL_SHRINK_ABORT, nobody excluded: %d ranks", n);
+  FAILS(ncclAllReduce(&v, &sum, 1, ncclInt64, ncclSum, parent, 0), ncclInvalidUsage, "revoked");
+  sum = 0;
+  OK(ncclAllReduce(&v, &sum, 1, ncclInt64, ncclSum, child, 0));
+  CHECK(sum == (int64_t)nranks * (nranks - 1) / 2, "all-reduce after NCCL_SHRINK_ABORT: %lld", (long long)sum);
+  OK(ncclCommDestroy(child));
+  OK(ncclCommAbort(parent));
+  PASSED("ncclCommRevoke, ncclCommShrink (the excluded rank does not call; NCCL_SHRINK_ABORT)");
+}
+
 static void errorsAndRest(ncclComm_t comm) {
   float x[4] = {0}, y[4];
   FAILS(ncclAllReduce(x, y, 4, ncclFloat32, ncclSum, comm, (cudaStream_t)0x1234), ncclInvalidUsage,
@@ -628,6 +676,7 @@ int main(int argc, char** argv) {
   alltoallGatherScatter(comm);
   sendRecvAndGroups(comm);
   split(comm);
+  revokeAndShrink(comm);
   errorsAndRest(comm);
 
   OK(ncclCommFinalize(comm));

@@ -481,3 +481,80 @@ TEST_CASE(
   CHECK(wrong == 0);
   for (ncclComm_t comm : comms) CHECK(ncclCommDestroy(comm) == ncclSuccess);
 }
+
+TEST_CASE(
+    "NCCL shim on CUDA communicators (simulated device): ncclCommRevoke then ncclCommShrink without a rank that "
+    "does not call, and NCCL_SHRINK_ABORT, give CUDA communicators on the parents' devices that reduce exactly",
+    "[nccl][devcomm]") {
+  const int n = 3, devices = 2, gone = 1;  // rank 1 is excluded and never calls shrink
+  SimCuda sim(n, devices);
+  std::string err;
+  std::vector<ncclComm_t> comms = initRanks(n, &err);
+  INFO(err);
+  REQUIRE(comms.size() == size_t(n));
+  const size_t c = 1000;
+  std::vector<int32_t*> buf(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) buf[size_t(r)] = sim.alloc(r % devices, c);
+
+  std::vector<ncclComm_t> shrunk(size_t(n), nullptr);
+  std::vector<ncclResult_t> rc(size_t(n) * 4, ncclInternalError);
+  perRank(n, [&](int r) {
+    ncclResult_t* out = &rc[size_t(r) * 4];
+    out[0] = ncclCommRevoke(comms[size_t(r)], NCCL_REVOKE_DEFAULT);
+    ncclResult_t async = ncclInternalError;
+    out[1] = ncclCommGetAsyncError(comms[size_t(r)], &async);
+    out[2] = async;
+    int excluded = gone;
+    out[3] = r == gone ? ncclSuccess : ncclCommShrink(comms[size_t(r)], &excluded, 1, &shrunk[size_t(r)], nullptr,
+                                                         NCCL_SHRINK_DEFAULT);
+  });
+  for (size_t i = 0; i < rc.size(); ++i) {
+    INFO("rank " << i / 4 << " result " << i % 4 << ": " << ncclGetLastError(nullptr));
+    CHECK(rc[i] == ncclSuccess);
+  }
+  REQUIRE(shrunk[0] != nullptr);
+  REQUIRE(shrunk[2] != nullptr);
+  int count = 0, dev = -1;
+  CHECK(ncclCommCount(shrunk[2], &count) == ncclSuccess);
+  CHECK(count == 2);
+  CHECK(ncclCommCuDevice(shrunk[2], &dev) == ncclSuccess);
+  CHECK(dev == 0);  // rank 2 of the parent was on device 2 % 2
+
+  // The survivors reduce on device buffers, on a stream; then shrink again
+  // with NCCL_SHRINK_ABORT (revoke and shrink in one call), nobody excluded.
+  const int survivors[2] = {0, 2};
+  for (int round = 0; round < 2; ++round) {
+    for (int s = 0; s < 2; ++s)
+      for (size_t i = 0; i < c; ++i) buf[size_t(survivors[s])][i] = in(round, survivors[s], i);
+    std::vector<ncclResult_t> arc(2, ncclInternalError);
+    perRank(2, [&](int s) {
+      int32_t* p = buf[size_t(survivors[s])];
+      arc[size_t(s)] = ncclAllReduce(p, p, c, ncclInt32, ncclSum, shrunk[size_t(survivors[s])], fakeStream());
+    });
+    CHECK(arc[0] == ncclSuccess);
+    CHECK(arc[1] == ncclSuccess);
+    CHECK(sim.sync(&err));
+    INFO(err);
+    for (int s = 0; s < 2; ++s)
+      for (size_t i = 0; i < c; i += 37)
+        REQUIRE(buf[size_t(survivors[s])][i] == in(round, 0, i) + in(round, 2, i));
+    if (round == 1) break;
+    std::vector<ncclComm_t> next(2, nullptr);
+    perRank(2, [&](int s) {
+      arc[size_t(s)] = ncclCommShrink(shrunk[size_t(survivors[s])], nullptr, 0, &next[size_t(s)], nullptr,
+                                      NCCL_SHRINK_ABORT);
+    });
+    for (int s = 0; s < 2; ++s) {
+      CHECK(arc[size_t(s)] == ncclSuccess);
+      REQUIRE(next[size_t(s)] != nullptr);
+      CHECK(ncclAllReduce(buf[0], buf[0], c, ncclInt32, ncclSum, shrunk[size_t(survivors[s])], fakeStream()) ==
+            ncclInvalidUsage);  // revoked by NCCL_SHRINK_ABORT
+      CHECK(std::string(ncclGetLastError(nullptr)).find("revoked") != std::string::npos);
+      CHECK(ncclCommDestroy(shrunk[size_t(survivors[s])]) == ncclSuccess);
+      shrunk[size_t(survivors[s])] = next[size_t(s)];
+    }
+  }
+  for (ncclComm_t c2 : shrunk)
+    if (c2) CHECK(ncclCommDestroy(c2) == ncclSuccess);
+  for (ncclComm_t c2 : comms) CHECK(ncclCommDestroy(c2) == ncclSuccess);
+}
