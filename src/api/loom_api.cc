@@ -39,6 +39,7 @@ thread_local std::string tlsCommError;
 // A group's members on one communicator (one stream each).
 struct GroupPart {
   loomComm* comm = nullptr;
+  std::shared_ptr<loomComm> keep;  // the group's hold: destroyed elsewhere, it lives until the group ends
   loomStream_t stream = nullptr;
   std::vector<OpDesc> ops;
 };
@@ -74,13 +75,20 @@ void joinGroup(GroupState& g, loomComm* comm, loomStream_t stream, const std::ve
     fail(loomInvalidUsage,
          "a group spanning several communicators needs CUDA communicators (LOOM_DEVICE=cuda); a host "
          "communicator's group must use that communicator alone");
-  g.parts.push_back(GroupPart{comm, stream, ops});
+  g.parts.push_back(GroupPart{comm, comm->shared_from_this(), stream, ops});
 }
 
 // Runs f, converting exceptions into a result code and a message that names
 // the call.
+//
+// A call holds its communicator while it runs: loomCommAbort from another
+// thread (a watchdog's way out of a call blocked on dead peers) releases the
+// handle at once, and the communicator is freed when the last call using it
+// has returned, after it saw the abort.  Calls that take a communicator but
+// pass none here hold it themselves (Hold).
 template <class F>
 LOOM_HOT loomResult_t guarded(const char* call, loomComm* comm, F&& f) {
+  const std::shared_ptr<loomComm> hold = comm ? comm->weak_from_this().lock() : nullptr;
   try {
     loomResult_t r = f();
     if (r != loomSuccess && comm) tlsLastError = std::string(call) + ": " + comm->lastError() + comm->deadSuffix();
@@ -723,6 +731,13 @@ loomResult_t loomCommSplit(loomComm_t comm, int color, int key, loomComm_t* newc
 loomResult_t loomCommDestroy(loomComm_t comm) {
   if (!comm) return loomSuccess;
   return guarded("loomCommDestroy", nullptr, [&] {
+    // Its operations in this thread's open group would wait for it at
+    // loomGroupEnd (abort still frees it: the group then fails).
+    for (const GroupPart& part : tlsGroup.parts)
+      if (part.comm == comm)
+        fail(loomInvalidUsage,
+             "the communicator has operations in this thread's open group: end the group (loomGroupEnd) before "
+             "destroying it, or abort it");
     comm->waitIdle();
     comm->releaseHandle();
     return loomSuccess;
@@ -749,6 +764,7 @@ loomResult_t loomCommRevoke(loomComm_t comm) {
 loomResult_t loomCommShrink(loomComm_t comm, const int* excludeRanks, int nExclude, loomComm_t* newcomm) {
   return guarded("loomCommShrink", nullptr, [&] {
     checkComm(comm);
+    const std::shared_ptr<loomComm> hold = comm->weak_from_this().lock();  // see guarded()
     if (!newcomm) fail(loomInvalidArgument, "newcomm is NULL");
     *newcomm = nullptr;
     if (tlsGroup.depth > 0) fail(loomInvalidUsage, "loomCommShrink cannot be called inside a group");
@@ -770,6 +786,7 @@ loomResult_t loomCommShrink(loomComm_t comm, const int* excludeRanks, int nExclu
 loomResult_t loomCommDump(loomComm_t comm, char* buf, size_t size) {
   return guarded("loomCommDump", nullptr, [&] {
     checkComm(comm);
+    const std::shared_ptr<loomComm> hold = comm->weak_from_this().lock();  // see guarded()
     std::string text = comm->dump();
     if (!buf) {
       fputs(text.c_str(), stderr);
