@@ -197,6 +197,9 @@ void stagedEstimate(const CostInput& in, std::vector<Estimate>* out);
 // For a rank waiting on the executor path: throws loomInvalidUsage if
 // `peer` visibly runs another operation than `mine` on a direct path.
 void directCheckStalled(const DirectContext& ctx, int peer, const SlotTag& mine);
+// Fails naming the mismatch when `peer` posted another operation than
+// `mine` under its sequence number into any rank's mailbox (its own too).
+void directCheckPosted(const DirectContext& ctx, int peer, const SlotTag& mine);
 // The same without throwing: true, with *t what `peer` runs, when it
 // visibly runs another operation than `mine` on a direct path (a mailbox
 // for this rank, a staging header or its pull line stamped with mine.seq).
@@ -227,6 +230,7 @@ void directWait(DirectContext& ctx, Ready ready, int peer, const SlotTag& tag, c
       }
       try {
         ctx.env.checkOtherPath(tag, peer);
+        if (tag.coll != uint8_t(Collective::P2P)) directCheckPosted(ctx, peer, tag);
       } catch (const Error&) {
         // The zero-copy vote: a peer that saw every vote may already run
         // the operation on the executor path while this rank, between its

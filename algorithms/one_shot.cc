@@ -87,9 +87,27 @@ LOOM_HOT bool directPeerOnOtherPath(const DirectContext& ctx, int peer, const Sl
   return false;
 }
 
+void directCheckPosted(const DirectContext& ctx, int peer, const SlotTag& mine) {
+  // One-shot rooted collectives whose root the ranks name differently (a
+  // reduce's data, a broadcast's header gone to another root) would
+  // otherwise end only at the timeout.  The tag is read between two looks
+  // at the stamp.
+  const uint64_t stamp = mine.seq + 1;
+  for (int x = 0; x < ctx.nranks; ++x) {
+    if (x == ctx.rank) continue;  // the peer's mail to this rank is the caller's to judge
+    DirectMailbox* mb = ctx.win(x).mailbox(peer, int(mine.seq & 1));
+    if (mb->seq.load(std::memory_order_acquire) != stamp) continue;
+    SlotTag t;
+    memcpy(&t, &mb->tag, sizeof t);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (mb->seq.load(std::memory_order_relaxed) == stamp && !sameOperation(t, mine)) failMismatch(ctx.rank, peer, t, mine);
+  }
+}
+
 void directCheckStalled(const DirectContext& ctx, int peer, const SlotTag& mine) {
   SlotTag t;
   if (directPeerOnOtherPath(ctx, peer, mine, &t)) failMismatch(ctx.rank, peer, t, mine);
+  directCheckPosted(ctx, peer, mine);
 }
 
 // The smallest all-reduces: each rank publishes its block in its own pull
@@ -213,7 +231,8 @@ LOOM_HOT void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& ta
   ctx.state.lastMail.resize(size_t(N), {0, 0});
 
   // Writes `data` into p's mailbox from me (p == me: my own, which keeps
-  // in-place operations safe: every input is read from a mailbox).
+  // in-place operations safe: every input is read from a mailbox); null: a
+  // header, the tag alone.
   auto post = [&](int p, const void* data) {
     uint64_t last = ctx.state.lastMail[size_t(p)][size_t(parity)];
     if (last) {
@@ -221,17 +240,18 @@ LOOM_HOT void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& ta
       directWait(ctx, [&] { return ack->load(std::memory_order_acquire) >= last; }, p, tag, "its acknowledgement");
     }
     DirectWindow w = ctx.win(p);
-    ctx.device.copy(w.mailData(me, parity), data, block, CopyHint::Cached);
+    if (data) ctx.device.copy(w.mailData(me, parity), data, block, CopyHint::Cached);
     SlotTag t = tag;
-    t.bytes = uint32_t(block);
+    t.bytes = data ? uint32_t(block) : 0;
     DirectMailbox* mb = w.mailbox(me, parity);
     memcpy(&mb->tag, &t, sizeof t);
     mb->seq.store(stamp, std::memory_order_release);
     ctx.state.lastMail[size_t(p)][size_t(parity)] = stamp;
     ctx.mem.wake(p);
   };
-  // Waits for q's block in my window and checks that q runs the same operation.
-  auto take = [&](int q) -> const uint8_t* {
+  // Waits for q's block (`bytes` of it: the block, or 0 for a header) in my
+  // window and checks that q runs the same operation.
+  auto take = [&](int q, size_t bytes) -> const uint8_t* {
     DirectMailbox* mb = mine.mailbox(q, parity);
     DirectPullLine* pl = ctx.win(q).pullLine();  // q on the pull path: another operation
     directWait(ctx,
@@ -243,7 +263,7 @@ LOOM_HOT void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& ta
     if (mb->seq.load(std::memory_order_acquire) != stamp) failMismatch(me, q, pullTag(pl->meta[parity], tag.seq), tag);
     SlotTag t;
     memcpy(&t, &mb->tag, sizeof t);
-    if (t.bytes != block || (ctx.checkMode && !sameOperation(t, tag))) failMismatch(me, q, t, tag);
+    if (t.bytes != bytes || (ctx.checkMode && !sameOperation(t, tag))) failMismatch(me, q, t, tag);
     return mine.mailData(q, parity);
   };
   auto ack = [&](int q) {
@@ -253,7 +273,7 @@ LOOM_HOT void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& ta
   // recv = op over ranks of the mailboxes, in rank order.
   auto combineAll = [&](uint8_t* out) {
     for (int q = 0; q < N; ++q) {
-      const uint8_t* d = take(q);
+      const uint8_t* d = take(q, block);
       if (q == 0) ctx.device.copy(out, d, block, CopyHint::Cached);
       else ctx.device.reduce(out, out, d, op.count, op.dtype, op.op);
     }
@@ -263,7 +283,7 @@ LOOM_HOT void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& ta
 
   // Copies q's block from my mailbox to dst and frees the mailbox.
   auto receive = [&](int q, uint8_t* dst) {
-    ctx.device.copy(dst, take(q), block, CopyHint::Cached);
+    ctx.device.copy(dst, take(q, block), block, CopyHint::Cached);
     ack(q);
   };
   // Posts base + p*block to each other rank p (all-to-all, scatter's root).
@@ -279,6 +299,23 @@ LOOM_HOT void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& ta
       if (q != me) receive(q, recv + size_t(q) * block);
   };
   const bool root = me == op.root;
+  // Check mode, broadcast and scatter: each non-root tells its root which
+  // operation it runs (a header: its tag, no data), and the root checks
+  // them all after it posted its data.  Otherwise a rank that alone took
+  // itself for the root would return its own buffer and nobody would know;
+  // with the headers its data, or the header it did not send, shows at a
+  // root (a false root's data lands where the true root looks for its
+  // header).  Gather, the other way round: the root's header to each
+  // non-root, so that two ranks that both collect see each other's.
+  const bool headers = ctx.checkMode && (op.coll == Collective::Broadcast || op.coll == Collective::Scatter ||
+                                         op.coll == Collective::Gather);
+  auto takeHeaders = [&] {
+    for (int i = 1; i < N; ++i) {
+      const int q = (me + i) % N;
+      take(q, 0);
+      ack(q);
+    }
+  };
 
   switch (op.coll) {
     case Collective::AllReduce:
@@ -295,12 +332,14 @@ LOOM_HOT void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& ta
       break;
     case Collective::Broadcast:
       if (!root) {
+        if (headers) post(op.root, nullptr);
         receive(op.root, recv);
         break;
       }
       for (int p = 0; p < N; ++p)
         if (p != me) post(p, send);
       if (recv != send) ctx.device.copy(recv, send, block, CopyHint::Cached);
+      if (headers) takeHeaders();
       break;
     case Collective::AllGather:
       for (int i = 1; i < N; ++i) post((me + i) % N, send);
@@ -311,16 +350,27 @@ LOOM_HOT void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& ta
       collect(send + size_t(me) * block);
       break;
     case Collective::Gather:
-      if (root) collect(send);
-      else post(op.root, send);
+      if (root) {
+        if (headers)
+          for (int i = 1; i < N; ++i) post((me + i) % N, nullptr);
+        collect(send);
+        break;
+      }
+      post(op.root, send);
+      if (headers) {
+        take(op.root, 0);
+        ack(op.root);
+      }
       break;
     case Collective::Scatter:
       if (!root) {
+        if (headers) post(op.root, nullptr);
         receive(op.root, recv);
         break;
       }
       postEach(send);
       if (recv != send + size_t(me) * block) ctx.device.copy(recv, send + size_t(me) * block, block, CopyHint::Cached);
+      if (headers) takeHeaders();
       break;
     case Collective::P2P:
       fail(loomInternalError, "send/recv cannot take the one-shot path");

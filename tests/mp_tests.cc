@@ -226,6 +226,21 @@ TEST_CASE("tiny all-reduces that disagree on the pull line or with mailboxes or 
   CHECK(loomRun(std::string(kShm) + " LOOM_TIMEOUT_MS=20000", n, std::string("smallmismatch ") + mode, 60) == 0);
 }
 
+TEST_CASE("rooted collectives whose ranks name different roots fail naming them, not at the timeout and never "
+          "with one rank's own buffer as the result",
+          "[mp][fault]") {
+  // One-shot sizes over shared memory: a broadcast or scatter root that is
+  // the only one to think so returned its own buffer, and reduce and gather
+  // waited for the timeout.  3 ranks: r % 2 makes two roots; 4 ranks in
+  // "bcastlast": only the last rank names another.
+  const char* mode = GENERATE("bcast", "scatter", "reduce", "gather", "bcastlast");
+  const int count = GENERATE(8, 1000);
+  const int n = std::string(mode) == "bcastlast" ? 4 : 3;
+  INFO(mode << ", " << count << " elements, " << n << " ranks");
+  CHECK(loomRun(std::string(kShm) + " LOOM_TIMEOUT_MS=60000", n,
+                std::string("rootmismatch ") + mode + " " + std::to_string(count), 90) == 0);
+}
+
 TEST_CASE("ranks whose all-to-all counts disagree fail with an error instead of hanging", "[mp][fault]") {
   int n = GENERATE(2, 3);
   INFO("nranks " << n);

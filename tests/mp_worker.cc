@@ -765,6 +765,31 @@ static void scenarioExchangeMismatch(loomComm_t comm) {
   expect(strstr(loomGetLastError(comm), "called AllToAll") != nullptr, "the mismatch names the all-to-all");
 }
 
+// Rooted collectives whose root the ranks name differently (rank r names
+// r % 2, or in "bcastlast" only the last rank names 1): no rank may
+// return success from both the collective and the all-reduce after it,
+// some rank names the mismatch, and all of it well before LOOM_TIMEOUT_MS.
+static void scenarioRootMismatch(loomComm_t comm, const std::string& mode, size_t count) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<float> send(count * size_t(gSize), float(gRank + 1)), recv(count * size_t(gSize), -1.0f);
+  const int root = mode == "bcastlast" ? (gRank == gSize - 1 ? 1 : 0) : gRank % 2;
+  loomResult_t r;
+  if (mode == "reduce") r = loomReduce(send.data(), recv.data(), count, loomFloat32, loomSum, root, comm, nullptr);
+  else if (mode == "gather") r = loomGather(send.data(), recv.data(), count, loomFloat32, root, comm, nullptr);
+  else if (mode == "scatter") r = loomScatter(send.data(), recv.data(), count, loomFloat32, root, comm, nullptr);
+  else r = loomBroadcast(send.data(), recv.data(), count, loomFloat32, root, comm, nullptr);
+  std::string msg = loomGetLastError(comm);
+  loomResult_t next = loomAllReduce(send.data(), recv.data(), 1, loomFloat32, loomSum, comm, nullptr);
+  if (r == loomSuccess) msg = loomGetLastError(comm);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  printf("rank %d: %s root %d: %s, then %s: %s (%.2f s)\n", gRank, mode.c_str(), root, loomGetErrorString(r),
+         loomGetErrorString(next), msg.c_str(), secs);
+  expect(r != loomSuccess || next != loomSuccess, mode + ": the mismatch fails this rank's collective or the next");
+  expect(msg.find("mismatched operations") != std::string::npos && msg.find("root") != std::string::npos,
+         mode + ": the error names the mismatched roots: " + msg);
+  expect(secs < 10, mode + ": found in " + std::to_string(secs) + " s, not at the timeout");
+}
+
 static void scenarioSplit(loomComm_t comm) {
   loomComm_t half;
   CHECK_LOOM(loomCommSplit(comm, gRank % 2, gRank, &half));
@@ -1919,6 +1944,7 @@ int main(int argc, char** argv) {
   else if (sc == "smallmismatch") scenarioSmallMismatch(comm, argc > 2 ? argv[2] : "count");
   else if (sc == "pullmix") scenarioPullMix(comm);
   else if (sc == "split") scenarioSplit(comm);
+  else if (sc == "rootmismatch") scenarioRootMismatch(comm, argc > 2 ? argv[2] : "bcast", argc > 3 ? strtoull(argv[3], nullptr, 10) : 8);
   else if (sc == "descriptors") scenarioDescriptors(comm, argc > 2 ? atoi(argv[2]) : 5);
   else if (sc == "tagged") scenarioTagged(comm);
   else if (sc == "taggedtimeout") scenarioTaggedTimeout(comm);
@@ -1933,7 +1959,7 @@ int main(int argc, char** argv) {
     fprintf(stderr, "unknown scenario %s\n", sc.c_str());
     return 2;
   }
-  if (sc == "mismatch" || sc == "a2amismatch" || sc == "smallmismatch" || sc == "dump" || sc == "taggedtimeout" || sc == "rendezvous")
+  if (sc == "mismatch" || sc == "a2amismatch" || sc == "smallmismatch" || sc == "rootmismatch" || sc == "dump" || sc == "taggedtimeout" || sc == "rendezvous")
     loomCommAbort(comm);
   else CHECK_LOOM(loomCommDestroy(comm));
   if (gFailures) fprintf(stderr, "rank %d: %d checks failed\n", gRank, gFailures);
