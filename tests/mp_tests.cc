@@ -283,6 +283,24 @@ TEST_CASE("loom-run hands rank 0 alone the bootstrap port, listening, and keeps 
   // And every mp test above starts its ranks this way.
 }
 
+TEST_CASE("a second init from the environment works under loom-run: with a wrapper script or a child holding the "
+          "port, nested loom-runs, and a LOOM_ROOT_FD that is no listener",
+          "[mp][launch]") {
+  const std::string run = loomtest::binDir() + "/loom-run -n 3 --timeout 60 -- ";
+  const std::string worker = loomtest::binDir() + "/mp-worker initagain";
+  // The wrapper shell keeps its copy of the descriptor while rank 0 runs.
+  CHECK(loomtest::shell(run + "sh -c '\"$@\"; exit $?' sh " + worker) == 0);
+  // A child started before init (the descriptor is close-on-exec by then).
+  CHECK(loomtest::shell(run + worker + " child") == 0);
+  // The inner loom-run's ranks use the outer's root address, and the outer's
+  // descriptor reaches none of them.
+  CHECK(loomtest::shell(loomtest::binDir() + "/loom-run -n 1 --timeout 60 -- " + run + worker) == 0);
+  // Not a listener: a warning, and rank 0 binds the port itself.
+  CHECK(loomtest::shell("out=$(LOOM_RANK=0 LOOM_WORLD_SIZE=1 LOOM_ROOT_ADDR=127.0.0.1:" +
+                        std::to_string(23000 + getpid() % 9000) + " LOOM_ROOT_FD=0 timeout 60 " + worker +
+                        " 2>&1) && echo \"$out\" | grep -q 'LOOM_ROOT_FD=0 is not a listening socket'") == 0);
+}
+
 TEST_CASE("loomCommInitFromEnv works under mpirun (OpenMPI)", "[mp][launch]") {
   if (loomtest::shell("command -v mpirun.openmpi >/dev/null") != 0) {
     WARN("mpirun.openmpi is not installed: this launch path was not tested");

@@ -1891,6 +1891,26 @@ static int scenarioCpuBind(bool expectBound, bool launcher) {
   return gFailures ? 1 : 0;
 }
 
+// Two communicators from the environment one after the other (loom-run's
+// listener serves both; see bootstrap.cc); "child": first start a child
+// that outlives init, as a data loader's worker would (it must not keep the
+// port).  Each gives an exact all-reduce.
+static int scenarioInitAgain(bool child) {
+  if (child && system("sleep 2 &") != 0) return 3;
+  for (int round = 0; round < 2; ++round) {
+    loomComm_t comm;
+    CHECK_LOOM(loomCommInitFromEnv(&comm));
+    CHECK_LOOM(loomCommUserRank(comm, &gRank));
+    CHECK_LOOM(loomCommCount(comm, &gSize));
+    int64_t v = gRank + 1;
+    CHECK_LOOM(loomAllReduce(&v, &v, 1, loomInt64, loomSum, comm, nullptr));
+    expect(v == int64_t(gSize) * (gSize + 1) / 2, "init " + std::to_string(round) + ": all-reduce");
+    CHECK_LOOM(loomCommDestroy(comm));
+  }
+  if (gRank == 0) printf("two inits from the environment: ok\n");
+  return gFailures ? 1 : 0;
+}
+
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   if (argc < 2) {
@@ -1922,6 +1942,7 @@ int main(int argc, char** argv) {
   }
   if (sc == "cpubind")
     return scenarioCpuBind(argc > 2 && strcmp(argv[2], "bound") == 0, argc > 3 && strcmp(argv[3], "launcher") == 0);
+  if (sc == "initagain") return scenarioInitAgain(argc > 2 && strcmp(argv[2], "child") == 0);
   if (sc == "taggedfault") return scenarioTaggedFault(argc > 2 ? argv[2] : "one");
   if (sc == "rendezvouskill") {
     if (argc < 5) {

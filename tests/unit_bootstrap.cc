@@ -1,13 +1,11 @@
 // Bootstrap and init in one process: two ranks as threads, plus hostile
 // connections to the root's port.
 #include <arpa/inet.h>
-#include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <catch2/catch.hpp>
 #include <cstdlib>
 #include <cstring>
@@ -134,114 +132,6 @@ TEST_CASE("a bootstrap port another process holds fails init from the environmen
   unsetenv("LOOM_WORLD_SIZE");
   unsetenv("LOOM_ROOT_ADDR");
   close(holder);
-}
-
-namespace {
-
-// A listener on a free port of 127.0.0.1 without SO_REUSEADDR: while it is
-// open, nobody else can bind the port.
-int holdFreePort(uint16_t* port) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  REQUIRE(fd >= 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-  REQUIRE(listen(fd, 16) == 0);
-  socklen_t len = sizeof a;
-  REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0);
-  *port = ntohs(a.sin_port);
-  return fd;
-}
-
-// Rank 0 from the environment (this thread), rank 1 from the same id by hand
-// (another thread), then one all-reduce; returns rank 0's result.
-loomResult_t initPairFromEnv(const std::string& root, std::string* err) {
-  const char* hex = "00112233445566778899aabbccddeeff";
-  uint8_t secret[16];
-  for (int i = 0; i < 16; ++i) secret[i] = uint8_t(std::stoi(std::string(hex + 2 * i, 2), nullptr, 16));
-  setenv("LOOM_RANK", "0", 1);
-  setenv("LOOM_WORLD_SIZE", "2", 1);
-  setenv("LOOM_ROOT_ADDR", root.c_str(), 1);
-  setenv("LOOM_SECRET", hex, 1);
-  loomComm_t c1 = nullptr;
-  loomResult_t r1 = loomInternalError;
-  std::string err1;
-  std::thread t([&] {
-    r1 = loomCommInitRank(&c1, 2, loom::uniqueIdFor(root, secret), 1);
-    if (r1 != loomSuccess) err1 = std::string(" rank 1: ") + loomGetLastError(nullptr);
-  });
-  err->clear();
-  loomComm_t c0 = nullptr;
-  loomResult_t r0 = loomCommInitFromEnv(&c0);
-  if (r0 != loomSuccess) *err = loomGetLastError(nullptr);
-  t.join();
-  *err += err1;
-  if (!err->empty()) UNSCOPED_INFO(*err);
-  for (const char* v : {"LOOM_RANK", "LOOM_WORLD_SIZE", "LOOM_ROOT_ADDR", "LOOM_SECRET"}) unsetenv(v);
-  if (r0 != loomSuccess || r1 != loomSuccess) {
-    if (c0) loomCommDestroy(c0);
-    if (c1) loomCommDestroy(c1);
-    return r0 != loomSuccess ? r0 : r1;
-  }
-  float a[4] = {1, 2, 3, 4}, b[4] = {10, 20, 30, 40};
-  loomResult_t s1 = loomInternalError;
-  std::thread t2([&] { s1 = loomAllReduce(b, b, 4, loomFloat32, loomSum, c1, nullptr); });
-  loomResult_t s0 = loomAllReduce(a, a, 4, loomFloat32, loomSum, c0, nullptr);
-  t2.join();
-  CHECK(s0 == loomSuccess);
-  CHECK(s1 == loomSuccess);
-  CHECK(a[3] == 44.0f);
-  CHECK(b[0] == 11.0f);
-  loomCommDestroy(c0);
-  loomCommDestroy(c1);
-  return loomSuccess;
-}
-
-bool portRefuses(uint16_t port) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(port);
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bool refused = connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 && errno == ECONNREFUSED;
-  close(fd);
-  return refused;
-}
-
-}  // namespace
-
-TEST_CASE("rank 0 serves the bootstrap port loom-run holds for it (LOOM_ROOT_FD), once, and checks what it is given",
-          "[bootstrap]") {
-  // The launcher's listener has no SO_REUSEADDR: had rank 0 tried to bind
-  // the port itself, init would fail as in the test above.
-  uint16_t port = 0;
-  const int held = holdFreePort(&port);
-  const std::string root = "127.0.0.1:" + std::to_string(port);
-  const std::string heldFd = std::to_string(held);
-  setenv("LOOM_ROOT_FD", heldFd.c_str(), 1);
-  std::string err;
-  CHECK(initPairFromEnv(root, &err) == loomSuccess);
-  // Rank 0 owned the descriptor and closed it with its bootstrap: nothing
-  // listens on the port now.
-  CHECK(portRefuses(port));
-
-  // The same value again (a second init in the process) is not taken again:
-  // that descriptor number may be anything by now.  Rank 0 binds the port.
-  CHECK(initPairFromEnv(root, &err) == loomSuccess);
-
-  // A descriptor that is not a listener on that port is refused with a
-  // warning, and rank 0 binds the port itself.
-  uint16_t other = 0;
-  const int elsewhere = holdFreePort(&other);
-  setenv("LOOM_ROOT_FD", std::to_string(elsewhere).c_str(), 1);
-  CHECK(initPairFromEnv(root, &err) == loomSuccess);
-  CHECK(fcntl(elsewhere, F_GETFD) >= 0);  // left open: not ours
-  CHECK_FALSE(portRefuses(other));
-  close(elsewhere);
-  setenv("LOOM_ROOT_FD", "not-a-number", 1);
-  CHECK(initPairFromEnv(root, &err) == loomSuccess);
-  unsetenv("LOOM_ROOT_FD");
 }
 
 TEST_CASE("loopback and unspecified addresses are never advertised to other hosts", "[bootstrap]") {

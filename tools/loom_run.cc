@@ -404,6 +404,18 @@ int main(int argc, char** argv) {
   for (int s : kSigs) sigdelset(&loopMask, s);  // started with them blocked
 
   // ---- environment shared by all ranks ----------------------------------------
+  // A LOOM_ROOT_FD we inherited (loom-run as a rank of another loom-run) is
+  // not ours to pass on or keep: holding it, we would keep its port
+  // listening where our rank 0 binds it.
+  if (const char* e = getenv("LOOM_ROOT_FD"); e && *e) {
+    char* end = nullptr;
+    long fd = strtol(e, &end, 10);
+    int listening = 0;
+    socklen_t len = sizeof listening;
+    if (*end == 0 && fd > 2 && fd < (1l << 30) &&
+        getsockopt(int(fd), SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) == 0 && listening)
+      close(int(fd));
+  }
   std::string rootAddr, secret;
   int rootFd = -1;  // the port we chose, listening, until rank 0 has it
   if (const char* e = getenv("LOOM_ROOT_ADDR"); e && *e) {

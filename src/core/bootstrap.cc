@@ -47,38 +47,50 @@ std::string readFirstLine(const char* path) {
 
 // loom-run hands rank 0 the bootstrap port already listening, as descriptor
 // LOOM_ROOT_FD, so that no other process can take the port between the
-// launcher's choice and rank 0's bind.  The first init from the environment
-// that serves that port takes it (a later one binds the port itself); a
-// descriptor that is not such a listener is left alone, with a warning.
-int inheritedListener(uint16_t port) {
-  static std::mutex mutex;
-  static std::string seen;  // the value already taken or refused
-  const char* e = getenv("LOOM_ROOT_FD");
-  std::lock_guard<std::mutex> lock(mutex);
-  if (!e || !*e || seen == e) return -1;
-  seen = e;
-  char* end = nullptr;
-  long fd = strtol(e, &end, 10);
-  int listening = 0;
-  socklen_t len = sizeof listening;
-  SockAddr a;
-  a.len = sizeof a.ss;
-  bool ok = *end == 0 && fd > 2 && fd < (1l << 30) &&
-            getsockopt(int(fd), SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) == 0 && listening &&
-            getsockname(int(fd), reinterpret_cast<sockaddr*>(&a.ss), &a.len) == 0 && a.port() == port;
-  if (!ok) {
-    LOOM_WARN("BOOT", "LOOM_ROOT_FD=%s is not a socket listening on port %u; binding the port instead", e,
-              unsigned(port));
-    return -1;
-  }
-  fcntl(int(fd), F_SETFD, FD_CLOEXEC);
-  // Accepted connections inherit SO_REUSEADDR: without it, their TIME_WAIT
-  // would keep a later init in this process from binding the port again.
-  int one = 1;
-  setsockopt(int(fd), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  LOOM_INFO("BOOT", "bootstrap root: serving port %u on the descriptor loom-run opened (%ld)", unsigned(port), fd);
-  return int(fd);
+// launcher's choice and rank 0's bind.  The process keeps it for good and
+// serves every init from the environment on that port with it: a wrapper
+// script or a child started before init may hold a copy, and while any
+// copy listens nobody can bind the port again.  It is marked close-on-exec
+// when the library loads, so children started later do not get it.
+struct InheritedRoot {
+  std::mutex busy;      // one bootstrap at a time serves it
+  std::string value;    // LOOM_ROOT_FD as read
+  int fd = -1;          // the listener, or -1
+  uint16_t port = 0;
+  std::string why;      // why LOOM_ROOT_FD was not taken
+  bool warned = false;
+};
+
+InheritedRoot& inheritedRoot() {
+  static InheritedRoot* r = [] {
+    auto* root = new InheritedRoot;  // never freed: the descriptor is the process's
+    const char* e = getenv("LOOM_ROOT_FD");
+    if (!e || !*e) return root;
+    root->value = e;
+    char* end = nullptr;
+    long fd = strtol(e, &end, 10);
+    int listening = 0;
+    socklen_t len = sizeof listening;
+    SockAddr a;
+    a.len = sizeof a.ss;
+    if (*end != 0 || fd <= 2 || fd >= (1l << 30) ||
+        getsockopt(int(fd), SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0 || !listening ||
+        getsockname(int(fd), reinterpret_cast<sockaddr*>(&a.ss), &a.len) != 0) {
+      root->why = "not a listening socket";
+      return root;
+    }
+    fcntl(int(fd), F_SETFD, FD_CLOEXEC);
+    // Accepted connections inherit SO_REUSEADDR; loom's own listeners set it.
+    int one = 1;
+    setsockopt(int(fd), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    root->fd = int(fd);
+    root->port = a.port();
+    return root;
+  }();
+  return *r;
 }
+
+const bool gInheritedRootMarked = inheritedRoot().fd >= -1;  // at load: close-on-exec from here on
 
 std::string linkTarget(const char* path) {
   char buf[256];
@@ -240,7 +252,10 @@ void Bootstrap::join(const UniqueIdData& id, const BootCheck& check) {
     sendAll(rootFd_, &hello, sizeof hello, deadline_);
     recvAll(rootFd_, &reply, sizeof reply, deadline_);
   } catch (const Error& e) {
-    fail(e.code(), "rank %d: bootstrap with root %s failed: %s", rank, root.str().c_str(), e.what());
+    fail(e.code(), "rank %d: bootstrap with root %s failed: %s%s", rank, root.str().c_str(), e.what(),
+         e.code() == loomTimeout ? " (its port took the connection but rank 0 never answered: is rank 0 running "
+                                   "and has it called init?)"
+                                 : "");
   }
   checkJoinReply(&reply, sizeof reply, rank);
 }
@@ -260,7 +275,24 @@ void Bootstrap::serve(const UniqueIdData& id, const BootCheck& check) {
       gListeners.erase(it);
     }
   }
-  if (listenFd < 0) listenFd = inheritedListener(id.port);
+  // The inherited listener (above), when it is on this id's port and no
+  // other bootstrap of this process is serving it.
+  std::unique_lock<std::mutex> inherited;
+  bool ownListener = true;
+  if (listenFd < 0) {
+    InheritedRoot& ir = inheritedRoot();
+    inherited = std::unique_lock<std::mutex>(ir.busy, std::try_to_lock);
+    if (inherited.owns_lock() && !ir.value.empty() && ir.fd < 0 && !ir.warned) {
+      ir.warned = true;
+      LOOM_WARN("BOOT", "LOOM_ROOT_FD=%s is %s; binding the port instead", ir.value.c_str(), ir.why.c_str());
+    }
+    if (inherited.owns_lock() && ir.fd >= 0 && ir.port == id.port) {
+      listenFd = ir.fd;
+      ownListener = false;
+      LOOM_INFO("BOOT", "bootstrap root: serving port %u on the descriptor loom-run opened (%d)", unsigned(ir.port),
+                ir.fd);
+    }
+  }
   if (listenFd < 0) {
     // The id came from the environment: rank 0 opens the port named in it.
     SockAddr a = resolveAddr(id.host, id.port);
@@ -369,11 +401,11 @@ void Bootstrap::serve(const UniqueIdData& id, const BootCheck& check) {
     for (auto& p : pending) close(p.fd);
     for (int r = 1; r < nranks_; ++r)
       if (fds_[size_t(r)] >= 0) reject(fds_[size_t(r)], e.code(), strf("rank 0: %s", e.what()));
-    close(listenFd);
+    if (ownListener) close(listenFd);
     throw;
   }
   for (auto& p : pending) close(p.fd);
-  close(listenFd);
+  if (ownListener) close(listenFd);
   JoinReply ok{kJoinMagic, loomSuccess, {}};
   for (int r = 1; r < nranks_; ++r) {
     setNonBlocking(fds_[size_t(r)], false);

@@ -133,8 +133,9 @@ const std::vector<ConfigVar>& configTable() {
       {"LOOM_LOCAL_SIZE", "int", "-", "ranks on its host; set by loom-run for the program (loom does not read it)"},
       {"LOOM_ROOT_ADDR", "host:port", "-", "bootstrap root for loomCommInitFromEnv"},
       {"LOOM_ROOT_FD", "int", "-",
-       "set by loom-run for rank 0 only: a descriptor already listening on LOOM_ROOT_ADDR's port, which the first "
-       "loomCommInitFromEnv serves (so no other process can take the port first); not for users to set"},
+       "set by loom-run for rank 0 only: a descriptor already listening on LOOM_ROOT_ADDR's port (so no other "
+       "process can take the port first), kept by the process for every loomCommInitFromEnv on that port and "
+       "made close-on-exec when libloom loads; not for users to set"},
       {"LOOM_ROOT_PORT", "int", "(MASTER_PORT+1)",
        "bootstrap port under torchrun/mpirun/srun when LOOM_ROOT_ADDR is unset"},
       {"LOOM_SECRET", "32 hex", "(derived from job id)",
