@@ -115,7 +115,8 @@ int rawInt(const void* e) {
   return v;
 }
 
-LOOM_HOT loomResult_t checkEnums(const char* call, const loomDataType_t* type, const loomRedOp_t* op) {
+LOOM_HOT loomResult_t checkEnums(const char* call, loomComm* comm, const loomDataType_t* type,
+                                 const loomRedOp_t* op) {
   int t = rawInt(type);
   if (t < 0 || t >= int(loomNumTypes)) {
     tlsLastError = strf("%s: unknown datatype %d", call, t);
@@ -124,6 +125,7 @@ LOOM_HOT loomResult_t checkEnums(const char* call, const loomDataType_t* type, c
   } else {
     return loomSuccess;
   }
+  if (comm) comm->setLastError(tlsLastError);  // as every other refusal of a call on it
   GroupState& g = tlsGroup;
   if (g.depth > 0 && g.error == loomSuccess) {
     g.error = loomInvalidArgument;
@@ -264,7 +266,7 @@ void* cudaStreamOf(loomStream_t stream) {
 loomResult_t runOnDevice(loomComm* comm, loomStream_t stream, const OpDesc& op) {
   void* cs = cudaStreamOf(stream);
   loomResult_t prior = comm->asyncError();
-  if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->lastError().c_str());
+  if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->failure().c_str());
   try {
     comm->deviceComm()->run(op, cs);
   } catch (const Error& e) {
@@ -281,7 +283,7 @@ loomResult_t runOnDevice(loomComm* comm, loomStream_t stream, const OpDesc& op) 
 loomResult_t runP2POnDevice(loomComm* comm, loomStream_t stream, const std::vector<OpDesc>& ops) {
   void* cs = cudaStreamOf(stream);
   loomResult_t prior = comm->asyncError();
-  if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->lastError().c_str());
+  if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->failure().c_str());
   try {
     comm->deviceComm()->runP2P(ops, cs);
   } catch (const Error& e) {
@@ -300,7 +302,7 @@ LOOM_HOT MemoryKind memoryKindOf(const void* buf) {
 // Issues a batch of operations on comm/stream (NULL stream: runs it now).
 loomResult_t submit(loomComm* comm, HostStream* stream, std::vector<OpDesc> ops) {
   loomResult_t prior = comm->asyncError();
-  if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->lastError().c_str());
+  if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->failure().c_str());
   std::vector<SlotTag> tags;
   uint64_t ticket = comm->issue(ops, &tags);
   std::shared_ptr<loomComm> sp = comm->shared_from_this();
@@ -335,7 +337,7 @@ LOOM_HOT bool plainSmallAllReduce(const loomComm* comm, loomStream_t stream, con
 // without allocating (the latency path).
 LOOM_HOT loomResult_t runBlocking(loomComm* comm, const OpDesc& op) {
   loomResult_t prior = comm->asyncError();
-  if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->lastError().c_str());
+  if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->failure().c_str());
   SlotTag tag;
   uint64_t ticket = comm->issueOne(op, &tag);
   comm->waitTurn(ticket);
@@ -900,7 +902,7 @@ loomResult_t loomCommDeregister(const loomComm_t comm, void* handle) {
 
 loomResult_t loomAllReduce(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t datatype,
                            loomRedOp_t op, loomComm_t comm, loomStream_t stream) {
-  if (loomResult_t r = checkEnums("loomAllReduce", &datatype, &op)) return r;
+  if (loomResult_t r = checkEnums("loomAllReduce", comm, &datatype, &op)) return r;
   OpDesc d;
   d.coll = Collective::AllReduce;
   d.sendbuf = sendbuff;
@@ -916,7 +918,7 @@ loomResult_t loomAllReduce(const void* sendbuff, void* recvbuff, size_t count, l
 loomResult_t loomReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
                                loomDataType_t datatype, loomRedOp_t op, loomComm_t comm,
                                loomStream_t stream) {
-  if (loomResult_t r = checkEnums("loomReduceScatter", &datatype, &op)) return r;
+  if (loomResult_t r = checkEnums("loomReduceScatter", comm, &datatype, &op)) return r;
   OpDesc d;
   d.coll = Collective::ReduceScatter;
   d.sendbuf = sendbuff;
@@ -931,7 +933,7 @@ loomResult_t loomReduceScatter(const void* sendbuff, void* recvbuff, size_t recv
 
 loomResult_t loomAllGather(const void* sendbuff, void* recvbuff, size_t sendcount, loomDataType_t datatype,
                            loomComm_t comm, loomStream_t stream) {
-  if (loomResult_t r = checkEnums("loomAllGather", &datatype, nullptr)) return r;
+  if (loomResult_t r = checkEnums("loomAllGather", comm, &datatype, nullptr)) return r;
   OpDesc d;
   d.coll = Collective::AllGather;
   d.sendbuf = sendbuff;
@@ -945,7 +947,7 @@ loomResult_t loomAllGather(const void* sendbuff, void* recvbuff, size_t sendcoun
 
 loomResult_t loomBroadcast(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t datatype,
                            int root, loomComm_t comm, loomStream_t stream) {
-  if (loomResult_t r = checkEnums("loomBroadcast", &datatype, nullptr)) return r;
+  if (loomResult_t r = checkEnums("loomBroadcast", comm, &datatype, nullptr)) return r;
   OpDesc d;
   d.coll = Collective::Broadcast;
   d.sendbuf = sendbuff;
@@ -960,7 +962,7 @@ loomResult_t loomBroadcast(const void* sendbuff, void* recvbuff, size_t count, l
 
 loomResult_t loomReduce(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t datatype,
                         loomRedOp_t op, int root, loomComm_t comm, loomStream_t stream) {
-  if (loomResult_t r = checkEnums("loomReduce", &datatype, &op)) return r;
+  if (loomResult_t r = checkEnums("loomReduce", comm, &datatype, &op)) return r;
   OpDesc d;
   d.coll = Collective::Reduce;
   d.sendbuf = sendbuff;
@@ -976,40 +978,40 @@ loomResult_t loomReduce(const void* sendbuff, void* recvbuff, size_t count, loom
 
 loomResult_t loomSend(const void* sendbuff, size_t count, loomDataType_t datatype, int peer,
                       loomComm_t comm, loomStream_t stream) {
-  if (loomResult_t r = checkEnums("loomSend", &datatype, nullptr)) return r;
+  if (loomResult_t r = checkEnums("loomSend", comm, &datatype, nullptr)) return r;
   return issueOp("loomSend", comm, stream, pointToPoint(true, sendbuff, count, datatype, peer));
 }
 
 loomResult_t loomRecv(void* recvbuff, size_t count, loomDataType_t datatype, int peer, loomComm_t comm,
                       loomStream_t stream) {
-  if (loomResult_t r = checkEnums("loomRecv", &datatype, nullptr)) return r;
+  if (loomResult_t r = checkEnums("loomRecv", comm, &datatype, nullptr)) return r;
   return issueOp("loomRecv", comm, stream, pointToPoint(false, recvbuff, count, datatype, peer));
 }
 
 loomResult_t loomSendTagged(const void* sendbuff, size_t count, loomDataType_t datatype, int peer, int tag,
                             loomComm_t comm, loomStream_t stream) {
-  if (loomResult_t r = checkEnums("loomSendTagged", &datatype, nullptr)) return r;
+  if (loomResult_t r = checkEnums("loomSendTagged", comm, &datatype, nullptr)) return r;
   return issueOp("loomSendTagged", comm, stream,
                  tagged(pointToPoint(true, sendbuff, count, datatype, peer), tag, nullptr));
 }
 
 loomResult_t loomRecvTagged(void* recvbuff, size_t count, loomDataType_t datatype, int peer, int tag,
                             loomComm_t comm, loomStream_t stream, loomP2PStatus* status) {
-  if (loomResult_t r = checkEnums("loomRecvTagged", &datatype, nullptr)) return r;
+  if (loomResult_t r = checkEnums("loomRecvTagged", comm, &datatype, nullptr)) return r;
   return issueOp("loomRecvTagged", comm, stream,
                  tagged(pointToPoint(false, recvbuff, count, datatype, peer), tag, status));
 }
 
 loomResult_t loomAllToAll(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t datatype,
                           loomComm_t comm, loomStream_t stream) {
-  if (loomResult_t r = checkEnums("loomAllToAll", &datatype, nullptr)) return r;
+  if (loomResult_t r = checkEnums("loomAllToAll", comm, &datatype, nullptr)) return r;
   return issueOp("loomAllToAll", comm, stream, exchange(Collective::AllToAll, sendbuff, recvbuff, count, datatype, 0));
 }
 
 loomResult_t loomAllToAllv(const void* sendbuff, const size_t sendcounts[], const size_t sdispls[],
                            void* recvbuff, const size_t recvcounts[], const size_t rdispls[],
                            loomDataType_t datatype, loomComm_t comm, loomStream_t stream) {
-  if (loomResult_t r = checkEnums("loomAllToAllv", &datatype, nullptr)) return r;
+  if (loomResult_t r = checkEnums("loomAllToAllv", comm, &datatype, nullptr)) return r;
   return issueExchange("loomAllToAllv", comm, stream, [&](int n, int me) {
     if (!sendcounts || !sdispls || !recvcounts || !rdispls)
       fail(loomInvalidArgument,
@@ -1057,13 +1059,13 @@ loomResult_t loomAllToAllv(const void* sendbuff, const size_t sendcounts[], cons
 
 loomResult_t loomGather(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t datatype, int root,
                         loomComm_t comm, loomStream_t stream) {
-  if (loomResult_t r = checkEnums("loomGather", &datatype, nullptr)) return r;
+  if (loomResult_t r = checkEnums("loomGather", comm, &datatype, nullptr)) return r;
   return issueOp("loomGather", comm, stream, exchange(Collective::Gather, sendbuff, recvbuff, count, datatype, root));
 }
 
 loomResult_t loomScatter(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t datatype,
                          int root, loomComm_t comm, loomStream_t stream) {
-  if (loomResult_t r = checkEnums("loomScatter", &datatype, nullptr)) return r;
+  if (loomResult_t r = checkEnums("loomScatter", comm, &datatype, nullptr)) return r;
   return issueOp("loomScatter", comm, stream, exchange(Collective::Scatter, sendbuff, recvbuff, count, datatype, root));
 }
 

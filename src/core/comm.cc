@@ -370,7 +370,7 @@ IpcRecord loomComm::fetchDeviceRegion(int peer) {
   const int64_t start = nowMs(), timeout = timeoutMs_.load();
   for (;;) {
     loomResult_t prior = asyncError();
-    if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", lastError().c_str());
+    if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", failure().c_str());
     const int64_t now = nowMs();
     std::vector<uint8_t> answer;
     Reach reach = ctl_ ? ctl_->askRegion(peer, &answer, now + std::min<int64_t>(1000, std::max<int64_t>(1, timeout)))
@@ -863,7 +863,7 @@ bool loomComm::failFirst(loomResult_t code, const std::string& msg, CtlType noti
     if (first) {
       causeRoot_ = root >= 0 ? root : rank_;
       causeMsg_ = root >= 0 ? rootMsg : msg;
-      lastError_ = msg;
+      lastError_ = failMsg_ = msg;
     }
   }
   if (first) {
@@ -902,7 +902,7 @@ void loomComm::failFromParent(loomResult_t code, const std::string& msg) {
     if (first) {
       causeRoot_ = rank_;
       causeMsg_ = msg;
-      lastError_ = msg;
+      lastError_ = failMsg_ = msg;
     }
   }
   if (!first) return;
@@ -1096,7 +1096,7 @@ void loomComm::revoke() {
     std::lock_guard<std::mutex> lock(errMutex_);
     int expected = loomSuccess;
     if (asyncError_.compare_exchange_strong(expected, loomRemoteError)) {
-      lastError_ = strf("rank %d: the communicator was revoked on this rank", rank_);
+      lastError_ = failMsg_ = strf("rank %d: the communicator was revoked on this rank", rank_);
       causeRoot_ = rank_;
       causeMsg_ = lastError_;
       first = true;
@@ -1141,6 +1141,11 @@ void loomComm::settleNotices(int64_t deadlineMs) {
 void loomComm::setLastError(const std::string& msg) {
   std::lock_guard<std::mutex> lock(errMutex_);
   lastError_ = msg;
+}
+
+std::string loomComm::failure() {
+  std::lock_guard<std::mutex> lock(errMutex_);
+  return failMsg_;
 }
 
 std::string loomComm::lastError() {

@@ -112,6 +112,9 @@ struct loomComm : public loom::ExecEnv,
   loomResult_t asyncError() const { return loomResult_t(asyncError_.load()); }
   void setLastError(const std::string& msg);
   std::string lastError();
+  // The message this rank recorded when the communicator failed (what later
+  // calls repeat, once, whatever errors came in between).
+  std::string failure();
 
   void abort();
   // loomCommRevoke: fails this rank's pending and later operations and tells
@@ -337,6 +340,7 @@ struct loomComm : public loom::ExecEnv,
   std::atomic<bool> revoked_{false};
   std::mutex errMutex_;
   std::string lastError_;
+  std::string failMsg_;  // under errMutex_
   std::set<int> dead_;                   // under errMutex_
   std::set<int> unreachable_;            // under errMutex_; never holds a dead rank
   std::atomic<int64_t> aliveCheckedMs_{0};  // checkPeerAlive's last look
