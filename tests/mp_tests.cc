@@ -241,6 +241,12 @@ TEST_CASE("rooted collectives whose ranks name different roots fail naming them,
                 std::string("rootmismatch ") + mode + " " + std::to_string(count), 90) == 0);
 }
 
+TEST_CASE("loomCommShrink with lists that leave each other out: the larger side agrees, the rank it left out gets "
+          "an error instead of a communicator of its own",
+          "[mp][fault]") {
+  CHECK(loomRun(std::string(kShm) + " LOOM_TIMEOUT_MS=5000", 4, "shrinklists", 60) == 0);
+}
+
 TEST_CASE("ranks whose all-to-all counts disagree fail with an error instead of hanging", "[mp][fault]") {
   int n = GENERATE(2, 3);
   INFO("nranks " << n);

@@ -790,6 +790,34 @@ static void scenarioRootMismatch(loomComm_t comm, const std::string& mode, size_
   expect(secs < 10, mode + ": found in " + std::to_string(secs) + " s, not at the timeout");
 }
 
+// Healthy ranks that pass loomCommShrink different lists: rank 0 leaves out
+// rank 1, the others leave out rank 0.  The others agree among themselves
+// (an exact all-reduce); rank 0, which they left out, must not go on with a
+// communicator of its own: it learns from them that they shrink without it
+// (they keep the parent a while, as a program that frees it later does).
+static void scenarioShrinkLists(loomComm_t comm) {
+  int exclude = gRank == 0 ? 1 : 0;
+  loomComm_t sub = nullptr;
+  loomResult_t r = loomCommShrink(comm, &exclude, 1, &sub);
+  const std::string msg = loomGetLastError(nullptr);
+  printf("rank %d: shrink without %d: %s %s\n", gRank, exclude, loomGetErrorString(r), msg.c_str());
+  if (gRank == 0) {
+    expect(r == loomInvalidUsage && sub == nullptr, "rank 0, left out by the others, gets no communicator");
+    expect(msg.find("same excludeRanks") != std::string::npos, "rank 0's error says the lists differ: " + msg);
+    return;
+  }
+  expect(r == loomSuccess && sub != nullptr, "the others agree");
+  if (!sub) return;
+  int n = 0;
+  loomCommCount(sub, &n);
+  expect(n == gSize - 1, "the others' communicator has all but rank 0");
+  int64_t v = gRank;
+  CHECK_LOOM(loomAllReduce(&v, &v, 1, loomInt64, loomSum, sub, nullptr));
+  expect(v == int64_t(gSize) * (gSize - 1) / 2, "the others' all-reduce is exact");
+  CHECK_LOOM(loomCommDestroy(sub));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+}
+
 static void scenarioSplit(loomComm_t comm) {
   loomComm_t half;
   CHECK_LOOM(loomCommSplit(comm, gRank % 2, gRank, &half));
@@ -1965,6 +1993,7 @@ int main(int argc, char** argv) {
   else if (sc == "smallmismatch") scenarioSmallMismatch(comm, argc > 2 ? argv[2] : "count");
   else if (sc == "pullmix") scenarioPullMix(comm);
   else if (sc == "split") scenarioSplit(comm);
+  else if (sc == "shrinklists") scenarioShrinkLists(comm);
   else if (sc == "rootmismatch") scenarioRootMismatch(comm, argc > 2 ? argv[2] : "bcast", argc > 3 ? strtoull(argv[3], nullptr, 10) : 8);
   else if (sc == "descriptors") scenarioDescriptors(comm, argc > 2 ? atoi(argv[2]) : 5);
   else if (sc == "tagged") scenarioTagged(comm);
@@ -1980,7 +2009,7 @@ int main(int argc, char** argv) {
     fprintf(stderr, "unknown scenario %s\n", sc.c_str());
     return 2;
   }
-  if (sc == "mismatch" || sc == "a2amismatch" || sc == "smallmismatch" || sc == "rootmismatch" || sc == "dump" || sc == "taggedtimeout" || sc == "rendezvous")
+  if (sc == "mismatch" || sc == "a2amismatch" || sc == "smallmismatch" || sc == "rootmismatch" || sc == "shrinklists" || sc == "dump" || sc == "taggedtimeout" || sc == "rendezvous")
     loomCommAbort(comm);
   else CHECK_LOOM(loomCommDestroy(comm));
   if (gFailures) fprintf(stderr, "rank %d: %d checks failed\n", gRank, gFailures);

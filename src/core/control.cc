@@ -69,7 +69,7 @@ long ctlMissing(const uint8_t* bytes, size_t n, const uint8_t secret[16], uint64
   memcpy(&h, bytes, sizeof h);
   if (h.magic != kCtlMagic) return *why = "bad magic", -1;
   if (memcmp(h.secret, secret, 16) != 0 || h.commTag != commTag) return *why = "another communicator", -1;
-  if (h.type < uint32_t(CtlType::Probe) || h.type > uint32_t(CtlType::Sigs))
+  if (h.type < uint32_t(CtlType::Probe) || h.type > uint32_t(CtlType::Shrinking))
     return *why = strf("unknown type %u", h.type), -1;
   if (h.from < 0 || h.from >= nranks) return *why = strf("sender rank %d", h.from), -1;
   if (h.pad != 0) return *why = "reserved bytes set", -1;
@@ -372,6 +372,22 @@ Reach Control::askRegion(int r, std::vector<uint8_t>* answer, int64_t deadlineMs
   return reach;
 }
 
+void Control::setShrinking(bool active, const std::vector<int>& out) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  shrinking_ = active;
+  shrinkOut_ = out;
+}
+
+Reach Control::askShrinking(int r, bool* active, std::vector<int>* out, int64_t deadlineMs) {
+  CtlMsg a;
+  Reach reach = ask(*this, rank_, r, CtlType::Shrinking, &a, deadlineMs);
+  if (reach == Reach::Acked) {
+    *active = a.extra.size() == 1 && a.extra[0] == 1;
+    *out = std::move(a.ranks);
+  }
+  return reach;
+}
+
 bool Control::recv(int fd, CtlMsg* m, int64_t deadlineMs) {
   std::vector<uint8_t> buf;
   std::string why;
@@ -489,14 +505,19 @@ void Control::loop() {
             joins_.emplace_back(in.fd, m);
             cv_.notify_all();
             handed = true;
-          } else if (m.type == CtlType::Why || m.type == CtlType::Region) {
+          } else if (m.type == CtlType::Why || m.type == CtlType::Region || m.type == CtlType::Shrinking) {
             CtlMsg a;
             a.type = m.type;
             a.from = rank_;
-            if (m.type == CtlType::Why)
+            if (m.type == CtlType::Why) {
               a.extra = encodeCause(cause_ ? cause_() : CtlCause{});
-            else if (region_)
+            } else if (m.type == CtlType::Shrinking) {
+              std::lock_guard<std::mutex> lock(mutex_);
+              a.extra = {uint8_t(shrinking_ ? 1 : 0)};
+              a.ranks = shrinkOut_;
+            } else if (region_) {
               a.extra = region_(m.from);
+            }
             if (a.extra.size() > kMaxExtra) a.extra.clear();
             std::vector<uint8_t> b = encodeCtl(a, secret_, commTag_.load());
             // A fresh connection's send buffer takes it whole; if not, the asker times out.

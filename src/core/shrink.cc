@@ -67,6 +67,14 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
   const int64_t deadline = nowMs() + 2 * T;
   for (int r : deadRanks()) out.insert(r);
   Control& ctl = *ctl_;
+  // Who this rank leaves out, for a coordinator that waits for it in vain
+  // (below): until this call returns.
+  ctl.setShrinking(true, std::vector<int>(out.begin(), out.end()));
+  struct Done {
+    Control& c;
+    const std::set<int>& out;
+    ~Done() { c.setShrinking(false, std::vector<int>(out.begin(), out.end())); }  // the set it ended with
+  } done{ctl, out};
   auto merge = [&](const std::vector<int>& v) {
     bool grew = false;
     for (int r : v)
@@ -101,6 +109,7 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
   // The coordinator's side; true with *id once committed.
   auto coordinate = [&](UniqueIdData* id) {
     std::map<int, int> joined;  // rank -> its Join connection
+    std::set<int> askedState;   // pending ranks asked whether they shrink without this rank
     auto dropMember = [&](int r, bool excluded) {
       auto it = joined.find(r);
       if (it == joined.end()) return;
@@ -118,7 +127,7 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
     };
     try {
       const int64_t agreeBy = std::min(deadline, nowMs() + T);
-      int64_t nextProbe = nowMs() + 20;
+      int64_t nextProbe = nowMs();  // at once: a rank shrinking without this one may be done in milliseconds
       for (;;) {
         // ---- 2: wait for every rank not out ----
         for (;;) {
@@ -167,6 +176,21 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
             if (!gone.empty()) {
               LOOM_INFO("SHRINK", "rank %d: ranks%s are gone", me, listRanks(gone).c_str());
               out.insert(gone.begin(), gone.end());
+            }
+            // Alive and shrinking (or done shrinking) without this rank: the
+            // ranks passed different lists and follow another coordinator;
+            // going on would build a second communicator beside theirs.
+            for (int r : pending) {
+              if (gone.count(r) || !askedState.insert(r).second) continue;
+              bool active = false;
+              std::vector<int> theirs;
+              if (ctl.askShrinking(r, &active, &theirs, std::min(deadline, nowMs() + 500)) == Reach::Acked &&
+                  std::find(theirs.begin(), theirs.end(), me) != theirs.end())
+                fail(loomInvalidUsage,
+                     "rank %d: loomCommShrink: rank %d %s without this rank (it leaves out%s; this rank leaves "
+                     "out%s): every remaining rank must pass the same excludeRanks",
+                     me, r, active ? "is shrinking" : "shrank this communicator",
+                     listRanks(std::set<int>(theirs.begin(), theirs.end())).c_str(), listRanks(out).c_str());
             }
             nextProbe = nowMs() + 100;
           }
