@@ -154,7 +154,7 @@ typedef enum {
 } loomDeviceKind_t;
 
 #define LOOM_CONFIG_MAGIC 0x6c6f6f6dU /* "loom" */
-#define LOOM_CONFIG_VERSION 1
+#define LOOM_CONFIG_VERSION 2
 typedef struct {
   size_t size;          /* sizeof(loomConfig_t) of the program's loom.h */
   unsigned int magic;   /* LOOM_CONFIG_MAGIC */
@@ -167,9 +167,14 @@ typedef struct {
    * ignores it; deviceKind loomDeviceHost with an ordinal >= 0 is a
    * contradiction and refused. */
   int cudaDevice;
+  /* Version 2.  The communicator's timeout in milliseconds, from its init on
+   * (the bootstrap waits for the other ranks that long): as
+   * loomCommSetTimeout after init, but init is bounded by it too.  0 (the
+   * default): LOOM_TIMEOUT_MS.  Negative: refused. */
+  long long timeoutMs;
 } loomConfig_t;
 #define LOOM_CONFIG_INITIALIZER \
-  { sizeof(loomConfig_t), LOOM_CONFIG_MAGIC, LOOM_CONFIG_VERSION, loomDeviceFromEnv, -1 }
+  { sizeof(loomConfig_t), LOOM_CONFIG_MAGIC, LOOM_CONFIG_VERSION, loomDeviceFromEnv, -1, 0 }
 
 /* loomCommInitRank with a configuration (NULL: loomCommInitRank's).  Every
  * rank must choose the same device kind (loomInvalidUsage otherwise); ranks

@@ -426,15 +426,14 @@ ProcessGroupLoom::ProcessGroupLoom(const c10::intrusive_ptr<c10d::Store>& store,
                 bytes.size(), " bytes, expected ", sizeof id.internal);
     memcpy(id.internal, bytes.data(), sizeof id.internal);
   }
-  loomResult_t r = loomCommInitRank(&comm_, size, id, rank);
-  if (r != loomSuccess) failInit("loomCommInitRank", r, comm_);
-  // The group's timeout bounds every operation: one that makes no progress
-  // for that long fails, naming the rank it waited for.
-  r = loomCommSetTimeout(comm_, std::max<int64_t>(1, timeout.count()));
-  if (r != loomSuccess) {
-    loomCommAbort(comm_);
-    failInit("loomCommSetTimeout", r, nullptr);
-  }
+  // The group's timeout bounds its init (a member that never joins fails
+  // the others within it, as gloo's store timeout does) and every
+  // operation: one that makes no progress for that long fails, naming the
+  // rank it waited for.
+  loomConfig_t config = LOOM_CONFIG_INITIALIZER;
+  config.timeoutMs = std::max<int64_t>(1, timeout.count());
+  loomResult_t r = loomCommInitRankConfig(&comm_, size, id, rank, &config);
+  if (r != loomSuccess) failInit("loomCommInitRankConfig", r, comm_);
   start();
 }
 

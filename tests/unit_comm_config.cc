@@ -6,6 +6,7 @@
 // that names it, before anything waits for a peer.
 #include <atomic>
 #include <catch2/catch.hpp>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "loom.h"
+#include "src/core/clock.h"
 #include "src/core/comm.h"
 #include "src/core/config.h"
 #include "src/device/device_choice.h"
@@ -228,15 +230,18 @@ TEST_CASE(
   expect(c, loomInvalidArgument, "not initialised with LOOM_CONFIG_INITIALIZER (magic 0x0");
   c = LOOM_CONFIG_INITIALIZER;
   c.version = LOOM_CONFIG_VERSION + 1;  // a newer loom.h than this library
-  expect(c, loomInvalidArgument, "config version 2: this library");
-  CHECK(msg.find("knows loomConfig_t versions 1 to 1") != std::string::npos);
+  expect(c, loomInvalidArgument, "config version 3: this library");
+  CHECK(msg.find("knows loomConfig_t versions 1 to 2") != std::string::npos);
   c.version = 0;
   expect(c, loomInvalidArgument, "config version 0");
   c = LOOM_CONFIG_INITIALIZER;
-  c.size = sizeof(loomConfig_t) + 8;  // version 1 with a size it never had
+  c.size = sizeof(loomConfig_t) + 8;  // version 2 with a size it never had
   expect(c, loomInvalidArgument, "config size");
-  CHECK(msg.find("a version 1 loomConfig_t has " + std::to_string(sizeof(loomConfig_t)) + " bytes") !=
+  CHECK(msg.find("a version 2 loomConfig_t has " + std::to_string(sizeof(loomConfig_t)) + " bytes") !=
         std::string::npos);
+  c = LOOM_CONFIG_INITIALIZER;
+  c.timeoutMs = -5;
+  expect(c, loomInvalidArgument, "config timeoutMs -5");
   c = LOOM_CONFIG_INITIALIZER;
   c.deviceKind = 7;
   expect(c, loomInvalidArgument, "config deviceKind 7 is not a loomDeviceKind_t");
@@ -286,4 +291,41 @@ TEST_CASE(
     CHECK(d == -1);
     CHECK(loomCommDestroy(comm) == loomSuccess);
   }
+}
+
+TEST_CASE("loomConfig_t timeoutMs bounds init (a rank that never joins fails it within that time) and is the "
+          "communicator's timeout after it; a version 1 config (without the field) is still read as one",
+          "[config]") {
+  loomUniqueId id;
+  REQUIRE(loomGetUniqueId(&id) == loomSuccess);
+  loomConfig_t c = LOOM_CONFIG_INITIALIZER;
+  c.deviceKind = loomDeviceHost;
+  c.timeoutMs = 400;
+  loomComm_t comm = nullptr;
+  const int64_t t0 = loom::nowMs();
+  CHECK(loomCommInitRankConfig(&comm, 2, id, 0, &c) == loomTimeout);  // rank 1 never comes
+  const int64_t waited = loom::nowMs() - t0;
+  const std::string msg = loomGetLastError(nullptr);
+  INFO(msg);
+  CHECK(msg.find("missing: 1") != std::string::npos);
+  CHECK(waited >= 350);
+  CHECK(waited < 5000);  // LOOM_TIMEOUT_MS is 10 minutes unless set
+  CHECK(comm == nullptr);
+
+  // Version 1: 24 bytes, no timeoutMs; whatever follows is not read.
+  struct {
+    loomConfig_t c;
+  } v1{};
+  v1.c = LOOM_CONFIG_INITIALIZER;
+  v1.c.version = 1;
+  v1.c.size = offsetof(loomConfig_t, timeoutMs);
+  v1.c.deviceKind = loomDeviceHost;
+  v1.c.timeoutMs = -77;  // past a version 1 struct's end: ignored
+  REQUIRE(loomGetUniqueId(&id) == loomSuccess);
+  CHECK(loomCommInitRankConfig(&comm, 1, id, 0, &v1.c) == loomSuccess);
+  REQUIRE(comm != nullptr);
+  float x = 2;
+  CHECK(loomAllReduce(&x, &x, 1, loomFloat32, loomSum, comm, nullptr) == loomSuccess);
+  CHECK(x == 2);
+  CHECK(loomCommDestroy(comm) == loomSuccess);
 }

@@ -4,8 +4,10 @@ timeout, naming that rank; loom_torch.monitored_barrier names it too.
 Run under the launcher with 3 ranks. Rank 2 stays away: from a barrier on a
 loom group created with a 2 s timeout (ranks 0 and 1 must raise in 1.5-6 s
 with "rank 2" in the message), then from a monitored_barrier with a 2 s
-timeout (rank 0 must raise "Rank 2 failed to pass monitoredBarrier"). Exits
-non-zero when a rank does not see what it should.
+timeout (rank 0 must raise "Rank 2 failed to pass monitoredBarrier"), then
+from a new loom group with a 2 s timeout (ranks 0 and 1 must raise in
+1.5-6 s; rank 0 names the missing rank 2). Exits non-zero when a rank does
+not see what it should.
 """
 import datetime
 import sys
@@ -54,6 +56,21 @@ except RuntimeError as e:
         failures.append(f"rank 0's error does not name rank 2: {e}")
     if took > 8:
         failures.append(f"monitored_barrier raised only after {took:.1f} s")
+
+# 3. A group rank 2 never joins: its creation fails within its timeout on
+# the others (it waited for LOOM_TIMEOUT_MS, 10 minutes, before).
+if rank != 2:
+    start = time.monotonic()
+    try:
+        dist.new_group(backend="loom", timeout=datetime.timedelta(seconds=2))
+        failures.append("new_group without rank 2 returned")
+    except RuntimeError as e:
+        took = time.monotonic() - start
+        print(f"[rank {rank}] new_group raised after {took:.1f} s: {e}", flush=True)
+        if not 1.5 <= took <= 6:
+            failures.append(f"new_group raised after {took:.1f} s, not about the 2 s timeout")
+        if rank == 0 and "missing: 2" not in str(e):
+            failures.append(f"rank 0's error does not name rank 2: {e}")
 
 # The default group is unaffected by the failed one.
 t = torch.ones(4)

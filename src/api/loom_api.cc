@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstddef>
 #include <cstring>
 #include <memory>
 #include <new>
@@ -464,7 +465,7 @@ OpDesc tagged(OpDesc d, int tag, loomP2PStatus* status) {
 
 // The bytes of loomConfig_t in each version (index: version), so that a
 // struct from an older loom.h is read as what it is.
-constexpr size_t kConfigBytes[] = {0, sizeof(loomConfig_t)};
+constexpr size_t kConfigBytes[] = {0, offsetof(loomConfig_t, timeoutMs), sizeof(loomConfig_t)};
 static_assert(sizeof kConfigBytes / sizeof kConfigBytes[0] == LOOM_CONFIG_VERSION + 1,
               "a size for every config version");
 
@@ -507,6 +508,12 @@ DeviceRequest deviceRequestOf(const loomConfig_t* config) {
     fail(loomInvalidArgument, "config cudaDevice %d names a CUDA device, but deviceKind is loomDeviceHost",
          config->cudaDevice);
   r.device = config->cudaDevice;
+  if (config->version >= 2) {
+    if (config->timeoutMs < 0)
+      fail(loomInvalidArgument, "config timeoutMs %lld: expected milliseconds (> 0), or 0 for LOOM_TIMEOUT_MS",
+           config->timeoutMs);
+    r.timeoutMs = int64_t(config->timeoutMs);
+  }
   return r;
 }
 
@@ -550,7 +557,7 @@ const char* loomGetErrorString(loomResult_t r) {
     case loomInvalidUsage: return "invalid usage (wrong call sequence or ranks that disagree)";
     case loomRemoteError: return "remote error (a peer died, aborted or closed its connection)";
     case loomInProgress: return "operation in progress";
-    case loomTimeout: return "timeout (no progress within LOOM_TIMEOUT_MS)";
+    case loomTimeout: return "timeout (no progress within the communicator's timeout)";
     default: return "unknown result code";
   }
 }

@@ -253,8 +253,8 @@ void Bootstrap::join(const UniqueIdData& id, const BootCheck& check) {
     recvAll(rootFd_, &reply, sizeof reply, deadline_);
   } catch (const Error& e) {
     fail(e.code(), "rank %d: bootstrap with root %s failed: %s%s", rank, root.str().c_str(), e.what(),
-         e.code() == loomTimeout ? " (its port took the connection but rank 0 never answered: is rank 0 running "
-                                   "and has it called init?)"
+         e.code() == loomTimeout ? " (rank 0 answers once every rank has joined: a rank is missing, or rank 0 "
+                                   "itself has not called init)"
                                  : "");
   }
   checkJoinReply(&reply, sizeof reply, rank);

@@ -109,7 +109,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
   nranks_ = nranks;
   part_ = device.part;
   if (!part_) logSetRank(rank);  // a sub-communicator's rank is not the process's
-  timeoutMs_ = cfg.timeoutMs;
+  timeoutMs_ = device.timeoutMs > 0 ? device.timeoutMs : cfg.timeoutMs;
   spinUs_ = cfg.spinUs;
   checkMode_ = cfg.checkMode;
   int64_t deadline = nowMs() + timeoutMs_;

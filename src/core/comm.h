@@ -170,6 +170,7 @@ struct loomComm : public loom::ExecEnv,
     r.derived = true;
     r.kind = device_ ? loom::DeviceRequest::Kind::Cuda : loom::DeviceRequest::Kind::Host;
     r.device = device_ ? device_->device() : -1;
+    r.timeoutMs = timeoutMs_.load();
     return r;
   }
   std::vector<loom::Transport*> transportList() const {

@@ -15,6 +15,10 @@ struct DeviceRequest {
   enum class Kind { FromEnv, Host, Cuda, Auto };
   Kind kind = Kind::FromEnv;
   int device = -1;  // the CUDA ordinal named; -1: the current device at init
+  // Not the device's, but init's too: the timeout loomConfig_t asked for
+  // (0: LOOM_TIMEOUT_MS).  Children (split, shrink) take their parent's
+  // timeout as they take its device.
+  int64_t timeoutMs = 0;
   // Set only for the internal sub-communicators of the hierarchical device
   // path (src/core/hier_device.h): the path they must take (1: ipc, 2:
   // staged; 0: LOOM_DEVICE_PATH), the rank whose device driver they use
