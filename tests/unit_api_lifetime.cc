@@ -78,7 +78,7 @@ TEST_CASE("loomCommAbort from another thread ends a call blocked on the communic
   }
 }
 
-TEST_CASE("loomCommDestroy of a communicator with operations in this thread's open group is refused; the group "
+TEST_CASE("loomCommDestroy of a communicator with operations in this thread's open group is refused, the group "
           "still runs, and abort inside a group frees nothing the group uses",
           "[api][group]") {
   std::vector<loomComm_t> comms = initThreads(2);

@@ -1,6 +1,7 @@
 // Bootstrap and init in one process: two ranks as threads, plus hostile
 // connections to the root's port.
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -170,4 +171,32 @@ TEST_CASE("error strings name every result code", "[api]") {
   CHECK(loomGetVersion(&v) == loomSuccess);
   CHECK(v == LOOM_VERSION_CODE);
   CHECK(loomGetVersion(nullptr) == loomInvalidArgument);
+}
+
+TEST_CASE("unused unique ids hold at most 64 listening descriptors, and an id whose listener was closed still works",
+          "[bootstrap]") {
+  auto fds = [] {
+    int n = 0;
+    for (int fd = 0; fd < 4096; ++fd) n += fcntl(fd, F_GETFD) >= 0;
+    return n;
+  };
+  loomUniqueId first;
+  REQUIRE(loomGetUniqueId(&first) == loomSuccess);
+  const int before = fds();
+  for (int i = 0; i < 300; ++i) {
+    loomUniqueId id;
+    REQUIRE(loomGetUniqueId(&id) == loomSuccess);
+  }
+  CHECK(fds() - before <= 64);  // was one more per id, for good
+  // `first` lost its listener long ago: rank 0 binds the port again.
+  loomComm_t c[2] = {nullptr, nullptr};
+  loomResult_t rc[2];
+  std::thread t([&] { rc[1] = loomCommInitRank(&c[1], 2, first, 1); });
+  rc[0] = loomCommInitRank(&c[0], 2, first, 0);
+  t.join();
+  INFO(loomGetLastError(nullptr));
+  CHECK(rc[0] == loomSuccess);
+  CHECK(rc[1] == loomSuccess);
+  for (loomComm_t x : c)
+    if (x) loomCommDestroy(x);
 }

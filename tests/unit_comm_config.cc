@@ -294,7 +294,7 @@ TEST_CASE(
 }
 
 TEST_CASE("loomConfig_t timeoutMs bounds init (a rank that never joins fails it within that time) and is the "
-          "communicator's timeout after it; a version 1 config (without the field) is still read as one",
+          "communicator's timeout after it, and a version 1 config (without the field) is still read as one",
           "[config]") {
   loomUniqueId id;
   REQUIRE(loomGetUniqueId(&id) == loomSuccess);

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <deque>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -29,6 +30,11 @@ constexpr uint16_t kBootVersion = 1;
 // Listeners opened by loomGetUniqueId, waiting for this process's rank 0.
 std::mutex gListenMutex;
 std::map<std::string, int> gListeners;
+std::deque<std::string> gListenOrder;  // gListeners' keys, oldest first (some may be gone)
+// Ids made and never used hold a descriptor each; past this many the oldest
+// listener is closed.  Its id still works: rank 0 then binds the port again
+// (bootstrap from the environment's way), unless another process took it.
+constexpr size_t kMaxIdListeners = 64;
 
 std::string secretKey(const uint8_t s[16]) { return std::string(reinterpret_cast<const char*>(s), 16); }
 
@@ -182,6 +188,18 @@ void makeUniqueId(loomUniqueId* out, const SockAddr* advertiseAt) {
   {
     std::lock_guard<std::mutex> lock(gListenMutex);
     gListeners[secretKey(id.secret)] = fd;
+    gListenOrder.push_back(secretKey(id.secret));
+    while (gListeners.size() > kMaxIdListeners && !gListenOrder.empty()) {
+      auto old = gListeners.find(gListenOrder.front());
+      gListenOrder.pop_front();
+      if (old == gListeners.end()) continue;  // already served
+      close(old->second);
+      gListeners.erase(old);
+    }
+    if (gListenOrder.size() > 4 * kMaxIdListeners)  // keys of served ids
+      gListenOrder.erase(std::remove_if(gListenOrder.begin(), gListenOrder.end(),
+                                        [](const std::string& k) { return !gListeners.count(k); }),
+                         gListenOrder.end());
   }
   memset(out, 0, sizeof *out);
   memcpy(out->internal, &id, sizeof id);
@@ -295,7 +313,11 @@ void Bootstrap::serve(const UniqueIdData& id, const BootCheck& check) {
   }
   if (listenFd < 0) {
     // The id came from the environment: rank 0 opens the port named in it.
+    // Or it is loomGetUniqueId's whose listener was closed (too many unused
+    // ids): every address again, as loomGetUniqueId listened (ranks of this
+    // host come through loopback).
     SockAddr a = resolveAddr(id.host, id.port);
+    if (id.localKey != 0) a = resolveAddr(a.ss.ss_family == AF_INET6 ? "::" : "0.0.0.0", id.port);
     try {
       listenFd = listenOn(a);
     } catch (const Error& e) {
