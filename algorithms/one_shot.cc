@@ -100,7 +100,10 @@ void directCheckPosted(const DirectContext& ctx, int peer, const SlotTag& mine) 
     SlotTag t;
     memcpy(&t, &mb->tag, sizeof t);
     std::atomic_thread_fence(std::memory_order_acquire);
-    if (mb->seq.load(std::memory_order_relaxed) == stamp && !sameOperation(t, mine)) failMismatch(ctx.rank, peer, t, mine);
+    // The tag must be this operation's too: a peer two operations ahead may
+    // be between writing the next tag and its stamp.
+    if (mb->seq.load(std::memory_order_relaxed) == stamp && t.seq == mine.seq && !sameOperation(t, mine))
+      failMismatch(ctx.rank, peer, t, mine);
   }
 }
 

@@ -235,7 +235,9 @@ LOOM_API loomResult_t loomCommRevoke(loomComm_t comm);
  * members are not more than the ranks it left out and cannot reach gets
  * loomRemoteError instead of a communicator (both sides could otherwise go
  * on, each believing the other dead; two equal halves both fail).  Every surviving rank that is not
- * excluded must call it, with the same list; a listed rank need not call
+ * excluded must call it, with the same list (a rank that the others leave
+ * out while it leaves out one of them gets loomInvalidUsage when it can
+ * still ask them); a listed rank need not call
  * (if it does, it gets *newcomm = NULL at once).  The callers run a
  * fault-tolerant agreement on who is alive: they all return the same
  * membership even if another rank dies during the shrink, and none waits

@@ -247,6 +247,18 @@ TEST_CASE("loomCommShrink with lists that leave each other out: the larger side 
   CHECK(loomRun(std::string(kShm) + " LOOM_TIMEOUT_MS=5000", 4, "shrinklists", 60) == 0);
 }
 
+TEST_CASE("ranks whose LOOM_CHECK_MODE differs take rank 0's: small rooted collectives and the rest stay exact",
+          "[mp]") {
+  // Check mode adds headers to one-shot broadcast, scatter and gather: a
+  // rank that skipped them would leave its root waiting.
+  for (const char* off : {"1", "0"}) {
+    INFO("LOOM_CHECK_MODE=off on rank " << off);
+    CHECK(loomtest::shell(std::string(kShm) + " LOOM_TIMEOUT_MS=20000 " + loomtest::binDir() +
+                          "/loom-run -n 3 --timeout 120 -- bash -c '[ \"$LOOM_RANK\" = " + off +
+                          " ] && export LOOM_CHECK_MODE=off; exec " + loomtest::binDir() + "/mp-worker matrix 1027 3 0'") == 0);
+  }
+}
+
 TEST_CASE("ranks whose all-to-all counts disagree fail with an error instead of hanging", "[mp][fault]") {
   int n = GENERATE(2, 3);
   INFO("nranks " << n);

@@ -48,9 +48,10 @@ TEST_CASE("loomCommAbort from another thread ends a call blocked on the communic
         r1 = loomAllReduce(b.data(), b.data(), count, loomFloat32, loomSum, comms[1], nullptr);
         loomCommDestroy(comms[1]);
       });
+      loomResult_t aborted = loomInternalError;  // checked here: Catch2's assertions are not thread-safe
       std::thread watchdog([&] {
         std::this_thread::sleep_for(std::chrono::milliseconds(200));
-        CHECK(loomCommAbort(comms[0]) == loomSuccess);
+        aborted = loomCommAbort(comms[0]);
       });
       const auto t0 = std::chrono::steady_clock::now();
       if (onStream) {
@@ -69,6 +70,7 @@ TEST_CASE("loomCommAbort from another thread ends a call blocked on the communic
       rank0Returned = true;
       watchdog.join();
       rank1.join();
+      CHECK(aborted == loomSuccess);
       INFO(msg0);
       CHECK(r0 == loomRemoteError);
       CHECK(msg0.find("aborted") != std::string::npos);
@@ -158,4 +160,28 @@ TEST_CASE("calls on a failed communicator repeat its failure once, however many 
     CHECK(after1[size_t(r)].size() < 600);
   }
   for (loomComm_t c : comms) loomCommAbort(c);
+}
+
+TEST_CASE("loomCommDestroy waiting for a stream operation and loomCommAbort from a watchdog at the same time: both "
+          "return, the communicator is freed once, after both",
+          "[api][abort]") {
+  std::vector<loomComm_t> comms = initThreads(2);
+  std::vector<float> a(1 << 16, 1.0f);
+  loomStream_t s = nullptr;
+  REQUIRE(loomStreamCreate(&s) == loomSuccess);
+  // Rank 1 never calls: the stream's all-reduce waits, and so does destroy.
+  CHECK(loomAllReduce(a.data(), a.data(), a.size(), loomFloat32, loomSum, comms[0], s) == loomSuccess);
+  loomResult_t destroyed = loomInternalError, aborted = loomInternalError;
+  std::thread destroyer([&] { destroyed = loomCommDestroy(comms[0]); });
+  std::thread watchdog([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    aborted = loomCommAbort(comms[0]);
+  });
+  destroyer.join();
+  watchdog.join();
+  CHECK(destroyed == loomSuccess);
+  CHECK(aborted == loomSuccess);
+  CHECK(loomStreamSynchronize(s) == loomRemoteError);
+  CHECK(loomStreamDestroy(s) == loomSuccess);
+  loomCommAbort(comms[1]);
 }

@@ -465,7 +465,12 @@ OpDesc tagged(OpDesc d, int tag, loomP2PStatus* status) {
 
 // The bytes of loomConfig_t in each version (index: version), so that a
 // struct from an older loom.h is read as what it is.
-constexpr size_t kConfigBytes[] = {0, offsetof(loomConfig_t, timeoutMs), sizeof(loomConfig_t)};
+struct ConfigV1 {  // loomConfig_t as version 1 of loom.h had it
+  size_t size;
+  unsigned int magic, version;
+  int deviceKind, cudaDevice;
+};
+constexpr size_t kConfigBytes[] = {0, sizeof(ConfigV1), sizeof(loomConfig_t)};
 static_assert(sizeof kConfigBytes / sizeof kConfigBytes[0] == LOOM_CONFIG_VERSION + 1,
               "a size for every config version");
 
@@ -512,7 +517,8 @@ DeviceRequest deviceRequestOf(const loomConfig_t* config) {
     if (config->timeoutMs < 0)
       fail(loomInvalidArgument, "config timeoutMs %lld: expected milliseconds (> 0), or 0 for LOOM_TIMEOUT_MS",
            config->timeoutMs);
-    r.timeoutMs = int64_t(config->timeoutMs);
+    // Deadlines are now + timeout: a year is forever enough, and no overflow.
+    r.timeoutMs = int64_t(std::min<long long>(config->timeoutMs, 365LL * 24 * 3600 * 1000));
   }
   return r;
 }
@@ -739,6 +745,9 @@ loomResult_t loomCommSplit(loomComm_t comm, int color, int key, loomComm_t* newc
 
 loomResult_t loomCommDestroy(loomComm_t comm) {
   if (!comm) return loomSuccess;
+  // Held until the call returns: an abort from another thread meanwhile
+  // releases the handle, and the communicator must outlive this call.
+  const std::shared_ptr<loomComm> hold = comm->weak_from_this().lock();
   return guarded("loomCommDestroy", nullptr, [&] {
     // Its operations in this thread's open group would wait for it at
     // loomGroupEnd (abort still frees it: the group then fails).
@@ -755,6 +764,7 @@ loomResult_t loomCommDestroy(loomComm_t comm) {
 
 loomResult_t loomCommAbort(loomComm_t comm) {
   if (!comm) return loomSuccess;
+  const std::shared_ptr<loomComm> hold = comm->weak_from_this().lock();  // as in loomCommDestroy
   return guarded("loomCommAbort", nullptr, [&] {
     comm->abort();
     comm->releaseHandle();

@@ -387,6 +387,14 @@ void Bootstrap::serve(const UniqueIdData& id, const BootCheck& check) {
         if (n < 0) continue;
         p.got += size_t(n);
         if (p.got < sizeof p.hello) continue;
+        // A hello whose sender has closed already: a rank of an earlier
+        // init that gave up (loom-run's listener outlives inits and keeps
+        // what queued in between); taking it would refuse the real one.
+        char probe;
+        if (recv(p.fd, &probe, 1, MSG_PEEK | MSG_DONTWAIT) == 0) {
+          drop(i - 1, "closed after its hello (a rank of an earlier init that gave up)");
+          continue;
+        }
         std::vector<bool> joinedRanks(fds_.size());
         for (size_t r = 0; r < fds_.size(); ++r) joinedRanks[r] = fds_[r] >= 0;
         JoinCheck chk = checkJoinHello(&p.hello, sizeof p.hello, id.secret, nranks_, joinedRanks);

@@ -167,6 +167,8 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
   mine.topo = localRankTopo(advertise.ss);
   const std::vector<int> cpus = allowedCpus();
   mine.cpuSet = cpuSetHash(cpus);
+  mine.checkMode = cfg.checkMode ? 1 : 0;
+  if (const RankInfo* p = device.parentRoot) mine.checkMode = p->checkMode;
   // The control socket listens where the tcp transport would.
   ctl_ = std::make_unique<Control>(rank, nranks, id.secret,
                                    cfg.socketIfname.empty() ? resolveAddr(advertise.ss.ss_family == AF_INET6 ? "::" : "0.0.0.0", 0)
@@ -216,6 +218,9 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
   env.commTag = root.commTag;
   env.slotBytes = root.slotBytes;
   env.slots = root.slots;
+  // Check mode changes what one-shot collectives send (headers), so every
+  // rank takes rank 0's.
+  checkMode_ = root.checkMode != 0;
   env.maxChannels = maxChannels_ + 1;  // and the tagged channel (p2p_tagged.h)
   directLayout_ = DirectLayout{nranks, root.mailBytes, root.stageBytes};
   env.windowBytes = directLayout_.bytes();
@@ -985,6 +990,7 @@ std::unique_ptr<DeviceCollectives> loomComm::makeHierDevice(Bootstrap& boot, con
   sub.device = choice.device;
   sub.driverRank = driverRank;
   sub.parentRoot = &root;
+  sub.timeoutMs = timeoutMs_.load();
   sub.path = 1;
   sub.part = "local";
   try {

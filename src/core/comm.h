@@ -54,6 +54,8 @@ struct RankInfo {
   uint32_t deviceStageBytes; // LOOM_DEVICE_STAGE_BYTES (the staged path's piece); rank 0's value is used by all
   uint32_t deviceHierMinBytes; // LOOM_DEVICE_HIER_MIN_BYTES; rank 0's value is used by all
   uint64_t cpuSet;     // cpuSetHash of the CPUs it may run on (src/topology/cpu_bind.h)
+  uint32_t checkMode;  // LOOM_CHECK_MODE (1 on); rank 0's value is used by all
+  uint32_t pad;
 };
 
 // Checks the record rank `r` sent during init (bytes from the network):
@@ -137,7 +139,15 @@ struct loomComm : public loom::ExecEnv,
   // and without the dead agree on who is left and build a new communicator;
   // nullptr for a rank left out.
   std::shared_ptr<loomComm> shrink(const std::vector<int>& exclude);
-  void releaseHandle() { self_.reset(); }
+  // Drops the handle's reference (destroy, abort); two threads may race
+  // here (destroy and a watchdog's abort): only the first lets go.
+  void releaseHandle() {
+    std::shared_ptr<loomComm> self;
+    {
+      std::lock_guard<std::mutex> lock(selfMutex_);
+      self.swap(self_);
+    }
+  }
   // Called (once, on whichever thread fails it) with this communicator's
   // first failure: a hierarchical parent's sub-communicators tell their
   // parent this way (src/core/hier_device.h).  nullptr clears it; calls
@@ -349,6 +359,8 @@ struct loomComm : public loom::ExecEnv,
   std::string causeMsg_;                 // under errMutex_: the message of the rank where it began
   std::unique_ptr<loom::Control> ctl_;   // destroyed first: its thread calls onNotice
   std::shared_ptr<loomComm> self_;  // the handle's reference
+  std::mutex selfMutex_;            // guards self_ (releaseHandle)
+  std::atomic<uint32_t> shrinkRounds_{0};  // loomCommShrink calls on this communicator (shrink.cc)
   std::unique_ptr<loom::Tracer> tracer_;  // LOOM_TRACE
   // The operation running now (comm_dump.cc); actStartNs_ == 0: none.
   std::atomic<int64_t> actStartNs_{0}, actWaitNs_{0}, actNoteNs_{0};

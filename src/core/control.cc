@@ -372,17 +372,20 @@ Reach Control::askRegion(int r, std::vector<uint8_t>* answer, int64_t deadlineMs
   return reach;
 }
 
-void Control::setShrinking(bool active, const std::vector<int>& out) {
+void Control::setShrinking(bool active, const std::vector<int>& out, uint32_t round) {
   std::lock_guard<std::mutex> lock(mutex_);
   shrinking_ = active;
   shrinkOut_ = out;
+  shrinkRound_ = round;
 }
 
-Reach Control::askShrinking(int r, bool* active, std::vector<int>* out, int64_t deadlineMs) {
+Reach Control::askShrinking(int r, bool* active, std::vector<int>* out, uint32_t* round, int64_t deadlineMs) {
   CtlMsg a;
   Reach reach = ask(*this, rank_, r, CtlType::Shrinking, &a, deadlineMs);
   if (reach == Reach::Acked) {
-    *active = a.extra.size() == 1 && a.extra[0] == 1;
+    if (a.extra.size() != 5) return Reach::Timeout;  // not an answer this build gives
+    *active = a.extra[0] == 1;
+    memcpy(round, a.extra.data() + 1, 4);
     *out = std::move(a.ranks);
   }
   return reach;
@@ -513,7 +516,9 @@ void Control::loop() {
               a.extra = encodeCause(cause_ ? cause_() : CtlCause{});
             } else if (m.type == CtlType::Shrinking) {
               std::lock_guard<std::mutex> lock(mutex_);
-              a.extra = {uint8_t(shrinking_ ? 1 : 0)};
+              a.extra.resize(5);
+              a.extra[0] = uint8_t(shrinking_ ? 1 : 0);
+              memcpy(a.extra.data() + 1, &shrinkRound_, 4);
               a.ranks = shrinkOut_;
             } else if (region_) {
               a.extra = region_(m.from);

@@ -46,7 +46,7 @@ enum class CtlType : uint32_t {
   Sigs = 12,     // CUDA IPC path: signatures of the sender's collectives (src/device/op_signature.h;
                  // answered, handed to onNotice)
   Shrinking = 13,  // shrink: whom does your shrink leave out? (answered with a Shrinking message:
-                   // ranks = its set, extra = {1} while it shrinks, {0} after or before)
+                   // ranks = its set; extra = {1 while it shrinks, else 0; its shrink's number, 4 bytes})
 };
 
 struct CtlMsg {
@@ -107,13 +107,14 @@ class Control {
   // *answer, Refused (its process is gone), or Timeout.  Any thread but
   // the control one.
   Reach askRegion(int r, std::vector<uint8_t>* answer, int64_t deadlineMs);
-  // What this rank's shrink leaves out, for Shrinking questions (active:
-  // shrinking now; false with the set its last shrink ended with).  Any thread.
-  void setShrinking(bool active, const std::vector<int>& out);
-  // Asks rank r whom its shrink leaves out (*active: it is shrinking now;
-  // *out empty: it never shrank): Acked, Refused or Timeout.  Any thread but
-  // the control one.
-  Reach askShrinking(int r, bool* active, std::vector<int>* out, int64_t deadlineMs);
+  // What this rank's shrink number `round` (1 for its first shrink of this
+  // communicator) leaves out, for Shrinking questions (active: shrinking
+  // now; false with the set it ended with).  Any thread.
+  void setShrinking(bool active, const std::vector<int>& out, uint32_t round);
+  // Asks rank r whom its latest shrink leaves out (*active: it is shrinking
+  // now; *round 0: it never shrank): Acked, Refused or Timeout.  Any thread
+  // but the control one.
+  Reach askShrinking(int r, bool* active, std::vector<int>* out, uint32_t* round, int64_t deadlineMs);
 
   // Sends m to every rank r with to[r] at once and waits until each answered,
   // refused, or deadlineMs passed.  Safe from any thread but the control one.
@@ -161,6 +162,7 @@ class Control {
   std::function<std::vector<uint8_t>(int from)> region_;
   bool shrinking_ = false;         // under mutex_: setShrinking
   std::vector<int> shrinkOut_;     // under mutex_
+  uint32_t shrinkRound_ = 0;       // under mutex_
   std::thread thread_;
 
   std::mutex mutex_;  // guards everything below

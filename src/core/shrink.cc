@@ -69,12 +69,16 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
   Control& ctl = *ctl_;
   // Who this rank leaves out, for a coordinator that waits for it in vain
   // (below): until this call returns.
-  ctl.setShrinking(true, std::vector<int>(out.begin(), out.end()));
+  // Numbered: a rank asked about a shrink it has not entered yet answers
+  // with the previous one's set, which is no evidence against this one.
+  const uint32_t round = ++shrinkRounds_;
+  ctl.setShrinking(true, std::vector<int>(out.begin(), out.end()), round);
   struct Done {
     Control& c;
     const std::set<int>& out;
-    ~Done() { c.setShrinking(false, std::vector<int>(out.begin(), out.end())); }  // the set it ended with
-  } done{ctl, out};
+    uint32_t round;
+    ~Done() { c.setShrinking(false, std::vector<int>(out.begin(), out.end()), round); }  // the set it ended with
+  } done{ctl, out, round};
   auto merge = [&](const std::vector<int>& v) {
     bool grew = false;
     for (int r : v)
@@ -110,6 +114,29 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
   auto coordinate = [&](UniqueIdData* id) {
     std::map<int, int> joined;  // rank -> its Join connection
     std::set<int> askedState;   // pending ranks asked whether they shrink without this rank
+    std::set<int> notYet;       // ... that answered from an earlier shrink (or none)
+    // Alive and in this same shrink (or done with it) without this rank: the
+    // ranks passed different lists and follow another coordinator; going
+    // on would build a second communicator beside theirs.  A rank that does
+    // not answer within 200 ms is not asked again.
+    auto checkTheirShrink = [&](int r) {
+      bool active = false;
+      std::vector<int> theirs;
+      uint32_t theirRound = 0;
+      notYet.erase(r);
+      if (ctl.askShrinking(r, &active, &theirs, &theirRound, std::min(deadline, nowMs() + 200)) != Reach::Acked)
+        return;
+      if (theirRound < round) {
+        notYet.insert(r);
+        return;
+      }
+      if (theirRound == round && std::find(theirs.begin(), theirs.end(), me) != theirs.end())
+        fail(loomInvalidUsage,
+             "rank %d: loomCommShrink: rank %d %s without this rank (it leaves out%s; this rank leaves out%s): every "
+             "remaining rank must pass the same excludeRanks",
+             me, r, active ? "is shrinking" : "shrank this communicator",
+             listRanks(std::set<int>(theirs.begin(), theirs.end())).c_str(), listRanks(out).c_str());
+    };
     auto dropMember = [&](int r, bool excluded) {
       auto it = joined.find(r);
       if (it == joined.end()) return;
@@ -140,6 +167,10 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
             fail(loomTimeout, "rank %d: loomCommShrink: ranks%s never joined", me,
                  listRanks(pending).c_str());
           if (now >= agreeBy) {
+            // Once more before leaving them out: those that had not entered
+            // this shrink when first asked.
+            for (int r : pending)
+              if (notYet.count(r)) checkTheirShrink(r);
             LOOM_WARN("SHRINK", "rank %d: ranks%s did not join the shrink in %lld ms; leaving them out", me,
                       listRanks(pending).c_str(), (long long)T);
             for (int r : pending) out.insert(r);
@@ -177,21 +208,8 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
               LOOM_INFO("SHRINK", "rank %d: ranks%s are gone", me, listRanks(gone).c_str());
               out.insert(gone.begin(), gone.end());
             }
-            // Alive and shrinking (or done shrinking) without this rank: the
-            // ranks passed different lists and follow another coordinator;
-            // going on would build a second communicator beside theirs.
-            for (int r : pending) {
-              if (gone.count(r) || !askedState.insert(r).second) continue;
-              bool active = false;
-              std::vector<int> theirs;
-              if (ctl.askShrinking(r, &active, &theirs, std::min(deadline, nowMs() + 500)) == Reach::Acked &&
-                  std::find(theirs.begin(), theirs.end(), me) != theirs.end())
-                fail(loomInvalidUsage,
-                     "rank %d: loomCommShrink: rank %d %s without this rank (it leaves out%s; this rank leaves "
-                     "out%s): every remaining rank must pass the same excludeRanks",
-                     me, r, active ? "is shrinking" : "shrank this communicator",
-                     listRanks(std::set<int>(theirs.begin(), theirs.end())).c_str(), listRanks(out).c_str());
-            }
+            for (int r : pending)
+              if (!gone.count(r) && askedState.insert(r).second) checkTheirShrink(r);
             nextProbe = nowMs() + 100;
           }
         }
