@@ -11,7 +11,6 @@
 #include <deque>
 #include <fstream>
 #include <functional>
-#include <map>
 #include <mutex>
 
 #include "src/core/clock.h"
@@ -29,8 +28,7 @@ constexpr uint16_t kBootVersion = 1;
 
 // Listeners opened by loomGetUniqueId, waiting for this process's rank 0.
 std::mutex gListenMutex;
-std::map<std::string, int> gListeners;
-std::deque<std::string> gListenOrder;  // gListeners' keys, oldest first (some may be gone)
+std::deque<std::pair<std::string, int>> gListeners;  // (secret, listener), oldest first
 // Ids made and never used hold a descriptor each; past this many the oldest
 // listener is closed.  Its id still works: rank 0 then binds the port again
 // (bootstrap from the environment's way), unless another process took it.
@@ -63,7 +61,6 @@ struct InheritedRoot {
   std::string value;    // LOOM_ROOT_FD as read
   int fd = -1;          // the listener, or -1
   uint16_t port = 0;
-  std::string why;      // why LOOM_ROOT_FD was not taken
   bool warned = false;
 };
 
@@ -81,10 +78,8 @@ InheritedRoot& inheritedRoot() {
     a.len = sizeof a.ss;
     if (*end != 0 || fd <= 2 || fd >= (1l << 30) ||
         getsockopt(int(fd), SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0 || !listening ||
-        getsockname(int(fd), reinterpret_cast<sockaddr*>(&a.ss), &a.len) != 0) {
-      root->why = "not a listening socket";
-      return root;
-    }
+        getsockname(int(fd), reinterpret_cast<sockaddr*>(&a.ss), &a.len) != 0)
+      return root;  // not a listening socket: serve() warns once
     fcntl(int(fd), F_SETFD, FD_CLOEXEC);
     // Accepted connections inherit SO_REUSEADDR; loom's own listeners set it.
     int one = 1;
@@ -96,7 +91,8 @@ InheritedRoot& inheritedRoot() {
   return *r;
 }
 
-const bool gInheritedRootMarked = inheritedRoot().fd >= -1;  // at load: close-on-exec from here on
+// At load: close-on-exec from here on.
+[[maybe_unused]] const bool gInheritedRootMarked = (inheritedRoot(), true);
 
 std::string linkTarget(const char* path) {
   char buf[256];
@@ -187,19 +183,11 @@ void makeUniqueId(loomUniqueId* out, const SockAddr* advertiseAt) {
   snprintf(id.host, sizeof id.host, "%s", host.c_str());
   {
     std::lock_guard<std::mutex> lock(gListenMutex);
-    gListeners[secretKey(id.secret)] = fd;
-    gListenOrder.push_back(secretKey(id.secret));
-    while (gListeners.size() > kMaxIdListeners && !gListenOrder.empty()) {
-      auto old = gListeners.find(gListenOrder.front());
-      gListenOrder.pop_front();
-      if (old == gListeners.end()) continue;  // already served
-      close(old->second);
-      gListeners.erase(old);
+    gListeners.emplace_back(secretKey(id.secret), fd);
+    if (gListeners.size() > kMaxIdListeners) {
+      close(gListeners.front().second);
+      gListeners.pop_front();
     }
-    if (gListenOrder.size() > 4 * kMaxIdListeners)  // keys of served ids
-      gListenOrder.erase(std::remove_if(gListenOrder.begin(), gListenOrder.end(),
-                                        [](const std::string& k) { return !gListeners.count(k); }),
-                         gListenOrder.end());
   }
   memset(out, 0, sizeof *out);
   memcpy(out->internal, &id, sizeof id);
@@ -287,7 +275,8 @@ void Bootstrap::serve(const UniqueIdData& id, const BootCheck& check) {
   int listenFd = -1;
   {
     std::lock_guard<std::mutex> lock(gListenMutex);
-    auto it = gListeners.find(secretKey(id.secret));
+    const std::string key = secretKey(id.secret);
+    auto it = std::find_if(gListeners.begin(), gListeners.end(), [&](const auto& l) { return l.first == key; });
     if (it != gListeners.end()) {
       listenFd = it->second;
       gListeners.erase(it);
@@ -302,7 +291,7 @@ void Bootstrap::serve(const UniqueIdData& id, const BootCheck& check) {
     inherited = std::unique_lock<std::mutex>(ir.busy, std::try_to_lock);
     if (inherited.owns_lock() && !ir.value.empty() && ir.fd < 0 && !ir.warned) {
       ir.warned = true;
-      LOOM_WARN("BOOT", "LOOM_ROOT_FD=%s is %s; binding the port instead", ir.value.c_str(), ir.why.c_str());
+      LOOM_WARN("BOOT", "LOOM_ROOT_FD=%s is not a listening socket; binding the port instead", ir.value.c_str());
     }
     if (inherited.owns_lock() && ir.fd >= 0 && ir.port == id.port) {
       listenFd = ir.fd;

@@ -68,9 +68,8 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
   for (int r : deadRanks()) out.insert(r);
   Control& ctl = *ctl_;
   // Who this rank leaves out, for a coordinator that waits for it in vain
-  // (below): until this call returns.
-  // Numbered: a rank asked about a shrink it has not entered yet answers
-  // with the previous one's set, which is no evidence against this one.
+  // (below), numbered: a rank asked about a shrink it has not entered yet
+  // answers with its previous one's set, no evidence against this one.
   const uint32_t round = ++shrinkRounds_;
   ctl.setShrinking(true, std::vector<int>(out.begin(), out.end()), round);
   struct Done {
