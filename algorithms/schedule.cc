@@ -27,6 +27,7 @@ const char* stepKindName(StepKind k) {
     case StepKind::RecvReduceSend: return "recvReduceSend";
     case StepKind::RecvCopySend: return "recvCopySend";
     case StepKind::Copy: return "copy";
+    case StepKind::Handshake: return "handshake";
   }
   return "?";
 }
@@ -41,6 +42,18 @@ Step makeStep(StepKind kind, int recvPeer, int sendPeer, BufRef src, BufRef dst,
   s.bytes = bytes;
   s.finalize = finalize;
   return s;
+}
+
+void addRootCheck(int opIndex, int rank, int nranks, Schedule* out) {
+  if (nranks < 2) return;
+  for (bool send : {true, false}) {
+    Lane lane;
+    lane.op = opIndex;
+    int peer = (rank + (send ? 1 : nranks - 1)) % nranks;
+    lane.steps.push_back(makeStep(StepKind::Handshake, send ? -1 : peer, send ? peer : -1, BufRef{}, BufRef{},
+                                  kHandshakeBytes));
+    out->lanes.push_back(std::move(lane));
+  }
 }
 
 size_t partBegin(size_t total, int parts, int i) {

@@ -87,7 +87,11 @@ enum class StepKind : uint8_t {
   RecvReduceSend,  // out = src (op) incoming; send out; dst = out if dst given
   RecvCopySend,    // send incoming on; dst = incoming if dst given
   Copy,            // dst = src (local)
+  // Check mode: send this operation's tag to sendPeer, or check the one
+  // recvPeer sent; moves no data (kHandshakeBytes of zeros; no src or dst).
+  Handshake,
 };
+constexpr size_t kHandshakeBytes = 8;
 const char* stepKindName(StepKind k);
 
 // Scratch is space the executor provides for the operation (Schedule::scratch
@@ -136,6 +140,16 @@ struct Schedule {
   }
   size_t scratchOf(int op) const { return size_t(op) < scratch.size() ? scratch[size_t(op)] : 0; }
 };
+
+// Check mode, rooted collectives on the executor path: each rank sends its
+// operation's tag (which names the root) to rank+1 and checks the one from
+// rank-1, in lanes ahead of the algorithm's (so first on every connection
+// they share).  The ring does not depend on the root, so ranks that name
+// different roots always leave some rank a neighbour whose tag differs, and
+// that rank fails the communicator for all: otherwise a root nobody else
+// names can send into buffered slots and return its own data, and a rank
+// waiting for a root that never sends waits for the timeout.
+void addRootCheck(int opIndex, int rank, int nranks, Schedule* out);
 
 // What the tuner decided for one operation.
 enum class Algorithm : uint8_t {

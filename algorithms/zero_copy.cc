@@ -228,6 +228,17 @@ bool directZeroCopy(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
                q, tag, "its zero-copy vote");
     if (elsewhere && !voted()) failMismatch(me, q, other, tag);
     const uint64_t v = vote->load(std::memory_order_acquire);
+    // Check mode: every rank reads every vote's tag, so ranks that name
+    // different roots (each exposing the buffers its own view needs) all
+    // stop here instead of reading a root that never exposed its input.
+    // The tag is read between two looks at the vote: unchanged, it is the
+    // vote's.
+    if (ctx.checkMode && (v | 1) == (stamp | 1)) {
+      memcpy(&other, ctx.win(q).zeroCopyVoteTag(), sizeof other);
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if ((vote->load(std::memory_order_relaxed) | 1) == (stamp | 1) && !sameOperation(other, tag))
+        failMismatch(me, q, other, tag);
+    }
     all &= v == (stamp | 1);
   }
   LOOM_TRACE("COLL", "rank %d: %s: %s", me, describeTag(tag).c_str(),

@@ -229,16 +229,28 @@ TEST_CASE("tiny all-reduces that disagree on the pull line or with mailboxes or 
 TEST_CASE("rooted collectives whose ranks name different roots fail naming them, not at the timeout and never "
           "with one rank's own buffer as the result",
           "[mp][fault]") {
-  // One-shot sizes over shared memory: a broadcast or scatter root that is
-  // the only one to think so returned its own buffer, and reduce and gather
-  // waited for the timeout.  3 ranks: r % 2 makes two roots; 4 ranks in
-  // "bcastlast": only the last rank names another.
+  // Every path: one-shot sizes over shared memory (8, 1000 elements: a
+  // broadcast or scatter root that was the only one to think so returned its
+  // own buffer, reduce and gather waited for the timeout); the executor
+  // (40000, 300000, and over tcp: scatter returned success everywhere,
+  // gather and reduce waited for the timeout); zero-copy (loomMemAlloc
+  // buffers of 4.8 MB: broadcast and scatter returned success everywhere).
+  // 3 ranks: r % 2 makes two roots; 4 ranks in "bcastlast": only the last
+  // rank names another.
   const char* mode = GENERATE("bcast", "scatter", "reduce", "gather", "bcastlast");
-  const int count = GENERATE(8, 1000);
+  const std::string size = GENERATE("8", "1000", "40000", "300000", "40000 tcp", "1200000 mem");
   const int n = std::string(mode) == "bcastlast" ? 4 : 3;
-  INFO(mode << ", " << count << " elements, " << n << " ranks");
-  CHECK(loomRun(std::string(kShm) + " LOOM_TIMEOUT_MS=60000", n,
-                std::string("rootmismatch ") + mode + " " + std::to_string(count), 90) == 0);
+  const bool tcp = size.find("tcp") != std::string::npos;
+  const std::string args = std::string(mode) + " " + size.substr(0, size.find(' ')) + (size.find("mem") != std::string::npos ? " mem" : "");
+  INFO(mode << ", " << size << ", " << n << " ranks");
+  CHECK(loomRun(std::string(tcp ? kTcp : kShm) + " LOOM_TIMEOUT_MS=60000", n, "rootmismatch " + args, 90) == 0);
+}
+
+TEST_CASE("loomCommDestroy warns about data a peer sent that no call received, and only then", "[mp][fault]") {
+  const char* mode = GENERATE("matched", "unmatched");
+  const std::string transports = GENERATE(std::string(kShm), std::string(kTcp));
+  INFO(mode << ", " << transports);
+  CHECK(loomRun(transports, 2, std::string("unreceived ") + mode, 60) == 0);
 }
 
 TEST_CASE("loomCommShrink with lists that leave each other out: the larger side agrees, the rank it left out gets "

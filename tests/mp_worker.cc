@@ -37,6 +37,9 @@
 //                          buffers malloc'd and freed around every transfer, buffers
 //                          from loomCommRegister, both directions at once in a group;
 //                          last, a receive larger than its send fails both ranks
+//   mp-worker unreceived matched|unmatched   rank 0 sends 16 floats to rank 1,
+//                          which receives them or not; loomCommDestroy warns on
+//                          rank 1 (and only there) exactly when they were not
 //   mp-worker rendezvouskill VICTIM BYTES DIR   rank 0 sends BYTES to rank 1 again
 //                          and again; VICTIM dies (SIGKILL) 300 ms into the third
 //                          transfer; the other writes what it got to DIR/rank<r>
@@ -769,17 +772,25 @@ static void scenarioExchangeMismatch(loomComm_t comm) {
 // r % 2, or in "bcastlast" only the last rank names 1): no rank may
 // return success from both the collective and the all-reduce after it,
 // some rank names the mismatch, and all of it well before LOOM_TIMEOUT_MS.
-static void scenarioRootMismatch(loomComm_t comm, const std::string& mode, size_t count) {
+// With `mem`, the buffers come from loomMemAlloc (the zero-copy path at 1 MiB
+// and more).
+static void scenarioRootMismatch(loomComm_t comm, const std::string& mode, size_t count, bool mem) {
   const auto t0 = std::chrono::steady_clock::now();
-  std::vector<float> send(count * size_t(gSize), float(gRank + 1)), recv(count * size_t(gSize), -1.0f);
+  gLoomMemBuffers = mem;
+  CheckedBuf sendBuf(kSendBuf, count * size_t(gSize) * sizeof(float), 0), recvBuf(kRecvBuf, count * size_t(gSize) * sizeof(float), 0);
+  gLoomMemBuffers = false;
+  float* send = reinterpret_cast<float*>(sendBuf.data());
+  float* recv = reinterpret_cast<float*>(recvBuf.data());
+  std::fill(send, send + count * size_t(gSize), float(gRank + 1));
+  std::fill(recv, recv + count * size_t(gSize), -1.0f);
   const int root = mode == "bcastlast" ? (gRank == gSize - 1 ? 1 : 0) : gRank % 2;
   loomResult_t r;
-  if (mode == "reduce") r = loomReduce(send.data(), recv.data(), count, loomFloat32, loomSum, root, comm, nullptr);
-  else if (mode == "gather") r = loomGather(send.data(), recv.data(), count, loomFloat32, root, comm, nullptr);
-  else if (mode == "scatter") r = loomScatter(send.data(), recv.data(), count, loomFloat32, root, comm, nullptr);
-  else r = loomBroadcast(send.data(), recv.data(), count, loomFloat32, root, comm, nullptr);
+  if (mode == "reduce") r = loomReduce(send, recv, count, loomFloat32, loomSum, root, comm, nullptr);
+  else if (mode == "gather") r = loomGather(send, recv, count, loomFloat32, root, comm, nullptr);
+  else if (mode == "scatter") r = loomScatter(send, recv, count, loomFloat32, root, comm, nullptr);
+  else r = loomBroadcast(send, recv, count, loomFloat32, root, comm, nullptr);
   std::string msg = loomGetLastError(comm);
-  loomResult_t next = loomAllReduce(send.data(), recv.data(), 1, loomFloat32, loomSum, comm, nullptr);
+  loomResult_t next = loomAllReduce(send, recv, 1, loomFloat32, loomSum, comm, nullptr);
   if (r == loomSuccess) msg = loomGetLastError(comm);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   printf("rank %d: %s root %d: %s, then %s: %s (%.2f s)\n", gRank, mode.c_str(), root, loomGetErrorString(r),
@@ -1923,6 +1934,41 @@ static int scenarioCpuBind(bool expectBound, bool launcher) {
 // listener serves both; see bootstrap.cc); "child": first start a child
 // that outlives init, as a data loader's worker would (it must not keep the
 // port).  Each gives an exact all-reduce.
+static int scenarioUnreceived(bool matched) {
+  loomComm_t comm;
+  CHECK_LOOM(loomCommInitFromEnv(&comm));
+  CHECK_LOOM(loomCommUserRank(comm, &gRank));
+  // A second communicator (its own connections) orders rank 0's send before
+  // rank 1's destroy: the send has left once rank 0's all-reduce on it
+  // starts, which is before rank 1's ends.
+  loomComm_t sync;
+  CHECK_LOOM(loomCommSplit(comm, 0, gRank, &sync));
+  float v[16] = {1.0f};
+  if (gRank == 0) CHECK_LOOM(loomSend(v, 16, loomFloat32, 1, comm, nullptr));
+  if (gRank == 1 && matched) CHECK_LOOM(loomRecv(v, 16, loomFloat32, 0, comm, nullptr));
+  CHECK_LOOM(loomAllReduce(v, v, 1, loomFloat32, loomSum, sync, nullptr));
+  CHECK_LOOM(loomCommDestroy(sync));
+  // loomCommDestroy's warning, from this process's stderr.
+  fflush(stderr);
+  FILE* log = tmpfile();
+  const int saved = dup(2);
+  dup2(fileno(log), 2);
+  CHECK_LOOM(loomCommDestroy(comm));
+  fflush(stderr);
+  dup2(saved, 2);
+  close(saved);
+  std::string text;
+  rewind(log);
+  for (int ch; (ch = fgetc(log)) != EOF;) text += char(ch);
+  fclose(log);
+  fputs(text.c_str(), stderr);
+  const bool warned = text.find("no call of this rank received") != std::string::npos;
+  const bool wantWarning = gRank == 1 && !matched;
+  expect(warned == wantWarning, std::string("destroy ") + (wantWarning ? "warns" : "does not warn") + " about unreceived data");
+  if (wantWarning) expect(text.find("from rank 0") != std::string::npos, "the warning names the sender: " + text);
+  return gFailures ? 1 : 0;
+}
+
 static int scenarioInitAgain(bool child) {
   if (child && system("sleep 2 &") != 0) return 3;
   for (int round = 0; round < 2; ++round) {
@@ -1970,6 +2016,7 @@ int main(int argc, char** argv) {
   }
   if (sc == "cpubind")
     return scenarioCpuBind(argc > 2 && strcmp(argv[2], "bound") == 0, argc > 3 && strcmp(argv[3], "launcher") == 0);
+  if (sc == "unreceived") return scenarioUnreceived(argc > 2 && strcmp(argv[2], "matched") == 0);
   if (sc == "initagain") return scenarioInitAgain(argc > 2 && strcmp(argv[2], "child") == 0);
   if (sc == "taggedfault") return scenarioTaggedFault(argc > 2 ? argv[2] : "one");
   if (sc == "rendezvouskill") {
@@ -1994,7 +2041,8 @@ int main(int argc, char** argv) {
   else if (sc == "pullmix") scenarioPullMix(comm);
   else if (sc == "split") scenarioSplit(comm);
   else if (sc == "shrinklists") scenarioShrinkLists(comm);
-  else if (sc == "rootmismatch") scenarioRootMismatch(comm, argc > 2 ? argv[2] : "bcast", argc > 3 ? strtoull(argv[3], nullptr, 10) : 8);
+  else if (sc == "rootmismatch") scenarioRootMismatch(comm, argc > 2 ? argv[2] : "bcast", argc > 3 ? strtoull(argv[3], nullptr, 10) : 8,
+                                                   argc > 4 && std::string(argv[4]) == "mem");
   else if (sc == "descriptors") scenarioDescriptors(comm, argc > 2 ? atoi(argv[2]) : 5);
   else if (sc == "tagged") scenarioTagged(comm);
   else if (sc == "taggedtimeout") scenarioTaggedTimeout(comm);

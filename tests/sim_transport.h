@@ -442,6 +442,10 @@ inline std::string validateSchedule(const loom::Schedule& s, const std::vector<l
         case StepKind::RecvReduceSend: needRecv = needSend = needSrc = true; dstRule = 2; break;
         case StepKind::RecvCopySend: needRecv = needSend = true; dstRule = 2; break;
         case StepKind::Copy: needSrc = true; dstRule = 1; break;
+        case StepKind::Handshake:
+          if ((st.recvPeer >= 0) == (st.sendPeer >= 0)) return where() + ": a handshake either sends or receives";
+          needRecv = st.recvPeer >= 0, needSend = st.sendPeer >= 0;
+          break;
         default: return where() + ": unknown step kind";
       }
       if (needRecv != (st.recvPeer >= 0)) return where() + ": recvPeer does not fit the kind";

@@ -757,6 +757,7 @@ loomResult_t loomCommDestroy(loomComm_t comm) {
              "the communicator has operations in this thread's open group: end the group (loomGroupEnd) before "
              "destroying it, or abort it");
     comm->waitIdle();
+    comm->warnUnreceived();
     comm->releaseHandle();
     return loomSuccess;
   });

@@ -595,6 +595,39 @@ void loomComm::waitIdle() {
   --turnWaiters_;
 }
 
+void loomComm::warnUnreceived() {
+  if (asyncError() != loomSuccess || aborted_.load()) return;
+  std::string what;
+  int seen = 0;
+  for (int peer = 0; peer < nranks_; ++peer) {
+    if (peer == rank_ || !via_[size_t(peer)]) continue;
+    for (int ch = 0; ch < maxChannels_; ++ch) {
+      SlotTag t;
+      // shm shows slots even where this rank never opened the connection.
+      bool unread = via_[size_t(peer)]->peekIncoming(peer, ch, &t);
+      auto it = conns_.find(std::make_pair(peer, ch));
+      if (!unread && it != conns_.end()) {
+        try {
+          it->second->progress();  // sockets: what already arrived
+          unread = it->second->recvPeek(&t) != nullptr;
+        } catch (const Error&) {
+          // a peer that closed first: what it sent was read or is gone
+        }
+      }
+      if (unread && seen++ < 3)
+        what += strf("%s%s from rank %d", what.empty() ? "" : "; ", describeTag(t).c_str(), peer);
+    }
+  }
+  if (seen > 3) what += strf("; and %d more", seen - 3);
+  const size_t stashed = tagged_ ? tagged_->stashedMessages() : 0;
+  if (stashed) what += strf("%s%zu tagged message(s) no loomRecvTagged matched", what.empty() ? "" : "; ", stashed);
+  if (what.empty()) return;
+  LOOM_WARN("COLL",
+            "rank %d: destroyed with data peers sent that no call of this rank received (a send without its "
+            "receive, or operations a peer called beyond this rank's): %s",
+            rank_, what.c_str());
+}
+
 LOOM_HOT SlotTag loomComm::tagFor(const OpDesc& op) {
   // Tagged messages carry their own numbers (p2p_tagged.h): they take none
   // of the per-pair order of plain sends and receives.
@@ -732,6 +765,7 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
         else p2pSchedule(op, int(i), &sched);
       } else {
         Plan plan = tuner_->choose(op, nranks_, limits_);
+        if (checkMode_ && rooted(op.coll)) addRootCheck(int(i), rank_, nranks_, &sched);
         // The direct paths run alone; inside a group the ring serves.
         buildSchedule(op, int(i), rank_, nranks_, topology_.hostOfRanks(), plan, &sched);
       }

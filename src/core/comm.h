@@ -90,6 +90,9 @@ struct loomComm : public loom::ExecEnv,
   void waitTurn(uint64_t ticket);
   void endTurn();
   void waitIdle();  // until every issued operation has run
+  // Destroy, once idle: warns (LOOM_WARN) about data peers sent that no
+  // call of this rank received, which goes with the connections.
+  void warnUnreceived();
 
   // Issues a batch: assigns sequence numbers / tags and takes a ticket, as
   // one atomic step so that tag order and execution order agree.

@@ -119,8 +119,9 @@ const std::vector<ConfigVar>& configTable() {
        "it keeps 4 slots of 2 pieces (16 MiB pinned at the default), and stages up to 3 pieces ahead of the one "
        "on the network (a multiple of 256; rank 0's value is used by all)"},
       {"LOOM_CHECK_MODE", "on|off", "on",
-       "check that ranks call the same operation (sequence number + signature per slot, headers to and "
-       "from the root of small rooted collectives); also 1|0; rank 0's value is used by all; "
+       "check that ranks call the same operation (sequence number + signature per slot; rooted collectives: "
+       "headers to and from the root at one-shot sizes, a tag handshake with the neighbouring ranks on the "
+       "executor path, the zero-copy votes' tags compared); also 1|0; rank 0's value is used by all; "
        "perf/check_mode_cost.sh measures its cost"},
       {"LOOM_DUMP_SIGNAL", "int", "0 (none)",
        "signal number (e.g. 10 = SIGUSR1) that makes loom print every communicator's pending operation to stderr"},

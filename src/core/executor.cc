@@ -44,6 +44,13 @@ LOOM_HOT bool sameOperation(const SlotTag& got, const SlotTag& want) {
 }
 
 void failMismatch(int me, int peer, const SlotTag& got, const SlotTag& want) {
+  // The same call on both sides, run different ways: the data went where
+  // the other rank does not look (a path, or a slot size, it did not pick).
+  if (sameOperation(got, want))
+    fail(loomInvalidUsage,
+         "rank %d: mismatched operations: rank %d runs %s another way than rank %d: inside groups "
+         "(loomGroupStart/End) that hold different operations, or with settings that differ",
+         me, peer, describeTag(got).c_str(), me);
   fail(loomInvalidUsage, "rank %d: mismatched operations: rank %d called %s while rank %d called %s", me, peer,
        describeTag(got).c_str(), me, describeTag(want).c_str());
 }
@@ -380,6 +387,9 @@ class Runner {
           case StepKind::RecvCopySend:
             dev.copy(out, in, n, CopyHint::Cached);
             if (dst) dev.copy(dst + off, in, n, CopyHint::Cached);
+            break;
+          case StepKind::Handshake:
+            if (out) memset(out, 0, n);  // the tag says it all
             break;
           case StepKind::Copy:
             break;
