@@ -259,6 +259,11 @@ TEST_CASE("loomCommShrink with lists that leave each other out: the larger side 
   CHECK(loomRun(std::string(kShm) + " LOOM_TIMEOUT_MS=5000", 4, "shrinklists", 60) == 0);
 }
 
+TEST_CASE("a live rank that sat out one shrink joins the next one of the same parent: no false \"lists differ\"",
+          "[mp][fault]") {
+  CHECK(loomRun(std::string(kShm) + " LOOM_TIMEOUT_MS=5000", 4, "shrinksatout", 60) == 0);
+}
+
 TEST_CASE("ranks whose LOOM_CHECK_MODE differs take rank 0's: small rooted collectives and the rest stay exact",
           "[mp]") {
   // Check mode adds headers to one-shot broadcast, scatter and gather: a

@@ -37,6 +37,8 @@
 //                          buffers malloc'd and freed around every transfer, buffers
 //                          from loomCommRegister, both directions at once in a group;
 //                          last, a receive larger than its send fails both ranks
+//   mp-worker shrinksatout   a live rank sits out one shrink, then joins the
+//                          next one of the same parent: it succeeds everywhere
 //   mp-worker unreceived matched|unmatched   rank 0 sends 16 floats to rank 1,
 //                          which receives them or not; loomCommDestroy warns on
 //                          rank 1 (and only there) exactly when they were not
@@ -827,6 +829,37 @@ static void scenarioShrinkLists(loomComm_t comm) {
   expect(v == int64_t(gSize) * (gSize - 1) / 2, "the others' all-reduce is exact");
   CHECK_LOOM(loomCommDestroy(sub));
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+}
+
+// A live rank sits out a shrink (the others leave it out; it never calls),
+// then all but the last rank shrink the parent again, rank 0 first and the
+// others 0.5 s later.  Rank 0 asks them about their shrink meanwhile: their
+// last one, done without rank 0, must not read as this one (it did: "rank 1
+// shrank this communicator without this rank", and ranks 1-2 went on alone).
+static void scenarioShrinkSatOut(loomComm_t comm) {
+  if (gRank != 0) {
+    int ex = 0;
+    loomComm_t a = nullptr;
+    CHECK_LOOM(loomCommShrink(comm, &ex, 1, &a));
+    CHECK_LOOM(loomCommDestroy(a));
+  }
+  float v = 1;
+  CHECK_LOOM(loomAllReduce(&v, &v, 1, loomFloat32, loomSum, comm, nullptr));  // everyone, on the parent
+  if (gRank == gSize - 1) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // keeps the parent until they are done
+    return;
+  }
+  if (gRank != 0) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  int ex = gSize - 1;
+  loomComm_t b = nullptr;
+  loomResult_t r = loomCommShrink(comm, &ex, 1, &b);
+  printf("rank %d: the second shrink: %s %s\n", gRank, loomGetErrorString(r), loomGetLastError(nullptr));
+  expect(r == loomSuccess && b != nullptr, "the second shrink succeeds on every rank that calls it");
+  if (!b) return;
+  int n = 0;
+  loomCommCount(b, &n);
+  expect(n == gSize - 1, "the second shrink keeps all but the last rank");
+  CHECK_LOOM(loomCommDestroy(b));
 }
 
 static void scenarioSplit(loomComm_t comm) {
@@ -2041,6 +2074,7 @@ int main(int argc, char** argv) {
   else if (sc == "pullmix") scenarioPullMix(comm);
   else if (sc == "split") scenarioSplit(comm);
   else if (sc == "shrinklists") scenarioShrinkLists(comm);
+  else if (sc == "shrinksatout") scenarioShrinkSatOut(comm);
   else if (sc == "rootmismatch") scenarioRootMismatch(comm, argc > 2 ? argv[2] : "bcast", argc > 3 ? strtoull(argv[3], nullptr, 10) : 8,
                                                    argc > 4 && std::string(argv[4]) == "mem");
   else if (sc == "descriptors") scenarioDescriptors(comm, argc > 2 ? atoi(argv[2]) : 5);

@@ -1099,6 +1099,14 @@ void loomComm::markDead(const std::vector<bool>& asked, const std::vector<Reach>
 }
 
 void loomComm::onNotice(const CtlMsg& m) {
+  if (m.type == CtlType::ShrankWithout) {  // numbers this rank's next shrink after the one it sat out
+    uint32_t round = 0;
+    if (m.extra.size() == sizeof round) memcpy(&round, m.extra.data(), sizeof round);
+    uint32_t mine = shrinkRounds_.load();
+    while (mine < round && !shrinkRounds_.compare_exchange_weak(mine, round)) {
+    }
+    return;
+  }
   if (m.type == CtlType::Sigs) {  // the IPC path's mismatch check: not a failure
     // A faster peer may send before this rank's device side exists: kept
     // for it (init replays them under the same lock).

@@ -69,7 +69,7 @@ long ctlMissing(const uint8_t* bytes, size_t n, const uint8_t secret[16], uint64
   memcpy(&h, bytes, sizeof h);
   if (h.magic != kCtlMagic) return *why = "bad magic", -1;
   if (memcmp(h.secret, secret, 16) != 0 || h.commTag != commTag) return *why = "another communicator", -1;
-  if (h.type < uint32_t(CtlType::Probe) || h.type > uint32_t(CtlType::Shrinking))
+  if (h.type < uint32_t(CtlType::Probe) || h.type > uint32_t(CtlType::ShrankWithout))
     return *why = strf("unknown type %u", h.type), -1;
   if (h.from < 0 || h.from >= nranks) return *why = strf("sender rank %d", h.from), -1;
   if (h.pad != 0) return *why = "reserved bytes set", -1;
@@ -534,7 +534,9 @@ void Control::loop() {
             ssize_t w = ::send(in.fd, &ack, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
             (void)w;
             drop = true;
-            if ((m.type == CtlType::Fail || m.type == CtlType::Revoke || m.type == CtlType::Sigs) && onNotice_)
+            if ((m.type == CtlType::Fail || m.type == CtlType::Revoke || m.type == CtlType::Sigs ||
+                 m.type == CtlType::ShrankWithout) &&
+                onNotice_)
               onNotice_(m);
           }
         }

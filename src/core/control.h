@@ -47,6 +47,8 @@ enum class CtlType : uint32_t {
                  // answered, handed to onNotice)
   Shrinking = 13,  // shrink: whom does your shrink leave out? (answered with a Shrinking message:
                    // ranks = its set; extra = {1 while it shrinks, else 0; its shrink's number, 4 bytes})
+  ShrankWithout = 14,  // shrink: coordinator -> a live rank it left out: the shrink numbered extra
+                       // (4 bytes) is done without you (acked, handed to onNotice)
 };
 
 struct CtlMsg {
@@ -91,7 +93,7 @@ class Control {
   const SockAddr& address() const { return advertise_; }
 
   // Starts the thread once every rank's address is known.  onNotice runs on
-  // the control thread for Fail, Revoke and Sigs messages, and cause to
+  // the control thread for Fail, Revoke, Sigs and ShrankWithout messages, and cause to
   // answer Why questions: neither may block.
   void start(uint64_t commTag, std::vector<SockAddr> peers, std::function<void(const CtlMsg&)> onNotice,
              std::function<CtlCause()> cause);

@@ -281,6 +281,25 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
           close(kv.second);
         }
         joined.clear();
+        // Live ranks left out by the caller's lists never enter this
+        // shrink, so their count of shrinks falls behind: told, a later
+        // shrink they join with these ranks carries the same number (else
+        // this one's answer, "done without you", reads as that one's).
+        // Not the ones found dead or silent; nobody waits for the answers.
+        std::vector<bool> to(size_t(N), false);
+        bool any = false;
+        {
+          const std::set<int> dead = deadRanks();
+          for (int r : out)
+            if (!silentOut.count(r) && !dead.count(r))
+              to[size_t(r)] = any = true;
+        }
+        if (any) {
+          CtlMsg told{CtlType::ShrankWithout, me, {}, {}};
+          told.extra.resize(sizeof round);
+          memcpy(told.extra.data(), &round, sizeof round);
+          ctl.broadcastAsync(told, to, nowMs() + 1000, [](const std::vector<Reach>&) {});
+        }
         return true;
       }
     } catch (...) {
