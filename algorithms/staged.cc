@@ -135,7 +135,7 @@ void stagedRun(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
         if (!peerInput[size_t(q)]) {
           PeerBuffer b;
           memcpy(&b, box(q).stageInput(parity), sizeof b);
-          peerInput[size_t(q)] = ctx.mem.importBuffer(q, b, op.count * esz);
+          peerInput[size_t(q)] = ctx.mem.importBuffer(q, b, op.count * esz, tag.seq);
         }
         theirs = peerInput[size_t(q)] + (off + pb) * esz;
       }

@@ -260,11 +260,11 @@ bool directZeroCopy(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
     // Gather: only the root reads the others' inputs.
     if (e.input && (op.coll != Collective::Gather || me == op.root)) {
       memcpy(&b, ctx.win(q).stageInput(0), sizeof b);
-      ins[size_t(q)] = ctx.mem.importBuffer(q, b, inBytes);
+      ins[size_t(q)] = ctx.mem.importBuffer(q, b, inBytes, tag.seq);
     }
     if (e.output) {
       memcpy(&b, ctx.win(q).stageInput(1), sizeof b);
-      outs[size_t(q)] = const_cast<uint8_t*>(ctx.mem.importBuffer(q, b, outBytes));
+      outs[size_t(q)] = const_cast<uint8_t*>(ctx.mem.importBuffer(q, b, outBytes, tag.seq));
     }
   }
   switch (op.coll) {

@@ -259,6 +259,12 @@ TEST_CASE("loomCommShrink with lists that leave each other out: the larger side 
   CHECK(loomRun(std::string(kShm) + " LOOM_TIMEOUT_MS=5000", 4, "shrinklists", 60) == 0);
 }
 
+TEST_CASE("zero-copy all-reduces over more loomMemAlloc buffers than a peer keeps mapped, while another thread "
+          "frees, are exact",
+          "[mp][registered]") {
+  CHECK(loomRun(kShm, 2, "manybuffers", 120) == 0);
+}
+
 TEST_CASE("a live rank that sat out one shrink joins the next one of the same parent: no false \"lists differ\"",
           "[mp][fault]") {
   CHECK(loomRun(std::string(kShm) + " LOOM_TIMEOUT_MS=5000", 4, "shrinksatout", 60) == 0);

@@ -39,6 +39,8 @@
 //                          last, a receive larger than its send fails both ranks
 //   mp-worker shrinksatout   a live rank sits out one shrink, then joins the
 //                          next one of the same parent: it succeeds everywhere
+//   mp-worker manybuffers    zero-copy all-reduces over 80 loomMemAlloc buffers
+//                          while another thread allocates and frees: exact
 //   mp-worker unreceived matched|unmatched   rank 0 sends 16 floats to rank 1,
 //                          which receives them or not; loomCommDestroy warns on
 //                          rank 1 (and only there) exactly when they were not
@@ -860,6 +862,39 @@ static void scenarioShrinkSatOut(loomComm_t comm) {
   loomCommCount(b, &n);
   expect(n == gSize - 1, "the second shrink keeps all but the last rank");
   CHECK_LOOM(loomCommDestroy(b));
+}
+
+// Zero-copy all-reduces, out of place, over 80 distinct loomMemAlloc buffers
+// (each peer maps more than its cache's 64), while another thread of every
+// rank allocates and frees small buffers (each free moves the rank's free
+// epoch, evicting the peers' mappings of it).  A peer's input used to be
+// unmapped while the same all-reduce mapped its output: wrong sums, then
+// SIGSEGV.  Every result must be exact.
+static void scenarioManyBuffers(loomComm_t comm) {
+  const size_t count = (size_t(1) << 20) / sizeof(int32_t);  // 1 MiB: zero-copy with a core per rank
+  std::vector<int32_t*> bufs(80, nullptr);
+  for (int32_t*& b : bufs) CHECK_LOOM(loomMemAlloc(reinterpret_cast<void**>(&b), count * sizeof(int32_t)));
+  std::atomic<bool> stop{false};
+  std::thread churn([&] {
+    while (!stop.load()) {
+      void* p = nullptr;
+      if (loomMemAlloc(&p, 4096) == loomSuccess) loomMemFree(p);
+    }
+  });
+  int wrong = 0;
+  for (size_t i = 0; i + 1 < bufs.size(); i += 2) {
+    int32_t* in = bufs[i];
+    int32_t* out = bufs[i + 1];
+    for (size_t k = 0; k < count; ++k) in[k] = int32_t(k % 1000) + gRank;
+    loomResult_t r = loomAllReduce(in, out, count, loomInt32, loomSum, comm, nullptr);
+    expect(r == loomSuccess, std::string("all-reduce over buffers ") + std::to_string(i) + ": " + loomGetErrorString(r));
+    for (size_t k = 0; k < count; ++k)
+      wrong += out[k] != int32_t(k % 1000) * gSize + gSize * (gSize - 1) / 2;
+  }
+  stop.store(true);
+  churn.join();
+  expect(wrong == 0, std::to_string(wrong) + " wrong elements");
+  for (int32_t* b : bufs) CHECK_LOOM(loomMemFree(b));
 }
 
 static void scenarioSplit(loomComm_t comm) {
@@ -2075,6 +2110,7 @@ int main(int argc, char** argv) {
   else if (sc == "split") scenarioSplit(comm);
   else if (sc == "shrinklists") scenarioShrinkLists(comm);
   else if (sc == "shrinksatout") scenarioShrinkSatOut(comm);
+  else if (sc == "manybuffers") scenarioManyBuffers(comm);
   else if (sc == "rootmismatch") scenarioRootMismatch(comm, argc > 2 ? argv[2] : "bcast", argc > 3 ? strtoull(argv[3], nullptr, 10) : 8,
                                                    argc > 4 && std::string(argv[4]) == "mem");
   else if (sc == "descriptors") scenarioDescriptors(comm, argc > 2 ? atoi(argv[2]) : 5);

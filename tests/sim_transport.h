@@ -164,6 +164,10 @@ struct SimResult {
 };
 
 namespace detail {
+// The simulated rank this thread runs (-1: none), for per-rank state such
+// as the import caches.
+inline thread_local int tlsSimRank = -1;
+
 
 inline bool sameOp(const loom::SlotTag& a, const loom::SlotTag& b) {
   return a.seq == b.seq && a.count == b.count && a.coll == b.coll && a.dtype == b.dtype &&
@@ -372,25 +376,33 @@ class SimPeerMemory : public loom::PeerMemory {
   }
   // Zero-copy as shm does it: memory from loomMemAlloc is exported, and a
   // peer maps it anew through /proc/<pid>/fd (this process: a second
-  // mapping of the same memfd), cached; the ranks are threads, so the cache
-  // is shared under a lock.  imports() counts the maps made.
+  // mapping of the same memfd), cached; the ranks are threads, so the
+  // caches are kept under a lock.  imports() counts the maps made.
   bool exportBuffer(const void* p, size_t bytes, loom::PeerBuffer* out) const override {
     return loom::hostMemExport(p, bytes, out);
   }
-  const uint8_t* importBuffer(int r, const loom::PeerBuffer& b, size_t need) const override {
+  // One cache per importing rank, as each process has its own: a
+  // cache keeps what it handed to an operation mapped until that rank's
+  // next operation, which another rank's imports know nothing of.
+  const uint8_t* importBuffer(int r, const loom::PeerBuffer& b, size_t need, uint64_t op) const override {
     std::lock_guard<std::mutex> lock(importMu_);
     ++imports_;
-    return cache_.import(r, int(getpid()), b, need, freeEpoch_.load());
+    return caches_[detail::tlsSimRank].import(r, int(getpid()), b, need, freeEpoch_.load(), op);
   }
   size_t imports() const { return imports_; }
-  size_t mappings() const { return cache_.mappings(); }
+  size_t mappings() const {
+    std::lock_guard<std::mutex> lock(importMu_);
+    size_t n = 0;
+    for (const auto& kv : caches_) n += kv.second.mappings();
+    return n;
+  }
 
  private:
   size_t bytes_;
   std::vector<uint8_t*> windows_;
   mutable std::mutex importMu_;
   mutable size_t imports_ = 0;
-  mutable loom::HostImportCache cache_;
+  mutable std::map<int, loom::HostImportCache> caches_;  // by importing rank
   std::atomic<uint64_t> freeEpoch_{0};
   struct Watch {  // hostMemFree moves freeEpoch_
     std::atomic<uint64_t>* e;
@@ -671,6 +683,7 @@ class SimWorld {
     collSeq_ = collSeq;
     auto t0 = std::chrono::steady_clock::now();
     auto body = [&](int r) {
+      detail::tlsSimRank = r;
       loom::DirectContext ctx{*envs_[size_t(r)], *mem_, loom::hostDevice(), layout, directState_[size_t(r)], r, n_, true};
       try {
         size_t k = 0;
@@ -706,6 +719,7 @@ class SimWorld {
     for (auto& e : envs_) e->counters = detail::SimCounters{};
     auto t0 = std::chrono::steady_clock::now();
     auto body = [&](int r) {
+      detail::tlsSimRank = r;
       try {
         res.bytesSent[size_t(r)] = loom::execute(*envs_[size_t(r)], ops[size_t(r)], scheds[size_t(r)]);
       } catch (const std::exception& e) {

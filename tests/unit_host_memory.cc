@@ -1,6 +1,7 @@
 // loomMemAlloc's memory (src/device/host_memory.h): allocations, their
 // descriptions, and the import cache that maps another rank's allocation
 // (here: this process's own, through /proc/<pid>/fd, as a peer would).
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
@@ -63,26 +64,26 @@ TEST_CASE("the import cache maps the same memory once, and drops it when the own
   REQUIRE(loomMemAlloc(&p, 1 << 20) == loomSuccess);
   loom::PeerBuffer d;
   REQUIRE(loom::hostMemExport(static_cast<uint8_t*>(p) + 4096, 8192, &d));
-  const uint8_t* m = cache.import(1, int(getpid()), d, 8192, epoch.load());
+  const uint8_t* m = cache.import(1, int(getpid()), d, 8192, epoch.load(), 1);
   REQUIRE(m);
   CHECK(static_cast<const void*>(m) != static_cast<uint8_t*>(p) + 4096);  // a second mapping...
   static_cast<uint8_t*>(p)[4096 + 7] = 42;
   CHECK(m[7] == 42);  // ...of the same memory
-  CHECK(cache.import(1, int(getpid()), d, 8192, epoch.load()) == m);  // cached
+  CHECK(cache.import(1, int(getpid()), d, 8192, epoch.load(), 1) == m);  // cached
   CHECK(cache.mappings() == 1);
 
   // Descriptions that do not fit, or name memory that is not there.
   loom::PeerBuffer bad = d;
-  CHECK(codeOf([&] { cache.import(1, int(getpid()), bad, d.bytes, epoch.load()); }) == loomRemoteError);
+  CHECK(codeOf([&] { cache.import(1, int(getpid()), bad, d.bytes, epoch.load(), 1); }) == loomRemoteError);
   bad.offset = d.bytes + 1;
-  CHECK(codeOf([&] { cache.import(1, int(getpid()), bad, 0, epoch.load()); }) == loomRemoteError);
+  CHECK(codeOf([&] { cache.import(1, int(getpid()), bad, 0, epoch.load(), 1); }) == loomRemoteError);
   bad = d;
   bad.id += 12345;  // another inode behind the same descriptor
-  CHECK(codeOf([&] { cache.import(1, int(getpid()), bad, 8, epoch.load()); }) == loomRemoteError);
+  CHECK(codeOf([&] { cache.import(1, int(getpid()), bad, 8, epoch.load(), 1); }) == loomRemoteError);
   bad = d;
   bad.fd = 100000;
   bad.id += 1;
-  CHECK(codeOf([&] { cache.import(1, int(getpid()), bad, 8, epoch.load()); }) == loomSystemError);
+  CHECK(codeOf([&] { cache.import(1, int(getpid()), bad, 8, epoch.load(), 1); }) == loomSystemError);
 
   // The owner frees: the mapping still reads (no crash), and the next
   // import of that rank drops it.
@@ -92,8 +93,56 @@ TEST_CASE("the import cache maps the same memory once, and drops it when the own
   void* q = nullptr;
   REQUIRE(loomMemAlloc(&q, 1 << 20) == loomSuccess);
   REQUIRE(loom::hostMemExport(q, 64, &d));
-  cache.import(1, int(getpid()), d, 64, epoch.load());
+  cache.import(1, int(getpid()), d, 64, epoch.load(), 1);
   CHECK(cache.mappings() == 1);
   REQUIRE(loomMemFree(q) == loomSuccess);
+  loom::hostMemUnwatchFrees(&epoch);
+}
+
+static bool mapped(const void* p) {
+  unsigned char v;
+  void* page = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t(4095));
+  return mincore(page, 1, &v) == 0;
+}
+
+TEST_CASE("the import cache keeps what it handed to an operation mapped until the next operation", "[registered]") {
+  // An all-reduce imports a peer's input, then its output: a free anywhere
+  // in that peer meanwhile (another thread's), or its 64th buffer, used to
+  // unmap the input under the operation (wrong data, then SIGSEGV).
+  loom::HostImportCache cache;
+  std::atomic<uint64_t> epoch{0};
+  loom::hostMemWatchFrees(&epoch);
+  std::vector<void*> bufs(70, nullptr);
+  std::vector<loom::PeerBuffer> d(bufs.size());
+  for (size_t i = 0; i < bufs.size(); ++i) {
+    REQUIRE(loomMemAlloc(&bufs[i], 4096) == loomSuccess);
+    static_cast<uint8_t*>(bufs[i])[5] = uint8_t(i);
+    REQUIRE(loom::hostMemExport(bufs[i], 4096, &d[i]));
+  }
+  // Operation 7: the epoch moves between two imports.
+  const uint8_t* in = cache.import(1, int(getpid()), d[0], 4096, epoch.load(), 7);
+  void* other = nullptr;
+  REQUIRE(loomMemAlloc(&other, 4096) == loomSuccess);
+  REQUIRE(loomMemFree(other) == loomSuccess);
+  const uint8_t* out = cache.import(1, int(getpid()), d[1], 4096, epoch.load(), 7);
+  CHECK(mapped(in));
+  CHECK(in[5] == 0);
+  CHECK(out[5] == 1);
+  // Operation 8 may unmap it (it left the cache: a new buffer may reuse its inode).
+  cache.import(1, int(getpid()), d[1], 4096, epoch.load(), 8);
+  CHECK_FALSE(mapped(in));
+  // Operation 9 maps 70 buffers of one rank: past 64 the cache evicts, but
+  // every address handed to operation 9 still reads.
+  std::vector<const uint8_t*> got;
+  for (size_t i = 0; i < bufs.size(); ++i) got.push_back(cache.import(1, int(getpid()), d[i], 4096, epoch.load(), 9));
+  size_t readable = 0;
+  for (size_t i = 0; i < got.size(); ++i) readable += mapped(got[i]) && got[i][5] == uint8_t(i);
+  CHECK(readable == bufs.size());
+  CHECK(cache.mappings() <= 64);
+  cache.import(1, int(getpid()), d[0], 4096, epoch.load(), 10);
+  size_t still = 0;
+  for (const uint8_t* g : got) still += mapped(g);
+  CHECK(still <= 64);  // what operation 9's evictions retired is gone
+  for (void* b : bufs) REQUIRE(loomMemFree(b) == loomSuccess);
   loom::hostMemUnwatchFrees(&epoch);
 }

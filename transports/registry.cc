@@ -100,8 +100,8 @@ std::vector<std::string> parseTransports(const std::string& spec) {
 
 namespace loom {
 
-const uint8_t* PeerMemory::importBuffer(int r, const PeerBuffer& b, size_t need) const {
-  (void)b, (void)need;
+const uint8_t* PeerMemory::importBuffer(int r, const PeerBuffer& b, size_t need, uint64_t op) const {
+  (void)b, (void)need, (void)op;
   fail(loomInternalError, "rank %d published a buffer this peer memory cannot map", r);
 }
 

@@ -167,9 +167,10 @@ class PeerMemory {
     return false;
   }
   // Rank r's buffer `b` (as r exported it) mapped here, with `need` bytes
-  // from its start; the mapping is cached for later operations.  Throws
-  // loom::Error when it cannot be mapped.
-  virtual const uint8_t* importBuffer(int r, const PeerBuffer& b, size_t need) const;
+  // from its start, for operation `op` (its sequence number): the address
+  // stays valid until an import for a later operation; the mapping is
+  // cached for later operations.  Throws loom::Error when it cannot be mapped.
+  virtual const uint8_t* importBuffer(int r, const PeerBuffer& b, size_t need, uint64_t op) const;
 };
 
 // What a transport sees of its communicator.  Filled before setup.

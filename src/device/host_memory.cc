@@ -166,26 +166,49 @@ void HostImportCache::drop(int r) {
     munmap(it->second.base, it->second.bytes);
     it = maps_.erase(it);
   }
+  if (r < 0) {
+    for (const Mapping& m : retired_) munmap(m.base, m.bytes);
+    retired_.clear();
+  }
 }
 
-const uint8_t* HostImportCache::import(int r, int pid, const PeerBuffer& b, size_t need, uint64_t epoch) {
+void HostImportCache::evictOne(std::map<std::pair<int, uint64_t>, Mapping>::iterator it) {
+  if (it->second.op == op_) retired_.push_back(it->second);  // handed to this operation: it may still read it
+  else munmap(it->second.base, it->second.bytes);
+  maps_.erase(it);
+}
+
+void HostImportCache::evict(int r) {
+  for (auto it = maps_.begin(); it != maps_.end();) {
+    auto next = std::next(it);
+    if (r < 0 || it->first.first == r) evictOne(it);
+    it = next;
+  }
+}
+
+const uint8_t* HostImportCache::import(int r, int pid, const PeerBuffer& b, size_t need, uint64_t epoch, uint64_t op) {
   if (b.id == 0 || b.fd < 0 || b.bytes == 0 || b.offset > b.bytes || need > b.bytes - b.offset)
     fail(loomRemoteError, "rank %d described a shared buffer that does not fit its memory (%llu + %zu of %llu bytes)",
          r, (unsigned long long)b.offset, need, (unsigned long long)b.bytes);
+  if (op != op_) {  // the previous operation is over: nothing reads what it retired
+    for (const Mapping& m : retired_) munmap(m.base, m.bytes);
+    retired_.clear();
+    op_ = op;
+  }
   auto ep = epochs_.find(r);
   if (ep == epochs_.end()) {
     epochs_[r] = epoch;
   } else if (ep->second != epoch) {
-    drop(r);  // it freed memory since: some mappings may be of freed buffers
+    evict(r);  // it freed memory since: some mappings may be of freed buffers
     ep->second = epoch;
   }
   auto key = std::make_pair(r, b.id);
   auto it = maps_.find(key);
-  if (it != maps_.end() && it->second.bytes >= b.bytes) return it->second.base + b.offset;
-  if (it != maps_.end()) {
-    munmap(it->second.base, it->second.bytes);
-    maps_.erase(it);
+  if (it != maps_.end() && it->second.bytes >= b.bytes) {
+    it->second.op = op;
+    return it->second.base + b.offset;
   }
+  if (it != maps_.end()) evictOne(it);
   char path[64];
   snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, b.fd);
   int fd = open(path, O_RDWR | O_CLOEXEC);
@@ -206,8 +229,8 @@ const uint8_t* HostImportCache::import(int r, int pid, const PeerBuffer& b, size
   // Bounded: a rank cycling through buffers must not pile up mappings.
   size_t mine = 0;
   for (const auto& m : maps_) mine += m.first.first == r;
-  if (mine >= 64) drop(r);
-  maps_[key] = Mapping{static_cast<uint8_t*>(p), size_t(b.bytes)};
+  if (mine >= 64) evict(r);
+  maps_[key] = Mapping{static_cast<uint8_t*>(p), size_t(b.bytes), op};
   return static_cast<uint8_t*>(p) + b.offset;
 }
 

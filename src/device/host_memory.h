@@ -59,11 +59,15 @@ class HostImportCache {
  public:
   ~HostImportCache();
   // The address of rank r's buffer `b` (owner process `pid`) mapped here,
-  // with at least `need` bytes from its start inside the mapping.  `epoch`
-  // is rank r's free epoch now: when it moved, r's older mappings go first.
+  // with at least `need` bytes from its start inside the mapping, for
+  // operation `op`.  `epoch` is rank r's free epoch now: when it moved, r's
+  // older mappings leave the cache (a new buffer may reuse an inode).  A
+  // mapping handed to operation `op` stays mapped until the first import
+  // for another operation, even when it leaves the cache meanwhile (the
+  // epoch moving between an operation's imports, the cap on mappings).
   // Throws loomSystemError if the memory cannot be mapped, loomRemoteError
   // for a description that does not fit the memory it names.
-  const uint8_t* import(int r, int pid, const PeerBuffer& b, size_t need, uint64_t epoch);
+  const uint8_t* import(int r, int pid, const PeerBuffer& b, size_t need, uint64_t epoch, uint64_t op);
   // Unmaps everything of rank r (everything: r < 0).
   void drop(int r);
   size_t mappings() const { return maps_.size(); }
@@ -72,9 +76,16 @@ class HostImportCache {
   struct Mapping {
     uint8_t* base;
     size_t bytes;
+    uint64_t op;  // the last operation it was handed to
   };
+  // Takes rank r's mappings (everything: r < 0) out of the cache: unmapped,
+  // or retired while the current operation may still use them.
+  void evict(int r);
+  void evictOne(std::map<std::pair<int, uint64_t>, Mapping>::iterator it);
   std::map<std::pair<int, uint64_t>, Mapping> maps_;  // (rank, id)
   std::map<int, uint64_t> epochs_;                    // per rank: epoch of its mappings
+  std::vector<Mapping> retired_;                      // out of the cache, handed to operation op_
+  uint64_t op_ = ~uint64_t(0);                        // the operation of the latest import
 };
 
 }  // namespace loom

@@ -168,10 +168,10 @@ class ShmTransport : public Transport, public Doorbell, public PeerMemory {
   bool exportBuffer(const void* p, size_t bytes, PeerBuffer* out) const override {
     return hostMemExport(p, bytes, out);
   }
-  const uint8_t* importBuffer(int r, const PeerBuffer& b, size_t need) const override {
+  const uint8_t* importBuffer(int r, const PeerBuffer& b, size_t need, uint64_t op) const override {
     if (r == env_.rank) return reinterpret_cast<const uint8_t*>(uintptr_t(b.addr));
     uint64_t epoch = box(r)->header()->freeEpoch.load(std::memory_order_acquire);
-    return imports_.import(r, env_.pid[size_t(r)], b, need, epoch);
+    return imports_.import(r, env_.pid[size_t(r)], b, need, epoch, op);
   }
 
  private:
