@@ -265,6 +265,12 @@ TEST_CASE("zero-copy all-reduces over more loomMemAlloc buffers than a peer keep
   CHECK(loomRun(kShm, 2, "manybuffers", 120) == 0);
 }
 
+TEST_CASE("a forked child cannot run its parent's communicator, and the parent's stays exact", "[mp][fault]") {
+  const std::string transports = GENERATE(std::string(kShm), std::string(kTcp));
+  INFO(transports);
+  CHECK(loomRun(transports, 2, "fork", 60) == 0);
+}
+
 TEST_CASE("a live rank that sat out one shrink joins the next one of the same parent: no false \"lists differ\"",
           "[mp][fault]") {
   CHECK(loomRun(std::string(kShm) + " LOOM_TIMEOUT_MS=5000", 4, "shrinksatout", 60) == 0);

@@ -41,6 +41,8 @@
 //                          next one of the same parent: it succeeds everywhere
 //   mp-worker manybuffers    zero-copy all-reduces over 80 loomMemAlloc buffers
 //                          while another thread allocates and frees: exact
+//   mp-worker fork           a forked child's call on its parent's communicator
+//                          fails naming the fork; the parent's stay exact
 //   mp-worker unreceived matched|unmatched   rank 0 sends 16 floats to rank 1,
 //                          which receives them or not; loomCommDestroy warns on
 //                          rank 1 (and only there) exactly when they were not
@@ -82,6 +84,7 @@
 #include <sys/syscall.h>
 #include <dirent.h>
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -895,6 +898,35 @@ static void scenarioManyBuffers(loomComm_t comm) {
   churn.join();
   expect(wrong == 0, std::to_string(wrong) + " wrong elements");
   for (int32_t* b : bufs) CHECK_LOOM(loomMemFree(b));
+}
+
+// A forked child calls its parent's communicator: loomInvalidUsage naming
+// the fork (it used to succeed, taking the parent's data, whose next
+// all-reduce then came out wrong), and may destroy it; the parent's
+// communicator goes on exact.
+static void scenarioFork(loomComm_t comm) {
+  std::vector<int32_t> v(1 << 16, 1);
+  CHECK_LOOM(loomAllReduce(v.data(), v.data(), v.size(), loomInt32, loomSum, comm, nullptr));
+  fflush(stdout);
+  pid_t pid = fork();
+  if (pid == 0) {
+    loomResult_t r = loomAllReduce(v.data(), v.data(), v.size(), loomInt32, loomSum, comm, nullptr);
+    const std::string msg = loomGetLastError(comm);
+    const bool named = msg.find("is a fork of it") != std::string::npos;
+    printf("rank %d's child: %s: %s\n", gRank, loomGetErrorString(r), msg.c_str());
+    fflush(stdout);
+    _exit(r == loomInvalidUsage && named && loomCommDestroy(comm) == loomSuccess ? 0 : 1);
+  }
+  int st = 0;
+  waitpid(pid, &st, 0);
+  expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the child's call fails naming the fork, and its destroy succeeds");
+  for (int it = 0; it < 3; ++it) {
+    std::fill(v.begin(), v.end(), gRank + it);
+    CHECK_LOOM(loomAllReduce(v.data(), v.data(), v.size(), loomInt32, loomSum, comm, nullptr));
+    size_t wrong = 0;
+    for (int32_t x : v) wrong += x != gSize * (gSize - 1) / 2 + gSize * it;
+    expect(wrong == 0, "the parent's all-reduces after the fork are exact");
+  }
 }
 
 static void scenarioSplit(loomComm_t comm) {
@@ -2111,6 +2143,7 @@ int main(int argc, char** argv) {
   else if (sc == "shrinklists") scenarioShrinkLists(comm);
   else if (sc == "shrinksatout") scenarioShrinkSatOut(comm);
   else if (sc == "manybuffers") scenarioManyBuffers(comm);
+  else if (sc == "fork") scenarioFork(comm);
   else if (sc == "rootmismatch") scenarioRootMismatch(comm, argc > 2 ? argv[2] : "bcast", argc > 3 ? strtoull(argv[3], nullptr, 10) : 8,
                                                    argc > 4 && std::string(argv[4]) == "mem");
   else if (sc == "descriptors") scenarioDescriptors(comm, argc > 2 ? atoi(argv[2]) : 5);

@@ -137,6 +137,13 @@ LOOM_HOT loomResult_t checkEnums(const char* call, loomComm* comm, const loomDat
 
 LOOM_HOT void checkComm(const loomComm* comm) {
   if (!comm) fail(loomInvalidArgument, "comm is NULL");
+  // A forked child shares the parent's sockets and windows: an operation
+  // there would take the parent's data (and the child's result is wrong).
+  if (__builtin_expect(!comm->madeInThisProcess(), 0))
+    fail(loomInvalidUsage,
+         "the communicator belongs to process %d, and this process (%d) is a fork of it: a child cannot use its "
+         "parent's communicators (destroying one is fine); create one in the child",
+         comm->creatorPid(), int(getpid()));
 }
 
 LOOM_HOT void checkType(loomDataType_t t) {

@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
+#include <pthread.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -61,6 +62,18 @@ thread_local std::string tlsTestHostId;
 }
 
 void setThreadHostIdForTesting(const std::string& hostId) { tlsTestHostId = hostId; }
+
+namespace {
+std::atomic<uint32_t> gForkGeneration{0};
+void onForkChild() { gForkGeneration.fetch_add(1, std::memory_order_relaxed); }
+// Registered when libloom loads (a dlclose unregisters it).
+const int gForkWatch = pthread_atfork(nullptr, nullptr, onForkChild);
+}  // namespace
+
+uint32_t forkGeneration() {
+  (void)gForkWatch;
+  return gForkGeneration.load(std::memory_order_relaxed);
+}
 
 }  // namespace loom
 

@@ -2,6 +2,7 @@
 // in which its operations run.  It is the executor's environment (ExecEnv).
 #pragma once
 #include <sched.h>
+#include <unistd.h>
 
 #include <array>
 #include <atomic>
@@ -68,6 +69,11 @@ void checkRankInfo(RankInfo* info, int r);
 // ranks as threads of one process pose as several hosts.
 void setThreadHostIdForTesting(const std::string& hostId);
 
+// How many times this process's ancestors forked on the way to it (since
+// libloom loaded): a communicator made before a fork belongs to the parent,
+// whose connections and windows a child shares, and must not run there.
+uint32_t forkGeneration();
+
 }  // namespace loom
 
 struct loomComm : public loom::ExecEnv,
@@ -83,6 +89,9 @@ struct loomComm : public loom::ExecEnv,
   ~loomComm() override;
 
   int nranks() const { return nranks_; }
+  // The process that made it (forkGeneration() then) and its pid.
+  bool madeInThisProcess() const { return forkGen_ == loom::forkGeneration(); }
+  int creatorPid() const { return creatorPid_; }
   int rank() const override { return rank_; }
 
   // ---- ordering: operations run one at a time, in issue order ----
@@ -363,6 +372,8 @@ struct loomComm : public loom::ExecEnv,
   std::unique_ptr<loom::Control> ctl_;   // destroyed first: its thread calls onNotice
   std::shared_ptr<loomComm> self_;  // the handle's reference
   std::mutex selfMutex_;            // guards self_ (releaseHandle)
+  const uint32_t forkGen_ = loom::forkGeneration();
+  const int creatorPid_ = int(getpid());
   std::atomic<uint32_t> shrinkRounds_{0};  // loomCommShrink calls on this communicator (shrink.cc)
   std::unique_ptr<loom::Tracer> tracer_;  // LOOM_TRACE
   // The operation running now (comm_dump.cc); actStartNs_ == 0: none.
