@@ -318,8 +318,10 @@ LOOM_API loomResult_t loomCommDump(loomComm_t comm, char* buf, size_t size);
  * not.  Other operations work on it as on any host memory.  Peers map a buffer the first time they need it and keep the
  * mapping; freeing memory a peer has mapped is safe (the peer drops its
  * mapping when it next looks).  Free it only once no operation of any rank
- * still uses it.  Returns loomInvalidArgument for a NULL ptr or size 0,
- * loomSystemError when the OS refuses. */
+ * still uses it.  The memory is shared (MAP_SHARED): a forked child shares
+ * it with its parent rather than copying it.  Returns loomInvalidArgument for
+ * a NULL ptr or size 0, loomSystemError when the OS refuses or the size is
+ * more than the process may fault in (MemAvailable, its memory cgroups). */
 LOOM_API loomResult_t loomMemAlloc(void** ptr, size_t size);
 
 /* Frees memory from loomMemAlloc.  NULL is a no-op; a pointer loomMemAlloc

@@ -2,6 +2,8 @@
 // descriptions, and the import cache that maps another rank's allocation
 // (here: this process's own, through /proc/<pid>/fd, as a peer would).
 #include <sys/mman.h>
+#include <sys/wait.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
@@ -145,4 +147,56 @@ TEST_CASE("the import cache keeps what it handed to an operation mapped until th
   CHECK(still <= 64);  // what operation 9's evictions retired is gone
   for (void* b : bufs) REQUIRE(loomMemFree(b) == loomSuccess);
   loom::hostMemUnwatchFrees(&epoch);
+}
+
+TEST_CASE("loomMemAlloc of more than the process may fault in is loomSystemError, not the OOM killer",
+          "[registered]") {
+  // It faults every page in at once: past what the memory cgroup allows,
+  // the kernel's OOM killer ended the process inside the call.  A child in
+  // a cgroup of 256 MiB asks for 512 MiB (and 16 MiB, which fits).  Needs a
+  // memory cgroup this process may create (root, cgroup v1 or v2).
+  std::string dir, limitFile;
+  for (const char* base : {"/sys/fs/cgroup/memory", "/sys/fs/cgroup"}) {
+    std::string d = std::string(base) + "/loom-test-" + std::to_string(getpid());
+    const std::string lf = std::string(base) == "/sys/fs/cgroup" ? "memory.max" : "memory.limit_in_bytes";
+    if (mkdir(d.c_str(), 0755) != 0) continue;
+    FILE* f = fopen((d + "/" + lf).c_str(), "w");
+    if (f && fprintf(f, "%d\n", 256 << 20) > 0 && fclose(f) == 0) {
+      dir = d, limitFile = lf;
+      break;
+    }
+    if (f) fclose(f);
+    rmdir(d.c_str());
+  }
+  if (dir.empty()) {
+    WARN("no memory cgroup could be made here: this case checks nothing");
+    return;
+  }
+  int pipefd[2];
+  REQUIRE(pipe(pipefd) == 0);
+  pid_t pid = fork();
+  if (pid == 0) {
+    close(pipefd[0]);
+    FILE* f = fopen((dir + "/cgroup.procs").c_str(), "w");
+    if (!f || fprintf(f, "%d\n", int(getpid())) <= 0 || fclose(f) != 0) _exit(3);
+    void* p = nullptr;
+    int codes[2];
+    codes[0] = loomMemAlloc(&p, size_t(512) << 20);
+    void* q = nullptr;
+    codes[1] = loomMemAlloc(&q, size_t(16) << 20);
+    if (q) loomMemFree(q);
+    if (write(pipefd[1], codes, sizeof codes) != sizeof codes) _exit(4);
+    _exit(0);
+  }
+  close(pipefd[1]);
+  int codes[2] = {-1, -1};
+  const ssize_t got = read(pipefd[0], codes, sizeof codes);
+  close(pipefd[0]);
+  int st = 0;
+  waitpid(pid, &st, 0);
+  rmdir(dir.c_str());
+  INFO("child status " << st);
+  REQUIRE(got == ssize_t(sizeof codes));
+  CHECK(codes[0] == loomSystemError);
+  CHECK(codes[1] == loomSuccess);
 }

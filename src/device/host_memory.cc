@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 
 #include "src/core/error.h"
@@ -55,6 +56,63 @@ const std::pair<const uintptr_t, Allocation>* findLocked(Registry& reg, const vo
   return &*it;
 }
 
+uint64_t readNumber(const std::string& path) {  // UINT64_MAX: missing, or "max"
+  FILE* f = fopen(path.c_str(), "re");
+  if (!f) return UINT64_MAX;
+  unsigned long long v = 0;
+  const bool ok = fscanf(f, "%llu", &v) == 1;
+  fclose(f);
+  return ok ? uint64_t(v) : UINT64_MAX;
+}
+
+// The room left under each memory cgroup of this process, ancestors too
+// (v1: memory.limit_in_bytes - usage_in_bytes; v2: memory.max - current).
+uint64_t cgroupRoom() {
+  uint64_t room = UINT64_MAX;
+  FILE* f = fopen("/proc/self/cgroup", "re");
+  if (!f) return room;
+  char line[4096];
+  while (fgets(line, sizeof line, f)) {
+    std::string l(line);
+    if (!l.empty() && l.back() == '\n') l.pop_back();
+    size_t a = l.find(':'), b = a == std::string::npos ? a : l.find(':', a + 1);
+    if (b == std::string::npos) continue;
+    const std::string controllers = "," + l.substr(a + 1, b - a - 1) + ",", path = l.substr(b + 1);
+    std::string base, limitFile, usageFile;
+    if (controllers.find(",memory,") != std::string::npos) {
+      base = "/sys/fs/cgroup/memory", limitFile = "memory.limit_in_bytes", usageFile = "memory.usage_in_bytes";
+    } else if (controllers == ",," && l.compare(0, 2, "0:") == 0) {
+      base = access("/sys/fs/cgroup/cgroup.controllers", F_OK) == 0 ? "/sys/fs/cgroup" : "/sys/fs/cgroup/unified";
+      limitFile = "memory.max", usageFile = "memory.current";
+    } else {
+      continue;
+    }
+    for (std::string dir = base + (path == "/" ? "" : path);;) {
+      const uint64_t limit = readNumber(dir + "/" + limitFile), usage = readNumber(dir + "/" + usageFile);
+      if (limit != UINT64_MAX && usage != UINT64_MAX) room = std::min(room, limit > usage ? limit - usage : 0);
+      if (dir.size() <= base.size()) break;
+      dir.erase(dir.rfind('/'));
+    }
+  }
+  fclose(f);
+  return room;
+}
+
+// Memory a loomMemAlloc may fault in: MemAvailable, and the room its cgroups
+// leave.  Past it the kernel would not fail the call: its OOM killer would
+// end this process (or another).
+uint64_t memoryForAlloc() {
+  uint64_t avail = UINT64_MAX;
+  if (FILE* f = fopen("/proc/meminfo", "re")) {
+    char line[256];
+    unsigned long long kb;
+    while (fgets(line, sizeof line, f))
+      if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) avail = uint64_t(kb) * 1024;
+    fclose(f);
+  }
+  return std::min(avail, cgroupRoom());
+}
+
 }  // namespace
 
 void* hostMemAlloc(size_t bytes) {
@@ -62,6 +120,12 @@ void* hostMemAlloc(size_t bytes) {
   const size_t page = pageBytes();
   if (bytes > (size_t(1) << 46)) fail(loomInvalidArgument, "size %zu is larger than any host memory", bytes);
   size_t len = (bytes + page - 1) / page * page;
+  const uint64_t room = memoryForAlloc();
+  if (len > room)
+    fail(loomSystemError,
+         "cannot allocate %zu bytes: only %llu are free for this process (MemAvailable, and what its memory cgroups "
+         "allow), and loomMemAlloc faults every page in at once",
+         bytes, (unsigned long long)room);
   int fd = int(syscall(SYS_memfd_create, "loom-mem", unsigned(MFD_CLOEXEC)));
   if (fd < 0) failErrno("memfd_create");
   fchmod(fd, 0600);
