@@ -13,6 +13,7 @@
 
 #include "loom.h"
 #include "src/core/error.h"
+#include "src/core/registration.h"
 #include "src/device/host_memory.h"
 
 namespace {
@@ -199,4 +200,19 @@ TEST_CASE("loomMemAlloc of more than the process may fault in is loomSystemError
   REQUIRE(got == ssize_t(sizeof codes));
   CHECK(codes[0] == loomSystemError);
   CHECK(codes[1] == loomSuccess);
+}
+
+TEST_CASE("a registration handle released once cannot release a later registration", "[registered]") {
+  // Handles were the records' addresses: the heap handed the next record the
+  // same one, so deregistering a stale handle released someone else's.
+  loom::RegistrationTable table;
+  std::vector<char> buf(4096);
+  void* first = table.add(buf.data(), buf.size(), {});
+  table.remove(first);
+  void* second = table.add(buf.data(), buf.size(), {});
+  CHECK(second != first);
+  CHECK(codeOf([&] { table.remove(first); }) == loomInvalidArgument);
+  CHECK(table.size() == 1);
+  table.remove(second);
+  CHECK(table.size() == 0);
 }

@@ -1,5 +1,7 @@
 #include "src/core/registration.h"
 
+#include <atomic>
+
 #include "src/core/error.h"
 #include "src/device/host_memory.h"
 
@@ -19,8 +21,12 @@ void* RegistrationTable::add(void* buff, size_t bytes, const std::vector<Transpo
   for (Transport* t : transports)
     if (t->serves(reg->kind == MemoryKind::RegisteredHost ? MemoryKind::Host : reg->kind))
       if (std::shared_ptr<void> h = t->registerBuffer(buff, bytes, reg->kind)) reg->handles.push_back(std::move(h));
+  // Handles are numbers never handed out twice in this process (not the
+  // record's address, which the heap reuses): a stale one, deregistered
+  // already, must not release a newer registration.
+  static std::atomic<uintptr_t> serial{0};
+  void* handle = reinterpret_cast<void*>((serial.fetch_add(1) + 1) << 4);
   std::lock_guard<std::mutex> lock(mu_);
-  void* handle = reg.get();
   regs_[handle] = std::move(reg);
   return handle;
 }
