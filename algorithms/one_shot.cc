@@ -80,7 +80,10 @@ LOOM_HOT bool directPeerOnOtherPath(const DirectContext& ctx, int peer, const Sl
     if ((w.zeroCopyVote()->load(std::memory_order_acquire) | 1) == (want | 1)) {
       memcpy(t, w.zeroCopyVoteTag(), sizeof *t);
       std::atomic_thread_fence(std::memory_order_acquire);
-      if ((w.zeroCopyVote()->load(std::memory_order_relaxed) | 1) == (want | 1) && !sameOperation(*t, mine))
+      // The tag's own number too: a peer done with this operation may have
+      // written its next one's tag and not yet its next vote.
+      if ((w.zeroCopyVote()->load(std::memory_order_relaxed) | 1) == (want | 1) && t->seq == mine.seq &&
+          !sameOperation(*t, mine))
         return true;
     }
   }
@@ -308,10 +311,12 @@ LOOM_HOT void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& ta
   // itself for the root would return its own buffer and nobody would know;
   // with the headers its data, or the header it did not send, shows at a
   // root (a false root's data lands where the true root looks for its
-  // header).  Gather, the other way round: the root's header to each
-  // non-root, so that two ranks that both collect see each other's.
+  // header).  Gather and reduce, the other way round: the root's header to
+  // each non-root, so that two ranks that both collect see each other's,
+  // and ranks none of which names itself (each posts its data to another
+  // and returns) wait for a header that shows their data instead.
   const bool headers = ctx.checkMode && (op.coll == Collective::Broadcast || op.coll == Collective::Scatter ||
-                                         op.coll == Collective::Gather);
+                                         op.coll == Collective::Gather || op.coll == Collective::Reduce);
   auto takeHeaders = [&] {
     for (int i = 1; i < N; ++i) {
       const int q = (me + i) % N;
@@ -331,7 +336,14 @@ LOOM_HOT void oneShotRun(DirectContext& ctx, const OpDesc& op, const SlotTag& ta
       break;
     case Collective::Reduce:
       post(op.root, send);
-      if (root) combineAll(recv);
+      if (root) {
+        if (headers)
+          for (int i = 1; i < N; ++i) post((me + i) % N, nullptr);
+        combineAll(recv);
+      } else if (headers) {
+        take(op.root, 0);
+        ack(op.root);
+      }
       break;
     case Collective::Broadcast:
       if (!root) {

@@ -1,5 +1,7 @@
 #include "algorithms/schedule.h"
 
+#include <iterator>
+
 #include "src/core/error.h"
 
 namespace loom {
@@ -54,6 +56,13 @@ void addRootCheck(int opIndex, int rank, int nranks, Schedule* out) {
                                   kHandshakeBytes));
     out->lanes.push_back(std::move(lane));
   }
+}
+
+void prependLanes(Schedule* s, std::vector<Lane> front) {
+  const int shift = int(front.size());
+  for (Lane& l : s->lanes)
+    for (int& a : l.after) a += shift;
+  s->lanes.insert(s->lanes.begin(), std::make_move_iterator(front.begin()), std::make_move_iterator(front.end()));
 }
 
 size_t partBegin(size_t total, int parts, int i) {

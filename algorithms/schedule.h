@@ -143,13 +143,16 @@ struct Schedule {
 
 // Check mode, rooted collectives on the executor path: each rank sends its
 // operation's tag (which names the root) to rank+1 and checks the one from
-// rank-1, in lanes ahead of the algorithm's (so first on every connection
+// rank-1, ahead of the algorithm's lanes (so first on every connection
 // they share).  The ring does not depend on the root, so ranks that name
 // different roots always leave some rank a neighbour whose tag differs, and
 // that rank fails the communicator for all: otherwise a root nobody else
 // names can send into buffered slots and return its own data, and a rank
 // waiting for a root that never sends waits for the timeout.
 void addRootCheck(int opIndex, int rank, int nranks, Schedule* out);
+
+// Puts `front` ahead of s's lanes (their `after` indices follow them).
+void prependLanes(Schedule* s, std::vector<Lane> front);
 
 // What the tuner decided for one operation.
 enum class Algorithm : uint8_t {

@@ -232,11 +232,13 @@ bool directZeroCopy(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
     // different roots (each exposing the buffers its own view needs) all
     // stop here instead of reading a root that never exposed its input.
     // The tag is read between two looks at the vote: unchanged, it is the
-    // vote's.
+    // vote's, unless the peer is already done and wrote its next operation's
+    // tag, not yet its next vote (hence the tag's number).
     if (ctx.checkMode && (v | 1) == (stamp | 1)) {
       memcpy(&other, ctx.win(q).zeroCopyVoteTag(), sizeof other);
       std::atomic_thread_fence(std::memory_order_acquire);
-      if ((vote->load(std::memory_order_relaxed) | 1) == (stamp | 1) && !sameOperation(other, tag))
+      if ((vote->load(std::memory_order_relaxed) | 1) == (stamp | 1) && other.seq == tag.seq &&
+          !sameOperation(other, tag))
         failMismatch(me, q, other, tag);
     }
     all &= v == (stamp | 1);

@@ -1,6 +1,8 @@
 // Multi-process tests: real ranks started by loom-run, over shared memory
 // (the default on one host) and over tcp (forced with LOOM_TRANSPORTS=tcp).
 #include <catch2/catch.hpp>
+
+#include <algorithm>
 #include <csignal>
 #include <ctime>
 #include <string>
@@ -251,6 +253,31 @@ TEST_CASE("loomCommDestroy warns about data a peer sent that no call received, a
   const std::string transports = GENERATE(std::string(kShm), std::string(kTcp));
   INFO(mode << ", " << transports);
   CHECK(loomRun(transports, 2, std::string("unreceived ") + mode, 60) == 0);
+}
+
+TEST_CASE("a reduce in which no rank names itself the root fails instead of returning success everywhere",
+          "[mp][fault]") {
+  // One-shot sizes: every rank posted its data to another and returned.
+  const std::string roots = GENERATE("1,0", "1,2,0", "2,2,0");
+  const char* count = GENERATE("2", "4096", "300000");
+  const int n = int(std::count(roots.begin(), roots.end(), ',')) + 1;
+  INFO("roots " << roots << ", " << count << " elements");
+  CHECK(loomRun(std::string(kShm) + " LOOM_TIMEOUT_MS=60000", n,
+                std::string("rootmismatch reduce ") + count + " roots=" + roots, 90) == 0);
+}
+
+TEST_CASE("over tcp, ranks that name different roots find out before opening the connections their root needs",
+          "[mp][fault]") {
+  // After an all-reduce has opened the ring's connections, a gather or a
+  // large broadcast needs the root's: tcp's accepting side waited for a
+  // rank that, naming another root, never opened them, and every rank
+  // timed out blaming the connection.  The handshakes now run first.
+  const char* mode = GENERATE("bcast", "scatter", "reduce", "gather");
+  const char* roots = GENERATE("0,1,1,1", "0,0,1,1");
+  const char* count = GENERATE("1000", "1048576");
+  INFO(mode << ", roots " << roots << ", " << count << " elements");
+  CHECK(loomRun(std::string(kTcp) + " LOOM_TIMEOUT_MS=60000", 4,
+                std::string("rootmismatch ") + mode + " " + count + " ar roots=" + roots, 90) == 0);
 }
 
 TEST_CASE("loomCommShrink with lists that leave each other out: the larger side agrees, the rank it left out gets "

@@ -779,9 +779,24 @@ static void scenarioExchangeMismatch(loomComm_t comm) {
 // r % 2, or in "bcastlast" only the last rank names 1): no rank may
 // return success from both the collective and the all-reduce after it,
 // some rank names the mismatch, and all of it well before LOOM_TIMEOUT_MS.
-// With `mem`, the buffers come from loomMemAlloc (the zero-copy path at 1 MiB
-// and more).
-static void scenarioRootMismatch(loomComm_t comm, const std::string& mode, size_t count, bool mem) {
+// Options: `mem`: the buffers come from loomMemAlloc (the zero-copy path at
+// 1 MiB and more); `ar`: an all-reduce first (it opens the ring's
+// connections, not the root's); `roots=A,B,..`: rank r names the r-th.
+static void scenarioRootMismatch(loomComm_t comm, const std::string& mode, size_t count,
+                                 const std::vector<std::string>& options) {
+  bool mem = false;
+  int root = mode == "bcastlast" ? (gRank == gSize - 1 ? 1 : 0) : gRank % 2;
+  for (const std::string& o : options) {
+    if (o == "mem") mem = true;
+    if (o == "ar") {
+      float v = 1;
+      CHECK_LOOM(loomAllReduce(&v, &v, 1, loomFloat32, loomSum, comm, nullptr));
+    }
+    if (o.compare(0, 6, "roots=") == 0) {
+      std::vector<size_t> roots = parseList(o.substr(6).c_str());
+      if (roots.size() == size_t(gSize)) root = int(roots[size_t(gRank)]);
+    }
+  }
   const auto t0 = std::chrono::steady_clock::now();
   gLoomMemBuffers = mem;
   CheckedBuf sendBuf(kSendBuf, count * size_t(gSize) * sizeof(float), 0), recvBuf(kRecvBuf, count * size_t(gSize) * sizeof(float), 0);
@@ -790,7 +805,6 @@ static void scenarioRootMismatch(loomComm_t comm, const std::string& mode, size_
   float* recv = reinterpret_cast<float*>(recvBuf.data());
   std::fill(send, send + count * size_t(gSize), float(gRank + 1));
   std::fill(recv, recv + count * size_t(gSize), -1.0f);
-  const int root = mode == "bcastlast" ? (gRank == gSize - 1 ? 1 : 0) : gRank % 2;
   loomResult_t r;
   if (mode == "reduce") r = loomReduce(send, recv, count, loomFloat32, loomSum, root, comm, nullptr);
   else if (mode == "gather") r = loomGather(send, recv, count, loomFloat32, root, comm, nullptr);
@@ -2145,7 +2159,7 @@ int main(int argc, char** argv) {
   else if (sc == "manybuffers") scenarioManyBuffers(comm);
   else if (sc == "fork") scenarioFork(comm);
   else if (sc == "rootmismatch") scenarioRootMismatch(comm, argc > 2 ? argv[2] : "bcast", argc > 3 ? strtoull(argv[3], nullptr, 10) : 8,
-                                                   argc > 4 && std::string(argv[4]) == "mem");
+                                                   std::vector<std::string>(argv + std::min(argc, 4), argv + argc));
   else if (sc == "descriptors") scenarioDescriptors(comm, argc > 2 ? atoi(argv[2]) : 5);
   else if (sc == "tagged") scenarioTagged(comm);
   else if (sc == "taggedtimeout") scenarioTaggedTimeout(comm);

@@ -744,6 +744,7 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
     double t0 = tracer_ ? Tracer::nowUs() : 0;
     std::vector<ExecOp> eops;
     Schedule sched;
+    Schedule checks;  // check mode: rooted collectives' tag handshakes (addRootCheck)
     std::vector<size_t> selfSends, selfRecvs;
     Algorithm alone = ops.size() == 1 ? choose(ops[0]) : Algorithm::Ring;
     // Zero-copy: a collective whose buffers every rank can map runs
@@ -778,7 +779,7 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
         else p2pSchedule(op, int(i), &sched);
       } else {
         Plan plan = tuner_->choose(op, nranks_, limits_);
-        if (checkMode_ && rooted(op.coll)) addRootCheck(int(i), rank_, nranks_, &sched);
+        if (checkMode_ && rooted(op.coll)) addRootCheck(int(i), rank_, nranks_, &checks);
         // The direct paths run alone; inside a group the ring serves.
         buildSchedule(op, int(i), rank_, nranks_, topology_.hostOfRanks(), plan, &sched);
       }
@@ -807,6 +808,22 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
       st.bytes = bytes;
       lane.steps.push_back(st);
       sched.lanes.push_back(lane);
+    }
+    if (!checks.lanes.empty()) {
+      // With every connection open, the handshakes lead the schedule's own
+      // lanes (first on every connection they share).  With some still to
+      // open they run alone first: opening waits for the peer (tcp's
+      // accepting side), and a peer that names another root may never open
+      // what this rank's schedule needs, so the ranks would wait there for
+      // the timeout instead of finding out from their neighbours.  Either
+      // way a connection carries the handshake before the data.
+      bool open = true;
+      for (const Lane& l : sched.lanes)
+        for (const Step& st : l.steps)
+          for (int peer : {st.recvPeer, st.sendPeer})
+            open &= peer < 0 || conns_.count(std::make_pair(peer, l.channel)) != 0;
+      if (open) prependLanes(&sched, std::move(checks.lanes));
+      else execute(*this, eops, checks);
     }
     execute(*this, eops, sched);
     if (tracer_) traceRun(t0, ops, tags, alone);
