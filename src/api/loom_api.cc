@@ -142,7 +142,7 @@ LOOM_HOT void checkComm(const loomComm* comm) {
   if (__builtin_expect(!comm->madeInThisProcess(), 0))
     fail(loomInvalidUsage,
          "the communicator belongs to process %d, and this process (%d) is a fork of it: a child cannot use its "
-         "parent's communicators (destroying one is fine); create one in the child",
+         "parent's communicators (destroying one only lets go of the handle); create one in the child",
          comm->creatorPid(), int(getpid()));
 }
 
@@ -750,8 +750,23 @@ loomResult_t loomCommSplit(loomComm_t comm, int color, int key, loomComm_t* newc
   });
 }
 
+// A forked child's copy of its parent's communicator: its sockets and
+// shared memory are the parent's too, so tearing it down (reading what
+// arrived, closing connections gracefully) would take the parent's data.
+// The child lets go of the handle and leaves the object alone.
+static bool forgetInForkedChild(loomComm_t comm) {
+  if (comm->madeInThisProcess()) return false;
+  static auto* kept = new std::vector<std::shared_ptr<loomComm>>;  // never freed: the parent's
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  if (std::shared_ptr<loomComm> c = comm->weak_from_this().lock()) kept->push_back(std::move(c));
+  comm->releaseHandle();
+  return true;
+}
+
 loomResult_t loomCommDestroy(loomComm_t comm) {
   if (!comm) return loomSuccess;
+  if (forgetInForkedChild(comm)) return loomSuccess;
   // Held until the call returns: an abort from another thread meanwhile
   // releases the handle, and the communicator must outlive this call.
   const std::shared_ptr<loomComm> hold = comm->weak_from_this().lock();
@@ -772,6 +787,7 @@ loomResult_t loomCommDestroy(loomComm_t comm) {
 
 loomResult_t loomCommAbort(loomComm_t comm) {
   if (!comm) return loomSuccess;
+  if (forgetInForkedChild(comm)) return loomSuccess;
   const std::shared_ptr<loomComm> hold = comm->weak_from_this().lock();  // as in loomCommDestroy
   return guarded("loomCommAbort", nullptr, [&] {
     comm->abort();
