@@ -7,6 +7,7 @@
 #pragma once
 #include <array>
 #include <atomic>
+#include <cstring>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -117,6 +118,27 @@ struct DirectWindow {
   // that runs another operation as this sequence number on another path
   // learns it here rather than at the timeout.
   SlotTag* zeroCopyVoteTag() const { return reinterpret_cast<SlotTag*>(base + l->zeroCopyOffset() + 8); }
+  // The vote's tag as a seqlock on its `seq`: the owner writes ~0 there,
+  // the other fields, then the number; a reader that finds the number it
+  // wants before and after its copy has an untorn tag of that operation.
+  void publishVoteTag(const SlotTag& t) const {
+    SlotTag* d = zeroCopyVoteTag();
+    __atomic_store_n(&d->seq, ~uint64_t(0), __ATOMIC_RELAXED);
+    std::atomic_thread_fence(std::memory_order_release);
+    SlotTag rest = t;
+    rest.seq = ~uint64_t(0);
+    memcpy(static_cast<void*>(d), &rest, sizeof rest);
+    __atomic_store_n(&d->seq, t.seq, __ATOMIC_RELEASE);
+  }
+  bool readVoteTag(uint64_t seq, SlotTag* out) const {
+    const SlotTag* s = zeroCopyVoteTag();
+    if (__atomic_load_n(&s->seq, __ATOMIC_ACQUIRE) != seq) return false;
+    memcpy(out, static_cast<const void*>(s), sizeof *out);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (__atomic_load_n(&s->seq, __ATOMIC_RELAXED) != seq) return false;
+    out->seq = seq;
+    return true;
+  }
   std::atomic<uint64_t>* zeroCopyDone() const {
     return reinterpret_cast<std::atomic<uint64_t>*>(base + l->zeroCopyOffset() + 64);
   }

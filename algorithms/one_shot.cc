@@ -73,19 +73,13 @@ LOOM_HOT bool directPeerOnOtherPath(const DirectContext& ctx, int peer, const Sl
   // Or it voted for another operation as this one (zero_copy.cc).  The
   // same operation's vote stays visible while every rank runs it on the
   // executor path (the vote said no), so only another one counts.  The
-  // tag is read between two looks at the vote: unchanged, it is the vote's.
+  // tag is this operation's (its number, read untorn) while the vote still is.
   if (ctx.layout.stageBytes) {
     const DirectWindow w = ctx.win(peer);
     const uint64_t want = (mine.seq + 1) << 1;
-    if ((w.zeroCopyVote()->load(std::memory_order_acquire) | 1) == (want | 1)) {
-      memcpy(t, w.zeroCopyVoteTag(), sizeof *t);
-      std::atomic_thread_fence(std::memory_order_acquire);
-      // The tag's own number too: a peer done with this operation may have
-      // written its next one's tag and not yet its next vote.
-      if ((w.zeroCopyVote()->load(std::memory_order_relaxed) | 1) == (want | 1) && t->seq == mine.seq &&
-          !sameOperation(*t, mine))
-        return true;
-    }
+    if ((w.zeroCopyVote()->load(std::memory_order_acquire) | 1) == (want | 1) && w.readVoteTag(mine.seq, t) &&
+        (w.zeroCopyVote()->load(std::memory_order_acquire) | 1) == (want | 1) && !sameOperation(*t, mine))
+      return true;
   }
   return false;
 }

@@ -210,7 +210,7 @@ bool directZeroCopy(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
   // direct path (a tiny all-reduce on its pull line against this large
   // one) never votes: seen there, it is a mismatch now, not a timeout.
   const uint64_t stamp = (tag.seq + 1) << 1;
-  memcpy(myWin.zeroCopyVoteTag(), &tag, sizeof tag);
+  myWin.publishVoteTag(tag);
   myWin.zeroCopyVote()->store(stamp | uint64_t(mine), std::memory_order_release);
   ctx.mem.wakeOthers(me, N);
   bool all = mine;
@@ -231,13 +231,10 @@ bool directZeroCopy(DirectContext& ctx, const OpDesc& op, const SlotTag& tag) {
     // Check mode: every rank reads every vote's tag, so ranks that name
     // different roots (each exposing the buffers its own view needs) all
     // stop here instead of reading a root that never exposed its input.
-    // The tag is read between two looks at the vote: unchanged, it is the
-    // vote's, unless the peer is already done and wrote its next operation's
-    // tag, not yet its next vote (hence the tag's number).
+    // The tag is this operation's (its number, read untorn) while the vote
+    // still is: a peer done with it may be writing its next one's.
     if (ctx.checkMode && (v | 1) == (stamp | 1)) {
-      memcpy(&other, ctx.win(q).zeroCopyVoteTag(), sizeof other);
-      std::atomic_thread_fence(std::memory_order_acquire);
-      if ((vote->load(std::memory_order_relaxed) | 1) == (stamp | 1) && other.seq == tag.seq &&
+      if (ctx.win(q).readVoteTag(tag.seq, &other) && (vote->load(std::memory_order_acquire) | 1) == (stamp | 1) &&
           !sameOperation(other, tag))
         failMismatch(me, q, other, tag);
     }

@@ -831,7 +831,10 @@ static void scenarioRootMismatch(loomComm_t comm, const std::string& mode, size_
 // (an exact all-reduce); rank 0, which they left out, must not go on with a
 // communicator of its own: it learns from them that they shrink without it
 // (they keep the parent a while, as a program that frees it later does).
-static void scenarioShrinkLists(loomComm_t comm) {
+// `late`: rank 0 calls 300 ms after the others, who are done by then and
+// have told it so (ShrankWithout): it must still learn that the lists differ.
+static void scenarioShrinkLists(loomComm_t comm, bool late) {
+  if (late && gRank == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
   int exclude = gRank == 0 ? 1 : 0;
   loomComm_t sub = nullptr;
   loomResult_t r = loomCommShrink(comm, &exclude, 1, &sub);
@@ -2165,7 +2168,7 @@ int main(int argc, char** argv) {
   else if (sc == "smallmismatch") scenarioSmallMismatch(comm, argc > 2 ? argv[2] : "count");
   else if (sc == "pullmix") scenarioPullMix(comm);
   else if (sc == "split") scenarioSplit(comm);
-  else if (sc == "shrinklists") scenarioShrinkLists(comm);
+  else if (sc == "shrinklists") scenarioShrinkLists(comm, argc > 2 && strcmp(argv[2], "late") == 0);
   else if (sc == "shrinksatout") scenarioShrinkSatOut(comm);
   else if (sc == "manybuffers") scenarioManyBuffers(comm);
   else if (sc == "fork") scenarioFork(comm);

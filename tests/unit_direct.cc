@@ -324,7 +324,7 @@ TEST_CASE("zero-copy vote: a root that already voted for its next broadcast mean
   auto fn = [&](loom::DirectContext& ctx, const loom::OpDesc& op, const loom::SlotTag& tag) {
     if (ctx.rank == 1 && !staged.exchange(true)) {
       const uint64_t stamp = (tag.seq + 1) << 1, next = (tag.seq + 2) << 1;
-      memcpy(ctx.win(1).zeroCopyVoteTag(), &tag, sizeof tag);  // as directZeroCopy votes
+      ctx.win(1).publishVoteTag(tag);  // as directZeroCopy votes
       ctx.win(1).zeroCopyVote()->store(stamp | 1, std::memory_order_release);
       ctx.mem.wake(0);
       std::atomic<uint64_t>* rootVote = ctx.win(0).zeroCopyVote();

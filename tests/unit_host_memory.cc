@@ -7,6 +7,9 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <cerrno>
+#include <cstdlib>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -28,6 +31,19 @@ loomResult_t codeOf(const std::function<void()>& f) {
 }
 
 }  // namespace
+
+// mkdir -p / rm -rf for the fake cgroup trees.
+static bool loomtest_mkdirs(const std::string& dir) {
+  for (size_t i = 1; i <= dir.size(); ++i)
+    if (i == dir.size() || dir[i] == '/') {
+      std::string d = dir.substr(0, i);
+      if (mkdir(d.c_str(), 0755) != 0 && errno != EEXIST) return false;
+    }
+  return true;
+}
+static bool loomtest_rmtree(const std::string& dir) {
+  return system(("rm -rf '" + dir + "'").c_str()) == 0;
+}
 
 TEST_CASE("loomMemAlloc: page-aligned, zeroed, described at any offset, freed once", "[registered]") {
   void* p = nullptr;
@@ -215,4 +231,57 @@ TEST_CASE("a registration handle released once cannot release a later registrati
   CHECK(table.size() == 1);
   table.remove(second);
   CHECK(table.size() == 0);
+}
+
+namespace {
+void writeFile(const std::string& path, const std::string& text) {
+  std::string dir = path.substr(0, path.rfind('/'));
+  REQUIRE(loomtest_mkdirs(dir));
+  FILE* f = fopen(path.c_str(), "w");
+  REQUIRE(f);
+  fputs(text.c_str(), f);
+  fclose(f);
+}
+}  // namespace
+
+TEST_CASE("the memory cgroup room loomMemAlloc checks: v1, v2, hybrid, ancestors, page cache", "[registered]") {
+  char tmpl[] = "/tmp/loom-cgroup-XXXXXX";
+  REQUIRE(mkdtemp(tmpl));
+  const std::string root = tmpl;
+  // v1, a leaf missing its files (its parent limits), page cache left out:
+  // a: limit 1000000, usage 900000 of which 500000 inactive file -> 600000;
+  // its parent p: limit 800000, usage 100000 -> 700000.
+  writeFile(root + "/v1/memory/p/memory.limit_in_bytes", "800000\n");
+  writeFile(root + "/v1/memory/p/memory.usage_in_bytes", "100000\n");
+  writeFile(root + "/v1/memory/p/a/memory.limit_in_bytes", "1000000\n");
+  writeFile(root + "/v1/memory/p/a/memory.usage_in_bytes", "900000\n");
+  writeFile(root + "/v1/memory/p/a/memory.stat", "cache 600000\ntotal_inactive_file 500000\n");
+  writeFile(root + "/v1/memory/memory.limit_in_bytes", "9223372036854771712\n");
+  writeFile(root + "/v1/memory/memory.usage_in_bytes", "5000000000\n");
+  writeFile(root + "/v1.cgroup", "4:memory:/p/a/gone\n3:cpu:/x\n0::/\n");
+  CHECK(loom::cgroupMemoryRoom(root + "/v1.cgroup", root + "/v1") == 600000);
+  // v2: "max" does not limit; inactive_file is left out of memory.current.
+  writeFile(root + "/v2/cgroup.controllers", "cpu memory\n");
+  writeFile(root + "/v2/c/memory.max", "max\n");
+  writeFile(root + "/v2/c/memory.current", "7000000\n");
+  writeFile(root + "/v2/c/d/memory.max", "2000000\n");
+  writeFile(root + "/v2/c/d/memory.current", "1500000\n");
+  writeFile(root + "/v2/c/d/memory.stat", "anon 500000\ninactive_file 1000000\n");
+  writeFile(root + "/v2.cgroup", "0::/c/d\n");
+  CHECK(loom::cgroupMemoryRoom(root + "/v2.cgroup", root + "/v2") == 1500000);
+  // Over the limit: no room.
+  writeFile(root + "/v2/c/d/memory.current", "2500000\n");
+  writeFile(root + "/v2/c/d/memory.stat", "inactive_file 0\n");
+  CHECK(loom::cgroupMemoryRoom(root + "/v2.cgroup", root + "/v2") == 0);
+  // Hybrid: v2 mounted at unified without a memory controller: v1 decides.
+  writeFile(root + "/hy/memory/j/memory.limit_in_bytes", "300000\n");
+  writeFile(root + "/hy/memory/j/memory.usage_in_bytes", "100000\n");
+  writeFile(root + "/hy/unified/cgroup.procs", "\n");
+  writeFile(root + "/hy.cgroup", "9:name=systemd:/\n4:memory:/j\n0::/\n");
+  CHECK(loom::cgroupMemoryRoom(root + "/hy.cgroup", root + "/hy") == 200000);
+  // No memory cgroup at all, or no file: no limit.
+  writeFile(root + "/none.cgroup", "1:cpu:/\n");
+  CHECK(loom::cgroupMemoryRoom(root + "/none.cgroup", root + "/v1") == UINT64_MAX);
+  CHECK(loom::cgroupMemoryRoom(root + "/missing", root + "/v1") == UINT64_MAX);
+  CHECK(loomtest_rmtree(root));
 }

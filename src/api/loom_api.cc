@@ -754,13 +754,11 @@ loomResult_t loomCommSplit(loomComm_t comm, int color, int key, loomComm_t* newc
 // shared memory are the parent's too, so tearing it down (reading what
 // arrived, closing connections gracefully) would take the parent's data.
 // The child lets go of the handle and leaves the object alone.
+// No lock is taken: one another thread of the parent held at the fork
+// stays held in the child for ever.
 static bool forgetInForkedChild(loomComm_t comm) {
   if (comm->madeInThisProcess()) return false;
-  static auto* kept = new std::vector<std::shared_ptr<loomComm>>;  // never freed: the parent's
-  static std::mutex mu;
-  std::lock_guard<std::mutex> lock(mu);
-  if (std::shared_ptr<loomComm> c = comm->weak_from_this().lock()) kept->push_back(std::move(c));
-  comm->releaseHandle();
+  new std::shared_ptr<loomComm>(comm->weak_from_this().lock());  // never freed: the parent's
   return true;
 }
 
@@ -779,7 +777,10 @@ loomResult_t loomCommDestroy(loomComm_t comm) {
              "the communicator has operations in this thread's open group: end the group (loomGroupEnd) before "
              "destroying it, or abort it");
     comm->waitIdle();
-    comm->warnUnreceived();
+    try {
+      comm->warnUnreceived();  // a warning: nothing in it may fail the destroy
+    } catch (...) {
+    }
     comm->releaseHandle();
     return loomSuccess;
   });
@@ -1132,6 +1133,12 @@ loomResult_t loomGroupEnd(void) {
     return err;
   }
   if (parts.empty()) return loomSuccess;
+  for (const GroupPart& part : parts)  // a group opened before a fork, ended in the child
+    if (!part.comm->madeInThisProcess())
+      return guarded("loomGroupEnd", part.comm, [&] {
+        checkComm(part.comm);
+        return loomSuccess;
+      });
   if (!parts[0].comm->deviceComm())  // a host group: one communicator (joinGroup)
     return guarded("loomGroupEnd", parts[0].comm,
                    [&] { return submit(parts[0].comm, hostStreamOf(parts[0].stream), std::move(parts[0].ops)); });

@@ -1129,12 +1129,15 @@ void loomComm::markDead(const std::vector<bool>& asked, const std::vector<Reach>
 }
 
 void loomComm::onNotice(const CtlMsg& m) {
-  if (m.type == CtlType::ShrankWithout) {  // numbers this rank's next shrink after the one it sat out
-    uint32_t round = 0;
-    if (m.extra.size() == sizeof round) memcpy(&round, m.extra.data(), sizeof round);
-    uint32_t mine = shrinkRounds_.load();
-    while (mine < round && !shrinkRounds_.compare_exchange_weak(mine, round)) {
-    }
+  if (m.type == CtlType::ShrankWithout) {  // a shrink done without this rank (shrink.cc)
+    SatOut s;
+    if (m.extra.size() != sizeof s.round + sizeof s.collSeq) return;
+    memcpy(&s.round, m.extra.data(), sizeof s.round);
+    memcpy(&s.collSeq, m.extra.data() + sizeof s.round, sizeof s.collSeq);
+    LOOM_INFO("SHRINK", "rank %d: rank %d shrank the communicator without this rank (its shrink %u, after %llu "
+                        "collectives)", rank_, m.from, s.round, (unsigned long long)s.collSeq);
+    std::lock_guard<std::mutex> lock(satOutMutex_);
+    satOut_ = s;
     return;
   }
   if (m.type == CtlType::Sigs) {  // the IPC path's mismatch check: not a failure

@@ -375,6 +375,14 @@ struct loomComm : public loom::ExecEnv,
   const uint32_t forkGen_ = loom::forkGeneration();
   const int creatorPid_ = int(getpid());
   std::atomic<uint32_t> shrinkRounds_{0};  // loomCommShrink calls on this communicator (shrink.cc)
+  // The latest shrink a coordinator said it did without this rank: its
+  // number there, and how many collectives the coordinator had issued.
+  struct SatOut {
+    uint32_t round = 0;
+    uint64_t collSeq = 0;
+  };
+  std::mutex satOutMutex_;
+  SatOut satOut_;
   std::unique_ptr<loom::Tracer> tracer_;  // LOOM_TRACE
   // The operation running now (comm_dump.cc); actStartNs_ == 0: none.
   std::atomic<int64_t> actStartNs_{0}, actWaitNs_{0}, actNoteNs_{0};

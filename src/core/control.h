@@ -47,8 +47,9 @@ enum class CtlType : uint32_t {
                  // answered, handed to onNotice)
   Shrinking = 13,  // shrink: whom does your shrink leave out? (answered with a Shrinking message:
                    // ranks = its set; extra = {1 while it shrinks, else 0; its shrink's number, 4 bytes})
-  ShrankWithout = 14,  // shrink: coordinator -> a live rank it left out: the shrink numbered extra
-                       // (4 bytes) is done without you (acked, handed to onNotice)
+  ShrankWithout = 14,  // shrink: coordinator -> a live rank it left out: the shrink numbered extra[0..4)
+                       // is done without you, at the coordinator's collective count extra[4..12)
+                       // (acked, handed to onNotice)
 };
 
 struct CtlMsg {

@@ -248,7 +248,7 @@ class Runner {
       fail(loomInvalidUsage, "rank %d: rank %d sends %s as a direct transfer where this rank expects %zu-byte slots",
            env_.rank(), peer, describeTag(want).c_str(), expectBytes);
     if (got.bytes != expectBytes && got.seq == want.seq && got.coll == want.coll &&
-        got.count == want.count && got.dtype == want.dtype)
+        got.count == want.count && got.dtype == want.dtype && got.root == want.root)
       fail(loomInvalidUsage,
            "rank %d: rank %d sent %u bytes for %s where %zu were expected (do the ranks use "
            "different LOOM_SLOT_BYTES, algorithms or buffers?)",

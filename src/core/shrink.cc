@@ -71,6 +71,20 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
   // (below), numbered: a rank asked about a shrink it has not entered yet
   // answers with its previous one's set, no evidence against this one.
   const uint32_t round = ++shrinkRounds_;
+  // A live rank others left out never entered their shrink, so its count
+  // falls behind theirs: their answer "shrink `round` done without you"
+  // may be that earlier one, which their coordinator told it about.  It is
+  // if this rank has issued collectives on the communicator since then
+  // (else the shrinks are one call whose lists differ).
+  uint64_t collSeqNow;
+  {
+    std::lock_guard<SeqLock> lock(seqMutex_);
+    collSeqNow = collSeq_;
+  }
+  auto satOutEarlier = [&](uint32_t theirRound) {
+    std::lock_guard<std::mutex> lock(satOutMutex_);
+    return satOut_.round == theirRound && collSeqNow > satOut_.collSeq;
+  };
   ctl.setShrinking(true, std::vector<int>(out.begin(), out.end()), round);
   struct Done {
     Control& c;
@@ -129,7 +143,12 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
         notYet.insert(r);
         return;
       }
-      if (theirRound == round && std::find(theirs.begin(), theirs.end(), me) != theirs.end())
+      const bool withoutMe = std::find(theirs.begin(), theirs.end(), me) != theirs.end();
+      if (theirRound == round && withoutMe && !active && satOutEarlier(theirRound)) {
+        notYet.insert(r);  // the shrink this rank sat out, not this one: r has not entered this one yet
+        return;
+      }
+      if (theirRound == round && withoutMe)
         fail(loomInvalidUsage,
              "rank %d: loomCommShrink: rank %d %s without this rank (it leaves out%s; this rank leaves out%s): every "
              "remaining rank must pass the same excludeRanks",
@@ -281,11 +300,10 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
           close(kv.second);
         }
         joined.clear();
-        // Live ranks left out by the caller's lists never enter this
-        // shrink, so their count of shrinks falls behind: told, a later
-        // shrink they join with these ranks carries the same number (else
-        // this one's answer, "done without you", reads as that one's).
-        // Not the ones found dead or silent; nobody waits for the answers.
+        // The live ranks left out (by the lists, or late) are told which
+        // shrink this was and where the collectives stood (satOutEarlier
+        // above).  Not the ones found dead or silent; nobody waits for the
+        // answers.
         std::vector<bool> to(size_t(N), false);
         bool any = false;
         {
@@ -296,8 +314,9 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
         }
         if (any) {
           CtlMsg told{CtlType::ShrankWithout, me, {}, {}};
-          told.extra.resize(sizeof round);
+          told.extra.resize(sizeof round + sizeof collSeqNow);
           memcpy(told.extra.data(), &round, sizeof round);
+          memcpy(told.extra.data() + sizeof round, &collSeqNow, sizeof collSeqNow);
           ctl.broadcastAsync(told, to, nowMs() + 1000, [](const std::vector<Reach>&) {});
         }
         return true;

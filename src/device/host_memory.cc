@@ -65,11 +65,24 @@ uint64_t readNumber(const std::string& path) {  // UINT64_MAX: missing, or "max"
   return ok ? uint64_t(v) : UINT64_MAX;
 }
 
-// The room left under each memory cgroup of this process, ancestors too
-// (v1: memory.limit_in_bytes - usage_in_bytes; v2: memory.max - current).
-uint64_t cgroupRoom() {
+// A "key value" line of a cgroup's memory.stat (0: missing).
+uint64_t statField(const std::string& path, const char* key) {
+  FILE* f = fopen(path.c_str(), "re");
+  if (!f) return 0;
+  char name[128];
+  unsigned long long v;
+  uint64_t found = 0;
+  while (fscanf(f, "%127s %llu", name, &v) == 2)
+    if (strcmp(name, key) == 0) found = uint64_t(v);
+  fclose(f);
+  return found;
+}
+
+}  // namespace
+
+uint64_t cgroupMemoryRoom(const std::string& procCgroupFile, const std::string& sysfsRoot) {
   uint64_t room = UINT64_MAX;
-  FILE* f = fopen("/proc/self/cgroup", "re");
+  FILE* f = fopen(procCgroupFile.c_str(), "re");
   if (!f) return room;
   char line[4096];
   while (fgets(line, sizeof line, f)) {
@@ -78,18 +91,25 @@ uint64_t cgroupRoom() {
     size_t a = l.find(':'), b = a == std::string::npos ? a : l.find(':', a + 1);
     if (b == std::string::npos) continue;
     const std::string controllers = "," + l.substr(a + 1, b - a - 1) + ",", path = l.substr(b + 1);
-    std::string base, limitFile, usageFile;
+    // Usage counts the page cache, which the kernel reclaims before it
+    // refuses: the inactive file pages are left out (the working set).
+    std::string base, limitFile, usageFile, inactiveKey;
     if (controllers.find(",memory,") != std::string::npos) {
-      base = "/sys/fs/cgroup/memory", limitFile = "memory.limit_in_bytes", usageFile = "memory.usage_in_bytes";
+      base = sysfsRoot + "/memory", limitFile = "memory.limit_in_bytes", usageFile = "memory.usage_in_bytes",
+      inactiveKey = "total_inactive_file";
     } else if (controllers == ",," && l.compare(0, 2, "0:") == 0) {
-      base = access("/sys/fs/cgroup/cgroup.controllers", F_OK) == 0 ? "/sys/fs/cgroup" : "/sys/fs/cgroup/unified";
-      limitFile = "memory.max", usageFile = "memory.current";
+      base = access((sysfsRoot + "/cgroup.controllers").c_str(), F_OK) == 0 ? sysfsRoot : sysfsRoot + "/unified";
+      limitFile = "memory.max", usageFile = "memory.current", inactiveKey = "inactive_file";
     } else {
       continue;
     }
     for (std::string dir = base + (path == "/" ? "" : path);;) {
       const uint64_t limit = readNumber(dir + "/" + limitFile), usage = readNumber(dir + "/" + usageFile);
-      if (limit != UINT64_MAX && usage != UINT64_MAX) room = std::min(room, limit > usage ? limit - usage : 0);
+      if (limit != UINT64_MAX && usage != UINT64_MAX) {
+        const uint64_t inactive = statField(dir + "/memory.stat", inactiveKey.c_str());
+        const uint64_t used = usage > inactive ? usage - inactive : 0;
+        room = std::min(room, limit > used ? limit - used : 0);
+      }
       if (dir.size() <= base.size()) break;
       dir.erase(dir.rfind('/'));
     }
@@ -97,6 +117,8 @@ uint64_t cgroupRoom() {
   fclose(f);
   return room;
 }
+
+namespace {
 
 // Memory a loomMemAlloc may fault in: MemAvailable, and the room its cgroups
 // leave.  Past it the kernel would not fail the call: its OOM killer would
@@ -110,7 +132,7 @@ uint64_t memoryForAlloc() {
       if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) avail = uint64_t(kb) * 1024;
     fclose(f);
   }
-  return std::min(avail, cgroupRoom());
+  return std::min(avail, cgroupMemoryRoom("/proc/self/cgroup", "/sys/fs/cgroup"));
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -52,6 +53,12 @@ bool hostMemFind(const void* ptr, void** base, size_t* bytes);
 // free epoch), so that peers learn to drop their mappings of this rank.
 void hostMemWatchFrees(std::atomic<uint64_t>* epoch);
 void hostMemUnwatchFrees(std::atomic<uint64_t>* epoch);
+
+// The room the memory cgroups named in `procCgroupFile` (/proc/self/cgroup)
+// leave, under `sysfsRoot` (/sys/fs/cgroup; v1, v2 or both): for each and
+// its ancestors, limit - (usage - inactive file pages); UINT64_MAX where
+// none limits.  loomMemAlloc refuses more than this or MemAvailable.
+uint64_t cgroupMemoryRoom(const std::string& procCgroupFile, const std::string& sysfsRoot);
 
 // One communicator's mappings of its peers' allocations.  Not thread-safe:
 // a communicator runs one operation at a time.
