@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <new>
 #include <string>
 
 #include "loom.h"
@@ -284,4 +285,29 @@ TEST_CASE("the memory cgroup room loomMemAlloc checks: v1, v2, hybrid, ancestors
   CHECK(loom::cgroupMemoryRoom(root + "/none.cgroup", root + "/v1") == UINT64_MAX);
   CHECK(loom::cgroupMemoryRoom(root + "/missing", root + "/v1") == UINT64_MAX);
   CHECK(loomtest_rmtree(root));
+}
+
+TEST_CASE("a forked child's loomMemFree does not move its parent's free epochs", "[registered]") {
+  // The watchers point into the parent's shared windows (modelled here by a
+  // shared page, as shm's inboxes): the child drops them.
+  void* page = mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  REQUIRE(page != MAP_FAILED);
+  auto* epoch = new (page) std::atomic<uint64_t>(0);
+  loom::hostMemWatchFrees(epoch);
+  void* p = nullptr;
+  REQUIRE(loomMemAlloc(&p, 4096) == loomSuccess);
+  pid_t pid = fork();
+  if (pid == 0) {
+    void* q = nullptr;
+    const bool ok = loomMemFree(p) == loomSuccess && loomMemAlloc(&q, 4096) == loomSuccess && loomMemFree(q) == loomSuccess;
+    _exit(ok ? 0 : 1);
+  }
+  int st = 0;
+  REQUIRE(waitpid(pid, &st, 0) == pid);
+  CHECK((WIFEXITED(st) && WEXITSTATUS(st) == 0));
+  CHECK(epoch->load() == 0);
+  REQUIRE(loomMemFree(p) == loomSuccess);
+  CHECK(epoch->load() == 1);  // the parent's own free still counts
+  loom::hostMemUnwatchFrees(epoch);
+  munmap(page, 4096);
 }

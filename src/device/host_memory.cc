@@ -1,6 +1,7 @@
 #include "src/device/host_memory.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -40,6 +41,18 @@ Registry& registry() {
   static Registry* r = new Registry();  // never destroyed: frees may run at exit
   return *r;
 }
+
+// fork: the registry is consistent in the child (its lock is held across
+// the fork), and the child drops the free watchers, which point into its
+// parent's communicators' shared windows: a child's loomMemFree would move
+// the parent's free epochs and make the parent's peers map everything anew.
+void forkPrepare() { registry().mu.lock(); }
+void forkParent() { registry().mu.unlock(); }
+void forkChild() {
+  registry().watchers.clear();
+  registry().mu.unlock();
+}
+const int gForkHandlers = pthread_atfork(forkPrepare, forkParent, forkChild);
 
 size_t pageBytes() {
   static const size_t p = size_t(sysconf(_SC_PAGESIZE));
@@ -138,6 +151,7 @@ uint64_t memoryForAlloc() {
 }  // namespace
 
 void* hostMemAlloc(size_t bytes) {
+  (void)gForkHandlers;
   if (bytes == 0) fail(loomInvalidArgument, "size is 0");
   const size_t page = pageBytes();
   if (bytes > (size_t(1) << 46)) fail(loomInvalidArgument, "size %zu is larger than any host memory", bytes);
