@@ -300,6 +300,13 @@ TEST_CASE("a forked child cannot run its parent's communicator, and the parent's
   CHECK(loomRun(transports, 2, "fork", 60) == 0);
 }
 
+TEST_CASE("point-to-point around a collective in one group is exact; refused groups leave the communicator in step",
+          "[mp]") {
+  const std::string transports = GENERATE(std::string(kShm), std::string(kTcp));
+  INFO(transports);
+  CHECK(loomRun(transports + " LOOM_TIMEOUT_MS=20000", 2, "p2pgroups", 60) == 0);
+}
+
 TEST_CASE("a live rank that sat out one shrink joins the next one of the same parent: no false \"lists differ\"",
           "[mp][fault]") {
   CHECK(loomRun(std::string(kShm) + " LOOM_TIMEOUT_MS=5000", 4, "shrinksatout", 60) == 0);

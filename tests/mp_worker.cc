@@ -43,6 +43,8 @@
 //                          while another thread allocates and frees: exact
 //   mp-worker fork           a forked child's call on its parent's communicator
 //                          fails naming the fork; the parent's stay exact
+//   mp-worker p2pgroups      (2 ranks) sends and receives around a collective in
+//                          one group; refused groups leave the communicator in step
 //   mp-worker unreceived matched|unmatched   rank 0 sends 16 floats to rank 1,
 //                          which receives them or not; loomCommDestroy warns on
 //                          rank 1 (and only there) exactly when they were not
@@ -955,6 +957,54 @@ static void scenarioFork(loomComm_t comm) {
     if (running == 0 && it >= 3) break;
   }
   expect(exited && WIFEXITED(st) && WEXITSTATUS(st) == 0, "the child's call fails naming the fork, and its destroys succeed");
+}
+
+// Point-to-point in groups (2 ranks): sends and receives with a collective
+// between them, in either order, on every rank alike (they failed, or hung:
+// lanes sharing a connection ran in group order, the send before the
+// all-reduce on one side and the receive after it on the other); a group
+// that mixes tagged and plain operations, refused on rank 0 alone, must not
+// take sequence numbers; self-sends without their receives are refused
+// without failing the communicator.
+static void scenarioP2PGroups(loomComm_t comm) {
+  const int peer = 1 - gRank;
+  for (int order = 0; order < 2; ++order) {
+    int32_t out[5] = {gRank, gRank, gRank, gRank, gRank}, in[5] = {-1, -1, -1, -1, -1}, sum = 1;
+    CHECK_LOOM(loomGroupStart());
+    if (order == 0) CHECK_LOOM(loomSend(out, 5, loomInt32, peer, comm, nullptr));
+    else CHECK_LOOM(loomRecv(in, 5, loomInt32, peer, comm, nullptr));
+    CHECK_LOOM(loomAllReduce(&sum, &sum, 1, loomInt32, loomSum, comm, nullptr));
+    if (order == 0) CHECK_LOOM(loomRecv(in, 5, loomInt32, peer, comm, nullptr));
+    else CHECK_LOOM(loomSend(out, 5, loomInt32, peer, comm, nullptr));
+    loomResult_t r = loomGroupEnd();
+    expect(r == loomSuccess, std::string("send, all-reduce, receive in one group: ") + loomGetErrorString(r) + " " +
+                                 loomGetLastError(nullptr));
+    expect(sum == 2 && in[0] == peer && in[4] == peer, "the group's all-reduce and exchange are exact");
+  }
+  if (gRank == 0) {
+    int32_t v = 7;
+    CHECK_LOOM(loomGroupStart());
+    loomSendTagged(&v, 1, loomInt32, 1, 3, comm, nullptr);
+    loomSend(&v, 1, loomInt32, 1, comm, nullptr);
+    expect(loomGroupEnd() == loomInvalidUsage, "a group mixing tagged and plain operations is refused");
+  }
+  int32_t self = 5, back = 0;
+  expect(loomSend(&self, 1, loomInt32, gRank, comm, nullptr) == loomInvalidUsage,
+         "a send to itself without its receive is refused");
+  CHECK_LOOM(loomGroupStart());
+  loomSend(&self, 2, loomInt32, gRank, comm, nullptr);
+  loomRecv(&back, 1, loomInt32, gRank, comm, nullptr);
+  expect(loomGroupEnd() == loomInvalidUsage, "a send to itself with a receive of another size is refused");
+  // The communicator is still usable and in step.
+  int32_t out = gRank, in = -1;
+  CHECK_LOOM(loomGroupStart());
+  CHECK_LOOM(loomSend(&out, 1, loomInt32, peer, comm, nullptr));
+  CHECK_LOOM(loomRecv(&in, 1, loomInt32, peer, comm, nullptr));
+  CHECK_LOOM(loomGroupEnd());
+  expect(in == peer, "a later exchange is exact");
+  int32_t sum = 1;
+  CHECK_LOOM(loomAllReduce(&sum, &sum, 1, loomInt32, loomSum, comm, nullptr));
+  expect(sum == 2, "a later all-reduce is exact");
 }
 
 static void scenarioSplit(loomComm_t comm) {
@@ -2172,6 +2222,7 @@ int main(int argc, char** argv) {
   else if (sc == "shrinksatout") scenarioShrinkSatOut(comm);
   else if (sc == "manybuffers") scenarioManyBuffers(comm);
   else if (sc == "fork") scenarioFork(comm);
+  else if (sc == "p2pgroups") scenarioP2PGroups(comm);
   else if (sc == "rootmismatch") scenarioRootMismatch(comm, argc > 2 ? argv[2] : "bcast", argc > 3 ? strtoull(argv[3], nullptr, 10) : 8,
                                                    std::vector<std::string>(argv + std::min(argc, 4), argv + argc));
   else if (sc == "descriptors") scenarioDescriptors(comm, argc > 2 ? atoi(argv[2]) : 5);

@@ -308,9 +308,39 @@ LOOM_HOT MemoryKind memoryKindOf(const void* buf) {
 }
 
 // Issues a batch of operations on comm/stream (NULL stream: runs it now).
+// What one rank can tell wrong about a batch before it takes sequence
+// numbers (so the communicator stays usable and in step with its peers):
+// tagged and plain operations mixed, sends to itself without their receives.
+void checkBatch(const loomComm* comm, const std::vector<OpDesc>& ops) {
+  size_t tagged = 0;
+  std::vector<size_t> sends, recvs;  // bytes of plain sends to / receives from this rank, in order
+  for (const OpDesc& op : ops) {
+    tagged += op.tagged;
+    if (op.coll == Collective::P2P && !op.tagged && op.peer == comm->rank())
+      (op.isSend ? sends : recvs).push_back(op.count * dtypeSize(op.dtype));
+  }
+  if (tagged && tagged != ops.size())
+    fail(loomInvalidUsage,
+         "rank %d: a group mixes tagged sends/receives (loomSendTagged, loomRecvTagged) with other operations; issue "
+         "them in separate groups",
+         comm->rank());
+  if (sends.empty() && recvs.empty()) return;
+  if (ops.size() == 1)
+    fail(loomInvalidUsage, "rank %d: a %s this rank itself needs its %s in the same group (loomGroupStart/End)",
+         comm->rank(), sends.empty() ? "receive from" : "send to", sends.empty() ? "send" : "receive");
+  if (sends.size() != recvs.size())
+    fail(loomInvalidUsage, "rank %d: a group has %zu sends to itself but %zu receives from itself", comm->rank(),
+         sends.size(), recvs.size());
+  for (size_t k = 0; k < sends.size(); ++k)
+    if (sends[k] != recvs[k])
+      fail(loomInvalidUsage, "rank %d: send to self of %zu bytes matched with a receive of %zu", comm->rank(),
+           sends[k], recvs[k]);
+}
+
 loomResult_t submit(loomComm* comm, HostStream* stream, std::vector<OpDesc> ops) {
   loomResult_t prior = comm->asyncError();
   if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->failure().c_str());
+  checkBatch(comm, ops);
   std::vector<SlotTag> tags;
   uint64_t ticket = comm->issue(ops, &tags);
   std::shared_ptr<loomComm> sp = comm->shared_from_this();
@@ -346,6 +376,7 @@ LOOM_HOT bool plainSmallAllReduce(const loomComm* comm, loomStream_t stream, con
 LOOM_HOT loomResult_t runBlocking(loomComm* comm, const OpDesc& op) {
   loomResult_t prior = comm->asyncError();
   if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->failure().c_str());
+  if (op.coll == Collective::P2P && op.peer == comm->rank()) checkBatch(comm, {op});
   SlotTag tag;
   uint64_t ticket = comm->issueOne(op, &tag);
   comm->waitTurn(ticket);

@@ -761,6 +761,11 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
       if (tracer_) traceRun(t0, ops, tags, alone);
       return loomSuccess;
     }
+    // Lanes that share a connection run in the order they are built, and
+    // both ends must agree on it: point-to-point lanes first (a pair's sends
+    // and receives match in their order, wherever the group's collectives
+    // sit between them), then the collectives, in the order every rank
+    // calls them.
     for (size_t i = 0; i < ops.size(); ++i) {
       const OpDesc& op = ops[i];
       ExecOp e;
@@ -774,6 +779,11 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
       e.divisor = op.op == loomAvg ? nranks_ : 1;
       e.device = &hostDevice();  // a host communicator; CUDA ones will carry their device
       eops.push_back(e);
+    }
+    for (int pass = 0; pass < 2; ++pass)
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const OpDesc& op = ops[i];
+      if ((op.coll == Collective::P2P) != (pass == 0)) continue;
       if (op.coll == Collective::P2P) {
         if (op.peer == rank_) (op.isSend ? selfSends : selfRecvs).push_back(i);
         else p2pSchedule(op, int(i), &sched);
