@@ -300,7 +300,7 @@ TEST_CASE("a forked child cannot run its parent's communicator, and the parent's
   CHECK(loomRun(transports, 2, "fork", 60) == 0);
 }
 
-TEST_CASE("point-to-point around a collective in one group is exact; refused groups leave the communicator in step",
+TEST_CASE("point-to-point around a collective in one group is exact, and refused groups leave the communicator in step",
           "[mp]") {
   const std::string transports = GENERATE(std::string(kShm), std::string(kTcp));
   INFO(transports);
