@@ -779,6 +779,7 @@ struct CudaRuntime {
   Err (*free)(void*) = nullptr;
   Err (*memset)(void*, int, size_t) = nullptr;
   Err (*memcpy)(void*, const void*, size_t, int) = nullptr;
+  Err (*memcpyAsync)(void*, const void*, size_t, int, void*) = nullptr;
   Err (*streamCreateWithFlags)(void**, unsigned) = nullptr;
   Err (*streamSynchronize)(void*) = nullptr;
   Err (*streamDestroy)(void*) = nullptr;
@@ -812,6 +813,7 @@ struct CudaRuntime {
     sym(free, "cudaFree");
     sym(memset, "cudaMemset");
     sym(memcpy, "cudaMemcpy");
+    sym(memcpyAsync, "cudaMemcpyAsync");
     sym(streamCreateWithFlags, "cudaStreamCreateWithFlags");
     sym(streamSynchronize, "cudaStreamSynchronize");
     sym(streamDestroy, "cudaStreamDestroy");
@@ -905,6 +907,7 @@ class Bench {
       recv_ = static_cast<char*>(p);
       CUDACHECK(memset(send_, 0, cap_));
       CUDACHECK(memset(recv_, 0, cap_));
+      CUDACHECK(streamSynchronize(nullptr));  // the memsets ran on the legacy stream, not ordered with ours
       const size_t small = std::max<size_t>(64, static_cast<size_t>(o.iters) * sizeof(double));
       CUDACHECK(malloc(&p, small));
       scratch_ = static_cast<char*>(p);
@@ -1066,6 +1069,15 @@ class Bench {
       LOOMCHECK(loomStreamSynchronize(stream_));
   }
 
+  // Host to device, on the collectives' stream, finished on return.  Not
+  // cudaMemcpy: from pageable memory it may return before the copy lands,
+  // and it is not ordered with a non-blocking stream, so a collective
+  // issued next could read the buffer's old contents.
+  void toDevice(void* dst, const void* src, size_t bytes) {
+    CUDACHECK(memcpyAsync(dst, src, bytes, CudaRuntime::kHostToDevice, stream_));
+    CUDACHECK(streamSynchronize(stream_));
+  }
+
   // An all-reduce of a few host values (the checks' counts, the times),
   // through device scratch memory with -G.
   void smallAllReduce(void* host, size_t count, loomDataType_t t, loomRedOp_t op) {
@@ -1075,7 +1087,7 @@ class Bench {
       return;
     }
     const size_t bytes = count * 8;  // int64 or float64
-    CUDACHECK(memcpy(scratch_, host, bytes, CudaRuntime::kHostToDevice));
+    toDevice(scratch_, host, bytes);
     LOOMCHECK(loomAllReduce(scratch_, scratch_, count, t, op, comm_, stream_));
     sync();
     CUDACHECK(memcpy(host, scratch_, bytes, CudaRuntime::kDeviceToHost));
@@ -1140,8 +1152,8 @@ class Bench {
     const size_t sendBytes = inPlace ? 0 : g.sendCount * elt;
     const size_t recvBytes = (inPlace ? std::max(g.sendCount, g.recvCount) : g.recvCount) * elt + kGuardBytes;
     if (o_.cuda) {
-      if (sendBytes) CUDACHECK(memcpy(send_, hs, sendBytes, CudaRuntime::kHostToDevice));
-      CUDACHECK(memcpy(recv_, hr, recvBytes, CudaRuntime::kHostToDevice));
+      if (sendBytes) toDevice(send_, hs, sendBytes);
+      toDevice(recv_, hr, recvBytes);
     }
     issue(g, ti, op, inPlace);
     sync();
