@@ -73,9 +73,19 @@ struct CudaApi {
   // when the device pointer differs from the host one (no unified addressing).
   int (*hostAllocMapped)(void** ptr, size_t bytes);
   int (*hostFree)(void* ptr);  // cudaFreeHost
+  // ---- ABI 5 ----
+  // Loads every kernel of the plug-in into the current device's context
+  // (cudaFuncGetAttributes on each), once per device.  Under CUDA's lazy
+  // loading (CUDA_MODULE_LOADING=LAZY, the default since CUDA 12.2) a
+  // kernel's first launch loads it, and loading waits for the device: for
+  // streams blocked in a wait on a peer's flag that, with several ranks in
+  // one process, is set only by work enqueued after that launch, a
+  // deadlock (seen on an H200: loom-gpu-tests, 2 ranks in one process).
+  // CudaStreamBackend calls it before it enqueues anything.
+  int (*loadKernels)();
 };
 
-constexpr int kCudaApiVersion = 4;
+constexpr int kCudaApiVersion = 5;
 // sizeof(cudaIpcMemHandle_t) (CUDA_IPC_HANDLE_SIZE); the plug-in checks it.
 constexpr size_t kCudaIpcHandleBytes = 64;
 

@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <mutex>
+#include <set>
 
 #include "src/device/cuda/kernels.h"
 #include "src/device/cuda_api.h"
@@ -210,11 +212,25 @@ int readValue64(const uint64_t* addr, uint64_t* value, void* stream) {
   return int(rc);
 }
 
+// Once per device: the kernels are loaded into each device's context.
+int loadKernelsOnce() {
+  static std::mutex mu;
+  static std::set<int> loaded;
+  int dev = 0;
+  cudaError_t rc = cudaGetDevice(&dev);
+  if (rc != cudaSuccess) return int(rc);
+  std::lock_guard<std::mutex> lock(mu);
+  if (loaded.count(dev)) return 0;
+  int r = loadKernels();
+  if (r == 0) loaded.insert(dev);
+  return r;
+}
+
 const CudaApi kApi = {kCudaApiVersion, waitValue64,     writeValue64,   memcpyAsync,    launchReduce,  launchDivide,
                       eventRecord,     streamWaitEvent, errorString,    deviceCount,    pointerDevice, getDevice,
                       setDevice,       mallocZeroed,    freeMem,        addressRange,   ipcGetHandle,  ipcOpenHandle,
                       ipcCloseHandle,  streamCreate,    streamDestroy,  eventCreate,    eventDestroy,
-                      readValue64,     mallocRaw,       hostAllocMapped, hostFree};
+                      readValue64,     mallocRaw,       hostAllocMapped, hostFree,     loadKernelsOnce};
 
 }  // namespace
 }  // namespace cuda

@@ -10,6 +10,9 @@ namespace cuda {
 
 int launchReduce(void* dst, const void* const* srcs, int nsrcs, size_t count, int dtype, int op, void* stream);
 int launchDivide(void* dst, const void* src, size_t count, int dtype, int divisor, void* stream);
+// cudaFuncGetAttributes on every kernel of reduce_kernels.cu: loads them
+// into the current context now (CudaApi::loadKernels).
+int loadKernels();
 
 }  // namespace cuda
 }  // namespace loom

@@ -145,6 +145,34 @@ int launchReduce(void* dst, const void* const* srcs, int nsrcs, size_t n, int dt
       cudaErrorInvalidValue));
 }
 
+namespace {
+template <class Ty, class Op>
+cudaError_t loadReduce() {
+  cudaFuncAttributes a;
+  cudaError_t rc = cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(&reduceElements<Ty, Op>));
+  if (rc == cudaSuccess) rc = cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(&reduceVectors<Ty, Op>));
+  return rc;
+}
+
+template <class Ty>
+cudaError_t loadType() {
+  cudaFuncAttributes a;
+  for (cudaError_t rc : {loadReduce<Ty, Sum>(), loadReduce<Ty, Prod>(), loadReduce<Ty, Max>(), loadReduce<Ty, Min>(),
+                         cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(&divideElements<Ty>))})
+    if (rc != cudaSuccess) return rc;
+  return cudaSuccess;
+}
+}  // namespace
+
+int loadKernels() {
+  for (int t : {loomInt8, loomUint8, loomInt32, loomUint32, loomInt64, loomUint64, loomFloat16, loomBfloat16,
+                loomFloat32, loomFloat64}) {
+    cudaError_t rc = withElem(t, [](auto ty) { return loadType<decltype(ty)>(); }, cudaErrorInvalidValue);
+    if (rc != cudaSuccess) return int(rc);
+  }
+  return 0;
+}
+
 int launchDivide(void* dst, const void* src, size_t n, int dtype, int divisor, void* stream) {
   if (n == 0) return 0;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
