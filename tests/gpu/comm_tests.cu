@@ -206,6 +206,14 @@ long regionsOut(loomComm_t comm) {
   return at ? std::strtol(at + std::strlen("send/recv staging: "), nullptr, 10) : -1;
 }
 
+// One lazy-staging check: 1 when the count differs from want (and says so).
+long lazyCheck(loomComm_t comm, int me, long want, const char* when) {
+  const long got = regionsOut(comm);
+  if (got == want) return 0;
+  std::fprintf(stderr, "rank %d: %ld send/recv staging regions %s, expected %ld\n", me, got, when, want);
+  return 1;
+}
+
 int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, size_t maxCount) {
   CK(cudaSetDevice(0));
   setenv("LOOM_DEVICE", "cuda", 1);
@@ -213,7 +221,8 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, size_t maxCount) 
   LK(loomCommInitRank(&comm, N, id, me));
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  long lazyBad = regionsOut(comm) != 0;  // none at init
+  long lazyBad = 0;
+  lazyBad += lazyCheck(comm, me, 0, "at init");  // none at init
 
   // comm: every collective x type x op, in and out of place, issued back to
   // back in batches, one synchronisation per batch.
@@ -254,7 +263,7 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, size_t maxCount) 
       }
   flush();
   std::printf("RESULT comm %ld %ld\n", cases, wrong);
-  lazyBad += regionsOut(comm) != 0;  // nor for collectives
+  lazyBad += lazyCheck(comm, me, 0, "after the collectives");  // nor for collectives
 
   // p2p: send/recv in a group (a ring: to the next rank, from the
   // previous, sizes from one element to many chunks), and an all-to-allv
@@ -283,7 +292,7 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, size_t maxCount) 
       CK(cudaFree(s));
       CK(cudaFree(r));
     }
-    lazyBad += regionsOut(comm) != 1;  // the ring: one receiver (the next rank, or itself)
+    lazyBad += lazyCheck(comm, me, 1, "after the send/recv ring");  // the ring: one receiver (the next rank, or itself)
     // all-to-allv: rank q sends (q + j) % 3 * 777 + 1 elements to rank j.
     auto cnt = [](int q, int j) { return size_t((q + j) % 3) * 777 + 1; };
     const size_t nr = static_cast<size_t>(N);
@@ -317,7 +326,7 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, size_t maxCount) 
     CK(cudaFree(s));
     CK(cudaFree(r));
     std::printf("RESULT p2p %ld %ld\n", p2pCases, p2pWrong);
-    lazyBad += regionsOut(comm) != N;  // every rank received from this one
+    lazyBad += lazyCheck(comm, me, N, "after the all-to-allv");  // every rank received from this one
     std::printf("RESULT lazy 4 %ld\n", lazyBad);
   }
 

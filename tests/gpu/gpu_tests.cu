@@ -39,6 +39,15 @@ using loom::Collective;
 using loom::StreamAlgorithm;
 
 int g_failures = 0;
+// LOOM_GPU_TRACE=1: a line per program case on stderr (what, how long), to
+// tell a slow step from a hung one.
+const bool g_trace = std::getenv("LOOM_GPU_TRACE") && *std::getenv("LOOM_GPU_TRACE") == '1';
+const auto g_start = std::chrono::steady_clock::now();
+// LOOM_GPU_WAIT_S: how long a program may take before it counts as hung.
+const double g_waitSeconds = std::getenv("LOOM_GPU_WAIT_S") ? std::atof(std::getenv("LOOM_GPU_WAIT_S")) : 120.0;
+double sinceStart() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - g_start).count();
+}
 
 #define CK(call)                                                                                   \
   do {                                                                                             \
@@ -190,6 +199,33 @@ struct Ranks {
     }
     return b;
   }
+  // After a hang: each rank's program, which streams are stuck, and every
+  // flag (read on a stream of its own, with a deadline).
+  void report(const std::vector<std::string>& programs) {
+    for (size_t r = 0; r < programs.size(); ++r) std::printf("rank %zu program:\n%s\n", r, programs[r].c_str());
+    for (size_t i = 0; i < streams.size(); ++i)
+      std::printf("stream %zu (rank %zu, %s): %s\n", i, i / 2, i % 2 ? "side" : "caller",
+                  cudaGetErrorString(cudaStreamQuery(streams[i])));
+    (void)cudaGetLastError();
+    std::fflush(stdout);
+    // Pinned, so that the copy is asynchronous and the deadline holds.
+    const size_t count = size_t(n) * loom::kFlagCount;
+    uint64_t* host = nullptr;
+    CK(cudaMallocHost(&host, count * 8));
+    cudaStream_t s;
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    CK(cudaMemcpyAsync(host, flags, count * 8, cudaMemcpyDeviceToHost, s));
+    if (!finish(s, 5)) {
+      std::printf("flags: the read did not finish in 5 s\n");
+    } else {
+      for (int r = 0; r < n; ++r) {
+        std::printf("rank %d flags:", r);
+        for (int f = 0; f < loom::kFlagCount; ++f) std::printf(" %llu", (unsigned long long)host[size_t(r) * loom::kFlagCount + size_t(f)]);
+        std::printf("\n");
+      }
+    }
+    std::fflush(stdout);
+  }
   bool finishAll(double seconds) {
     for (cudaStream_t s : streams)
       if (!finish(s, seconds)) return false;
@@ -245,6 +281,7 @@ std::string runProgram(const loom::CudaApi& api, Ranks& R, const Variant& v, loo
       recv[size_t(r)] = rb;
     }
   }
+  std::vector<std::string> programs;  // described, for a hang report
   for (int r = 0; r < N; ++r) {
     loom::OpDesc o;
     o.coll = v.coll;
@@ -255,13 +292,16 @@ std::string runProgram(const loom::CudaApi& api, Ranks& R, const Variant& v, loo
     o.op = op;
     o.root = root;
     loom::StreamProgram p = loom::compileStreamProgram(o, r, N, v.algo, R.slot, &R.rounds[size_t(r)]);
+    programs.push_back(p.describe());
     loom::CudaStreamBackend be(api, {R.streams[size_t(2 * r)], R.streams[size_t(2 * r + 1)]},
                                {R.events[size_t(2 * r)], R.events[size_t(2 * r + 1)]});
     loom::enqueueProgram(be, p, R.buffers(send[size_t(r)], sendElems * esz, recv[size_t(r)], recvElems * esz));
   }
   std::string bad;
-  if (!R.finishAll(120)) {
-    std::printf("HANG: %s N=%d: streams did not finish in 120 s\n", loom::collectiveName(v.coll), N);
+  if (!R.finishAll(g_waitSeconds)) {
+    std::printf("HANG: %s N=%d: streams did not finish in %.0f s\n", loom::collectiveName(v.coll), N, g_waitSeconds);
+    std::fflush(stdout);
+    R.report(programs);
     std::exit(1);
   }
   auto fold = [&](size_t off, std::vector<uint8_t>* out) {
@@ -312,6 +352,10 @@ void testPrograms(const loom::CudaApi& api, const std::vector<int>& rankCounts, 
             if (n > maxCount) continue;
             if (n == maxCount && n > (size_t(1) << 20) && (t != loomFloat32 || op != loomSum)) continue;
             for (bool inPlace : {false, true}) {
+              if (g_trace)
+                std::fprintf(stderr, "%8.2f s  %s/%s N=%d %s %s n=%zu %s\n", sinceStart(),
+                             loom::collectiveName(v.coll), loom::streamAlgorithmName(v.algo), N, loom::dtypeName(t),
+                             loom::redOpName(op), n, inPlace ? "in-place" : "out-of-place");
               std::string bad = runProgram(api, R, v, t, op, n, inPlace, rng);
               ++cases;
               if (!bad.empty()) {
@@ -391,8 +435,14 @@ void testOrder(const loom::CudaApi& api, int N) {
 int main(int argc, char** argv) {
   std::vector<int> ranks = {1, 2, 4};
   size_t maxCount = size_t(64) << 20;  // 256 MiB of float32
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--ranks")) {
+  bool kernels = true;
+  for (int i = 1; i < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--skip-kernels")) {
+      kernels = false;
+      --i;
+    } else if (i + 1 >= argc) {
+      break;
+    } else if (!std::strcmp(argv[i], "--ranks")) {
       ranks.clear();
       for (char* s = argv[i + 1]; *s;) {
         ranks.push_back(int(std::strtol(s, &s, 10)));
@@ -410,7 +460,7 @@ int main(int argc, char** argv) {
   const loom::CudaApi* api = loomCudaPluginApi(loom::kCudaApiVersion);
   std::printf("%-10s %-64s %8s  %s\n", "check", "cases", "wrong", "result");
   try {
-    testKernels(*api);
+    if (kernels) testKernels(*api);
     testPrograms(*api, ranks, maxCount);
     for (int N : ranks) testOrder(*api, N);
   } catch (const loom::Error& e) {  // a CUDA call failed (CudaStreamBackend says which, with CUDA's message)
