@@ -55,6 +55,9 @@ home=$build/nccl-tests-home
 mkdir -p "$home/include" "$home/lib"
 ln -sf "$nccl_include/nccl.h" "$home/include/nccl.h"
 [ -f "$nccl_include/nccl_device.h" ] && ln -sf "$nccl_include/nccl_device.h" "$home/include/nccl_device.h"
+# nccl_device.h includes its own folder (nccl_device/impl/...), and nccl.h
+# cuda_runtime.h, which PyTorch's NCCL wheel does not hold beside it.
+[ -d "$nccl_include/nccl_device" ] && ln -sfn "$nccl_include/nccl_device" "$home/include/nccl_device"
 ln -sf "$shimdir/libnccl.so.2" "$home/lib/libnccl.so"
 ln -sf "$shimdir/libnccl.so.2" "$home/lib/libnccl.so.2"
 
@@ -95,6 +98,7 @@ fi
 echo "nccl-tests ($mode) on $(readlink -f "$shimdir/libnccl.so.2")"
 export LD_LIBRARY_PATH=$shimdir:$build/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export LOOM_DEVICE=cuda NCCL_DEBUG=VERSION
+unset NCCL_INCLUDE  # the build's, not a setting of NCCL's (the shim would warn about it)
 
 status=0
 run() {  # name, args...: fails on a non-zero exit or a wrong value
