@@ -14,16 +14,16 @@ PYBIND11_MODULE(_C, m) {
         "Creates a loom process group; the ranks meet through the c10d store.");
   m.def(
       "shrink",
-      [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const std::vector<int64_t>& exclude) {
+      [](const c10::intrusive_ptr<loom_torch::GroupBase>& pg, const std::vector<int64_t>& exclude) {
         auto* loom = dynamic_cast<loom_torch::ProcessGroupLoom*>(pg.get());
         TORCH_CHECK(loom, "loom_torch.shrink: the group's backend is ", pg->getBackendName(), ", not loom");
-        return c10::intrusive_ptr<c10d::ProcessGroup>(loom->shrink(exclude));
+        return c10::intrusive_ptr<loom_torch::GroupBase>(loom->shrink(exclude));
       },
       pybind11::arg("group"), pybind11::arg("exclude"),
       "Revokes a loom group and returns the group of its survivors (None on a rank left out).");
   m.def(
       "parent_ranks",
-      [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+      [](const c10::intrusive_ptr<loom_torch::GroupBase>& pg) {
         auto* loom = dynamic_cast<loom_torch::ProcessGroupLoom*>(pg.get());
         TORCH_CHECK(loom, "loom_torch: not a loom group");
         return loom->parentRanks();

@@ -389,7 +389,7 @@ void LoomQueue::startCoalescing() {
   coalescing_ = true;
 }
 
-void LoomQueue::endCoalescing() {
+c10::intrusive_ptr<LoomWork> LoomQueue::endCoalescing() {
   std::lock_guard<std::mutex> lock(m_);
   TORCH_CHECK(coalescing_, "loom backend: endCoalescing without startCoalescing");
   coalescing_ = false;
@@ -408,11 +408,12 @@ void LoomQueue::endCoalescing() {
   }
   for (auto& w : works) pending_.push_back(w);
   cv_.notify_one();
+  return works.empty() ? c10::intrusive_ptr<LoomWork>() : works.back();
 }
 
 ProcessGroupLoom::ProcessGroupLoom(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                    std::chrono::milliseconds timeout)
-    : c10d::ProcessGroup(rank, size) {
+    : GroupBase(rank, size) {
   loomUniqueId id;
   if (rank == 0) {
     loomResult_t r = loomGetUniqueId(&id);
@@ -450,7 +451,7 @@ void ProcessGroupLoom::start() {
 }
 
 ProcessGroupLoom::ProcessGroupLoom(FromShrink, loomComm_t comm, int rank, int size, std::vector<int64_t> parentRanks)
-    : c10d::ProcessGroup(rank, size), parentRanks_(std::move(parentRanks)) {
+    : GroupBase(rank, size), parentRanks_(std::move(parentRanks)) {
   comm_ = comm;
   start();
 }
@@ -498,9 +499,8 @@ ProcessGroupLoom::~ProcessGroupLoom() {
   queue_->close();
 }
 
-c10::intrusive_ptr<c10d::ProcessGroup> ProcessGroupLoom::create(const c10::intrusive_ptr<c10d::Store>& store,
-                                                                int rank, int size,
-                                                                std::chrono::milliseconds timeout) {
+c10::intrusive_ptr<GroupBase> ProcessGroupLoom::create(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                       int size, std::chrono::milliseconds timeout) {
   return c10::make_intrusive<ProcessGroupLoom>(store, rank, size, timeout);
 }
 
@@ -513,9 +513,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::issue(const char* what, c10::in
 
 void ProcessGroupLoom::startCoalescing() { queue_->startCoalescing(); }
 
+#if LOOM_TORCH_BACKEND
+c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::endCoalescing() {
+  c10::intrusive_ptr<LoomWork> last = queue_->endCoalescing();
+  if (last) return last;
+  auto none = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::UNKNOWN, "loom:coalesced", std::vector<at::Tensor>{},
+                                            std::vector<at::Tensor>{}, std::vector<at::Tensor>{}, nullptr);
+  none->complete(nullptr);
+  return none;
+}
+#else
 void ProcessGroupLoom::endCoalescing(std::vector<c10::intrusive_ptr<c10d::Work>>& /*reqs*/) {
   queue_->endCoalescing();
 }
+#endif
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::broadcast(std::vector<at::Tensor>& tensors,
                                                            const c10d::BroadcastOptions& opts) {

@@ -1,5 +1,6 @@
-// ProcessGroupLoom: loom as a torch.distributed backend (PyTorch 1.13's
-// c10d::ProcessGroup). CPU tensors only. Every operation is enqueued on one
+// ProcessGroupLoom: loom as a torch.distributed backend (a c10d::ProcessGroup
+// on PyTorch 1.13, Debian's; a c10d::Backend on PyTorch 2.x, which wraps
+// backends in its own ProcessGroup). CPU tensors only. Every operation is enqueued on one
 // loom host stream per group; a completer thread waits for the stream
 // (loomStreamSynchronize) and then completes the Work objects of everything
 // that had been enqueued before it started waiting, in issue order.
@@ -25,10 +26,23 @@
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/version.h>
+#if TORCH_VERSION_MAJOR >= 2
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#define LOOM_TORCH_BACKEND 1  // the class is a c10d::Backend
+#else
+#define LOOM_TORCH_BACKEND 0  // the class is a c10d::ProcessGroup
+#endif
 
 #include "include/loom.h"
 
 namespace loom_torch {
+
+#if LOOM_TORCH_BACKEND
+using GroupBase = c10d::Backend;
+#else
+using GroupBase = c10d::ProcessGroup;
+#endif
 
 class LoomQueue;
 
@@ -81,7 +95,9 @@ class LoomQueue {
   // Completes what is pending, then destroys the stream and the communicator.
   void close();
   void startCoalescing();
-  void endCoalescing();
+  // Issues the group; returns the last coalesced work (null when none): works
+  // complete in issue order, so it completes last.
+  c10::intrusive_ptr<LoomWork> endCoalescing();
   loomComm_t comm() const { return comm_; }
   loomStream_t stream() const { return stream_; }
   [[noreturn]] void fail(const char* what, loomResult_t r) const;
@@ -106,15 +122,15 @@ class LoomQueue {
 // when it is 1 MiB or more, ordinary memory otherwise (loom_torch.empty).
 at::Tensor sharedEmpty(int64_t numel, const at::TensorOptions& options);
 
-class ProcessGroupLoom : public c10d::ProcessGroup {
+class ProcessGroupLoom : public GroupBase {
  public:
   // Rendezvous through `store`: rank 0 makes the unique id and publishes it.
   ProcessGroupLoom(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                    std::chrono::milliseconds timeout);
   ~ProcessGroupLoom() override;
 
-  static c10::intrusive_ptr<c10d::ProcessGroup> create(const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                                       int size, std::chrono::milliseconds timeout);
+  static c10::intrusive_ptr<GroupBase> create(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                              std::chrono::milliseconds timeout);
 
   // A group over a communicator loomCommShrink made (see shrink()).
   struct FromShrink {};
@@ -133,12 +149,24 @@ class ProcessGroupLoom : public c10d::ProcessGroup {
   const std::string getBackendName() const override { return "loom"; }
 
   void startCoalescing() override;
+#if LOOM_TORCH_BACKEND
+  // The group's work: done when every coalesced operation is.
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+#else
   void endCoalescing(std::vector<c10::intrusive_ptr<c10d::Work>>& reqs) override;
+#endif
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
+#if LOOM_TORCH_BACKEND
+  // torch 2.x sends sparse tensors here: reduced as allreduce does (dense form).
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override {
+    return allreduce(tensors, opts);
+  }
+#endif
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                      const c10d::AllreduceCoalescedOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;

@@ -23,6 +23,7 @@ as group=..., with the ranks of the group it was shrunk from.
 """
 import collections
 import datetime
+import inspect
 
 import torch  # loads libtorch_python before the extension needs it
 import torch.distributed as dist
@@ -59,7 +60,12 @@ def _create_process_group(store, rank, size, timeout):
 
 
 if not hasattr(dist.Backend, BACKEND_NAME.upper()):
-    dist.Backend.register_backend(BACKEND_NAME, _create_process_group)
+    if "devices" in inspect.signature(dist.Backend.register_backend).parameters:
+        # torch 2.x: loom serves CPU tensors (CUDA ones stay with nccl in a
+        # "cpu:loom,cuda:nccl" group).
+        dist.Backend.register_backend(BACKEND_NAME, _create_process_group, devices=["cpu"])
+    else:
+        dist.Backend.register_backend(BACKEND_NAME, _create_process_group)
 
 
 _monitored_barrier_calls = collections.Counter()
@@ -120,6 +126,19 @@ def _c10d_tables():
     return c10d._pg_map, c10d._pg_names, c10d._pg_group_ranks
 
 
+def _wrap_backend(backend, members):
+    """torch 2.x: a ProcessGroup around a loom Backend that shrink made."""
+    c10d = dist.distributed_c10d
+    store = dist.PrefixStore("loom_shrunk/" + ",".join(map(str, members)) + "/", c10d._get_default_store())
+    pg = dist.ProcessGroup(store, backend.rank(), backend.size())
+    cpu = torch.device("cpu")
+    custom = dist.ProcessGroup.BackendType.CUSTOM
+    if hasattr(pg, "_set_default_backend"):
+        pg._set_default_backend(custom)
+    pg._register_backend(cpu, custom, backend)
+    return pg
+
+
 def shrink(group=None, exclude=()):
     """Continue without the dead: revokes `group` (default: the world) and
     returns a new loom group of the ranks still alive, less `exclude` (ranks
@@ -149,10 +168,18 @@ def shrink(group=None, exclude=()):
         if g not in globals_of:
             raise ValueError(f"loom_torch.shrink: rank {g} is not in the group")
         local_exclude.append(globals_of.index(g))
-    new = _C.shrink(pg, local_exclude)
-    if new is None:
-        return None
-    members = [globals_of[p] for p in _C.parent_ranks(new)]
+    if hasattr(pg, "_get_backend"):  # torch 2.x: the loom Backend inside the ProcessGroup
+        backend = _C.shrink(pg._get_backend(torch.device("cpu")), local_exclude)
+        if backend is None:
+            return None
+        parents = _C.parent_ranks(backend)
+        members = [globals_of[p] for p in parents]
+        new = _wrap_backend(backend, members)
+    else:
+        new = _C.shrink(pg, local_exclude)
+        if new is None:
+            return None
+        members = [globals_of[p] for p in _C.parent_ranks(new)]
     key = ",".join(map(str, members))
     name = f"loom_shrunk_{key}_{_shrunk[key]}"
     _shrunk[key] += 1
