@@ -207,8 +207,17 @@ long regionsOut(loomComm_t comm) {
 }
 
 // One lazy-staging check: 1 when the count differs from want (and says so).
-long lazyCheck(loomComm_t comm, int me, long want, const char* when) {
+// Then an all-reduce, waited for, before anything else: it completes only
+// once every rank has issued it, so no rank counts after a faster peer's
+// next receive asked this one for a region (a receive's first use of a pair
+// makes the sender allocate it: the count's "after the collectives" was 1
+// on the H200 with 2 processes once, for that reason).
+long lazyCheck(loomComm_t comm, cudaStream_t st, int me, long want, const char* when) {
   const long got = regionsOut(comm);
+  static float* one = nullptr;
+  if (!one) CK(cudaMalloc(&one, sizeof(float)));
+  LK(loomAllReduce(one, one, 1, loomFloat32, loomSum, comm, loomStream_t(st)));
+  CK(cudaStreamSynchronize(st));
   if (got == want) return 0;
   std::fprintf(stderr, "rank %d: %ld send/recv staging regions %s, expected %ld\n", me, got, when, want);
   return 1;
@@ -222,7 +231,7 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, size_t maxCount) 
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   long lazyBad = 0;
-  lazyBad += lazyCheck(comm, me, 0, "at init");  // none at init
+  lazyBad += lazyCheck(comm, st, me, 0, "at init");  // none at init
 
   // comm: every collective x type x op, in and out of place, issued back to
   // back in batches, one synchronisation per batch.
@@ -263,7 +272,7 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, size_t maxCount) 
       }
   flush();
   std::printf("RESULT comm %ld %ld\n", cases, wrong);
-  lazyBad += lazyCheck(comm, me, 0, "after the collectives");  // nor for collectives
+  lazyBad += lazyCheck(comm, st, me, 0, "after the collectives");  // nor for collectives
 
   // p2p: send/recv in a group (a ring: to the next rank, from the
   // previous, sizes from one element to many chunks), and an all-to-allv
@@ -292,7 +301,7 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, size_t maxCount) 
       CK(cudaFree(s));
       CK(cudaFree(r));
     }
-    lazyBad += lazyCheck(comm, me, 1, "after the send/recv ring");  // the ring: one receiver (the next rank, or itself)
+    lazyBad += lazyCheck(comm, st, me, 1, "after the send/recv ring");  // the ring: one receiver (the next rank, or itself)
     // all-to-allv: rank q sends (q + j) % 3 * 777 + 1 elements to rank j.
     auto cnt = [](int q, int j) { return size_t((q + j) % 3) * 777 + 1; };
     const size_t nr = static_cast<size_t>(N);
@@ -326,7 +335,7 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, size_t maxCount) 
     CK(cudaFree(s));
     CK(cudaFree(r));
     std::printf("RESULT p2p %ld %ld\n", p2pCases, p2pWrong);
-    lazyBad += lazyCheck(comm, me, N, "after the all-to-allv");  // every rank received from this one
+    lazyBad += lazyCheck(comm, st, me, N, "after the all-to-allv");  // every rank received from this one
     std::printf("RESULT lazy 4 %ld\n", lazyBad);
   }
 
