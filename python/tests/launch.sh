@@ -7,4 +7,6 @@ set -euo pipefail
 py=$1 n=$2
 shift 2
 port=$("$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+# A rank that dies of a signal prints every thread's Python stack first.
+export PYTHONFAULTHANDLER=1
 exec "$py" -m loom_torch.run --nproc_per_node "$n" --master_addr 127.0.0.1 --master_port "$port" "$@"
