@@ -258,8 +258,20 @@ LoomWork::LoomWork(int rank, c10d::OpType type, const char* profilingTitle,
       future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
 
 bool LoomWork::wait(std::chrono::milliseconds timeout) {
-  if (timeout == kNoTimeout && !isCompleted() && queue_) queue_->drain();
+  if (queue_) queue_->issueHeld();
+  if (timeout == kNoTimeout && !c10d::Work::isCompleted() && queue_) queue_->drain();
   return c10d::Work::wait(timeout);
+}
+
+bool LoomWork::isCompleted() {
+  if (c10d::Work::isCompleted()) return true;
+  if (queue_) queue_->issueHeld();
+  return c10d::Work::isCompleted();
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> LoomWork::getFuture() {
+  if (queue_) queue_->issueHeld();
+  return future_;
 }
 
 void LoomWork::complete(std::exception_ptr error) {
@@ -287,16 +299,105 @@ void LoomQueue::fail(const char* what, loomResult_t r) const {
 }
 
 void LoomQueue::issue(const char* what, const c10::intrusive_ptr<LoomWork>& work,
-                      const std::function<loomResult_t()>& launch) {
-  std::lock_guard<std::mutex> lock(m_);
-  loomResult_t r = launch();
-  if (r != loomSuccess) fail(what, r);
-  if (coalescing_) {
-    coalesced_.push_back(work);
-  } else {
-    pending_.push_back(work);
-    cv_.notify_one();
+                      const std::function<loomResult_t()>& launch, bool send) {
+  Failed failed;
+  loomResult_t r = loomSuccess;
+  {
+    std::lock_guard<std::mutex> lock(m_);
+    if (send && !held_.empty() && !coalescing_) {
+      // The held receives and this send: one group (all of it or nothing).
+      std::vector<Held> held;
+      held.swap(held_);
+      r = loomGroupStart();
+      if (r == loomSuccess) {
+        for (Held& h : held) {
+          loomResult_t hr = h.launch();
+          if (r == loomSuccess) r = hr;
+        }
+        loomResult_t sr = launch();
+        if (r == loomSuccess) r = sr;
+        loomResult_t er = loomGroupEnd();
+        if (r == loomSuccess) r = er;
+      }
+      if (r == loomSuccess) {
+        for (Held& h : held) pending_.push_back(h.work);
+        pending_.push_back(work);
+        cv_.notify_one();
+        return;
+      }
+      std::exception_ptr error = errorOf(what, r);
+      for (Held& h : held) failed.emplace_back(h.work, error);
+    } else {
+      issueHeldLocked(&failed);
+      r = launch();
+      if (r == loomSuccess) {
+        if (coalescing_) {
+          coalesced_.push_back(work);
+        } else {
+          pending_.push_back(work);
+          cv_.notify_one();
+        }
+      }
+    }
   }
+  completeFailed(failed);
+  if (r != loomSuccess) fail(what, r);
+}
+
+void LoomQueue::hold(const char* what, const c10::intrusive_ptr<LoomWork>& work,
+                     std::function<loomResult_t()> launch) {
+  {
+    std::lock_guard<std::mutex> lock(m_);
+    if (!coalescing_) {
+      held_.push_back({what, work, std::move(launch)});
+      return;
+    }
+  }
+  issue(what, work, launch);
+}
+
+void LoomQueue::issueHeld() {
+  Failed failed;
+  {
+    std::lock_guard<std::mutex> lock(m_);
+    issueHeldLocked(&failed);
+  }
+  completeFailed(failed);
+}
+
+void LoomQueue::issueHeldLocked(Failed* failed) {
+  if (held_.empty()) return;
+  std::vector<Held> held;
+  held.swap(held_);
+  for (Held& h : held) {
+    loomResult_t r;
+    try {
+      r = h.launch();
+    } catch (...) {
+      failed->emplace_back(h.work, std::current_exception());
+      continue;
+    }
+    if (r == loomSuccess)
+      pending_.push_back(h.work);
+    else
+      failed->emplace_back(h.work, errorOf(h.what, r));
+  }
+  cv_.notify_one();
+}
+
+// Outside m_: a work's callbacks may drop the last reference to the group.
+void LoomQueue::completeFailed(Failed& failed) {
+  for (auto& f : failed) f.first->complete(f.second);
+  failed.clear();
+}
+
+std::exception_ptr LoomQueue::errorOf(const char* what, loomResult_t r) const {
+  try {
+    fail(what, r);
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;
 }
 
 // Everything in `batch` was enqueued on the stream before the synchronize
@@ -355,6 +456,7 @@ void LoomQueue::stop() {
 }
 
 void LoomQueue::close() {
+  issueHeld();
   std::deque<c10::intrusive_ptr<LoomWork>> batch;
   std::exception_ptr error;
   {
@@ -382,6 +484,7 @@ void LoomQueue::close() {
 }
 
 void LoomQueue::startCoalescing() {
+  issueHeld();
   std::lock_guard<std::mutex> lock(m_);
   TORCH_CHECK(!coalescing_, "loom backend: coalescing is already on");
   loomResult_t r = loomGroupStart();
@@ -505,9 +608,9 @@ c10::intrusive_ptr<GroupBase> ProcessGroupLoom::create(const c10::intrusive_ptr<
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::issue(const char* what, c10::intrusive_ptr<LoomWork> work,
-                                                       const std::function<loomResult_t()>& launch) {
+                                                       const std::function<loomResult_t()>& launch, bool send) {
   work->setQueue(queue_);
-  queue_->issue(what, work, launch);
+  queue_->issue(what, work, launch, send);
   return work;
 }
 
@@ -915,9 +1018,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::send(std::vector<at::Tensor>& t
               "loom backend: send: bad destination rank ", dstRank);
   auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::SEND, "loom:send", tensors,
                                          std::vector<at::Tensor>{}, tensors, nullptr);
-  return issue("loomSendTagged", w, [&] {
-    return loomSendTagged(t.data_ptr(), size_t(t.numel()), dtypeFor(t), dstRank, tag, comm_, stream_);
-  });
+  return issue(
+      "loomSendTagged", w,
+      [&] { return loomSendTagged(t.data_ptr(), size_t(t.numel()), dtypeFor(t), dstRank, tag, comm_, stream_); },
+      /*send=*/true);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::recv(std::vector<at::Tensor>& tensors, int srcRank,
@@ -928,9 +1032,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::recv(std::vector<at::Tensor>& t
               srcRank);
   auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::RECV, "loom:recv", std::vector<at::Tensor>{},
                                          tensors, tensors, nullptr);
-  return issue("loomRecvTagged", w, [&] {
-    return loomRecvTagged(t.data_ptr(), size_t(t.numel()), dtypeFor(t), srcRank, tag, comm_, stream_, w->status());
-  });
+  w->setQueue(queue_);
+  queue_->hold("loomRecvTagged", w,
+               [t, srcRank, tag, comm = comm_, stream = stream_, status = w->status()] {
+                 return loomRecvTagged(t.data_ptr(), size_t(t.numel()), dtypeFor(t), srcRank, tag, comm, stream,
+                                       status);
+               });
+  return w;
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
@@ -938,10 +1046,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::recvAnysource(std::vector<at::T
   TORCH_CHECK(tag >= 0, "loom backend: recv: tags are >= 0; got ", tag);
   auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::RECVANYSOURCE, "loom:recv_anysource",
                                          std::vector<at::Tensor>{}, tensors, tensors, nullptr);
-  return issue("loomRecvTagged (any source)", w, [&] {
-    return loomRecvTagged(t.data_ptr(), size_t(t.numel()), dtypeFor(t), LOOM_ANY_SOURCE, tag, comm_, stream_,
-                          w->status());
+  w->setQueue(queue_);
+  queue_->hold("loomRecvTagged (any source)", w, [t, tag, comm = comm_, stream = stream_, status = w->status()] {
+    return loomRecvTagged(t.data_ptr(), size_t(t.numel()), dtypeFor(t), LOOM_ANY_SOURCE, tag, comm, stream, status);
   });
+  return w;
 }
 
 }  // namespace loom_torch

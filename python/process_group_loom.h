@@ -55,7 +55,10 @@ class LoomWork : public c10d::Work {
   LoomWork(int rank, c10d::OpType type, const char* profilingTitle, const std::vector<at::Tensor>& inputs,
            std::vector<at::Tensor> outputs, std::vector<at::Tensor> keepAlive, std::function<void()> copyOut);
   std::vector<at::Tensor> result() override { return outputs_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  // The three ways to wait first issue the group's held-back receives (see
+  // LoomQueue::hold): a held receive never waits on its own.
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  bool isCompleted() override;
   // An untimed wait synchronizes the stream on the caller's thread (which
   // then runs the operation itself) instead of waiting for the completer.
   bool wait(std::chrono::milliseconds timeout) override;
@@ -84,8 +87,20 @@ class LoomQueue {
   // Runs launch() (a loom call on stream()) and queues `work` for the
   // completer (or for endCoalescing while coalescing); throws with loom's
   // message if the call is refused.
+  // With send = true (a point-to-point send) the held receives are issued
+  // with it as one group; otherwise they are issued first, each on its own.
   void issue(const char* what, const c10::intrusive_ptr<LoomWork>& work,
-             const std::function<loomResult_t()>& launch);
+             const std::function<loomResult_t()>& launch, bool send = false);
+  // A receive called on its own (not coalescing) is held back until the
+  // group's next call, and issued with it when that is a send: a stream runs
+  // its operations one after another, so `irecv(from p); send(to p)` on both
+  // ranks (the exchange that gloo runs) would otherwise wait for ever, each
+  // receive in front of the send its peer waits for.  In one group the
+  // tagged receives and sends progress together.  Any other call, and
+  // waiting on the work (wait, isCompleted, getFuture), issue the held
+  // receives on their own.  `launch` must own what it uses.
+  void hold(const char* what, const c10::intrusive_ptr<LoomWork>& work, std::function<loomResult_t()> launch);
+  void issueHeld();
   // Completes every work queued so far: the completer's loop body, also run
   // by LoomWork::wait on the waiting thread. Does nothing once closed.
   void drain();
@@ -104,6 +119,17 @@ class LoomQueue {
 
  private:
   void completeBatch(std::deque<c10::intrusive_ptr<LoomWork>>& batch);
+  struct Held {
+    const char* what;
+    c10::intrusive_ptr<LoomWork> work;
+    std::function<loomResult_t()> launch;
+  };
+  using Failed = std::vector<std::pair<c10::intrusive_ptr<LoomWork>, std::exception_ptr>>;
+  // Issues the held receives one by one (m_ held); those loom refused go to
+  // *failed, to be completed once m_ is released.
+  void issueHeldLocked(Failed* failed);
+  static void completeFailed(Failed& failed);
+  std::exception_ptr errorOf(const char* what, loomResult_t r) const;
 
   loomComm_t comm_;
   loomStream_t stream_;
@@ -111,6 +137,7 @@ class LoomQueue {
   std::condition_variable cv_;
   std::deque<c10::intrusive_ptr<LoomWork>> pending_;
   std::vector<c10::intrusive_ptr<LoomWork>> coalesced_;
+  std::vector<Held> held_;  // receives held back (hold())
   bool coalescing_ = false;
   bool stop_ = false;
   // Shared while synchronizing the stream, exclusive to destroy it.
@@ -202,7 +229,7 @@ class ProcessGroupLoom : public GroupBase {
 
  private:
   c10::intrusive_ptr<c10d::Work> issue(const char* what, c10::intrusive_ptr<LoomWork> work,
-                                       const std::function<loomResult_t()>& launch);
+                                       const std::function<loomResult_t()>& launch, bool send = false);
 
   // The stream, the queue and the completer thread, once comm_ exists.
   void start();

@@ -1,10 +1,13 @@
-"""Tagged send/recv, recv from any source and batch_isend_irecv with tags:
+"""Tagged send/recv, recv from any source and batch_isend_irecv with tags,
+irecv posted before the send a peer waits for (the ring exchange), an irecv
+polled with is_completed or waited on through its future:
 loom against gloo in the same job (the default group is loom, a second group
 over the same ranks is gloo).  Exits non-zero on the first difference.
 
 Run under the launcher: python3 -m loom_torch.run --nproc_per_node 3 p2p_tags_vs_gloo.py
 """
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -71,6 +74,50 @@ def batch_with_tags(group):
         r.wait()
     return from_left, from_right
 
+
+def exchange(group, count):
+    """Every rank posts irecv from the left, then sends to the right (blocking
+    send): each receive is in front of the send its neighbour waits for.
+    count = 300000 floats is over LOOM_TAGGED_EAGER_BYTES (rendezvous)."""
+    left, right = (rank + n - 1) % n, (rank + 1) % n
+    x = torch.empty(count)
+    req = dist.irecv(x, left, group=group, tag=7)
+    dist.send(payload(rank, 7, count), right, group=group, tag=7)
+    req.wait()
+    return x
+
+
+def polled(group):
+    """Rank 0 posts irecv and polls is_completed (then a second one through
+    its future) while rank 1 sends only later: the receive must make
+    progress without wait()."""
+    if rank == 0:
+        x, y = torch.empty(10), torch.empty(10)
+        req = dist.irecv(x, 1, group=group, tag=8)
+        deadline = time.time() + 20
+        while not req.is_completed() and time.time() < deadline:
+            time.sleep(0.01)
+        req2 = dist.irecv(y, 1, group=group, tag=9)
+        if group is None:
+            req2.get_future().wait()
+        else:  # gloo's receives have no future in torch 1.13
+            req2.wait()
+        return x, y
+    if rank == 1:
+        time.sleep(0.2)
+        dist.send(payload(1, 8, 10), 0, group=group, tag=8)
+        dist.send(payload(1, 9, 10), 0, group=group, tag=9)
+    return None, None
+
+
+for count in (1000, 300000):
+    lo, gl = exchange(None, count), exchange(gloo, count)
+    check(f"irecv then send around the ring, {count} floats", torch.equal(lo, gl) and
+          torch.equal(lo, payload((rank + n - 1) % n, 7, count)))
+(lx, ly), (gx, gy) = polled(None), polled(gloo)
+if rank == 0:
+    check("irecv completes while polled with is_completed", torch.equal(lx, gx) and torch.equal(lx, payload(1, 8, 10)))
+    check("irecv completes through its future", torch.equal(ly, gy) and torch.equal(ly, payload(1, 9, 10)))
 
 lo, gl = out_of_order(None), out_of_order(gloo)
 if rank == 1:
