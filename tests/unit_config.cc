@@ -72,6 +72,8 @@ TEST_CASE("every default in config.cc's table is the value config() uses when th
       {"LOOM_DEVICE_PATH", [&] { return c.devicePath; }},
       {"LOOM_DEVICE_STAGE_BYTES", [&] { return num(c.deviceStageBytes); }},
       {"LOOM_DEVICE_HIER_MIN_BYTES", [&] { return num(c.deviceHierMinBytes); }},
+      {"LOOM_DEVICE_SLOT_BYTES", [&] { return num(c.deviceSlotBytes); }},
+      {"LOOM_DEVICE_ONESHOT_BYTES", [&] { return num(c.deviceOneShotBytes); }},
       {"LOOM_CPU_BIND", [&] { return c.cpuBind; }},
       {"LOOM_DUMP_SIGNAL", [&] { return num(c.dumpSignal); }},
       {"LOOM_TRACE", [&] { return c.trace; }},

@@ -2978,3 +2978,55 @@ TEST_CASE("CUDA communicator (simulated device): collectives and send/recv issue
     destroyPromptly(comms);
   }
 }
+
+TEST_CASE("CUDA communicator (simulated device): LOOM_DEVICE_SLOT_BYTES sizes the IPC windows and "
+          "LOOM_DEVICE_ONESHOT_BYTES picks the all-reduce program; every collective exact in rounds of small slots",
+          "[devcomm][api]") {
+  ScopedEnv slot("LOOM_DEVICE_SLOT_BYTES", "65536");
+  std::vector<uint64_t> rounds;
+  for (const char* oneShot : {"0", "1048576"}) {  // reduce-scatter + all-gather always / one-shot always
+    ScopedEnv os("LOOM_DEVICE_ONESHOT_BYTES", oneShot);
+    const int N = 3;
+    SimMemory mem;
+    loomsim::SimDeviceWorld world(N, 1, 256, patientDevice());
+    DeviceEnv env(mem, world);
+    std::vector<loomComm_t> comms = initCudaComms(N);
+    INFO("LOOM_DEVICE_ONESHOT_BYTES=" << oneShot);
+    REQUIRE(comms.size() == size_t(N));
+    for (loomComm_t c : comms) {
+      CHECK(ipcOf(c).slotBytes() == 65536);
+      CHECK(ipcOf(c).oneShotBytes() == std::stoul(oneShot));
+      CHECK(dumpOf(c).find(loom::strf("%zu B allocated at init", loom::flagAreaBytes(N) +
+                                                                     loom::streamWindowBytes(65536))) !=
+            std::string::npos);
+    }
+    auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+    std::mt19937_64 rng(11);
+    std::vector<Op> ops = everyCollective(N);
+    // Many rounds of 64 KiB (32 KiB halves for reduce-scatter + all-gather).
+    ops.push_back({Collective::AllReduce, loomFloat32, loomSum, 100000, 0, false});
+    ops.push_back({Collective::AllReduce, loomInt32, loomAvg, 60001, 0, true});
+    ops.push_back({Collective::ReduceScatter, loomInt32, loomSum, 30000, 0, false});
+    ops.push_back({Collective::AllGather, loomFloat64, loomSum, 20000, 0, true});
+    ops.push_back({Collective::AllToAll, loomInt32, loomSum, 20000, 0, false});
+    ops.push_back({Collective::Broadcast, loomUint8, loomSum, 300000, 1, false});
+    ops.push_back({Collective::Reduce, loomInt64, loomMax, 40000, 2, false});
+    std::vector<Prepared> prepared;
+    for (const Op& o : ops) prepared.push_back(prepare(mem, N, 1, o, rng));
+    const uint64_t round0 = ipcOf(comms[0]).round();
+    for (const Prepared& p : prepared)
+      for (int r = 0; r < N; ++r) CHECK(issueApi(comms[size_t(r)], p, r, fakeStream) == loomSuccess);
+    for (int r = 0; r < N; ++r) {
+      std::string msg;
+      CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
+      INFO(msg);
+    }
+    for (const Prepared& p : prepared) CHECK(verifyNear(p, N) == "");
+    // 400 KB alone is 7 rounds of a 64 KiB slot, 13 of its halves (the
+    // reduce-scatter + all-gather program's rounds).
+    rounds.push_back(ipcOf(comms[0]).round() - round0);
+    CHECK(rounds.back() >= ops.size() + 10);
+    for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
+  }
+  CHECK(rounds[0] > rounds[1]);
+}

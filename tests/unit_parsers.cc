@@ -26,7 +26,7 @@ const uint8_t kSecret[16] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 
 loom::JoinHello goodHello(int rank, int nranks) {
   loom::JoinHello h{};
   h.magic = 0x4c4d4a4e;
-  h.version = 1;
+  h.version = loom::kBootVersion;
   memcpy(h.secret, kSecret, 16);
   h.rank = rank;
   h.nranks = nranks;
@@ -112,6 +112,8 @@ TEST_CASE("rank records: rank 0's settings are bounded before use", "[parsers]")
   info.mailBytes = 16384;
   info.stageBytes = 262144;
   info.deviceStageBytes = 2 << 20;
+  info.deviceSlotBytes = 4 << 20;
+  info.deviceOneShotBytes = 256 << 10;
   info.ctlAddr.ss_family = AF_INET;
   info.ctlLen = sizeof(sockaddr_in);
   CHECK_NOTHROW(loom::checkRankInfo(&info, 0));
@@ -126,6 +128,14 @@ TEST_CASE("rank records: rank 0's settings are bounded before use", "[parsers]")
   bad = info;
   bad.deviceStageBytes = 100;  // the staged path's piece: a multiple of 256, at least 4096
   CHECK_THROWS_AS(loom::checkRankInfo(&bad, 0), loom::Error);
+  bad = info;
+  bad.deviceSlotBytes = 0;  // windows of nothing: no round would fit
+  CHECK_THROWS_AS(loom::checkRankInfo(&bad, 0), loom::Error);
+  bad.deviceSlotBytes = 65536 + 100;  // a multiple of 4096
+  CHECK_THROWS_AS(loom::checkRankInfo(&bad, 0), loom::Error);
+  bad.deviceSlotBytes = 0x80000000u;  // 2 GiB slots: 4 GiB of device memory per rank
+  CHECK_THROWS_AS(loom::checkRankInfo(&bad, 0), loom::Error);
+  CHECK_NOTHROW(loom::checkRankInfo(&bad, 1));
   bad = info;
   bad.devicePath = 7;
   CHECK_THROWS_AS(loom::checkRankInfo(&bad, 0), loom::Error);

@@ -24,7 +24,6 @@ namespace {
 
 constexpr uint32_t kIdMagic = 0x4c4d4944;     // "LMID"
 constexpr uint32_t kJoinMagic = 0x4c4d4a4e;   // "LMJN"
-constexpr uint16_t kBootVersion = 1;
 
 // Listeners opened by loomGetUniqueId, waiting for this process's rank 0.
 std::mutex gListenMutex;

@@ -17,6 +17,11 @@
 
 namespace loom {
 
+// The bootstrap's wire version (unique ids, join hellos, the RankInfo
+// records exchanged): ranks of different versions refuse each other.
+// 2: RankInfo carries the device slot and one-shot sizes.
+constexpr uint16_t kBootVersion = 2;
+
 struct UniqueIdData {
   uint32_t magic;
   uint16_t version;

@@ -41,6 +41,10 @@ void checkRankInfo(RankInfo* info, int r) {
       info->deviceStageBytes % 256)
     fail(loomRemoteError, "rank 0 sent device path %u, staged pieces of %u B during init", info->devicePath,
          info->deviceStageBytes);
+  if (info->deviceSlotBytes < 65536 || info->deviceSlotBytes > (1u << 28) || info->deviceSlotBytes % 4096 ||
+      info->deviceOneShotBytes > (1u << 31))
+    fail(loomRemoteError, "rank 0 sent device slots of %u B, one-shot all-reduces up to %u B during init",
+         info->deviceSlotBytes, info->deviceOneShotBytes);
   // The bounds config.cc enforces on rank 0's own environment.
   if (info->slots < 2 || info->slots > 1024 || info->slotBytes < 4096 || info->slotBytes > (64u << 20) ||
       info->slotBytes % 64 || info->mailBytes > (1u << 20) || info->mailBytes % 64 ||
@@ -157,6 +161,8 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
                                                    : 0;
   mine.deviceStageBytes = uint32_t(cfg.deviceStageBytes);
   mine.deviceHierMinBytes = uint32_t(cfg.deviceHierMinBytes);
+  mine.deviceSlotBytes = uint32_t(cfg.deviceSlotBytes);
+  mine.deviceOneShotBytes = uint32_t(cfg.deviceOneShotBytes);
   snprintf(mine.hostId, sizeof mine.hostId, "%s", host.c_str());
   mine.localKey = localKey();
   mine.pid = int32_t(getpid());
@@ -175,6 +181,8 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
     memcpy(mine.transports, p->transports, sizeof mine.transports);
     mine.deviceStageBytes = p->deviceStageBytes;
     mine.deviceHierMinBytes = p->deviceHierMinBytes;
+    mine.deviceSlotBytes = p->deviceSlotBytes;
+    mine.deviceOneShotBytes = p->deviceOneShotBytes;
   }
   fillRandom(&mine.commTag, sizeof mine.commTag);
   mine.topo = localRankTopo(advertise.ss);
@@ -295,7 +303,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
             std::vector<uint8_t> v = boot.allGather(m, bytes);
             memcpy(all, v.data(), v.size());
           },
-          deviceOptions());
+          deviceOptions(root));
     }
     {
       std::lock_guard<std::mutex> g(earlySigsMutex_);
@@ -315,17 +323,17 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
                 *part ? " of the hierarchical path's " : "", part, device_->deviceName(), device_->device(),
                 *part ? "its rail" : away >= 0 ? "ranks on several hosts" : "LOOM_DEVICE_PATH=staged");
     else
-      LOOM_INFO("INIT", "rank %d%s%s: device communicator on %s:%d, CUDA IPC windows of 2 x %zu B", rank,
+      LOOM_INFO("INIT", "rank %d%s%s: device communicator on %s:%d, CUDA IPC windows of 2 x %u B", rank,
                 *part ? " of the hierarchical path's " : "", part, device_->deviceName(), device_->device(),
-                kDeviceSlotBytes);
+                root.deviceSlotBytes);
   }
   LOOM_INFO("INIT", "rank %d of %d%s%s ready: host %s, %d local peers, slots %u x %u B, transports %s", rank, nranks,
             part_ ? " of a hierarchical path's " : "", part_ ? part_ : "", mine.hostId, local, root.slots,
             root.slotBytes, transportSpec_.c_str());
 }
 
-loom::DeviceCommOptions loomComm::deviceOptions() {
-  DeviceCommOptions o{kDeviceSlotBytes, kDeviceOneShotBytes, thisProcessToken()};
+loom::DeviceCommOptions loomComm::deviceOptions(const RankInfo& root) {
+  DeviceCommOptions o{root.deviceSlotBytes, root.deviceOneShotBytes, thisProcessToken()};
   // The watchdog: loomTimeout after LOOM_TIMEOUT_MS without progress, a
   // peer the control plane finds gone after a second without progress; its
   // failures go the way of a host operation's (the peers are told, and

@@ -56,6 +56,8 @@ struct RankInfo {
   uint32_t deviceHierMinBytes; // LOOM_DEVICE_HIER_MIN_BYTES; rank 0's value is used by all
   uint64_t cpuSet;     // cpuSetHash of the CPUs it may run on (src/topology/cpu_bind.h)
   uint32_t checkMode;  // LOOM_CHECK_MODE (1 on); rank 0's value is used by all
+  uint32_t deviceSlotBytes;     // LOOM_DEVICE_SLOT_BYTES; rank 0's value is used by all
+  uint32_t deviceOneShotBytes;  // LOOM_DEVICE_ONESHOT_BYTES; rank 0's value is used by all
   uint32_t pad;
 };
 
@@ -331,7 +333,8 @@ struct loomComm : public loom::ExecEnv,
   // peer's question on the control thread.
   loom::IpcRecord fetchDeviceRegion(int peer);
   std::vector<uint8_t> deviceRegionAnswer(int from);
-  loom::DeviceCommOptions deviceOptions();  // the watchdog wired to this communicator
+  // Rank 0's slot and one-shot sizes, the watchdog wired to this communicator.
+  loom::DeviceCommOptions deviceOptions(const loom::RankInfo& root);
   // A mismatch-check batch to `peer` over the control plane, not waiting.
   void sendSignatures(int peer, std::vector<uint8_t> bytes);
   loom::StagedCommOptions stagedOptions();  // the staged path wired to the host path

@@ -377,6 +377,7 @@ class DeviceComm final : public DeviceCollectives {
   const char* pathName() const override { return "ipc"; }
   std::string describe() const override;
   size_t slotBytes() const { return slotBytes_; }
+  size_t oneShotBytes() const { return oneShotBytes_; }
 
   // Whether the device path runs `coll` (the others: loomInvalidUsage from run()).
   static bool serves(Collective coll);
