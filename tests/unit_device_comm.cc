@@ -2980,7 +2980,7 @@ TEST_CASE("CUDA communicator (simulated device): collectives and send/recv issue
 }
 
 TEST_CASE("CUDA communicator (simulated device): LOOM_DEVICE_SLOT_BYTES sizes the IPC windows and "
-          "LOOM_DEVICE_ONESHOT_BYTES picks the all-reduce program; every collective exact in rounds of small slots",
+          "LOOM_DEVICE_ONESHOT_BYTES picks the all-reduce program, every collective exact in rounds of small slots",
           "[devcomm][api]") {
   ScopedEnv slot("LOOM_DEVICE_SLOT_BYTES", "65536");
   std::vector<uint64_t> rounds;

@@ -151,6 +151,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
   advertise.setPort(0);
 
   const DeviceChoice deviceChoice = checkDeviceChoice(device);
+  if (deviceChoice.cuda) loadDeviceKernels(deviceChoice);  // before the all-gather below (device_choice.h)
   RankInfo mine{};
   mine.deviceKind = deviceChoice.cuda ? 1 : 0;
   std::string host = !tlsTestHostId.empty() ? tlsTestHostId : cfg.hostId.empty() ? machineHostId() : cfg.hostId;

@@ -114,6 +114,29 @@ DeviceChoice checkDeviceChoice(const DeviceRequest& request) {
   return c;
 }
 
+void loadDeviceKernels(const DeviceChoice& choice) {
+  {
+    std::lock_guard<std::mutex> g(g_factoryMu);
+    if (g_factory) return;  // the simulated device runs no kernels
+  }
+  std::string why;
+  const CudaApi* api = cudaPlugin(&why);
+  if (!api) fail(loomInvalidUsage, "no CUDA plug-in: %s", why.c_str());
+  int previous = -1;
+  if (api->getDevice(&previous) != 0) previous = -1;
+  if (previous != choice.device) {
+    int rc = api->setDevice(choice.device);
+    if (rc != 0)
+      fail(loomUnhandledCudaError, "cudaSetDevice(%d) failed: %s (CUDA error %d)", choice.device,
+           api->errorString(rc), rc);
+  }
+  int rc = api->loadKernels();
+  if (previous >= 0 && previous != choice.device) api->setDevice(previous);
+  if (rc != 0)
+    fail(loomUnhandledCudaError, "loading loom's CUDA kernels on device %d (cudaFuncGetAttributes) failed: %s (CUDA "
+         "error %d)", choice.device, api->errorString(rc), rc);
+}
+
 std::unique_ptr<DeviceDriver> deviceDriverFor(const DeviceChoice& choice, int rank, int nranks) {
   {
     std::lock_guard<std::mutex> g(g_factoryMu);

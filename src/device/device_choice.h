@@ -69,6 +69,15 @@ void setThreadDeviceForTesting(int device);
 // on choice.device.
 std::unique_ptr<DeviceDriver> deviceDriverFor(const DeviceChoice& choice, int rank, int nranks);
 
+// Loads the CUDA plug-in's kernels on choice.device (CudaApi::loadKernels,
+// once per device and process; nothing with a test factory).  Init calls
+// it before the all-gather every rank passes: under lazy loading, loading
+// waits for the device, so it must not happen once a rank of this process
+// may have enqueued a program waiting for another rank of this process,
+// whose init would then wait for it (threads each with a communicator on
+// one GPU, as nccl-tests' thread mode runs).
+void loadDeviceKernels(const DeviceChoice& choice);
+
 // Tests only: with a factory set, CUDA needs no CUDA device: the process
 // has `devices` simulated devices, and communicators get the factory's
 // drivers (the simulated device), so the API's CUDA-communicator path runs
