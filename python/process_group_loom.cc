@@ -299,44 +299,19 @@ void LoomQueue::fail(const char* what, loomResult_t r) const {
 }
 
 void LoomQueue::issue(const char* what, const c10::intrusive_ptr<LoomWork>& work,
-                      const std::function<loomResult_t()>& launch, bool send) {
+                      const std::function<loomResult_t()>& launch) {
   Failed failed;
   loomResult_t r = loomSuccess;
   {
     std::lock_guard<std::mutex> lock(m_);
-    if (send && !held_.empty() && !coalescing_) {
-      // The held receives and this send: one group (all of it or nothing).
-      std::vector<Held> held;
-      held.swap(held_);
-      r = loomGroupStart();
-      if (r == loomSuccess) {
-        for (Held& h : held) {
-          loomResult_t hr = h.launch();
-          if (r == loomSuccess) r = hr;
-        }
-        loomResult_t sr = launch();
-        if (r == loomSuccess) r = sr;
-        loomResult_t er = loomGroupEnd();
-        if (r == loomSuccess) r = er;
-      }
-      if (r == loomSuccess) {
-        for (Held& h : held) pending_.push_back(h.work);
+    issueHeldLocked(&failed);
+    r = launch();
+    if (r == loomSuccess) {
+      if (coalescing_) {
+        coalesced_.push_back(work);
+      } else {
         pending_.push_back(work);
         cv_.notify_one();
-        return;
-      }
-      std::exception_ptr error = errorOf(what, r);
-      for (Held& h : held) failed.emplace_back(h.work, error);
-    } else {
-      issueHeldLocked(&failed);
-      r = launch();
-      if (r == loomSuccess) {
-        if (coalescing_) {
-          coalesced_.push_back(work);
-        } else {
-          pending_.push_back(work);
-          cv_.notify_one();
-        }
       }
     }
   }
@@ -349,7 +324,8 @@ void LoomQueue::hold(const char* what, const c10::intrusive_ptr<LoomWork>& work,
   {
     std::lock_guard<std::mutex> lock(m_);
     if (!coalescing_) {
-      held_.push_back({what, work, std::move(launch)});
+      held_.push_back({what, work, std::move(launch), std::chrono::steady_clock::now()});
+      cv_.notify_one();  // the completer's deadline for held calls
       return;
     }
   }
@@ -369,20 +345,44 @@ void LoomQueue::issueHeldLocked(Failed* failed) {
   if (held_.empty()) return;
   std::vector<Held> held;
   held.swap(held_);
-  for (Held& h : held) {
-    loomResult_t r;
-    try {
-      r = h.launch();
-    } catch (...) {
-      failed->emplace_back(h.work, std::current_exception());
-      continue;
+  // Inside an open group (coalescing) they simply join it.
+  const bool own = !coalescing_ && held.size() > 1;
+  loomResult_t r = own ? loomGroupStart() : loomSuccess;
+  const char* what = own ? "loomGroupStart" : held[0].what;
+  std::exception_ptr thrown;
+  if (r == loomSuccess) {
+    for (Held& h : held) {
+      loomResult_t hr;
+      try {
+        hr = h.launch();
+      } catch (...) {
+        if (!thrown) thrown = std::current_exception();
+        hr = loomInvalidArgument;
+      }
+      if (r == loomSuccess && hr != loomSuccess) r = hr, what = h.what;
     }
-    if (r == loomSuccess)
-      pending_.push_back(h.work);
-    else
-      failed->emplace_back(h.work, errorOf(h.what, r));
+    if (own) {
+      loomResult_t er = loomGroupEnd();  // a group with a bad member issues nothing
+      if (r == loomSuccess && er != loomSuccess) r = er, what = "loomGroupEnd";
+    }
   }
-  cv_.notify_one();
+  if (r == loomSuccess && !thrown) {
+    for (Held& h : held) {
+      if (coalescing_)
+        coalesced_.push_back(h.work);
+      else
+        pending_.push_back(h.work);
+    }
+    cv_.notify_one();
+    return;
+  }
+  std::exception_ptr error = thrown ? thrown : errorOf(what, r);
+  if (coalescing_) {
+    // loomGroupEnd (endCoalescing) fails the whole group: these too.
+    for (Held& h : held) coalesced_.push_back(h.work);
+    return;
+  }
+  for (Held& h : held) failed->emplace_back(h.work, error);
 }
 
 // Outside m_: a work's callbacks may drop the last reference to the group.
@@ -437,12 +437,30 @@ void LoomQueue::drain() {
 void LoomQueue::completerLoop() {
   for (;;) {
     std::deque<c10::intrusive_ptr<LoomWork>> batch;
+    Failed failed;
     {
       std::unique_lock<std::mutex> lock(m_);
-      cv_.wait(lock, [&] { return stop_ || !pending_.empty(); });
-      if (pending_.empty()) return;
+      for (;;) {
+        if (stop_ || !pending_.empty()) break;
+        if (held_.empty()) {
+          cv_.wait(lock);
+          continue;
+        }
+        // Held calls go out kHoldMs after the first was held.
+        const auto due = held_.front().at + kHoldMs;
+        if (std::chrono::steady_clock::now() >= due) {
+          issueHeldLocked(&failed);
+          break;
+        }
+        cv_.wait_until(lock, due);
+      }
+      if (pending_.empty() && failed.empty()) {
+        if (stop_) return;
+        continue;
+      }
       batch.swap(pending_);
     }
+    completeFailed(failed);
     completeBatch(batch);
   }
 }
@@ -484,12 +502,15 @@ void LoomQueue::close() {
 }
 
 void LoomQueue::startCoalescing() {
-  issueHeld();
   std::lock_guard<std::mutex> lock(m_);
   TORCH_CHECK(!coalescing_, "loom backend: coalescing is already on");
   loomResult_t r = loomGroupStart();
   if (r != loomSuccess) fail("loomGroupStart", r);
   coalescing_ = true;
+  // The held calls join the coalesced group (batch_isend_irecv after an
+  // irecv: one group, as gloo would run them together).
+  Failed none;
+  issueHeldLocked(&none);
 }
 
 c10::intrusive_ptr<LoomWork> LoomQueue::endCoalescing() {
@@ -608,9 +629,9 @@ c10::intrusive_ptr<GroupBase> ProcessGroupLoom::create(const c10::intrusive_ptr<
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::issue(const char* what, c10::intrusive_ptr<LoomWork> work,
-                                                       const std::function<loomResult_t()>& launch, bool send) {
+                                                       const std::function<loomResult_t()>& launch) {
   work->setQueue(queue_);
-  queue_->issue(what, work, launch, send);
+  queue_->issue(what, work, launch);
   return work;
 }
 
@@ -1018,10 +1039,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::send(std::vector<at::Tensor>& t
               "loom backend: send: bad destination rank ", dstRank);
   auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::SEND, "loom:send", tensors,
                                          std::vector<at::Tensor>{}, tensors, nullptr);
-  return issue(
-      "loomSendTagged", w,
-      [&] { return loomSendTagged(t.data_ptr(), size_t(t.numel()), dtypeFor(t), dstRank, tag, comm_, stream_); },
-      /*send=*/true);
+  w->setQueue(queue_);
+  queue_->hold("loomSendTagged", w, [t, dstRank, tag, comm = comm_, stream = stream_] {
+    return loomSendTagged(t.data_ptr(), size_t(t.numel()), dtypeFor(t), dstRank, tag, comm, stream);
+  });
+  return w;
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::recv(std::vector<at::Tensor>& tensors, int srcRank,

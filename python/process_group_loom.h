@@ -55,8 +55,8 @@ class LoomWork : public c10d::Work {
   LoomWork(int rank, c10d::OpType type, const char* profilingTitle, const std::vector<at::Tensor>& inputs,
            std::vector<at::Tensor> outputs, std::vector<at::Tensor> keepAlive, std::function<void()> copyOut);
   std::vector<at::Tensor> result() override { return outputs_; }
-  // The three ways to wait first issue the group's held-back receives (see
-  // LoomQueue::hold): a held receive never waits on its own.
+  // The three ways to wait first issue the group's held-back point-to-point
+  // calls (see LoomQueue::hold).
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   bool isCompleted() override;
   // An untimed wait synchronizes the stream on the caller's thread (which
@@ -87,20 +87,24 @@ class LoomQueue {
   // Runs launch() (a loom call on stream()) and queues `work` for the
   // completer (or for endCoalescing while coalescing); throws with loom's
   // message if the call is refused.
-  // With send = true (a point-to-point send) the held receives are issued
-  // with it as one group; otherwise they are issued first, each on its own.
+  // Issues a collective (the held point-to-point calls first).
   void issue(const char* what, const c10::intrusive_ptr<LoomWork>& work,
-             const std::function<loomResult_t()>& launch, bool send = false);
-  // A receive called on its own (not coalescing) is held back until the
-  // group's next call, and issued with it when that is a send: a stream runs
-  // its operations one after another, so `irecv(from p); send(to p)` on both
-  // ranks (the exchange that gloo runs) would otherwise wait for ever, each
-  // receive in front of the send its peer waits for.  In one group the
-  // tagged receives and sends progress together.  Any other call, and
-  // waiting on the work (wait, isCompleted, getFuture), issue the held
-  // receives on their own.  `launch` must own what it uses.
+             const std::function<loomResult_t()>& launch);
+  // A send or receive called on its own (not coalescing) is held back and
+  // issued later together with the others held, as one loom group, in which
+  // tagged sends and receives progress together.  A stream runs its
+  // operations one after another, so `irecv(from left); irecv(from right);
+  // isend(to right); isend(to left)` (a halo exchange, which gloo runs) would
+  // otherwise wait for ever, each receive in front of the sends its
+  // neighbours wait for.  The held calls are issued at the group's next
+  // collective, when a work is waited on (wait, isCompleted, getFuture),
+  // when coalescing starts (they join the coalesced group), at close, and by
+  // the completer kHoldMs after the first was held, so that a rank that
+  // blocks elsewhere (another group, the store) still lets them progress.
+  // `launch` must own what it uses.
   void hold(const char* what, const c10::intrusive_ptr<LoomWork>& work, std::function<loomResult_t()> launch);
   void issueHeld();
+  static constexpr std::chrono::milliseconds kHoldMs{20};
   // Completes every work queued so far: the completer's loop body, also run
   // by LoomWork::wait on the waiting thread. Does nothing once closed.
   void drain();
@@ -123,10 +127,12 @@ class LoomQueue {
     const char* what;
     c10::intrusive_ptr<LoomWork> work;
     std::function<loomResult_t()> launch;
+    std::chrono::steady_clock::time_point at;
   };
   using Failed = std::vector<std::pair<c10::intrusive_ptr<LoomWork>, std::exception_ptr>>;
-  // Issues the held receives one by one (m_ held); those loom refused go to
-  // *failed, to be completed once m_ is released.
+  // Issues the held calls as one loom group (m_ held), their works to
+  // `into` (pending_, or coalesced_ inside an open group); if loom refuses
+  // them, their works go to *failed, to be completed once m_ is released.
   void issueHeldLocked(Failed* failed);
   static void completeFailed(Failed& failed);
   std::exception_ptr errorOf(const char* what, loomResult_t r) const;
@@ -137,7 +143,7 @@ class LoomQueue {
   std::condition_variable cv_;
   std::deque<c10::intrusive_ptr<LoomWork>> pending_;
   std::vector<c10::intrusive_ptr<LoomWork>> coalesced_;
-  std::vector<Held> held_;  // receives held back (hold())
+  std::vector<Held> held_;  // point-to-point calls held back (hold())
   bool coalescing_ = false;
   bool stop_ = false;
   // Shared while synchronizing the stream, exclusive to destroy it.
@@ -229,7 +235,7 @@ class ProcessGroupLoom : public GroupBase {
 
  private:
   c10::intrusive_ptr<c10d::Work> issue(const char* what, c10::intrusive_ptr<LoomWork> work,
-                                       const std::function<loomResult_t()>& launch, bool send = false);
+                                       const std::function<loomResult_t()>& launch);
 
   // The stream, the queue and the completer thread, once comm_ exists.
   void start();

@@ -110,6 +110,59 @@ def polled(group):
     return None, None
 
 
+def halo(group, count):
+    """The 1-D halo exchange: irecv from both neighbours, isend to both,
+    then wait for all four."""
+    left, right = (rank + n - 1) % n, (rank + 1) % n
+    a, b = torch.empty(count), torch.empty(count)
+    reqs = [dist.irecv(a, left, group=group, tag=12), dist.irecv(b, right, group=group, tag=13),
+            dist.isend(payload(rank, 13, count), right, group=group, tag=12),
+            dist.isend(payload(rank, 12, count), left, group=group, tag=13)]
+    for q in reqs:
+        q.wait()
+    return a, b
+
+
+def irecv_then_batch(group):
+    """irecv from the left, then batch_isend_irecv([isend to the right])."""
+    left, right = (rank + n - 1) % n, (rank + 1) % n
+    x = torch.empty(500)
+    r = dist.irecv(x, left, group=group, tag=14)
+    for q in dist.batch_isend_irecv([dist.P2POp(dist.isend, payload(rank, 14, 500), right, group, 14)]):
+        q.wait()
+    r.wait()
+    return x
+
+
+def irecv_across_groups():
+    """Rank 0 posts a large irecv on the loom group, then joins a collective
+    of the gloo group before waiting; rank 1 sends (blocking) first.  The
+    held receive must go out by itself (the completer), or rank 1's
+    rendezvous send never finds it."""
+    count = 1 << 20  # 4 MiB: over LOOM_TAGGED_EAGER_BYTES
+    x = torch.empty(count)
+    r = None
+    if rank == 0:
+        r = dist.irecv(x, 1, tag=15)
+    elif rank == 1:
+        dist.send(payload(1, 15, count), 0, tag=15)
+    dist.all_reduce(torch.ones(1), group=gloo)
+    if r is not None:
+        r.wait()
+    return x
+
+
+for count in (1000, 300000):
+    la, lb = halo(None, count)
+    ga, gb = halo(gloo, count)
+    check(f"halo exchange, {count} floats", torch.equal(la, ga) and torch.equal(lb, gb) and
+          torch.equal(la, payload((rank + n - 1) % n, 13, count)) and torch.equal(lb, payload((rank + 1) % n, 12, count)))
+lo, gl = irecv_then_batch(None), irecv_then_batch(gloo)
+check("irecv then batch_isend_irecv", torch.equal(lo, gl) and torch.equal(lo, payload((rank + n - 1) % n, 14, 500)))
+x = irecv_across_groups()
+if rank == 0:
+    check("a held irecv progresses while the rank waits in another group", torch.equal(x, payload(1, 15, 1 << 20)))
+
 for count in (1000, 300000):
     lo, gl = exchange(None, count), exchange(gloo, count)
     check(f"irecv then send around the ring, {count} floats", torch.equal(lo, gl) and
