@@ -376,12 +376,12 @@ void LoomQueue::issueHeldLocked(Failed* failed) {
     cv_.notify_one();
     return;
   }
-  std::exception_ptr error = thrown ? thrown : errorOf(what, r);
-  if (coalescing_) {
-    // loomGroupEnd (endCoalescing) fails the whole group: these too.
+  if (coalescing_ && !thrown) {
+    // loom refused a member: loomGroupEnd (endCoalescing) fails the whole group, these too.
     for (Held& h : held) coalesced_.push_back(h.work);
     return;
   }
+  std::exception_ptr error = thrown ? thrown : errorOf(what, r);
   for (Held& h : held) failed->emplace_back(h.work, error);
 }
 
@@ -502,6 +502,11 @@ void LoomQueue::close() {
 }
 
 void LoomQueue::startCoalescing() {
+  Failed failed;
+  struct Complete {  // after m_ is released
+    Failed& f;
+    ~Complete() { completeFailed(f); }
+  } complete{failed};
   std::lock_guard<std::mutex> lock(m_);
   TORCH_CHECK(!coalescing_, "loom backend: coalescing is already on");
   loomResult_t r = loomGroupStart();
@@ -509,8 +514,7 @@ void LoomQueue::startCoalescing() {
   coalescing_ = true;
   // The held calls join the coalesced group (batch_isend_irecv after an
   // irecv: one group, as gloo would run them together).
-  Failed none;
-  issueHeldLocked(&none);
+  issueHeldLocked(&failed);
 }
 
 c10::intrusive_ptr<LoomWork> LoomQueue::endCoalescing() {
@@ -632,6 +636,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::issue(const char* what, c10::in
                                                        const std::function<loomResult_t()>& launch) {
   work->setQueue(queue_);
   queue_->issue(what, work, launch);
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::hold(const char* what, c10::intrusive_ptr<LoomWork> work,
+                                                      std::function<loomResult_t()> launch) {
+  work->setQueue(queue_);
+  queue_->hold(what, work, std::move(launch));
   return work;
 }
 
@@ -1039,11 +1050,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::send(std::vector<at::Tensor>& t
               "loom backend: send: bad destination rank ", dstRank);
   auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::SEND, "loom:send", tensors,
                                          std::vector<at::Tensor>{}, tensors, nullptr);
-  w->setQueue(queue_);
-  queue_->hold("loomSendTagged", w, [t, dstRank, tag, comm = comm_, stream = stream_] {
+  return hold("loomSendTagged", w, [t, dstRank, tag, comm = comm_, stream = stream_] {
     return loomSendTagged(t.data_ptr(), size_t(t.numel()), dtypeFor(t), dstRank, tag, comm, stream);
   });
-  return w;
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::recv(std::vector<at::Tensor>& tensors, int srcRank,
@@ -1054,13 +1063,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::recv(std::vector<at::Tensor>& t
               srcRank);
   auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::RECV, "loom:recv", std::vector<at::Tensor>{},
                                          tensors, tensors, nullptr);
-  w->setQueue(queue_);
-  queue_->hold("loomRecvTagged", w,
-               [t, srcRank, tag, comm = comm_, stream = stream_, status = w->status()] {
-                 return loomRecvTagged(t.data_ptr(), size_t(t.numel()), dtypeFor(t), srcRank, tag, comm, stream,
-                                       status);
-               });
-  return w;
+  return hold("loomRecvTagged", w, [t, srcRank, tag, comm = comm_, stream = stream_, status = w->status()] {
+    return loomRecvTagged(t.data_ptr(), size_t(t.numel()), dtypeFor(t), srcRank, tag, comm, stream, status);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
@@ -1068,11 +1073,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::recvAnysource(std::vector<at::T
   TORCH_CHECK(tag >= 0, "loom backend: recv: tags are >= 0; got ", tag);
   auto w = c10::make_intrusive<LoomWork>(rank_, c10d::OpType::RECVANYSOURCE, "loom:recv_anysource",
                                          std::vector<at::Tensor>{}, tensors, tensors, nullptr);
-  w->setQueue(queue_);
-  queue_->hold("loomRecvTagged (any source)", w, [t, tag, comm = comm_, stream = stream_, status = w->status()] {
+  return hold("loomRecvTagged (any source)", w, [t, tag, comm = comm_, stream = stream_, status = w->status()] {
     return loomRecvTagged(t.data_ptr(), size_t(t.numel()), dtypeFor(t), LOOM_ANY_SOURCE, tag, comm, stream, status);
   });
-  return w;
 }
 
 }  // namespace loom_torch

@@ -236,6 +236,9 @@ class ProcessGroupLoom : public GroupBase {
  private:
   c10::intrusive_ptr<c10d::Work> issue(const char* what, c10::intrusive_ptr<LoomWork> work,
                                        const std::function<loomResult_t()>& launch);
+  // A send or receive: held back (LoomQueue::hold); `launch` owns what it uses.
+  c10::intrusive_ptr<c10d::Work> hold(const char* what, c10::intrusive_ptr<LoomWork> work,
+                                      std::function<loomResult_t()> launch);
 
   // The stream, the queue and the completer thread, once comm_ exists.
   void start();

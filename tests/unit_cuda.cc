@@ -23,6 +23,7 @@
 #include "src/core/error.h"
 #include "src/device/cuda_device_driver.h"
 #include "src/device/cuda_loader.h"
+#include "src/device/device_choice.h"
 #include "src/device/cuda_stream_backend.h"
 #include "src/device/device_comm.h"
 
@@ -78,10 +79,7 @@ const loom::CudaApi kRecording = {
     // The communicator's resources: the backend never calls them.
     nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
     nullptr, nullptr, nullptr, nullptr,
-    [] {
-      g_calls.push_back("load kernels");
-      return 0;
-    },
+    nullptr,  // loadKernels: a communicator's init calls it, never the backend
 };
 
 void* handle(uintptr_t v) { return reinterpret_cast<void*>(v); }
@@ -196,33 +194,6 @@ TEST_CASE("CUDA backend: a failing CUDA call is loomUnhandledCudaError with CUDA
   g_failMemcpy = 0;
 }
 
-// Under CUDA's lazy loading a kernel's first launch waits for the device;
-// with a stream already blocked on a flag that only later work sets, that
-// deadlocked 2 ranks in one process on an H200.  So the kernels are loaded
-// when the backend is made, before it enqueues anything.
-TEST_CASE("CUDA backend: loads the plug-in's kernels before it enqueues anything, and says when that fails",
-          "[cuda]") {
-  g_calls.clear();
-  loom::CudaStreamBackend be(kRecording, {handle(0x5000)}, {});
-  REQUIRE(g_calls.size() == 1);
-  CHECK(g_calls[0] == "load kernels");
-  uint64_t flag = 0;
-  be.waitFlag(0, &flag, 1, 0);
-  REQUIRE(g_calls.size() == 2);
-  CHECK(g_calls[1].rfind("wait ", 0) == 0);
-
-  loom::CudaApi failing = kRecording;
-  failing.loadKernels = [] { return 700; };
-  try {
-    loom::CudaStreamBackend bad(failing, {handle(0x5000)}, {});
-    FAIL("no error");
-  } catch (const loom::Error& e) {
-    CHECK(e.code() == loomUnhandledCudaError);
-    CHECK(std::string(e.what()) == "loading loom's CUDA kernels (cudaFuncGetAttributes) failed: an illegal memory "
-                                   "access was encountered (CUDA error 700)");
-  }
-}
-
 TEST_CASE("CUDA plug-in: loaded where it was built, and no GPU counts as zero devices with CUDA's reason",
           "[cuda]") {
   std::string why;
@@ -241,6 +212,20 @@ TEST_CASE("CUDA plug-in: loaded where it was built, and no GPU counts as zero de
     INFO(devWhy);
     CHECK(!devWhy.empty());
     if (api) CHECK(devWhy.find("cudaGetDeviceCount") != std::string::npos);
+    // A communicator's init loads the kernels on its device: without one,
+    // a clear error naming the call, not a crash.
+    if (api) {
+      loom::DeviceChoice choice;
+      choice.cuda = true;
+      choice.device = 0;
+      try {
+        loom::loadDeviceKernels(choice);
+        FAIL("no error");
+      } catch (const loom::Error& e) {
+        CHECK(e.code() == loomUnhandledCudaError);
+        CHECK(std::string(e.what()).rfind("cudaSetDevice(0) failed: ", 0) == 0);
+      }
+    }
     // Nothing is device memory then: CUDA is not even asked.
     int x = 0;
     CHECK(loom::cudaPointerDevice(&x) == -1);
@@ -466,10 +451,7 @@ const loom::CudaApi kDriverTable = {
       record("hostFree");
       return 0;
     },
-    [] {
-      record("loadKernels");
-      return 0;
-    },
+    nullptr,  // loadKernels: init's, not the driver's
 };
 
 size_t countOf(const std::string& prefix) {
@@ -499,15 +481,12 @@ TEST_CASE("CUDA communicator driver: its calls through the plug-in table (device
     op.count = 1 << 18;
     g_drv.clear();
     dc.run(op, stream);
-    // Device 1 for the enqueue (the kernels loaded there first, with the
-    // backend), the caller's 0 again after; one rank: one copy on the
-    // caller's stream.
-    REQUIRE(g_drv.size() == 4);
+    // Device 1 for the enqueue, the caller's 0 again after; one rank: one copy on the caller's stream.
+    REQUIRE(g_drv.size() == 3);
     CHECK(g_drv[0] == "setDevice 1");
-    CHECK(g_drv[1] == "loadKernels");
-    CHECK(g_drv[2] == loom::strf("memcpy %p %p <- %p %zu", stream, static_cast<void*>(b.data()),
+    CHECK(g_drv[1] == loom::strf("memcpy %p %p <- %p %zu", stream, static_cast<void*>(b.data()),
                                  static_cast<void*>(a.data()), size_t(1) << 20));
-    CHECK(g_drv[3] == "setDevice 0");
+    CHECK(g_drv[2] == "setDevice 0");
     CHECK(g_current == 0);
     g_drv.clear();
   }

@@ -81,7 +81,8 @@ struct CudaApi {
   // streams blocked in a wait on a peer's flag that, with several ranks in
   // one process, is set only by work enqueued after that launch, a
   // deadlock (seen on an H200: loom-gpu-tests, 2 ranks in one process).
-  // CudaStreamBackend calls it before it enqueues anything.
+  // A communicator's init calls it (loadDeviceKernels), and so does
+  // loom-gpu-tests before it enqueues programs of its own.
   int (*loadKernels)();
 };
 

@@ -7,11 +7,6 @@
 
 namespace loom {
 
-CudaStreamBackend::CudaStreamBackend(const CudaApi& api, std::vector<void*> streams, std::vector<void*> events)
-    : api_(api), streams_(std::move(streams)), events_(std::move(events)) {
-  check(api_.loadKernels(), "loading loom's CUDA kernels (cudaFuncGetAttributes)");
-}
-
 void* CudaStreamBackend::stream(int s) const {
   if (s < 0 || size_t(s) >= streams_.size()) fail(loomInternalError, "CUDA backend has no stream %d", s);
   return streams_[size_t(s)];

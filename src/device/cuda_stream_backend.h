@@ -12,8 +12,10 @@ namespace loom {
 class CudaStreamBackend final : public StreamBackend {
  public:
   // streams[0]: the caller's stream; events: one cudaEvent_t per program event.
-  // Loads the plug-in's kernels on the current device first (CudaApi::loadKernels).
-  CudaStreamBackend(const CudaApi& api, std::vector<void*> streams, std::vector<void*> events);
+  // The plug-in's kernels must be loaded on the device first
+  // (CudaApi::loadKernels; a communicator's init does it).
+  CudaStreamBackend(const CudaApi& api, std::vector<void*> streams, std::vector<void*> events)
+      : api_(api), streams_(std::move(streams)), events_(std::move(events)) {}
 
   void waitFlag(int stream, const uint64_t* flag, uint64_t value, int ownerRank) override;
   void setFlag(int stream, uint64_t* flag, uint64_t value) override;

@@ -458,6 +458,12 @@ int main(int argc, char** argv) {
   CK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device 0: %s (sm_%d%d), %d device(s)\n", prop.name, prop.major, prop.minor, devices);
   const loom::CudaApi* api = loomCudaPluginApi(loom::kCudaApiVersion);
+  // As a communicator's init does: under lazy loading, a kernel's first
+  // launch behind a stream waiting on another rank would never return.
+  if (int rc = api->loadKernels()) {
+    std::printf("ERROR loading the kernels: %s\n", api->errorString(rc));
+    return 1;
+  }
   std::printf("%-10s %-64s %8s  %s\n", "check", "cases", "wrong", "result");
   try {
     if (kernels) testKernels(*api);
