@@ -684,8 +684,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupLoom::allreduce(std::vector<at::Tenso
   if (tensors[0].defined() && tensors[0].is_sparse()) {
     // loom reduces dense buffers: the sparse tensor's dense form is reduced
     // and the sum stored back (as a coalesced sparse tensor).
-    TORCH_WARN_ONCE("loom backend: all_reduce of a sparse tensor reduces its dense form (",
-                    tensors[0].sizes(), "); gloo exchanges only the nonzeros");
+    // The shape is spelled out by hand: streaming the IntArrayRef itself
+    // (c10's operator<<) died with SIGSEGV inside this module on torch 2.11's
+    // pip build (a native backtrace on the H200 machine), where 1.13 printed it.
+    std::string shape;
+    for (int64_t d : tensors[0].sizes()) shape += (shape.empty() ? "" : " x ") + std::to_string(d);
+    TORCH_WARN_ONCE("loom backend: all_reduce of a sparse tensor reduces its dense form (" + shape +
+                    "); gloo exchanges only the nonzeros");
     at::Tensor sparse = tensors[0];
     at::Tensor dense = sparse.to_dense();
     TORCH_CHECK(dense.device().is_cpu(), "loom backend: allreduce: only CPU tensors are supported");

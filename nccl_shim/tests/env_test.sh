@@ -13,7 +13,7 @@ fail() { echo "FAILED: $*"; echo "--- output:"; cat "$out"; exit 1; }
 
 # 1. NCCL_DEBUG=INFO: the mapping is logged and loom itself runs over tcp only.
 env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH NCCL_SOCKET_IFNAME==lo NCCL_SHM_DISABLE=1 NCCL_ALGO=Tree \
-  LOOM_ALGO=ring NCCL_IB_HCA=mlx5_0 NCCL_IB_GID_INDEX=3 NCCL_P2P_DISABLE=1 NCCL_P2P_LEVEL=NVL NCCL_NOT_A_VARIABLE=1 NCCL_TESTS_DEVICE=0 \
+  LOOM_ALGO=ring NCCL_IB_HCA=mlx5_0 NCCL_IB_GID_INDEX=3 NCCL_P2P_DISABLE=1 NCCL_P2P_LEVEL=NVL NCCL_NOT_A_VARIABLE=1 NCCL_TESTS_DEVICE=0 NCCL_VERSION=2.28.9 \
   "$RUN" -n 2 --timeout 60 "$TEST" "$DIR" --init-only >"$out" 2>&1 || fail "the program failed"
 grep -q 'NCCL_DEBUG=INFO -> LOOM_DEBUG=INFO' "$out" || fail "NCCL_DEBUG not mapped"
 grep -q 'NCCL_SOCKET_IFNAME==lo -> LOOM_SOCKET_IFNAME=lo' "$out" || fail "NCCL_SOCKET_IFNAME not mapped"
@@ -34,6 +34,7 @@ done
 n="$(grep -c 'NCCL_NOT_A_VARIABLE is not known' "$out" || true)"
 [ "$n" = 2 ] || fail "unknown variable warned $n times, expected 2"
 ! grep -q 'NCCL_TESTS_DEVICE' "$out" || fail "nccl-tests' own NCCL_TESTS_DEVICE warned about"
+! grep -q 'NCCL_VERSION' "$out" || fail "NCCL_VERSION (a container image's label, not a setting) warned about"
 grep -q 'loom-nccl: NCCL 2\.[0-9]*\.[0-9]* API (ncclGetVersion [0-9]*) on loom [0-9.]*' "$out" ||
   fail "no version line at NCCL_DEBUG=INFO"
 echo "NCCL_DEBUG=INFO: mappings, LOOM_* precedence, once-per-process warnings: ok"

@@ -51,3 +51,19 @@ loom_gpu_deps() {
   export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   echo "deps.sh: pkg-config, hwloc and Catch2 from .gpudeps in $root ($(pkg-config --modversion hwloc 2>&1))"
 }
+
+# loom_nccl_include: prints the folder of the nccl.h to build the NCCL shim
+# against: NCCL_INCLUDE, else the CUDA toolkit's, else the one in the NCCL
+# wheel that PyTorch brings (nvidia-nccl-cu13 on the GPU machine's image,
+# where the toolkit has none).  Fails, saying so, when there is none.
+loom_nccl_include() {
+  local cuda=${CUDA_HOME:-/usr/local/cuda} inc wheel
+  inc=${NCCL_INCLUDE:-$cuda/include}
+  if [ ! -f "$inc/nccl.h" ] && [ -z "${NCCL_INCLUDE:-}" ]; then
+    wheel=$(${PYTHON:-python3} -c 'import nvidia.nccl as m, os; print(os.path.join(list(m.__path__)[0], "include"))' \
+      2>/dev/null || true)
+    [ -n "$wheel" ] && [ -f "$wheel/nccl.h" ] && inc=$wheel
+  fi
+  [ -f "$inc/nccl.h" ] || { echo "no nccl.h in $inc (set NCCL_INCLUDE)" >&2; return 1; }
+  echo "$inc"
+}

@@ -30,15 +30,7 @@ export PATH=$cuda/bin:$PATH
 source "$here/tests/gpu/deps.sh"
 loom_gpu_deps "$here" || exit 2
 limit=${LOOM_GPU_STEP_TIMEOUT:-240}
-# nccl.h: NCCL_INCLUDE, else the toolkit's, else the one of the NCCL wheel
-# that PyTorch brings (nvidia-nccl-cu13 on the GPU machine's image).
-nccl_include=${NCCL_INCLUDE:-$cuda/include}
-if [ ! -f "$nccl_include/nccl.h" ] && [ -z "${NCCL_INCLUDE:-}" ]; then
-  wheel=$(${PYTHON:-python3} -c 'import nvidia.nccl as m, os; print(os.path.join(list(m.__path__)[0], "include"))' \
-    2>/dev/null || true)
-  [ -n "$wheel" ] && [ -f "$wheel/nccl.h" ] && nccl_include=$wheel
-fi
-[ -f "$nccl_include/nccl.h" ] || { echo "no nccl.h in $nccl_include (set NCCL_INCLUDE)"; exit 2; }
+nccl_include=$(loom_nccl_include) || exit 2
 echo "nccl.h: $nccl_include/nccl.h ($(grep -m1 -E '^#define NCCL_VERSION_CODE' "$nccl_include/nccl.h"))"
 command -v nvidia-smi >/dev/null && nvidia-smi -L
 cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '.')

@@ -24,6 +24,9 @@ loom_gpu_deps "$here" || exit 2
 limit=${LOOM_GPU_STEP_TIMEOUT:-240}
 cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '.')
 cc=${cc:-90}
+# The shim (step 2) needs nccl.h: the toolkit's or PyTorch's NCCL wheel's.
+nccl_include=$(loom_nccl_include) || exit 2
+echo "nccl.h: $nccl_include/nccl.h"
 
 status=0
 names=() results=()
@@ -34,11 +37,28 @@ step() {
   if "$@"; then results+=("ok"); else results+=("FAIL ($?)"); status=1; fi
   names+=("$name")
 }
+# The extension must share the libstdc++ that python and torch load.  The
+# GPU machine's default g++ (/opt/gcc, 13.3) linked a private copy into it,
+# and the first number a message formatted died with SIGSEGV there.  The
+# system compiler, where there is one, links the shared library; else the
+# process's own libstdc++.so.6 is named on the module's link line, so that
+# the static copy is never pulled in.
+cxx=()
+if [ -z "${CXX:-}" ] && [ -x /usr/bin/g++ ]; then
+  cxx=(-DCMAKE_CXX_COMPILER=/usr/bin/g++ -DCMAKE_C_COMPILER=/usr/bin/gcc)
+else
+  stdcxx=$("$py" -c 'import torch; print(next(l.split()[-1] for l in open("/proc/self/maps") if "libstdc++" in l))' \
+    2>/dev/null || true)
+  [ -n "$stdcxx" ] && cxx=(-DCMAKE_MODULE_LINKER_FLAGS="$stdcxx")
+fi
+echo "extension's C++: ${cxx[*]:-the default compiler}"
 step "configure (torch from $prefix)" cmake -S "$here" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$prefix" -DPython3_EXECUTABLE="$(command -v "$py")" -DLOOM_BUILD_TORCH=ON \
-  -DLOOM_CUDA_ARCHS="$cc"
+  -DLOOM_CUDA_ARCHS="$cc" -DLOOM_NCCL_INCLUDE_DIR="$nccl_include" "${cxx[@]}"
 step "build loom, loom_torch, the shim" cmake --build "$build" -j"$(nproc)"
 step "loom_torch built for this torch" bash -c "ls '$build'/python/loom_torch/*.so"
+step "the NCCL shim built" ls "$build/lib/libloom_nccl.so"
+step "loom_torch shares the process's libstdc++" bash -c "! nm -D --defined-only '$build'/python/loom_torch/*.so | grep -q _ZNSo9_M_insert"
 step "loom_torch tests on this torch (ctest -R torch:)" ctest --test-dir "$build" -R "^torch:" --output-on-failure \
   --timeout "$limit"
 step "torch nccl backend on libloom_nccl.so, 2 ranks on one GPU" env LD_PRELOAD="$build/lib/libloom_nccl.so" \
