@@ -55,7 +55,8 @@ echo "extension's C++: ${cxx[*]:-the default compiler}"
 step "configure (torch from $prefix)" cmake -S "$here" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$prefix" -DPython3_EXECUTABLE="$(command -v "$py")" -DLOOM_BUILD_TORCH=ON \
   -DLOOM_CUDA_ARCHS="$cc" -DLOOM_NCCL_INCLUDE_DIR="$nccl_include" "${cxx[@]}"
-step "build loom, loom_torch, the shim" cmake --build "$build" -j"$(nproc)"
+# -k 0: one target that fails to build does not keep the others from it.
+step "build loom, loom_torch, the shim" cmake --build "$build" -j"$(nproc)" -- -k 0
 step "loom_torch built for this torch" bash -c "ls '$build'/python/loom_torch/*.so"
 step "the NCCL shim built" ls "$build/lib/libloom_nccl.so"
 step "loom_torch shares the process's libstdc++" bash -c "! nm -D --defined-only '$build'/python/loom_torch/*.so | grep -q _ZNSo9_M_insert"
