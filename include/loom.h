@@ -388,8 +388,12 @@ LOOM_API loomResult_t loomReduce(const void* sendbuff, void* recvbuff, size_t co
 
 /* All-to-all: rank r sends sendbuff + j*count (count elements) to rank j and
  * receives rank i's block r at recvbuff + i*count.  Both buffers hold
- * nranks*count elements; they must not overlap (no in-place form, as in
- * NCCL: loomInvalidArgument). */
+ * nranks*count elements.  In place when sendbuff == recvbuff (as NCCL takes
+ * it; each rank chooses for itself): a host communicator first copies the
+ * nranks*count elements aside (one extra local copy, and host memory of
+ * that size kept by the communicator for later calls); a CUDA communicator
+ * needs no copy (its program reads each piece of the input before it writes
+ * that piece of the output).  Any other overlap is loomInvalidArgument. */
 LOOM_API loomResult_t loomAllToAll(const void* sendbuff, void* recvbuff, size_t count,
                                    loomDataType_t datatype, loomComm_t comm, loomStream_t stream);
 
@@ -398,7 +402,8 @@ LOOM_API loomResult_t loomAllToAll(const void* sendbuff, void* recvbuff, size_t 
  * recvcounts[i] elements from rank i land at recvbuff + rdispls[i].  Each
  * array has nranks entries; rank i's sendcounts[r] must equal rank r's
  * recvcounts[i] (loomInvalidUsage otherwise).  The send and receive regions
- * must not overlap each other; receive regions must not overlap one another
+ * must not overlap each other, so there is no in-place form (unlike
+ * loomAllToAll); receive regions must not overlap one another
  * (loomInvalidArgument). */
 LOOM_API loomResult_t loomAllToAllv(const void* sendbuff, const size_t sendcounts[], const size_t sdispls[],
                                     void* recvbuff, const size_t recvcounts[], const size_t rdispls[],

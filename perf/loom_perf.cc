@@ -1043,7 +1043,7 @@ class Bench {
         LOOMCHECK(loomGroupEnd());
         break;
       }
-      case kAllToAll:  // no in-place form
+      case kAllToAll:  // in place: sendbuff = recvbuff
         LOOMCHECK(loomAllToAll(sb, rb, g.count, ti.type, comm_, stream_));
         break;
       case kGather:  // in place: sendbuff = recvbuff + root*count
@@ -1142,8 +1142,10 @@ class Bench {
           else
             fillConstT(t, hr, total, p.sentinel);
           break;
-        case kSendRecv:
-        case kAllToAll: break;  // no in-place form
+        case kAllToAll:
+          fillValuesT(t, hr, total, p, rank_, 0);
+          break;
+        case kSendRecv: break;  // no in-place form
       }
       fillGuard(hr + total * elt);
     }
@@ -1229,8 +1231,11 @@ class Bench {
             oob += verifyValuesT(t, hr + static_cast<size_t>(root) * g.count * elt, g.count, p, rank_, 0);
           break;
         case kScatter: wrong += verifyValuesT(t, hr + me * g.count * elt, g.count, p, root, me * g.count); break;
-        case kSendRecv:
-        case kAllToAll: break;
+        case kAllToAll:
+          for (size_t r = 0; r < n; ++r)
+            wrong += verifyValuesT(t, hr + r * g.count * elt, g.count, p, static_cast<int>(r), me * g.count);
+          break;
+        case kSendRecv: break;
       }
     }
     *wrongOut = wrong;
@@ -1288,7 +1293,7 @@ class Bench {
             lastSize = g.sizeBytes;
             Row row{g.sizeBytes, g.count, ti.name, opName, root, Cell(), Cell()};
             row.oop = measure(g, ti, op, false);
-            if (o_.coll->coll != kSendRecv && o_.coll->coll != kAllToAll) row.ip = measure(g, ti, op, true);
+            if (o_.coll->coll != kSendRecv) row.ip = measure(g, ti, op, true);
             printRow(row);
             rows_.push_back(row);
           }

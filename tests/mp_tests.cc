@@ -49,6 +49,22 @@ TEST_CASE("all-to-all, gather and scatter are exact with each of their algorithm
   CHECK(loomRun(kTcp + env, n, "matrix 0,7,1027,70001 7") == 0);
 }
 
+TEST_CASE("in-place all-to-all (sendbuff == recvbuff) is exact with only some ranks in place, on streams and in a "
+          "group, blocks of 0 to past a slot and a chunk, over shm and tcp",
+          "[mp][exchange][inplace]") {
+  int n = GENERATE(1, 2, 3, 4, 5);
+  INFO("nranks " << n);
+  CHECK(loomRun(kShm, n, "a2ainplace") == 0);
+  if (n > 1) CHECK(loomRun(kTcp, n, "a2ainplace") == 0);
+}
+
+TEST_CASE("in-place all-to-all is exact with each all-to-all algorithm forced", "[mp][algo][exchange][inplace]") {
+  const char* algo = GENERATE("alltoall:pairwise", "alltoall:bruck", "alltoall:oneshot");
+  int n = GENERATE(3, 4);
+  INFO("LOOM_ALGO=" << algo << ", nranks " << n);
+  CHECK(loomRun(std::string(kShm) + " LOOM_ALGO=" + algo, n, "a2ainplace") == 0);
+}
+
 TEST_CASE("a chunk larger than a connection's slot ring does not deadlock the ring", "[mp][shm]") {
   // LOOM_CHUNK_SIZE >= LOOM_SLOTS x LOOM_SLOT_BYTES used to fill every ring at
   // once (each rank's first step of a loop only sends); the tuner caps it.

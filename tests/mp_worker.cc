@@ -9,6 +9,8 @@
 //   mp-worker badargs      wrong arguments fail cleanly and do no harm
 //   mp-worker mismatch     ranks calling different collectives get an error, no hang
 //   mp-worker a2amismatch  an all-to-all whose counts disagree: an error, no hang
+//   mp-worker a2ainplace   in-place all-to-all (even ranks only, then all):
+//                          every size, streams, a group of two, exact
 //   mp-worker pullmix      tiny all-reduces (the pull line) alternating with
 //                          every other kind of operation, one rank late at
 //                          times: all exact, none waits for a timeout
@@ -213,7 +215,7 @@ static void runChecked(loomComm_t comm, loomStream_t stream, Coll coll, loomData
     else if (coll == RS) recv = sbuf.data() + size_t(me) * count * esz, send = sbuf.data();
     else if (coll == GATHER) send = rbuf.data() + size_t(root) * count * esz;
     else if (coll == SCATTER) recv = sbuf.data() + size_t(me) * count * esz;
-    else if (coll != A2A && coll != A2AV) send = recv;  // all-to-all has no in-place form
+    else if (coll != A2AV) send = recv;  // all-to-allv has no in-place form
   }
   if (coll == RS) fillInput(send, op, t, me, sendCount);
   else if (coll == AG || coll == GATHER) fillInput(send, loomMax, t, me, count, size_t(me) * count);
@@ -295,7 +297,7 @@ static void scenarioMatrix(loomComm_t comm, int argc, char** argv) {
         for (loomRedOp_t op : ops) {
           if (c != AR && c != RS && c != RED && op != ops[0]) continue;  // no op involved
           for (int inPlace = 0; inPlace < 2; ++inPlace) {
-            if ((c == A2A || c == A2AV) && inPlace) continue;
+            if (c == A2AV && inPlace) continue;
             bool rooted = c == BC || c == RED || c == GATHER || c == SCATTER;
             int root = rooted ? int((count + size_t(op) + size_t(c)) % size_t(gSize)) : 0;
             // Alternate the NULL stream and a loom stream.
@@ -437,7 +439,12 @@ static void scenarioBadArgs(loomComm_t comm) {
   }
   // All-to-all, gather, scatter (issue 17): checked before anything is sent.
   std::vector<float> big(size_t(gSize) * 8);
-  expectInvalid(loomAllToAll(big.data(), big.data(), 4, loomFloat32, comm, nullptr), "in-place all-to-all");
+  // In place (sendbuff == recvbuff) is fine; any other overlap is not.
+  expectInvalid(loomAllToAll(big.data(), big.data() + 1, 4, loomFloat32, comm, nullptr),
+                "all-to-all overlap off the in-place layout");
+  expect(strstr(loomGetLastError(nullptr), "overlap") != nullptr, "the all-to-all overlap message says overlap");
+  expectInvalid(loomAllToAll(big.data() + 4, big.data(), 4, loomFloat32, comm, nullptr),
+                "all-to-all recvbuff inside sendbuff");
   expectInvalid(loomAllToAll(nullptr, big.data(), 4, loomFloat32, comm, nullptr), "all-to-all null sendbuff");
   expectInvalid(loomAllToAll(buf, big.data(), SIZE_MAX / 3, loomFloat64, comm, nullptr), "all-to-all count overflow");
   expectInvalid(loomAllToAll(buf, big.data(), 4, loomDataType_t(99), comm, nullptr), "all-to-all unknown datatype");
@@ -599,6 +606,7 @@ static void scenarioRegistered(loomComm_t comm, const std::string& mode, bool ma
       runChecked(comm, nullptr, AG, loomInt8, loomSum, 1000, inPlace, 0);  // small: no vote
     }
     runChecked(comm, nullptr, A2A, loomFloat32, loomSum, big / size_t(gSize) + 3, false, 0);
+    runChecked(comm, nullptr, A2A, loomFloat32, loomSum, big / size_t(gSize) + 3, true, 0);
     runChecked(comm, nullptr, GATHER, loomInt64, loomSum, big / size_t(gSize) / 2 + 1, false, gSize - 1);
     runChecked(comm, nullptr, SCATTER, loomFloat32, loomSum, big / size_t(gSize) + 1, false, 0);
     int fresh = 0;
@@ -762,6 +770,53 @@ static void scenarioSmallMismatch(loomComm_t comm, const std::string& mode) {
   }
   expect(r == loomInvalidUsage, mode + ": every rank fails with invalid usage, not " + loomGetErrorString(r));
   expect(strstr(msg, "mismatched operations") != nullptr, mode + ": every rank names the mismatch: " + msg);
+}
+
+// In-place all-to-all (sendbuff == recvbuff; the host path runs it from a
+// copy of the input): exact when only the even ranks call it in place (each
+// rank chooses for itself, so the ranks must still pick one algorithm), on
+// the NULL stream and a loom stream, for blocks of 0 elements to past a
+// connection's slots and a ring chunk; then two in one group around an
+// all-reduce (two copies side by side), and sizes that shrink and grow again
+// (the copy's space is kept and grown).
+static void scenarioA2AInPlace(loomComm_t comm) {
+  loomStream_t stream;
+  CHECK_LOOM(loomStreamCreate(&stream));
+  const bool mine = gRank % 2 == 0;
+  int checks = 0;
+  for (size_t count : {size_t(0), size_t(1), size_t(7), size_t(1027), size_t(70001), size_t(262149)})
+    for (loomDataType_t t : {loomFloat32, loomInt8, loomFloat64}) {
+      runChecked(comm, checks % 2 ? stream : nullptr, A2A, t, loomSum, count, mine, 0);
+      ++checks;
+    }
+  for (size_t count : {size_t(5), size_t(300000), size_t(3)}) {
+    runChecked(comm, stream, A2A, loomInt32, loomSum, count, true, 0);
+    ++checks;
+  }
+  // A group: all-to-all in place, an all-reduce, another all-to-all in place.
+  // Block j of rank r's input to rank j, element i: value(r, j, i).
+  auto value = [](int from, int to, size_t i) { return int32_t(from * 100000 + to * 1000 + int(i)); };
+  const size_t c1 = 999, c2 = 33, n = size_t(gSize);
+  std::vector<int32_t> a(n * c1), b(n * c2), sum(64, gRank + 1);
+  for (int j = 0; j < gSize; ++j) {
+    for (size_t i = 0; i < c1; ++i) a[size_t(j) * c1 + i] = value(gRank, j, i);
+    for (size_t i = 0; i < c2; ++i) b[size_t(j) * c2 + i] = value(gRank, j, i + 500);
+  }
+  CHECK_LOOM(loomGroupStart());
+  CHECK_LOOM(loomAllToAll(a.data(), a.data(), c1, loomInt32, comm, stream));
+  CHECK_LOOM(loomAllReduce(sum.data(), sum.data(), sum.size(), loomInt32, loomSum, comm, stream));
+  CHECK_LOOM(loomAllToAll(b.data(), b.data(), c2, loomInt32, comm, stream));
+  CHECK_LOOM(loomGroupEnd());
+  CHECK_LOOM(loomStreamSynchronize(stream));
+  size_t wrong = 0;
+  for (int q = 0; q < gSize; ++q) {
+    for (size_t i = 0; i < c1; ++i) wrong += a[size_t(q) * c1 + i] != value(q, gRank, i);
+    for (size_t i = 0; i < c2; ++i) wrong += b[size_t(q) * c2 + i] != value(q, gRank, i + 500);
+  }
+  for (int32_t v : sum) wrong += v != gSize * (gSize + 1) / 2;
+  expect(wrong == 0, "group of two in-place all-to-alls and an all-reduce: " + std::to_string(wrong) + " wrong");
+  CHECK_LOOM(loomStreamDestroy(stream));
+  if (gRank == 0) printf("a2ainplace: %d checks and a group on %d ranks\n", checks, gSize);
 }
 
 // All-to-all with counts that disagree (rank 0's blocks are one element
@@ -2215,6 +2270,7 @@ int main(int argc, char** argv) {
   else if (sc == "badargs") scenarioBadArgs(comm);
   else if (sc == "mismatch") scenarioMismatch(comm);
   else if (sc == "a2amismatch") scenarioExchangeMismatch(comm);
+  else if (sc == "a2ainplace") scenarioA2AInPlace(comm);
   else if (sc == "smallmismatch") scenarioSmallMismatch(comm, argc > 2 ? argv[2] : "count");
   else if (sc == "pullmix") scenarioPullMix(comm);
   else if (sc == "split") scenarioSplit(comm);

@@ -203,8 +203,8 @@ Prepared prepare(SimMemory& mem, int N, int gpus, const Op& o, std::mt19937_64& 
     uint8_t* rb = mem.alloc(dev, big);
     fillRandom(rb, big / esz, o.type, rng);  // garbage before the operation
     uint8_t *in, *out;
-    // All-to-all has no in-place form; gather and scatter one at the root.
-    const bool ip = o.inPlace && o.coll != Collective::AllToAll && (!rootOnly || r == o.root);
+    // Gather and scatter are in place at the root only.
+    const bool ip = o.inPlace && (!rootOnly || r == o.root);
     if (!ip) {
       in = mem.alloc(dev, sendElems * esz + 8);
       out = rb;
@@ -319,7 +319,7 @@ std::vector<Op> everyCollective(int N) {
       ops.push_back({Collective::AllGather, loomFloat16, loomSum, c, 0, ip});
       ops.push_back({Collective::Broadcast, loomUint8, loomSum, c, N - 1, ip});
       ops.push_back({Collective::Reduce, loomFloat64, loomMax, c, N / 2, ip});
-      ops.push_back({Collective::AllToAll, loomBfloat16, loomSum, c, 0, false});
+      ops.push_back({Collective::AllToAll, loomBfloat16, loomSum, c, 0, ip});
       ops.push_back({Collective::Gather, loomInt64, loomSum, c, N - 1, ip});
       ops.push_back({Collective::Scatter, loomFloat32, loomSum, c, N / 2, ip});
     }
@@ -327,6 +327,7 @@ std::vector<Op> everyCollective(int N) {
   // The exchanges in more types, and a root other than the usual ones.
   ops.push_back({Collective::AllToAll, loomInt8, loomSum, 333, 0, false});
   ops.push_back({Collective::AllToAll, loomFloat64, loomSum, 129, 0, false});
+  ops.push_back({Collective::AllToAll, loomInt8, loomSum, 333, 0, true});
   ops.push_back({Collective::Gather, loomUint8, loomSum, 1500, 0, true});
   ops.push_back({Collective::Gather, loomFloat16, loomSum, 77, N / 2, false});
   ops.push_back({Collective::Scatter, loomInt32, loomSum, 1100, N - 1, true});
@@ -1241,6 +1242,9 @@ TEST_CASE("CUDA communicator through the C API (LOOM_DEVICE=cuda, simulated devi
   CHECK(std::string(loomGetLastError(comms[0])).find("root -1 is out of range") != std::string::npos);
   CHECK(loomAllToAll(dev, dev + 8, SIZE_MAX / 8, loomFloat32, comms[0], fakeStream) == loomInvalidArgument);
   CHECK(std::string(loomGetLastError(comms[0])).find("too large (byte size overflows)") != std::string::npos);
+  // In place is sendbuff == recvbuff; buffers that overlap otherwise are refused.
+  CHECK(loomAllToAll(dev, dev + 1, 4, loomFloat32, comms[0], fakeStream) == loomInvalidArgument);
+  CHECK(std::string(loomGetLastError(comms[0])).find("overlap outside NCCL's in-place layout") != std::string::npos);
   CHECK(loomScatter(host.data(), dev, 4, loomFloat32, 0, comms[0], fakeStream) == loomInvalidArgument);
   CHECK(std::string(loomGetLastError(comms[0])).find("sendbuff") != std::string::npos);
   CHECK(std::string(loomGetLastError(comms[0])).find("is host memory") != std::string::npos);
@@ -2108,6 +2112,7 @@ TEST_CASE("CUDA communicator across hosts (simulated device, ranks as threads po
     ops.push_back({Collective::AllGather, loomInt32, loomSum, 3000, 0, true});
     ops.push_back({Collective::ReduceScatter, loomBfloat16, loomSum, 2999, 0, false});
     ops.push_back({Collective::AllToAll, loomInt64, loomSum, 1500, 0, false});
+    ops.push_back({Collective::AllToAll, loomInt64, loomSum, 1500, 0, true});
     ops.push_back({Collective::Broadcast, loomUint8, loomSum, 20000, N - 1, false});
     ops.push_back({Collective::Gather, loomFloat32, loomSum, 2500, 1, false});
     ops.push_back({Collective::Scatter, loomFloat32, loomSum, 2500, 0, true});
@@ -2120,7 +2125,7 @@ TEST_CASE("CUDA communicator across hosts (simulated device, ranks as threads po
       d.coll = p.o.coll, d.count = p.o.count, d.dtype = p.o.type;
       pieces += stagedOf(comms[0])->pieces(d);
     }
-    CHECK(pieces >= ops.size() + 8 * 4);  // the last eight: four pieces or more each
+    CHECK(pieces >= ops.size() + 9 * 4);  // the last nine: four pieces or more each
     for (int r = 0; r < N; ++r) {
       std::string msg;
       CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
@@ -3013,6 +3018,7 @@ TEST_CASE("CUDA communicator (simulated device): LOOM_DEVICE_SLOT_BYTES sizes th
     ops.push_back({Collective::ReduceScatter, loomInt32, loomSum, 30000, 0, false});
     ops.push_back({Collective::AllGather, loomFloat64, loomSum, 20000, 0, true});
     ops.push_back({Collective::AllToAll, loomInt32, loomSum, 20000, 0, false});
+    ops.push_back({Collective::AllToAll, loomInt32, loomSum, 20000, 0, true});
     ops.push_back({Collective::Broadcast, loomUint8, loomSum, 300000, 1, false});
     ops.push_back({Collective::Reduce, loomInt64, loomMax, 40000, 2, false});
     std::vector<Prepared> prepared;

@@ -245,8 +245,10 @@ TEST_CASE("zero-copy collectives other than all-reduce are exact when the buffer
       for (loomDataType_t t : {loomFloat32, loomBfloat16, loomInt64})
         for (bool inPlace : {false, true})
           for (uint64_t mask : {all, all & ~uint64_t(2)}) {
-            // All-to-all has no in-place form, gather's and scatter's are the
-            // root's alone (out of place only here).
+            // An in-place all-to-all never reaches zero-copy (the
+            // communicator runs it from a copy of its input), gather's and
+            // scatter's in-place forms are the root's alone (out of place
+            // only here).
             if (inPlace && (coll == Collective::AllToAll || coll == Collective::Gather || coll == Collective::Scatter))
               continue;
             CollCase c;

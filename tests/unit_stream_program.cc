@@ -131,9 +131,9 @@ std::string runCase(loomsim::SimDeviceWorld& w, const Case& c, size_t slotBytes,
     sendElems = size_t(N) * n;
   if (c.v.coll == Collective::AllGather || c.v.coll == Collective::AllToAll || c.v.coll == Collective::Gather)
     recvElems = size_t(N) * n;
-  // All-to-all has no in-place form (as in NCCL); gather and scatter have
-  // one at the root only (the others' buffers are separate).
-  const bool inPlace = c.inPlace && c.v.coll != Collective::AllToAll;
+  // Gather and scatter are in place at the root only (the others' buffers
+  // are separate).
+  const bool inPlace = c.inPlace;
   const size_t bufElems = std::max(sendElems, recvElems);
   std::mt19937_64 rng(seed);
 

@@ -349,6 +349,15 @@ static void alltoallGatherScatter(ncclComm_t comm) {
       CHECK(recv[s * c + i] == (float)a2a(s, rank, i), "ncclAlltoAll block %d element %zu: %g", s, i,
             recv[s * c + i]);
   PASSED("ncclAlltoAll");
+  /* In place (sendbuff == recvbuff), as nccl-tests' alltoall_perf calls it. */
+  for (int d = 0; d < nranks; ++d)
+    for (size_t i = 0; i < c; ++i) send[d * c + i] = (float)a2a(rank, d, i);
+  OK(ncclAlltoAll(send, send, c, ncclFloat32, comm, 0));
+  for (int s = 0; s < nranks; ++s)
+    for (size_t i = 0; i < c; ++i)
+      CHECK(send[s * c + i] == (float)a2a(s, rank, i), "ncclAlltoAll in place block %d element %zu: %g", s, i,
+            send[s * c + i]);
+  PASSED("ncclAlltoAll in place");
 
   for (int root = 0; root < nranks; ++root) {
     for (size_t i = 0; i < n; ++i) recv[i] = -1;

@@ -159,6 +159,7 @@ TEST_CASE(
         kAgOut,
         kA2aIn,
         kA2aOut,
+        kA2aIp,
         kGaIn,
         kGaOut,
         kScIn,
@@ -168,7 +169,7 @@ TEST_CASE(
         kUses
       };
       std::vector<size_t> len(kUses, c);
-      for (int u : {kRsIn, kAgOut, kA2aIn, kA2aOut, kGaOut, kScIn}) len[size_t(u)] = c * size_t(n);
+      for (int u : {kRsIn, kAgOut, kA2aIn, kA2aOut, kA2aIp, kGaOut, kScIn}) len[size_t(u)] = c * size_t(n);
       len[kArBig] = big;
       std::vector<std::vector<int32_t*>> b(static_cast<size_t>(n), std::vector<int32_t*>(kUses));
       for (int r = 0; r < n; ++r)
@@ -195,6 +196,7 @@ TEST_CASE(
         out[k++] = ncclBcast(x[kBcast], c, ncclInt32, root, comm, s);
         out[k++] = ncclAllGather(x[kAgIn], x[kAgOut], c, ncclInt32, comm, s);
         out[k++] = ncclAlltoAll(x[kA2aIn], x[kA2aOut], c, ncclInt32, comm, s);
+        out[k++] = ncclAlltoAll(x[kA2aIp], x[kA2aIp], c, ncclInt32, comm, s);  // in place
         out[k++] = ncclGather(x[kGaIn], x[kGaOut], c, ncclInt32, 0, comm, s);
         out[k++] = ncclScatter(x[kScIn], x[kScOut], c, ncclInt32, root, comm, s);
         // A ring of sends and receives in one group, on another stream.
@@ -237,6 +239,7 @@ TEST_CASE(
           for (int q = 0; q < n; ++q) {
             wrong += x[kAgOut][size_t(q) * c + i] != in(kAgIn, q, i);
             wrong += x[kA2aOut][size_t(q) * c + i] != in(kA2aIn, q, size_t(r) * c + i);
+            wrong += x[kA2aIp][size_t(q) * c + i] != in(kA2aIp, q, size_t(r) * c + i);
             if (r == 0) wrong += x[kGaOut][size_t(q) * c + i] != in(kGaIn, q, i);
           }
         }

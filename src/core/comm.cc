@@ -682,8 +682,41 @@ LOOM_HOT void loomComm::runDirect(Algorithm algo, const OpDesc& op, const SlotTa
   algorithmEntry(algo).runDirect(ctx, op, tag);
 }
 
+// An all-to-all with sendbuff == recvbuff (validate() refuses any other
+// overlap).  Pairwise (also what a group runs for one-shot's choices)
+// receives block q from rank q before its own block q has gone there, and
+// zero-copy's peers read the input while this rank writes its output;
+// one-shot and Bruck happen to read all of their input first.  So that no
+// path's order matters, such a call always runs out of place from a copy
+// of its input (runOps).
+static bool inPlaceAllToAll(const OpDesc& op) {
+  return op.coll == Collective::AllToAll && op.count > 0 && op.sendbuf == op.recvbuf;
+}
+
+const std::vector<OpDesc>& loomComm::withInPlaceInputsCopied(const std::vector<OpDesc>& ops,
+                                                             std::vector<OpDesc>* copied) {
+  size_t total = 0;
+  for (const OpDesc& op : ops)
+    if (inPlaceAllToAll(op)) total += (size_t(nranks_) * op.count * dtypeSize(op.dtype) + 63) & ~size_t(63);
+  if (!total) return ops;
+  // Copied here, in this rank's turn, so it reads what the caller's stream
+  // left in the buffer; the algorithm chosen is the one an out-of-place call
+  // gets, so ranks in place and ranks not agree on it.
+  uint8_t* at = inPlaceInputs_.get(total, hostDevice(), rank_);
+  *copied = ops;
+  for (OpDesc& op : *copied) {
+    if (!inPlaceAllToAll(op)) continue;
+    const size_t bytes = size_t(nranks_) * op.count * dtypeSize(op.dtype);
+    hostDevice().copy(at, op.sendbuf, bytes, CopyHint::Cached);  // read again at once: sent
+    op.sendbuf = at;
+    op.sendMem = MemoryKind::Host;
+    at += (bytes + 63) & ~size_t(63);
+  }
+  return *copied;
+}
+
 LOOM_HOT loomResult_t loomComm::runOne(const OpDesc& op, const SlotTag& tag) {
-  if (op.tagged) return runOps({op}, {tag});
+  if (op.tagged || inPlaceAllToAll(op)) return runOps({op}, {tag});
   const size_t block = op.count * dtypeSize(op.dtype);
   if (lastChoice_.block != block || lastChoice_.coll != op.coll) {
     const AlgorithmEntry& e = algorithmEntry(choose(op));
@@ -716,7 +749,7 @@ uint64_t loomComm::issue(const std::vector<OpDesc>& ops, std::vector<SlotTag>* t
   return takeTicket();
 }
 
-loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<SlotTag>& tags) {
+loomResult_t loomComm::runOps(const std::vector<OpDesc>& issued, const std::vector<SlotTag>& tags) {
   loomResult_t prior = asyncError();
   if (prior != loomSuccess) {
     setLastError(strf("rank %d: the communicator failed earlier: %s", rank_, lastError().c_str()));
@@ -728,6 +761,8 @@ loomResult_t loomComm::runOps(const std::vector<OpDesc>& ops, const std::vector<
     ~Idle() { c->noteIdle(); }
   } idle{this};
   try {
+    std::vector<OpDesc> copied;
+    const std::vector<OpDesc>& ops = withInPlaceInputsCopied(issued, &copied);
     // A pull all-reduce leaves its `done` for the next operation to store
     // (algorithms/direct.h); the direct paths store it themselves.
     if (directState_.pullUnpublished && !(ops.size() == 1 && !ops[0].tagged && isDirect(choose(ops[0])))) {

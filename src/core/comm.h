@@ -120,6 +120,11 @@ struct loomComm : public loom::ExecEnv,
 
   // Runs a batch (one call, or one group) inside its turn.
   loomResult_t runOps(const std::vector<loom::OpDesc>& ops, const std::vector<loom::SlotTag>& tags);
+  // `ops` with each in-place all-to-all's input copied aside (into
+  // inPlaceInputs_) and its sendbuf pointing at the copy; `ops` itself when
+  // there is none.  Inside the turn.
+  const std::vector<loom::OpDesc>& withInPlaceInputsCopied(const std::vector<loom::OpDesc>& ops,
+                                                           std::vector<loom::OpDesc>* copied);
 
   // ---- errors ----
   // The first failure tells every peer (transports' abort, then a notice on
@@ -303,6 +308,9 @@ struct loomComm : public loom::ExecEnv,
     loom::Algorithm algo;
     loom::RunDirectFn runDirect;  // the algorithm's, when it is a direct path
   } lastChoice_;
+  // In-place all-to-alls' inputs, copied aside for the run (host memory,
+  // grown to the largest batch's and kept; used under the turn).
+  loom::ScratchBuffer inPlaceInputs_;
   std::map<std::pair<int, int>, std::unique_ptr<loom::Connection>> conns_;
   std::unique_ptr<loom::TaggedP2P> tagged_;  // loomSendTagged / loomRecvTagged
   std::vector<int64_t> taggedRetryMs_;       // per peer: when to look for its tagged connection again

@@ -55,19 +55,19 @@ void failMismatch(int me, int peer, const SlotTag& got, const SlotTag& want) {
        describeTag(got).c_str(), me, describeTag(want).c_str());
 }
 
-uint8_t* ExecEnv::scratch(size_t bytes, Device& device) {
-  if (bytes > scratchBytes_ || scratch_.get_deleter().device != &device) {
+uint8_t* ScratchBuffer::get(size_t bytes, Device& device, int rank) {
+  if (bytes > bytes_ || mem_.get_deleter().device != &device) {
     size_t size = (bytes + 4095) & ~size_t(4095);
-    scratch_.reset();
-    scratchBytes_ = 0;
+    mem_.reset();
+    bytes_ = 0;
     void* p = device.allocate(size);
     if (!p)
-      fail(loomSystemError, "rank %d: cannot allocate %zu bytes of scratch space on the %s device", rank(),
-           size, device.name());
-    scratch_ = std::unique_ptr<uint8_t, ScratchFree>(static_cast<uint8_t*>(p), ScratchFree{&device});
-    scratchBytes_ = size;
+      fail(loomSystemError, "rank %d: cannot allocate %zu bytes of scratch space on the %s device", rank, size,
+           device.name());
+    mem_ = std::unique_ptr<uint8_t, Free>(static_cast<uint8_t*>(p), Free{&device});
+    bytes_ = size;
   }
-  return scratch_.get();
+  return mem_.get();
 }
 
 namespace {

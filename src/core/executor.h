@@ -35,6 +35,23 @@ struct ExecOp {
   uint8_t* scratch = nullptr;  // set by execute() from Schedule::scratch
 };
 
+// Memory of one device grown to the largest size asked for and kept, so
+// that the steady state allocates nothing.  Not thread-safe.
+class ScratchBuffer {
+ public:
+  // At least `bytes` of `device`'s memory; what it held before is lost when
+  // it grows.  loomSystemError (naming `rank`) if the device has none.
+  uint8_t* get(size_t bytes, Device& device, int rank);
+
+ private:
+  struct Free {
+    Device* device;
+    void operator()(uint8_t* p) const { device->free(p); }
+  };
+  std::unique_ptr<uint8_t, Free> mem_{nullptr, Free{nullptr}};
+  size_t bytes_ = 0;
+};
+
 // What the executor needs from its communicator (or from a simulator).
 class ExecEnv {
  public:
@@ -71,15 +88,10 @@ class ExecEnv {
   // Scratch space of at least `bytes` of `device`'s memory for one run,
   // kept between runs so the steady state allocates nothing.  Not
   // thread-safe: one run at a time.
-  uint8_t* scratch(size_t bytes, Device& device);
+  uint8_t* scratch(size_t bytes, Device& device) { return scratch_.get(bytes, device, rank()); }
 
  private:
-  struct ScratchFree {
-    Device* device;
-    void operator()(uint8_t* p) const { device->free(p); }
-  };
-  std::unique_ptr<uint8_t, ScratchFree> scratch_{nullptr, ScratchFree{nullptr}};
-  size_t scratchBytes_ = 0;
+  ScratchBuffer scratch_;
 };
 
 // Runs `sched` for `ops` (scratch space from env.scratch()); returns the payload bytes this rank sent.  Throws

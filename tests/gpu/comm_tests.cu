@@ -268,7 +268,6 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, size_t maxCount) 
           if (n > top) continue;
           if (n == top && n > 300000 && (t != loomFloat32 || op != loomSum)) continue;
           for (bool ip : {false, true}) {
-            if (ip && c == AllToAll) continue;  // no in-place form, as in NCCL
             batch.push_back(issue({c, t, op, n, ip, seed++}, me, N, comm, st));
             if (batch.size() >= 16 || n == top) flush();
           }
