@@ -19,6 +19,7 @@
 #     and -p 1 so that each thread initialises its own communicator.
 # Then the other collectives briefly (8 B .. 64 MiB).  LD_LIBRARY_PATH puts
 # the shim's libnccl.so.2 first, so nothing is rebuilt against loom.
+# NCCL_TESTS_ONLY (a list of test names) runs only those.
 # Exits non-zero if a run fails or reports a wrong value.
 set -uo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
@@ -105,9 +106,12 @@ run() {  # name, args...: fails on a non-zero exit or a wrong value
     status=1
   fi
 }
-run all_reduce_perf -b 8 -e 256M -f 2
+# NCCL_TESTS_ONLY="alltoall_perf ...": only those (a quick recheck).
+only=" ${NCCL_TESTS_ONLY:-} "
+wanted() { [ "$only" = "  " ] || [[ "$only" == *" $1 "* ]]; }
+wanted all_reduce_perf && run all_reduce_perf -b 8 -e 256M -f 2
 for t in all_gather_perf reduce_scatter_perf broadcast_perf reduce_perf alltoall_perf sendrecv_perf gather_perf \
   scatter_perf; do
-  run "$t" -b 8 -e 64M -f 8
+  wanted "$t" && run "$t" -b 8 -e 64M -f 8
 done
 exit $status
