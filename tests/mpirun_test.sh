@@ -5,7 +5,7 @@
 # its environment: running as root, and more ranks than cores.
 # Usage: mpirun_test.sh BIN_DIR
 set -euo pipefail
-if ! command -v mpirun >/dev/null || ! mpirun --version 2>/dev/null | grep -q "Open MPI"; then
+if ! command -v mpirun >/dev/null || ! mpirun --version 2>/dev/null | grep "Open MPI" >/dev/null; then
   echo "SKIPPED: mpirun is not OpenMPI's (openmpi-bin not installed or another MPI is the default)"
   exit 77
 fi
