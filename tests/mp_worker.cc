@@ -777,8 +777,9 @@ static void scenarioSmallMismatch(loomComm_t comm, const std::string& mode) {
 // rank chooses for itself, so the ranks must still pick one algorithm), on
 // the NULL stream and a loom stream, for blocks of 0 elements to past a
 // connection's slots and a ring chunk; then two in one group around an
-// all-reduce (two copies side by side), and sizes that shrink and grow again
-// (the copy's space is kept and grown).
+// all-reduce (two copies side by side), sizes that shrink and grow again
+// (the copy's space is kept and grown), and in-place calls queued on a
+// stream behind one another.
 static void scenarioA2AInPlace(loomComm_t comm) {
   loomStream_t stream;
   CHECK_LOOM(loomStreamCreate(&stream));
@@ -815,6 +816,29 @@ static void scenarioA2AInPlace(loomComm_t comm) {
   }
   for (int32_t v : sum) wrong += v != gSize * (gSize + 1) / 2;
   expect(wrong == 0, "group of two in-place all-to-alls and an all-reduce: " + std::to_string(wrong) + " wrong");
+  // Two in place in a row on a loom stream, nothing synchronised between:
+  // the second copies what the first left in the buffer (the copy is made
+  // when the operation runs, not when it is issued; two all-to-alls undo
+  // each other), and a larger third one grows the kept copy while the
+  // others may still be queued.
+  {
+    const size_t c = 4099, c3 = 70001;
+    std::vector<int32_t> x(n * c), y(n * c3);
+    for (int j = 0; j < gSize; ++j) {
+      for (size_t i = 0; i < c; ++i) x[size_t(j) * c + i] = value(gRank, j, i);
+      for (size_t i = 0; i < c3; ++i) y[size_t(j) * c3 + i] = value(gRank, j, i + 7);
+    }
+    const std::vector<int32_t> original = x;
+    CHECK_LOOM(loomAllToAll(x.data(), x.data(), c, loomInt32, comm, stream));
+    CHECK_LOOM(loomAllToAll(x.data(), x.data(), c, loomInt32, comm, stream));
+    CHECK_LOOM(loomAllToAll(y.data(), y.data(), c3, loomInt32, comm, stream));
+    CHECK_LOOM(loomStreamSynchronize(stream));
+    size_t bad = x == original ? 0 : 1;
+    for (int q = 0; q < gSize; ++q)
+      for (size_t i = 0; i < c3; ++i) bad += y[size_t(q) * c3 + i] != value(q, gRank, i + 7);
+    expect(bad == 0, "in-place all-to-alls queued back to back on a stream: " + std::to_string(bad) + " wrong");
+    checks += 3;
+  }
   CHECK_LOOM(loomStreamDestroy(stream));
   if (gRank == 0) printf("a2ainplace: %d checks and a group on %d ranks\n", checks, gSize);
 }

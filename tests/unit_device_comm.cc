@@ -1720,6 +1720,18 @@ TEST_CASE("device communicator: a send/recv region answer round-trips, a peer's 
 
 namespace {
 
+struct ScopedEnv {  // an environment variable for a scope, the configuration read again
+  const char* name;
+  ScopedEnv(const char* n, const char* value) : name(n) {
+    setenv(n, value, 1);
+    loom::configReload();
+  }
+  ~ScopedEnv() {
+    unsetenv(name);
+    loom::configReload();
+  }
+};
+
 std::string dumpOf(loomComm_t c) {
   char buf[4096];
   if (loomCommDump(c, buf, sizeof buf) != loomSuccess) return "(dump failed)";
@@ -1735,10 +1747,13 @@ TEST_CASE("CUDA communicator through the C API (simulated device): send/recv sta
   SimMemory mem;
   loomsim::SimDeviceWorld world(3, 1, 256);
   DeviceEnv env(mem, world);
+  // 4 MiB slots (the default is 32 MiB): the send below then takes several
+  // chunks, and the sender waits for the receiver's acks between them.
+  ScopedEnv slotBytes("LOOM_DEVICE_SLOT_BYTES", "4194304");
   std::vector<loomComm_t> comms = initCudaComms(3);
   REQUIRE(comms.size() == 3);
-  // LOOM_DEVICE_SLOT_BYTES may be set (a GPU session's sweep): the slot the communicator took.
   const size_t slot = ipcOf(comms[0]).slotBytes();
+  REQUIRE(slot == size_t(4) << 20);
   const std::string oneRegion = loom::strf("send/recv staging: 1 region allocated here (%zu B), 0 of peers",
                                            loom::p2pRegionBytes(slot));
   auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
@@ -1750,7 +1765,7 @@ TEST_CASE("CUDA communicator through the C API (simulated device): send/recv sta
           std::string::npos);
     CHECK(d.find("send/recv staging: 0 regions allocated here (0 B), 0 of peers mapped here") != std::string::npos);
   }
-  const size_t n = 3 << 20;  // 12 MiB: six chunks of 2 MiB, so the sender waits for acks
+  const size_t n = 3 << 20;  // 12 MiB: six chunks of half a slot, so the sender waits for acks
   auto* src = reinterpret_cast<int32_t*>(mem.alloc(0, n * 4));
   auto* dst = reinterpret_cast<int32_t*>(mem.alloc(0, n * 4));
   for (size_t i = 0; i < n; ++i) src[i] = int32_t(i * 7 + 1), dst[i] = -1;
@@ -1977,18 +1992,6 @@ TEST_CASE("loomMemAlloc on a CUDA process (LOOM_DEVICE=cuda, simulated device): 
 // ---- The staged path: device buffers between hosts ----------------------
 
 namespace {
-
-struct ScopedEnv {  // an environment variable for a scope, the configuration read again
-  const char* name;
-  ScopedEnv(const char* n, const char* value) : name(n) {
-    setenv(n, value, 1);
-    loom::configReload();
-  }
-  ~ScopedEnv() {
-    unsetenv(name);
-    loom::configReload();
-  }
-};
 
 std::string twoHosts(int r) { return r % 2 ? "staged-test-host-b" : "staged-test-host-a"; }
 

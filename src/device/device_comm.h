@@ -85,7 +85,11 @@ inline size_t flagAreaBytes(int nranks) {
 // What a release writes into the flags this rank waits on: above any value
 // a round counter reaches, so it satisfies every wait ("flag >= value").
 constexpr uint64_t kReleasedFlag = uint64_t(1) << 62;
-// Default slot of a CUDA communicator's window (the window is two slots).
+// The slot DeviceCommOptions defaults to, which the unit tests use (small,
+// so that their buffers take several rounds).  Communicators made through
+// the C API take LOOM_DEVICE_SLOT_BYTES (Config::deviceSlotBytes, 32 MiB
+// by default: each round costs tens of microseconds on a GPU whatever its
+// size, docs/testing.md).
 constexpr size_t kDeviceSlotBytes = size_t(4) << 20;
 // All-reduces up to this size use the one-shot program, larger ones
 // reduce-scatter + all-gather.
