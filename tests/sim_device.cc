@@ -36,7 +36,14 @@ SimStream::~SimStream() {
 
 void SimStream::enqueue(std::function<void()> fn, bool usesGpu) {
   {
-    std::lock_guard<std::mutex> g(mu_);
+    std::unique_lock<std::mutex> g(mu_);
+    const SimDeviceOptions& o = rank_.world_.options();
+    auto room = [&] { return stop_ || queue_.size() < o.queueDepth; };
+    if (o.queueDepth > 0 && !cv_.wait_for(g, std::chrono::milliseconds(o.deadlineMs), room))
+      loom::fail(loomInternalError,
+                 "simulated rank %d: a stream's queue stayed full (%zu operations) for %lld ms: a GPU's host thread "
+                 "would block in this enqueue for ever",
+                 rank_.rank(), o.queueDepth, static_cast<long long>(o.deadlineMs));
     queue_.emplace_back(std::move(fn), usesGpu);
   }
   cv_.notify_all();
@@ -59,6 +66,7 @@ void SimStream::loop() {
       queue_.pop_front();
       busy_ = true;
     }
+    cv_.notify_all();  // room in a bounded queue
     // A dead rank runs nothing; a failed one skips the rest of its work.
     if (!rank_.world_.dead(rank_.rank()) && !rank_.failed()) {
       try {

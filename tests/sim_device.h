@@ -2,7 +2,8 @@
 // on host memory, so that the device path's logic is tested without a GPU.
 //
 // - Every stream is a thread running its queue in order; enqueueing never
-//   waits (as with CUDA, the host returns at once).
+//   waits (as with CUDA, the host returns at once), unless the queue is
+//   bounded (SimDeviceOptions::queueDepth, as a GPU's is) and full.
 // - A SimGpu is one device.  Ranks may share one: copies, reductions and the
 //   caller's own work ("kernels") of all its streams run one at a time under
 //   the device's lock, paused at random while holding it (time-slicing), but
@@ -42,6 +43,11 @@ struct SimDeviceOptions {
   // A wait on a flag of a dead or failed rank fails at once (loomRemoteError).
   // Off by default: a GPU's stream wait ends only when the flag is written.
   bool peerShortcuts = false;
+  // Operations a stream holds pending before an enqueue blocks, as a GPU's
+  // host thread blocks in the enqueue once a stream's queue is full (0:
+  // never blocks).  An enqueue still blocked after deadlineMs fails with
+  // loomInternalError, so a test that would hang on a GPU fails instead.
+  size_t queueDepth = 0;
   int pausePermille = 50;      // chance per op of a pause while holding the device
   int maxPauseUs = 200;
   uint64_t seed = 1;

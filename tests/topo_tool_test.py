@@ -83,8 +83,9 @@ def case_calibrate():
         want = {"shm.alpha_us", "shm.beta_GBps", "tcp.alpha_us", "tcp.beta_GBps", "reduce.GBps"}
         assert set(values) == want, values
         assert all(v > 0 for v in values.values()), values
-        # Shared memory answers faster than a tcp round trip through the kernel.
-        assert values["shm.alpha_us"] < values["tcp.alpha_us"], values
+        # No comparison of the measured numbers: which link answers faster
+        # is the benchmarks' business (a loaded machine once made shm's
+        # latency come out above tcp's here).
     p = run([TOPO, "--calibrate"], expect=2)
     assert "launcher" in p.stderr, p.stderr
 

@@ -861,6 +861,18 @@ struct Reported {
 
 // The simulated device never gives up on a wait by itself within a test:
 // a stream that completes was released by the communicator.
+struct ScopedEnv {  // an environment variable for a scope, the configuration read again
+  const char* name;
+  ScopedEnv(const char* n, const char* value) : name(n) {
+    setenv(n, value, 1);
+    loom::configReload();
+  }
+  ~ScopedEnv() {
+    unsetenv(name);
+    loom::configReload();
+  }
+};
+
 loomsim::SimDeviceOptions patientDevice() {
   loomsim::SimDeviceOptions so;
   so.deadlineMs = 120000;
@@ -1359,6 +1371,67 @@ std::vector<loomComm_t> initCudaComms(int n) {
 
 }  // namespace
 
+TEST_CASE("CUDA communicators through the C API (simulated device): one thread's group over 4 ranks enqueues "
+          "their programs round-robin, so large all-reduces and a ring of sends complete where each stream's queue "
+          "holds 64 operations (a rank's program enqueued whole would fill it with waits on the next rank)",
+          "[devcomm][api][group]") {
+  SimMemory mem;
+  loomsim::SimDeviceOptions so;
+  so.queueDepth = 64;
+  so.deadlineMs = 20000;
+  loomsim::SimDeviceWorld world(4, 1, 256, so);
+  DeviceEnv env(mem, world);
+  // 64 KiB slots: a 1 MiB all-reduce is 32 rounds, hundreds of operations.
+  ScopedEnv slotBytes("LOOM_DEVICE_SLOT_BYTES", "65536");
+  std::vector<loomComm_t> comms = initCudaComms(4);
+  REQUIRE(comms.size() == 4);
+  const size_t n = size_t(1) << 18;  // float32: 1 MiB
+  std::vector<float*> buf(4), sendb(4), recvb(4);
+  std::vector<loomStream_t> streams(4);
+  for (int r = 0; r < 4; ++r) {
+    streams[size_t(r)] = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57 + r));
+    buf[size_t(r)] = reinterpret_cast<float*>(mem.alloc(0, n * 4));
+    sendb[size_t(r)] = reinterpret_cast<float*>(mem.alloc(0, n * 4));
+    recvb[size_t(r)] = reinterpret_cast<float*>(mem.alloc(0, n * 4));
+    for (size_t i = 0; i < n; ++i)
+      buf[size_t(r)][i] = float(r + 1), sendb[size_t(r)][i] = float(r * 1000 + int(i % 1000)),
+      recvb[size_t(r)][i] = -1;
+  }
+  // The way NCCL's one-thread groups drive several GPUs: every rank's
+  // all-reduce, then a ring (to the next rank, from the previous).
+  REQUIRE(loomGroupStart() == loomSuccess);
+  for (int r = 0; r < 4; ++r)
+    CHECK(loomAllReduce(buf[size_t(r)], buf[size_t(r)], n, loomFloat32, loomSum, comms[size_t(r)],
+                        streams[size_t(r)]) == loomSuccess);
+  for (int r = 0; r < 4; ++r) {
+    CHECK(loomSend(sendb[size_t(r)], n, loomFloat32, (r + 1) % 4, comms[size_t(r)], streams[size_t(r)]) ==
+          loomSuccess);
+    CHECK(loomRecv(recvb[size_t(r)], n, loomFloat32, (r + 3) % 4, comms[size_t(r)], streams[size_t(r)]) ==
+          loomSuccess);
+  }
+  const loomResult_t ended = loomGroupEnd();
+  INFO(loomGetLastError(nullptr));
+  CHECK(ended == loomSuccess);
+  if (ended != loomSuccess) {  // the streams may still run: abort, then let go
+    for (loomComm_t c : comms) loomCommAbort(c);
+    for (int r = 0; r < 4; ++r) world.kill(r);
+    return;
+  }
+  for (int r = 0; r < 4; ++r) {
+    std::string msg;
+    INFO(msg);
+    REQUIRE(world.rank(r).synchronize(&msg) == loomSuccess);
+  }
+  long wrong = 0;
+  for (int r = 0; r < 4; ++r) {
+    const int from = (r + 3) % 4;
+    for (size_t i = 0; i < n; ++i)
+      wrong += (buf[size_t(r)][i] != 10.0f) + (recvb[size_t(r)][i] != float(from * 1000 + int(i % 1000)));
+  }
+  CHECK(wrong == 0);
+  for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
+}
+
 TEST_CASE("CUDA communicator through the C API (simulated device): a rank's loomCommAbort reaches the others, "
           "their streams waiting on it drain, loomCommGetAsyncError names it, later calls fail at once, destroy is "
           "clean",
@@ -1719,18 +1792,6 @@ TEST_CASE("device communicator: a send/recv region answer round-trips, a peer's 
 }
 
 namespace {
-
-struct ScopedEnv {  // an environment variable for a scope, the configuration read again
-  const char* name;
-  ScopedEnv(const char* n, const char* value) : name(n) {
-    setenv(n, value, 1);
-    loom::configReload();
-  }
-  ~ScopedEnv() {
-    unsetenv(name);
-    loom::configReload();
-  }
-};
 
 std::string dumpOf(loomComm_t c) {
   char buf[4096];

@@ -270,33 +270,55 @@ void* cudaStreamOf(loomStream_t stream) {
 
 // A collective on a CUDA communicator: compiled to a stream program and
 // enqueued on the caller's cudaStream_t; returns once enqueued.
-loomResult_t runOnDevice(loomComm* comm, loomStream_t stream, const OpDesc& op) {
-  void* cs = cudaStreamOf(stream);
-  loomResult_t prior = comm->asyncError();
-  if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->failure().c_str());
+// Runs f on a CUDA communicator's device side: an error that left it failed
+// (an enqueue stopped half-way: the peers' rounds no longer agree with this
+// rank's) fails the whole communicator.
+template <class F>
+auto onDevice(loomComm* comm, F&& f) {
   try {
-    comm->deviceComm()->run(op, cs);
+    return f();
   } catch (const Error& e) {
-    // An enqueue that failed half-way: the peers' rounds no longer agree
-    // with this rank's, so the whole communicator has failed.
     if (comm->deviceComm()->failed()) comm->setFailed(e.code(), e.what());
     throw;
   }
+}
+
+// Begins a collective (op) or a batch of sends and receives (p2p, one
+// stream program: DeviceComm::runP2P) on a CUDA communicator; step() then
+// enqueues it.  nullptr: enqueued whole already (a path that does not step).
+std::unique_ptr<SteppedRun> beginOnDevice(loomComm* comm, loomStream_t stream, const OpDesc* op,
+                                          const std::vector<OpDesc>* p2p) {
+  void* cs = cudaStreamOf(stream);
+  loomResult_t prior = comm->asyncError();
+  if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->failure().c_str());
+  return onDevice(comm, [&] {
+    DeviceCollectives* d = comm->deviceComm();
+    std::unique_ptr<SteppedRun> r = op ? d->beginRun(*op, cs) : d->beginRunP2P(*p2p, cs);
+    if (!r) {
+      if (op)
+        d->run(*op, cs);
+      else
+        d->runP2P(*p2p, cs);
+    }
+    return r;
+  });
+}
+
+bool stepOnDevice(loomComm* comm, SteppedRun& run, size_t maxOps) {
+  return onDevice(comm, [&] { return run.step(maxOps); });
+}
+
+loomResult_t runOnDevice(loomComm* comm, loomStream_t stream, const OpDesc& op) {
+  std::unique_ptr<SteppedRun> r = beginOnDevice(comm, stream, &op, nullptr);
+  if (r) stepOnDevice(comm, *r, SIZE_MAX);
   return loomSuccess;
 }
 
 // Sends and receives on a CUDA communicator as one stream program
 // (DeviceComm::runP2P).
 loomResult_t runP2POnDevice(loomComm* comm, loomStream_t stream, const std::vector<OpDesc>& ops) {
-  void* cs = cudaStreamOf(stream);
-  loomResult_t prior = comm->asyncError();
-  if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->failure().c_str());
-  try {
-    comm->deviceComm()->runP2P(ops, cs);
-  } catch (const Error& e) {
-    if (comm->deviceComm()->failed()) comm->setFailed(e.code(), e.what());
-    throw;
-  }
+  std::unique_ptr<SteppedRun> r = beginOnDevice(comm, stream, nullptr, &ops);
+  if (r) stepOnDevice(comm, *r, SIZE_MAX);
   return loomSuccess;
 }
 
@@ -1190,16 +1212,52 @@ loomResult_t loomGroupEnd(void) {
     });
     if (r != loomSuccess) return r;
   }
-  for (size_t i = 0; i < parts.size(); ++i) {
-    loomResult_t r = guarded("loomGroupEnd", parts[i].comm, [&] {
-      for (const OpDesc& op : parts[i].ops)
-        if (op.coll != Collective::P2P) runOnDevice(parts[i].comm, parts[i].stream, op);
-      if (!p2p[i].empty()) runP2POnDevice(parts[i].comm, parts[i].stream, p2p[i]);
-      return loomSuccess;
-    });
-    if (r != loomSuccess) return r;
+  // One thread may drive several ranks here (NCCL's one-thread groups,
+  // nccl-tests' -t): the parts' calls are enqueued round-robin, a few
+  // stream operations of each in turn, so that no rank's stream queue
+  // fills with waits for work that a rank after it has not enqueued yet (a
+  // GPU's host thread then blocks in the enqueue for ever; see
+  // ProgramEnqueuer).  A part that fails stops; the others are enqueued to
+  // the end, so that their rounds stay in step with their peers'.
+  struct Cursor {
+    size_t next = 0;        // its next collective in parts[i].ops
+    bool p2pBegun = false;  // its sends and receives (one program, last)
+    bool done = false;
+    std::unique_ptr<SteppedRun> run;
+  };
+  constexpr size_t kOpsPerTurn = 4;
+  std::vector<Cursor> cursors(parts.size());
+  loomResult_t first = loomSuccess;
+  for (bool busy = true; busy;) {
+    busy = false;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      Cursor& c = cursors[i];
+      if (c.done) continue;
+      loomResult_t r = guarded("loomGroupEnd", parts[i].comm, [&] {
+        if (!c.run) {
+          const std::vector<OpDesc>& ops = parts[i].ops;
+          while (c.next < ops.size() && ops[c.next].coll == Collective::P2P) ++c.next;
+          if (c.next < ops.size()) {
+            c.run = beginOnDevice(parts[i].comm, parts[i].stream, &ops[c.next++], nullptr);
+          } else if (!p2p[i].empty() && !c.p2pBegun) {
+            c.p2pBegun = true;
+            c.run = beginOnDevice(parts[i].comm, parts[i].stream, nullptr, &p2p[i]);
+          } else {
+            c.done = true;
+          }
+        }
+        if (c.run && stepOnDevice(parts[i].comm, *c.run, kOpsPerTurn)) c.run.reset();
+        return loomSuccess;
+      });
+      if (r != loomSuccess) {
+        c.run.reset();  // its communicator has failed (a step that threw says so)
+        c.done = true;
+        if (first == loomSuccess) first = r;
+      }
+      busy = busy || !c.done;
+    }
   }
-  return loomSuccess;
+  return first;
 }
 
 loomResult_t loomStreamCreate(loomStream_t* stream) {

@@ -901,14 +901,97 @@ bool sameStream(const void* a, const void* b) {
 
 }  // namespace
 
+// A call being enqueued: holds the communicator's lock (mu_), the program
+// and its buffers, and enqueues them in steps (ProgramEnqueuer).
+class DeviceComm::Run final : public SteppedRun {
+ public:
+  Run(DeviceComm& comm, std::unique_lock<std::mutex> lock, StreamProgram program, ProgramBuffers buffers, bool p2p)
+      : comm_(comm), lock_(std::move(lock)), p_(std::move(program)), b_(std::move(buffers)), p2p_(p2p) {}
+  ~Run() override {
+    if (failed_) return;
+    if (enq_ && !done_)
+      comm_.failEnqueue(loomInternalError, "a call was left half enqueued (its group stopped at another's error)",
+                        p2p_);
+    else
+      comm_.noteEnqueued(p2p_);
+  }
+  const StreamProgram& program() const { return p_; }
+  // After the backend's preamble: checks the whole program, enqueues none of it.
+  void start(StreamBackend& be) { enq_ = std::make_unique<ProgramEnqueuer>(be, p_, b_); }
+  bool step(size_t maxOps) override {
+    if (failed_) fail(loomInternalError, "a failed call stepped again");
+    if (!enq_ || done_) return done_ = true;
+    DeviceScope current(*comm_.driver_);
+    try {
+      done_ = enq_->step(maxOps);
+    } catch (const Error& e) {
+      failWith(e);
+      throw;
+    }
+    return done_;
+  }
+  // The call failed (the caller rethrows): the communicator fails, and this
+  // run lets go of it at once, since whoever catches the error asks the
+  // communicator (failed(), under the same lock) while the run still lives.
+  void failWith(const Error& e) {
+    failed_ = true;
+    comm_.failEnqueue(e.code(), e.what(), p2p_);
+    lock_.unlock();
+  }
+
+ private:
+  DeviceComm& comm_;
+  std::unique_lock<std::mutex> lock_;
+  StreamProgram p_;
+  ProgramBuffers b_;
+  bool p2p_;
+  std::unique_ptr<ProgramEnqueuer> enq_;
+  bool done_ = false, failed_ = false;
+};
+
+void DeviceComm::failEnqueue(loomResult_t code, const std::string& what, bool p2p) {
+  failCode_ = code;
+  failed_ = what;
+  // Half a program may be enqueued: release its waits (its last round may
+  // never be done; the memory then outlives it, see ~DeviceComm).
+  if (p2p)
+    p2pEnqueued_.store(p2p_.programs);
+  else
+    enqueued_.store(round_);
+  failedFlag_.store(true);
+  {
+    std::lock_guard<std::mutex> w(wmu_);
+    wake_ = true;
+  }
+  wcv_.notify_all();
+}
+
+void DeviceComm::noteEnqueued(bool p2p) {
+  if (p2p)
+    p2pEnqueued_.store(p2p_.programs);
+  else
+    enqueued_.store(round_);
+  {
+    std::lock_guard<std::mutex> w(wmu_);
+    wake_ = true;
+  }
+  wcv_.notify_all();
+}
+
 void DeviceComm::run(const OpDesc& op, void* callerStream) {
-  if (op.coll == Collective::P2P) return runP2P({op}, callerStream);
+  DeviceScope current(*driver_);  // once: the begin's and the step's own then switch nothing
+  std::unique_ptr<SteppedRun> r = beginRun(op, callerStream);
+  r->step(SIZE_MAX);
+}
+
+std::unique_ptr<SteppedRun> DeviceComm::beginRun(const OpDesc& op, void* callerStream) {
+  if (op.coll == Collective::P2P) return beginRunP2P({op}, callerStream);
   check(op);
   const size_t esz = dtypeSize(op.dtype), n = op.count;
   const DeviceOpShape sh = deviceOpShape(op, rank_, nranks_);
   const bool needSend = sh.needSend, needRecv = sh.needRecv;
   const size_t sendBytes = sh.sendBytes, recvBytes = sh.recvBytes;
-  std::lock_guard<std::mutex> g(mu_);
+  std::unique_lock<std::mutex> g(mu_);
   if (failCode_ != loomSuccess) fail(failCode_, "the %s communicator has failed: %s", driver_->name(), failed_.c_str());
   const uint64_t before = round_;  // rounds enqueued so far: the value the last one's done flag reaches
   uint64_t round = round_;
@@ -922,41 +1005,28 @@ void DeviceComm::run(const OpDesc& op, void* callerStream) {
   b.windowBytes = streamWindowBytes(slotBytes_);
   b.flags = flags_;
   b.flagCopies = flagCopies_;
+  auto run = std::make_unique<Run>(*this, std::move(g), std::move(p), std::move(b), false);
   DeviceScope current(*driver_);
   try {
     round_ = round;  // the peers advance theirs whatever happens here
-    // The mismatch check: the watchdog, woken below, sends it on and
-    // reports a mismatch (recorded once the call counts, as round_).
+    // The mismatch check: the watchdog, woken once the call is enqueued,
+    // sends it on and reports a mismatch (recorded once the call counts, as round_).
     if (sigs_) sigs_->recordMine(op);
-    if (!p.ops.empty()) {
-      StreamBackend& be = driver_->backend(callerStream, p.streams, p.events);
+    const StreamProgram& prog = run->program();
+    if (!prog.ops.empty()) {
+      StreamBackend& be = driver_->backend(callerStream, prog.streams, prog.events);
       // On another stream than the last program, this one first waits
       // until that one is done here (see collStream_).
       if (before > 0 && !sameStream(callerStream, collStream_))
         be.waitFlag(0, flags_[size_t(rank_)] + kFlagDone, before, rank_);
-      enqueueProgram(be, p, b);
+      run->start(be);
       collStream_ = callerStream;
     }
   } catch (const Error& e) {
-    failCode_ = e.code();
-    failed_ = e.what();
-    // Half a program may be enqueued: release its waits (its last round
-    // may never be done; the memory then outlives it, see ~DeviceComm).
-    enqueued_.store(round_);
-    failedFlag_.store(true);
-    {
-      std::lock_guard<std::mutex> w(wmu_);
-      wake_ = true;
-    }
-    wcv_.notify_all();
+    run->failWith(e);
     throw;
   }
-  enqueued_.store(round_);
-  {
-    std::lock_guard<std::mutex> w(wmu_);
-    wake_ = true;
-  }
-  wcv_.notify_all();
+  return run;
 }
 
 const IpcRecord& DeviceComm::outRegionLocked(int peer) {
@@ -1041,6 +1111,12 @@ DeviceMemoryStats DeviceComm::memoryStats() const {
 }
 
 void DeviceComm::runP2P(const std::vector<OpDesc>& ops, void* callerStream) {
+  DeviceScope current(*driver_);  // once, as run()
+  std::unique_ptr<SteppedRun> r = beginRunP2P(ops, callerStream);
+  r->step(SIZE_MAX);
+}
+
+std::unique_ptr<SteppedRun> DeviceComm::beginRunP2P(const std::vector<OpDesc>& ops, void* callerStream) {
   for (const OpDesc& op : ops) {
     if (op.coll != Collective::P2P) fail(loomInternalError, "runP2P given %s", collectiveName(op.coll));
     check(op);
@@ -1081,38 +1157,27 @@ void DeviceComm::runP2P(const std::vector<OpDesc>& ops, void* callerStream) {
     std::lock_guard<std::mutex> i(inMu_);
     b.p2pIn = in_;
   }
-  std::lock_guard<std::mutex> g(mu_);
+  std::unique_lock<std::mutex> g(mu_);
   if (failCode_ != loomSuccess) fail(failCode_, "the %s communicator has failed: %s", driver_->name(), failed_.c_str());
   P2PCounters counters = p2p_;
   const uint64_t before = p2p_.programs;  // send/recv programs enqueued so far (kFlagP2PDone's last value)
   StreamProgram p = compileP2PProgram(ops, rank_, nranks_, slotBytes_, &counters);
+  auto run = std::make_unique<Run>(*this, std::move(g), std::move(p), std::move(b), true);
   DeviceScope current(*driver_);
   try {
     p2p_ = counters;  // the peers count these chunks whatever happens here
-    if (p.ops.empty()) return;
-    StreamBackend& be = driver_->backend(callerStream, p.streams, p.events);
+    const StreamProgram& prog = run->program();
+    if (prog.ops.empty()) return run;
+    StreamBackend& be = driver_->backend(callerStream, prog.streams, prog.events);
     if (before > 0 && !sameStream(callerStream, p2pStream_))
       be.waitFlag(0, flags_[size_t(rank_)] + kFlagP2PDone, before, rank_);
-    enqueueProgram(be, p, b);
+    run->start(be);
     p2pStream_ = callerStream;
   } catch (const Error& e) {
-    failCode_ = e.code();
-    failed_ = e.what();
-    p2pEnqueued_.store(p2p_.programs);
-    failedFlag_.store(true);
-    {
-      std::lock_guard<std::mutex> w(wmu_);
-      wake_ = true;
-    }
-    wcv_.notify_all();
+    run->failWith(e);
     throw;
   }
-  p2pEnqueued_.store(p2p_.programs);
-  {
-    std::lock_guard<std::mutex> w(wmu_);
-    wake_ = true;
-  }
-  wcv_.notify_all();
+  return run;
 }
 
 }  // namespace loom

@@ -287,6 +287,17 @@ struct DeviceMemoryStats {
   size_t regionsIn = 0;       // peers' staging for this rank mapped here (one per sender but itself)
 };
 
+// A call being enqueued in steps (DeviceCollectives::beginRun): step(n)
+// enqueues up to n more stream operations and says whether all are.  It
+// holds the communicator (no other call enqueues meanwhile) until it is
+// destroyed; one destroyed before its last step, or whose step threw,
+// leaves the communicator failed.
+class SteppedRun {
+ public:
+  virtual ~SteppedRun() = default;
+  virtual bool step(size_t maxOps) = 0;
+};
+
 // A communicator's device side as the API and the communicator use it,
 // whichever way it moves the bytes: DeviceComm (below: every rank's device
 // memory mapped through CUDA IPC; one host) or StagedDeviceComm
@@ -304,6 +315,15 @@ class DeviceCollectives {
   virtual void check(const OpDesc& op) const = 0;
   virtual void run(const OpDesc& op, void* callerStream) = 0;
   virtual void runP2P(const std::vector<OpDesc>& ops, void* callerStream) = 0;
+  // run()/runP2P() in steps, for one thread that drives several
+  // communicators and interleaves their calls (loomGroupEnd; see
+  // ProgramEnqueuer).  nullptr: this path enqueues nothing that waits on a
+  // peer's later work (the staged path's host thread drives its waits), so
+  // run()/runP2P() at once is as good.
+  virtual std::unique_ptr<SteppedRun> beginRun(const OpDesc& /*op*/, void* /*callerStream*/) { return nullptr; }
+  virtual std::unique_ptr<SteppedRun> beginRunP2P(const std::vector<OpDesc>& /*ops*/, void* /*callerStream*/) {
+    return nullptr;
+  }
   // What runP2P needs made before anything of a group is enqueued (nothing
   // on the staged path).
   virtual void prepareP2P(const std::vector<OpDesc>& ops) = 0;
@@ -400,6 +420,9 @@ class DeviceComm final : public DeviceCollectives {
   // chunk across the members, so a group's sends and receives never wait
   // on each other in a cycle).  Checks and failure as run().
   void runP2P(const std::vector<OpDesc>& ops, void* callerStream) override;
+  // The same in steps (run() and runP2P() are these run to the end).
+  std::unique_ptr<SteppedRun> beginRun(const OpDesc& op, void* callerStream) override;
+  std::unique_ptr<SteppedRun> beginRunP2P(const std::vector<OpDesc>& ops, void* callerStream) override;
   // Makes the send/recv regions `ops` need (a send: this rank's region for
   // the receiver; a receive: the sender's, asked for through
   // options.fetchRegion and mapped here), once per pair; runP2P calls it.
@@ -441,6 +464,12 @@ class DeviceComm final : public DeviceCollectives {
   const IpcImportCache& imports() const { return *imports_; }
 
  private:
+  class Run;  // a call being enqueued (device_comm.cc)
+  // A call's enqueue failed (or was abandoned) half-way: the communicator
+  // fails for good, and the watchdog releases whatever waits on it.  Under mu_.
+  void failEnqueue(loomResult_t code, const std::string& what, bool p2p);
+  // A call is enqueued whole: the watchdog may look at it.  Under mu_.
+  void noteEnqueued(bool p2p);
   // Hands this rank's memory, the peers' mappings, the holds and the
   // driver to the reaper (device_comm.cc's IpcRemains), which frees them at
   // once if it can: once this rank's streams are done (streamsMayRun: it

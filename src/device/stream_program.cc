@@ -131,78 +131,94 @@ struct Resolver {
 
 }  // namespace
 
-void enqueueProgram(StreamBackend& be, const StreamProgram& p, const ProgramBuffers& b) {
-  const size_t esz = dtypeSize(p.dtype);
-  if (!esz) fail(loomInternalError, "rank %d: stream program of unknown datatype %d", p.rank, int(p.dtype));
+ProgramEnqueuer::ProgramEnqueuer(StreamBackend& be, const StreamProgram& p, const ProgramBuffers& b)
+    : be_(be), p_(p), b_(b) {
+  if (!dtypeSize(p.dtype))
+    fail(loomInternalError, "rank %d: stream program of unknown datatype %d", p.rank, int(p.dtype));
   if (b.flags.size() != size_t(p.nranks) || b.windows.size() != size_t(p.nranks))
     fail(loomInternalError, "rank %d: stream program for %d ranks given buffers of %zu", p.rank, p.nranks,
          b.flags.size());
   if (!b.flagCopies.empty() && b.flagCopies.size() != size_t(p.nranks))
     fail(loomInternalError, "rank %d: stream program for %d ranks given %zu flag copies", p.rank, p.nranks,
          b.flagCopies.size());
+  // Every op checked first: a bad program must not leave half of itself enqueued.
+  for (size_t i = 0; i < p.ops.size(); ++i) visit(i, false);
+}
+
+bool ProgramEnqueuer::step(size_t n) {
+  for (; n > 0 && next_ < p_.ops.size(); --n) visit(next_++, true);
+  return next_ == p_.ops.size();
+}
+
+// Checks op `index`; with `enqueue`, also enqueues it.
+void ProgramEnqueuer::visit(size_t index, bool enqueue) {
+  const StreamProgram& p = p_;
+  const ProgramBuffers& b = b_;
+  StreamBackend& be = be_;
+  const size_t esz = dtypeSize(p.dtype);
   Resolver res{p, b};
-  // Two passes: a bad program must not leave half of itself enqueued.
-  std::vector<const void*> srcs;
-  for (int pass = 0; pass < 2; ++pass) {
-    for (res.index = 0; res.index < p.ops.size(); ++res.index) {
-      const StreamOp& o = p.ops[res.index];
-      if (o.stream >= p.streams) res.bad("uses a stream the program does not declare");
-      const size_t bytes = o.kind == StreamOpKind::Copy ? o.count : o.count * esz;
-      void* dst = nullptr;
-      srcs.clear();
-      switch (o.kind) {
-        case StreamOpKind::WaitFlag:
-        case StreamOpKind::SetFlag:
-        case StreamOpKind::SetPeerFlag:
-          if (o.flag >= kFlagCount || o.flagRank < 0 || o.flagRank >= p.nranks) res.bad("names no flag");
-          if (o.kind == StreamOpKind::SetFlag && o.flagRank != p.rank) res.bad("sets another rank's flag");
-          if (o.kind == StreamOpKind::SetPeerFlag && b.peerFlags.size() != size_t(p.nranks))
-            res.bad("sets a per-pair flag, but the buffers have no per-reader flag copies");
-          break;
-        case StreamOpKind::RecordEvent:
-        case StreamOpKind::WaitEvent:
-          if (o.event < 0 || o.event >= p.events) res.bad("uses an event the program does not declare");
-          break;
-        case StreamOpKind::Copy:
-        case StreamOpKind::Reduce:
-        case StreamOpKind::Divide:
-          if (o.srcCount == 0 || size_t(o.srcBegin) + o.srcCount > p.srcs.size()) res.bad("has no sources");
-          if (o.kind != StreamOpKind::Reduce && o.srcCount != 1) res.bad("has more than one source");
-          if (o.kind == StreamOpKind::Divide && o.divisor < 1) res.bad("divides by less than 1");
-          dst = res.at(o.dst, bytes, true);
-          for (uint32_t i = 0; i < o.srcCount; ++i) srcs.push_back(res.at(p.src(o, i), bytes, false));
-          break;
-      }
-      if (pass == 0) continue;
-      switch (o.kind) {
-        case StreamOpKind::WaitFlag:
-          be.waitFlag(o.stream, b.flags[size_t(o.flagRank)] + o.flag, o.value, o.flagRank);
-          break;
-        case StreamOpKind::SetFlag:
-          if (b.flagCopies.empty()) be.setFlag(o.stream, b.flags[size_t(p.rank)] + o.flag, o.value);
-          for (uint64_t* copy : b.flagCopies) be.setFlag(o.stream, copy + o.flag, o.value);
-          break;
-        case StreamOpKind::SetPeerFlag:
-          be.setFlag(o.stream, b.peerFlags[size_t(o.flagRank)] + o.flag, o.value);
-          break;
-        case StreamOpKind::Copy:
-          be.copy(o.stream, dst, srcs[0], o.count);
-          break;
-        case StreamOpKind::Reduce:
-          be.reduce(o.stream, dst, srcs.data(), int(srcs.size()), o.count, p.dtype, p.op);
-          break;
-        case StreamOpKind::Divide:
-          be.divide(o.stream, dst, srcs[0], o.count, p.dtype, o.divisor);
-          break;
-        case StreamOpKind::RecordEvent:
-          be.recordEvent(o.stream, o.event);
-          break;
-        case StreamOpKind::WaitEvent:
-          be.waitEvent(o.stream, o.event);
-          break;
-      }
-    }
+  res.index = index;
+  std::vector<const void*>& srcs = srcs_;
+  const StreamOp& o = p.ops[index];
+  if (o.stream >= p.streams) res.bad("uses a stream the program does not declare");
+  const size_t bytes = o.kind == StreamOpKind::Copy ? o.count : o.count * esz;
+  void* dst = nullptr;
+  srcs.clear();
+  switch (o.kind) {
+    case StreamOpKind::WaitFlag:
+    case StreamOpKind::SetFlag:
+    case StreamOpKind::SetPeerFlag:
+      if (o.flag >= kFlagCount || o.flagRank < 0 || o.flagRank >= p.nranks) res.bad("names no flag");
+      if (o.kind == StreamOpKind::SetFlag && o.flagRank != p.rank) res.bad("sets another rank's flag");
+      if (o.kind == StreamOpKind::SetPeerFlag && b.peerFlags.size() != size_t(p.nranks))
+        res.bad("sets a per-pair flag, but the buffers have no per-reader flag copies");
+      break;
+    case StreamOpKind::RecordEvent:
+    case StreamOpKind::WaitEvent:
+      if (o.event < 0 || o.event >= p.events) res.bad("uses an event the program does not declare");
+      break;
+    case StreamOpKind::Copy:
+    case StreamOpKind::Reduce:
+    case StreamOpKind::Divide:
+      if (o.srcCount == 0 || size_t(o.srcBegin) + o.srcCount > p.srcs.size()) res.bad("has no sources");
+      if (o.kind != StreamOpKind::Reduce && o.srcCount != 1) res.bad("has more than one source");
+      if (o.kind == StreamOpKind::Divide && o.divisor < 1) res.bad("divides by less than 1");
+      dst = res.at(o.dst, bytes, true);
+      for (uint32_t i = 0; i < o.srcCount; ++i) srcs.push_back(res.at(p.src(o, i), bytes, false));
+      break;
   }
+  if (!enqueue) return;
+  switch (o.kind) {
+    case StreamOpKind::WaitFlag:
+      be.waitFlag(o.stream, b.flags[size_t(o.flagRank)] + o.flag, o.value, o.flagRank);
+      break;
+    case StreamOpKind::SetFlag:
+      if (b.flagCopies.empty()) be.setFlag(o.stream, b.flags[size_t(p.rank)] + o.flag, o.value);
+      for (uint64_t* copy : b.flagCopies) be.setFlag(o.stream, copy + o.flag, o.value);
+      break;
+    case StreamOpKind::SetPeerFlag:
+      be.setFlag(o.stream, b.peerFlags[size_t(o.flagRank)] + o.flag, o.value);
+      break;
+    case StreamOpKind::Copy:
+      be.copy(o.stream, dst, srcs[0], o.count);
+      break;
+    case StreamOpKind::Reduce:
+      be.reduce(o.stream, dst, srcs.data(), int(srcs.size()), o.count, p.dtype, p.op);
+      break;
+    case StreamOpKind::Divide:
+      be.divide(o.stream, dst, srcs[0], o.count, p.dtype, o.divisor);
+      break;
+    case StreamOpKind::RecordEvent:
+      be.recordEvent(o.stream, o.event);
+      break;
+    case StreamOpKind::WaitEvent:
+      be.waitEvent(o.stream, o.event);
+      break;
+  }
+}
+
+void enqueueProgram(StreamBackend& be, const StreamProgram& p, const ProgramBuffers& b) {
+  ProgramEnqueuer(be, p, b).step(p.ops.size());
 }
 
 }  // namespace loom

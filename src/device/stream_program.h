@@ -150,4 +150,26 @@ class StreamBackend {
 // then enqueues them on `be` in order.
 void enqueueProgram(StreamBackend& be, const StreamProgram& p, const ProgramBuffers& b);
 
+// enqueueProgram in steps.  The constructor checks every op as
+// enqueueProgram does and enqueues nothing; step(n) enqueues the next n ops
+// and says whether all are.  One host thread that drives several ranks
+// (loomGroupEnd over CUDA communicators) interleaves their programs with
+// it: a stream's queue of pending work is bounded (on a GPU the host blocks
+// in an enqueue once it is full), and a rank's program enqueued whole could
+// fill its queue with waits for flags that only the next rank's program,
+// not yet enqueued, sets.  `be`, `p` and `b` must outlive the enqueuer.
+class ProgramEnqueuer {
+ public:
+  ProgramEnqueuer(StreamBackend& be, const StreamProgram& p, const ProgramBuffers& b);
+  bool step(size_t n);
+
+ private:
+  void visit(size_t index, bool enqueue);
+  StreamBackend& be_;
+  const StreamProgram& p_;
+  const ProgramBuffers& b_;
+  size_t next_ = 0;
+  std::vector<const void*> srcs_;
+};
+
 }  // namespace loom

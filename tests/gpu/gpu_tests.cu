@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -248,6 +249,28 @@ bool reducing(Collective c) {
 }
 
 // One collective on every rank; returns "" or what was wrong.
+// One rank's program to enqueue (enqueueRoundRobin).
+struct RankEnqueue {
+  std::unique_ptr<loom::CudaStreamBackend> be;
+  loom::StreamProgram p;
+  loom::ProgramBuffers b;
+  std::unique_ptr<loom::ProgramEnqueuer> e;
+};
+
+// Enqueues every rank's program from this one thread round-robin, a few
+// operations of each in turn (ProgramEnqueuer), as loomGroupEnd does.  A
+// rank's program enqueued whole can fill its stream's queue with waits for
+// flags that only later ranks' programs set, and the host then blocks in
+// the enqueue for ever (the order test hung so with 4 ranks, 12 MiB
+// through 1 MiB slots, on the H200).
+void enqueueRoundRobin(std::vector<RankEnqueue>& ranks) {
+  for (RankEnqueue& r : ranks) r.e = std::make_unique<loom::ProgramEnqueuer>(*r.be, r.p, r.b);
+  for (bool busy = true; busy;) {
+    busy = false;
+    for (RankEnqueue& r : ranks) busy = !r.e->step(4) || busy;
+  }
+}
+
 std::string runProgram(const loom::CudaApi& api, Ranks& R, const Variant& v, loomDataType_t t, loomRedOp_t op,
                        size_t n, bool inPlace, std::mt19937_64& rng) {
   const int N = R.n;
@@ -282,6 +305,7 @@ std::string runProgram(const loom::CudaApi& api, Ranks& R, const Variant& v, loo
     }
   }
   std::vector<std::string> programs;  // described, for a hang report
+  std::vector<RankEnqueue> progs(static_cast<size_t>(N));
   for (int r = 0; r < N; ++r) {
     loom::OpDesc o;
     o.coll = v.coll;
@@ -291,12 +315,15 @@ std::string runProgram(const loom::CudaApi& api, Ranks& R, const Variant& v, loo
     o.dtype = t;
     o.op = op;
     o.root = root;
-    loom::StreamProgram p = loom::compileStreamProgram(o, r, N, v.algo, R.slot, &R.rounds[size_t(r)]);
-    programs.push_back(p.describe());
-    loom::CudaStreamBackend be(api, {R.streams[size_t(2 * r)], R.streams[size_t(2 * r + 1)]},
-                               {R.events[size_t(2 * r)], R.events[size_t(2 * r + 1)]});
-    loom::enqueueProgram(be, p, R.buffers(send[size_t(r)], sendElems * esz, recv[size_t(r)], recvElems * esz));
+    RankEnqueue& e = progs[size_t(r)];
+    e.p = loom::compileStreamProgram(o, r, N, v.algo, R.slot, &R.rounds[size_t(r)]);
+    programs.push_back(e.p.describe());
+    e.be = std::make_unique<loom::CudaStreamBackend>(
+        api, std::vector<void*>{R.streams[size_t(2 * r)], R.streams[size_t(2 * r + 1)]},
+        std::vector<void*>{R.events[size_t(2 * r)], R.events[size_t(2 * r + 1)]});
+    e.b = R.buffers(send[size_t(r)], sendElems * esz, recv[size_t(r)], recvElems * esz);
   }
+  enqueueRoundRobin(progs);
   std::string bad;
   if (!R.finishAll(g_waitSeconds)) {
     std::printf("HANG: %s N=%d: streams did not finish in %.0f s\n", loom::collectiveName(v.coll), N, g_waitSeconds);
@@ -398,17 +425,23 @@ void testOrder(const loom::CudaApi& api, int N) {
       CK(cudaMalloc(&snap[size_t(r)], n * 4));
       CK(cudaMemset(buf[size_t(r)], 0, n * 4));
     }
+    std::vector<RankEnqueue> progs(static_cast<size_t>(N));
     for (int r = 0; r < N; ++r) {
       cudaStream_t s = R.streams[size_t(2 * r)];
       slowFill<<<256, 256, 0, s>>>(buf[size_t(r)], n, float(r + 1), 50000000LL);
       loom::OpDesc o;
       o.sendbuf = o.recvbuf = buf[size_t(r)];
       o.count = n;
-      loom::StreamProgram p = loom::compileStreamProgram(o, r, N, a, R.slot, &R.rounds[size_t(r)]);
-      loom::CudaStreamBackend be(api, {s, R.streams[size_t(2 * r + 1)]}, {R.events[size_t(2 * r)], R.events[size_t(2 * r + 1)]});
-      loom::enqueueProgram(be, p, R.buffers(buf[size_t(r)], n * 4, buf[size_t(r)], n * 4));
-      snapshot<<<256, 256, 0, s>>>(snap[size_t(r)], buf[size_t(r)], n);
+      RankEnqueue& e = progs[size_t(r)];
+      e.p = loom::compileStreamProgram(o, r, N, a, R.slot, &R.rounds[size_t(r)]);
+      e.be = std::make_unique<loom::CudaStreamBackend>(
+          api, std::vector<void*>{s, R.streams[size_t(2 * r + 1)]},
+          std::vector<void*>{R.events[size_t(2 * r)], R.events[size_t(2 * r + 1)]});
+      e.b = R.buffers(buf[size_t(r)], n * 4, buf[size_t(r)], n * 4);
     }
+    enqueueRoundRobin(progs);
+    for (int r = 0; r < N; ++r)
+      snapshot<<<256, 256, 0, R.streams[size_t(2 * r)]>>>(snap[size_t(r)], buf[size_t(r)], n);
     if (!R.finishAll(120)) {
       std::printf("HANG: order test\n");
       std::exit(1);
