@@ -6,24 +6,33 @@
 //   1. waits until every rank's done flag is >= g - 1 (everyone finished
 //      reading round g - 2, which used the same slot) before writing its own
 //      slot, so a slot is never overwritten while someone reads it;
-//   2. copies its input for the round into its slot, sets input = v;
+//   2. copies into its slot the input of the round that other ranks read
+//      (not the part only it reduces, nor its own all-to-all block), sets
+//      input = v;
 //   3. waits for the inputs it needs (input >= v of those ranks) and reduces
-//      or copies straight out of their windows;
+//      or copies straight out of their windows (and its own send buffer);
 //   4. sets done = v once it reads no window of round g any more.
 // The reduce-scatter + all-gather all-reduce adds a step between 3 and 4:
-// each rank reduces its 1/N part into the second half of its slot, sets
-// reduced = v, and a second stream gathers every rank's part once all
-// reduced flags reach v.  Stream 1 is forked from the caller's stream at the
-// start and joined back at the end (events), so the caller's earlier work
-// precedes everything and its later work follows everything.
+// each rank reduces its 1/N part into the second half of its slot and, in
+// the same kernel, into its output (a second destination; loomAvg divides
+// in the slot and copies out instead), sets reduced = v, and a second stream
+// copies the other ranks' parts out once all reduced flags reach v.  Stream 1
+// is forked from the caller's stream at the start and joined back at the
+// end (events), so the caller's earlier work precedes everything and its
+// later work follows everything.
 //
 // Reductions combine the ranks' blocks in rank order, one rounding per step,
 // so every rank (and the host one-shot path) computes bit-identical results.
-// Bytes read per rank and round of m elements (s = element size):
-//   one-shot all-reduce N*m*s; reduce-scatter + all-gather m*s + m*s;
-//   reduce-scatter N*m*s copied in, N*m*s read; all-gather N*m*s;
-//   broadcast m*s; reduce (root) N*m*s; all-to-all N*m*s copied in, N*m*s
-//   read; gather (root) N*m*s; scatter m*s (the root copies N*m*s in).
+// Memory traffic per rank and round of m elements (s = element size; bytes
+// read plus bytes written, what bounds a large all-reduce on one GPU):
+//   reduce-scatter + all-gather all-reduce: (N-1)/N*m*s copied in, its part
+//     reduced from N sources into two destinations, (N-1)/N*m*s copied out:
+//     (5N-2)/N*m*s, 4*m*s at N = 2 (11/2*m*s when every part went through
+//     the slot: tests/unit_stream_program.cc checks the count);
+//   one-shot all-reduce m*s copied in, N*m*s read; reduce-scatter (N-1)*m*s
+//     copied in, N*m*s read; all-gather m*s copied in, N*m*s read;
+//   broadcast m*s; reduce (root) N*m*s; all-to-all (N-1)*m*s copied in,
+//   N*m*s read; gather (root) N*m*s; scatter m*s (the root copies (N-1)*m*s in).
 // All-to-all and scatter stage one chunk per rank in a slot (m elements of
 // each block per round, as reduce-scatter); gather's root and scatter's
 // ranks read only the windows they need, and ranks that read no window set
@@ -84,6 +93,13 @@ class Builder {
   }
   void reduce(int s, ProgramRef dst, const std::vector<ProgramRef>& srcs, size_t n) {
     if (n) data(StreamOpKind::Reduce, s, dst, srcs, n);
+  }
+  // The same, with the result in dst2 as well.
+  void reduce2(int s, ProgramRef dst, ProgramRef dst2, const std::vector<ProgramRef>& srcs, size_t n) {
+    if (!n) return;
+    data(StreamOpKind::Reduce, s, dst, srcs, n);
+    p_.ops.back().dst2 = dst2;
+    p_.ops.back().dual = true;
   }
   void divide(int s, ProgramRef dst, size_t n, int divisor) {
     if (!n) return;
@@ -192,14 +208,26 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
        static_cast<const uint8_t*>(op.sendbuf) == static_cast<const uint8_t*>(op.recvbuf) + size_t(op.root) * block) ||
       (op.coll == Collective::Scatter &&
        static_cast<const uint8_t*>(op.recvbuf) == static_cast<const uint8_t*>(op.sendbuf) + size_t(op.root) * block);
-  // Chunk q (c elements from `off`) of an N-block buffer into slot place q.
-  auto stageBlocks = [&](size_t base, size_t off, size_t c) {
-    if (c == n) {  // one round: the blocks are one contiguous copy
-      b.copy(0, winAt(me, base), sendAt(0), size_t(N) * block);
+  // Reduce-scatter: whether this rank's block of the input lies apart from
+  // its output (out of place: not NCCL's in-place layout, nor any overlap).
+  const bool ownBlockApart = [&] {
+    const uint8_t* own = static_cast<const uint8_t*>(op.sendbuf) + size_t(me) * block;
+    const uint8_t* out = static_cast<const uint8_t*>(op.recvbuf);
+    return own + block <= out || out + block <= own;
+  }();
+  // Chunk q (c elements from `off`) of an N-block buffer into slot place
+  // q, for every q but `skip` (a block no other rank reads; -1: none).
+  auto stageBlocks = [&](size_t base, size_t off, size_t c, int skip) {
+    if (c == n) {  // one round: the blocks before and after `skip` are contiguous
+      const size_t first = skip < 0 ? size_t(N) : size_t(skip);
+      const size_t after = skip < 0 ? size_t(N) : size_t(skip) + 1;
+      b.copy(0, winAt(me, base), sendAt(0), first * block);
+      b.copy(0, winAt(me, base + after * block), sendAt(after * block), (size_t(N) - after) * block);
       return;
     }
     for (int q = 0; q < N; ++q)
-      b.copy(0, winAt(me, base + size_t(q) * c * esz), sendAt((size_t(q) * n + off) * esz), c * esz);
+      if (q != skip)
+        b.copy(0, winAt(me, base + size_t(q) * c * esz), sendAt((size_t(q) * n + off) * esz), c * esz);
   };
 
   const size_t half = slotBytes / 2;
@@ -215,7 +243,17 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
     switch (op.coll) {
       case Collective::AllReduce: {
         guard();
-        b.copy(0, winAt(me, base), sendAt(off * esz), c * esz);
+        // Part q of the round: elements [c*q/N, c*(q+1)/N).
+        auto partStart = [&](int q) { return c * size_t(q) / size_t(N); };
+        const size_t ps = partStart(me), pl = partStart(me + 1) - ps;
+        if (rsag) {
+          // Only the parts the others reduce go to the window: this rank's
+          // own part is read from its send buffer.
+          b.copy(0, winAt(me, base), sendAt(off * esz), ps * esz);
+          b.copy(0, winAt(me, base + (ps + pl) * esz), sendAt((off + ps + pl) * esz), (c - ps - pl) * esz);
+        } else {
+          b.copy(0, winAt(me, base), sendAt(off * esz), c * esz);
+        }
         b.set(0, kFlagInput, v);
         b.waitAll(0, kFlagInput, v);
         if (!rsag) {
@@ -225,27 +263,38 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
           b.set(0, kFlagDone, v);
           break;
         }
-        // Part q of the round: elements [c*q/N, c*(q+1)/N).
-        auto partStart = [&](int q) { return c * size_t(q) / size_t(N); };
-        const size_t ps = partStart(me), pl = partStart(me + 1) - ps;
-        for (int q = 0; q < N; ++q) all.push_back(winAt(q, base + ps * esz));
-        b.reduce(0, winAt(me, base + half + ps * esz), all, pl);
-        if (avg) b.divide(0, winAt(me, base + half + ps * esz), pl, N);
+        for (int q = 0; q < N; ++q) all.push_back(q == me ? sendAt((off + ps) * esz) : winAt(q, base + ps * esz));
+        // The reduced part goes to the window for the others and, unless it
+        // is still to be divided, straight to this rank's output as well
+        // (in place that is the part of the send buffer it was just read
+        // from, which only this rank reads).
+        if (avg) {
+          b.reduce(0, winAt(me, base + half + ps * esz), all, pl);
+          b.divide(0, winAt(me, base + half + ps * esz), pl, N);
+        } else {
+          b.reduce2(0, winAt(me, base + half + ps * esz), recvAt((off + ps) * esz), all, pl);
+        }
         b.set(0, kFlagReduced, v);
         b.waitAll(1, kFlagReduced, v);
         for (int q = 0; q < N; ++q) {
           size_t qs = partStart(q), ql = partStart(q + 1) - qs;
-          b.copy(1, recvAt((off + qs) * esz), winAt(q, base + half + qs * esz), ql * esz);
+          if (q != me || avg) b.copy(1, recvAt((off + qs) * esz), winAt(q, base + half + qs * esz), ql * esz);
         }
         b.set(1, kFlagDone, v);
         break;
       }
       case Collective::ReduceScatter: {
+        // This rank's own block is read by it alone: out of place, straight
+        // from the send buffer (in place, recvbuff == sendbuff + rank *
+        // recvcount, the output is that block, which the reduction must
+        // not write while it may still read it).
         guard();
-        stageBlocks(base, off, c);
+        stageBlocks(base, off, c, ownBlockApart ? me : -1);
         b.set(0, kFlagInput, v);
         b.waitAll(0, kFlagInput, v);
-        for (int q = 0; q < N; ++q) all.push_back(winAt(q, base + size_t(me) * c * esz));
+        for (int q = 0; q < N; ++q)
+          all.push_back(q == me && ownBlockApart ? sendAt((size_t(me) * n + off) * esz)
+                                                 : winAt(q, base + size_t(me) * c * esz));
         b.reduce(0, recvAt(off * esz), all, c);
         if (avg) b.divide(0, recvAt(off * esz), c, N);
         b.set(0, kFlagDone, v);
@@ -284,14 +333,17 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         b.set(0, kFlagDone, v);
         break;
       case Collective::AllToAll:
-        // Every rank stages its N chunks, then takes chunk `me` of every
-        // rank's slot into block q of its output.
+        // Every rank stages the chunks the others take, then takes chunk
+        // `me` of every other rank's slot into block q of its output; its
+        // own block goes straight from send to recv (in place it is there).
         guard();
-        stageBlocks(base, off, c);
+        stageBlocks(base, off, c, me);
         b.set(0, kFlagInput, v);
+        if (!inPlace) b.copy(0, recvAt((size_t(me) * n + off) * esz), sendAt((size_t(me) * n + off) * esz), c * esz);
         b.waitAll(0, kFlagInput, v);
         for (int q = 0; q < N; ++q)
-          b.copy(0, recvAt((size_t(q) * n + off) * esz), winAt(q, base + size_t(me) * c * esz), c * esz);
+          if (q != me)
+            b.copy(0, recvAt((size_t(q) * n + off) * esz), winAt(q, base + size_t(me) * c * esz), c * esz);
         b.set(0, kFlagDone, v);
         break;
       case Collective::Gather:
@@ -314,7 +366,7 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
       case Collective::Scatter:
         if (me == op.root) {
           guard();
-          stageBlocks(base, off, c);
+          stageBlocks(base, off, c, me);  // the root's own block is copied below, never read from the slot
           b.set(0, kFlagInput, v);
           if (!rootInPlace) b.copy(0, recvAt(off * esz), sendAt((size_t(me) * n + off) * esz), c * esz);
         } else {

@@ -201,18 +201,21 @@ void SimRank::copy(int s, void* dst, const void* src, size_t bytes) {
   stream(s).enqueue([=] { memcpy(dst, src, bytes); }, true);
 }
 
-void SimRank::reduce(int s, void* dst, const void* const* srcs, int nsrcs, size_t count, loomDataType_t type,
-                     loomRedOp_t op) {
+void SimRank::reduce(int s, void* dst, void* dst2, const void* const* srcs, int nsrcs, size_t count,
+                     loomDataType_t type, loomRedOp_t op) {
   std::vector<const void*> in(srcs, srcs + nsrcs);
   stream(s).enqueue(
       [=] {
         loom::Device& dev = loom::hostDevice();
+        const size_t bytes = count * loom::dtypeSize(type);
         if (in.size() == 1) {
-          memcpy(dst, in[0], count * loom::dtypeSize(type));
-          return;
+          memcpy(dst, in[0], bytes);
+        } else {
+          dev.reduce(dst, in[0], in[1], count, type, op);
+          for (size_t i = 2; i < in.size(); ++i) dev.reduce(dst, dst, in[i], count, type, op);
         }
-        dev.reduce(dst, in[0], in[1], count, type, op);
-        for (size_t i = 2; i < in.size(); ++i) dev.reduce(dst, dst, in[i], count, type, op);
+        // Written last, as the CUDA backend does: it may be a source.
+        if (dst2) memcpy(dst2, dst, bytes);
       },
       true);
 }

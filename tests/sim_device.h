@@ -117,7 +117,7 @@ class SimRank final : public loom::StreamBackend {
   void waitFlag(int stream, const uint64_t* flag, uint64_t value, int ownerRank) override;
   void setFlag(int stream, uint64_t* flag, uint64_t value) override;
   void copy(int stream, void* dst, const void* src, size_t bytes) override;
-  void reduce(int stream, void* dst, const void* const* srcs, int nsrcs, size_t count, loomDataType_t type,
+  void reduce(int stream, void* dst, void* dst2, const void* const* srcs, int nsrcs, size_t count, loomDataType_t type,
               loomRedOp_t op) override;
   void divide(int stream, void* dst, const void* src, size_t count, loomDataType_t type,
               int divisor) override;
@@ -159,9 +159,9 @@ class SimCallerBackend final : public loom::StreamBackend {
   }
   void setFlag(int s, uint64_t* flag, uint64_t value) override { r_.setFlag(map(s), flag, value); }
   void copy(int s, void* dst, const void* src, size_t bytes) override { r_.copy(map(s), dst, src, bytes); }
-  void reduce(int s, void* dst, const void* const* srcs, int nsrcs, size_t count, loomDataType_t type,
+  void reduce(int s, void* dst, void* dst2, const void* const* srcs, int nsrcs, size_t count, loomDataType_t type,
               loomRedOp_t op) override {
-    r_.reduce(map(s), dst, srcs, nsrcs, count, type, op);
+    r_.reduce(map(s), dst, dst2, srcs, nsrcs, count, type, op);
   }
   void divide(int s, void* dst, const void* src, size_t count, loomDataType_t type, int divisor) override {
     r_.divide(map(s), dst, src, count, type, divisor);

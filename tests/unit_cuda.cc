@@ -49,8 +49,8 @@ const loom::CudaApi kRecording = {
       g_calls.push_back("memcpy " + ptr(s) + " " + ptr(d) + " <- " + ptr(src) + " " + std::to_string(n));
       return g_failMemcpy;
     },
-    [](void* d, const void* const* srcs, int ns, size_t n, int t, int op, void* s) {
-      std::string c = "reduce " + ptr(s) + " " + ptr(d) + " <-";
+    [](void* d, void* d2, const void* const* srcs, int ns, size_t n, int t, int op, void* s) {
+      std::string c = "reduce " + ptr(s) + " " + ptr(d) + (d2 ? " and " + ptr(d2) : std::string()) + " <-";
       for (int i = 0; i < ns; ++i) c += " " + ptr(srcs[i]);
       g_calls.push_back(c + loom::strf(" n=%zu t=%d op=%d", n, t, op));
       return 0;
@@ -162,21 +162,29 @@ TEST_CASE("CUDA backend: a reduction of more sources than one launch takes is ch
   void* dst = handle(0x90000);
   loom::CudaStreamBackend be(kRecording, {handle(0x5000)}, {});
   g_calls.clear();
-  be.reduce(0, dst, srcs.data(), 19, 1000, loomBfloat16, loomSum);
-  // 8, then dst + 7, then dst + 4: 19 sources, left to right.
+  void* dst2 = handle(0x10000 + 3 * 0x100);  // an in-place caller's buffer: one of the sources
+  be.reduce(0, dst, dst2, srcs.data(), 19, 1000, loomBfloat16, loomSum);
+  // 8, then dst + 7, then dst + 4: 19 sources, left to right; only the last
+  // launch writes the second destination (earlier ones would overwrite a
+  // source the chain has not finished with).
   REQUIRE(g_calls.size() == 3);
-  auto expect = [&](std::vector<const void*> in) {
-    std::string c = "reduce " + ptr(handle(0x5000)) + " " + ptr(dst) + " <-";
+  auto expect = [&](std::vector<const void*> in, bool last) {
+    std::string c = "reduce " + ptr(handle(0x5000)) + " " + ptr(dst) + (last ? " and " + ptr(dst2) : "") + " <-";
     for (const void* p : in) c += " " + ptr(p);
     return c + loom::strf(" n=1000 t=%d op=%d", int(loomBfloat16), int(loomSum));
   };
-  CHECK(g_calls[0] == expect({srcs.begin(), srcs.begin() + 8}));
+  CHECK(g_calls[0] == expect({srcs.begin(), srcs.begin() + 8}, false));
   std::vector<const void*> second{dst};
   second.insert(second.end(), srcs.begin() + 8, srcs.begin() + 15);
-  CHECK(g_calls[1] == expect(second));
+  CHECK(g_calls[1] == expect(second, false));
   std::vector<const void*> third{dst};
   third.insert(third.end(), srcs.begin() + 15, srcs.end());
-  CHECK(g_calls[2] == expect(third));
+  CHECK(g_calls[2] == expect(third, true));
+  // A single launch writes both.
+  g_calls.clear();
+  be.reduce(0, dst, dst2, srcs.data(), 8, 1000, loomBfloat16, loomSum);
+  REQUIRE(g_calls.size() == 1);
+  CHECK(g_calls[0] == expect({srcs.begin(), srcs.begin() + 8}, true));
 }
 
 TEST_CASE("CUDA backend: a failing CUDA call is loomUnhandledCudaError with CUDA's own message", "[cuda]") {
@@ -362,7 +370,7 @@ const loom::CudaApi kDriverTable = {
       record(loom::strf("memcpy %p %p <- %p %zu", s, d, src, n));
       return 0;
     },
-    [](void*, const void* const*, int, size_t, int, int, void*) { return 0; },
+    [](void*, void*, const void* const*, int, size_t, int, int, void*) { return 0; },
     [](void*, const void*, size_t, int, int, void*) { return 0; },
     [](void* e, void* s) {
       record(loom::strf("record %p %p", e, s));

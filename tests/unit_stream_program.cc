@@ -618,3 +618,77 @@ TEST_CASE(
     CHECK(seen == (gpus == 2));  // one device: the write waits for the spinning kernel to give up
   }
 }
+
+namespace {
+// Bytes a program reads plus bytes it writes (what bounds a large
+// collective when every rank shares one GPU's memory).
+size_t traffic(const loom::StreamProgram& p) {
+  const size_t esz = loom::dtypeSize(p.dtype);
+  size_t t = 0;
+  for (const loom::StreamOp& o : p.ops) switch (o.kind) {
+      case loom::StreamOpKind::Copy:
+        t += 2 * o.count;
+        break;
+      case loom::StreamOpKind::Reduce:
+        t += (o.srcCount + 1 + (o.dual ? 1 : 0)) * o.count * esz;
+        break;
+      case loom::StreamOpKind::Divide:
+        t += 2 * o.count * esz;
+        break;
+      default:
+        break;
+    }
+  return t;
+}
+}  // namespace
+
+TEST_CASE(
+    "stream programs: memory traffic per rank is what the layout promises (all-reduce (5N-2)/N x bytes, its own "
+    "part never staged; reduce-scatter and all-to-all stage no block of their own)",
+    "[streamprog]") {
+  const size_t slot = 64 << 10, esz = 4;
+  for (int N = 2; N <= 8; ++N)
+    for (size_t n : {size_t(1000), size_t(100003)})
+      for (bool inPlace : {false, true})
+        for (int r : {0, N - 1}) {
+          INFO("N=" << N << " n=" << n << " in place " << inPlace << " rank " << r);
+          std::vector<uint8_t> a(size_t(N) * n * esz), c(size_t(N) * n * esz);
+          loom::OpDesc op;
+          op.dtype = loomFloat32;
+          op.op = loomSum;
+          op.count = n;
+          op.sendbuf = a.data();
+          op.recvbuf = inPlace ? a.data() : c.data();
+          // All-reduce, reduce-scatter + all-gather: per round of c elements
+          // and own part pl, 2(c - pl) copied in, (N + 2) pl reduced, 2(c -
+          // pl) copied out: 4n + (N - 2) * sum(pl) in all.
+          op.coll = Collective::AllReduce;
+          uint64_t round = 0;
+          loom::StreamProgram p =
+              loom::compileStreamProgram(op, r, N, StreamAlgorithm::ReduceScatterAllGather, slot, &round);
+          const size_t B = n * esz, rounds = size_t(p.rounds);
+          CHECK(traffic(p) <= 4 * B + size_t(N - 2) * (B / size_t(N) + rounds * esz));
+          CHECK(traffic(p) >= 4 * B + size_t(N - 2) * (B / size_t(N)) - size_t(N - 2) * rounds * esz);
+          // loomAvg divides in the window, then copies its part out too.
+          op.op = loomAvg;
+          round = 0;
+          p = loom::compileStreamProgram(op, r, N, StreamAlgorithm::ReduceScatterAllGather, slot, &round);
+          CHECK(traffic(p) <= 6 * B + size_t(N) * (B / size_t(N) + rounds * esz));
+          op.op = loomSum;
+          // Reduce-scatter out of place: (N-1) blocks staged, N read + 1
+          // written: (3N - 1) x the output.  In place (NCCL's layout) the own
+          // block is staged too: (3N + 1).
+          op.coll = Collective::ReduceScatter;
+          op.recvbuf = inPlace ? a.data() + size_t(r) * B : c.data();
+          round = 0;
+          p = loom::compileStreamProgram(op, r, N, StreamAlgorithm::OneShot, slot, &round);
+          CHECK(traffic(p) == size_t(inPlace ? 3 * N + 1 : 3 * N - 1) * B);
+          // All-to-all: (N-1) blocks staged and read out, the own block
+          // copied straight across (in place: left where it is).
+          op.coll = Collective::AllToAll;
+          op.recvbuf = inPlace ? a.data() : c.data();
+          round = 0;
+          p = loom::compileStreamProgram(op, r, N, StreamAlgorithm::OneShot, slot, &round);
+          CHECK(traffic(p) == size_t(4 * (N - 1) + (inPlace ? 0 : 2)) * B);
+        }
+}

@@ -25,8 +25,11 @@ struct CudaApi {
   int (*writeValue64)(void* stream, uint64_t* addr, uint64_t value);
   // cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream)
   int (*memcpyAsync)(void* dst, const void* src, size_t bytes, void* stream);
-  // The reduction kernel: dst = srcs[0] op ... op srcs[nsrcs-1], 1 <= nsrcs <= kCudaMaxReduceSources
-  int (*launchReduce)(void* dst, const void* const* srcs, int nsrcs, size_t count, int dtype, int op,
+  // The reduction kernel: dst = srcs[0] op ... op srcs[nsrcs-1], 1 <= nsrcs <= kCudaMaxReduceSources;
+  // dst2, unless null, gets the same elements (ABI 6).  dst2 may be a
+  // source exactly: each element is read from every source before it is
+  // written.
+  int (*launchReduce)(void* dst, void* dst2, const void* const* srcs, int nsrcs, size_t count, int dtype, int op,
                       void* stream);
   // dst = src / divisor (loomAvg)
   int (*launchDivide)(void* dst, const void* src, size_t count, int dtype, int divisor, void* stream);
@@ -84,9 +87,10 @@ struct CudaApi {
   // A communicator's init calls it (loadDeviceKernels), and so does
   // loom-gpu-tests before it enqueues programs of its own.
   int (*loadKernels)();
+  // ---- ABI 6: launchReduce's second destination (dst2) ----
 };
 
-constexpr int kCudaApiVersion = 5;
+constexpr int kCudaApiVersion = 6;
 // sizeof(cudaIpcMemHandle_t) (CUDA_IPC_HANDLE_SIZE); the plug-in checks it.
 constexpr size_t kCudaIpcHandleBytes = 64;
 

@@ -34,21 +34,24 @@ void CudaStreamBackend::copy(int s, void* dst, const void* src, size_t bytes) {
   check(api_.memcpyAsync(dst, src, bytes, stream(s)), "cudaMemcpyAsync");
 }
 
-void CudaStreamBackend::reduce(int s, void* dst, const void* const* srcs, int nsrcs, size_t count,
+void CudaStreamBackend::reduce(int s, void* dst, void* dst2, const void* const* srcs, int nsrcs, size_t count,
                                loomDataType_t type, loomRedOp_t op) {
   if (nsrcs < 1) fail(loomInternalError, "CUDA reduce with %d sources", nsrcs);
   // First launch: up to kCudaMaxReduceSources sources; each next one takes
   // dst (the partial result so far) and kCudaMaxReduceSources - 1 more.
+  // Only the last launch writes dst2, which may be one of the sources.
   int used = std::min(nsrcs, kCudaMaxReduceSources);
-  check(api_.launchReduce(dst, srcs, used, count, int(type), int(op), stream(s)), "reduction kernel launch");
+  check(api_.launchReduce(dst, used == nsrcs ? dst2 : nullptr, srcs, used, count, int(type), int(op), stream(s)),
+        "reduction kernel launch");
   const void* chain[kCudaMaxReduceSources];
   while (used < nsrcs) {
     int take = std::min(nsrcs - used, kCudaMaxReduceSources - 1);
     chain[0] = dst;
     for (int i = 0; i < take; ++i) chain[i + 1] = srcs[used + i];
-    check(api_.launchReduce(dst, chain, take + 1, count, int(type), int(op), stream(s)),
-          "reduction kernel launch");
     used += take;
+    check(api_.launchReduce(dst, used == nsrcs ? dst2 : nullptr, chain, take + 1, count, int(type), int(op),
+                            stream(s)),
+          "reduction kernel launch");
   }
 }
 

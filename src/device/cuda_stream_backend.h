@@ -22,7 +22,7 @@ class CudaStreamBackend final : public StreamBackend {
   void copy(int stream, void* dst, const void* src, size_t bytes) override;
   // More than kCudaMaxReduceSources sources: chained launches that keep the
   // left-to-right order (dst = dst op next sources).
-  void reduce(int stream, void* dst, const void* const* srcs, int nsrcs, size_t count, loomDataType_t type,
+  void reduce(int stream, void* dst, void* dst2, const void* const* srcs, int nsrcs, size_t count, loomDataType_t type,
               loomRedOp_t op) override;
   void divide(int stream, void* dst, const void* src, size_t count, loomDataType_t type,
               int divisor) override;

@@ -64,7 +64,8 @@ std::string StreamProgram::describe() const {
         s += strf("copy %s <- %s, %zu B", refName(o.dst).c_str(), refName(src(o, 0)).c_str(), o.count);
         break;
       case StreamOpKind::Reduce:
-        s += strf("reduce %s <-", refName(o.dst).c_str());
+        s += strf("reduce %s%s%s <-", refName(o.dst).c_str(), o.dual ? " and " : "",
+                  o.dual ? refName(o.dst2).c_str() : "");
         for (uint32_t i = 0; i < o.srcCount; ++i) s += " " + refName(src(o, i));
         s += strf(", %zu x %s %s", o.count, dtypeName(dtype), redOpName(op));
         break;
@@ -163,6 +164,7 @@ void ProgramEnqueuer::visit(size_t index, bool enqueue) {
   if (o.stream >= p.streams) res.bad("uses a stream the program does not declare");
   const size_t bytes = o.kind == StreamOpKind::Copy ? o.count : o.count * esz;
   void* dst = nullptr;
+  void* dst2 = nullptr;
   srcs.clear();
   switch (o.kind) {
     case StreamOpKind::WaitFlag:
@@ -184,7 +186,23 @@ void ProgramEnqueuer::visit(size_t index, bool enqueue) {
       if (o.kind != StreamOpKind::Reduce && o.srcCount != 1) res.bad("has more than one source");
       if (o.kind == StreamOpKind::Divide && o.divisor < 1) res.bad("divides by less than 1");
       dst = res.at(o.dst, bytes, true);
+      if (o.dual && o.kind != StreamOpKind::Reduce) res.bad("has a second destination but is no reduction");
+      if (o.dual) dst2 = res.at(o.dst2, bytes, true);
       for (uint32_t i = 0; i < o.srcCount; ++i) srcs.push_back(res.at(p.src(o, i), bytes, false));
+      if (o.kind == StreamOpKind::Reduce) {
+        // A backend may write dst before it has read every source (a
+        // reduction over more sources than one kernel takes is chained
+        // through dst); dst2 is written last, so it may be a source exactly.
+        auto overlap = [&](const void* a, const void* c) {
+          auto x = static_cast<const uint8_t*>(a), y = static_cast<const uint8_t*>(c);
+          return x < y + bytes && y < x + bytes;
+        };
+        for (const void* s : srcs) {
+          if (bytes && overlap(dst, s)) res.bad("reduces into one of its sources");
+          if (bytes && dst2 && s != dst2 && overlap(dst2, s)) res.bad("writes its second destination over part of a source");
+        }
+        if (bytes && dst2 && overlap(dst, dst2)) res.bad("has overlapping destinations");
+      }
       break;
   }
   if (!enqueue) return;
@@ -203,7 +221,7 @@ void ProgramEnqueuer::visit(size_t index, bool enqueue) {
       be.copy(o.stream, dst, srcs[0], o.count);
       break;
     case StreamOpKind::Reduce:
-      be.reduce(o.stream, dst, srcs.data(), int(srcs.size()), o.count, p.dtype, p.op);
+      be.reduce(o.stream, dst, dst2, srcs.data(), int(srcs.size()), o.count, p.dtype, p.op);
       break;
     case StreamOpKind::Divide:
       be.divide(o.stream, dst, srcs[0], o.count, p.dtype, o.divisor);

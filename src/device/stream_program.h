@@ -60,7 +60,8 @@ enum class StreamOpKind : uint8_t {
   SetFlag,      // flag(owner = this rank, flag) = value, after all earlier work on the stream
   SetPeerFlag,  // the same, in the copy rank `flagRank` reads only (send/recv's per-pair flags)
   Copy,         // dst = src[0], `bytes` bytes (never overlapping)
-  Reduce,       // dst = src[0] op src[1] op ... (left to right, rounded each step), `count` elements
+  Reduce,       // dst = src[0] op src[1] op ... (left to right, rounded each step), `count` elements;
+                // with `dual`, the result goes to dst2 as well (written last: dst2 may be a source)
   Divide,       // dst = src[0] / divisor, `count` elements (loomAvg's last step)
   RecordEvent,  // event `event` completes when the stream's earlier work has
   WaitEvent,    // stream waits for the last record of `event` enqueued before this op
@@ -73,6 +74,8 @@ struct StreamOp {
   int32_t flagRank = 0;
   uint64_t value = 0;
   ProgramRef dst;
+  ProgramRef dst2;    // Reduce with `dual`: a second destination
+  bool dual = false;
   uint32_t srcBegin = 0;  // sources: program.srcs[srcBegin, srcBegin + srcCount)
   uint32_t srcCount = 0;
   size_t count = 0;  // Reduce/Divide: elements; Copy: bytes
@@ -137,7 +140,11 @@ class StreamBackend {
   virtual void waitFlag(int stream, const uint64_t* flag, uint64_t value, int ownerRank) = 0;
   virtual void setFlag(int stream, uint64_t* flag, uint64_t value) = 0;
   virtual void copy(int stream, void* dst, const void* src, size_t bytes) = 0;
-  virtual void reduce(int stream, void* dst, const void* const* srcs, int nsrcs, size_t count,
+  // dst = srcs[0] op ... op srcs[nsrcs-1]; when dst2 is not null, dst2
+  // gets the same elements.  dst never overlaps a source; dst2 may be one
+  // of them exactly (an in-place caller's buffer): every element of the
+  // sources is read before that element of dst2 is written.
+  virtual void reduce(int stream, void* dst, void* dst2, const void* const* srcs, int nsrcs, size_t count,
                       loomDataType_t type, loomRedOp_t op) = 0;
   virtual void divide(int stream, void* dst, const void* src, size_t count, loomDataType_t type,
                       int divisor) = 0;

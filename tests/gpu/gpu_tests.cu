@@ -114,7 +114,8 @@ void testKernels(const loom::CudaApi& api) {
     for (loomRedOp_t op : kOps)
       for (int nsrcs : {1, 2, 3, 8, 19})
         for (size_t n : {size_t(0), size_t(1), size_t(4097), size_t(1) << 20})
-          for (size_t misalign : {size_t(0), size_t(1)}) {
+          for (size_t misalign : {size_t(0), size_t(1)})
+            for (bool dual : {false, true}) {  // dual: the result also into the last source (in place)
             const size_t esz = loom::dtypeSize(t), bytes = (n + misalign) * esz;
             std::vector<std::vector<uint8_t>> in(static_cast<size_t>(nsrcs), std::vector<uint8_t>(bytes));
             std::vector<void*> dev(static_cast<size_t>(nsrcs));
@@ -128,31 +129,35 @@ void testKernels(const loom::CudaApi& api) {
             void* dst;
             CK(cudaMalloc(&dst, bytes + 16));
             uint8_t* d = static_cast<uint8_t*>(dst) + misalign * esz;
-            be.reduce(0, d, srcs.data(), nsrcs, n, t, op);
+            void* d2 = dual ? const_cast<void*>(srcs[size_t(nsrcs - 1)]) : nullptr;
+            be.reduce(0, d, d2, srcs.data(), nsrcs, n, t, op);
             if (op == loomAvg) be.divide(0, d, d, n, t, nsrcs);
             if (!finish(st, 60)) {
               row("kernels", "reduction did not finish", 1, "hang");
               std::exit(1);
             }
-            std::vector<uint8_t> got(n * esz), want(n * esz);
+            std::vector<uint8_t> got(n * esz), want(n * esz), got2(n * esz), want2;
             CK(cudaMemcpy(got.data(), d, n * esz, cudaMemcpyDeviceToHost));
+            if (dual) CK(cudaMemcpy(got2.data(), d2, n * esz, cudaMemcpyDeviceToHost));
             if (n) {
               std::memcpy(want.data(), in[0].data() + misalign * esz, n * esz);
               for (int k = 1; k < nsrcs; ++k)
                 loom::reduceHost(want.data(), want.data(), in[size_t(k)].data() + misalign * esz, n, t, op);
+              want2 = want;  // the second destination is not divided
               if (op == loomAvg) loom::divideHost(want.data(), want.data(), n, t, nsrcs);
             }
             ++cases;
-            if (got != want) {
+            if (got != want || (dual && n && got2 != want2)) {
               ++wrong;
               if (firstBad.empty())
-                firstBad = loom::strf("%s %s nsrcs=%d n=%zu misalign=%zu", loom::dtypeName(t), loom::redOpName(op),
-                                      nsrcs, n, misalign);
+                firstBad = loom::strf("%s %s nsrcs=%d n=%zu misalign=%zu%s", loom::dtypeName(t),
+                                      loom::redOpName(op), nsrcs, n, misalign, dual ? " dual" : "");
             }
             for (void* p : dev) CK(cudaFree(p));
             CK(cudaFree(dst));
           }
-  row("kernels", loom::strf("%ld cases: 10 types x 5 ops x 1..19 sources x sizes", cases), wrong, firstBad);
+  row("kernels", loom::strf("%ld cases: 10 types x 5 ops x 1..19 sources x sizes x 1-2 destinations", cases), wrong,
+      firstBad);
   CK(cudaStreamDestroy(st));
 }
 

@@ -8,7 +8,7 @@
 namespace loom {
 namespace cuda {
 
-int launchReduce(void* dst, const void* const* srcs, int nsrcs, size_t count, int dtype, int op, void* stream);
+int launchReduce(void* dst, void* dst2, const void* const* srcs, int nsrcs, size_t count, int dtype, int op, void* stream);
 int launchDivide(void* dst, const void* src, size_t count, int dtype, int divisor, void* stream);
 // cudaFuncGetAttributes on every kernel of reduce_kernels.cu: loads them
 // into the current context now (CudaApi::loadKernels).

@@ -6,7 +6,10 @@
 // When the destination and every source are 16-byte aligned, each thread
 // loads 16 bytes per source (one uint4) and combines 16/sizeof(element)
 // elements; the tail that does not fill a vector, and unaligned buffers,
-// take the one-element-per-thread kernel.  Both are grid-stride loops over
+// take the one-element-per-thread kernel.  A second destination, when
+// given, gets each element (or vector) right after the first: a thread reads
+// every source's element before it writes either, so the second may be one
+// of the sources exactly (an in-place caller's buffer).  Both are grid-stride loops over
 // at most kMaxBlocks blocks of kThreads threads.
 //
 // Launches go through cudaLaunchKernel, whose return is that launch's own
@@ -35,16 +38,19 @@ struct Sources {
 };
 
 template <class Ty, class Op>
-__global__ void reduceElements(typename Ty::Store* dst, Sources<Ty> s, int nsrcs, size_t n) {
+__global__ void reduceElements(typename Ty::Store* dst, typename Ty::Store* dst2, Sources<Ty> s, int nsrcs,
+                               size_t n) {
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     typename Ty::Store acc = s.p[0][i];
     for (int k = 1; k < nsrcs; ++k) acc = reduce<Ty, Op>(acc, s.p[k][i]);
     dst[i] = acc;
+    if (dst2) dst2[i] = acc;
   }
 }
 
 template <class Ty, class Op>
-__global__ void reduceVectors(typename Ty::Store* dst, Sources<Ty> s, int nsrcs, size_t nvec) {
+__global__ void reduceVectors(typename Ty::Store* dst, typename Ty::Store* dst2, Sources<Ty> s, int nsrcs,
+                              size_t nvec) {
   using S = typename Ty::Store;
   constexpr int V = 16 / sizeof(S);
   union Pack {
@@ -60,6 +66,7 @@ __global__ void reduceVectors(typename Ty::Store* dst, Sources<Ty> s, int nsrcs,
       for (int j = 0; j < V; ++j) acc.e[j] = reduce<Ty, Op>(acc.e[j], in.e[j]);
     }
     reinterpret_cast<uint4*>(dst)[i] = acc.v;
+    if (dst2) reinterpret_cast<uint4*>(dst2)[i] = acc.v;
   }
 }
 
@@ -78,20 +85,22 @@ unsigned blocksFor(size_t work) {
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 template <class Ty, class Op>
-cudaError_t launchReduceTyped(void* dst, const void* const* srcs, int nsrcs, size_t n, cudaStream_t st) {
+cudaError_t launchReduceTyped(void* dst, void* dst2, const void* const* srcs, int nsrcs, size_t n,
+                              cudaStream_t st) {
   using S = typename Ty::Store;
   constexpr size_t V = 16 / sizeof(S);
   Sources<Ty> s;
-  bool vec = aligned16(dst);
+  bool vec = aligned16(dst) && aligned16(dst2);
   for (int k = 0; k < nsrcs; ++k) {
     s.p[k] = static_cast<const S*>(srcs[k]);
     vec = vec && aligned16(srcs[k]);
   }
   for (int k = nsrcs; k < kCudaMaxReduceSources; ++k) s.p[k] = nullptr;
   S* d = static_cast<S*>(dst);
+  S* d2 = static_cast<S*>(dst2);
   size_t nvec = vec ? n / V : 0;
   if (nvec) {
-    void* args[] = {&d, &s, &nsrcs, &nvec};
+    void* args[] = {&d, &d2, &s, &nsrcs, &nvec};
     cudaError_t rc = cudaLaunchKernel(reinterpret_cast<const void*>(&reduceVectors<Ty, Op>), dim3(blocksFor(nvec)),
                                       dim3(kThreads), args, 0, st);
     if (rc != cudaSuccess) return rc;
@@ -100,8 +109,9 @@ cudaError_t launchReduceTyped(void* dst, const void* const* srcs, int nsrcs, siz
   if (done < n) {
     for (int k = 0; k < nsrcs; ++k) s.p[k] += done;
     S* rest = d + done;
+    S* rest2 = d2 ? d2 + done : nullptr;
     size_t left = n - done;
-    void* args[] = {&rest, &s, &nsrcs, &left};
+    void* args[] = {&rest, &rest2, &s, &nsrcs, &left};
     return cudaLaunchKernel(reinterpret_cast<const void*>(&reduceElements<Ty, Op>), dim3(blocksFor(left)),
                             dim3(kThreads), args, 0, st);
   }
@@ -109,13 +119,14 @@ cudaError_t launchReduceTyped(void* dst, const void* const* srcs, int nsrcs, siz
 }
 
 template <class Ty>
-cudaError_t launchReduceOp(void* dst, const void* const* srcs, int nsrcs, size_t n, int op, cudaStream_t st) {
+cudaError_t launchReduceOp(void* dst, void* dst2, const void* const* srcs, int nsrcs, size_t n, int op,
+                           cudaStream_t st) {
   switch (op) {
-    case loomSum: return launchReduceTyped<Ty, Sum>(dst, srcs, nsrcs, n, st);
-    case loomProd: return launchReduceTyped<Ty, Prod>(dst, srcs, nsrcs, n, st);
-    case loomMax: return launchReduceTyped<Ty, Max>(dst, srcs, nsrcs, n, st);
-    case loomMin: return launchReduceTyped<Ty, Min>(dst, srcs, nsrcs, n, st);
-    case loomAvg: return launchReduceTyped<Ty, Sum>(dst, srcs, nsrcs, n, st);  // divided at the end
+    case loomSum: return launchReduceTyped<Ty, Sum>(dst, dst2, srcs, nsrcs, n, st);
+    case loomProd: return launchReduceTyped<Ty, Prod>(dst, dst2, srcs, nsrcs, n, st);
+    case loomMax: return launchReduceTyped<Ty, Max>(dst, dst2, srcs, nsrcs, n, st);
+    case loomMin: return launchReduceTyped<Ty, Min>(dst, dst2, srcs, nsrcs, n, st);
+    case loomAvg: return launchReduceTyped<Ty, Sum>(dst, dst2, srcs, nsrcs, n, st);  // divided at the end
   }
   return cudaErrorInvalidValue;
 }
@@ -136,12 +147,13 @@ cudaError_t launchDivideTyped(void* dst, const void* src, size_t n, int divisor,
 
 }  // namespace
 
-int launchReduce(void* dst, const void* const* srcs, int nsrcs, size_t n, int dtype, int op, void* stream) {
+int launchReduce(void* dst, void* dst2, const void* const* srcs, int nsrcs, size_t n, int dtype, int op,
+                 void* stream) {
   if (nsrcs < 1 || nsrcs > kCudaMaxReduceSources) return int(cudaErrorInvalidValue);
   if (n == 0) return 0;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   return int(withElem(
-      dtype, [&](auto ty) { return launchReduceOp<decltype(ty)>(dst, srcs, nsrcs, n, op, st); },
+      dtype, [&](auto ty) { return launchReduceOp<decltype(ty)>(dst, dst2, srcs, nsrcs, n, op, st); },
       cudaErrorInvalidValue));
 }
 
