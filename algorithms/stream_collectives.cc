@@ -13,7 +13,8 @@
 //      or copies straight out of their windows (and its own send buffer);
 //   4. sets done = v once it reads no window of round g any more.
 // The reduce-scatter + all-gather all-reduce adds a step between 3 and 4:
-// each rank reduces its 1/N part into the second half of its slot and, in
+// each rank reduces its 1/N part into its slot, where that part of its
+// input would be (it never stages it: it reads it from its send buffer), and, in
 // the same kernel, into its output (a second destination; loomAvg divides
 // in the slot and copies out instead), sets reduced = v, and a second stream
 // copies the other ranks' parts out once all reduced flags reach v.  Stream 1
@@ -181,7 +182,7 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
       m = perRound(slotBytes / size_t(N), esz);  // a slot holds one chunk per rank
       break;
     case Collective::AllReduce:
-      m = perRound(rsag ? slotBytes / 2 : slotBytes, esz);
+      m = perRound(slotBytes, esz);
       break;
     default:
       m = perRound(slotBytes, esz);
@@ -230,7 +231,6 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         b.copy(0, winAt(me, base + size_t(q) * c * esz), sendAt((size_t(q) * n + off) * esz), c * esz);
   };
 
-  const size_t half = slotBytes / 2;
   uint64_t g = *round;
   for (size_t off = 0; off < n; off += m, ++g) {
     const size_t c = std::min(m, n - off);  // elements this round
@@ -269,16 +269,16 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         // (in place that is the part of the send buffer it was just read
         // from, which only this rank reads).
         if (avg) {
-          b.reduce(0, winAt(me, base + half + ps * esz), all, pl);
-          b.divide(0, winAt(me, base + half + ps * esz), pl, N);
+          b.reduce(0, winAt(me, base + ps * esz), all, pl);
+          b.divide(0, winAt(me, base + ps * esz), pl, N);
         } else {
-          b.reduce2(0, winAt(me, base + half + ps * esz), recvAt((off + ps) * esz), all, pl);
+          b.reduce2(0, winAt(me, base + ps * esz), recvAt((off + ps) * esz), all, pl);
         }
         b.set(0, kFlagReduced, v);
         b.waitAll(1, kFlagReduced, v);
         for (int q = 0; q < N; ++q) {
           size_t qs = partStart(q), ql = partStart(q + 1) - qs;
-          if (q != me || avg) b.copy(1, recvAt((off + qs) * esz), winAt(q, base + half + qs * esz), ql * esz);
+          if (q != me || avg) b.copy(1, recvAt((off + qs) * esz), winAt(q, base + qs * esz), ql * esz);
         }
         b.set(1, kFlagDone, v);
         break;

@@ -204,6 +204,7 @@ void SimRank::copy(int s, void* dst, const void* src, size_t bytes) {
 void SimRank::reduce(int s, void* dst, void* dst2, const void* const* srcs, int nsrcs, size_t count,
                      loomDataType_t type, loomRedOp_t op) {
   std::vector<const void*> in(srcs, srcs + nsrcs);
+  if (dst2) ++dualReductions_;
   stream(s).enqueue(
       [=] {
         loom::Device& dev = loom::hostDevice();

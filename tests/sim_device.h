@@ -97,6 +97,9 @@ class SimRank final : public loom::StreamBackend {
   SimRank(SimDeviceWorld& world, int rank, SimGpu& gpu, int streams, uint64_t seed);
   ~SimRank() override;
   int rank() const { return rank_; }
+  // Reductions enqueued with a second destination (the reduce-scatter +
+  // all-gather all-reduce's), so tests can tell which program ran.
+  uint64_t dualReductions() const { return dualReductions_.load(); }
   SimGpu& gpu() { return gpu_; }
 
   // The caller's own work on one of its streams (a "kernel").
@@ -142,6 +145,7 @@ class SimRank final : public loom::StreamBackend {
   std::vector<std::unique_ptr<SimStream>> streams_;
   std::vector<std::pair<const void*, int>> callers_;  // addCallerStream's
   uint64_t seed_;
+  std::atomic<uint64_t> dualReductions_{0};
   std::vector<std::unique_ptr<Event>> events_;
   std::atomic<bool> failed_{false};
   mutable std::mutex failMu_;

@@ -644,7 +644,7 @@ size_t traffic(const loom::StreamProgram& p) {
 
 TEST_CASE(
     "stream programs: memory traffic per rank is what the layout promises (all-reduce (5N-2)/N x bytes, its own "
-    "part never staged; reduce-scatter and all-to-all stage no block of their own)",
+    "part never staged, reduce-scatter and all-to-all stage no block of their own)",
     "[streamprog]") {
   const size_t slot = 64 << 10, esz = 4;
   for (int N = 2; N <= 8; ++N)

@@ -120,11 +120,11 @@ const std::vector<ConfigVar>& configTable() {
        "on the network (a multiple of 256; rank 0's value is used by all)"},
       {"LOOM_DEVICE_SLOT_BYTES", "int", "33554432",
        "the CUDA IPC path's slot: each rank's window is two slots of device memory that the other ranks map, and "
-       "a collective moves through it in rounds of at most a slot (an all-reduce's reduce-scatter + all-gather: "
-       "half a slot), each round synchronised by flags; send/recv staging is one slot per pair (a multiple of "
-       "4096, 65536 to 268435456; each round costs about 35 us, so larger slots move large buffers faster: on an "
-       "H200 with 2 processes, a 256 MiB all-reduce reached 51 GB/s with 4 MiB slots, 134 with 16 MiB, 211 with "
-       "32 MiB, 280 with 64 MiB; rank 0's value is used by all)"},
+       "a collective moves through it in rounds of at most a slot, each round synchronised by flags; send/recv "
+       "staging is one slot per pair (a multiple of 4096, 65536 to 268435456; each round costs about 35 us, so "
+       "larger slots move large buffers faster: on an H200 with 2 processes, a 256 MiB all-reduce reached 51 GB/s "
+       "with 4 MiB slots, 134 with 16 MiB, 211 with 32 MiB, 280 with 64 MiB, measured when an all-reduce's round "
+       "was half a slot and moved 11/8 of today's bytes; rank 0's value is used by all)"},
       {"LOOM_DEVICE_ONESHOT_BYTES", "int", "262144",
        "CUDA IPC path: all-reduces up to this many bytes run one-shot (every rank reduces every window), larger "
        "ones reduce-scatter + all-gather (not yet measured on GPUs; rank 0's value is used by all)"},
