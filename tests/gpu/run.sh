@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU suite, one command on a machine with an NVIDIA GPU:
 #   tests/gpu/run.sh [PHASE...]         (default: every phase, in order)
-# PHASE: probe, check, perf, hier, sanitize (each builds first if it must).  The
+# PHASE: probe, check, perf, hier, sanitize, sweep (each builds first if it
+# must; sweep, not in the default list, measures the IPC all-reduce at
+# every LOOM_DEVICE_SLOT_BYTES from 4 to 128 MiB under MPS).  The
 # lent GPU machine takes at most 10 minutes a call, so there run one or two
 # phases a call (docs/testing.md, "On the GPU machine"); every step has a
 # timeout of LOOM_GPU_STEP_TIMEOUT seconds (default 240).  LOOM_GPU_BUILD
@@ -35,8 +37,8 @@ phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(probe check perf hier sanitize)
 for p in "${phases[@]}"; do
   case $p in
-  probe | check | perf | hier | sanitize) ;;
-  *) echo "run.sh: unknown phase $p (probe, check, perf, hier, sanitize)" >&2; exit 2 ;;
+  probe | check | perf | hier | sanitize | sweep) ;;
+  *) echo "run.sh: unknown phase $p (probe, check, perf, hier, sanitize, sweep)" >&2; exit 2 ;;
   esac
 done
 run=("$build/bin/loom-run")
@@ -61,7 +63,7 @@ for phase in "${phases[@]}"; do
   case $phase in
   probe) targets+=(loom-gpu-probe) ;;
   check) targets+=(loom-unit-tests loom-gpu-tests loom-gpu-comm-tests) ;;
-  perf | hier) targets+=(loom-gpu-comm-perf loom-perf loom-run) ;;
+  perf | hier | sweep) targets+=(loom-gpu-comm-perf loom-perf loom-run) ;;
   sanitize) targets+=(loom-gpu-tests loom-gpu-comm-tests) ;;
   esac
 done
@@ -122,7 +124,7 @@ mps_stop() {
 trap mps_stop EXIT
 for phase in "${phases[@]}"; do
   mps_stop
-  case $phase in perf | hier) mps_start ;; esac
+  case $phase in perf | hier | sweep) mps_start ;; esac
   case $phase in
   probe)
     # What the CUDA code takes for granted, one line each, with timeouts:
@@ -156,6 +158,14 @@ for phase in "${phases[@]}"; do
       step "loom-perf -G $coll, 2 ranks, 8 B .. 64 MiB" "${run[@]}" -n 2 "${lp[@]}" "$coll" -G -b 8 -e 64M -f 8 -c 1 -r 1
     done
     step "loom-perf --device cuda (the ctest script)" bash "$here/tests/perf_device_test.sh" "$build/bin"
+    ;;
+  sweep)
+    # The IPC path's all-reduce against its slot (each round costs tens of
+    # microseconds, docs/testing.md): 2 processes, 1 MiB .. 256 MiB, checked.
+    for slot in 4 16 32 64 128; do
+      step "loom-perf -G all_reduce, 2 ranks, LOOM_DEVICE_SLOT_BYTES=${slot} MiB, 1 MiB .. 256 MiB" \
+        env LOOM_DEVICE_SLOT_BYTES=$((slot << 20)) "${run[@]}" -n 2 "${lp[@]}" all_reduce -G -b 1M -e 256M -f 4 -c 1
+    done
     ;;
   hier)
     # The hierarchical path (within a "host" over CUDA IPC, between hosts
