@@ -390,8 +390,9 @@ LOOM_API loomResult_t loomReduce(const void* sendbuff, void* recvbuff, size_t co
  * receives rank i's block r at recvbuff + i*count.  Both buffers hold
  * nranks*count elements.  In place when sendbuff == recvbuff (as NCCL takes
  * it; each rank chooses for itself): a host communicator first copies the
- * nranks*count elements aside (one extra local copy, and host memory of
- * that size kept by the communicator for later calls); a CUDA communicator
+ * nranks*count elements aside (one extra local copy, into loomMemAlloc
+ * memory of that size kept by the communicator for later calls, which the
+ * peers read in place where they would read loomMemAlloc buffers); a CUDA communicator
  * needs no copy (its program reads each piece of the input before it writes
  * that piece of the output).  Any other overlap is loomInvalidArgument. */
 LOOM_API loomResult_t loomAllToAll(const void* sendbuff, void* recvbuff, size_t count,

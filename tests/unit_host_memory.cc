@@ -311,3 +311,23 @@ TEST_CASE("a forked child's loomMemFree does not move its parent's free epochs",
   loom::hostMemUnwatchFrees(epoch);
   munmap(page, 4096);
 }
+
+TEST_CASE("shared scratch: loomMemAlloc memory that grows, is reused, and shrinks when far too big", "[registered]") {
+  loom::SharedScratch s;
+  CHECK(s.bytes() == 0);
+  uint8_t* a = s.get(100);
+  REQUIRE(a != nullptr);
+  CHECK(s.bytes() == 4096);
+  loom::PeerBuffer pb;
+  CHECK(loom::hostMemExport(a, 100, &pb));  // peers can map it
+  CHECK(s.get(4096) == a);                  // fits: the same memory
+  uint8_t* big = s.get(size_t(32) << 20);
+  CHECK(s.bytes() == size_t(32) << 20);
+  CHECK(loom::hostMemExport(big, size_t(32) << 20, &pb));
+  if (big != a) CHECK(!loom::hostMemExport(a, 100, &pb));  // the old one was freed
+  CHECK(s.get(size_t(9) << 20) == big);      // more than a quarter: kept
+  s.get(size_t(1) << 20);                    // less than a quarter of 16 MiB or more: shrunk
+  CHECK(s.bytes() == size_t(1) << 20);
+  s.get(size_t(200) << 10);  // below 16 MiB: kept, whatever the ratio
+  CHECK(s.bytes() == size_t(1) << 20);
+}

@@ -702,7 +702,7 @@ const std::vector<OpDesc>& loomComm::withInPlaceInputsCopied(const std::vector<O
   // Copied here, in this rank's turn, so it reads what the caller's stream
   // left in the buffer; the algorithm chosen is the one an out-of-place call
   // gets, so ranks in place and ranks not agree on it.
-  uint8_t* at = inPlaceInputs_.get(total, hostDevice(), rank_);
+  uint8_t* at = inPlaceInputs_.get(total);
   *copied = ops;
   for (OpDesc& op : *copied) {
     if (!inPlaceAllToAll(op)) continue;

@@ -28,6 +28,7 @@
 #include "src/core/trace.h"
 #include "src/device/device_choice.h"
 #include "src/device/device_comm.h"
+#include "src/device/host_memory.h"
 #include "src/device/staged_comm.h"
 #include "src/topology/comm_topology.h"
 #include "src/tuner/tuner.h"
@@ -308,9 +309,10 @@ struct loomComm : public loom::ExecEnv,
     loom::Algorithm algo;
     loom::RunDirectFn runDirect;  // the algorithm's, when it is a direct path
   } lastChoice_;
-  // In-place all-to-alls' inputs, copied aside for the run (host memory,
-  // grown to the largest batch's and kept; used under the turn).
-  loom::ScratchBuffer inPlaceInputs_;
+  // In-place all-to-alls' inputs, copied aside for the run (loomMemAlloc's
+  // memory, so that the peers can still read them in place; kept, grown and
+  // shrunk with the batches; used under the turn; its size is in the dump).
+  loom::SharedScratch inPlaceInputs_;
   std::map<std::pair<int, int>, std::unique_ptr<loom::Connection>> conns_;
   std::unique_ptr<loom::TaggedP2P> tagged_;  // loomSendTagged / loomRecvTagged
   std::vector<int64_t> taggedRetryMs_;       // per peer: when to look for its tagged connection again

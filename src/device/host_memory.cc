@@ -216,6 +216,23 @@ void hostMemFree(void* ptr) {
   close(a.fd);
 }
 
+SharedScratch::~SharedScratch() {
+  if (p_) hostMemFree(p_);
+}
+
+uint8_t* SharedScratch::get(size_t bytes) {
+  const size_t have = bytes_.load(std::memory_order_relaxed);
+  const bool shrink = have >= (size_t(16) << 20) && bytes < have / 4;
+  if (p_ && bytes <= have && !shrink) return static_cast<uint8_t*>(p_);
+  if (p_) hostMemFree(p_);  // peers drop their mappings of it when they next look
+  p_ = nullptr;
+  bytes_.store(0, std::memory_order_relaxed);
+  const size_t size = (bytes + 4095) & ~size_t(4095);
+  p_ = hostMemAlloc(size);
+  bytes_.store(size, std::memory_order_relaxed);
+  return static_cast<uint8_t*>(p_);
+}
+
 bool hostMemExport(const void* ptr, size_t bytes, PeerBuffer* out) {
   Registry& reg = registry();
   std::lock_guard<std::mutex> lock(reg.mu);

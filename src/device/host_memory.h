@@ -54,6 +54,27 @@ bool hostMemFind(const void* ptr, void** base, size_t* bytes);
 void hostMemWatchFrees(std::atomic<uint64_t>* epoch);
 void hostMemUnwatchFrees(std::atomic<uint64_t>* epoch);
 
+// Scratch space from hostMemAlloc, grown on demand and kept (a
+// communicator's copy of in-place all-to-alls' inputs: the peers can map
+// it, so the zero-copy paths still apply to those calls).  get() is called
+// by one thread at a time; bytes() may be read from any (loomCommDump).
+class SharedScratch {
+ public:
+  SharedScratch() = default;
+  SharedScratch(const SharedScratch&) = delete;
+  SharedScratch& operator=(const SharedScratch&) = delete;
+  ~SharedScratch();
+  // At least `bytes` (> 0); what it held is lost when it is reallocated:
+  // to grow, or to shrink when less than a quarter of 16 MiB or more is
+  // asked for.  Throws as hostMemAlloc.
+  uint8_t* get(size_t bytes);
+  size_t bytes() const { return bytes_.load(std::memory_order_relaxed); }
+
+ private:
+  void* p_ = nullptr;
+  std::atomic<size_t> bytes_{0};
+};
+
 // The room the memory cgroups named in `procCgroupFile` (/proc/self/cgroup)
 // leave, under `sysfsRoot` (/sys/fs/cgroup; v1, v2 or both): for each and
 // its ancestors, limit - (usage - inactive file pages); UINT64_MAX where
