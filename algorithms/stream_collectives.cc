@@ -218,9 +218,9 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
        static_cast<const uint8_t*>(op.recvbuf) == static_cast<const uint8_t*>(op.sendbuf) + size_t(op.root) * block);
   // Reduce-scatter: whether this rank's block of the input lies apart from
   // its output (out of place: not NCCL's in-place layout, nor any overlap).
-  const bool ownBlockApart = [&] {
-    const uint8_t* own = static_cast<const uint8_t*>(op.sendbuf) + size_t(me) * block;
-    const uint8_t* out = static_cast<const uint8_t*>(op.recvbuf);
+  const bool ownBlockApart = op.coll == Collective::ReduceScatter && [&] {
+    const uintptr_t own = reinterpret_cast<uintptr_t>(op.sendbuf) + uintptr_t(me) * block;
+    const uintptr_t out = reinterpret_cast<uintptr_t>(op.recvbuf);
     return own + block <= out || out + block <= own;
   }();
   // Chunk q (c elements from `off`) of an N-block buffer into slot place
@@ -253,8 +253,12 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
     switch (op.coll) {
       case Collective::AllReduce: {
         guard();
-        // Part q of the round: elements [c*q/N, c*(q+1)/N).
-        auto partStart = [&](int q) { return c * size_t(q) / size_t(N); };
+        // Part q of the round: elements [c*q/N, c*(q+1)/N), each start
+        // rounded down to a whole 256-byte line, so that every part (whose
+        // round starts on a line, perRound) is aligned for the kernels'
+        // 16-byte loads whatever N is.
+        const size_t line = 256 / esz;
+        auto partStart = [&](int q) { return q == N ? c : c * size_t(q) / size_t(N) / line * line; };
         const size_t ps = partStart(me), pl = partStart(me + 1) - ps;
         if (rsag) {
           // Only the parts the others reduce go to the window: this rank's

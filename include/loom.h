@@ -391,8 +391,9 @@ LOOM_API loomResult_t loomReduce(const void* sendbuff, void* recvbuff, size_t co
  * nranks*count elements.  In place when sendbuff == recvbuff (as NCCL takes
  * it; each rank chooses for itself): a host communicator first copies the
  * nranks*count elements aside (one extra local copy, into loomMemAlloc
- * memory of that size kept by the communicator for later calls, which the
- * peers read in place where they would read loomMemAlloc buffers); a CUDA communicator
+ * memory the communicator keeps for later calls and resizes as they need,
+ * which the peers on this host read in place as they would read
+ * loomMemAlloc buffers); a CUDA communicator
  * needs no copy (its program reads each piece of the input before it writes
  * that piece of the output).  Any other overlap is loomInvalidArgument. */
 LOOM_API loomResult_t loomAllToAll(const void* sendbuff, void* recvbuff, size_t count,

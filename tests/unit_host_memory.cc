@@ -312,22 +312,36 @@ TEST_CASE("a forked child's loomMemFree does not move its parent's free epochs",
   munmap(page, 4096);
 }
 
-TEST_CASE("shared scratch: loomMemAlloc memory that grows, is reused, and shrinks when far too big", "[registered]") {
+TEST_CASE("shared scratch: loomMemAlloc memory that grows by half again, is reused, and shrinks only after many "
+          "small calls in a row",
+          "[registered]") {
   loom::SharedScratch s;
   CHECK(s.bytes() == 0);
+  const size_t page = size_t(sysconf(_SC_PAGESIZE));
   uint8_t* a = s.get(100);
   REQUIRE(a != nullptr);
-  CHECK(s.bytes() == 4096);
+  CHECK(s.bytes() == page);
   loom::PeerBuffer pb;
   CHECK(loom::hostMemExport(a, 100, &pb));  // peers can map it
-  CHECK(s.get(4096) == a);                  // fits: the same memory
+  CHECK(s.get(page) == a);                  // fits: the same memory
   uint8_t* big = s.get(size_t(32) << 20);
   CHECK(s.bytes() == size_t(32) << 20);
   CHECK(loom::hostMemExport(big, size_t(32) << 20, &pb));
-  if (big != a) CHECK(!loom::hostMemExport(a, 100, &pb));  // the old one was freed
-  CHECK(s.get(size_t(9) << 20) == big);      // more than a quarter: kept
-  s.get(size_t(1) << 20);                    // less than a quarter of 16 MiB or more: shrunk
+  const bool inside = a >= big && a < big + (size_t(32) << 20);  // the new block may cover the freed page
+  if (!inside) CHECK(!loom::hostMemExport(a, 100, &pb));          // the old one was freed
+  s.get((size_t(32) << 20) + 1);  // creeping up: grows by half again, not to the byte
+  CHECK(s.bytes() == size_t(48) << 20);
+  uint8_t* now = s.get(size_t(1) << 20);
+  // Sizes that vary from call to call (a quarter and less, then more) keep it.
+  for (int i = 0; i < 40; ++i) CHECK(s.get(i % 4 ? size_t(1) << 20 : size_t(20) << 20) == now);
+  CHECK(s.bytes() == size_t(48) << 20);
+  // kShrinkAfter small calls in a row: shrunk to what the last asked.
+  s.get(size_t(20) << 20);
+  for (int i = 1; i < loom::SharedScratch::kShrinkAfter; ++i) s.get(size_t(1) << 20);
+  CHECK(s.bytes() == size_t(48) << 20);
+  s.get(size_t(1) << 20);
   CHECK(s.bytes() == size_t(1) << 20);
-  s.get(size_t(200) << 10);  // below 16 MiB: kept, whatever the ratio
+  // Below 16 MiB it is kept, however small the calls.
+  for (int i = 0; i < 3 * loom::SharedScratch::kShrinkAfter; ++i) s.get(4096);
   CHECK(s.bytes() == size_t(1) << 20);
 }

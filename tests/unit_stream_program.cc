@@ -551,6 +551,102 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "stream programs: a reduction into its own sources, a second destination over part of a source, overlapping "
+    "destinations, or a second destination on a copy are refused before anything runs",
+    "[streamprog]") {
+  loomsim::SimDeviceWorld w(1, 1, 4096);
+  std::vector<float> a(256), b(256);
+  auto ref = [](loom::Space sp, size_t off) { return loom::ProgramRef{sp, 0, off}; };
+  // dst, optional dst2, sources: each case one op, plus a flag set before
+  // it that must not happen when the op is refused.
+  struct Case {
+    const char* why;
+    loom::StreamOpKind kind;
+    loom::ProgramRef dst;
+    bool dual;
+    loom::ProgramRef dst2;
+    std::vector<loom::ProgramRef> srcs;
+  };
+  using loom::Space;
+  const std::vector<Case> cases = {
+      {"reduces into one of its sources", loom::StreamOpKind::Reduce, ref(Space::Recv, 0), false, {},
+       {ref(Space::Send, 0), ref(Space::Recv, 64)}},
+      {"writes its second destination over part of a source", loom::StreamOpKind::Reduce, ref(Space::Window, 0),
+       true, ref(Space::Recv, 4), {ref(Space::Send, 0), ref(Space::Recv, 0)}},
+      {"has overlapping destinations", loom::StreamOpKind::Reduce, ref(Space::Window, 0), true,
+       ref(Space::Window, 64), {ref(Space::Send, 0)}},
+      {"has a second destination but is no reduction", loom::StreamOpKind::Copy, ref(Space::Window, 0), true,
+       ref(Space::Recv, 0), {ref(Space::Send, 0)}},
+  };
+  for (const Case& c : cases) {
+    INFO(c.why);
+    loom::StreamProgram p;
+    p.rank = 0;
+    p.nranks = 1;
+    loom::StreamOp set;
+    set.kind = loom::StreamOpKind::SetFlag;
+    set.flag = loom::kFlagInput;
+    set.value = 1;
+    p.ops.push_back(set);
+    loom::StreamOp o;
+    o.kind = c.kind;
+    o.dst = c.dst;
+    o.dual = c.dual;
+    o.dst2 = c.dst2;
+    o.srcBegin = 0;
+    o.srcCount = uint32_t(c.srcs.size());
+    o.count = c.kind == loom::StreamOpKind::Copy ? 128 * 4 : 128;  // copies count bytes
+    p.srcs = c.srcs;
+    p.ops.push_back(o);
+    try {
+      loom::enqueueProgram(w.rank(0), p, w.buffers(0, a.data(), a.size() * 4, b.data(), b.size() * 4));
+      FAIL("no error");
+    } catch (const loom::Error& e) {
+      CHECK(e.code() == loomInternalError);
+      CHECK(std::string(e.what()).find(c.why) != std::string::npos);
+    }
+    std::string msg;
+    CHECK(w.rank(0).synchronize(&msg) == loomSuccess);
+    CHECK(w.flag(0, loom::kFlagInput) == 0);
+  }
+  // The second destination exactly one of the sources (an in-place
+  // caller's buffer) is what the all-reduce does, and runs.
+  loom::StreamProgram p;
+  p.rank = 0;
+  p.nranks = 1;
+  p.srcs = {ref(Space::Send, 0), ref(Space::Window, 1024)};
+  loom::StreamOp o;
+  o.kind = loom::StreamOpKind::Reduce;
+  o.dst = ref(Space::Window, 0);
+  o.dual = true;
+  o.dst2 = ref(Space::Send, 0);
+  o.srcCount = 2;
+  o.count = 128;
+  p.ops.push_back(o);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = float(i);
+  loom::ProgramBuffers buf = w.buffers(0, a.data(), a.size() * 4, b.data(), b.size() * 4);
+  std::fill(reinterpret_cast<float*>(buf.windows[0] + 1024), reinterpret_cast<float*>(buf.windows[0] + 1024) + 128,
+            0.5f);
+  // Send is read-only to programs, so it cannot be dst2: refused as such.
+  try {
+    loom::enqueueProgram(w.rank(0), p, buf);
+    FAIL("no error");
+  } catch (const loom::Error& e) {
+    CHECK(std::string(e.what()).find("writes the send buffer") != std::string::npos);
+  }
+  p.srcs[0] = ref(Space::Recv, 0);  // in place: recv is both a source and the second destination
+  p.ops[0].dst2 = ref(Space::Recv, 0);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = float(i);
+  loom::enqueueProgram(w.rank(0), p, buf);
+  std::string msg;
+  REQUIRE(w.rank(0).synchronize(&msg) == loomSuccess);
+  for (size_t i = 0; i < 128; ++i) {
+    CHECK(b[i] == float(i) + 0.5f);
+    CHECK(reinterpret_cast<const float*>(buf.windows[0])[i] == float(i) + 0.5f);
+  }
+}
+
+TEST_CASE(
     "stream programs: ranks on their own threads, each compiling, enqueueing and synchronizing, stay exact",
     "[streamprog]") {
   const int N = 8, kOpsPerRank = 24;
@@ -667,13 +763,20 @@ TEST_CASE(
           loom::StreamProgram p =
               loom::compileStreamProgram(op, r, N, StreamAlgorithm::ReduceScatterAllGather, slot, &round);
           const size_t B = n * esz, rounds = size_t(p.rounds);
-          CHECK(traffic(p) <= 4 * B + size_t(N - 2) * (B / size_t(N) + rounds * esz));
-          CHECK(traffic(p) >= 4 * B + size_t(N - 2) * (B / size_t(N)) - size_t(N - 2) * rounds * esz);
+          // Rounds are whole slots (the reduced part takes the place of the
+          // input part a rank does not stage).
+          CHECK(rounds == (B + slot - 1) / slot);
+          // Parts start on whole 256-byte lines: each is within a line of
+          // an N-th of its round.
+          CHECK(traffic(p) <= 4 * B + size_t(N - 2) * (B / size_t(N) + rounds * 256));
+          CHECK(traffic(p) + size_t(N - 2) * rounds * 256 >= 4 * B + size_t(N - 2) * (B / size_t(N)));
+          for (const loom::StreamOp& o : p.ops)
+            if (o.kind == loom::StreamOpKind::Reduce) CHECK(o.dst.offset % 256 == 0);  // aligned parts
           // loomAvg divides in the window, then copies its part out too.
           op.op = loomAvg;
           round = 0;
           p = loom::compileStreamProgram(op, r, N, StreamAlgorithm::ReduceScatterAllGather, slot, &round);
-          CHECK(traffic(p) <= 6 * B + size_t(N) * (B / size_t(N) + rounds * esz));
+          CHECK(traffic(p) <= 6 * B + size_t(N) * (B / size_t(N) + rounds * 256));
           op.op = loomSum;
           // Reduce-scatter out of place: (N-1) blocks staged, N read + 1
           // written: (3N - 1) x the output.  In place (NCCL's layout) the own

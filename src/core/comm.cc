@@ -702,7 +702,18 @@ const std::vector<OpDesc>& loomComm::withInPlaceInputsCopied(const std::vector<O
   // Copied here, in this rank's turn, so it reads what the caller's stream
   // left in the buffer; the algorithm chosen is the one an out-of-place call
   // gets, so ranks in place and ranks not agree on it.
-  uint8_t* at = inPlaceInputs_.get(total);
+  uint8_t* at = nullptr;
+  try {
+    at = inPlaceInputs_.get(total);
+  } catch (const Error& e) {
+    // loomMemAlloc's memory refused (it faults every page in, and checks
+    // the room for that first): plain memory still gives the right result,
+    // only not read in place by the peers.
+    if (!inPlaceWarned_)
+      LOOM_WARN("COLL", "rank %d: in-place all-to-alls copy their input into plain memory: %s", rank_, e.what());
+    inPlaceWarned_ = true;
+    at = inPlaceFallback_.get(total, hostDevice(), rank_);
+  }
   *copied = ops;
   for (OpDesc& op : *copied) {
     if (!inPlaceAllToAll(op)) continue;

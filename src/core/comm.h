@@ -313,6 +313,8 @@ struct loomComm : public loom::ExecEnv,
   // memory, so that the peers can still read them in place; kept, grown and
   // shrunk with the batches; used under the turn; its size is in the dump).
   loom::SharedScratch inPlaceInputs_;
+  loom::ScratchBuffer inPlaceFallback_;  // where loomMemAlloc's memory is refused
+  bool inPlaceWarned_ = false;           // ...which is logged once
   std::map<std::pair<int, int>, std::unique_ptr<loom::Connection>> conns_;
   std::unique_ptr<loom::TaggedP2P> tagged_;  // loomSendTagged / loomRecvTagged
   std::vector<int64_t> taggedRetryMs_;       // per peer: when to look for its tagged connection again

@@ -112,7 +112,7 @@ std::string loomComm::dump() {
   uint64_t queued = issued - served - (start && issued > served ? 1 : 0);
   if (queued) s += strf("  queued behind it: %llu operations\n", (unsigned long long)queued);
   if (size_t kept = inPlaceInputs_.bytes())
-    s += strf("  kept for in-place all-to-all inputs: %zu bytes of loomMemAlloc memory\n", kept);
+    s += strf("  kept for in-place all-to-all inputs: %zu bytes of host memory the peers can map\n", kept);
   if (const DeviceCollectives* d = device_.get()) s += d->describe();
   return s;
 }

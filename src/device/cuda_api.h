@@ -26,7 +26,7 @@ struct CudaApi {
   // cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream)
   int (*memcpyAsync)(void* dst, const void* src, size_t bytes, void* stream);
   // The reduction kernel: dst = srcs[0] op ... op srcs[nsrcs-1], 1 <= nsrcs <= kCudaMaxReduceSources;
-  // dst2, unless null, gets the same elements (ABI 6).  dst2 may be a
+  // dst2, unless null, gets the same elements (since ABI 6).  dst2 may be a
   // source exactly: each element is read from every source before it is
   // written.
   int (*launchReduce)(void* dst, void* dst2, const void* const* srcs, int nsrcs, size_t count, int dtype, int op,
@@ -87,7 +87,7 @@ struct CudaApi {
   // A communicator's init calls it (loadDeviceKernels), and so does
   // loom-gpu-tests before it enqueues programs of its own.
   int (*loadKernels)();
-  // ---- ABI 6: launchReduce's second destination (dst2) ----
+  // (ABI 6 changed launchReduce in place: it gained dst2.)
 };
 
 constexpr int kCudaApiVersion = 6;

@@ -222,12 +222,16 @@ SharedScratch::~SharedScratch() {
 
 uint8_t* SharedScratch::get(size_t bytes) {
   const size_t have = bytes_.load(std::memory_order_relaxed);
-  const bool shrink = have >= (size_t(16) << 20) && bytes < have / 4;
-  if (p_ && bytes <= have && !shrink) return static_cast<uint8_t*>(p_);
+  const bool little = have >= (size_t(16) << 20) && bytes < have / 4;
+  small_ = little ? small_ + 1 : 0;
+  if (p_ && bytes <= have && small_ < kShrinkAfter) return static_cast<uint8_t*>(p_);
+  small_ = 0;
+  const size_t want = bytes > have ? std::max(bytes, have + have / 2) : bytes;
   if (p_) hostMemFree(p_);  // peers drop their mappings of it when they next look
   p_ = nullptr;
   bytes_.store(0, std::memory_order_relaxed);
-  const size_t size = (bytes + 4095) & ~size_t(4095);
+  const size_t page = pageBytes();
+  const size_t size = (want + page - 1) / page * page;
   p_ = hostMemAlloc(size);
   bytes_.store(size, std::memory_order_relaxed);
   return static_cast<uint8_t*>(p_);

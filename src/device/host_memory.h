@@ -64,15 +64,22 @@ class SharedScratch {
   SharedScratch(const SharedScratch&) = delete;
   SharedScratch& operator=(const SharedScratch&) = delete;
   ~SharedScratch();
-  // At least `bytes` (> 0); what it held is lost when it is reallocated:
-  // to grow, or to shrink when less than a quarter of 16 MiB or more is
-  // asked for.  Throws as hostMemAlloc.
+  // At least `bytes` (> 0); what it held is lost when it is reallocated.
+  // It grows to at least 1.5 times its size (so sizes that creep up do not
+  // reallocate every call), and shrinks to what is asked only when it holds
+  // 16 MiB or more and kShrinkAfter calls in a row asked for less than a
+  // quarter of it (sizes that vary from call to call keep it).  Each
+  // reallocation frees the old memory, and a free makes the peers drop
+  // their mappings of this process's loomMemAlloc memory.  Throws as
+  // hostMemAlloc.
   uint8_t* get(size_t bytes);
   size_t bytes() const { return bytes_.load(std::memory_order_relaxed); }
+  static constexpr int kShrinkAfter = 16;
 
  private:
   void* p_ = nullptr;
   std::atomic<size_t> bytes_{0};
+  int small_ = 0;  // calls in a row that asked for less than a quarter
 };
 
 // The room the memory cgroups named in `procCgroupFile` (/proc/self/cgroup)

@@ -115,7 +115,8 @@ void testKernels(const loom::CudaApi& api) {
       for (int nsrcs : {1, 2, 3, 8, 19})
         for (size_t n : {size_t(0), size_t(1), size_t(4097), size_t(1) << 20})
           for (size_t misalign : {size_t(0), size_t(1)})
-            for (bool dual : {false, true}) {  // dual: the result also into the last source (in place)
+            for (bool dual : {false, true}) {  // dual: the result also into the first source (in place;
+                                               // with 19 sources read by the first launch, written by the last)
             const size_t esz = loom::dtypeSize(t), bytes = (n + misalign) * esz;
             std::vector<std::vector<uint8_t>> in(static_cast<size_t>(nsrcs), std::vector<uint8_t>(bytes));
             std::vector<void*> dev(static_cast<size_t>(nsrcs));
@@ -129,7 +130,7 @@ void testKernels(const loom::CudaApi& api) {
             void* dst;
             CK(cudaMalloc(&dst, bytes + 16));
             uint8_t* d = static_cast<uint8_t*>(dst) + misalign * esz;
-            void* d2 = dual ? const_cast<void*>(srcs[size_t(nsrcs - 1)]) : nullptr;
+            void* d2 = dual ? const_cast<void*>(srcs[0]) : nullptr;
             be.reduce(0, d, d2, srcs.data(), nsrcs, n, t, op);
             if (op == loomAvg) be.divide(0, d, d, n, t, nsrcs);
             if (!finish(st, 60)) {
