@@ -1217,8 +1217,15 @@ loomResult_t loomGroupEnd(void) {
   // stream operations of each in turn, so that no rank's stream queue
   // fills with waits for work that a rank after it has not enqueued yet (a
   // GPU's host thread then blocks in the enqueue for ever; see
-  // ProgramEnqueuer).  A part that fails stops; the others are enqueued to
-  // the end, so that their rounds stay in step with their peers'.
+  // ProgramEnqueuer).  They go in waves: the k-th call of every part is
+  // begun, in the order of the communicators' addresses, and stepped until
+  // all of them are enqueued, before any part begins its next.  A begun
+  // call holds its communicator, so the communicators are always taken in
+  // that one order, never one while a later one is held (two threads with
+  // groups over the same communicators cannot deadlock, and lock-order
+  // checkers have nothing to report).  A part that fails stops; the others
+  // are enqueued to the end, so that their rounds stay in step with their
+  // peers'.
   struct Cursor {
     size_t next = 0;        // its next collective in parts[i].ops
     bool p2pBegun = false;  // its sends and receives (one program, last)
@@ -1227,34 +1234,51 @@ loomResult_t loomGroupEnd(void) {
   };
   constexpr size_t kOpsPerTurn = 4;
   std::vector<Cursor> cursors(parts.size());
+  std::vector<size_t> order(parts.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return std::less<const loomComm*>()(parts[a].comm, parts[b].comm);
+  });
   loomResult_t first = loomSuccess;
-  for (bool busy = true; busy;) {
-    busy = false;
-    for (size_t i = 0; i < parts.size(); ++i) {
+  auto failed = [&](Cursor& c, loomResult_t r) {
+    c.run.reset();  // its communicator has failed (a step that threw says so)
+    c.done = true;
+    if (first == loomSuccess) first = r;
+  };
+  for (;;) {
+    bool begun = false;
+    for (size_t i : order) {  // the wave's calls
       Cursor& c = cursors[i];
       if (c.done) continue;
       loomResult_t r = guarded("loomGroupEnd", parts[i].comm, [&] {
-        if (!c.run) {
-          const std::vector<OpDesc>& ops = parts[i].ops;
-          while (c.next < ops.size() && ops[c.next].coll == Collective::P2P) ++c.next;
-          if (c.next < ops.size()) {
-            c.run = beginOnDevice(parts[i].comm, parts[i].stream, &ops[c.next++], nullptr);
-          } else if (!p2p[i].empty() && !c.p2pBegun) {
-            c.p2pBegun = true;
-            c.run = beginOnDevice(parts[i].comm, parts[i].stream, nullptr, &p2p[i]);
-          } else {
-            c.done = true;
-          }
+        const std::vector<OpDesc>& ops = parts[i].ops;
+        while (c.next < ops.size() && ops[c.next].coll == Collective::P2P) ++c.next;
+        if (c.next < ops.size()) {
+          c.run = beginOnDevice(parts[i].comm, parts[i].stream, &ops[c.next++], nullptr);
+        } else if (!p2p[i].empty() && !c.p2pBegun) {
+          c.p2pBegun = true;
+          c.run = beginOnDevice(parts[i].comm, parts[i].stream, nullptr, &p2p[i]);
+        } else {
+          c.done = true;
         }
-        if (c.run && stepOnDevice(parts[i].comm, *c.run, kOpsPerTurn)) c.run.reset();
         return loomSuccess;
       });
-      if (r != loomSuccess) {
-        c.run.reset();  // its communicator has failed (a step that threw says so)
-        c.done = true;
-        if (first == loomSuccess) first = r;
+      if (r != loomSuccess) failed(c, r);
+      begun = begun || !c.done;
+    }
+    if (!begun) break;
+    for (bool busy = true; busy;) {  // stepped round-robin until all are enqueued
+      busy = false;
+      for (size_t i : order) {
+        Cursor& c = cursors[i];
+        if (!c.run) continue;
+        loomResult_t r = guarded("loomGroupEnd", parts[i].comm, [&] {
+          if (stepOnDevice(parts[i].comm, *c.run, kOpsPerTurn)) c.run.reset();
+          return loomSuccess;
+        });
+        if (r != loomSuccess) failed(c, r);
+        busy = busy || c.run;
       }
-      busy = busy || !c.done;
     }
   }
   return first;
