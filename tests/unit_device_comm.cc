@@ -1381,7 +1381,7 @@ TEST_CASE("CUDA communicators through the C API (simulated device): one thread's
   so.deadlineMs = 20000;
   loomsim::SimDeviceWorld world(4, 1, 256, so);
   DeviceEnv env(mem, world);
-  // 64 KiB slots: a 1 MiB all-reduce is 32 rounds, hundreds of operations.
+  // 64 KiB slots: a 1 MiB all-reduce is 16 rounds, hundreds of operations.
   ScopedEnv slotBytes("LOOM_DEVICE_SLOT_BYTES", "65536");
   std::vector<loomComm_t> comms = initCudaComms(4);
   REQUIRE(comms.size() == 4);
