@@ -1,6 +1,6 @@
 // Multi-process tests: real ranks started by loom-run, over shared memory
 // (the default on one host) and over tcp (forced with LOOM_TRANSPORTS=tcp).
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 
 #include <algorithm>
 #include <csignal>

@@ -8,7 +8,7 @@
 #include <dirent.h>
 #include <unistd.h>
 
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>

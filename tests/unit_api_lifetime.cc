@@ -4,7 +4,7 @@
 // Ranks are threads of this process, so the sanitizer builds see any use
 // of a freed communicator.
 #include <atomic>
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <chrono>
 #include <string>
 #include <thread>

@@ -7,7 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <cstdlib>
 #include <cstring>
 #include <string>

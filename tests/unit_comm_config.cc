@@ -5,7 +5,7 @@
 // driver and surviving a split, and every bad field refused with a message
 // that names it, before anything waits for a peer.
 #include <atomic>
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>

@@ -1,6 +1,6 @@
 // The table of LOOM_* variables (configTable(), printed by loom-topo --env and
 // copied into the README) against what config() really does.
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <cctype>
 #include <cstdlib>
 #include <functional>

@@ -6,7 +6,7 @@
 // given to a host communicator, and the CUDA communicator's driver (its
 // calls, again through a recording table, with host memory standing in for
 // device memory).
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>

@@ -2,7 +2,7 @@
 // reduce_ops.h against the host kernels, and loomStream_t handles that are
 // not loom streams (a cudaStream_t, garbage) failing cleanly instead of
 // being dereferenced.
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -163,7 +163,7 @@ TEST_CASE("the executor refuses a buffer in memory its device cannot access, nam
   REQUIRE_FALSE(res.ok());
   REQUIRE(res.errors.size() == 2);
   for (const std::string& e : res.errors)
-    CHECK_THAT(e, Catch::Contains("in CUDA device memory, which the host device cannot access"));
+    CHECK_THAT(e, loom_test::contains("in CUDA device memory, which the host device cannot access"));
   CHECK(recv[0][0] == 0.0f);  // nothing was touched
 
   op.sendMem = op.recvMem = loom::MemoryKind::RegisteredHost;
@@ -196,20 +196,20 @@ TEST_CASE("a stream handle that is not a loom stream fails with loomInvalidArgum
   memset(garbage, 0xab, sizeof garbage);
   for (loomStream_t fake : {reinterpret_cast<loomStream_t>(garbage), reinterpret_cast<loomStream_t>(uintptr_t(0x10))}) {
     CHECK(loomAllReduce(x, x, 4, loomFloat32, loomSum, one.comm, fake) == loomInvalidArgument);
-    CHECK_THAT(loomGetLastError(one.comm), Catch::Contains(kNotLoom));
-    CHECK_THAT(loomGetLastError(one.comm), Catch::Contains("loomAllReduce"));
+    CHECK_THAT(loomGetLastError(one.comm), loom_test::contains(kNotLoom));
+    CHECK_THAT(loomGetLastError(one.comm), loom_test::contains("loomAllReduce"));
     CHECK(loomBroadcast(x, x, 4, loomFloat32, 0, one.comm, fake) == loomInvalidArgument);
     CHECK(loomStreamSynchronize(fake) == loomInvalidArgument);
-    CHECK_THAT(loomGetLastError(nullptr), Catch::Contains(kNotLoom));
+    CHECK_THAT(loomGetLastError(nullptr), loom_test::contains(kNotLoom));
     CHECK(loomStreamQuery(fake) == loomInvalidArgument);
     CHECK(loomStreamDestroy(fake) == loomInvalidArgument);
-    CHECK_THAT(loomGetLastError(nullptr), Catch::Contains(kNotLoom));
+    CHECK_THAT(loomGetLastError(nullptr), loom_test::contains(kNotLoom));
 
     // In a group the bad member stops the whole group.
     REQUIRE(loomGroupStart() == loomSuccess);
     CHECK(loomAllReduce(x, x, 4, loomFloat32, loomSum, one.comm, fake) == loomInvalidArgument);
     CHECK(loomGroupEnd() == loomInvalidArgument);
-    CHECK_THAT(loomGetLastError(nullptr), Catch::Contains(kNotLoom));
+    CHECK_THAT(loomGetLastError(nullptr), loom_test::contains(kNotLoom));
   }
   CHECK(memcmp(garbage, std::string(sizeof garbage, '\xab').data(), sizeof garbage) == 0);
   CHECK(x[3] == 4.0f);
@@ -237,7 +237,7 @@ TEST_CASE("loom host streams run operations, a destroyed handle is refused, not 
   CHECK(y[3] == 4.0f);
   CHECK(loomStreamDestroy(s) == loomSuccess);
   CHECK(loomStreamDestroy(s) == loomInvalidArgument);
-  CHECK_THAT(loomGetLastError(nullptr), Catch::Contains("was destroyed"));
+  CHECK_THAT(loomGetLastError(nullptr), loom_test::contains("was destroyed"));
   CHECK(loomAllReduce(x, y, 4, loomFloat32, loomSum, one.comm, s) == loomInvalidArgument);
   CHECK(loomStreamSynchronize(s) == loomInvalidArgument);
   CHECK(loomStreamDestroy(t) == loomSuccess);

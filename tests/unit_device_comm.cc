@@ -20,7 +20,7 @@
 
 #include <atomic>
 #include <cmath>
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>

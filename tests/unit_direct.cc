@@ -4,7 +4,7 @@
 // every datatype and op, in and out of place, N from 1 to 8, many chunks;
 // operations back to back on one world (mailbox parity and
 // acknowledgements); and ranks that call different operations.
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <atomic>
 #include <chrono>
 #include <string>

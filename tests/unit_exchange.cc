@@ -4,7 +4,7 @@
 // bytes each rank sends, for N = 1..64.  All-to-allv's sends to self are
 // copied by the communicator, so the test takes them out of each rank's
 // group and copies them itself, as comm.cc does.
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <cstring>
 #include <string>
 #include <vector>

@@ -4,7 +4,7 @@
 // interleaved rank numbering, one host, one rank per host) with each flat
 // algorithm inside the rails, and the volume that crosses hosts.
 #include <algorithm>
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <vector>
 
 #include "tests/sim_transport.h"

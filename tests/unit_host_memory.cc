@@ -6,7 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <cerrno>
 #include <cstdlib>
 #include <cstdint>

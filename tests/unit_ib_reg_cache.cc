@@ -4,7 +4,7 @@
 // invalidation are checked here; the MRs themselves are checked over
 // Soft-RoCE (tests/vm/ibverbs_vm_test.sh rendezvous).
 #ifdef LOOM_HAVE_IBVERBS
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 
 #include <map>
 #include <set>

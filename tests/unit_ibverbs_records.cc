@@ -4,7 +4,7 @@
 #ifdef LOOM_HAVE_IBVERBS
 #include <netinet/in.h>
 
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <cstring>
 #include <random>
 #include <string>

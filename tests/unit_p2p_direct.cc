@@ -2,7 +2,7 @@
 // point-to-point steps handed to the connection instead of the slots, over
 // the simulator's in-memory DirectTransfer (tests/sim_transport.h).  The
 // RDMA implementation of the same protocol runs in tests/vm/ (rendezvous).
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 
 #include <cstring>
 #include <vector>

@@ -6,7 +6,7 @@
 // direct paths (its PeerMemory), with no edit outside tests/.
 #include <unistd.h>
 
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <cstdlib>
 #include <cstring>
 #include <map>

@@ -2,7 +2,7 @@
 // aliasing and alignment shapes, both ISA paths, and the float16/bfloat16
 // conversions (exhaustive where 2^16 allows it).
 #include <algorithm>
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <cmath>
 #include <cstring>
 #include <limits>

@@ -2,7 +2,7 @@
 // run on the simulated transport with the real executor: exact results for
 // all-reduce, reduce-scatter and all-gather at N = 1..64 with steps far larger
 // than the slot rings, the bandwidth-optimal volume, and log2 N exchanges.
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <vector>
 
 #include "tests/sim_transport.h"

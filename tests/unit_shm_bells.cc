@@ -8,7 +8,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <chrono>
 #include <memory>
 #include <string>

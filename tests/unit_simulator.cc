@@ -5,7 +5,7 @@
 // the simulator itself (transport, groups, p2p, mismatch and deadlock
 // detection).
 #include <algorithm>
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <chrono>
 #include <cstdlib>
 #include <set>
@@ -57,6 +57,16 @@ struct TypeOp {
   loomRedOp_t op;
 };
 
+// The (type, op) pairs a collective runs with: the reducing list for the
+// collectives that reduce, else each moved type with a placeholder op.
+std::vector<TypeOp> typesFor(Collective coll, const std::vector<TypeOp>& red,
+                             const std::vector<loomDataType_t>& moves) {
+  if (reduces(coll)) return red;
+  std::vector<TypeOp> list;
+  for (loomDataType_t t : moves) list.push_back({t, loomSum});
+  return list;
+}
+
 // The cases of one N for the given (type, op) list of reducing collectives
 // and type list of the others.
 // bothPlaces: every case in and out of place; else alternately one of them.
@@ -66,10 +76,7 @@ int runMatrix(int n, const std::vector<TypeOp>& red, const std::vector<loomDataT
   std::vector<size_t> counts = countsFor(n);
   const int roots[] = {0, n - 1, n / 2};
   for (Collective coll : kColls) {
-    std::vector<TypeOp> list;
-    if (reduces(coll)) list = red;
-    else
-      for (loomDataType_t t : moves) list.push_back({t, loomSum});
+    std::vector<TypeOp> list = typesFor(coll, red, moves);
     for (size_t ti = 0; ti < list.size(); ++ti)
       for (size_t ci = 0; ci < counts.size(); ++ci)
         for (bool inPlace : {false, true}) {
@@ -199,10 +206,7 @@ TEST_CASE("sim: ring, several channels, small chunks and slots", "[sim]") {
     std::vector<size_t> counts = countsFor(n);
     counts.push_back(10007);
     for (Collective coll : kColls) {
-      std::vector<TypeOp> list;
-      if (reduces(coll)) list = red;
-      else
-        for (loomDataType_t t : moves) list.push_back({t, loomSum});
+      std::vector<TypeOp> list = typesFor(coll, red, moves);
       for (const TypeOp& to : list)
         for (size_t count : counts)
           for (bool inPlace : {false, true}) {

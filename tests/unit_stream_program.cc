@@ -8,7 +8,7 @@
 // ordering against the caller's own work; a killed or absent rank turning
 // into an error within the deadline; bad programs refused before anything
 // is enqueued.
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <chrono>
 #include <cmath>
 #include <cstring>

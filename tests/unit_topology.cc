@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <fstream>
 #include <set>
 #include <string>
@@ -307,7 +307,7 @@ TEST_CASE("cpu binding: oversubscribed ranks share CPUs in contiguous blocks", "
   CHECK(planCpuBind(CpuBindMode::Auto, 0, 3, odd, true).cpus == std::vector<int>{4});
   CHECK(planCpuBind(CpuBindMode::Auto, 1, 3, odd, true).cpus == std::vector<int>{4});
   CHECK(planCpuBind(CpuBindMode::Auto, 2, 3, odd, true).cpus == std::vector<int>{9});
-  CHECK_THAT(planCpuBind(CpuBindMode::Auto, 2, 3, odd, true).why, Catch::Contains("oversubscribed"));
+  CHECK_THAT(planCpuBind(CpuBindMode::Auto, 2, 3, odd, true).why, loom_test::contains("oversubscribed"));
 }
 
 TEST_CASE("cpu binding: auto leaves enough CPUs, off and a launcher's binding alone, on splits the CPUs",
@@ -315,13 +315,13 @@ TEST_CASE("cpu binding: auto leaves enough CPUs, off and a launcher's binding al
   const std::vector<int> four{0, 1, 2, 3};
   CpuBindPlan p = planCpuBind(CpuBindMode::Auto, 1, 4, four, true);
   CHECK(p.cpus.empty());
-  CHECK_THAT(p.why, Catch::Contains("not bound"));
+  CHECK_THAT(p.why, loom_test::contains("not bound"));
   p = planCpuBind(CpuBindMode::Off, 1, 8, four, true);
   CHECK(p.cpus.empty());
-  CHECK_THAT(p.why, Catch::Contains("LOOM_CPU_BIND=off"));
+  CHECK_THAT(p.why, loom_test::contains("LOOM_CPU_BIND=off"));
   p = planCpuBind(CpuBindMode::Auto, 1, 8, four, false);
   CHECK(p.cpus.empty());
-  CHECK_THAT(p.why, Catch::Contains("launcher"));
+  CHECK_THAT(p.why, loom_test::contains("launcher"));
   p = planCpuBind(CpuBindMode::On, 1, 8, four, false);
   CHECK(p.cpus.empty());  // on keeps a launcher's binding too
   CHECK(planCpuBind(CpuBindMode::On, 0, 2, four, true).cpus == std::vector<int>({0, 1}));

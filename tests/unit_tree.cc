@@ -3,7 +3,7 @@
 // chunks several times larger than a connection's slot ring, the two-tree
 // volume, and the shape of the trees.
 #include <algorithm>
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <cmath>
 #include <vector>
 

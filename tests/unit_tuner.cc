@@ -1,7 +1,7 @@
 // The tuner's cost model (src/tuner/cost_model.cc) on synthetic shapes and
 // link parameters: the choice flips where the model says it should, the
 // tuning file is read strictly, and forced algorithms still win.
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <cstdio>
 #include <fstream>
 #include <string>

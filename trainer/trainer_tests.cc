@@ -3,7 +3,7 @@
 // and compare what it prints and the parameters it saves.
 #include <unistd.h>
 
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>

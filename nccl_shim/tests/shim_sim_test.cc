@@ -12,7 +12,7 @@
 #include <nccl.h>
 
 #include <algorithm>
-#include <catch2/catch.hpp>
+#include "loom_catch.h"
 #include <cstdint>
 #include <cstdlib>
 #include <functional>

@@ -116,7 +116,8 @@ class Runner {
         Connection* rc = s.recvPeer >= 0 ? env.connection(s.recvPeer, l.channel) : nullptr;
         st.sendConn.push_back(sc);
         st.recvConn.push_back(rc);
-        for (auto key : {std::make_pair(sc, 0), std::make_pair(rc, 1)}) {
+        const std::pair<Connection*, int> keys[] = {{sc, 0}, {rc, 1}};
+        for (auto key : keys) {
           if (!key.first) continue;
           auto& v = users[key];
           if (v.empty() || v.back() != idx) v.push_back(idx);
