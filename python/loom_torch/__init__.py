@@ -29,6 +29,9 @@ import torch  # loads libtorch_python before the extension needs it
 import torch.distributed as dist
 
 from . import _C
+from . import _libuv
+
+_libuv.patch()  # a torch without libuv (Debian 13's) could not rendezvous
 
 __all__ = ["BACKEND_NAME", "empty", "loom_version", "monitored_barrier", "shrink"]
 

@@ -6,12 +6,17 @@ backend: it parses --redirects/--tee by iterating an IntFlag, and Python 3.11
 no longer yields the zero and composite members (NONE, ALL), so "0" (the
 default) maps to None. This module parses those values by number instead and
 then runs torch.distributed.run unchanged, with the same arguments.
+
+On a torch built without libuv (Debian 13's 2.6) it first applies
+loom_torch._libuv.patch(), so that the launch does not fail.
 """
 import re
 import sys
 
 from torch.distributed.elastic.multiprocessing import api as _mp_api
 from torch.distributed import run as _run
+
+from loom_torch import _libuv
 
 
 def _std_from_str(vm):
@@ -32,6 +37,9 @@ def _needs_fix():
 
 if _needs_fix():
     _mp_api.Std.from_str = staticmethod(_std_from_str)
+
+
+_libuv.patch()
 
 
 def main(argv=None):

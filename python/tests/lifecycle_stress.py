@@ -25,8 +25,11 @@ rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 30
 # A hang prints every thread's stack and fails instead of waiting for ctest.
 faulthandler.dump_traceback_later(5 * rounds + 60, exit=True)
 rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+# A torch built without libuv (Debian 13's) needs the plain store asked for;
+# loom_torch set USE_LIBUV=0 there (older torch has no such option).
+plain = {"use_libuv": False} if os.environ.get("USE_LIBUV") == "0" else {}
 store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), n, False,
-                      timeout=datetime.timedelta(seconds=60))
+                      timeout=datetime.timedelta(seconds=60), **plain)
 
 
 def expect(name, got, want):
