@@ -56,9 +56,17 @@ ucs_log_func_rc_t abandonedLog(const char* file, unsigned, const char*, ucs_log_
   return UCS_LOG_FUNC_RC_CONTINUE;
 }
 
-// UCX warns about a setting given through ucp_config_modify that no
-// transport took; loom's CONN_NB for tcp (init) is such a setting whenever
-// tcp is not in use (UCX_TLS=sm, ...), which is no mistake of the user's.
+// loom's non-blocking connect for tcp (init), under the name each UCX
+// version takes: UCX 1.13 applies a transport's setting given through
+// ucp_config_modify without the transport's prefix (CONN_NB), 1.18 only with
+// it (TCP_CONN_NB).  Both are set; UCX warns about the one it did not take.
+constexpr const char* kConnNbKeys[] = {"CONN_NB", "TCP_CONN_NB"};
+
+// UCX warns about settings given through ucp_config_modify that no
+// transport took ("invalid configurations: A=x,B=y"): one of loom's two
+// names for CONN_NB always is, and both are whenever tcp is not in use
+// (UCX_TLS=sm, ...), which is no mistake of the user's.  A warning that
+// names anything else goes through.
 ucs_log_func_rc_t unusedTcpConnNbLog(const char* file, unsigned, const char*, ucs_log_level_t level,
                                      const ucs_log_component_config_t*, const char* fmt, va_list ap) {
   if (level != UCS_LOG_LEVEL_WARN || !file || !strstr(file, "ucp_worker.c")) return UCS_LOG_FUNC_RC_CONTINUE;
@@ -67,8 +75,15 @@ ucs_log_func_rc_t unusedTcpConnNbLog(const char* file, unsigned, const char*, uc
   va_copy(copy, ap);
   vsnprintf(msg, sizeof msg, fmt, copy);
   va_end(copy);
-  return strcmp(msg, "invalid configuration: CONN_NB=y") == 0 ? UCS_LOG_FUNC_RC_STOP
-                                                                  : UCS_LOG_FUNC_RC_CONTINUE;
+  const char* list = strstr(msg, ": ");
+  if (strncmp(msg, "invalid configuration", 21) != 0 || !list) return UCS_LOG_FUNC_RC_CONTINUE;
+  for (const char* p = list + 2; *p;) {
+    std::string item(p, strcspn(p, ","));
+    if (item != std::string(kConnNbKeys[0]) + "=y" && item != std::string(kConnNbKeys[1]) + "=y")
+      return UCS_LOG_FUNC_RC_CONTINUE;
+    p += item.size() + (p[item.size()] == ',');
+  }
+  return UCS_LOG_FUNC_RC_STOP;
 }
 
 // Swallows UCX's log while loom probes for a feature it can do without.
@@ -163,8 +178,21 @@ class UcxWorker {
                 rank_, abandoned_);
       ucs_log_push_handler(&abandonedLog);
     }
+    // A direct transfer that UCX neither finished nor could cancel (a
+    // rendezvous already matched when its peer died: UCX 1.18 leaves such a
+    // receive in progress after the endpoint is closed by force) keeps its
+    // buffer's registration in the context's cache, and ucp_cleanup then
+    // aborts the process on UCX's assertion that no cached region is in use
+    // (rcache.c, "region->refcount == 0").  The context is left to the
+    // process's exit instead: a failed communicator's, once.
+    bool held = false;
+    for (const Rings* r : orphans_) held = held || r->directRecv.busy || r->directSend.busy;
     if (worker_) ucp_worker_destroy(worker_);
-    if (context_) ucp_cleanup(context_);
+    if (context_ && held)
+      LOOM_INFO("NET", "rank %d: UCX context left uncleaned: a direct transfer of a failed operation is still in "
+                "UCX's hands and holds its buffer's registration", rank_);
+    else if (context_)
+      ucp_cleanup(context_);
     if (abandoned_) ucs_log_pop_handler();
     for (Rings* r : orphans_) delete r;
   }
@@ -231,9 +259,10 @@ class UcxWorker {
     // non-blocking connect returns EINPROGRESS (on loopback too, to a closed
     // port too), so the request and any reconnect happen in progress, after
     // the endpoint is complete, where a failure reaches the endpoint's error
-    // handler like any other (loomRemoteError).  ucp_config_modify takes a
-    // transport's setting without the transport's prefix.
-    if (!foreignEnv("UCX_TCP_CONN_NB")) ucp_config_modify(cfg, "CONN_NB", "y");
+    // handler like any other (loomRemoteError).  The setting's name differs
+    // between UCX versions (kConnNbKeys).
+    if (!foreignEnv("UCX_TCP_CONN_NB"))
+      for (const char* key : kConnNbKeys) ucp_config_modify(cfg, key, "y");
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
     params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
@@ -366,8 +395,9 @@ class UcxWorker {
   // A connection leaves a direct send that will never complete.
   void abandonDirect(int peer) {
     markDead(peer);
-    ++abandoned_;
+    countAbandoned();
   }
+  void countAbandoned() { ++abandoned_; }
   // Rings whose requests are still pending when their connection closes.
   void adopt(Rings* r) { orphans_.push_back(r); }
 
@@ -438,7 +468,7 @@ class UcxWorker {
   std::map<int, PeerState> peers_;
   std::map<std::pair<uintptr_t, size_t>, ucp_mem_h> memh_;
   std::vector<Rings*> orphans_;
-  int abandoned_ = 0;  // direct sends left pending by failed operations
+  int abandoned_ = 0;  // direct transfers left pending by failed operations
 };
 
 namespace {
@@ -501,6 +531,8 @@ class UcxConnection : public Connection, public DirectTransfer {
     do {
       ucp_worker_progress(w_->worker());
     } while (waiting() && nowMs() < deadline);
+    // A matched direct receive cannot be cancelled: it is left to UCX too.
+    if (r_->directRecv.busy) w_->countAbandoned();
     if (r_->pending()) {
       w_->adopt(r_);
       return;
