@@ -17,7 +17,8 @@
 #     t GPU t, so a copy of its source is built with every thread on GPU
 #     NCCL_TESTS_DEVICE (one line of src/common.cu; the original is untouched),
 #     and -p 1 so that each thread initialises its own communicator.
-# Then the other collectives briefly (8 B .. 64 MiB).  LD_LIBRARY_PATH puts
+# Then the other collectives briefly (8 B .. 64 MiB).  With mpirun, under a
+# private MPS daemon where the machine has one (deps.sh).  LD_LIBRARY_PATH puts
 # the shim's libnccl.so.2 first, so nothing is rebuilt against loom.
 # NCCL_TESTS_ONLY (a list of test names) runs only those.
 # Exits non-zero if a run fails or reports a wrong value.
@@ -87,6 +88,19 @@ else
   export NCCL_TESTS_DEVICE=0
   launch=()
   shape=(-t 2 -g 1 -p 1)  # parallel init: each thread makes its own communicator
+fi
+# The two processes share the one GPU: under a private MPS daemon where there
+# is one, so that the times are loom's and not the time slicer's (the
+# issue's 8 B target is in nccl-tests' convention: iterations back to back,
+# one synchronisation); LOOM_GPU_MPS=0: not.
+if [ "$mode" = mpi ]; then
+  trap loom_mps_stop EXIT
+  if loom_mps_start; then
+    echo "under MPS ($CUDA_MPS_PIPE_DIRECTORY)"
+    launch+=(-x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY)
+  else
+    echo "no MPS: $loom_mps_why"
+  fi
 fi
 echo "nccl-tests ($mode) on $(readlink -f "$shimdir/libnccl.so.2")"
 export LD_LIBRARY_PATH=$shimdir:$build/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}

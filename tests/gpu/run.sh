@@ -91,36 +91,11 @@ record() {  # record NAME RESULT: a row of the table (and of LOOM_GPU_RESULTS)
   [ -n "$results_file" ] && printf '%-75s %s\n' "$1" "$2" >>"$results_file"
   return 0
 }
-# perf and hier run under MPS where the machine has it (LOOM_GPU_MPS=0:
-# never).  Without it, processes sharing the one GPU are time-sliced: on
-# the H200, loom-perf -G all_reduce with 2 processes took 582 us at 8 B
-# and reached 7.2 GB/s at 16 MiB, the time slicer's numbers; under MPS
-# 35-49 us and 36-46 GB/s.  The daemon is private (its own pipe folder)
-# and stopped when the phase ends.
-mps_on=0
-mps_start() {
-  [ "${LOOM_GPU_MPS:-1}" = 0 ] && return 0
-  if ! command -v nvidia-cuda-mps-control >/dev/null; then
-    record "MPS for the speed phases" "not installed: processes are time-sliced"
-    return 0
-  fi
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/loom-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/loom-mps/log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if nvidia-cuda-mps-control -d; then
-    mps_on=1
-    sleep 1
-  else
-    record "MPS for the speed phases" "did not start: processes are time-sliced"
-    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-  fi
-}
-mps_stop() {
-  [ "$mps_on" = 1 ] || return 0
-  echo quit | nvidia-cuda-mps-control
-  mps_on=0
-  sleep 1
-  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-}
+# perf, hier and sweep run under a private MPS daemon where the machine
+# has one (deps.sh's loom_mps_start; LOOM_GPU_MPS=0: never), stopped when
+# the phase ends.
+mps_start() { loom_mps_start || record "MPS for the speed phases" "$loom_mps_why"; }
+mps_stop() { loom_mps_stop; }
 trap mps_stop EXIT
 for phase in "${phases[@]}"; do
   mps_stop
