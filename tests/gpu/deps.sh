@@ -22,7 +22,12 @@ loom_gpu_deps() {
     need=1
   else
     { command -v pkg-config >/dev/null && pkg-config --exists hwloc; } || need=1
-    [ -f /usr/include/catch2/catch.hpp ] || [ -f /usr/local/include/catch2/catch.hpp ] || need=1
+    # Catch2 2 (catch.hpp) or 3 (catch_all.hpp): the tests take either.
+    local h found=0
+    for h in /usr/include/catch2/catch{,_all}.hpp /usr/local/include/catch2/catch{,_all}.hpp; do
+      [ -f "$h" ] && found=1
+    done
+    [ "$found" = 1 ] || need=1
   fi
   [ "$need" = 0 ] && return 0
   local debs=$here/.gpudeps root=${LOOM_GPU_DEPS_ROOT:-/tmp/loom-gpu-deps}
