@@ -5,6 +5,8 @@
 #
 #   bash scripts/debian13.sh                 # the torch tests (torch 2.x's c10d)
 #   bash scripts/debian13.sh -R "^unit:"     # any ctest arguments
+#   bash scripts/debian13.sh --run 'LOOM_BUILD_DIR=build-trixie bash perf/torch_compare.sh'
+#                                            # a command in the repository instead
 #
 # The chroot lives in LOOM_TRIXIE_ROOT (default /var/tmp/loom-trixie; made
 # once, about 1.3 GiB, a minute to make) and the build in build-trixie/.  The
@@ -14,6 +16,11 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 root=${LOOM_TRIXIE_ROOT:-/var/tmp/loom-trixie}
+run=
+if [ "${1:-}" = --run ]; then
+  run=${2:?--run needs a command}
+  shift 2
+fi
 [ $# -gt 0 ] || set -- -R "^torch:"
 packages=(cmake g++ ninja-build pkg-config libhwloc-dev hwloc catch2 libucx-dev libibverbs-dev
   python3 python3-torch libtorch-dev pybind11-dev python3-matplotlib zlib1g-dev dataset-fashion-mnist procps iproute2)
@@ -60,4 +67,8 @@ chroot "$root" sh -c 'g++ --version | head -1; python3 -c "import torch; print(\
 chroot "$root" env -C /loom cmake -S . -B build-trixie -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DLOOM_WERROR=ON >/dev/null
 chroot "$root" env -C /loom cmake --build build-trixie -j"$(getconf _NPROCESSORS_ONLN)"
-chroot "$root" env -C /loom ctest --test-dir build-trixie --output-on-failure --timeout 900 "$@"
+if [ -n "$run" ]; then
+  chroot "$root" env -C /loom bash -c "$run"
+else
+  chroot "$root" env -C /loom ctest --test-dir build-trixie --output-on-failure --timeout 900 "$@"
+fi
