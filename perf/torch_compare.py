@@ -12,9 +12,10 @@ is reported. algbw = bytes / time; busbw = algbw * 2 (N-1) / N (nccl-tests).
 The same for all_to_all_single (size = each rank's whole buffer, busbw =
 algbw (N-1)/N), reduce_scatter_tensor (size = the input) and
 all_gather_into_tensor (size = the output), both busbw = algbw (N-1)/N.
-PyTorch 1.13's gloo has neither of the last two: its rows time what a gloo
-user calls instead, all_reduce of the whole input (reduce-scatter) and
-all_gather into a list of tensors (all-gather), said in the table's title.
+PyTorch 1.13's gloo has neither of the last two: where gloo refuses them,
+their rows time what a gloo user calls instead, all_reduce of the whole
+input (reduce-scatter) and all_gather into a list of tensors (all-gather),
+said in the table's title; where it has them (torch 2.6), gloo's own.
 DDP: the MLP of python/tests/ddp_vs_gloo.py, 32x64 batches, SGD, bucket
 0.1 MB (several all-reduces per step); median step time over 30 steps after
 10 warm-up steps, per backend, max over ranks.
@@ -82,26 +83,45 @@ def op_all_to_all(nbytes):
     return lambda g: dist.all_to_all_single(y, x, group=g)
 
 
+def gloo_has(call):
+    """Whether gloo runs `call` (torch 1.13's gloo has neither
+    reduce_scatter_tensor nor all_gather_into_tensor; newer ones do). Every
+    rank refuses or runs it alike, so all take the same path below."""
+    try:
+        call()
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+GLOO_RS = gloo_has(lambda: dist.reduce_scatter_tensor(torch.empty(1), torch.ones(n), group=gloo))
+GLOO_AG = gloo_has(lambda: dist.all_gather_into_tensor(torch.empty(n), torch.ones(1), group=gloo))
+
+
 def op_reduce_scatter(nbytes):
     block = max(1, nbytes // 4 // n)
     x, y = torch.ones(block * n, dtype=torch.float32), torch.empty(block, dtype=torch.float32)
-    return lambda g: dist.reduce_scatter_tensor(y, x, group=g) if g is None else dist.all_reduce(x, group=g)
+    own = lambda g: dist.reduce_scatter_tensor(y, x, group=g)  # noqa: E731
+    return lambda g: own(g) if g is None or GLOO_RS else dist.all_reduce(x, group=g)
 
 
 def op_all_gather(nbytes):
     block = max(1, nbytes // 4 // n)
     x, y = torch.ones(block, dtype=torch.float32), torch.empty(block * n, dtype=torch.float32)
     ys = list(y.chunk(n))
-    return lambda g: dist.all_gather_into_tensor(y, x, group=g) if g is None else dist.all_gather(ys, x, group=g)
+    own = lambda g: dist.all_gather_into_tensor(y, x, group=g)  # noqa: E731
+    return lambda g: own(g) if g is None or GLOO_AG else dist.all_gather(ys, x, group=g)
 
 
 OPS = {
     "all_reduce": (op_all_reduce, lambda: 2 * (n - 1) / n, "float32 sum"),
     "all_to_all_single": (op_all_to_all, lambda: (n - 1) / n, "float32, equal splits"),
     "reduce_scatter_tensor": (op_reduce_scatter, lambda: (n - 1) / n,
-                              "float32 sum; gloo 1.13 has none: gloo column = all_reduce of the input"),
+                              "float32 sum" + ("" if GLOO_RS else
+                                               "; this gloo has none: gloo column = all_reduce of the input")),
     "all_gather_into_tensor": (op_all_gather, lambda: (n - 1) / n,
-                               "float32; gloo 1.13 has none: gloo column = all_gather into a list"),
+                               "float32" + ("" if GLOO_AG else
+                                            "; this gloo has none: gloo column = all_gather into a list")),
 }
 
 for opname in args.ops.split(","):
