@@ -11,8 +11,7 @@
 # The chroot lives in LOOM_TRIXIE_ROOT (default /var/tmp/loom-trixie; made
 # once, about 1.3 GiB, a minute to make) and the build in build-trixie/.  The
 # repository, /proc, /sys, /dev and /dev/shm are bind-mounted while it runs.
-# Not there: OpenMPI (the mpirun test and comparison), qemu (the vm: tests)
-# and CUDA, whose tests skip and say so.
+# Not there: qemu (the vm: tests) and CUDA, whose tests skip and say so.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 root=${LOOM_TRIXIE_ROOT:-/var/tmp/loom-trixie}
@@ -23,7 +22,8 @@ if [ "${1:-}" = --run ]; then
 fi
 [ $# -gt 0 ] || set -- -R "^torch:"
 packages=(cmake g++ ninja-build pkg-config libhwloc-dev hwloc catch2 libucx-dev libibverbs-dev
-  python3 python3-torch libtorch-dev pybind11-dev python3-matplotlib zlib1g-dev dataset-fashion-mnist procps iproute2)
+  python3 python3-torch libtorch-dev pybind11-dev python3-matplotlib zlib1g-dev dataset-fashion-mnist procps iproute2
+  libopenmpi-dev openmpi-bin)
 
 [ "$(id -u)" -eq 0 ] || { echo "debian13: needs root (debootstrap, chroot, mount)"; exit 2; }
 if [ ! -x "$root/usr/bin/apt-get" ]; then
