@@ -97,6 +97,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <string>
 #include <set>
 #include <thread>
@@ -1696,17 +1697,24 @@ static int scenarioShrink(const std::string& mode, const std::vector<size_t>& vi
   };
   // Descriptors open before init (the dead rank's memfds and pidfds, the
   // control sockets: all must be closed once both communicators are freed).
+  // Each descriptor with what it names (readlink), so that a difference says
+  // which descriptors it is.  The directory's own descriptor is left out.
   auto openFds = [] {
-    int n = 0;
+    std::map<int, std::string> fds;
     if (DIR* d = opendir("/proc/self/fd")) {
-      while (dirent* e = readdir(d))
-        if (e->d_name[0] != '.') ++n;
+      while (dirent* e = readdir(d)) {
+        if (e->d_name[0] == '.' || atoi(e->d_name) == dirfd(d)) continue;
+        char target[256] = "?";
+        ssize_t len = readlink(("/proc/self/fd/" + std::string(e->d_name)).c_str(), target, sizeof target - 1);
+        if (len >= 0) target[len] = 0;
+        fds[atoi(e->d_name)] = target;
+      }
       closedir(d);
     }
-    return n;
+    return fds;
   };
   std::thread([] {}).join();  // TSan's own thread (see scenarioFault) opens what it opens now
-  const int fdsBefore = openFds();
+  const std::map<int, std::string> fdsBefore = openFds();
   const char* tr = getenv("LOOM_TRANSPORTS");
   const bool countFds = tr && std::string(tr).find("ucx") == std::string::npos;  // UCX keeps its own
   loomComm_t comm = nullptr;
@@ -1866,9 +1874,15 @@ static int scenarioShrink(const std::string& mode, const std::vector<size_t>& vi
   if (cur) CHECK_LOOM(loomCommDestroy(cur));
   CHECK_LOOM(loomCommAbort(comm));
   if (countFds) {
-    int after = openFds();
-    expect(after == fdsBefore, "no descriptor left open after both communicators are freed (" +
-                                   std::to_string(fdsBefore) + " before init, " + std::to_string(after) + " after)");
+    std::map<int, std::string> after = openFds();
+    std::string diff;
+    for (const auto& [fd, what] : fdsBefore)
+      if (!after.count(fd) || after[fd] != what) diff += " gone: " + std::to_string(fd) + " " + what + ";";
+    for (const auto& [fd, what] : after)
+      if (!fdsBefore.count(fd) || fdsBefore.at(fd) != what) diff += " new: " + std::to_string(fd) + " " + what + ";";
+    expect(diff.empty(), "no descriptor left open after both communicators are freed (" +
+                             std::to_string(fdsBefore.size()) + " before init, " + std::to_string(after.size()) +
+                             " after;" + diff + ")");
   }
   return gFailures ? 1 : 0;
 }
