@@ -19,15 +19,15 @@ import sys
 import torch
 import torch.distributed as dist
 
-import loom_torch  # noqa: F401  (registers "loom")
+import loom_torch  # registers "loom"
 
 rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 30
 # A hang prints every thread's stack and fails instead of waiting for ctest.
 faulthandler.dump_traceback_later(5 * rounds + 60, exit=True)
 rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-# A torch built without libuv (Debian 13's) needs the plain store asked for;
-# loom_torch set USE_LIBUV=0 there (older torch has no such option).
-plain = {"use_libuv": False} if os.environ.get("USE_LIBUV") == "0" else {}
+# A torch built without libuv (Debian 13's) needs the plain store asked for
+# (older torch has no such option).
+plain = {"use_libuv": False} if loom_torch._libuv.lacks_libuv() else {}
 store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), n, False,
                       timeout=datetime.timedelta(seconds=60), **plain)
 
