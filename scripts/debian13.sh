@@ -26,6 +26,13 @@ packages=(cmake g++ ninja-build pkg-config libhwloc-dev hwloc catch2 libucx-dev 
   libopenmpi-dev openmpi-bin)
 
 [ "$(id -u)" -eq 0 ] || { echo "debian13: needs root (debootstrap, chroot, mount)"; exit 2; }
+[ "$(realpath -m "$root")" != / ] || { echo "debian13: LOOM_TRIXIE_ROOT may not be /"; exit 2; }
+# In a mount namespace of its own: the bind mounts reach none of the host's
+# mounts (where / is shared, as under systemd) and vanish with the script,
+# even when it is killed.
+if [ -z "${LOOM_DEBIAN13_NS:-}" ]; then
+  exec env LOOM_DEBIAN13_NS=1 unshare --mount --propagation private bash "$0" ${run:+--run "$run"} "$@"
+fi
 if [ ! -x "$root/usr/bin/apt-get" ]; then
   command -v debootstrap >/dev/null || apt-get install -y -qq --no-install-recommends debootstrap
   echo "debian13: debootstrap trixie into $root"
@@ -51,7 +58,9 @@ bind /sys /sys
 bind /dev /dev
 bind /dev/shm /dev/shm
 bind "$here" /loom
+# The host's name resolution (torchrun --standalone looks up its hostname).
 cp /etc/resolv.conf "$root/etc/resolv.conf" 2>/dev/null || true
+cp /etc/hosts "$root/etc/hosts" 2>/dev/null || true
 
 missing=()
 for p in "${packages[@]}"; do
