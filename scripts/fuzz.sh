@@ -10,12 +10,12 @@ secs="${LOOM_FUZZ_SECONDS:-25}"
 cc=$(command -v clang || command -v clang-14 || true)
 cxx=$(command -v clang++ || command -v clang++-14 || true)
 if [ -z "$cc" ] || [ -z "$cxx" ]; then
-  echo "fuzz.sh: SKIPPED: clang is not installed (apt-get install clang libclang-rt-14-dev)"
+  echo "fuzz.sh: SKIPPED: clang is not installed (apt-get install clang libclang-rt-N-dev, N its version; scripts/install-deps.sh does)"
   exit 0
 fi
 if ! echo 'extern "C" int LLVMFuzzerTestOneInput(const char*, unsigned long) { return 0; }' |
     "$cxx" -x c++ -fsanitize=fuzzer - -o /tmp/loom-fuzz-probe.$$ 2>/dev/null; then
-  echo "fuzz.sh: SKIPPED: $cxx cannot link -fsanitize=fuzzer (install libclang-rt-14-dev)"
+  echo "fuzz.sh: SKIPPED: $cxx cannot link -fsanitize=fuzzer (install libclang-rt-N-dev for its version N)"
   exit 0
 fi
 rm -f /tmp/loom-fuzz-probe.$$

@@ -12,6 +12,11 @@
 # pull in anyway, and summing apt-cache show's Installed-Size and Size.
 set -euo pipefail
 
+# clang's runtime (libFuzzer, the sanitizers) is versioned: Debian 12's
+# clang is 14, Debian 13's 19.
+CLANG_MAJOR=14
+if [ -r /etc/os-release ] && grep -q '^VERSION_CODENAME=trixie' /etc/os-release; then CLANG_MAJOR=19; fi
+
 PACKAGES=(
   cmake g++ ninja-build pkg-config   # build
   libhwloc-dev hwloc                 # topology detection
@@ -25,7 +30,7 @@ PACKAGES=(
   python3-matplotlib                 # perf/plot_busbw.py
   zlib1g-dev dataset-fashion-mnist   # the reference trainer (gzip'd IDX files, its dataset)
   python3-torch libtorch-dev pybind11-dev  # loom_torch (python/): the torch.distributed backend
-  clang libclang-rt-14-dev           # libFuzzer targets (scripts/fuzz.sh)
+  clang "libclang-rt-$CLANG_MAJOR-dev"  # libFuzzer targets (scripts/fuzz.sh)
   g++-aarch64-linux-gnu              # the aarch64 cross build (scripts/cross-aarch64.sh)
 )
 
