@@ -39,20 +39,13 @@ if [ ! -x "$root/usr/bin/apt-get" ]; then
   debootstrap --variant=minbase trixie "$root" http://deb.debian.org/debian >/dev/null
 fi
 
-mounts=()
-cleanup() {
-  local i
-  for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do umount -l "${mounts[$i]}" 2>/dev/null || true; done
-}
-trap cleanup EXIT
+# The mounts below end with the namespace: nothing to undo.
 bind() {  # bind SRC DST: DST inside the chroot
   mkdir -p "$root$2"
   mount --bind "$1" "$root$2"
-  mounts+=("$root$2")
 }
 # The root a mount point of its own: ip netns (the rig tests) remounts it.
 mount --bind "$root" "$root"
-mounts+=("$root")
 bind /proc /proc
 bind /sys /sys
 bind /dev /dev

@@ -188,8 +188,9 @@ class UcxWorker {
     // process's exit instead: one per communicator that failed so, a leak
     // loom cannot avoid while UCX offers no way to end such a request.
     // (Taken before the worker's destruction, which may mark the request
-    // done without giving the region back: checking after it, the test
-    // below aborted again.)
+    // done without giving the region back: checked after it, ucx_tests'
+    // "killing the sender or the receiver of a 32 MiB direct transfer"
+    // aborted again.)
     bool held = false;
     for (const Rings* r : orphans_) held = held || r->directRecv.busy || r->directSend.busy;
     if (worker_) ucp_worker_destroy(worker_);
