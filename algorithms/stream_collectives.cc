@@ -63,6 +63,13 @@ namespace {
 ProgramRef sendAt(size_t off) { return ProgramRef{Space::Send, 0, off}; }
 ProgramRef recvAt(size_t off) { return ProgramRef{Space::Recv, 0, off}; }
 ProgramRef winAt(int r, size_t off) { return ProgramRef{Space::Window, r, off}; }
+// Rank r's buffer behind cell c at `off`, else its window at `fallback`.
+ProgramRef publishedAt(int r, CellIndex c, size_t off, size_t fallback) {
+  ProgramRef ref{Space::Published, r, off};
+  ref.cell = c;
+  ref.fallback = fallback;
+  return ref;
+}
 
 class Builder {
  public:
@@ -114,6 +121,14 @@ class Builder {
     data(StreamOpKind::Divide, s, dst, {dst}, n);
     p_.ops.back().divisor = divisor;
   }
+  void setCell(int s, int peer, CellIndex c) {
+    StreamOp o;
+    o.kind = StreamOpKind::SetCell;
+    o.stream = uint8_t(s);
+    o.flagRank = peer;
+    o.flag = c;
+    p_.ops.push_back(o);
+  }
   void setPeer(int s, int peer, FlagIndex f, uint64_t v) {
     StreamOp o;
     o.kind = StreamOpKind::SetPeerFlag;
@@ -156,7 +171,7 @@ size_t perRound(size_t bytes, size_t esz) {
 }  // namespace
 
 StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo,
-                                   size_t slotBytes, uint64_t* round) {
+                                   size_t slotBytes, uint64_t* round, const StreamPublish& publish) {
   StreamProgram p;
   p.rank = rank;
   p.nranks = nranks;
@@ -260,7 +275,24 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         const size_t line = 256 / esz;
         auto partStart = [&](int q) { return q == N ? c : c * size_t(q) / size_t(N) / line * line; };
         const size_t ps = partStart(me), pl = partStart(me + 1) - ps;
-        if (rsag) {
+        // Zero-copy (StreamPublish): the peers' parts are read through
+        // their cells of this round's slot, which the program's first round
+        // on that slot writes when they change.
+        const bool cells = rsag && publish.cells, mine = cells && publish.mine;
+        const int slot = int(g % 2);
+        const CellIndex sendCell = slot ? kCellSend1 : kCellSend0, recvCell = slot ? kCellRecv1 : kCellRecv0;
+        if (cells && g < p.firstRound + 2 && publish.write[slot])
+          for (int q = 0; q < N; ++q)
+            if (q != me) {
+              b.setCell(0, q, sendCell);
+              b.setCell(0, q, recvCell);
+            }
+        auto peerPart = [&](int q, CellIndex c, size_t qs) {
+          return cells ? publishedAt(q, c, (off + qs) * esz, base + qs * esz) : winAt(q, base + qs * esz);
+        };
+        if (mine) {
+          // Nothing staged: the peers read this rank's send buffer.
+        } else if (rsag) {
           // Only the parts the others reduce go to the window: this rank's
           // own part is read from its send buffer.
           b.copy(0, winAt(me, base), sendAt(off * esz), ps * esz);
@@ -277,14 +309,22 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
           b.set(0, kFlagDone, v);
           break;
         }
-        for (int q = 0; q < N; ++q) all.push_back(q == me ? sendAt((off + ps) * esz) : winAt(q, base + ps * esz));
-        // The reduced part goes to the window for the others and, unless it
-        // is still to be divided, straight to this rank's output as well
-        // (in place that is the part of the send buffer it was just read
-        // from, which only this rank reads).
-        if (avg) {
+        for (int q = 0; q < N; ++q) all.push_back(q == me ? sendAt((off + ps) * esz) : peerPart(q, sendCell, ps));
+        if (mine && (all.size() <= kOnePassSources || !inPlace)) {
+          // Published: the reduced part goes to the recv buffer alone, where
+          // the peers read it (in place that is the part of the send buffer
+          // it was just read from, which only this rank reads; one pass
+          // reads each element before writing it).
+          b.reduce(0, recvAt((off + ps) * esz), all, pl);
+          if (avg) b.divide(0, recvAt((off + ps) * esz), pl, N);
+        } else if (avg) {
+          // The reduced part goes to the window for the others and, unless
+          // it is still to be divided, straight to this rank's output as
+          // well (in place that is the part of the send buffer it was just
+          // read from, which only this rank reads).
           b.reduce(0, winAt(me, base + ps * esz), all, pl);
           b.divide(0, winAt(me, base + ps * esz), pl, N);
+          if (mine) b.copy(0, recvAt((off + ps) * esz), winAt(me, base + ps * esz), pl * esz);
         } else {
           b.reduce2(0, winAt(me, base + ps * esz), recvAt((off + ps) * esz), all, pl);
         }
@@ -292,7 +332,10 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         b.waitAll(1, kFlagReduced, v);
         for (int q = 0; q < N; ++q) {
           size_t qs = partStart(q), ql = partStart(q + 1) - qs;
-          if (q != me || avg) b.copy(1, recvAt((off + qs) * esz), winAt(q, base + qs * esz), ql * esz);
+          if (q != me)
+            b.copy(1, recvAt((off + qs) * esz), peerPart(q, recvCell, qs), ql * esz);
+          else if (avg && !mine)
+            b.copy(1, recvAt((off + qs) * esz), winAt(q, base + qs * esz), ql * esz);
         }
         b.set(1, kFlagDone, v);
         break;
@@ -392,6 +435,11 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
       case Collective::P2P:
         break;  // refused above
     }
+  }
+  if (rsag && publish.cells && publish.mine && g > *round) {
+    // The peers read this rank's buffers until their last round is done:
+    // the caller's later work (which may write them) waits for that.
+    b.waitOthers(1, kFlagDone, g);
   }
   if (rsag) {
     b.event(StreamOpKind::RecordEvent, 1, 1);  // join: the caller's later work follows stream 1

@@ -25,15 +25,34 @@ const char* streamAlgorithmName(StreamAlgorithm a);
 // A window is two slots of slotBytes (alternate rounds use alternate slots).
 inline size_t streamWindowBytes(size_t slotBytes) { return 2 * slotBytes; }
 
+// Device zero-copy for the reduce-scatter + all-gather all-reduce
+// (CellIndex in stream_program.h).  Ranks may differ in `mine`; `cells` is
+// the communicator's and the same everywhere.
+struct StreamPublish {
+  // The communicator has cell areas: the peers' parts are read through
+  // their cells (Space::Published), and the program writes this rank's
+  // cells where `write` says.  False: windows only, no cell is touched.
+  bool cells = false;
+  // This rank publishes its send and recv buffers (ProgramBuffers::published
+  // holds them for every reader): it stages nothing in its window, its
+  // reduced part goes to its recv buffer only, and its program ends only
+  // once every peer is done with the last round (they read its buffers).
+  bool mine = false;
+  // Per slot: this program's values differ from what the cells of that
+  // slot hold now, so its first round on that slot writes them.
+  bool write[2] = {true, true};
+};
+
 // Rank `rank`'s program for `op` (sendbuf/recvbuf only compared, never read:
 // equal means in place).  `*round` is the communicator's round counter: the
 // program uses rounds [*round, *round + program.rounds) and advances it.
 // Every rank must compile the same operations in the same order.  The
 // algorithm matters for all-reduce only; the other collectives have one
-// program each.  loomInternalError if slotBytes cannot hold one element per
-// rank.
+// program each.  `publish` applies to the reduce-scatter + all-gather
+// all-reduce only.  loomInternalError if slotBytes cannot hold one element
+// per rank.
 StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo,
-                                   size_t slotBytes, uint64_t* round);
+                                   size_t slotBytes, uint64_t* round, const StreamPublish& publish = {});
 
 // Send/recv.  A pair's messages go through a region of the sender's
 // device memory for that receiver: two chunks of p2pChunkBytes, used by

@@ -201,22 +201,62 @@ void SimRank::copy(int s, void* dst, const void* src, size_t bytes) {
   stream(s).enqueue([=] { memcpy(dst, src, bytes); }, true);
 }
 
+void SimRank::runReduce(void* dst, void* dst2, const std::vector<const void*>& in, size_t count,
+                        loomDataType_t type, loomRedOp_t op) {
+  loom::Device& dev = loom::hostDevice();
+  const size_t bytes = count * loom::dtypeSize(type);
+  // dst may be one of the sources exactly (one pass, stream_program.h):
+  // accumulate apart then.
+  bool alias = false;
+  for (const void* p : in) alias = alias || p == dst;
+  std::vector<uint8_t> tmp(alias ? bytes : 0);
+  void* acc = alias ? tmp.data() : dst;
+  if (in.size() == 1) {
+    memcpy(acc, in[0], bytes);
+  } else {
+    dev.reduce(acc, in[0], in[1], count, type, op);
+    for (size_t i = 2; i < in.size(); ++i) dev.reduce(acc, acc, in[i], count, type, op);
+  }
+  if (alias) memcpy(dst, acc, bytes);
+  // Written last, as the CUDA backend does: it may be a source.
+  if (dst2) memcpy(dst2, dst, bytes);
+}
+
 void SimRank::reduce(int s, void* dst, void* dst2, const void* const* srcs, int nsrcs, size_t count,
                      loomDataType_t type, loomRedOp_t op) {
   std::vector<const void*> in(srcs, srcs + nsrcs);
   if (dst2) ++dualReductions_;
+  stream(s).enqueue([=] { runReduce(dst, dst2, in, count, type, op); }, true);
+}
+
+const void* SimRank::resolve(const void* fallback, loom::CellRef c, size_t bytes) {
+  if (!c.cell) return fallback;
+  auto word = [&](int i) {
+    return reinterpret_cast<const std::atomic<uint64_t>*>(c.cell + i)->load(std::memory_order_acquire);
+  };
+  const uint64_t addr = word(0), len = word(1);
+  if (addr == 0 || c.offset > len || bytes > len - c.offset) {
+    ++fallbackReads_;
+    return fallback;
+  }
+  ++publishedReads_;
+  return reinterpret_cast<const uint8_t*>(uintptr_t(addr)) + c.offset;
+}
+
+void SimRank::copyIndirect(int s, void* dst, const void* src, loom::CellRef cell, size_t bytes) {
+  stream(s).enqueue([=] { memcpy(dst, resolve(src, cell, bytes), bytes); }, true);
+}
+
+void SimRank::reduceIndirect(int s, void* dst, void* dst2, const void* const* srcs, const loom::CellRef* cells,
+                             int nsrcs, size_t count, loomDataType_t type, loomRedOp_t op) {
+  std::vector<const void*> in(srcs, srcs + nsrcs);
+  std::vector<loom::CellRef> cs(cells, cells + nsrcs);
+  if (dst2) ++dualReductions_;
   stream(s).enqueue(
       [=] {
-        loom::Device& dev = loom::hostDevice();
-        const size_t bytes = count * loom::dtypeSize(type);
-        if (in.size() == 1) {
-          memcpy(dst, in[0], bytes);
-        } else {
-          dev.reduce(dst, in[0], in[1], count, type, op);
-          for (size_t i = 2; i < in.size(); ++i) dev.reduce(dst, dst, in[i], count, type, op);
-        }
-        // Written last, as the CUDA backend does: it may be a source.
-        if (dst2) memcpy(dst2, dst, bytes);
+        std::vector<const void*> at(in.size());
+        for (size_t i = 0; i < in.size(); ++i) at[i] = resolve(in[i], cs[i], count * loom::dtypeSize(type));
+        runReduce(dst, dst2, at, count, type, op);
       },
       true);
 }
@@ -253,6 +293,9 @@ SimDeviceWorld::SimDeviceWorld(int nranks, int gpus, size_t windowBytes, SimDevi
     windows_.emplace_back(windowBytes + 256);
     flags_.emplace_back(new std::atomic<uint64_t>[loom::kFlagCount]);
     for (int f = 0; f < loom::kFlagCount; ++f) flags_.back()[size_t(f)].store(0);
+    const size_t words = size_t(nranks) * loom::kCellCount * loom::kCellWords;
+    cells_.emplace_back(new std::atomic<uint64_t>[words]);
+    for (size_t w = 0; w < words; ++w) cells_.back()[w].store(0);
     dead_[size_t(r)].store(false);
     rounds_.push_back(0);
   }
@@ -275,6 +318,22 @@ void SimDeviceWorld::sleepUnless(uint64_t gen) {
   std::unique_lock<std::mutex> g(wakeMu_);
   wakeCv_.wait_for(g, std::chrono::milliseconds(2),
                    [&] { return generation_.load(std::memory_order_acquire) != gen; });
+}
+
+void SimDeviceWorld::addCells(int r, loom::ProgramBuffers& b, bool publish) {
+  const size_t row = size_t(loom::kCellCount) * loom::kCellWords;
+  auto word = [](std::atomic<uint64_t>* a) { return reinterpret_cast<uint64_t*>(a); };
+  b.cells.clear();
+  b.peerCells.clear();
+  b.published.assign(size_t(nranks_), {});
+  for (int q = 0; q < nranks_; ++q) {
+    b.cells.push_back(word(&cells_[size_t(r)][size_t(q) * row]));
+    b.peerCells.push_back(word(&cells_[size_t(q)][size_t(r) * row]));
+    if (!publish || q == r) continue;
+    auto& c = b.published[size_t(q)];
+    c[loom::kCellSend0] = c[loom::kCellSend1] = {uint64_t(uintptr_t(b.send)), b.sendBytes};
+    c[loom::kCellRecv0] = c[loom::kCellRecv1] = {uint64_t(uintptr_t(b.recv)), b.recvBytes};
+  }
 }
 
 loom::ProgramBuffers SimDeviceWorld::buffers(int r, const void* send, size_t sendBytes, void* recv,

@@ -126,6 +126,13 @@ class SimRank final : public loom::StreamBackend {
               int divisor) override;
   void recordEvent(int stream, int event) override;
   void waitEvent(int stream, int event) override;
+  void copyIndirect(int stream, void* dst, const void* src, loom::CellRef cell, size_t bytes) override;
+  void reduceIndirect(int stream, void* dst, void* dst2, const void* const* srcs, const loom::CellRef* cells,
+                      int nsrcs, size_t count, loomDataType_t type, loomRedOp_t op) override;
+  // Sources read through a published cell so far (zero-copy reads), and
+  // those that fell back to the window.
+  uint64_t publishedReads() const { return publishedReads_.load(); }
+  uint64_t fallbackReads() const { return fallbackReads_.load(); }
 
  private:
   friend class SimStream;
@@ -146,6 +153,12 @@ class SimRank final : public loom::StreamBackend {
   std::vector<std::pair<const void*, int>> callers_;  // addCallerStream's
   uint64_t seed_;
   std::atomic<uint64_t> dualReductions_{0};
+  std::atomic<uint64_t> publishedReads_{0}, fallbackReads_{0};
+  // A source as the op runs: the cell's buffer when it is published and
+  // holds `bytes`, else the fallback.
+  const void* resolve(const void* fallback, loom::CellRef c, size_t bytes);
+  void runReduce(void* dst, void* dst2, const std::vector<const void*>& in, size_t count, loomDataType_t type,
+                 loomRedOp_t op);
   std::vector<std::unique_ptr<Event>> events_;
   std::atomic<bool> failed_{false};
   mutable std::mutex failMu_;
@@ -172,6 +185,13 @@ class SimCallerBackend final : public loom::StreamBackend {
   }
   void recordEvent(int s, int e) override { r_.recordEvent(map(s), e); }
   void waitEvent(int s, int e) override { r_.waitEvent(map(s), e); }
+  void copyIndirect(int s, void* dst, const void* src, loom::CellRef cell, size_t bytes) override {
+    r_.copyIndirect(map(s), dst, src, cell, bytes);
+  }
+  void reduceIndirect(int s, void* dst, void* dst2, const void* const* srcs, const loom::CellRef* cells, int nsrcs,
+                      size_t count, loomDataType_t type, loomRedOp_t op) override {
+    r_.reduceIndirect(map(s), dst, dst2, srcs, cells, nsrcs, count, type, op);
+  }
 
  private:
   int map(int s) const { return s == 0 ? caller_ : s; }
@@ -191,6 +211,10 @@ class SimDeviceWorld {
   // The communicator's round counter as rank r keeps it.
   uint64_t& round(int r) { return rounds_[size_t(r)]; }
   loom::ProgramBuffers buffers(int r, const void* send, size_t sendBytes, void* recv, size_t recvBytes);
+  // Gives b (rank r's) the cell areas of device zero-copy; with `publish`,
+  // rank r publishes its send and recv buffers of b to every peer (one
+  // address space: as they are).
+  void addCells(int r, loom::ProgramBuffers& b, bool publish);
   uint64_t flag(int r, int f) const { return flags_[size_t(r)][size_t(f)].load(); }
 
   // Rank r dies: its streams run nothing more; waits on its flags fail.
@@ -213,6 +237,7 @@ class SimDeviceWorld {
   std::vector<std::unique_ptr<SimGpu>> gpus_;
   std::vector<std::vector<uint8_t>> windows_;
   std::vector<std::unique_ptr<std::atomic<uint64_t>[]>> flags_;
+  std::vector<std::unique_ptr<std::atomic<uint64_t>[]>> cells_;  // per rank: nranks rows of kCellCount cells
   std::unique_ptr<std::atomic<bool>[]> dead_;
   std::vector<uint64_t> rounds_;
   std::atomic<uint64_t> generation_{0};

@@ -80,6 +80,18 @@ const loom::CudaApi kRecording = {
     nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
     nullptr, nullptr, nullptr, nullptr,
     nullptr,  // loadKernels: a communicator's init calls it, never the backend
+    [](void* d, void* d2, const void* const* srcs, const uint64_t* const* cells, const size_t* offs, int ns, size_t n,
+       int t, int op, void* s) {
+      std::string c = "reduce " + ptr(s) + " " + ptr(d) + (d2 ? " and " + ptr(d2) : std::string()) + " <-";
+      for (int i = 0; i < ns; ++i)
+        c += " " + ptr(srcs[i]) + (cells[i] ? loom::strf("|cell %p+%zu", (const void*)cells[i], offs[i]) : "");
+      g_calls.push_back(c + loom::strf(" n=%zu t=%d op=%d", n, t, op));
+      return 0;
+    },
+    [](void* d, const void* src, const uint64_t* cell, size_t off, size_t n, void* s) {
+      g_calls.push_back(loom::strf("copykernel %p %p <- %p|cell %p+%zu %zu", s, d, src, (const void*)cell, off, n));
+      return 0;
+    },
 };
 
 void* handle(uintptr_t v) { return reinterpret_cast<void*>(v); }
@@ -134,6 +146,9 @@ TEST_CASE(
       case loom::StreamOpKind::SetPeerFlag:
         FAIL_CHECK("an all-reduce sets no per-pair flag");
         break;
+      case loom::StreamOpKind::SetCell:
+        FAIL_CHECK("a program without cells publishes none");
+        break;
       case loom::StreamOpKind::Copy:
         CHECK(c.rfind("memcpy " + ptr(s), 0) == 0);
         break;
@@ -185,6 +200,38 @@ TEST_CASE("CUDA backend: a reduction of more sources than one launch takes is ch
   be.reduce(0, dst, dst2, srcs.data(), 8, 1000, loomBfloat16, loomSum);
   REQUIRE(g_calls.size() == 1);
   CHECK(g_calls[0] == expect({srcs.begin(), srcs.begin() + 8}, true));
+}
+
+TEST_CASE("CUDA backend: sources read through cells go to the indirect kernels, each cell with its own source",
+          "[cuda]") {
+  std::vector<const void*> srcs;
+  std::vector<loom::CellRef> cells;
+  std::vector<uint64_t> cellMem(19 * 2);
+  for (uintptr_t i = 0; i < 19; ++i) {
+    srcs.push_back(handle(0x10000 + i * 0x100));
+    // Every third source is direct.
+    cells.push_back(i % 3 ? loom::CellRef{&cellMem[i * 2], 4096 * i} : loom::CellRef{});
+  }
+  void* dst = handle(0x90000);
+  loom::CudaStreamBackend be(kRecording, {handle(0x5000)}, {});
+  g_calls.clear();
+  be.reduceIndirect(0, dst, nullptr, srcs.data(), cells.data(), 19, 1000, loomFloat32, loomSum);
+  REQUIRE(g_calls.size() == 3);
+  auto src = [&](size_t i) {
+    return " " + ptr(srcs[i]) + (cells[i].cell ? loom::strf("|cell %p+%zu", (const void*)cells[i].cell, cells[i].offset) : "");
+  };
+  std::string first = "reduce " + ptr(handle(0x5000)) + " " + ptr(dst) + " <-";
+  for (size_t i = 0; i < 8; ++i) first += src(i);
+  CHECK(g_calls[0] == first + loom::strf(" n=1000 t=%d op=%d", int(loomFloat32), int(loomSum)));
+  // The chain's partial result is read directly; the next sources keep their cells.
+  std::string second = "reduce " + ptr(handle(0x5000)) + " " + ptr(dst) + " <- " + ptr(dst);
+  for (size_t i = 8; i < 15; ++i) second += src(i);
+  CHECK(g_calls[1] == second + loom::strf(" n=1000 t=%d op=%d", int(loomFloat32), int(loomSum)));
+  g_calls.clear();
+  be.copyIndirect(0, dst, srcs[1], cells[1], 777);
+  REQUIRE(g_calls.size() == 1);
+  CHECK(g_calls[0] == loom::strf("copykernel %p %p <- %p|cell %p+%zu 777", handle(0x5000), dst, srcs[1],
+                                 (const void*)cells[1].cell, cells[1].offset));
 }
 
 TEST_CASE("CUDA backend: a failing CUDA call is loomUnhandledCudaError with CUDA's own message", "[cuda]") {
@@ -460,6 +507,8 @@ const loom::CudaApi kDriverTable = {
       return 0;
     },
     nullptr,  // loadKernels: init's, not the driver's
+    nullptr,  // launchReduceIndirect, launchCopyIndirect: the backend's
+    nullptr,
 };
 
 size_t countOf(const std::string& prefix) {

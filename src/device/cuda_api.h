@@ -88,9 +88,20 @@ struct CudaApi {
   // loom-gpu-tests before it enqueues programs of its own.
   int (*loadKernels)();
   // (ABI 6 changed launchReduce in place: it gained dst2.)
+  // ---- ABI 7: device zero-copy (CellRef, stream_program.h) ----
+  // launchReduce whose source k is read through cells[k] when that is not
+  // null: cells[k][0] + offsets[k] if cells[k][0] is not 0 and the range
+  // read lies within cells[k][1] bytes, else srcs[k].  The kernel reads the
+  // cells when it runs.
+  int (*launchReduceIndirect)(void* dst, void* dst2, const void* const* srcs, const uint64_t* const* cells,
+                              const size_t* offsets, int nsrcs, size_t count, int dtype, int op, void* stream);
+  // dst = the source (src, or the cell's buffer + offset, as above), `bytes`
+  // bytes, by a kernel.
+  int (*launchCopyIndirect)(void* dst, const void* src, const uint64_t* cell, size_t offset, size_t bytes,
+                            void* stream);
 };
 
-constexpr int kCudaApiVersion = 6;
+constexpr int kCudaApiVersion = 7;
 // sizeof(cudaIpcMemHandle_t) (CUDA_IPC_HANDLE_SIZE); the plug-in checks it.
 constexpr size_t kCudaIpcHandleBytes = 64;
 

@@ -36,23 +36,49 @@ void CudaStreamBackend::copy(int s, void* dst, const void* src, size_t bytes) {
 
 void CudaStreamBackend::reduce(int s, void* dst, void* dst2, const void* const* srcs, int nsrcs, size_t count,
                                loomDataType_t type, loomRedOp_t op) {
+  reduceIndirect(s, dst, dst2, srcs, nullptr, nsrcs, count, type, op);
+}
+
+void CudaStreamBackend::reduceIndirect(int s, void* dst, void* dst2, const void* const* srcs, const CellRef* cells,
+                                       int nsrcs, size_t count, loomDataType_t type, loomRedOp_t op) {
+  static_assert(kOnePassSources <= size_t(kCudaMaxReduceSources), "a one-pass reduction must fit one launch");
   if (nsrcs < 1) fail(loomInternalError, "CUDA reduce with %d sources", nsrcs);
   // First launch: up to kCudaMaxReduceSources sources; each next one takes
   // dst (the partial result so far) and kCudaMaxReduceSources - 1 more.
   // Only the last launch writes dst2, which may be one of the sources.
-  int used = std::min(nsrcs, kCudaMaxReduceSources);
-  check(api_.launchReduce(dst, used == nsrcs ? dst2 : nullptr, srcs, used, count, int(type), int(op), stream(s)),
-        "reduction kernel launch");
   const void* chain[kCudaMaxReduceSources];
+  const uint64_t* cellOf[kCudaMaxReduceSources];
+  size_t offsetOf[kCudaMaxReduceSources];
+  auto launch = [&](const void* const* in, int n, bool last) {
+    const bool indirect = cells != nullptr;
+    check(indirect ? api_.launchReduceIndirect(dst, last ? dst2 : nullptr, in, cellOf, offsetOf, n, count, int(type),
+                                               int(op), stream(s))
+                   : api_.launchReduce(dst, last ? dst2 : nullptr, in, n, count, int(type), int(op), stream(s)),
+          "reduction kernel launch");
+  };
+  int used = std::min(nsrcs, kCudaMaxReduceSources);
+  for (int i = 0; i < used; ++i) {
+    cellOf[i] = cells ? cells[i].cell : nullptr;
+    offsetOf[i] = cells ? cells[i].offset : 0;
+  }
+  launch(srcs, used, used == nsrcs);
   while (used < nsrcs) {
     int take = std::min(nsrcs - used, kCudaMaxReduceSources - 1);
     chain[0] = dst;
-    for (int i = 0; i < take; ++i) chain[i + 1] = srcs[used + i];
+    cellOf[0] = nullptr;
+    offsetOf[0] = 0;
+    for (int i = 0; i < take; ++i) {
+      chain[i + 1] = srcs[used + i];
+      cellOf[i + 1] = cells ? cells[used + i].cell : nullptr;
+      offsetOf[i + 1] = cells ? cells[used + i].offset : 0;
+    }
     used += take;
-    check(api_.launchReduce(dst, used == nsrcs ? dst2 : nullptr, chain, take + 1, count, int(type), int(op),
-                            stream(s)),
-          "reduction kernel launch");
+    launch(chain, take + 1, used == nsrcs);
   }
+}
+
+void CudaStreamBackend::copyIndirect(int s, void* dst, const void* src, CellRef cell, size_t bytes) {
+  check(api_.launchCopyIndirect(dst, src, cell.cell, cell.offset, bytes, stream(s)), "copy kernel launch");
 }
 
 void CudaStreamBackend::divide(int s, void* dst, const void* src, size_t count, loomDataType_t type,

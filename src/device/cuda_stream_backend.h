@@ -28,6 +28,11 @@ class CudaStreamBackend final : public StreamBackend {
               int divisor) override;
   void recordEvent(int stream, int event) override;
   void waitEvent(int stream, int event) override;
+  // A kernel copy (launchCopyIndirect), and reduce() through
+  // launchReduceIndirect (a chain's partial result is read directly).
+  void copyIndirect(int stream, void* dst, const void* src, CellRef cell, size_t bytes) override;
+  void reduceIndirect(int stream, void* dst, void* dst2, const void* const* srcs, const CellRef* cells, int nsrcs,
+                      size_t count, loomDataType_t type, loomRedOp_t op) override;
 
  private:
   void* stream(int s) const;

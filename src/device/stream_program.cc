@@ -39,6 +39,19 @@ std::string refName(const ProgramRef& r) {
       return strf("out[%d]+%zu", r.rank, r.offset);
     case Space::P2PIn:
       return strf("in[%d]+%zu", r.rank, r.offset);
+    case Space::Published:
+      return strf("%s[%d]+%zu|win[%d]+%zu", r.cell < kCellRecv0 ? "send" : "recv", r.rank, r.offset, r.rank,
+                  r.fallback);
+  }
+  return "?";
+}
+
+const char* cellName(int c) {
+  switch (c) {
+    case kCellSend0: return "send0";
+    case kCellSend1: return "send1";
+    case kCellRecv0: return "recv0";
+    case kCellRecv1: return "recv1";
   }
   return "?";
 }
@@ -59,6 +72,9 @@ std::string StreamProgram::describe() const {
       case StreamOpKind::SetPeerFlag:
         s += strf("set flag[%d].%s = %llu for rank %d", rank, flagName(o.flag), (unsigned long long)o.value,
                   o.flagRank);
+        break;
+      case StreamOpKind::SetCell:
+        s += strf("publish cell[%d].%s for rank %d", rank, cellName(o.flag), o.flagRank);
         break;
       case StreamOpKind::Copy:
         s += strf("copy %s <- %s, %zu B", refName(o.dst).c_str(), refName(src(o, 0)).c_str(), o.count);
@@ -125,8 +141,21 @@ struct Resolver {
         if (r.offset > b.p2pBytes || bytes > b.p2pBytes - r.offset) bad("goes past a send/recv region");
         return regions[size_t(r.rank)] + r.offset;
       }
+      case Space::Published:
+        // The fallback is checked here; the published range when the op
+        // runs (CellRef).
+        if (write) bad("writes a peer's published buffer");
+        if (r.cell >= kCellCount) bad("names no cell");
+        if (r.rank < 0 || size_t(r.rank) >= b.windows.size()) bad("names a rank with no window");
+        if (r.fallback > b.windowBytes || bytes > b.windowBytes - r.fallback) bad("goes past a window");
+        return b.windows[size_t(r.rank)] + r.fallback;
     }
     bad("names an unknown buffer");
+  }
+  // Where a Published ref's cell is (null: read the fallback, nobody publishes).
+  CellRef cell(const ProgramRef& r) const {
+    if (r.space != Space::Published || b.cells.empty()) return CellRef{};
+    return CellRef{b.cells[size_t(r.rank)] + size_t(r.cell) * kCellWords, r.offset};
   }
 };
 
@@ -142,6 +171,10 @@ ProgramEnqueuer::ProgramEnqueuer(StreamBackend& be, const StreamProgram& p, cons
   if (!b.flagCopies.empty() && b.flagCopies.size() != size_t(p.nranks))
     fail(loomInternalError, "rank %d: stream program for %d ranks given %zu flag copies", p.rank, p.nranks,
          b.flagCopies.size());
+  if (!b.cells.empty() && (b.cells.size() != size_t(p.nranks) || b.peerCells.size() != size_t(p.nranks) ||
+                           b.published.size() != size_t(p.nranks)))
+    fail(loomInternalError, "rank %d: stream program for %d ranks given cells of %zu", p.rank, p.nranks,
+         b.cells.size());
   // Every op checked first: a bad program must not leave half of itself enqueued.
   for (size_t i = 0; i < p.ops.size(); ++i) visit(i, false);
 }
@@ -160,12 +193,15 @@ void ProgramEnqueuer::visit(size_t index, bool enqueue) {
   Resolver res{p, b};
   res.index = index;
   std::vector<const void*>& srcs = srcs_;
+  std::vector<CellRef>& cells = cells_;
+  bool indirect = false;
   const StreamOp& o = p.ops[index];
   if (o.stream >= p.streams) res.bad("uses a stream the program does not declare");
   const size_t bytes = o.kind == StreamOpKind::Copy ? o.count : o.count * esz;
   void* dst = nullptr;
   void* dst2 = nullptr;
   srcs.clear();
+  cells.clear();
   switch (o.kind) {
     case StreamOpKind::WaitFlag:
     case StreamOpKind::SetFlag:
@@ -174,6 +210,11 @@ void ProgramEnqueuer::visit(size_t index, bool enqueue) {
       if (o.kind == StreamOpKind::SetFlag && o.flagRank != p.rank) res.bad("sets another rank's flag");
       if (o.kind == StreamOpKind::SetPeerFlag && b.peerFlags.size() != size_t(p.nranks))
         res.bad("sets a per-pair flag, but the buffers have no per-reader flag copies");
+      break;
+    case StreamOpKind::SetCell:
+      if (o.flag >= kCellCount || o.flagRank < 0 || o.flagRank >= p.nranks || o.flagRank == p.rank)
+        res.bad("names no peer's cell");
+      if (b.cells.empty()) res.bad("publishes a cell, but the buffers have no cells");
       break;
     case StreamOpKind::RecordEvent:
     case StreamOpKind::WaitEvent:
@@ -188,17 +229,25 @@ void ProgramEnqueuer::visit(size_t index, bool enqueue) {
       dst = res.at(o.dst, bytes, true);
       if (o.dual && o.kind != StreamOpKind::Reduce) res.bad("has a second destination but is no reduction");
       if (o.dual) dst2 = res.at(o.dst2, bytes, true);
-      for (uint32_t i = 0; i < o.srcCount; ++i) srcs.push_back(res.at(p.src(o, i), bytes, false));
+      for (uint32_t i = 0; i < o.srcCount; ++i) {
+        srcs.push_back(res.at(p.src(o, i), bytes, false));
+        cells.push_back(res.cell(p.src(o, i)));
+        indirect = indirect || cells.back().cell;
+      }
+      if (o.kind == StreamOpKind::Divide && indirect) res.bad("divides a peer's published buffer");
       if (o.kind == StreamOpKind::Reduce) {
         // A backend may write dst before it has read every source (a
         // reduction over more sources than one kernel takes is chained
-        // through dst); dst2 is written last, so it may be a source exactly.
+        // through dst), so dst may be a source exactly only in one pass;
+        // dst2 is written last, so it may be a source exactly.  (A
+        // published source is in a peer's memory, never this rank's.)
         auto overlap = [&](const void* a, const void* c) {
           auto x = static_cast<const uint8_t*>(a), y = static_cast<const uint8_t*>(c);
           return x < y + bytes && y < x + bytes;
         };
         for (const void* s : srcs) {
-          if (bytes && overlap(dst, s)) res.bad("reduces into one of its sources");
+          if (bytes && overlap(dst, s) && !(dst == s && o.srcCount <= kOnePassSources))
+            res.bad("reduces into one of its sources");
           if (bytes && dst2 && s != dst2 && overlap(dst2, s)) res.bad("writes its second destination over part of a source");
         }
         if (bytes && dst2 && overlap(dst, dst2)) res.bad("has overlapping destinations");
@@ -217,11 +266,24 @@ void ProgramEnqueuer::visit(size_t index, bool enqueue) {
     case StreamOpKind::SetPeerFlag:
       be.setFlag(o.stream, b.peerFlags[size_t(o.flagRank)] + o.flag, o.value);
       break;
+    case StreamOpKind::SetCell: {
+      const ProgramBuffers::Cell& c = b.published[size_t(o.flagRank)][o.flag];
+      uint64_t* at = b.peerCells[size_t(o.flagRank)] + size_t(o.flag) * kCellWords;
+      be.setFlag(o.stream, at + 1, c.bytes);
+      be.setFlag(o.stream, at, c.addr);
+      break;
+    }
     case StreamOpKind::Copy:
-      be.copy(o.stream, dst, srcs[0], o.count);
+      if (indirect)
+        be.copyIndirect(o.stream, dst, srcs[0], cells[0], o.count);
+      else
+        be.copy(o.stream, dst, srcs[0], o.count);
       break;
     case StreamOpKind::Reduce:
-      be.reduce(o.stream, dst, dst2, srcs.data(), int(srcs.size()), o.count, p.dtype, p.op);
+      if (indirect)
+        be.reduceIndirect(o.stream, dst, dst2, srcs.data(), cells.data(), int(srcs.size()), o.count, p.dtype, p.op);
+      else
+        be.reduce(o.stream, dst, dst2, srcs.data(), int(srcs.size()), o.count, p.dtype, p.op);
       break;
     case StreamOpKind::Divide:
       be.divide(o.stream, dst, srcs[0], o.count, p.dtype, o.divisor);

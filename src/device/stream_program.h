@@ -15,6 +15,7 @@
 // others' mapped here).  Each window holds two slots, used by alternate
 // rounds, and each rank owns kFlagCount flags that every rank can read.
 #pragma once
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -30,12 +31,21 @@ enum class Space : uint8_t {
   Window,  // rank `rank`'s window (peer memory)
   P2POut,  // send/recv: this rank's staging region for receiver `rank`
   P2PIn,   // send/recv: sender `rank`'s staging region for this rank (peer memory)
+  // Rank `rank`'s own send or recv buffer, read in place (device zero-copy):
+  // `offset` bytes into the buffer that rank published in cell `cell` of
+  // this rank's cell area; when the cell is empty (0), or what it publishes
+  // does not hold the bytes read, rank's window at `fallback` instead.  The
+  // choice is made when the op runs, so each rank decides for itself
+  // whether it publishes (see CellIndex).  A source only.
+  Published,
 };
 
 struct ProgramRef {
   Space space = Space::Send;
-  int32_t rank = 0;   // Window: whose; Send/Recv: which buffer (0, or 1.. of a send/recv group)
+  int32_t rank = 0;   // Window/Published: whose; Send/Recv: which buffer (0, or 1.. of a send/recv group)
   size_t offset = 0;  // bytes
+  uint8_t cell = 0;   // Published: the cell (CellIndex)
+  size_t fallback = 0;  // Published: the window offset read when the cell is empty
 };
 
 // A rank's flags.  Each is set only by its owner and read by everyone.  The
@@ -55,13 +65,40 @@ enum FlagIndex : uint8_t {
 // The flags of the collectives' rounds (a round counter every rank advances).
 constexpr int kRoundFlags = 3;
 
+// Device zero-copy.  Each rank has a cell area beside its flags: row q holds
+// rank q's cells as published to this rank, kCellCount cells of
+// kCellWords words each: {the buffer's start as mapped in this rank, its
+// bytes}; a start of 0 means "not published: read my window".  A rank
+// publishes its send and recv buffers of the reduce-scatter + all-gather
+// all-reduce (a cell per buffer and slot: round g uses the cells of slot
+// g % 2, which it writes, when it must, after the same guard as that slot,
+// so no reader of the round before that used them still reads them) and
+// then stages nothing in its window: the peers reduce straight from its
+// send buffer and copy the reduced parts straight from its recv buffer.
+enum CellIndex : uint8_t {
+  kCellSend0 = 0,  // send buffer, slot 0 rounds
+  kCellSend1 = 1,
+  kCellRecv0 = 2,  // recv buffer, slot 0 rounds
+  kCellRecv1 = 3,
+  kCellCount = 4,
+};
+constexpr int kCellWords = 2;
+// A reduction may write its destination over one of its sources exactly
+// when it has at most this many (one pass reads every source's element
+// before it writes it; longer reductions are chained through the
+// destination).
+constexpr uint32_t kOnePassSources = 8;
+
 enum class StreamOpKind : uint8_t {
   WaitFlag,     // stream waits until flag(flagRank, flag) >= value
   SetFlag,      // flag(owner = this rank, flag) = value, after all earlier work on the stream
   SetPeerFlag,  // the same, in the copy rank `flagRank` reads only (send/recv's per-pair flags)
+  SetCell,      // cell `flag` (CellIndex) of this rank in rank `flagRank`'s cell area = what
+                // ProgramBuffers::published holds for that reader and cell, after all earlier work
   Copy,         // dst = src[0], `bytes` bytes (never overlapping)
   Reduce,       // dst = src[0] op src[1] op ... (left to right, rounded each step), `count` elements;
-                // with `dual`, the result goes to dst2 as well (written last: dst2 may be a source)
+                // with `dual`, the result goes to dst2 as well (written last: dst2 may be a source);
+                // with at most kOnePassSources sources dst may be one of them exactly
   Divide,       // dst = src[0] / divisor, `count` elements (loomAvg's last step)
   RecordEvent,  // event `event` completes when the stream's earlier work has
   WaitEvent,    // stream waits for the last record of `event` enqueued before this op
@@ -129,6 +166,28 @@ struct ProgramBuffers {
   // where the pair has none (regions are made on the pair's first use).
   std::vector<uint8_t*> p2pOut, p2pIn;
   size_t p2pBytes = 0;
+  // Device zero-copy (CellIndex).  cells[q]: row q of this rank's cell
+  // area (where Published refs to rank q read); peerCells[r]: this rank's
+  // row in rank r's cell area (SetCell's addresses); published[r]: what
+  // SetCell writes there, per cell.  Empty cells: Published refs read the
+  // fallback window (nobody publishes), and SetCell is refused.
+  struct Cell {
+    uint64_t addr = 0;  // the buffer's start as mapped in the reader; 0: not published
+    uint64_t bytes = 0;
+  };
+  std::vector<const uint64_t*> cells;
+  std::vector<uint64_t*> peerCells;
+  std::vector<std::array<Cell, kCellCount>> published;
+};
+
+// A source read through a cell (Space::Published) as a backend gets it:
+// cell[0] is an address, cell[1] a size in bytes; the source is cell[0] +
+// offset when cell[0] is not 0 and [offset, offset + the bytes read) lies
+// within cell[1], else the direct pointer given beside it.  Both are read
+// when the op runs, after the stream's earlier waits.  cell null: direct.
+struct CellRef {
+  const uint64_t* cell = nullptr;
+  size_t offset = 0;
 };
 
 // What executes stream operations: one call per op, in program order per
@@ -150,6 +209,11 @@ class StreamBackend {
                       int divisor) = 0;
   virtual void recordEvent(int stream, int event) = 0;
   virtual void waitEvent(int stream, int event) = 0;
+  // copy and reduce with sources read through cells (CellRef; cells[i] for
+  // srcs[i], whose pointer is the fallback): device zero-copy.
+  virtual void copyIndirect(int stream, void* dst, const void* src, CellRef cell, size_t bytes) = 0;
+  virtual void reduceIndirect(int stream, void* dst, void* dst2, const void* const* srcs, const CellRef* cells,
+                              int nsrcs, size_t count, loomDataType_t type, loomRedOp_t op) = 0;
 };
 
 // Checks every op of `p` against `b` (bounds, ranks, streams, events; a
@@ -177,6 +241,7 @@ class ProgramEnqueuer {
   const ProgramBuffers& b_;
   size_t next_ = 0;
   std::vector<const void*> srcs_;
+  std::vector<CellRef> cells_;
 };
 
 }  // namespace loom

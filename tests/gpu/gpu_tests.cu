@@ -162,6 +162,102 @@ void testKernels(const loom::CudaApi& api) {
   CK(cudaStreamDestroy(st));
 }
 
+// Device zero-copy's kernels: sources read through cells (CellRef) and
+// the copy kernel.  Each source's real data is where its cell says, and its
+// fallback holds other data, so a wrong choice shows: "published" reads
+// through the cell (also misaligned by one element, which the vector
+// kernel must notice), "empty" (cell 0) and "short" (the cell's length
+// does not hold the range) read the fallback instead.  dst is the first
+// source exactly in one of the cases (one pass: allowed up to 8 sources).
+void testIndirect(const loom::CudaApi& api) {
+  cudaStream_t st;
+  CK(cudaStreamCreate(&st));
+  loom::CudaStreamBackend be(api, {st}, {});
+  std::mt19937_64 rng(2);
+  long cases = 0, wrong = 0;
+  std::string firstBad;
+  enum Mode { Published, Empty, Short };
+  for (loomDataType_t t : {loomFloat32, loomBfloat16, loomInt32, loomFloat64})
+    for (int nsrcs : {1, 2, 8, 19})
+      for (size_t n : {size_t(0), size_t(1), size_t(4097), size_t(1) << 20})
+        for (size_t misalign : {size_t(0), size_t(1)})
+          for (Mode mode : {Published, Empty, Short})
+            for (bool intoFirst : {false, true}) {
+              if (intoFirst && nsrcs > int(loom::kOnePassSources)) continue;
+              const size_t esz = loom::dtypeSize(t), bytes = n * esz, off = 256 + misalign * esz;
+              // Per source: a "peer buffer" (data at off), a fallback, and its cell.
+              const std::vector<uint8_t> zeros(bytes);
+              std::vector<std::vector<uint8_t>> truth(static_cast<size_t>(nsrcs), zeros),
+                  decoy(static_cast<size_t>(nsrcs), zeros);
+              std::vector<void*> owned;
+              std::vector<const void*> fallback(static_cast<size_t>(nsrcs));
+              std::vector<loom::CellRef> cells(static_cast<size_t>(nsrcs));
+              uint64_t* cellMem = nullptr;
+              CK(cudaMalloc(&cellMem, size_t(nsrcs) * 16));
+              owned.push_back(cellMem);
+              std::vector<uint64_t> cellHost(static_cast<size_t>(nsrcs) * 2);
+              for (int k = 0; k < nsrcs; ++k) {
+                fillRandom(truth[size_t(k)], t, rng);
+                fillRandom(decoy[size_t(k)], t, rng);
+                uint8_t *peer = nullptr, *fb = nullptr;
+                CK(cudaMalloc(&peer, off + bytes + 16));
+                CK(cudaMalloc(&fb, bytes + 16));
+                owned.push_back(peer);
+                owned.push_back(fb);
+                const bool viaCell = mode == Published;
+                CK(cudaMemcpy(peer + off, (viaCell ? truth : decoy)[size_t(k)].data(), bytes, cudaMemcpyHostToDevice));
+                CK(cudaMemcpy(fb, (viaCell ? decoy : truth)[size_t(k)].data(), bytes, cudaMemcpyHostToDevice));
+                fallback[size_t(k)] = fb;
+                cellHost[size_t(k) * 2] = mode == Empty ? 0 : uint64_t(uintptr_t(peer));
+                cellHost[size_t(k) * 2 + 1] = mode == Short ? off + bytes - 1 : off + bytes;
+                cells[size_t(k)] = loom::CellRef{cellMem + size_t(k) * 2, off};
+              }
+              if (mode == Short && n == 0) continue;  // nothing read: nothing too short
+              CK(cudaMemcpy(cellMem, cellHost.data(), cellHost.size() * 8, cudaMemcpyHostToDevice));
+              void* dst = nullptr;
+              if (intoFirst) {
+                // One pass over a direct first source that is also dst.
+                CK(cudaMalloc(&dst, bytes + 16));
+                CK(cudaMemcpy(dst, truth[0].data(), bytes, cudaMemcpyHostToDevice));
+                fallback[0] = dst;
+                cells[0] = loom::CellRef{};
+              } else {
+                CK(cudaMalloc(&dst, bytes + 16));
+              }
+              owned.push_back(dst);
+              be.reduceIndirect(0, dst, nullptr, fallback.data(), cells.data(), nsrcs, n, t, loomSum);
+              // The copy kernel, from source 1 (or 0) through its cell.
+              const int c = nsrcs > 1 ? 1 : 0;
+              void* copied = nullptr;
+              CK(cudaMalloc(&copied, bytes + 16));
+              owned.push_back(copied);
+              if (!(intoFirst && c == 0)) be.copyIndirect(0, copied, fallback[size_t(c)], cells[size_t(c)], bytes);
+              if (!finish(st, 60)) {
+                row("indirect", "a kernel did not finish", 1, "hang");
+                std::exit(1);
+              }
+              std::vector<uint8_t> got(bytes), want(bytes), gotCopy(bytes);
+              CK(cudaMemcpy(got.data(), dst, bytes, cudaMemcpyDeviceToHost));
+              CK(cudaMemcpy(gotCopy.data(), copied, bytes, cudaMemcpyDeviceToHost));
+              if (n) {
+                want = truth[0];
+                for (int k = 1; k < nsrcs; ++k) loom::reduceHost(want.data(), want.data(), truth[size_t(k)].data(), n, t, loomSum);
+              }
+              ++cases;
+              const bool copyOk = (intoFirst && c == 0) || gotCopy == truth[size_t(c)];
+              if (got != want || !copyOk) {
+                ++wrong;
+                if (firstBad.empty())
+                  firstBad = loom::strf("%s nsrcs=%d n=%zu misalign=%zu mode=%d%s%s", loom::dtypeName(t), nsrcs, n,
+                                        misalign, int(mode), intoFirst ? " into-first" : "", copyOk ? "" : " copy");
+              }
+              for (void* p : owned) CK(cudaFree(p));
+            }
+  row("indirect", loom::strf("%ld cases: published/empty/short cells x 1..19 sources x sizes x alignment", cases),
+      wrong, firstBad);
+  CK(cudaStreamDestroy(st));
+}
+
 struct Ranks {
   int n;
   size_t slot;
@@ -506,6 +602,7 @@ int main(int argc, char** argv) {
   std::printf("%-10s %-64s %8s  %s\n", "check", "cases", "wrong", "result");
   try {
     if (kernels) testKernels(*api);
+    if (kernels) testIndirect(*api);
     testPrograms(*api, ranks, maxCount);
     for (int N : ranks) testOrder(*api, N);
   } catch (const loom::Error& e) {  // a CUDA call failed (CudaStreamBackend says which, with CUDA's message)

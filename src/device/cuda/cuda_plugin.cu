@@ -230,7 +230,8 @@ const CudaApi kApi = {kCudaApiVersion, waitValue64,     writeValue64,   memcpyAs
                       eventRecord,     streamWaitEvent, errorString,    deviceCount,    pointerDevice, getDevice,
                       setDevice,       mallocZeroed,    freeMem,        addressRange,   ipcGetHandle,  ipcOpenHandle,
                       ipcCloseHandle,  streamCreate,    streamDestroy,  eventCreate,    eventDestroy,
-                      readValue64,     mallocRaw,       hostAllocMapped, hostFree,     loadKernelsOnce};
+                      readValue64,     mallocRaw,       hostAllocMapped, hostFree,     loadKernelsOnce,
+                      launchReduceIndirect, launchCopyIndirect};
 
 }  // namespace
 }  // namespace cuda

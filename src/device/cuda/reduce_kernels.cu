@@ -9,8 +9,13 @@
 // take the one-element-per-thread kernel.  A second destination, when
 // given, gets each element (or vector) right after the first: a thread reads
 // every source's element before it writes either, so the second may be one
-// of the sources exactly (an in-place caller's buffer).  Both are grid-stride loops over
-// at most kMaxBlocks blocks of kThreads threads.
+// of the sources exactly (an in-place caller's buffer); so may the first
+// (one pass reads an element of every source before writing it).  Both are
+// grid-stride loops over at most kMaxBlocks blocks of kThreads threads.
+//
+// Device zero-copy: a source may be read through a cell (Sources below),
+// and copyBytes copies from one, since cudaMemcpyAsync cannot look up its
+// source when it runs.
 //
 // Launches go through cudaLaunchKernel, whose return is that launch's own
 // status: after <<<>>>, cudaGetLastError would also return an error an
@@ -32,15 +37,38 @@ using namespace elementwise;
 constexpr int kThreads = 256;
 constexpr size_t kMaxBlocks = 1024;
 
+// A launch's sources: p[k] directly, or, where cell[k] is not null, the
+// buffer a peer published in that cell (+ off[k]) when it is published and
+// holds the `bytes` the reduction reads (device zero-copy, CellRef in
+// stream_program.h).  Every thread resolves them the same way when the
+// kernel starts; the cells were written before the stream's waits let it.
 template <class Ty>
 struct Sources {
   const typename Ty::Store* p[kCudaMaxReduceSources];
+  const uint64_t* cell[kCudaMaxReduceSources];
+  size_t off[kCudaMaxReduceSources];
+  size_t bytes;
 };
 
+__device__ inline const void* resolveSource(const void* direct, const uint64_t* cell, size_t off, size_t bytes) {
+  if (!cell) return direct;
+  const uint64_t addr = cell[0], len = cell[1];
+  if (addr == 0 || off > len || bytes > len - off) return direct;
+  return reinterpret_cast<const uint8_t*>(addr) + off;
+}
+
+template <class Ty>
+__device__ inline void resolveAll(Sources<Ty>& s, int nsrcs) {
+  for (int k = 0; k < nsrcs; ++k)
+    s.p[k] = static_cast<const typename Ty::Store*>(resolveSource(s.p[k], s.cell[k], s.off[k], s.bytes));
+}
+
+// Elements [begin, n).
 template <class Ty, class Op>
 __global__ void reduceElements(typename Ty::Store* dst, typename Ty::Store* dst2, Sources<Ty> s, int nsrcs,
-                               size_t n) {
-  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+                               size_t begin, size_t n) {
+  resolveAll(s, nsrcs);
+  for (size_t i = begin + size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     typename Ty::Store acc = s.p[0][i];
     for (int k = 1; k < nsrcs; ++k) acc = reduce<Ty, Op>(acc, s.p[k][i]);
     dst[i] = acc;
@@ -48,6 +76,9 @@ __global__ void reduceElements(typename Ty::Store* dst, typename Ty::Store* dst2
   }
 }
 
+// Vectors [0, nvec) of 16 bytes.  A published source that turns out not
+// to be 16-byte aligned makes the whole launch go element by element over
+// the same range (every thread resolves the same pointers, so all agree).
 template <class Ty, class Op>
 __global__ void reduceVectors(typename Ty::Store* dst, typename Ty::Store* dst2, Sources<Ty> s, int nsrcs,
                               size_t nvec) {
@@ -57,7 +88,20 @@ __global__ void reduceVectors(typename Ty::Store* dst, typename Ty::Store* dst2,
     uint4 v;
     S e[V];
   };
-  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < nvec; i += size_t(gridDim.x) * blockDim.x) {
+  resolveAll(s, nsrcs);
+  bool aligned = true;
+  for (int k = 0; k < nsrcs; ++k) aligned = aligned && (reinterpret_cast<uintptr_t>(s.p[k]) & 15) == 0;
+  const size_t step = size_t(gridDim.x) * blockDim.x, first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (!aligned) {
+    for (size_t i = first; i < nvec * V; i += step) {
+      S acc = s.p[0][i];
+      for (int k = 1; k < nsrcs; ++k) acc = reduce<Ty, Op>(acc, s.p[k][i]);
+      dst[i] = acc;
+      if (dst2) dst2[i] = acc;
+    }
+    return;
+  }
+  for (size_t i = first; i < nvec; i += step) {
     Pack acc, in;
     acc.v = reinterpret_cast<const uint4*>(s.p[0])[i];
     for (int k = 1; k < nsrcs; ++k) {
@@ -68,6 +112,21 @@ __global__ void reduceVectors(typename Ty::Store* dst, typename Ty::Store* dst2,
     reinterpret_cast<uint4*>(dst)[i] = acc.v;
     if (dst2) reinterpret_cast<uint4*>(dst2)[i] = acc.v;
   }
+}
+
+// dst = the (resolved) source, `bytes` bytes: 16 at a time when both are
+// aligned, else byte by byte.
+__global__ void copyBytes(uint8_t* dst, const uint8_t* src, const uint64_t* cell, size_t off, size_t bytes) {
+  src = static_cast<const uint8_t*>(resolveSource(src, cell, off, bytes));
+  const size_t step = size_t(gridDim.x) * blockDim.x, first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  size_t done = 0;
+  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
+    const size_t nvec = bytes / 16;
+    for (size_t i = first; i < nvec; i += step)
+      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+    done = nvec * 16;
+  }
+  for (size_t i = done + first; i < bytes; i += step) dst[i] = src[i];
 }
 
 template <class Ty>
@@ -85,17 +144,26 @@ unsigned blocksFor(size_t work) {
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 template <class Ty, class Op>
-cudaError_t launchReduceTyped(void* dst, void* dst2, const void* const* srcs, int nsrcs, size_t n,
-                              cudaStream_t st) {
+cudaError_t launchReduceTyped(void* dst, void* dst2, const void* const* srcs, const uint64_t* const* cells,
+                              const size_t* offsets, int nsrcs, size_t n, cudaStream_t st) {
   using S = typename Ty::Store;
   constexpr size_t V = 16 / sizeof(S);
   Sources<Ty> s;
+  s.bytes = n * sizeof(S);
   bool vec = aligned16(dst) && aligned16(dst2);
   for (int k = 0; k < nsrcs; ++k) {
     s.p[k] = static_cast<const S*>(srcs[k]);
+    s.cell[k] = cells ? cells[k] : nullptr;
+    s.off[k] = cells ? offsets[k] : 0;
+    // A published source's alignment is checked by the kernel (the
+    // fallback's here: the one it reads otherwise).
     vec = vec && aligned16(srcs[k]);
   }
-  for (int k = nsrcs; k < kCudaMaxReduceSources; ++k) s.p[k] = nullptr;
+  for (int k = nsrcs; k < kCudaMaxReduceSources; ++k) {
+    s.p[k] = nullptr;
+    s.cell[k] = nullptr;
+    s.off[k] = 0;
+  }
   S* d = static_cast<S*>(dst);
   S* d2 = static_cast<S*>(dst2);
   size_t nvec = vec ? n / V : 0;
@@ -107,26 +175,22 @@ cudaError_t launchReduceTyped(void* dst, void* dst2, const void* const* srcs, in
   }
   size_t done = nvec * V;
   if (done < n) {
-    for (int k = 0; k < nsrcs; ++k) s.p[k] += done;
-    S* rest = d + done;
-    S* rest2 = d2 ? d2 + done : nullptr;
-    size_t left = n - done;
-    void* args[] = {&rest, &rest2, &s, &nsrcs, &left};
-    return cudaLaunchKernel(reinterpret_cast<const void*>(&reduceElements<Ty, Op>), dim3(blocksFor(left)),
+    void* args[] = {&d, &d2, &s, &nsrcs, &done, &n};
+    return cudaLaunchKernel(reinterpret_cast<const void*>(&reduceElements<Ty, Op>), dim3(blocksFor(n - done)),
                             dim3(kThreads), args, 0, st);
   }
   return cudaSuccess;
 }
 
 template <class Ty>
-cudaError_t launchReduceOp(void* dst, void* dst2, const void* const* srcs, int nsrcs, size_t n, int op,
-                           cudaStream_t st) {
+cudaError_t launchReduceOp(void* dst, void* dst2, const void* const* srcs, const uint64_t* const* cells,
+                           const size_t* offsets, int nsrcs, size_t n, int op, cudaStream_t st) {
   switch (op) {
-    case loomSum: return launchReduceTyped<Ty, Sum>(dst, dst2, srcs, nsrcs, n, st);
-    case loomProd: return launchReduceTyped<Ty, Prod>(dst, dst2, srcs, nsrcs, n, st);
-    case loomMax: return launchReduceTyped<Ty, Max>(dst, dst2, srcs, nsrcs, n, st);
-    case loomMin: return launchReduceTyped<Ty, Min>(dst, dst2, srcs, nsrcs, n, st);
-    case loomAvg: return launchReduceTyped<Ty, Sum>(dst, dst2, srcs, nsrcs, n, st);  // divided at the end
+    case loomSum: return launchReduceTyped<Ty, Sum>(dst, dst2, srcs, cells, offsets, nsrcs, n, st);
+    case loomProd: return launchReduceTyped<Ty, Prod>(dst, dst2, srcs, cells, offsets, nsrcs, n, st);
+    case loomMax: return launchReduceTyped<Ty, Max>(dst, dst2, srcs, cells, offsets, nsrcs, n, st);
+    case loomMin: return launchReduceTyped<Ty, Min>(dst, dst2, srcs, cells, offsets, nsrcs, n, st);
+    case loomAvg: return launchReduceTyped<Ty, Sum>(dst, dst2, srcs, cells, offsets, nsrcs, n, st);  // divided at the end
   }
   return cudaErrorInvalidValue;
 }
@@ -147,14 +211,30 @@ cudaError_t launchDivideTyped(void* dst, const void* src, size_t n, int divisor,
 
 }  // namespace
 
-int launchReduce(void* dst, void* dst2, const void* const* srcs, int nsrcs, size_t n, int dtype, int op,
-                 void* stream) {
+int launchReduceIndirect(void* dst, void* dst2, const void* const* srcs, const uint64_t* const* cells,
+                         const size_t* offsets, int nsrcs, size_t n, int dtype, int op, void* stream) {
   if (nsrcs < 1 || nsrcs > kCudaMaxReduceSources) return int(cudaErrorInvalidValue);
   if (n == 0) return 0;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   return int(withElem(
-      dtype, [&](auto ty) { return launchReduceOp<decltype(ty)>(dst, dst2, srcs, nsrcs, n, op, st); },
+      dtype,
+      [&](auto ty) { return launchReduceOp<decltype(ty)>(dst, dst2, srcs, cells, offsets, nsrcs, n, op, st); },
       cudaErrorInvalidValue));
+}
+
+int launchReduce(void* dst, void* dst2, const void* const* srcs, int nsrcs, size_t n, int dtype, int op,
+                 void* stream) {
+  return launchReduceIndirect(dst, dst2, srcs, nullptr, nullptr, nsrcs, n, dtype, op, stream);
+}
+
+int launchCopyIndirect(void* dst, const void* src, const uint64_t* cell, size_t offset, size_t bytes,
+                       void* stream) {
+  if (bytes == 0) return 0;
+  uint8_t* d = static_cast<uint8_t*>(dst);
+  const uint8_t* from = static_cast<const uint8_t*>(src);
+  void* args[] = {&d, &from, &cell, &offset, &bytes};
+  return int(cudaLaunchKernel(reinterpret_cast<const void*>(&copyBytes), dim3(blocksFor((bytes + 15) / 16)),
+                              dim3(kThreads), args, 0, static_cast<cudaStream_t>(stream)));
 }
 
 namespace {
@@ -177,6 +257,8 @@ cudaError_t loadType() {
 }  // namespace
 
 int loadKernels() {
+  cudaFuncAttributes a;
+  if (cudaError_t rc = cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(&copyBytes))) return int(rc);
   for (int t : {loomInt8, loomUint8, loomInt32, loomUint32, loomInt64, loomUint64, loomFloat16, loomBfloat16,
                 loomFloat32, loomFloat64}) {
     cudaError_t rc = withElem(t, [](auto ty) { return loadType<decltype(ty)>(); }, cudaErrorInvalidValue);
