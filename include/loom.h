@@ -306,7 +306,10 @@ LOOM_API loomResult_t loomCommDump(loomComm_t comm, char* buf, size_t size);
  * On a process whose communicators run on CUDA (LOOM_DEVICE=cuda, or auto
  * with a GPU), loomMemAlloc returns device memory of the current CUDA
  * device, as ncclMemAlloc does (cudaMalloc'd: CUDA IPC can export any
- * buffer inside it; not zeroed), and loomMemFree frees it.  Otherwise:
+ * buffer inside it; not zeroed), and loomMemFree frees it.  Large
+ * all-reduces whose send and recv buffers lie in it are read in place by
+ * the peers on the same host (LOOM_DEVICE_ZERO_COPY, docs/usage.md);
+ * loomMemFree then first has those peers unmap it.  Otherwise:
  *
  * loomMemAlloc returns host memory that the other ranks on this host can map
  * (a memfd, whole pages, placed on the caller's NUMA node where the rank is

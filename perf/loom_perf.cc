@@ -482,7 +482,9 @@ void usage(FILE* f) {
                "                        reducing collectives only)\n"
                "  -r, --root R          root of broadcast, reduce, gather, scatter (default 0)\n"
                "  -R, --registered      buffers from loomMemAlloc, registered with loomCommRegister\n"
-               "                        (peers on the host reduce straight out of them)\n"
+               "                        (peers on the host reduce straight out of them; with -G:\n"
+               "                        device memory from loomMemAlloc, not registered, which\n"
+               "                        large all-reduces read in place, LOOM_DEVICE_ZERO_COPY)\n"
                "  -p, --pattern P       sendrecv only: exchange (default: send to the next rank and\n"
                "                        receive from the previous at once), oneway (even ranks only\n"
                "                        send, to the odd rank after them), pingpong (even ranks send\n"
@@ -713,8 +715,6 @@ Options parseArgs(int argc, char** argv) {
   if (sawOp && !o.coll->reducing && envRankIsZero())
     std::fprintf(stderr, "loom-perf: note: -o is ignored by %s\n", o.coll->name);
   if (!o.coll->reducing) o.ops = {loomSum};  // one pass, printed as "none"
-  if (o.cuda && o.registered)
-    badArgs("-R (host memory from loomMemAlloc) and --device cuda exclude each other");
   if (o.pattern != Options::kExchange && o.coll->coll != kSendRecv)
     badArgs("-p %s: patterns are for sendrecv only", kPatternNames[o.pattern]);
   return o;
@@ -900,11 +900,20 @@ class Bench {
     cap_ = o.maxBytes + kGuardBytes + 64;
     if (o.cuda) {
       // Device buffers; checked runs fill and verify host copies of them.
+      // With -R from loomMemAlloc (device memory on a CUDA process), which
+      // large all-reduces read in place (LOOM_DEVICE_ZERO_COPY).
       void* p = nullptr;
-      CUDACHECK(malloc(&p, cap_));
-      send_ = static_cast<char*>(p);
-      CUDACHECK(malloc(&p, cap_));
-      recv_ = static_cast<char*>(p);
+      if (o.registered) {
+        LOOMCHECK(loomMemAlloc(&p, cap_));
+        send_ = static_cast<char*>(p);
+        LOOMCHECK(loomMemAlloc(&p, cap_));
+        recv_ = static_cast<char*>(p);
+      } else {
+        CUDACHECK(malloc(&p, cap_));
+        send_ = static_cast<char*>(p);
+        CUDACHECK(malloc(&p, cap_));
+        recv_ = static_cast<char*>(p);
+      }
       CUDACHECK(memset(send_, 0, cap_));
       CUDACHECK(memset(recv_, 0, cap_));
       CUDACHECK(streamSynchronize(nullptr));  // the memsets ran on the legacy stream, not ordered with ours
@@ -932,8 +941,13 @@ class Bench {
   }
   ~Bench() {
     if (o_.cuda) {
-      gCuda->free(send_);
-      gCuda->free(recv_);
+      if (o_.registered) {
+        loomMemFree(send_);
+        loomMemFree(recv_);
+      } else {
+        gCuda->free(send_);
+        gCuda->free(recv_);
+      }
       gCuda->free(scratch_);
       std::free(hostSend_);
       std::free(hostRecv_);

@@ -4,7 +4,8 @@
 # "no CUDA device" and the reason, before any communicator exists, and the
 # argument errors of -G are clear.  With a GPU (nvidia-smi -L works) it runs
 # the device path for real: 2 ranks on device buffers, every exchange,
-# send/recv and all-reduce, checked (-c 1), exit 0.
+# send/recv and all-reduce, checked (-c 1), and all-reduce on loomMemAlloc
+# buffers (-R: read in place), exit 0.
 # usage: perf_device_test.sh BIN_DIR
 set -uo pipefail
 BIN=$1
@@ -22,7 +23,6 @@ expect_exit2() {  # expect_exit2 PATTERN ARGS...: exit status 2 and PATTERN on s
 }
 
 expect_exit2 "expected host or cuda, got 'tpu'" all_reduce --device tpu
-expect_exit2 "-R (host memory from loomMemAlloc) and --device cuda exclude each other" all_reduce -G -R
 
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
   for coll in all_reduce alltoall gather scatter sendrecv; do
@@ -31,10 +31,15 @@ if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
     grep -q "device buffers, issued on a cudaStream_t" "$tmp/out" || fail "loom-perf $coll -G: not on device buffers"
     echo "ok: loom-run -n 2 loom-perf $coll -G (checked)"
   done
+  # -R: loomMemAlloc buffers, which large all-reduces read in place.
+  timeout 300 "$BIN/loom-run" -n 2 "$BIN/loom-perf" all_reduce -G -R -b 8 -e 16M -f 8 -n 3 -w 1 -c 1 \
+    >"$tmp/out" 2>&1 || { cat "$tmp/out"; fail "loom-perf all_reduce -G -R on the GPU"; }
+  echo "ok: loom-run -n 2 loom-perf all_reduce -G -R (checked)"
 else
   expect_exit2 "loom-perf: --device cuda: no CUDA device: " all_reduce -G
   expect_exit2 "no CUDA device" alltoall --device cuda -b 8 -e 1K
   expect_exit2 "no CUDA device" sendrecv --device cuda -b 8 -e 1K
+  expect_exit2 "no CUDA device" all_reduce -G -R
   echo "(no GPU here: the device runs are tests/gpu/run.sh's)"
 fi
 echo "perf device test: ok"

@@ -1821,7 +1821,7 @@ TEST_CASE("CUDA communicator through the C API (simulated device): send/recv sta
   for (int r = 0; r < 3; ++r) {
     std::string d = dumpOf(comms[size_t(r)]);
     INFO(d);
-    CHECK(d.find(loom::strf("device sim:0, ipc path: %zu B allocated at init", loom::flagAreaBytes(3) +
+    CHECK(d.find(loom::strf("device sim:0, ipc path: %zu B allocated at init", loom::flagAreaBytes(3) + loom::cellAreaBytes(3) +
                                                                           loom::streamWindowBytes(slot))) !=
           std::string::npos);
     CHECK(d.find("send/recv staging: 0 regions allocated here (0 B), 0 of peers mapped here") != std::string::npos);
@@ -2047,6 +2047,80 @@ TEST_CASE("loomMemAlloc on a CUDA process (LOOM_DEVICE=cuda, simulated device): 
     CHECK(rc == loomSuccess);
     CHECK(loom::cudaPointerDevice(c) >= 0);
     CHECK(loomMemFree(c) == loomSuccess);
+  }
+}
+
+TEST_CASE("CUDA communicator, device zero-copy (simulated device): all-reduces on loomMemAlloc buffers are read in "
+          "place through the control plane's publish, loomMemFree has the peers unmap first, LOOM_DEVICE_ZERO_COPY=0 "
+          "stages everything",
+          "[devcomm][api]") {
+  for (const char* zc : {"1", "0"}) {
+    ScopedEnv z("LOOM_DEVICE_ZERO_COPY", zc);
+    ScopedEnv slot("LOOM_DEVICE_SLOT_BYTES", "65536");
+    SimMemory mem;
+    loomsim::SimDeviceWorld world(2, 1, 256);
+    DeviceEnv env(mem, world);
+    std::vector<loomComm_t> comms = initCudaComms(2);
+    REQUIRE(comms.size() == 2);
+    INFO("LOOM_DEVICE_ZERO_COPY=" << zc);
+    CHECK(ipcOf(comms[0]).zeroCopy() == (zc[0] == '1'));
+    const size_t n = 300000;  // 1.2 MB: reduce-scatter + all-gather, several rounds
+    auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+    auto allReduce = [&](int32_t* const* send, int32_t* const* recv, int salt) {
+      for (int r = 0; r < 2; ++r)
+        for (size_t i = 0; i < n; ++i) send[r][i] = int32_t(r * 7 + salt + int(i % 1000));
+      for (int r = 0; r < 2; ++r)
+        CHECK(loomAllReduce(send[r], recv[r], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) == loomSuccess);
+      for (int r = 0; r < 2; ++r) {
+        std::string msg;
+        REQUIRE(world.rank(r).synchronize(&msg) == loomSuccess);
+      }
+      long wrong = 0;
+      for (int r = 0; r < 2; ++r)
+        for (size_t i = 0; i < n; ++i) wrong += recv[r][i] != int32_t(7 + 2 * salt + 2 * int(i % 1000));
+      CHECK(wrong == 0);
+    };
+    int32_t *send[2], *recv[2];
+    for (int r = 0; r < 2; ++r) {
+      void *a = nullptr, *b = nullptr;
+      REQUIRE(loomMemAlloc(&a, n * 4) == loomSuccess);
+      REQUIRE(loomMemAlloc(&b, n * 4) == loomSuccess);
+      send[r] = static_cast<int32_t*>(a);
+      recv[r] = static_cast<int32_t*>(b);
+    }
+    const uint64_t before = world.rank(0).publishedReads() + world.rank(1).publishedReads();
+    allReduce(send, recv, 1);
+    allReduce(send, send, 2);  // in place
+    const uint64_t reads = world.rank(0).publishedReads() + world.rank(1).publishedReads() - before;
+    if (zc[0] == '1') {
+      CHECK(reads > 0);
+      CHECK(ipcOf(comms[0]).memoryStats().published == 2);
+      CHECK(ipcOf(comms[1]).memoryStats().publishedIn == 2);
+      CHECK(dumpOf(comms[0]).find("zero-copy: 2 allocations published, 2 of peers mapped here") != std::string::npos);
+    } else {
+      CHECK(reads == 0);
+      CHECK(ipcOf(comms[0]).memoryStats().published == 0);
+    }
+    // Plain device memory (not loomMemAlloc's) is staged, and still exact.
+    int32_t *plainSend[2], *plainRecv[2];
+    for (int r = 0; r < 2; ++r) {
+      plainSend[r] = reinterpret_cast<int32_t*>(mem.alloc(0, n * 4));
+      plainRecv[r] = reinterpret_cast<int32_t*>(mem.alloc(0, n * 4));
+    }
+    allReduce(plainSend, plainRecv, 3);
+    // A free while the communicators live: the peer forgets it first.
+    CHECK(loomMemFree(recv[1]) == loomSuccess);
+    if (zc[0] == '1') CHECK(ipcOf(comms[0]).memoryStats().publishedIn == 1);
+    void* again = nullptr;
+    REQUIRE(loomMemAlloc(&again, n * 4) == loomSuccess);
+    recv[1] = static_cast<int32_t*>(again);
+    allReduce(send, recv, 4);
+    for (int r = 0; r < 2; ++r) CHECK(loomCommDestroy(comms[size_t(r)]) == loomSuccess);
+    for (int r = 0; r < 2; ++r) {
+      CHECK(loomMemFree(send[r]) == loomSuccess);
+      CHECK(loomMemFree(recv[r]) == loomSuccess);
+    }
+    CHECK(loom::deviceMemLive() == 0);
   }
 }
 
@@ -3069,7 +3143,7 @@ TEST_CASE("CUDA communicator (simulated device): LOOM_DEVICE_SLOT_BYTES sizes th
     for (loomComm_t c : comms) {
       CHECK(ipcOf(c).slotBytes() == 65536);
       CHECK(ipcOf(c).oneShotBytes() == std::stoul(oneShot));
-      CHECK(dumpOf(c).find(loom::strf("%zu B allocated at init", loom::flagAreaBytes(N) +
+      CHECK(dumpOf(c).find(loom::strf("%zu B allocated at init", loom::flagAreaBytes(N) + loom::cellAreaBytes(N) +
                                                                      loom::streamWindowBytes(65536))) !=
             std::string::npos);
     }
@@ -3104,4 +3178,120 @@ TEST_CASE("CUDA communicator (simulated device): LOOM_DEVICE_SLOT_BYTES sizes th
   }
   CHECK(dual[0] > 0);
   CHECK(dual[1] == 0);
+}
+
+namespace {
+// Device zero-copy's options for SimComms: allocations the test marks play
+// loomMemAlloc's memory, and publish/unpublish questions go straight to
+// the peer's communicator (the control plane's role).
+struct Publishable {
+  std::mutex mu;
+  std::set<const void*> bases;
+  SimMemory* mem = nullptr;
+  void add(const void* base) {
+    std::lock_guard<std::mutex> g(mu);
+    bases.insert(base);
+  }
+};
+
+loom::DeviceCommOptions zeroCopyOptions(Publishable& pub, SimComms** self, int* unpublishes) {
+  loom::DeviceCommOptions o;
+  o.slotBytes = 4096;
+  o.oneShotBytes = 0;  // every all-reduce reduce-scatter + all-gather
+  o.zeroCopy = true;
+  o.publishable = [&pub](const void* p, size_t bytes, void** base) {
+    void* b = nullptr;
+    size_t n = 0;
+    try {
+      pub.mem->range(p, &b, &n);
+    } catch (const loom::Error&) {
+      return false;
+    }
+    std::lock_guard<std::mutex> g(pub.mu);
+    *base = b;
+    return pub.bases.count(b) && bytes <= n - size_t(static_cast<const uint8_t*>(p) - static_cast<uint8_t*>(b));
+  };
+  // Which rank asks is the record's process (SimComms: 1000 + rank).
+  o.publishTo = [self](int peer, const loom::IpcRecord& rec) {
+    loom::DeviceComm* c = (*self)->comms[size_t(peer)].get();
+    if (!c) loom::fail(loomRemoteError, "rank %d has no communicator", peer);
+    return c->importPublished(int(rec.process - 1000), rec);
+  };
+  o.unpublishTo = [self, unpublishes](int peer, const loom::IpcRecord& rec) {
+    loom::DeviceComm* c = (*self)->comms[size_t(peer)].get();
+    if (!c) loom::fail(loomRemoteError, "rank %d has no communicator", peer);
+    c->forgetPublished(int(rec.process - 1000), rec);
+    ++*unpublishes;
+  };
+  return o;
+}
+}  // namespace
+
+TEST_CASE("device communicator (simulated device), zero-copy: published all-reduces are exact, each allocation is "
+          "mapped once per peer, and unpublish unmaps it before it is freed",
+          "[devcomm]") {
+  Publishable pub;
+  SimComms* self = nullptr;
+  int unpublishes = 0;
+  const int N = 3;
+  loom::DeviceCommOptions opts = zeroCopyOptions(pub, &self, &unpublishes);
+  SimComms s(N, 1, opts, true, patientDevice());
+  self = &s;
+  pub.mem = &s.mem;
+  for (const std::string& e : s.initErrors) REQUIRE(e.empty());
+  std::mt19937_64 rng(77);
+  auto round = [&](bool inPlace, bool publishOdd, size_t count, loomRedOp_t op) {
+    Prepared p = prepare(s, Op{Collective::AllReduce, loomFloat32, op, count, 0, inPlace}, rng);
+    for (int r = 0; r < N; ++r)
+      if (!publishOdd || r % 2) {
+        void* b = nullptr;
+        size_t n = 0;
+        s.mem.range(p.send[size_t(r)], &b, &n);
+        pub.add(b);
+        s.mem.range(p.recv[size_t(r)], &b, &n);
+        pub.add(b);
+      }
+    for (int r = 0; r < N; ++r) issue(s, p, r);
+    const std::string problems = syncAll(s);
+    INFO(problems);
+    REQUIRE(problems.empty());
+    CHECK(verify(p, N) == "");
+    return p;
+  };
+  uint64_t readsBefore = 0;
+  for (int r = 0; r < N; ++r) readsBefore += s.world.rank(r).publishedReads();
+  Prepared p = round(false, false, 5000, loomSum);  // everyone publishes, several rounds
+  uint64_t reads = 0;
+  for (int r = 0; r < N; ++r) reads += s.world.rank(r).publishedReads();
+  CHECK(reads > readsBefore);
+  for (int r = 0; r < N; ++r) {
+    const loom::DeviceMemoryStats m = s.comms[size_t(r)]->memoryStats();
+    CHECK(m.published == 2);               // its send and recv allocations
+    CHECK(m.publishedIn == size_t(2 * (N - 1)));  // both of every peer's
+  }
+  // The same buffers again: nothing new is mapped.
+  const int opens = s.mem.opens();
+  for (int r = 0; r < N; ++r) issue(s, p, r);
+  REQUIRE(syncAll(s).empty());
+  CHECK(verify(p, N) == "");  // the input is unchanged, so is the result (out of place)
+  CHECK(s.mem.opens() == opens);
+  // In place, odd ranks publishing, avg and max, a count of one round.
+  round(true, true, 5000, loomAvg);
+  round(true, true, 700, loomMax);
+  round(false, true, 3, loomSum);
+  // Unpublish before the free: every peer unmaps it, and it is freed with
+  // no mapping left (the fixture checks freedWhileMapped at the end).
+  const size_t mappedBefore = s.mem.openMappings();
+  void* b = nullptr;
+  size_t n = 0;
+  s.mem.range(p.send[0], &b, &n);
+  unpublishes = 0;
+  s.comms[0]->unpublish(b);
+  CHECK(unpublishes == N - 1);
+  CHECK(s.mem.openMappings() == mappedBefore - size_t(N - 1));
+  CHECK(s.comms[0]->memoryStats().published == 1 + 0);  // the recv allocation is still published
+  s.mem.free(b);
+  // Destroying the communicators unmaps the rest before the memory goes.
+  for (int r = 0; r < N; ++r) s.comms[size_t(r)].reset();
+  CHECK(s.mem.openMappings() == 0);
 }

@@ -21,6 +21,7 @@
 #include "src/core/log.h"
 #include "src/core/hier_device.h"
 #include "src/device/device_choice.h"
+#include "src/device/device_memory.h"
 #include "src/device/host_reduce.h"
 #include "src/topology/cpu_bind.h"
 #include "src/tuner/tuner.h"
@@ -103,6 +104,10 @@ loomComm::~loomComm() {
   // the ones still under way before the control thread stops (a peer whose
   // connection to us breaks asks us, and we may be gone by then).
   if (asyncError() != loomSuccess) settleNotices(nowMs() + 1000);
+  // Device zero-copy: the peers unmap what this rank published while both
+  // control planes still run (a failed communicator's peers may still run
+  // programs that read it: they unmap it when they go).
+  if (device_ && !aborted_.load() && asyncError() == loomSuccess) device_->unpublishAll();
   // Its thread may call into this communicator (and read ctl_): stop it
   // before the pointer changes.
   if (ctl_) ctl_->stop();
@@ -164,6 +169,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
   mine.deviceHierMinBytes = uint32_t(cfg.deviceHierMinBytes);
   mine.deviceSlotBytes = uint32_t(cfg.deviceSlotBytes);
   mine.deviceOneShotBytes = uint32_t(cfg.deviceOneShotBytes);
+  mine.deviceZeroCopy = cfg.deviceZeroCopy ? 1 : 0;
   snprintf(mine.hostId, sizeof mine.hostId, "%s", host.c_str());
   mine.localKey = localKey();
   mine.pid = int32_t(getpid());
@@ -184,6 +190,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
     mine.deviceHierMinBytes = p->deviceHierMinBytes;
     mine.deviceSlotBytes = p->deviceSlotBytes;
     mine.deviceOneShotBytes = p->deviceOneShotBytes;
+    mine.deviceZeroCopy = p->deviceZeroCopy;
   }
   fillRandom(&mine.commTag, sizeof mine.commTag);
   mine.topo = localRankTopo(advertise.ss);
@@ -219,7 +226,8 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
       if (p.localKey == mine.localKey) a = resolveAddr(a.ss.ss_family == AF_INET6 ? "::1" : "127.0.0.1", a.port());
       ctlAddrs.push_back(a);
     }
-    ctl_->setRegionAnswer([this](int from) { return deviceRegionAnswer(from); });
+    ctl_->setRegionAnswer(
+        [this](int from, const std::vector<uint8_t>& question) { return deviceRegionAnswer(from, question); });
     ctl_->start(root.commTag, ctlAddrs, [this](const CtlMsg& m) { onNotice(m); }, [this] { return cause(); });
   }
   // Which ranks share a host, and where each sits (the tuner reads it).
@@ -344,6 +352,13 @@ loom::DeviceCommOptions loomComm::deviceOptions(const RankInfo& root) {
   o.peerGone = [this](int peer, std::string* why) { return devicePeerGone(peer, why); };
   o.onFailure = [this](const Error& e) { failOperation(e); };
   o.fetchRegion = [this](int peer) { return fetchDeviceRegion(peer); };
+  // Device zero-copy: loomMemAlloc's memory is published (its free has the
+  // peers unmap it first).
+  o.zeroCopy = root.deviceZeroCopy != 0;
+  o.publishable = [](const void* p, size_t bytes, void** base) { return deviceMemFind(p, bytes, base); };
+  o.publishTo = [this](int peer, const IpcRecord& rec) { return askDevicePublish(peer, 1, rec); };
+  o.unpublishTo = [this](int peer, const IpcRecord& rec) { askDevicePublish(peer, 2, rec); };
+  o.freeHook = true;
   // The IPC path's mismatch check: batches of signatures to the next rank
   // (the watchdog stops before ctl_ goes, see ~loomComm).
   o.sendSignatures = [this](int peer, std::vector<uint8_t> bytes) { sendSignatures(peer, std::move(bytes)); };
@@ -380,40 +395,72 @@ loom::StagedCommOptions loomComm::stagedOptions() {
   return o;
 }
 
-std::vector<uint8_t> loomComm::deviceRegionAnswer(int from) {
+std::vector<uint8_t> loomComm::deviceRegionAnswer(int from, const std::vector<uint8_t>& question) {
   // The control thread stops before device_ goes (~loomComm); until the
   // DeviceComm is made, the asker is told to ask again.
   DeviceCollectives* d = deviceForFail_.load();
   if (!d) return encodeRegionAnswer(loomInProgress, nullptr, "not ready");
   try {
-    IpcRecord rec = d->p2pRegionFor(from);
-    return encodeRegionAnswer(loomSuccess, &rec, "");
+    if (question.empty()) {
+      IpcRecord rec = d->p2pRegionFor(from);
+      return encodeRegionAnswer(loomSuccess, &rec, "");
+    }
+    IpcRecord rec;
+    if (question.size() != 1 + sizeof rec || (question[0] != 1 && question[0] != 2))
+      fail(loomRemoteError, "rank %d asked a device question of %zu bytes that this rank does not know", from,
+           question.size());
+    memcpy(&rec, question.data() + 1, sizeof rec);
+    // The answer: a record whose base says where (publish), or nothing (unpublish).
+    IpcRecord at{};
+    if (question[0] == 1)
+      at.base = d->importPublished(from, rec);
+    else
+      d->forgetPublished(from, rec);
+    return encodeRegionAnswer(loomSuccess, &at, "");
   } catch (const Error& e) {
     return encodeRegionAnswer(e.code(), nullptr, e.what());
   }
 }
 
-IpcRecord loomComm::fetchDeviceRegion(int peer) {
-  const int64_t start = nowMs(), timeout = timeoutMs_.load();
+void loomComm::askDevice(int peer, const std::vector<uint8_t>& question, const char* what,
+                         const std::function<bool(const std::vector<uint8_t>&)>& answered, int64_t maxMs) {
+  const int64_t start = nowMs(), timeout = maxMs > 0 ? std::min<int64_t>(maxMs, timeoutMs_.load()) : timeoutMs_.load();
   for (;;) {
     loomResult_t prior = asyncError();
     if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", failure().c_str());
     const int64_t now = nowMs();
     std::vector<uint8_t> answer;
-    Reach reach = ctl_ ? ctl_->askRegion(peer, &answer, now + std::min<int64_t>(1000, std::max<int64_t>(1, timeout)))
+    Reach reach = ctl_ ? ctl_->askRegion(peer, &answer,
+                                         now + std::min<int64_t>(1000, std::max<int64_t>(1, timeout)), question)
                        : Reach::Refused;
     if (reach == Reach::Refused)
-      fail(loomRemoteError, "rank %d: rank %d is gone (its control socket refuses): no send/recv from it", rank_,
-           peer);
-    if (reach == Reach::Acked) {
-      IpcRecord rec;
-      if (decodeRegionAnswer(peer, answer, &rec)) return rec;  // else: not ready yet
-    }
+      fail(loomRemoteError, "rank %d: rank %d is gone (its control socket refuses): no %s", rank_, peer, what);
+    if (reach == Reach::Acked && answered(answer)) return;  // else: not ready yet
     if (timeout > 0 && nowMs() - start >= timeout)
-      fail(loomTimeout, "rank %d: rank %d did not give its send/recv region within %lld ms (LOOM_TIMEOUT_MS)",
-           rank_, peer, (long long)timeout);
+      fail(loomTimeout, "rank %d: rank %d did not answer for its %s within %lld ms (LOOM_TIMEOUT_MS)", rank_, peer,
+           what, (long long)timeout);
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
+}
+
+IpcRecord loomComm::fetchDeviceRegion(int peer) {
+  IpcRecord rec;
+  askDevice(peer, {}, "send/recv region",
+            [&](const std::vector<uint8_t>& a) { return decodeRegionAnswer(peer, a, &rec); });
+  return rec;
+}
+
+uint64_t loomComm::askDevicePublish(int peer, uint8_t kind, const IpcRecord& rec) {
+  std::vector<uint8_t> q(1 + sizeof rec);
+  q[0] = kind;
+  memcpy(q.data() + 1, &rec, sizeof rec);
+  const char* what = kind == 1 ? "mapping of this rank's published device memory" : "unmapping of it";
+  IpcRecord at;
+  // An unmapping is asked of a live control thread that answers at once:
+  // a peer that does not answer within seconds is stopped or gone.
+  askDevice(peer, q, what, [&](const std::vector<uint8_t>& a) { return decodeRegionAnswer(peer, a, &at, what); },
+            kind == 2 ? 3000 : 0);
+  return at.base;
 }
 
 bool loomComm::devicePeerGone(int peer, std::string* why) {

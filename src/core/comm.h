@@ -59,7 +59,7 @@ struct RankInfo {
   uint32_t checkMode;  // LOOM_CHECK_MODE (1 on); rank 0's value is used by all
   uint32_t deviceSlotBytes;     // LOOM_DEVICE_SLOT_BYTES; rank 0's value is used by all
   uint32_t deviceOneShotBytes;  // LOOM_DEVICE_ONESHOT_BYTES; rank 0's value is used by all
-  uint32_t pad;
+  uint32_t deviceZeroCopy;      // LOOM_DEVICE_ZERO_COPY (1 on); rank 0's value is used by all
 };
 
 // Checks the record rank `r` sent during init (bytes from the network):
@@ -344,7 +344,17 @@ struct loomComm : public loom::ExecEnv,
   // region for this rank (DeviceCommOptions::fetchRegion), and answers a
   // peer's question on the control thread.
   loom::IpcRecord fetchDeviceRegion(int peer);
-  std::vector<uint8_t> deviceRegionAnswer(int from);
+  std::vector<uint8_t> deviceRegionAnswer(int from, const std::vector<uint8_t>& question);
+  // Device zero-copy through the same questions (a first byte of 1:
+  // publish, 2: unpublish, then the record): DeviceCommOptions::publishTo
+  // and unpublishTo.
+  uint64_t askDevicePublish(int peer, uint8_t kind, const loom::IpcRecord& rec);
+  // A Region question to `peer` until it answers (it may not have made its
+  // device side yet), the communicator fails, or LOOM_TIMEOUT_MS.
+  // `answered` decodes an answer: false for "not ready, ask again".
+  // maxMs > 0: gives up sooner than LOOM_TIMEOUT_MS.
+  void askDevice(int peer, const std::vector<uint8_t>& question, const char* what,
+                 const std::function<bool(const std::vector<uint8_t>&)>& answered, int64_t maxMs = 0);
   // Rank 0's slot and one-shot sizes, the watchdog wired to this communicator.
   loom::DeviceCommOptions deviceOptions(const loom::RankInfo& root);
   // A mismatch-check batch to `peer` over the control plane, not waiting.

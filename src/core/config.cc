@@ -125,6 +125,13 @@ const std::vector<ConfigVar>& configTable() {
        "larger slots move large buffers faster: on an H200 with 2 processes, a 256 MiB all-reduce reached 51 GB/s "
        "with 4 MiB slots, 134 with 16 MiB, 211 with 32 MiB, 280 with 64 MiB, measured when an all-reduce's round "
        "was half a slot and moved 11/8 of today's bytes; rank 0's value is used by all)"},
+      {"LOOM_DEVICE_ZERO_COPY", "bool", "1",
+       "CUDA IPC path, all-reduces above LOOM_DEVICE_ONESHOT_BYTES: a rank whose send and recv buffers come from "
+       "loomMemAlloc publishes them, and the peers reduce from and copy out of them in place instead of through "
+       "its window (2.5 instead of 4 times the bytes of memory traffic per rank at 2 ranks); other buffers are "
+       "staged as before, and each rank decides for itself per call. loomMemFree of published memory first has "
+       "the peers unmap it. 0: windows only, and the copies out use the copy engine (rank 0's value is used by "
+       "all)"},
       {"LOOM_DEVICE_ONESHOT_BYTES", "int", "262144",
        "CUDA IPC path: all-reduces up to this many bytes run one-shot (every rank reduces every window), larger "
        "ones reduce-scatter + all-gather (not yet measured on GPUs; rank 0's value is used by all)"},
@@ -240,6 +247,7 @@ static Config readConfig() {
   c.devicePath = envChoice("LOOM_DEVICE_PATH", {"auto", "ipc", "staged", "hier"}, "auto");
   c.deviceHierMinBytes = envInt("LOOM_DEVICE_HIER_MIN_BYTES", 1 << 20, 0, int64_t(1) << 31);
   c.deviceSlotBytes = envInt("LOOM_DEVICE_SLOT_BYTES", 32 << 20, 65536, 1 << 28) & ~int64_t(4095);
+  c.deviceZeroCopy = envBool("LOOM_DEVICE_ZERO_COPY", true);
   c.deviceOneShotBytes = envInt("LOOM_DEVICE_ONESHOT_BYTES", 256 << 10, 0, int64_t(1) << 31);
   c.dumpSignal = envInt("LOOM_DUMP_SIGNAL", 0, 0, 64);
   c.trace = envStr("LOOM_TRACE");

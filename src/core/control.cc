@@ -329,13 +329,15 @@ void Control::send(int fd, const CtlMsg& m, int64_t deadlineMs) {
 namespace {
 
 // One question to rank r on a connection of its own, and its answer.
-Reach ask(Control& ctl, int rank, int r, CtlType type, CtlMsg* a, int64_t deadlineMs) {
+Reach ask(Control& ctl, int rank, int r, CtlType type, CtlMsg* a, int64_t deadlineMs,
+          const std::vector<uint8_t>& extra = {}) {
   try {
     int fd = ctl.dial(r, deadlineMs);
     if (fd < 0) return Reach::Refused;
     CtlMsg q;
     q.type = type;
     q.from = rank;
+    q.extra = extra;
     bool ok = false;
     try {
       ctl.send(fd, q, deadlineMs);
@@ -365,9 +367,10 @@ Reach Control::askWhy(int r, CtlCause* c, int64_t deadlineMs) {
   return reach;
 }
 
-Reach Control::askRegion(int r, std::vector<uint8_t>* answer, int64_t deadlineMs) {
+Reach Control::askRegion(int r, std::vector<uint8_t>* answer, int64_t deadlineMs,
+                         const std::vector<uint8_t>& question) {
   CtlMsg a;
-  Reach reach = ask(*this, rank_, r, CtlType::Region, &a, deadlineMs);
+  Reach reach = ask(*this, rank_, r, CtlType::Region, &a, deadlineMs, question);
   if (reach == Reach::Acked) *answer = std::move(a.extra);
   return reach;
 }
@@ -521,7 +524,7 @@ void Control::loop() {
               memcpy(a.extra.data() + 1, &shrinkRound_, 4);
               a.ranks = shrinkOut_;
             } else if (region_) {
-              a.extra = region_(m.from);
+              a.extra = region_(m.from, m.extra);
             }
             if (a.extra.size() > kMaxExtra) a.extra.clear();
             std::vector<uint8_t> b = encodeCtl(a, secret_, commTag_.load());

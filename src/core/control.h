@@ -105,11 +105,17 @@ class Control {
   // Answers Region questions (on the control thread; it may allocate
   // device memory, nothing slower): the answer's extra bytes (at most
   // 16384; a region record is far smaller).  Set before start().  Unset: the answer is empty.
-  void setRegionAnswer(std::function<std::vector<uint8_t>(int from)> answer) { region_ = std::move(answer); }
-  // Asks rank r a Region question: Acked with the answer's extra bytes in
-  // *answer, Refused (its process is gone), or Timeout.  Any thread but
-  // the control one.
-  Reach askRegion(int r, std::vector<uint8_t>* answer, int64_t deadlineMs);
+  // The question's own extra bytes say what is asked (empty: the send/recv
+  // region; device zero-copy's publish and unpublish carry a record,
+  // comm.cc).
+  void setRegionAnswer(std::function<std::vector<uint8_t>(int from, const std::vector<uint8_t>& question)> answer) {
+    region_ = std::move(answer);
+  }
+  // Asks rank r a Region question (`question`: its extra bytes): Acked with
+  // the answer's extra bytes in *answer, Refused (its process is gone), or
+  // Timeout.  Any thread but the control one.
+  Reach askRegion(int r, std::vector<uint8_t>* answer, int64_t deadlineMs,
+                  const std::vector<uint8_t>& question = {});
   // What this rank's shrink number `round` (1 for its first shrink of this
   // communicator) leaves out, for Shrinking questions (active: shrinking
   // now; false with the set it ended with).  Any thread.
@@ -162,7 +168,7 @@ class Control {
   std::vector<SockAddr> peers_;
   std::function<void(const CtlMsg&)> onNotice_;
   std::function<CtlCause()> cause_;
-  std::function<std::vector<uint8_t>(int from)> region_;
+  std::function<std::vector<uint8_t>(int from, const std::vector<uint8_t>& question)> region_;
   bool shrinking_ = false;         // under mutex_: setShrinking
   std::vector<int> shrinkOut_;     // under mutex_
   uint32_t shrinkRound_ = 0;       // under mutex_

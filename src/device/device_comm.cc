@@ -15,6 +15,7 @@
 #include "src/core/clock.h"
 #include "src/core/error.h"
 #include "src/core/log.h"
+#include "src/device/device_memory.h"
 #include "src/device/host_reduce.h"  // dtypeSize
 
 namespace loom {
@@ -92,6 +93,15 @@ void IpcImportCache::release(int r, const IpcRecord& rec) {
     }
 }
 
+bool IpcImportCache::forget(int r, uint64_t base) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = entries_.find(std::make_pair(r, base));
+  if (it == entries_.end()) return false;
+  close(it->second);
+  entries_.erase(it);
+  return true;
+}
+
 size_t IpcImportCache::mapped() const {
   std::lock_guard<std::mutex> g(mu_);
   size_t n = retired_.size();
@@ -131,15 +141,15 @@ std::vector<uint8_t> encodeRegionAnswer(loomResult_t code, const IpcRecord* rec,
   return out;
 }
 
-bool decodeRegionAnswer(int peer, const std::vector<uint8_t>& bytes, IpcRecord* rec) {
+bool decodeRegionAnswer(int peer, const std::vector<uint8_t>& bytes, IpcRecord* rec, const char* what) {
   int32_t c = -1;
   if (bytes.size() >= sizeof c) memcpy(&c, bytes.data(), sizeof c);
   if (c < 0 || c >= int32_t(loomNumResults))
-    fail(loomRemoteError, "rank %d's answer for its send/recv region is garbage (%zu bytes)", peer, bytes.size());
+    fail(loomRemoteError, "rank %d's answer for %s is garbage (%zu bytes)", peer, what, bytes.size());
   if (c == int32_t(loomInProgress)) return false;
   if (c == int32_t(loomSuccess)) {
     if (bytes.size() != sizeof c + sizeof *rec)
-      fail(loomRemoteError, "rank %d's send/recv region record is %zu bytes, not %zu", peer, bytes.size() - sizeof c,
+      fail(loomRemoteError, "rank %d's record for %s is %zu bytes, not %zu", peer, what, bytes.size() - sizeof c,
            sizeof *rec);
     memcpy(rec, bytes.data() + sizeof c, sizeof *rec);
     return true;
@@ -147,7 +157,7 @@ bool decodeRegionAnswer(int peer, const std::vector<uint8_t>& bytes, IpcRecord* 
   std::string text;
   for (size_t i = sizeof c; i < bytes.size(); ++i)  // printable only: it ends up in logs
     text.push_back(bytes[i] >= 0x20 && bytes[i] < 0x7f ? char(bytes[i]) : '?');
-  fail(loomResult_t(c), "rank %d could not give its send/recv region: %s", peer, text.c_str());
+  fail(loomResult_t(c), "rank %d could not give %s: %s", peer, what, text.c_str());
 }
 
 DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> driver, const AllGather& allGather,
@@ -156,6 +166,10 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
       nranks_(nranks),
       slotBytes_(options.slotBytes),
       oneShotBytes_(options.oneShotBytes),
+      zeroCopy_(options.zeroCopy),
+      publishable_(options.publishable),
+      publishTo_(options.publishTo),
+      unpublishTo_(options.unpublishTo),
       process_(options.process),
       drainTimeoutMs_(options.drainTimeoutMs),
       driver_(std::move(driver)),
@@ -177,7 +191,8 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
   if (slotBytes_ < 256 || slotBytes_ % 256)
     fail(loomInvalidArgument, "device slots of %zu bytes: need a multiple of 256", slotBytes_);
   imports_ = std::make_unique<IpcImportCache>(*driver_, process);
-  const size_t flagBytes = flagAreaBytes(nranks), blockBytes = flagBytes + streamWindowBytes(slotBytes_);
+  const size_t flagBytes = flagAreaBytes(nranks), cellBytes = zeroCopy_ ? cellAreaBytes(nranks) : 0,
+               blockBytes = flagBytes + cellBytes + streamWindowBytes(slotBytes_);
   blockBytes_ = blockBytes;
   // The watchdog's reads of the whole flag area; first, so that a failure
   // here leaves nothing to free but the driver's own.
@@ -223,7 +238,8 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
       const IpcRecord& rec = records_[size_t(r)];
       if (rec.bytes != blockBytes)
         fail(loomRemoteError, "rank %d's device window is %llu bytes, this rank's %zu: every rank must use the same "
-             "slot size and number of ranks", r, (unsigned long long)rec.bytes, blockBytes);
+             "slot size (LOOM_DEVICE_SLOT_BYTES), zero-copy setting (LOOM_DEVICE_ZERO_COPY) and number of ranks", r,
+             (unsigned long long)rec.bytes, blockBytes);
       if (r != rank && rec.board != 0) {
         try {
           holds_.push_back(std::make_unique<MapHold>(rec.process, rec.board, rank));
@@ -234,7 +250,12 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
         }
       }
       uint8_t* at = r == rank ? static_cast<uint8_t*>(block_) : imports_->import(r, rec);
-      windows_.push_back(at + flagBytes);
+      windows_.push_back(at + flagBytes + cellBytes);
+      if (zeroCopy_) {
+        const size_t row = size_t(kCellCount) * kCellWords;
+        cells_.push_back(own + flagBytes / sizeof(uint64_t) + size_t(r) * row);
+        peerCells_.push_back(reinterpret_cast<uint64_t*>(at + flagBytes) + size_t(rank) * row);
+      }
       flags_.push_back(own + size_t(r) * kFlagCount);
       peerFlags_.push_back(reinterpret_cast<uint64_t*>(at) + size_t(rank) * kFlagCount);
       if (r != rank) {
@@ -283,6 +304,9 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
                   "finished reading it", rank, r, board_->path().c_str(), r);
     }
   }
+  for (auto& held : cellsHeld_) held.assign(size_t(nranks), {});  // the cells start zeroed
+  if (zeroCopy_ && options.freeHook && publishTo_)
+    freeHook_ = addDeviceMemFreeHook([this](void* base) { unpublish(base); });
   movedMs_ = nowMs();
   watchdog_ = std::thread([this] { watch(); });
 }
@@ -539,6 +563,11 @@ IpcRecord DeviceCollectives::p2pRegionFor(int reader) {
   fail(loomRemoteError, "rank %d asked this %s communicator (%s path) for a send/recv region, which it has none of",
        reader, deviceName(), pathName());
 }
+uint64_t DeviceCollectives::importPublished(int owner, const IpcRecord&) {
+  fail(loomRemoteError, "rank %d published device memory to this %s communicator (%s path), which reads none in place",
+       owner, deviceName(), pathName());
+}
+void DeviceCollectives::forgetPublished(int, const IpcRecord&) {}
 bool waitDeviceRemains(int64_t timeoutMs) { return reaper().waitEmpty(timeoutMs); }
 
 void DeviceComm::stopWatchdog() {
@@ -570,6 +599,7 @@ void DeviceComm::finishSignatures() {
 }
 
 DeviceComm::~DeviceComm() {
+  if (freeHook_) removeDeviceMemFreeHook(freeHook_);
   stopWatchdog();
   {
     std::lock_guard<std::mutex> g(p2pMu_);
@@ -587,6 +617,10 @@ DeviceComm::~DeviceComm() {
     } catch (const Error& e) {
       LOOM_WARN("DEVICE", "rank %d: reading the peers' flags failed: %s", rank_, e.what());
     }
+    // The peers unmap what this rank published (the caller may free it
+    // once the communicator is gone).  A failed communicator's peers may
+    // still run programs that read it: they unmap it when they go.
+    unpublishAll();
   }
   // Failed or abandoned (running): never waits for the peers, but never
   // frees what a stream of this rank may still touch either.
@@ -885,10 +919,16 @@ void DeviceComm::check(const OpDesc& op) const { checkDeviceOp(*driver_, op, ran
 
 std::string DeviceComm::describe() const {
   const DeviceMemoryStats m = memoryStats();
-  return strf("  device %s:%d, ipc path: %zu B allocated at init (flags and the collectives' window); send/recv "
-              "staging: %zu region%s allocated here (%zu B), %zu of peers mapped here\n",
-              deviceName(), device(), m.blockBytes, m.regionsOut, m.regionsOut == 1 ? "" : "s", m.regionBytesOut,
-              m.regionsIn);
+  std::string s = strf("  device %s:%d, ipc path: %zu B allocated at init (flags and the collectives' window); "
+                       "send/recv staging: %zu region%s allocated here (%zu B), %zu of peers mapped here\n",
+                       deviceName(), device(), m.blockBytes, m.regionsOut, m.regionsOut == 1 ? "" : "s",
+                       m.regionBytesOut, m.regionsIn);
+  if (zeroCopy_)
+    s += strf("  zero-copy: %zu allocation%s published, %zu of peers mapped here\n", m.published,
+              m.published == 1 ? "" : "s", m.publishedIn);
+  else
+    s += "  zero-copy: off (LOOM_DEVICE_ZERO_COPY=0)\n";
+  return s;
 }
 
 namespace {
@@ -991,12 +1031,42 @@ std::unique_ptr<SteppedRun> DeviceComm::beginRun(const OpDesc& op, void* callerS
   const DeviceOpShape sh = deviceOpShape(op, rank_, nranks_);
   const bool needSend = sh.needSend, needRecv = sh.needRecv;
   const size_t sendBytes = sh.sendBytes, recvBytes = sh.recvBytes;
+  const StreamAlgorithm algo = allReduceAlgorithm(n * esz);
+  // Device zero-copy: the reduce-scatter + all-gather all-reduce reads the
+  // peers through their cells, and publishes this rank's buffers when it can.
+  ProgramBuffers b;
+  StreamPublish pub;
+  pub.cells = zeroCopy_ && op.coll == Collective::AllReduce && algo == StreamAlgorithm::ReduceScatterAllGather &&
+              nranks_ > 1 && n > 0;
+  if (pub.cells) pub.mine = publishFor(op, sendBytes, recvBytes, &b);
   std::unique_lock<std::mutex> g(mu_);
   if (failCode_ != loomSuccess) fail(failCode_, "the %s communicator has failed: %s", driver_->name(), failed_.c_str());
   const uint64_t before = round_;  // rounds enqueued so far: the value the last one's done flag reaches
   uint64_t round = round_;
-  StreamProgram p = compileStreamProgram(op, rank_, nranks_, allReduceAlgorithm(n * esz), slotBytes_, &round);
-  ProgramBuffers b;
+  if (pub.cells)
+    for (int slot = 0; slot < 2; ++slot) {
+      bool same = true;
+      for (int q = 0; q < nranks_; ++q)
+        for (int c = 0; c < kCellCount; ++c)
+          if (c % 2 == slot) {
+            const ProgramBuffers::Cell &want = b.published[size_t(q)][size_t(c)],
+                                       &held = cellsHeld_[slot][size_t(q)][size_t(c)];
+            same = same && want.addr == held.addr && want.bytes == held.bytes;
+          }
+      pub.write[slot] = !same;
+    }
+  StreamProgram p = compileStreamProgram(op, rank_, nranks_, algo, slotBytes_, &round, pub);
+  if (pub.cells) {
+    // The slots this program's rounds use now hold its values.
+    for (uint64_t k = p.firstRound; k < p.firstRound + std::min<uint64_t>(p.rounds, 2); ++k)
+      for (int q = 0; q < nranks_; ++q)
+        for (int c = 0; c < kCellCount; ++c)
+          if (c % 2 == int(k % 2)) cellsHeld_[k % 2][size_t(q)][size_t(c)] = b.published[size_t(q)][size_t(c)];
+    b.cells = cells_;
+    b.peerCells = peerCells_;
+  } else {
+    b.published.clear();
+  }
   b.send = needSend ? op.sendbuf : nullptr;
   b.sendBytes = needSend ? sendBytes : 0;
   b.recv = needRecv ? op.recvbuf : nullptr;
@@ -1105,10 +1175,154 @@ DeviceMemoryStats DeviceComm::memoryStats() const {
     for (void* p : out_) st.regionsOut += p != nullptr;
   }
   st.regionBytesOut = st.regionsOut * p2pRegionBytes(slotBytes_);
-  std::lock_guard<std::mutex> i(inMu_);
-  for (int r = 0; r < nranks_; ++r) st.regionsIn += r != rank_ && in_[size_t(r)];
+  {
+    std::lock_guard<std::mutex> i(inMu_);
+    for (int r = 0; r < nranks_; ++r) st.regionsIn += r != rank_ && in_[size_t(r)];
+  }
+  std::lock_guard<std::mutex> g(pubMu_);
+  for (auto& [base, pub] : pubs_) st.published += pub.ok;
+  st.publishedIn = publishedIn_.size();
   return st;
 }
+
+uint64_t DeviceComm::importPublished(int owner, const IpcRecord& rec) {
+  if (!zeroCopy_) fail(loomInvalidUsage, "rank %d's %s communicator has no zero-copy (LOOM_DEVICE_ZERO_COPY=0)",
+                       rank_, driver_->name());
+  if (owner < 0 || owner >= nranks_ || owner == rank_) fail(loomRemoteError, "a publish from rank %d", owner);
+  if (rec.offset != 0 || rec.bytes != rec.allocBytes)
+    fail(loomRemoteError, "rank %d published part of an allocation (%llu bytes at %llu of %llu)", owner,
+         (unsigned long long)rec.bytes, (unsigned long long)rec.offset, (unsigned long long)rec.allocBytes);
+  {
+    std::lock_guard<std::mutex> g(p2pMu_);
+    if (closing_) fail(loomRemoteError, "rank %d's %s communicator is being destroyed", rank_, driver_->name());
+  }
+  DeviceScope current(*driver_);
+  std::lock_guard<std::mutex> g(pubMu_);
+  // Asked again for one it maps (the owner lost its answer): the same
+  // mapping, one reference.
+  for (auto& [r, held] : publishedIn_)
+    if (r == owner && held.base == rec.base && memcmp(held.handle, rec.handle, kIpcHandleBytes) == 0) {
+      uint8_t* at = imports_->import(owner, rec);
+      imports_->release(owner, rec);
+      return uint64_t(uintptr_t(at));
+    }
+  // A new allocation at a base it maps (the owner freed the old one without
+  // telling, e.g. its notice was lost): the old mapping goes.
+  for (size_t i = 0; i < publishedIn_.size(); ++i)
+    if (publishedIn_[i].first == owner && publishedIn_[i].second.base == rec.base) {
+      imports_->forget(owner, rec.base);
+      publishedIn_.erase(publishedIn_.begin() + std::ptrdiff_t(i));
+      break;
+    }
+  uint8_t* at = imports_->import(owner, rec);
+  publishedIn_.emplace_back(owner, rec);
+  return uint64_t(uintptr_t(at));
+}
+
+void DeviceComm::forgetPublished(int owner, const IpcRecord& rec) {
+  DeviceScope current(*driver_);
+  std::lock_guard<std::mutex> g(pubMu_);
+  for (size_t i = 0; i < publishedIn_.size(); ++i)
+    if (publishedIn_[i].first == owner && publishedIn_[i].second.base == rec.base &&
+        memcmp(publishedIn_[i].second.handle, rec.handle, kIpcHandleBytes) == 0) {
+      imports_->forget(owner, rec.base);
+      publishedIn_.erase(publishedIn_.begin() + std::ptrdiff_t(i));
+      return;
+    }
+}
+
+void DeviceComm::unpublish(void* base, bool destroying) {
+  std::lock_guard<std::mutex> ask(askMu_);
+  Published pub;
+  {
+    std::lock_guard<std::mutex> g(pubMu_);
+    auto it = pubs_.find(uint64_t(uintptr_t(base)));
+    if (it == pubs_.end()) return;
+    pub = it->second;
+    pubs_.erase(it);
+  }
+  for (int r = 0; r < nranks_; ++r) {
+    if (r == rank_ || !pub.at[size_t(r)] || !unpublishTo_) continue;
+    try {
+      unpublishTo_(r, pub.rec);
+    } catch (const Error& e) {
+      if (destroying)
+        LOOM_INFO("DEVICE", "rank %d: rank %d did not unmap this rank's device memory at %p (it unmaps it when its "
+                  "communicator goes): %s", rank_, r, base, e.what());
+      else
+        LOOM_WARN("DEVICE", "rank %d: rank %d did not unmap this rank's device memory at %p before it is freed: %s",
+                  rank_, r, base, e.what());
+    }
+  }
+}
+
+void DeviceComm::unpublishAll() {
+  std::vector<uint64_t> bases;
+  {
+    std::lock_guard<std::mutex> g(pubMu_);
+    for (auto& [base, pub] : pubs_) bases.push_back(base);
+  }
+  for (uint64_t base : bases) unpublish(reinterpret_cast<void*>(uintptr_t(base)), true);
+}
+
+const DeviceComm::Published* DeviceComm::publishedAlloc(void* base) {
+  const uint64_t key = uint64_t(uintptr_t(base));
+  {
+    std::lock_guard<std::mutex> g(pubMu_);
+    auto it = pubs_.find(key);
+    if (it != pubs_.end()) return &it->second;  // entries go only in unpublish, under askMu_ (held by the caller)
+  }
+  // First use: every peer maps it, or it is not published (and not asked
+  // again: a peer that cannot map it now will not later).
+  Published pub;
+  pub.at.assign(size_t(nranks_), 0);
+  pub.ok = true;
+  try {
+    void* b = nullptr;
+    size_t bytes = 0;
+    driver_->addressRange(base, &b, &bytes);
+    pub.rec = exportRange(*driver_, b, bytes, process_);
+  } catch (const Error& e) {
+    LOOM_INFO("DEVICE", "rank %d: device memory at %p is not published (zero-copy off for it): %s", rank_, base,
+              e.what());
+    pub.ok = false;
+  }
+  for (int r = 0; r < nranks_ && pub.ok; ++r) {
+    if (r == rank_) continue;
+    try {
+      pub.at[size_t(r)] = publishTo_(r, pub.rec);
+      if (!pub.at[size_t(r)]) fail(loomRemoteError, "rank %d mapped it at address 0", r);
+    } catch (const Error& e) {
+      LOOM_INFO("DEVICE", "rank %d: rank %d cannot map this rank's device memory at %p, so its operations on it "
+                "are staged: %s", rank_, r, base, e.what());
+      pub.ok = false;
+    }
+  }
+  std::lock_guard<std::mutex> g(pubMu_);
+  return &(pubs_[key] = pub);
+}
+
+bool DeviceComm::publishFor(const OpDesc& op, size_t sendBytes, size_t recvBytes, ProgramBuffers* b) {
+  b->published.assign(size_t(nranks_), {});
+  if (!publishable_ || !publishTo_ || nranks_ < 2) return false;
+  void *sendBase = nullptr, *recvBase = nullptr;
+  if (!publishable_(op.sendbuf, sendBytes, &sendBase) || !publishable_(op.recvbuf, recvBytes, &recvBase))
+    return false;
+  std::lock_guard<std::mutex> ask(askMu_);
+  const Published* s = publishedAlloc(sendBase);
+  const Published* r = s->ok ? publishedAlloc(recvBase) : s;
+  if (!s->ok || !r->ok) return false;
+  const uint64_t sendOff = uint64_t(static_cast<const uint8_t*>(op.sendbuf) - static_cast<const uint8_t*>(sendBase));
+  const uint64_t recvOff = uint64_t(static_cast<uint8_t*>(op.recvbuf) - static_cast<uint8_t*>(recvBase));
+  for (int q = 0; q < nranks_; ++q) {
+    if (q == rank_) continue;
+    auto& c = b->published[size_t(q)];
+    c[kCellSend0] = c[kCellSend1] = ProgramBuffers::Cell{s->at[size_t(q)] + sendOff, sendBytes};
+    c[kCellRecv0] = c[kCellRecv1] = ProgramBuffers::Cell{r->at[size_t(q)] + recvOff, recvBytes};
+  }
+  return true;
+}
+
 
 void DeviceComm::runP2P(const std::vector<OpDesc>& ops, void* callerStream) {
   DeviceScope current(*driver_);  // once, as run()

@@ -53,6 +53,7 @@
 // it), or no flag moving for timeoutMs (loomTimeout naming the peers the
 // streams wait for).
 #pragma once
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
@@ -81,6 +82,11 @@ constexpr size_t kIpcHandleBytes = 64;  // cudaIpcMemHandle_t
 // on first use (p2pRegionBytes).
 inline size_t flagAreaBytes(int nranks) {
   return (size_t(nranks) * kFlagCount * sizeof(uint64_t) + 255) / 256 * 256;
+}
+// Device zero-copy's cell area (CellIndex), after the flags when the
+// communicator has it (DeviceCommOptions::zeroCopy), padded the same way.
+inline size_t cellAreaBytes(int nranks) {
+  return (size_t(nranks) * kCellCount * kCellWords * sizeof(uint64_t) + 255) / 256 * 256;
 }
 // What a release writes into the flags this rank waits on: above any value
 // a round counter reaches, so it satisfies every wait ("flag >= value").
@@ -204,6 +210,9 @@ class IpcImportCache {
   uint8_t* import(int r, const IpcRecord& rec);
   // Drops the reference import() took for this record.
   void release(int r, const IpcRecord& rec);
+  // Unmaps rank r's allocation at `base` now, whatever refers to it (the
+  // owner is about to free it: device zero-copy).  False if none is mapped.
+  bool forget(int r, uint64_t base);
   size_t mapped() const;  // mappings open now (tests)
   size_t opens() const { return opens_; }  // handles opened so far (tests)
 
@@ -233,7 +242,9 @@ std::vector<uint8_t> encodeRegionAnswer(loomResult_t code, const IpcRecord* rec,
 // Rank `peer`'s answer: true with *rec filled, false for loomInProgress;
 // throws its error (the code it sent, the text naming it), or
 // loomRemoteError for bytes that are no answer.
-bool decodeRegionAnswer(int peer, const std::vector<uint8_t>& bytes, IpcRecord* rec);
+// `what`: what was asked for, for the error.
+bool decodeRegionAnswer(int peer, const std::vector<uint8_t>& bytes, IpcRecord* rec,
+                        const char* what = "its send/recv region");
 
 struct DeviceCommOptions {
   size_t slotBytes = kDeviceSlotBytes;        // every rank must use the same
@@ -277,6 +288,27 @@ struct DeviceCommOptions {
   // communicator's control plane; called on the watchdog thread).  Empty:
   // no check.
   std::function<void(int peer, std::vector<uint8_t> bytes)> sendSignatures{};
+  // Device zero-copy (StreamPublish in algorithms/stream_collectives.h):
+  // the communicator has cell areas, so a rank may publish the buffers of
+  // its reduce-scatter + all-gather all-reduces instead of staging them.
+  // Every rank must use the same value (the block layout differs; init
+  // refuses a mix).
+  bool zeroCopy = false;
+  // Whether [p, p + bytes) may be published, and its allocation's base:
+  // memory whose free has the peers unmap it first (loomMemAlloc's,
+  // device_memory.h; CUDA: freeing memory an importer still has open is
+  // undefined).  Empty: this rank publishes nothing (it still reads the
+  // peers' cells).
+  std::function<bool(const void* p, size_t bytes, void** base)> publishable{};
+  // Asks rank `peer` to map the allocation `rec` describes (its
+  // importPublished(this rank, rec)) and returns its start there; throws
+  // Error.  Empty: this rank publishes nothing.
+  std::function<uint64_t(int peer, const IpcRecord& rec)> publishTo{};
+  // Asks rank `peer` to unmap it (its forgetPublished); throws Error.
+  std::function<void(int peer, const IpcRecord& rec)> unpublishTo{};
+  // Registers unpublish() as a hook of deviceMemFree (device_memory.h), so
+  // a loomMemFree of published memory has the peers unmap it first.
+  bool freeHook = false;
 };
 
 // What a DeviceComm has allocated and mapped (memoryStats(), loomCommDump).
@@ -285,6 +317,8 @@ struct DeviceMemoryStats {
   size_t regionsOut = 0;      // send/recv staging allocated here (one per receiver)
   size_t regionBytesOut = 0;  // their bytes
   size_t regionsIn = 0;       // peers' staging for this rank mapped here (one per sender but itself)
+  size_t published = 0;       // allocations of this rank's that the peers map (device zero-copy)
+  size_t publishedIn = 0;     // peers' allocations mapped here for them
 };
 
 // A call being enqueued in steps (DeviceCollectives::beginRun): step(n)
@@ -330,6 +364,13 @@ class DeviceCollectives {
   // A peer's question for this rank's send/recv region (the IPC path only;
   // the staged path has none and says so).
   virtual IpcRecord p2pRegionFor(int reader);
+  // Device zero-copy's questions from a peer (the IPC path only; the others
+  // say they have none): DeviceComm::importPublished / forgetPublished.
+  virtual uint64_t importPublished(int owner, const IpcRecord& rec);
+  virtual void forgetPublished(int owner, const IpcRecord& rec);
+  // Has the peers unmap everything this rank published (a healthy
+  // communicator's destroy, while its control plane still runs).
+  virtual void unpublishAll() {}
   // A peer's batch of collective signatures (the IPC path's mismatch
   // check, src/device/op_signature.h; on the control thread).
   virtual void onPeerSignatures(int /*from*/, const std::vector<uint8_t>& /*bytes*/) {}
@@ -435,6 +476,21 @@ class DeviceComm final : public DeviceCollectives {
   IpcRecord p2pRegionFor(int reader) override;
   void onPeerSignatures(int from, const std::vector<uint8_t>& bytes) override;
   DeviceMemoryStats memoryStats() const;
+  // Device zero-copy.  A peer's question: map its allocation `rec` here for
+  // it and say where (the start of the allocation; any thread).  Throws
+  // Error (the record cannot be right, the handle does not open, no
+  // zero-copy here).
+  uint64_t importPublished(int owner, const IpcRecord& rec) override;
+  // A peer's notice that it frees that allocation: unmap it now.
+  void forgetPublished(int owner, const IpcRecord& rec) override;
+  // The owner's side: the allocation at `base` is about to be freed; every
+  // peer that maps it is asked to unmap it (a peer that does not answer is
+  // warned about), and it is published no more until mapped again.
+  // At destroy (`destroying`), a peer that does not answer is only noted:
+  // its own destroy unmaps everything.
+  void unpublish(void* base, bool destroying = false);
+  void unpublishAll() override;
+  bool zeroCopy() const { return zeroCopy_; }
 
   // Which all-reduce program `bytes` gets.
   StreamAlgorithm allReduceAlgorithm(size_t bytes) const {
@@ -493,9 +549,35 @@ class DeviceComm final : public DeviceCollectives {
   int64_t checkSignatures();
   // This rank's region for `peer`, allocated if needed (p2pMu_ held).
   const IpcRecord& outRegionLocked(int peer);
+  // Device zero-copy: whether this rank publishes op's buffers, and what
+  // (b.published, for every reader).  Asks the peers to map an allocation
+  // the first time (not under mu_: they answer from their control threads).
+  bool publishFor(const OpDesc& op, size_t sendBytes, size_t recvBytes, ProgramBuffers* b);
+  // The allocation at `base` as mapped in every peer (at[r]); ok false:
+  // some peer could not map it, it is not published.
+  struct Published {
+    IpcRecord rec;
+    std::vector<uint64_t> at;
+    bool ok = false;
+  };
+  const Published* publishedAlloc(void* base);
 
   int rank_, nranks_;
   size_t slotBytes_, oneShotBytes_;
+  bool zeroCopy_ = false;
+  std::function<bool(const void*, size_t, void**)> publishable_;
+  std::function<uint64_t(int, const IpcRecord&)> publishTo_;
+  std::function<void(int, const IpcRecord&)> unpublishTo_;
+  int freeHook_ = 0;  // addDeviceMemFreeHook's id (0: none)
+  std::vector<const uint64_t*> cells_;  // row q of this rank's cell area
+  std::vector<uint64_t*> peerCells_;    // per rank r: this rank's row in r's cell area
+  // What this rank's cells of each slot hold now, per reader (mu_): a
+  // program writes a slot's cells only when its values differ.
+  std::vector<std::array<ProgramBuffers::Cell, kCellCount>> cellsHeld_[2];
+  mutable std::mutex pubMu_;  // pubs_ and publishedIn_ (never held while a peer is asked)
+  std::map<uint64_t, Published> pubs_;                       // by allocation base
+  std::vector<std::pair<int, IpcRecord>> publishedIn_;       // peers' allocations mapped here
+  std::mutex askMu_;  // one publish/unpublish exchange with the peers at a time
   uint64_t process_;
   size_t blockBytes_ = 0;
   int64_t drainTimeoutMs_;

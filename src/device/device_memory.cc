@@ -3,6 +3,7 @@
 // frees it the same way.
 #include "src/device/device_memory.h"
 
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -25,6 +26,14 @@ struct Allocation {
 std::mutex g_mu;
 std::map<void*, Allocation>& live() {
   static auto* m = new std::map<void*, Allocation>();  // leaked: used at exit
+  return *m;
+}
+
+// The free hooks; g_hookMu is held while they run (removal waits for them).
+std::mutex g_hookMu;
+int g_nextHook = 0;
+std::map<int, std::function<void(void*)>>& hooks() {
+  static auto* m = new std::map<int, std::function<void(void*)>>();  // leaked: used at exit
   return *m;
 }
 
@@ -54,11 +63,20 @@ void* deviceMemAlloc(size_t bytes) {
 }
 
 bool deviceMemFree(void* ptr) {
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    if (!live().count(ptr)) return false;
+  }
+  {
+    // Peers that map it unmap it first (never thrown: the memory is freed).
+    std::lock_guard<std::mutex> h(g_hookMu);
+    for (auto& [id, hook] : hooks()) hook(ptr);
+  }
   Allocation a;
   {
     std::lock_guard<std::mutex> g(g_mu);
     auto it = live().find(ptr);
-    if (it == live().end()) return false;
+    if (it == live().end()) return false;  // a concurrent free of the same pointer won
     a = std::move(it->second);
     live().erase(it);
   }
@@ -71,6 +89,28 @@ bool deviceMemFree(void* ptr) {
   }
   a.driver->leave(previous);
   return true;
+}
+
+bool deviceMemFind(const void* p, size_t bytes, void** base) {
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = live().upper_bound(const_cast<void*>(p));
+  if (it == live().begin()) return false;
+  --it;
+  const auto b = reinterpret_cast<uintptr_t>(it->first), q = reinterpret_cast<uintptr_t>(p);
+  if (q < b || q - b > it->second.bytes || bytes > it->second.bytes - (q - b)) return false;
+  *base = it->first;
+  return true;
+}
+
+int addDeviceMemFreeHook(std::function<void(void* base)> hook) {
+  std::lock_guard<std::mutex> h(g_hookMu);
+  hooks().emplace(++g_nextHook, std::move(hook));
+  return g_nextHook;
+}
+
+void removeDeviceMemFreeHook(int id) {
+  std::lock_guard<std::mutex> h(g_hookMu);
+  hooks().erase(id);
 }
 
 size_t deviceMemLive() {

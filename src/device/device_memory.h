@@ -6,6 +6,7 @@
 // cudaIpcGetMemHandle) works on any buffer inside it.
 #pragma once
 #include <cstddef>
+#include <functional>
 
 namespace loom {
 
@@ -20,5 +21,15 @@ void* deviceMemAlloc(size_t bytes);
 bool deviceMemFree(void* ptr);
 // Live allocations of deviceMemAlloc (tests).
 size_t deviceMemLive();
+// Whether [p, p + bytes) lies inside one live allocation of deviceMemAlloc
+// (*base: its start).  Device zero-copy publishes only such memory: its
+// free goes through deviceMemFree, which first has every peer unmap it
+// (CUDA: freeing memory an importer still has open is undefined).
+bool deviceMemFind(const void* p, size_t bytes, void** base);
+// Called by deviceMemFree with an allocation's base before it is freed
+// (a communicator that published it has its peers unmap it).  Returns an
+// id for removeDeviceMemFreeHook, which waits for a call in progress.
+int addDeviceMemFreeHook(std::function<void(void* base)> hook);
+void removeDeviceMemFreeHook(int id);
 
 }  // namespace loom

@@ -265,6 +265,7 @@ struct Ranks {
   std::vector<cudaEvent_t> events;    // 2 per rank
   std::vector<uint8_t*> windows;
   uint64_t* flags = nullptr;  // n * kFlagCount, device memory
+  uint64_t* cells = nullptr;  // n cell areas of n rows (device zero-copy), device memory
   std::vector<uint64_t> rounds;
   Ranks(int n_, size_t slot_) : n(n_), slot(slot_), rounds(size_t(n_), 0) {
     for (int i = 0; i < 2 * n; ++i) {
@@ -282,12 +283,17 @@ struct Ranks {
     }
     CK(cudaMalloc(&flags, size_t(n) * loom::kFlagCount * 8));
     CK(cudaMemset(flags, 0, size_t(n) * loom::kFlagCount * 8));
+    CK(cudaMalloc(&cells, cellWords() * 8));
+    CK(cudaMemset(cells, 0, cellWords() * 8));
   }
+  size_t rowWords() const { return size_t(loom::kCellCount) * loom::kCellWords; }
+  size_t cellWords() const { return size_t(n) * size_t(n) * rowWords(); }
   ~Ranks() {
     for (cudaStream_t s : streams) cudaStreamDestroy(s);
     for (cudaEvent_t e : events) cudaEventDestroy(e);
     for (uint8_t* w : windows) cudaFree(w);
     cudaFree(flags);
+    cudaFree(cells);
   }
   loom::ProgramBuffers buffers(const void* send, size_t sb, void* recv, size_t rb) {
     loom::ProgramBuffers b;
@@ -301,6 +307,19 @@ struct Ranks {
       b.flags.push_back(flags + size_t(q) * loom::kFlagCount);
     }
     return b;
+  }
+  // Device zero-copy for rank r: its cell area and its rows in the
+  // others'; with `publish`, its buffers (one process: as they are).
+  void addCells(int r, loom::ProgramBuffers& b, bool publish) {
+    b.published.assign(size_t(n), {});
+    for (int q = 0; q < n; ++q) {
+      b.cells.push_back(cells + (size_t(r) * size_t(n) + size_t(q)) * rowWords());
+      b.peerCells.push_back(cells + (size_t(q) * size_t(n) + size_t(r)) * rowWords());
+      if (!publish || q == r) continue;
+      auto& c = b.published[size_t(q)];
+      c[loom::kCellSend0] = c[loom::kCellSend1] = {uint64_t(uintptr_t(b.send)), b.sendBytes};
+      c[loom::kCellRecv0] = c[loom::kCellRecv1] = {uint64_t(uintptr_t(b.recv)), b.recvBytes};
+    }
   }
   // After a hang: each rank's program, which streams are stuck, and every
   // flag (read on a stream of its own, with a deadline).
@@ -373,8 +392,10 @@ void enqueueRoundRobin(std::vector<RankEnqueue>& ranks) {
   }
 }
 
+// publish (the reduce-scatter + all-gather all-reduce only): 0 no cells,
+// 1 cells but nobody publishes, 2 every rank publishes, 3 odd ranks do.
 std::string runProgram(const loom::CudaApi& api, Ranks& R, const Variant& v, loomDataType_t t, loomRedOp_t op,
-                       size_t n, bool inPlace, std::mt19937_64& rng) {
+                       size_t n, bool inPlace, std::mt19937_64& rng, int publish = 0) {
   const int N = R.n;
   const size_t esz = loom::dtypeSize(t);
   const size_t sendElems = v.coll == Collective::ReduceScatter ? size_t(N) * n : n;
@@ -418,12 +439,16 @@ std::string runProgram(const loom::CudaApi& api, Ranks& R, const Variant& v, loo
     o.op = op;
     o.root = root;
     RankEnqueue& e = progs[size_t(r)];
-    e.p = loom::compileStreamProgram(o, r, N, v.algo, R.slot, &R.rounds[size_t(r)]);
+    loom::StreamPublish pub;
+    pub.cells = publish > 0;
+    pub.mine = publish == 2 || (publish == 3 && r % 2 == 1);
+    e.p = loom::compileStreamProgram(o, r, N, v.algo, R.slot, &R.rounds[size_t(r)], pub);
     programs.push_back(e.p.describe());
     e.be = std::make_unique<loom::CudaStreamBackend>(
         api, std::vector<void*>{R.streams[size_t(2 * r)], R.streams[size_t(2 * r + 1)]},
         std::vector<void*>{R.events[size_t(2 * r)], R.events[size_t(2 * r + 1)]});
     e.b = R.buffers(send[size_t(r)], sendElems * esz, recv[size_t(r)], recvElems * esz);
+    if (pub.cells) R.addCells(r, e.b, pub.mine);
   }
   enqueueRoundRobin(progs);
   std::string bad;
@@ -499,6 +524,30 @@ void testPrograms(const loom::CudaApi& api, const std::vector<int>& rankCounts, 
       row("programs",
           loom::strf("%s/%s N=%d: %ld cases", loom::collectiveName(v.coll), loom::streamAlgorithmName(v.algo), N, cases),
           wrong, firstBad);
+    }
+    // Device zero-copy: the reduce-scatter + all-gather all-reduce with
+    // nobody, everyone and odd ranks publishing (cells written by stream
+    // writes, sources resolved by the kernels), modes in an order that
+    // changes every cell between calls.
+    if (N > 1) {
+      long cases = 0, wrong = 0;
+      std::string firstBad;
+      const Variant rsag{Collective::AllReduce, StreamAlgorithm::ReduceScatterAllGather};
+      for (int mode : {2, 1, 3, 2, 0, 3})
+        for (loomRedOp_t op : {loomSum, loomAvg})
+          for (size_t n : {size_t(1), size_t(1031), size_t(1) << 20, maxCount})
+            for (bool inPlace : {false, true}) {
+              if (n > maxCount) continue;
+              std::string bad = runProgram(api, R, rsag, loomFloat32, op, n, inPlace, rng, mode);
+              ++cases;
+              if (!bad.empty()) {
+                ++wrong;
+                if (firstBad.empty())
+                  firstBad = loom::strf("publish=%d %s n=%zu %s: %s", mode, loom::redOpName(op), n,
+                                        inPlace ? "in-place" : "out-of-place", bad.c_str());
+              }
+            }
+      row("zero-copy", loom::strf("all-reduce with published buffers, N=%d: %ld cases", N, cases), wrong, firstBad);
     }
   }
 }

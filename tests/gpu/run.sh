@@ -127,6 +127,8 @@ for phase in "${phases[@]}"; do
     # loom-perf with device buffers (-G), checked; its busbw is printed next
     # to loom-gpu-comm-perf's copy bandwidth above.
     step "loom-perf -G all_reduce, 2 ranks, 8 B .. 256 MiB" "${run[@]}" -n 2 "${lp[@]}" all_reduce -G -b 8 -e 256M -f 4 -c 1
+    # loomMemAlloc buffers (-R): large all-reduces read in place (zero-copy).
+    step "loom-perf -G -R all_reduce (zero-copy), 2 ranks, 8 B .. 256 MiB" "${run[@]}" -n 2 "${lp[@]}" all_reduce -G -R -b 8 -e 256M -f 4 -c 1
     step "loom-perf -G all_reduce, staged path, 2 ranks, 8 B .. 256 MiB" env LOOM_DEVICE_PATH=staged \
       "${run[@]}" -n 2 "${lp[@]}" all_reduce -G -b 8 -e 256M -f 4 -c 1
     for coll in alltoall gather scatter sendrecv; do
@@ -140,6 +142,8 @@ for phase in "${phases[@]}"; do
     for slot in 4 16 32 64 128; do
       step "loom-perf -G all_reduce, 2 ranks, LOOM_DEVICE_SLOT_BYTES=${slot} MiB, 1 MiB .. 256 MiB" \
         env LOOM_DEVICE_SLOT_BYTES=$((slot << 20)) "${run[@]}" -n 2 "${lp[@]}" all_reduce -G -b 1M -e 256M -f 4 -c 1
+      step "loom-perf -G -R all_reduce (zero-copy), 2 ranks, LOOM_DEVICE_SLOT_BYTES=${slot} MiB, 1 MiB .. 256 MiB" \
+        env LOOM_DEVICE_SLOT_BYTES=$((slot << 20)) "${run[@]}" -n 2 "${lp[@]}" all_reduce -G -R -b 1M -e 256M -f 4 -c 1
     done
     ;;
   hier)
