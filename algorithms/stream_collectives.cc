@@ -64,10 +64,11 @@ ProgramRef sendAt(size_t off) { return ProgramRef{Space::Send, 0, off}; }
 ProgramRef recvAt(size_t off) { return ProgramRef{Space::Recv, 0, off}; }
 ProgramRef winAt(int r, size_t off) { return ProgramRef{Space::Window, r, off}; }
 // Rank r's buffer behind cell c at `off`, else its window at `fallback`.
-ProgramRef publishedAt(int r, CellIndex c, size_t off, size_t fallback) {
+ProgramRef publishedAt(int r, CellIndex c, size_t off, size_t fallback, uint64_t minTag) {
   ProgramRef ref{Space::Published, r, off};
   ref.cell = c;
   ref.fallback = fallback;
+  ref.minTag = minTag;
   return ref;
 }
 
@@ -127,6 +128,15 @@ class Builder {
     o.stream = uint8_t(s);
     o.flagRank = peer;
     o.flag = c;
+    p_.ops.push_back(o);
+  }
+  void setCellTag(int s, int peer, int slot, uint64_t v) {
+    StreamOp o;
+    o.kind = StreamOpKind::SetCellTag;
+    o.stream = uint8_t(s);
+    o.flagRank = peer;
+    o.flag = uint8_t(slot);
+    o.value = v;
     p_.ops.push_back(o);
   }
   void setPeer(int s, int peer, FlagIndex f, uint64_t v) {
@@ -254,6 +264,8 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
   };
 
   uint64_t g = *round;
+  // The flag value of the program's last round (the cells' tag).
+  const uint64_t lastV = *round + (n + m - 1) / m;
   for (size_t off = 0; off < n; off += m, ++g) {
     const size_t c = std::min(m, n - off);  // elements this round
     const uint64_t v = g + 1;
@@ -281,14 +293,17 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         const bool cells = rsag && publish.cells, mine = cells && publish.mine;
         const int slot = int(g % 2);
         const CellIndex sendCell = slot ? kCellSend1 : kCellSend0, recvCell = slot ? kCellRecv1 : kCellRecv0;
-        if (cells && g < p.firstRound + 2 && publish.write[slot])
+        if (cells && g < p.firstRound + 2)
           for (int q = 0; q < N; ++q)
             if (q != me) {
-              b.setCell(0, q, sendCell);
-              b.setCell(0, q, recvCell);
+              if (publish.write[slot]) {
+                b.setCell(0, q, sendCell);
+                b.setCell(0, q, recvCell);
+              }
+              b.setCellTag(0, q, slot, lastV);
             }
         auto peerPart = [&](int q, CellIndex c, size_t qs) {
-          return cells ? publishedAt(q, c, (off + qs) * esz, base + qs * esz) : winAt(q, base + qs * esz);
+          return cells ? publishedAt(q, c, (off + qs) * esz, base + qs * esz, v) : winAt(q, base + qs * esz);
         };
         if (mine) {
           // Nothing staged: the peers read this rank's send buffer.

@@ -235,7 +235,9 @@ const void* SimRank::resolve(const void* fallback, loom::CellRef c, size_t bytes
     return reinterpret_cast<const std::atomic<uint64_t>*>(c.cell + i)->load(std::memory_order_acquire);
   };
   const uint64_t addr = word(0), len = word(1);
-  if (addr == 0 || c.offset > len || bytes > len - c.offset) {
+  const uint64_t tag =
+      c.tag ? reinterpret_cast<const std::atomic<uint64_t>*>(c.tag)->load(std::memory_order_acquire) : c.minTag;
+  if (tag < c.minTag || addr == 0 || c.offset > len || bytes > len - c.offset) {
     ++fallbackReads_;
     return fallback;
   }
@@ -293,7 +295,7 @@ SimDeviceWorld::SimDeviceWorld(int nranks, int gpus, size_t windowBytes, SimDevi
     windows_.emplace_back(windowBytes + 256);
     flags_.emplace_back(new std::atomic<uint64_t>[loom::kFlagCount]);
     for (int f = 0; f < loom::kFlagCount; ++f) flags_.back()[size_t(f)].store(0);
-    const size_t words = size_t(nranks) * loom::kCellCount * loom::kCellWords;
+    const size_t words = size_t(nranks) * loom::kCellRowWords;
     cells_.emplace_back(new std::atomic<uint64_t>[words]);
     for (size_t w = 0; w < words; ++w) cells_.back()[w].store(0);
     dead_[size_t(r)].store(false);
@@ -321,7 +323,7 @@ void SimDeviceWorld::sleepUnless(uint64_t gen) {
 }
 
 void SimDeviceWorld::addCells(int r, loom::ProgramBuffers& b, bool publish) {
-  const size_t row = size_t(loom::kCellCount) * loom::kCellWords;
+  const size_t row = loom::kCellRowWords;
   auto word = [](std::atomic<uint64_t>* a) { return reinterpret_cast<uint64_t*>(a); };
   b.cells.clear();
   b.peerCells.clear();

@@ -80,18 +80,24 @@ const loom::CudaApi kRecording = {
     nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
     nullptr, nullptr, nullptr, nullptr,
     nullptr,  // loadKernels: a communicator's init calls it, never the backend
-    [](void* d, void* d2, const void* const* srcs, const uint64_t* const* cells, const size_t* offs, int ns, size_t n,
-       int t, int op, void* s) {
+    [](void* d, void* d2, const void* const* srcs, const uint64_t* const* cells, const size_t* offs,
+       const uint64_t* const* tags, const uint64_t* minTags, int ns, size_t n, int t, int op, void* s) {
       std::string c = "reduce " + ptr(s) + " " + ptr(d) + (d2 ? " and " + ptr(d2) : std::string()) + " <-";
       for (int i = 0; i < ns; ++i)
-        c += " " + ptr(srcs[i]) + (cells[i] ? loom::strf("|cell %p+%zu", (const void*)cells[i], offs[i]) : "");
+        c += " " + ptr(srcs[i]) +
+             (cells[i] ? loom::strf("|cell %p+%zu tag %p>=%llu", (const void*)cells[i], offs[i], (const void*)tags[i],
+                                    (unsigned long long)minTags[i])
+                       : "");
       g_calls.push_back(c + loom::strf(" n=%zu t=%d op=%d", n, t, op));
       return 0;
     },
-    [](void* d, const void* src, const uint64_t* cell, size_t off, size_t n, void* s) {
-      g_calls.push_back(loom::strf("copykernel %p %p <- %p|cell %p+%zu %zu", s, d, src, (const void*)cell, off, n));
+    [](void* d, const void* src, const uint64_t* cell, size_t off, const uint64_t* tag, uint64_t minTag, size_t n,
+       void* s) {
+      g_calls.push_back(loom::strf("copykernel %p %p <- %p|cell %p+%zu tag %p>=%llu %zu", s, d, src, (const void*)cell,
+                                   off, (const void*)tag, (unsigned long long)minTag, n));
       return 0;
     },
+    nullptr,  // deviceSynchronize: the driver's
 };
 
 void* handle(uintptr_t v) { return reinterpret_cast<void*>(v); }
@@ -147,6 +153,7 @@ TEST_CASE(
         FAIL_CHECK("an all-reduce sets no per-pair flag");
         break;
       case loom::StreamOpKind::SetCell:
+      case loom::StreamOpKind::SetCellTag:
         FAIL_CHECK("a program without cells publishes none");
         break;
       case loom::StreamOpKind::Copy:
@@ -210,7 +217,7 @@ TEST_CASE("CUDA backend: sources read through cells go to the indirect kernels, 
   for (uintptr_t i = 0; i < 19; ++i) {
     srcs.push_back(handle(0x10000 + i * 0x100));
     // Every third source is direct.
-    cells.push_back(i % 3 ? loom::CellRef{&cellMem[i * 2], 4096 * i} : loom::CellRef{});
+    cells.push_back(i % 3 ? loom::CellRef{&cellMem[i * 2], 4096 * i, &cellMem[0], 7 + i} : loom::CellRef{});
   }
   void* dst = handle(0x90000);
   loom::CudaStreamBackend be(kRecording, {handle(0x5000)}, {});
@@ -218,7 +225,10 @@ TEST_CASE("CUDA backend: sources read through cells go to the indirect kernels, 
   be.reduceIndirect(0, dst, nullptr, srcs.data(), cells.data(), 19, 1000, loomFloat32, loomSum);
   REQUIRE(g_calls.size() == 3);
   auto src = [&](size_t i) {
-    return " " + ptr(srcs[i]) + (cells[i].cell ? loom::strf("|cell %p+%zu", (const void*)cells[i].cell, cells[i].offset) : "");
+    return " " + ptr(srcs[i]) + (cells[i].cell ? loom::strf("|cell %p+%zu tag %p>=%llu", (const void*)cells[i].cell,
+                                                            cells[i].offset, (const void*)cells[i].tag,
+                                                            (unsigned long long)cells[i].minTag)
+                                               : "");
   };
   std::string first = "reduce " + ptr(handle(0x5000)) + " " + ptr(dst) + " <-";
   for (size_t i = 0; i < 8; ++i) first += src(i);
@@ -230,8 +240,9 @@ TEST_CASE("CUDA backend: sources read through cells go to the indirect kernels, 
   g_calls.clear();
   be.copyIndirect(0, dst, srcs[1], cells[1], 777);
   REQUIRE(g_calls.size() == 1);
-  CHECK(g_calls[0] == loom::strf("copykernel %p %p <- %p|cell %p+%zu 777", handle(0x5000), dst, srcs[1],
-                                 (const void*)cells[1].cell, cells[1].offset));
+  CHECK(g_calls[0] == loom::strf("copykernel %p %p <- %p|cell %p+%zu tag %p>=%llu 777", handle(0x5000), dst, srcs[1],
+                                 (const void*)cells[1].cell, cells[1].offset, (const void*)cells[1].tag,
+                                 (unsigned long long)cells[1].minTag));
 }
 
 TEST_CASE("CUDA backend: a failing CUDA call is loomUnhandledCudaError with CUDA's own message", "[cuda]") {
@@ -509,6 +520,10 @@ const loom::CudaApi kDriverTable = {
     nullptr,  // loadKernels: init's, not the driver's
     nullptr,  // launchReduceIndirect, launchCopyIndirect: the backend's
     nullptr,
+    []() {
+      record("deviceSynchronize");
+      return 0;
+    },
 };
 
 size_t countOf(const std::string& prefix) {

@@ -90,15 +90,19 @@ struct CudaApi {
   // (ABI 6 changed launchReduce in place: it gained dst2.)
   // ---- ABI 7: device zero-copy (CellRef, stream_program.h) ----
   // launchReduce whose source k is read through cells[k] when that is not
-  // null: cells[k][0] + offsets[k] if cells[k][0] is not 0 and the range
-  // read lies within cells[k][1] bytes, else srcs[k].  The kernel reads the
-  // cells when it runs.
+  // null: cells[k][0] + offsets[k] if *tags[k] >= minTags[k] (tags[k] null:
+  // no tag), cells[k][0] is not 0 and the range read lies within
+  // cells[k][1] bytes, else srcs[k].  The kernel reads them when it runs.
   int (*launchReduceIndirect)(void* dst, void* dst2, const void* const* srcs, const uint64_t* const* cells,
-                              const size_t* offsets, int nsrcs, size_t count, int dtype, int op, void* stream);
+                              const size_t* offsets, const uint64_t* const* tags, const uint64_t* minTags, int nsrcs,
+                              size_t count, int dtype, int op, void* stream);
   // dst = the source (src, or the cell's buffer + offset, as above), `bytes`
   // bytes, by a kernel.
-  int (*launchCopyIndirect)(void* dst, const void* src, const uint64_t* cell, size_t offset, size_t bytes,
-                            void* stream);
+  int (*launchCopyIndirect)(void* dst, const void* src, const uint64_t* cell, size_t offset, const uint64_t* tag,
+                            uint64_t minTag, size_t bytes, void* stream);
+  // cudaDeviceSynchronize (loomMemFree of published memory: this rank's
+  // programs, which end only once the peers are done reading it, first).
+  int (*deviceSynchronize)();
 };
 
 constexpr int kCudaApiVersion = 7;

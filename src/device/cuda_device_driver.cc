@@ -42,6 +42,7 @@ class CudaDeviceDriver final : public DeviceDriver {
     return p;
   }
   void release(void* p) override { check(api_.freeMem(p), "cudaFree"); }
+  void synchronize() override { check(api_.deviceSynchronize(), "cudaDeviceSynchronize"); }
   void* allocateHost(size_t bytes) override {
     void* p = nullptr;
     check(api_.hostAllocMapped(&p, bytes), "cudaHostAlloc (mapped, at one address for host and device)");

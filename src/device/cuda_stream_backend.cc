@@ -49,36 +49,41 @@ void CudaStreamBackend::reduceIndirect(int s, void* dst, void* dst2, const void*
   const void* chain[kCudaMaxReduceSources];
   const uint64_t* cellOf[kCudaMaxReduceSources];
   size_t offsetOf[kCudaMaxReduceSources];
+  const uint64_t* tagOf[kCudaMaxReduceSources];
+  uint64_t minTagOf[kCudaMaxReduceSources];
   auto launch = [&](const void* const* in, int n, bool last) {
     const bool indirect = cells != nullptr;
-    check(indirect ? api_.launchReduceIndirect(dst, last ? dst2 : nullptr, in, cellOf, offsetOf, n, count, int(type),
-                                               int(op), stream(s))
+    check(indirect ? api_.launchReduceIndirect(dst, last ? dst2 : nullptr, in, cellOf, offsetOf, tagOf, minTagOf, n,
+                                               count, int(type), int(op), stream(s))
                    : api_.launchReduce(dst, last ? dst2 : nullptr, in, n, count, int(type), int(op), stream(s)),
           "reduction kernel launch");
   };
   int used = std::min(nsrcs, kCudaMaxReduceSources);
-  for (int i = 0; i < used; ++i) {
-    cellOf[i] = cells ? cells[i].cell : nullptr;
-    offsetOf[i] = cells ? cells[i].offset : 0;
-  }
+  auto take = [&](int at, int i) {  // launch source `at` is program source i (-1: the chain's partial result)
+    const bool c = cells && i >= 0;
+    cellOf[at] = c ? cells[i].cell : nullptr;
+    offsetOf[at] = c ? cells[i].offset : 0;
+    tagOf[at] = c ? cells[i].tag : nullptr;
+    minTagOf[at] = c ? cells[i].minTag : 0;
+  };
+  for (int i = 0; i < used; ++i) take(i, i);
   launch(srcs, used, used == nsrcs);
   while (used < nsrcs) {
-    int take = std::min(nsrcs - used, kCudaMaxReduceSources - 1);
+    int more = std::min(nsrcs - used, kCudaMaxReduceSources - 1);
     chain[0] = dst;
-    cellOf[0] = nullptr;
-    offsetOf[0] = 0;
-    for (int i = 0; i < take; ++i) {
+    take(0, -1);
+    for (int i = 0; i < more; ++i) {
       chain[i + 1] = srcs[used + i];
-      cellOf[i + 1] = cells ? cells[used + i].cell : nullptr;
-      offsetOf[i + 1] = cells ? cells[used + i].offset : 0;
+      take(i + 1, used + i);
     }
-    used += take;
-    launch(chain, take + 1, used == nsrcs);
+    used += more;
+    launch(chain, more + 1, used == nsrcs);
   }
 }
 
 void CudaStreamBackend::copyIndirect(int s, void* dst, const void* src, CellRef cell, size_t bytes) {
-  check(api_.launchCopyIndirect(dst, src, cell.cell, cell.offset, bytes, stream(s)), "copy kernel launch");
+  check(api_.launchCopyIndirect(dst, src, cell.cell, cell.offset, cell.tag, cell.minTag, bytes, stream(s)),
+        "copy kernel launch");
 }
 
 void CudaStreamBackend::divide(int s, void* dst, const void* src, size_t count, loomDataType_t type,

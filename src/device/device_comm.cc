@@ -252,7 +252,7 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
       uint8_t* at = r == rank ? static_cast<uint8_t*>(block_) : imports_->import(r, rec);
       windows_.push_back(at + flagBytes + cellBytes);
       if (zeroCopy_) {
-        const size_t row = size_t(kCellCount) * kCellWords;
+        const size_t row = kCellRowWords;
         cells_.push_back(own + flagBytes / sizeof(uint64_t) + size_t(r) * row);
         peerCells_.push_back(reinterpret_cast<uint64_t*>(at + flagBytes) + size_t(rank) * row);
       }
@@ -1232,6 +1232,12 @@ void DeviceComm::forgetPublished(int owner, const IpcRecord& rec) {
 }
 
 void DeviceComm::unpublish(void* base, bool destroying) {
+  {
+    // Most frees are of memory this communicator never published: no wait
+    // for a publish in progress (askMu_) then.
+    std::lock_guard<std::mutex> g(pubMu_);
+    if (!pubs_.count(uint64_t(uintptr_t(base)))) return;
+  }
   std::lock_guard<std::mutex> ask(askMu_);
   Published pub;
   {
@@ -1246,7 +1252,9 @@ void DeviceComm::unpublish(void* base, bool destroying) {
     try {
       unpublishTo_(r, pub.rec);
     } catch (const Error& e) {
-      if (destroying)
+      // A peer that is gone (its control socket refuses) maps nothing any
+      // more; one whose communicator is destroyed unmaps all at its end.
+      if (destroying || e.code() == loomRemoteError)
         LOOM_INFO("DEVICE", "rank %d: rank %d did not unmap this rank's device memory at %p (it unmaps it when its "
                   "communicator goes): %s", rank_, r, base, e.what());
       else
@@ -1261,6 +1269,17 @@ void DeviceComm::unpublishAll() {
   {
     std::lock_guard<std::mutex> g(pubMu_);
     for (auto& [base, pub] : pubs_) bases.push_back(base);
+  }
+  if (bases.empty()) return;
+  // This rank's programs end only once the peers are done reading its
+  // published buffers: wait for them (a caller that did not synchronise
+  // before destroy) before the peers unmap.  Called once the watchdog is
+  // stopped (its flag reads are not meant for two threads).
+  const int64_t deadline = nowMs() + drainTimeoutMs_;
+  try {
+    while (!programsDone() && nowMs() < deadline) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  } catch (const Error& e) {
+    LOOM_WARN("DEVICE", "rank %d: reading this rank's flags failed: %s", rank_, e.what());
   }
   for (uint64_t base : bases) unpublish(reinterpret_cast<void*>(uintptr_t(base)), true);
 }

@@ -86,7 +86,7 @@ inline size_t flagAreaBytes(int nranks) {
 // Device zero-copy's cell area (CellIndex), after the flags when the
 // communicator has it (DeviceCommOptions::zeroCopy), padded the same way.
 inline size_t cellAreaBytes(int nranks) {
-  return (size_t(nranks) * kCellCount * kCellWords * sizeof(uint64_t) + 255) / 256 * 256;
+  return (size_t(nranks) * kCellRowWords * sizeof(uint64_t) + 255) / 256 * 256;
 }
 // What a release writes into the flags this rank waits on: above any value
 // a round counter reaches, so it satisfies every wait ("flag >= value").
@@ -136,6 +136,11 @@ class DeviceDriver {
   // made while the communicator runs.  Released with release().
   virtual void* allocateStaging(size_t bytes) { return allocate(bytes); }
   virtual void release(void* p) = 0;
+  // Waits until everything enqueued on the device is done (CUDA:
+  // cudaDeviceSynchronize, which cudaFree does anyway).  loomMemFree of
+  // memory a peer may read in place calls it first: a rank's programs on
+  // published buffers end only once the peers are done reading them.
+  virtual void synchronize() {}
   // Pinned host memory the device reads and writes at the same address
   // (CUDA: cudaHostAlloc, mapped and portable), not zeroed: the staged
   // path's buffers and flags (staged_comm.h).  Released with releaseHost().
@@ -369,7 +374,8 @@ class DeviceCollectives {
   virtual uint64_t importPublished(int owner, const IpcRecord& rec);
   virtual void forgetPublished(int owner, const IpcRecord& rec);
   // Has the peers unmap everything this rank published (a healthy
-  // communicator's destroy, while its control plane still runs).
+  // communicator's destroy, while its control plane still runs, after
+  // stopWatchdog; it waits for this rank's programs first).
   virtual void unpublishAll() {}
   // A peer's batch of collective signatures (the IPC path's mismatch
   // check, src/device/op_signature.h; on the control thread).

@@ -11,6 +11,7 @@
 
 #include "src/core/config.h"
 #include "src/core/error.h"
+#include "src/core/log.h"
 #include "src/device/device_choice.h"
 #include "src/device/device_comm.h"
 
@@ -63,13 +64,28 @@ void* deviceMemAlloc(size_t bytes) {
 }
 
 bool deviceMemFree(void* ptr) {
+  DeviceDriver* driver = nullptr;  // stays with the allocation until it is erased below
   {
     std::lock_guard<std::mutex> g(g_mu);
-    if (!live().count(ptr)) return false;
+    auto it = live().find(ptr);
+    if (it == live().end()) return false;
+    driver = it->second.driver.get();
   }
   {
-    // Peers that map it unmap it first (never thrown: the memory is freed).
+    // Peers that may map it (device zero-copy) unmap it first, once this
+    // process's work on the device is done, as cudaFree would wait for it:
+    // a program on published buffers ends only once the peers are done
+    // reading them (never thrown: the memory is freed).
     std::lock_guard<std::mutex> h(g_hookMu);
+    if (!hooks().empty()) {
+      const int previous = driver->enter();
+      try {
+        driver->synchronize();
+      } catch (const Error& e) {
+        LOOM_WARN("DEVICE", "loomMemFree(%p): %s", ptr, e.what());
+      }
+      driver->leave(previous);
+    }
     for (auto& [id, hook] : hooks()) hook(ptr);
   }
   Allocation a;

@@ -76,6 +76,9 @@ std::string StreamProgram::describe() const {
       case StreamOpKind::SetCell:
         s += strf("publish cell[%d].%s for rank %d", rank, cellName(o.flag), o.flagRank);
         break;
+      case StreamOpKind::SetCellTag:
+        s += strf("tag cell[%d].slot%d = %llu for rank %d", rank, o.flag, (unsigned long long)o.value, o.flagRank);
+        break;
       case StreamOpKind::Copy:
         s += strf("copy %s <- %s, %zu B", refName(o.dst).c_str(), refName(src(o, 0)).c_str(), o.count);
         break;
@@ -155,7 +158,8 @@ struct Resolver {
   // Where a Published ref's cell is (null: read the fallback, nobody publishes).
   CellRef cell(const ProgramRef& r) const {
     if (r.space != Space::Published || b.cells.empty()) return CellRef{};
-    return CellRef{b.cells[size_t(r.rank)] + size_t(r.cell) * kCellWords, r.offset};
+    const uint64_t* row = b.cells[size_t(r.rank)];
+    return CellRef{row + size_t(r.cell) * kCellWords, r.offset, row + kCellCount * kCellWords + r.cell % 2, r.minTag};
   }
 };
 
@@ -212,7 +216,9 @@ void ProgramEnqueuer::visit(size_t index, bool enqueue) {
         res.bad("sets a per-pair flag, but the buffers have no per-reader flag copies");
       break;
     case StreamOpKind::SetCell:
-      if (o.flag >= kCellCount || o.flagRank < 0 || o.flagRank >= p.nranks || o.flagRank == p.rank)
+    case StreamOpKind::SetCellTag:
+      if (o.flag >= (o.kind == StreamOpKind::SetCell ? kCellCount : kCellTagWords) || o.flagRank < 0 ||
+          o.flagRank >= p.nranks || o.flagRank == p.rank)
         res.bad("names no peer's cell");
       if (b.cells.empty()) res.bad("publishes a cell, but the buffers have no cells");
       break;
@@ -273,6 +279,9 @@ void ProgramEnqueuer::visit(size_t index, bool enqueue) {
       be.setFlag(o.stream, at, c.addr);
       break;
     }
+    case StreamOpKind::SetCellTag:
+      be.setFlag(o.stream, b.peerCells[size_t(o.flagRank)] + kCellCount * kCellWords + o.flag, o.value);
+      break;
     case StreamOpKind::Copy:
       if (indirect)
         be.copyIndirect(o.stream, dst, srcs[0], cells[0], o.count);

@@ -46,6 +46,7 @@ struct ProgramRef {
   size_t offset = 0;  // bytes
   uint8_t cell = 0;   // Published: the cell (CellIndex)
   size_t fallback = 0;  // Published: the window offset read when the cell is empty
+  uint64_t minTag = 0;  // Published: the cell counts only if its slot's tag is >= this
 };
 
 // A rank's flags.  Each is set only by its owner and read by everyone.  The
@@ -83,6 +84,15 @@ enum CellIndex : uint8_t {
   kCellCount = 4,
 };
 constexpr int kCellWords = 2;
+// After the cells, a tag per slot: the flag value of the last round of the
+// program that wrote that slot's cells (every program that uses the slot
+// writes it, the cells themselves only when they change).  A reader in
+// round g takes a cell only when its slot's tag is >= g + 1: a cell left
+// from an earlier program (whose buffer may be unmapped since: loomMemFree,
+// a destroy), as a reader sees it when ranks mismatch or after a failure
+// releases its waits, falls back to the window instead.
+constexpr int kCellTagWords = 2;
+constexpr size_t kCellRowWords = size_t(kCellCount) * kCellWords + kCellTagWords;
 // A reduction may write its destination over one of its sources exactly
 // when it has at most this many (one pass reads every source's element
 // before it writes it; longer reductions are chained through the
@@ -95,6 +105,7 @@ enum class StreamOpKind : uint8_t {
   SetPeerFlag,  // the same, in the copy rank `flagRank` reads only (send/recv's per-pair flags)
   SetCell,      // cell `flag` (CellIndex) of this rank in rank `flagRank`'s cell area = what
                 // ProgramBuffers::published holds for that reader and cell, after all earlier work
+  SetCellTag,   // the tag of slot `flag` of this rank's cells in rank `flagRank`'s area = `value`
   Copy,         // dst = src[0], `bytes` bytes (never overlapping)
   Reduce,       // dst = src[0] op src[1] op ... (left to right, rounded each step), `count` elements;
                 // with `dual`, the result goes to dst2 as well (written last: dst2 may be a source);
@@ -182,12 +193,15 @@ struct ProgramBuffers {
 
 // A source read through a cell (Space::Published) as a backend gets it:
 // cell[0] is an address, cell[1] a size in bytes; the source is cell[0] +
-// offset when cell[0] is not 0 and [offset, offset + the bytes read) lies
-// within cell[1], else the direct pointer given beside it.  Both are read
-// when the op runs, after the stream's earlier waits.  cell null: direct.
+// offset when *tag >= minTag, cell[0] is not 0 and [offset, offset + the
+// bytes read) lies within cell[1], else the direct pointer given beside
+// it.  All are read when the op runs, after the stream's earlier waits.
+// cell null: direct.
 struct CellRef {
   const uint64_t* cell = nullptr;
   size_t offset = 0;
+  const uint64_t* tag = nullptr;
+  uint64_t minTag = 0;
 };
 
 // What executes stream operations: one call per op, in program order per

@@ -166,8 +166,9 @@ void testKernels(const loom::CudaApi& api) {
 // the copy kernel.  Each source's real data is where its cell says, and its
 // fallback holds other data, so a wrong choice shows: "published" reads
 // through the cell (also misaligned by one element, which the vector
-// kernel must notice), "empty" (cell 0) and "short" (the cell's length
-// does not hold the range) read the fallback instead.  dst is the first
+// kernel must notice), "empty" (cell 0), "short" (the cell's length does
+// not hold the range) and "stale" (its tag is below the round's) read the
+// fallback instead.  dst is the first
 // source exactly in one of the cases (one pass: allowed up to 8 sources).
 void testIndirect(const loom::CudaApi& api) {
   cudaStream_t st;
@@ -176,12 +177,12 @@ void testIndirect(const loom::CudaApi& api) {
   std::mt19937_64 rng(2);
   long cases = 0, wrong = 0;
   std::string firstBad;
-  enum Mode { Published, Empty, Short };
+  enum Mode { Published, Empty, Short, Stale };
   for (loomDataType_t t : {loomFloat32, loomBfloat16, loomInt32, loomFloat64})
     for (int nsrcs : {1, 2, 8, 19})
       for (size_t n : {size_t(0), size_t(1), size_t(4097), size_t(1) << 20})
         for (size_t misalign : {size_t(0), size_t(1)})
-          for (Mode mode : {Published, Empty, Short})
+          for (Mode mode : {Published, Empty, Short, Stale})
             for (bool intoFirst : {false, true}) {
               if (intoFirst && nsrcs > int(loom::kOnePassSources)) continue;
               const size_t esz = loom::dtypeSize(t), bytes = n * esz, off = 256 + misalign * esz;
@@ -193,9 +194,10 @@ void testIndirect(const loom::CudaApi& api) {
               std::vector<const void*> fallback(static_cast<size_t>(nsrcs));
               std::vector<loom::CellRef> cells(static_cast<size_t>(nsrcs));
               uint64_t* cellMem = nullptr;
-              CK(cudaMalloc(&cellMem, size_t(nsrcs) * 16));
+              CK(cudaMalloc(&cellMem, size_t(nsrcs) * 16 + 8));
               owned.push_back(cellMem);
-              std::vector<uint64_t> cellHost(static_cast<size_t>(nsrcs) * 2);
+              std::vector<uint64_t> cellHost(static_cast<size_t>(nsrcs) * 2 + 1);
+              cellHost.back() = 5;  // the tag
               for (int k = 0; k < nsrcs; ++k) {
                 fillRandom(truth[size_t(k)], t, rng);
                 fillRandom(decoy[size_t(k)], t, rng);
@@ -204,15 +206,17 @@ void testIndirect(const loom::CudaApi& api) {
                 CK(cudaMalloc(&fb, bytes + 16));
                 owned.push_back(peer);
                 owned.push_back(fb);
-                const bool viaCell = mode == Published;
+                const bool viaCell = mode == Published;  // the others read the fallback
                 CK(cudaMemcpy(peer + off, (viaCell ? truth : decoy)[size_t(k)].data(), bytes, cudaMemcpyHostToDevice));
                 CK(cudaMemcpy(fb, (viaCell ? decoy : truth)[size_t(k)].data(), bytes, cudaMemcpyHostToDevice));
                 fallback[size_t(k)] = fb;
                 cellHost[size_t(k) * 2] = mode == Empty ? 0 : uint64_t(uintptr_t(peer));
                 cellHost[size_t(k) * 2 + 1] = mode == Short ? off + bytes - 1 : off + bytes;
-                cells[size_t(k)] = loom::CellRef{cellMem + size_t(k) * 2, off};
+                // Tags: cellMem's last word holds 5; "stale" needs 6.
+                cells[size_t(k)] = loom::CellRef{cellMem + size_t(k) * 2, off, cellMem + size_t(nsrcs) * 2,
+                                                 mode == Stale ? 6u : 5u};
               }
-              if (mode == Short && n == 0) continue;  // nothing read: nothing too short
+              if ((mode == Short || mode == Stale) && n == 0) continue;  // nothing read
               CK(cudaMemcpy(cellMem, cellHost.data(), cellHost.size() * 8, cudaMemcpyHostToDevice));
               void* dst = nullptr;
               if (intoFirst) {
@@ -253,7 +257,7 @@ void testIndirect(const loom::CudaApi& api) {
               }
               for (void* p : owned) CK(cudaFree(p));
             }
-  row("indirect", loom::strf("%ld cases: published/empty/short cells x 1..19 sources x sizes x alignment", cases),
+  row("indirect", loom::strf("%ld cases: published/empty/short/stale cells x 1..19 sources x sizes x alignment", cases),
       wrong, firstBad);
   CK(cudaStreamDestroy(st));
 }
@@ -286,7 +290,7 @@ struct Ranks {
     CK(cudaMalloc(&cells, cellWords() * 8));
     CK(cudaMemset(cells, 0, cellWords() * 8));
   }
-  size_t rowWords() const { return size_t(loom::kCellCount) * loom::kCellWords; }
+  size_t rowWords() const { return loom::kCellRowWords; }
   size_t cellWords() const { return size_t(n) * size_t(n) * rowWords(); }
   ~Ranks() {
     for (cudaStream_t s : streams) cudaStreamDestroy(s);

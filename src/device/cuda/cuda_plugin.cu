@@ -212,6 +212,8 @@ int readValue64(const uint64_t* addr, uint64_t* value, void* stream) {
   return int(rc);
 }
 
+int deviceSynchronize() { return int(cudaDeviceSynchronize()); }
+
 // Once per device: the kernels are loaded into each device's context.
 int loadKernelsOnce() {
   static std::mutex mu;
@@ -231,7 +233,7 @@ const CudaApi kApi = {kCudaApiVersion, waitValue64,     writeValue64,   memcpyAs
                       setDevice,       mallocZeroed,    freeMem,        addressRange,   ipcGetHandle,  ipcOpenHandle,
                       ipcCloseHandle,  streamCreate,    streamDestroy,  eventCreate,    eventDestroy,
                       readValue64,     mallocRaw,       hostAllocMapped, hostFree,     loadKernelsOnce,
-                      launchReduceIndirect, launchCopyIndirect};
+                      launchReduceIndirect, launchCopyIndirect, deviceSynchronize};
 
 }  // namespace
 }  // namespace cuda

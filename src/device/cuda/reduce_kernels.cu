@@ -47,11 +47,14 @@ struct Sources {
   const typename Ty::Store* p[kCudaMaxReduceSources];
   const uint64_t* cell[kCudaMaxReduceSources];
   size_t off[kCudaMaxReduceSources];
+  const uint64_t* tag[kCudaMaxReduceSources];
+  uint64_t minTag[kCudaMaxReduceSources];
   size_t bytes;
 };
 
-__device__ inline const void* resolveSource(const void* direct, const uint64_t* cell, size_t off, size_t bytes) {
-  if (!cell) return direct;
+__device__ inline const void* resolveSource(const void* direct, const uint64_t* cell, size_t off, const uint64_t* tag,
+                                            uint64_t minTag, size_t bytes) {
+  if (!cell || (tag && *tag < minTag)) return direct;
   const uint64_t addr = cell[0], len = cell[1];
   if (addr == 0 || off > len || bytes > len - off) return direct;
   return reinterpret_cast<const uint8_t*>(addr) + off;
@@ -60,7 +63,8 @@ __device__ inline const void* resolveSource(const void* direct, const uint64_t* 
 template <class Ty>
 __device__ inline void resolveAll(Sources<Ty>& s, int nsrcs) {
   for (int k = 0; k < nsrcs; ++k)
-    s.p[k] = static_cast<const typename Ty::Store*>(resolveSource(s.p[k], s.cell[k], s.off[k], s.bytes));
+    s.p[k] = static_cast<const typename Ty::Store*>(
+        resolveSource(s.p[k], s.cell[k], s.off[k], s.tag[k], s.minTag[k], s.bytes));
 }
 
 // Elements [begin, n).
@@ -116,8 +120,9 @@ __global__ void reduceVectors(typename Ty::Store* dst, typename Ty::Store* dst2,
 
 // dst = the (resolved) source, `bytes` bytes: 16 at a time when both are
 // aligned, else byte by byte.
-__global__ void copyBytes(uint8_t* dst, const uint8_t* src, const uint64_t* cell, size_t off, size_t bytes) {
-  src = static_cast<const uint8_t*>(resolveSource(src, cell, off, bytes));
+__global__ void copyBytes(uint8_t* dst, const uint8_t* src, const uint64_t* cell, size_t off, const uint64_t* tag,
+                          uint64_t minTag, size_t bytes) {
+  src = static_cast<const uint8_t*>(resolveSource(src, cell, off, tag, minTag, bytes));
   const size_t step = size_t(gridDim.x) * blockDim.x, first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   size_t done = 0;
   if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
@@ -145,7 +150,8 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 
 template <class Ty, class Op>
 cudaError_t launchReduceTyped(void* dst, void* dst2, const void* const* srcs, const uint64_t* const* cells,
-                              const size_t* offsets, int nsrcs, size_t n, cudaStream_t st) {
+                              const size_t* offsets, const uint64_t* const* tags, const uint64_t* minTags, int nsrcs,
+                              size_t n, cudaStream_t st) {
   using S = typename Ty::Store;
   constexpr size_t V = 16 / sizeof(S);
   Sources<Ty> s;
@@ -155,6 +161,8 @@ cudaError_t launchReduceTyped(void* dst, void* dst2, const void* const* srcs, co
     s.p[k] = static_cast<const S*>(srcs[k]);
     s.cell[k] = cells ? cells[k] : nullptr;
     s.off[k] = cells ? offsets[k] : 0;
+    s.tag[k] = cells && tags ? tags[k] : nullptr;
+    s.minTag[k] = cells && minTags ? minTags[k] : 0;
     // A published source's alignment is checked by the kernel (the
     // fallback's here: the one it reads otherwise).
     vec = vec && aligned16(srcs[k]);
@@ -163,6 +171,8 @@ cudaError_t launchReduceTyped(void* dst, void* dst2, const void* const* srcs, co
     s.p[k] = nullptr;
     s.cell[k] = nullptr;
     s.off[k] = 0;
+    s.tag[k] = nullptr;
+    s.minTag[k] = 0;
   }
   S* d = static_cast<S*>(dst);
   S* d2 = static_cast<S*>(dst2);
@@ -184,13 +194,14 @@ cudaError_t launchReduceTyped(void* dst, void* dst2, const void* const* srcs, co
 
 template <class Ty>
 cudaError_t launchReduceOp(void* dst, void* dst2, const void* const* srcs, const uint64_t* const* cells,
-                           const size_t* offsets, int nsrcs, size_t n, int op, cudaStream_t st) {
+                           const size_t* offsets, const uint64_t* const* tags, const uint64_t* minTags, int nsrcs,
+                           size_t n, int op, cudaStream_t st) {
   switch (op) {
-    case loomSum: return launchReduceTyped<Ty, Sum>(dst, dst2, srcs, cells, offsets, nsrcs, n, st);
-    case loomProd: return launchReduceTyped<Ty, Prod>(dst, dst2, srcs, cells, offsets, nsrcs, n, st);
-    case loomMax: return launchReduceTyped<Ty, Max>(dst, dst2, srcs, cells, offsets, nsrcs, n, st);
-    case loomMin: return launchReduceTyped<Ty, Min>(dst, dst2, srcs, cells, offsets, nsrcs, n, st);
-    case loomAvg: return launchReduceTyped<Ty, Sum>(dst, dst2, srcs, cells, offsets, nsrcs, n, st);  // divided at the end
+    case loomSum: return launchReduceTyped<Ty, Sum>(dst, dst2, srcs, cells, offsets, tags, minTags, nsrcs, n, st);
+    case loomProd: return launchReduceTyped<Ty, Prod>(dst, dst2, srcs, cells, offsets, tags, minTags, nsrcs, n, st);
+    case loomMax: return launchReduceTyped<Ty, Max>(dst, dst2, srcs, cells, offsets, tags, minTags, nsrcs, n, st);
+    case loomMin: return launchReduceTyped<Ty, Min>(dst, dst2, srcs, cells, offsets, tags, minTags, nsrcs, n, st);
+    case loomAvg: return launchReduceTyped<Ty, Sum>(dst, dst2, srcs, cells, offsets, tags, minTags, nsrcs, n, st);  // divided at the end
   }
   return cudaErrorInvalidValue;
 }
@@ -212,27 +223,30 @@ cudaError_t launchDivideTyped(void* dst, const void* src, size_t n, int divisor,
 }  // namespace
 
 int launchReduceIndirect(void* dst, void* dst2, const void* const* srcs, const uint64_t* const* cells,
-                         const size_t* offsets, int nsrcs, size_t n, int dtype, int op, void* stream) {
+                         const size_t* offsets, const uint64_t* const* tags, const uint64_t* minTags, int nsrcs,
+                         size_t n, int dtype, int op, void* stream) {
   if (nsrcs < 1 || nsrcs > kCudaMaxReduceSources) return int(cudaErrorInvalidValue);
   if (n == 0) return 0;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   return int(withElem(
       dtype,
-      [&](auto ty) { return launchReduceOp<decltype(ty)>(dst, dst2, srcs, cells, offsets, nsrcs, n, op, st); },
+      [&](auto ty) {
+        return launchReduceOp<decltype(ty)>(dst, dst2, srcs, cells, offsets, tags, minTags, nsrcs, n, op, st);
+      },
       cudaErrorInvalidValue));
 }
 
 int launchReduce(void* dst, void* dst2, const void* const* srcs, int nsrcs, size_t n, int dtype, int op,
                  void* stream) {
-  return launchReduceIndirect(dst, dst2, srcs, nullptr, nullptr, nsrcs, n, dtype, op, stream);
+  return launchReduceIndirect(dst, dst2, srcs, nullptr, nullptr, nullptr, nullptr, nsrcs, n, dtype, op, stream);
 }
 
-int launchCopyIndirect(void* dst, const void* src, const uint64_t* cell, size_t offset, size_t bytes,
-                       void* stream) {
+int launchCopyIndirect(void* dst, const void* src, const uint64_t* cell, size_t offset, const uint64_t* tag,
+                       uint64_t minTag, size_t bytes, void* stream) {
   if (bytes == 0) return 0;
   uint8_t* d = static_cast<uint8_t*>(dst);
   const uint8_t* from = static_cast<const uint8_t*>(src);
-  void* args[] = {&d, &from, &cell, &offset, &bytes};
+  void* args[] = {&d, &from, &cell, &offset, &tag, &minTag, &bytes};
   return int(cudaLaunchKernel(reinterpret_cast<const void*>(&copyBytes), dim3(blocksFor((bytes + 15) / 16)),
                               dim3(kThreads), args, 0, static_cast<cudaStream_t>(stream)));
 }
