@@ -180,6 +180,22 @@ size_t perRound(size_t bytes, size_t esz) {
 
 }  // namespace
 
+bool readsPublished(const OpDesc& op, int nranks, StreamAlgorithm algo) {
+  if (nranks < 2 || op.count == 0) return false;
+  return (op.coll == Collective::AllReduce && algo == StreamAlgorithm::ReduceScatterAllGather) ||
+         op.coll == Collective::ReduceScatter;
+}
+
+bool mayPublish(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo) {
+  if (!readsPublished(op, nranks, algo)) return false;
+  if (op.coll != Collective::ReduceScatter) return true;
+  const size_t block = op.count * dtypeSize(op.dtype);
+  const uintptr_t own = reinterpret_cast<uintptr_t>(op.sendbuf) + uintptr_t(rank) * block;
+  const uintptr_t out = reinterpret_cast<uintptr_t>(op.recvbuf);
+  const bool apart = own + block <= out || out + block <= own;
+  return apart || (own == out && uint32_t(nranks) <= kOnePassSources);
+}
+
 StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo,
                                    size_t slotBytes, uint64_t* round, const StreamPublish& publish) {
   StreamProgram p;
@@ -270,6 +286,22 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
     const size_t c = std::min(m, n - off);  // elements this round
     const uint64_t v = g + 1;
     const size_t base = size_t(g % 2) * slotBytes;
+    const int slot = int(g % 2);
+    const CellIndex sendCell = slot ? kCellSend1 : kCellSend0, recvCell = slot ? kCellRecv1 : kCellRecv0;
+    // Zero-copy: this rank's cells of the round's slot for every peer, in
+    // the program's first round on the slot, after its guard: the values
+    // when they changed, the tag always.
+    auto writeCells = [&] {
+      if (g >= p.firstRound + 2) return;
+      for (int q = 0; q < N; ++q)
+        if (q != me) {
+          if (publish.write[slot]) {
+            b.setCell(0, q, sendCell);
+            b.setCell(0, q, recvCell);
+          }
+          b.setCellTag(0, q, slot, lastV);
+        }
+    };
     auto guard = [&] {
       // Reduce-scatter + all-gather sets done on stream 1, and may read its
       // own slot there; every other program sets it on stream 0.
@@ -291,17 +323,7 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         // their cells of this round's slot, which the program's first round
         // on that slot writes when they change.
         const bool cells = rsag && publish.cells, mine = cells && publish.mine;
-        const int slot = int(g % 2);
-        const CellIndex sendCell = slot ? kCellSend1 : kCellSend0, recvCell = slot ? kCellRecv1 : kCellRecv0;
-        if (cells && g < p.firstRound + 2)
-          for (int q = 0; q < N; ++q)
-            if (q != me) {
-              if (publish.write[slot]) {
-                b.setCell(0, q, sendCell);
-                b.setCell(0, q, recvCell);
-              }
-              b.setCellTag(0, q, slot, lastV);
-            }
+        if (cells) writeCells();
         auto peerPart = [&](int q, CellIndex c, size_t qs) {
           return cells ? publishedAt(q, c, (off + qs) * esz, base + qs * esz, v) : winAt(q, base + qs * esz);
         };
@@ -360,13 +382,23 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         // from the send buffer (in place, recvbuff == sendbuff + rank *
         // recvcount, the output is that block, which the reduction must
         // not write while it may still read it).
+        // Zero-copy: the peers' chunks are read from their send buffers
+        // through their cells; a publishing rank stages nothing and reads
+        // its own block in place (exactly the output, in place: one pass).
         guard();
-        stageBlocks(base, off, c, ownBlockApart ? me : -1);
+        const bool cells = publish.cells, mine = cells && publish.mine;
+        if (cells) writeCells();
+        if (!mine) stageBlocks(base, off, c, ownBlockApart ? me : -1);
         b.set(0, kFlagInput, v);
         b.waitOthers(0, kFlagInput, v);
-        for (int q = 0; q < N; ++q)
-          all.push_back(q == me && ownBlockApart ? sendAt((size_t(me) * n + off) * esz)
-                                                 : winAt(q, base + size_t(me) * c * esz));
+        for (int q = 0; q < N; ++q) {
+          const size_t chunk = base + size_t(me) * c * esz;
+          if (q == me)
+            all.push_back(ownBlockApart || mine ? sendAt((size_t(me) * n + off) * esz) : winAt(q, chunk));
+          else
+            all.push_back(cells ? publishedAt(q, slot ? kCellSend1 : kCellSend0, (size_t(me) * n + off) * esz, chunk, v)
+                                : winAt(q, chunk));
+        }
         b.reduce(0, recvAt(off * esz), all, c);
         if (avg) b.divide(0, recvAt(off * esz), c, N);
         b.set(0, kFlagDone, v);
@@ -451,10 +483,10 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         break;  // refused above
     }
   }
-  if (rsag && publish.cells && publish.mine && g > *round) {
+  if ((rsag || op.coll == Collective::ReduceScatter) && publish.cells && publish.mine && g > *round) {
     // The peers read this rank's buffers until their last round is done:
     // the caller's later work (which may write them) waits for that.
-    b.waitOthers(1, kFlagDone, g);
+    b.waitOthers(rsag ? 1 : 0, kFlagDone, g);
   }
   if (rsag) {
     b.event(StreamOpKind::RecordEvent, 1, 1);  // join: the caller's later work follows stream 1

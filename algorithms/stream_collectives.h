@@ -25,9 +25,9 @@ const char* streamAlgorithmName(StreamAlgorithm a);
 // A window is two slots of slotBytes (alternate rounds use alternate slots).
 inline size_t streamWindowBytes(size_t slotBytes) { return 2 * slotBytes; }
 
-// Device zero-copy for the reduce-scatter + all-gather all-reduce
-// (CellIndex in stream_program.h).  Ranks may differ in `mine`; `cells` is
-// the communicator's and the same everywhere.
+// Device zero-copy for the reduce-scatter + all-gather all-reduce and for
+// reduce-scatter (CellIndex in stream_program.h).  Ranks may differ in
+// `mine`; `cells` is the communicator's and the same everywhere for a call.
 struct StreamPublish {
   // The communicator has cell areas: the peers' parts are read through
   // their cells (Space::Published), and the program writes this rank's
@@ -42,6 +42,15 @@ struct StreamPublish {
   // slot hold now, so its first round on that slot writes them.
   bool write[2] = {true, true};
 };
+
+// Whether `op`'s program reads the peers through their cells (given a
+// communicator with cell areas): the same on every rank for the same call.
+bool readsPublished(const OpDesc& op, int nranks, StreamAlgorithm algo);
+// Whether rank `rank` may publish its buffers of `op` (StreamPublish::mine):
+// a reduce-scatter whose own block lies apart from its output, or is it
+// exactly in a one-pass reduction (NCCL's in-place layout, at most
+// kOnePassSources ranks).
+bool mayPublish(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo);
 
 // Rank `rank`'s program for `op` (sendbuf/recvbuf only compared, never read:
 // equal means in place).  `*round` is the communicator's round counter: the

@@ -3227,8 +3227,8 @@ loom::DeviceCommOptions zeroCopyOptions(Publishable& pub, SimComms** self, int* 
 }
 }  // namespace
 
-TEST_CASE("device communicator (simulated device), zero-copy: published all-reduces are exact, each allocation is "
-          "mapped once per peer, and unpublish unmaps it before it is freed",
+TEST_CASE("device communicator (simulated device), zero-copy: published all-reduces and reduce-scatters are exact, "
+          "each allocation is mapped once per peer, and unpublish unmaps it before it is freed",
           "[devcomm]") {
   Publishable pub;
   SimComms* self = nullptr;
@@ -3240,8 +3240,9 @@ TEST_CASE("device communicator (simulated device), zero-copy: published all-redu
   pub.mem = &s.mem;
   for (const std::string& e : s.initErrors) REQUIRE(e.empty());
   std::mt19937_64 rng(77);
-  auto round = [&](bool inPlace, bool publishOdd, size_t count, loomRedOp_t op) {
-    Prepared p = prepare(s, Op{Collective::AllReduce, loomFloat32, op, count, 0, inPlace}, rng);
+  auto round = [&](bool inPlace, bool publishOdd, size_t count, loomRedOp_t op,
+                   Collective coll = Collective::AllReduce) {
+    Prepared p = prepare(s, Op{coll, loomFloat32, op, count, 0, inPlace}, rng);
     for (int r = 0; r < N; ++r)
       if (!publishOdd || r % 2) {
         void* b = nullptr;
@@ -3279,6 +3280,14 @@ TEST_CASE("device communicator (simulated device), zero-copy: published all-redu
   round(true, true, 5000, loomAvg);
   round(true, true, 700, loomMax);
   round(false, true, 3, loomSum);
+  // Reduce-scatter reads the peers' send buffers in place too.
+  reads = 0;
+  for (int r = 0; r < N; ++r) reads += s.world.rank(r).publishedReads();
+  round(false, false, 3000, loomSum, Collective::ReduceScatter);
+  round(true, true, 3000, loomAvg, Collective::ReduceScatter);
+  uint64_t rsReads = 0;
+  for (int r = 0; r < N; ++r) rsReads += s.world.rank(r).publishedReads();
+  CHECK(rsReads > reads);
   // Unpublish before the free: every peer unmaps it, and it is freed with
   // no mapping left (the fixture checks freedWhileMapped at the end).
   const size_t mappedBefore = s.mem.openMappings();
@@ -3286,10 +3295,11 @@ TEST_CASE("device communicator (simulated device), zero-copy: published all-redu
   size_t n = 0;
   s.mem.range(p.send[0], &b, &n);
   unpublishes = 0;
+  const size_t publishedBefore = s.comms[0]->memoryStats().published;
   s.comms[0]->unpublish(b);
   CHECK(unpublishes == N - 1);
   CHECK(s.mem.openMappings() == mappedBefore - size_t(N - 1));
-  CHECK(s.comms[0]->memoryStats().published == 1 + 0);  // the recv allocation is still published
+  CHECK(s.comms[0]->memoryStats().published == publishedBefore - 1);  // the others are still published
   s.mem.free(b);
   // Destroying the communicators unmaps the rest before the memory goes.
   for (int r = 0; r < N; ++r) s.comms[size_t(r)].reset();

@@ -238,7 +238,7 @@ std::string runCase(loomsim::SimDeviceWorld& w, const Case& c, size_t slotBytes,
     op.root = c.root;
     loom::StreamPublish pub;
     pub.cells = c.publish > 0;
-    pub.mine = c.publish == 2 || (c.publish == 3 && r % 2 == 1);
+    pub.mine = (c.publish == 2 || (c.publish == 3 && r % 2 == 1)) && loom::mayPublish(op, r, N, c.v.algo);
     loom::StreamProgram p = loom::compileStreamProgram(op, r, N, c.v.algo, slotBytes, &w.round(r), pub);
     loom::ProgramBuffers b = w.buffers(r, send[size_t(r)], sendElems * esz, recv[size_t(r)], recvElems * esz);
     if (pub.cells) w.addCells(r, b, pub.mine);
@@ -830,16 +830,25 @@ TEST_CASE(
           cellWrites = 0;
           for (const loom::StreamOp& o : p.ops) cellWrites += o.kind == loom::StreamOpKind::SetCell;
           CHECK(cellWrites == size_t(2 * (N - 1)));
+          // Reduce-scatter, published: nothing staged, N blocks read and
+          // one written, (N + 1) x the output, in and out of place.
+          op.coll = Collective::ReduceScatter;
+          op.recvbuf = inPlace ? a.data() + size_t(r) * B : c.data();
+          pub.mine = true;
+          pub.write[1] = true;
+          REQUIRE(loom::mayPublish(op, r, N, StreamAlgorithm::OneShot));
+          round = 0;
+          p = loom::compileStreamProgram(op, r, N, StreamAlgorithm::OneShot, slot, &round, pub);
+          CHECK(traffic(p) == size_t(N + 1) * B);
         }
 }
 
 TEST_CASE(
-    "stream programs, device zero-copy: the all-reduce is exact whoever publishes (nobody, everyone, odd ranks), "
-    "N = 1..8, every op, in and out of place, one device and several",
+    "stream programs, device zero-copy: the all-reduce and reduce-scatter are exact whoever publishes (nobody, "
+    "everyone, odd ranks), N = 1..8, every op, in and out of place, one device and several",
     "[streamprog]") {
   const size_t slot = 2048;
   uint64_t seed = 500;
-  const Variant rsag{Collective::AllReduce, StreamAlgorithm::ReduceScatterAllGather};
   for (int n = 1; n <= 8; ++n)
     for (int gpus : std::vector<int>(n == 1 ? std::vector<int>{1} : std::vector<int>{1, n})) {
       loomsim::SimDeviceWorld w(n, gpus, loom::streamWindowBytes(slot));
@@ -847,11 +856,13 @@ TEST_CASE(
       // Modes in an order that flips every cell between programs: what a
       // rank published before must not leak into the next program.
       for (int mode : {2, 1, 3, 2, 0, 3, 1})
+        for (const Variant& v : {Variant{Collective::AllReduce, StreamAlgorithm::ReduceScatterAllGather},
+                                 Variant{Collective::ReduceScatter, StreamAlgorithm::OneShot}})
         for (loomRedOp_t op : {loomSum, loomAvg, loomMax})
           for (size_t count : {size_t(1), size_t(37), size_t(2053)})
             for (bool inPlace : {false, true}) {
               Case c;
-              c.v = rsag;
+              c.v = v;
               c.type = op == loomMax ? loomInt64 : loomBfloat16;
               c.op = op;
               c.count = count;
@@ -1005,4 +1016,48 @@ TEST_CASE(
   for (size_t i = 0; i < n; ++i) wrong += (recv[0][i] != 15) + (recv1[i] != 15);
   CHECK(wrong == 0);
   CHECK(w.rank(0).publishedReads() == published);  // nothing read through the old cells
+}
+
+TEST_CASE(
+    "stream programs, device zero-copy: a publishing rank's reduce-scatter also waits for the peers before the "
+    "caller's later work",
+    "[streamprog]") {
+  const int N = 4;
+  const size_t slot = 1024, n = 1000;  // several rounds of N chunks
+  loomsim::SimDeviceWorld w(N, 1, loom::streamWindowBytes(slot));
+  std::vector<std::vector<int32_t>> send(N, std::vector<int32_t>(N * n)), recv(N, std::vector<int32_t>(n)),
+      seen(N, std::vector<int32_t>(n));
+  size_t bad = 0;
+  for (int iter = 0; iter < 12; ++iter) {
+    for (int r = 0; r < N; ++r)
+      for (size_t j = 0; j < N * n; ++j) send[size_t(r)][j] = int32_t(r * 100 + iter + int(j % 89));
+    for (int r = 0; r < N; ++r) {
+      loom::OpDesc op;
+      op.coll = Collective::ReduceScatter;
+      op.sendbuf = send[size_t(r)].data();
+      op.recvbuf = recv[size_t(r)].data();
+      op.count = n;
+      op.dtype = loomInt32;
+      loom::StreamPublish pub;
+      pub.cells = true;
+      pub.mine = true;
+      loom::StreamProgram p =
+          loom::compileStreamProgram(op, r, N, StreamAlgorithm::OneShot, slot, &w.round(r), pub);
+      loom::ProgramBuffers b = w.buffers(r, op.sendbuf, N * n * 4, op.recvbuf, n * 4);
+      w.addCells(r, b, true);
+      loom::enqueueProgram(w.rank(r), p, b);
+      w.rank(r).enqueueWork(0, [&, r] {
+        seen[size_t(r)] = recv[size_t(r)];
+        std::fill(send[size_t(r)].begin(), send[size_t(r)].end(), -1000000);
+      });
+    }
+    for (int r = 0; r < N; ++r) {
+      std::string msg;
+      REQUIRE(w.rank(r).synchronize(&msg) == loomSuccess);
+    }
+    for (int r = 0; r < N; ++r)
+      for (size_t i = 0; i < n; ++i)
+        bad += seen[size_t(r)][i] != int32_t(600 + N * (iter + int((size_t(r) * n + i) % 89)));
+  }
+  CHECK(bad == 0);
 }

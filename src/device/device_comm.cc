@@ -1032,13 +1032,14 @@ std::unique_ptr<SteppedRun> DeviceComm::beginRun(const OpDesc& op, void* callerS
   const bool needSend = sh.needSend, needRecv = sh.needRecv;
   const size_t sendBytes = sh.sendBytes, recvBytes = sh.recvBytes;
   const StreamAlgorithm algo = allReduceAlgorithm(n * esz);
-  // Device zero-copy: the reduce-scatter + all-gather all-reduce reads the
-  // peers through their cells, and publishes this rank's buffers when it can.
+  // Device zero-copy: the reduce-scatter + all-gather all-reduce and
+  // reduce-scatter read the peers through their cells, and publish this
+  // rank's buffers when they can.
   ProgramBuffers b;
   StreamPublish pub;
-  pub.cells = zeroCopy_ && op.coll == Collective::AllReduce && algo == StreamAlgorithm::ReduceScatterAllGather &&
-              nranks_ > 1 && n > 0;
-  if (pub.cells) pub.mine = publishFor(op, sendBytes, recvBytes, &b);
+  pub.cells = zeroCopy_ && readsPublished(op, nranks_, algo);
+  if (pub.cells && mayPublish(op, rank_, nranks_, algo)) pub.mine = publishFor(op, sendBytes, recvBytes, &b);
+  if (pub.cells && !pub.mine) b.published.assign(size_t(nranks_), {});
   std::unique_lock<std::mutex> g(mu_);
   if (failCode_ != loomSuccess) fail(failCode_, "the %s communicator has failed: %s", driver_->name(), failed_.c_str());
   const uint64_t before = round_;  // rounds enqueued so far: the value the last one's done flag reaches
