@@ -308,8 +308,8 @@ LOOM_API loomResult_t loomCommDump(loomComm_t comm, char* buf, size_t size);
  * device, as ncclMemAlloc does (cudaMalloc'd: CUDA IPC can export any
  * buffer inside it; not zeroed), and loomMemFree frees it.  Large
  * all-reduces and reduce-scatters whose send and recv buffers lie in it are
- * read in place by
- * the peers on the same host (LOOM_DEVICE_ZERO_COPY, docs/usage.md);
+ * read in place by the peers on the same host (LOOM_DEVICE_ZERO_COPY,
+ * docs/usage.md);
  * loomMemFree then first has those peers unmap it.  Otherwise:
  *
  * loomMemAlloc returns host memory that the other ranks on this host can map
