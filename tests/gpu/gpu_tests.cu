@@ -445,7 +445,7 @@ std::string runProgram(const loom::CudaApi& api, Ranks& R, const Variant& v, loo
     RankEnqueue& e = progs[size_t(r)];
     loom::StreamPublish pub;
     pub.cells = publish > 0;
-    pub.mine = publish == 2 || (publish == 3 && r % 2 == 1);
+    pub.mine = (publish == 2 || (publish == 3 && r % 2 == 1)) && loom::mayPublish(o, r, N, v.algo);
     e.p = loom::compileStreamProgram(o, r, N, v.algo, R.slot, &R.rounds[size_t(r)], pub);
     programs.push_back(e.p.describe());
     e.be = std::make_unique<loom::CudaStreamBackend>(
@@ -536,22 +536,25 @@ void testPrograms(const loom::CudaApi& api, const std::vector<int>& rankCounts, 
     if (N > 1) {
       long cases = 0, wrong = 0;
       std::string firstBad;
-      const Variant rsag{Collective::AllReduce, StreamAlgorithm::ReduceScatterAllGather};
       for (int mode : {2, 1, 3, 2, 0, 3})
+        for (const Variant& zv : {Variant{Collective::AllReduce, StreamAlgorithm::ReduceScatterAllGather},
+                                  Variant{Collective::ReduceScatter, StreamAlgorithm::OneShot}})
         for (loomRedOp_t op : {loomSum, loomAvg})
           for (size_t n : {size_t(1), size_t(1031), size_t(1) << 20, maxCount})
             for (bool inPlace : {false, true}) {
               if (n > maxCount) continue;
-              std::string bad = runProgram(api, R, rsag, loomFloat32, op, n, inPlace, rng, mode);
+              std::string bad = runProgram(api, R, zv, loomFloat32, op, n, inPlace, rng, mode);
               ++cases;
               if (!bad.empty()) {
                 ++wrong;
                 if (firstBad.empty())
-                  firstBad = loom::strf("publish=%d %s n=%zu %s: %s", mode, loom::redOpName(op), n,
+                  firstBad = loom::strf("%s publish=%d %s n=%zu %s: %s", loom::collectiveName(zv.coll), mode,
+                                        loom::redOpName(op), n,
                                         inPlace ? "in-place" : "out-of-place", bad.c_str());
               }
             }
-      row("zero-copy", loom::strf("all-reduce with published buffers, N=%d: %ld cases", N, cases), wrong, firstBad);
+      row("zero-copy", loom::strf("all-reduce and reduce-scatter with published buffers, N=%d: %ld cases", N, cases),
+          wrong, firstBad);
     }
   }
 }
