@@ -183,13 +183,19 @@ size_t perRound(size_t bytes, size_t esz) {
 bool readsPublished(const OpDesc& op, int nranks, StreamAlgorithm algo) {
   if (nranks < 2 || op.count == 0) return false;
   return (op.coll == Collective::AllReduce && algo == StreamAlgorithm::ReduceScatterAllGather) ||
-         op.coll == Collective::ReduceScatter;
+         op.coll == Collective::ReduceScatter || op.coll == Collective::AllGather;
 }
 
 bool mayPublish(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo) {
   if (!readsPublished(op, nranks, algo)) return false;
-  if (op.coll != Collective::ReduceScatter) return true;
   const size_t block = op.count * dtypeSize(op.dtype);
+  if (op.coll == Collective::AllGather) {
+    // The peers read the send buffer while this rank writes the other
+    // blocks of its output: apart from the output, or exactly its own block.
+    const uintptr_t in = reinterpret_cast<uintptr_t>(op.sendbuf), out = reinterpret_cast<uintptr_t>(op.recvbuf);
+    return in + block <= out || out + size_t(nranks) * block <= in || in == out + uintptr_t(rank) * block;
+  }
+  if (op.coll != Collective::ReduceScatter) return true;
   const uintptr_t own = reinterpret_cast<uintptr_t>(op.sendbuf) + uintptr_t(rank) * block;
   const uintptr_t out = reinterpret_cast<uintptr_t>(op.recvbuf);
   const bool apart = own + block <= out || out + block <= own;
@@ -404,14 +410,31 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         b.set(0, kFlagDone, v);
         break;
       }
-      case Collective::AllGather:
+      case Collective::AllGather: {
+        // Zero-copy: the peers' chunks are copied straight from their send
+        // buffers through their cells; a publishing rank stages nothing and
+        // copies its own chunk across (in place it is already there).
         guard();
-        b.copy(0, winAt(me, base), sendAt(off * esz), c * esz);
+        const bool cells = publish.cells, mine = cells && publish.mine;
+        if (cells) writeCells();
+        if (!mine) b.copy(0, winAt(me, base), sendAt(off * esz), c * esz);
         b.set(0, kFlagInput, v);
         b.waitOthers(0, kFlagInput, v);
-        for (int q = 0; q < N; ++q) b.copy(0, recvAt((size_t(q) * n + off) * esz), winAt(q, base), c * esz);
+        for (int q = 0; q < N; ++q) {
+          const ProgramRef to = recvAt((size_t(q) * n + off) * esz);
+          if (q == me && mine) {
+            const bool there = static_cast<const uint8_t*>(op.sendbuf) ==
+                               static_cast<const uint8_t*>(op.recvbuf) + size_t(me) * block;
+            if (!there) b.copy(0, to, sendAt(off * esz), c * esz);
+          } else if (q != me && cells) {
+            b.copy(0, to, publishedAt(q, slot ? kCellSend1 : kCellSend0, off * esz, base, v), c * esz);
+          } else {
+            b.copy(0, to, winAt(q, base), c * esz);
+          }
+        }
         b.set(0, kFlagDone, v);
         break;
+      }
       case Collective::Broadcast:
         if (me == op.root) {
           guard();
@@ -483,7 +506,8 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         break;  // refused above
     }
   }
-  if ((rsag || op.coll == Collective::ReduceScatter) && publish.cells && publish.mine && g > *round) {
+  if ((rsag || op.coll == Collective::ReduceScatter || op.coll == Collective::AllGather) && publish.cells &&
+      publish.mine && g > *round) {
     // The peers read this rank's buffers until their last round is done:
     // the caller's later work (which may write them) waits for that.
     b.waitOthers(rsag ? 1 : 0, kFlagDone, g);

@@ -307,9 +307,9 @@ LOOM_API loomResult_t loomCommDump(loomComm_t comm, char* buf, size_t size);
  * with a GPU), loomMemAlloc returns device memory of the current CUDA
  * device, as ncclMemAlloc does (cudaMalloc'd: CUDA IPC can export any
  * buffer inside it; not zeroed), and loomMemFree frees it.  Large
- * all-reduces and reduce-scatters whose send and recv buffers lie in it are
- * read in place by the peers on the same host (LOOM_DEVICE_ZERO_COPY,
- * docs/usage.md);
+ * all-reduces, reduce-scatters and all-gathers whose send and recv buffers
+ * lie in it are read in place by the peers on the same host
+ * (LOOM_DEVICE_ZERO_COPY, docs/usage.md);
  * loomMemFree then first has those peers unmap it.  Otherwise:
  *
  * loomMemAlloc returns host memory that the other ranks on this host can map

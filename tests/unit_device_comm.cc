@@ -3227,8 +3227,8 @@ loom::DeviceCommOptions zeroCopyOptions(Publishable& pub, SimComms** self, int* 
 }
 }  // namespace
 
-TEST_CASE("device communicator (simulated device), zero-copy: published all-reduces and reduce-scatters are exact, "
-          "each allocation is mapped once per peer, and unpublish unmaps it before it is freed",
+TEST_CASE("device communicator (simulated device), zero-copy: published all-reduces, reduce-scatters and all-gathers "
+          "are exact, each allocation is mapped once per peer, and unpublish unmaps it before it is freed",
           "[devcomm]") {
   Publishable pub;
   SimComms* self = nullptr;
@@ -3285,6 +3285,8 @@ TEST_CASE("device communicator (simulated device), zero-copy: published all-redu
   for (int r = 0; r < N; ++r) reads += s.world.rank(r).publishedReads();
   round(false, false, 3000, loomSum, Collective::ReduceScatter);
   round(true, true, 3000, loomAvg, Collective::ReduceScatter);
+  round(false, false, 3000, loomSum, Collective::AllGather);
+  round(true, true, 3000, loomSum, Collective::AllGather);
   uint64_t rsReads = 0;
   for (int r = 0; r < N; ++r) rsReads += s.world.rank(r).publishedReads();
   CHECK(rsReads > reads);

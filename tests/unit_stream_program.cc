@@ -840,12 +840,21 @@ TEST_CASE(
           round = 0;
           p = loom::compileStreamProgram(op, r, N, StreamAlgorithm::OneShot, slot, &round, pub);
           CHECK(traffic(p) == size_t(N + 1) * B);
+          // All-gather, published: the others' blocks copied straight from
+          // their send buffers, the own block across (in place: there).
+          op.coll = Collective::AllGather;
+          op.sendbuf = inPlace ? c.data() + size_t(r) * B : a.data();
+          op.recvbuf = c.data();
+          REQUIRE(loom::mayPublish(op, r, N, StreamAlgorithm::OneShot));
+          round = 0;
+          p = loom::compileStreamProgram(op, r, N, StreamAlgorithm::OneShot, slot, &round, pub);
+          CHECK(traffic(p) == size_t(2 * (N - 1) + (inPlace ? 0 : 2)) * B);
         }
 }
 
 TEST_CASE(
-    "stream programs, device zero-copy: the all-reduce and reduce-scatter are exact whoever publishes (nobody, "
-    "everyone, odd ranks), N = 1..8, every op, in and out of place, one device and several",
+    "stream programs, device zero-copy: the all-reduce, reduce-scatter and all-gather are exact whoever publishes "
+    "(nobody, everyone, odd ranks), N = 1..8, every op, in and out of place, one device and several",
     "[streamprog]") {
   const size_t slot = 2048;
   uint64_t seed = 500;
@@ -857,7 +866,8 @@ TEST_CASE(
       // rank published before must not leak into the next program.
       for (int mode : {2, 1, 3, 2, 0, 3, 1})
         for (const Variant& v : {Variant{Collective::AllReduce, StreamAlgorithm::ReduceScatterAllGather},
-                                 Variant{Collective::ReduceScatter, StreamAlgorithm::OneShot}})
+                                 Variant{Collective::ReduceScatter, StreamAlgorithm::OneShot},
+                                 Variant{Collective::AllGather, StreamAlgorithm::OneShot}})
         for (loomRedOp_t op : {loomSum, loomAvg, loomMax})
           for (size_t count : {size_t(1), size_t(37), size_t(2053)})
             for (bool inPlace : {false, true}) {
@@ -1058,6 +1068,50 @@ TEST_CASE(
     for (int r = 0; r < N; ++r)
       for (size_t i = 0; i < n; ++i)
         bad += seen[size_t(r)][i] != int32_t(600 + N * (iter + int((size_t(r) * n + i) % 89)));
+  }
+  CHECK(bad == 0);
+}
+
+TEST_CASE(
+    "stream programs, device zero-copy: a publishing rank's all-gather also waits for the peers before the "
+    "caller's later work",
+    "[streamprog]") {
+  const int N = 4;
+  const size_t slot = 1024, n = 1000;
+  loomsim::SimDeviceWorld w(N, 1, loom::streamWindowBytes(slot));
+  std::vector<std::vector<int32_t>> send(N, std::vector<int32_t>(n)), recv(N, std::vector<int32_t>(N * n)),
+      seen(N, std::vector<int32_t>(N * n));
+  size_t bad = 0;
+  for (int iter = 0; iter < 12; ++iter) {
+    for (int r = 0; r < N; ++r)
+      for (size_t j = 0; j < n; ++j) send[size_t(r)][j] = int32_t(r * 1000 + iter + int(j % 89));
+    for (int r = 0; r < N; ++r) {
+      loom::OpDesc op;
+      op.coll = Collective::AllGather;
+      op.sendbuf = send[size_t(r)].data();
+      op.recvbuf = recv[size_t(r)].data();
+      op.count = n;
+      op.dtype = loomInt32;
+      loom::StreamPublish pub;
+      pub.cells = true;
+      pub.mine = true;
+      loom::StreamProgram p =
+          loom::compileStreamProgram(op, r, N, StreamAlgorithm::OneShot, slot, &w.round(r), pub);
+      loom::ProgramBuffers b = w.buffers(r, op.sendbuf, n * 4, op.recvbuf, N * n * 4);
+      w.addCells(r, b, true);
+      loom::enqueueProgram(w.rank(r), p, b);
+      w.rank(r).enqueueWork(0, [&, r] {
+        seen[size_t(r)] = recv[size_t(r)];
+        std::fill(send[size_t(r)].begin(), send[size_t(r)].end(), -1000000);
+      });
+    }
+    for (int r = 0; r < N; ++r) {
+      std::string msg;
+      REQUIRE(w.rank(r).synchronize(&msg) == loomSuccess);
+    }
+    for (int r = 0; r < N; ++r)
+      for (size_t i = 0; i < N * n; ++i)
+        bad += seen[size_t(r)][i] != int32_t(int(i / n) * 1000 + iter + int(i % n % 89));
   }
   CHECK(bad == 0);
 }

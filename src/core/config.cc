@@ -126,9 +126,9 @@ const std::vector<ConfigVar>& configTable() {
        "with 4 MiB slots, 134 with 16 MiB, 211 with 32 MiB, 280 with 64 MiB, measured when an all-reduce's round "
        "was half a slot and moved 11/8 of today's bytes; rank 0's value is used by all)"},
       {"LOOM_DEVICE_ZERO_COPY", "bool", "1",
-       "CUDA IPC path, all-reduces above LOOM_DEVICE_ONESHOT_BYTES and reduce-scatters: a rank whose send and recv "
-       "buffers come from loomMemAlloc publishes them, and the peers reduce from and copy out of them in place "
-       "instead of through its window (all-reduce: 2.5 instead of 4 times the bytes of memory traffic per rank at 2 "
+       "CUDA IPC path, all-reduces above LOOM_DEVICE_ONESHOT_BYTES, reduce-scatters and all-gathers: a rank whose "
+       "send and recv buffers come from loomMemAlloc publishes them, and the peers reduce from and copy out of them "
+       "in place instead of through its window (all-reduce: 2.5 instead of 4 times the bytes of memory traffic per rank at 2 "
        "ranks); other buffers are staged as before, and each rank decides for itself per call. loomMemFree of published memory first has "
        "the peers unmap it. 0: windows only, and the copies out use the copy engine (rank 0's value is used by "
        "all)"},

@@ -538,7 +538,8 @@ void testPrograms(const loom::CudaApi& api, const std::vector<int>& rankCounts, 
       std::string firstBad;
       for (int mode : {2, 1, 3, 2, 0, 3})
         for (const Variant& zv : {Variant{Collective::AllReduce, StreamAlgorithm::ReduceScatterAllGather},
-                                  Variant{Collective::ReduceScatter, StreamAlgorithm::OneShot}})
+                                  Variant{Collective::ReduceScatter, StreamAlgorithm::OneShot},
+                                  Variant{Collective::AllGather, StreamAlgorithm::OneShot}})
         for (loomRedOp_t op : {loomSum, loomAvg})
           for (size_t n : {size_t(1), size_t(1031), size_t(1) << 20, maxCount})
             for (bool inPlace : {false, true}) {
@@ -553,7 +554,8 @@ void testPrograms(const loom::CudaApi& api, const std::vector<int>& rankCounts, 
                                         inPlace ? "in-place" : "out-of-place", bad.c_str());
               }
             }
-      row("zero-copy", loom::strf("all-reduce and reduce-scatter with published buffers, N=%d: %ld cases", N, cases),
+      row("zero-copy",
+          loom::strf("all-reduce, reduce-scatter, all-gather with published buffers, N=%d: %ld cases", N, cases),
           wrong, firstBad);
     }
   }
