@@ -932,54 +932,6 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "stream programs, device zero-copy: a publishing rank's later work waits until the peers are done with its "
-    "buffers (the caller may overwrite them at once)",
-    "[streamprog]") {
-  const int N = 4;
-  const size_t slot = 1024, n = 3000;  // several rounds, both slots
-  loomsim::SimDeviceWorld w(N, 1, loom::streamWindowBytes(slot));
-  std::vector<std::vector<int32_t>> send(N, std::vector<int32_t>(n)), recv(N, std::vector<int32_t>(n)),
-      seen(N, std::vector<int32_t>(n));
-  size_t bad = 0;
-  for (int iter = 0; iter < 12; ++iter) {
-    for (int r = 0; r < N; ++r)
-      for (size_t i = 0; i < n; ++i) send[size_t(r)][i] = int32_t(r * 100 + iter + int(i % 89));
-    for (int r = 0; r < N; ++r) {
-      loom::OpDesc op;
-      op.sendbuf = send[size_t(r)].data();
-      op.recvbuf = recv[size_t(r)].data();
-      op.count = n;
-      op.dtype = loomInt32;
-      loom::StreamPublish pub;
-      pub.cells = true;
-      pub.mine = true;
-      loom::StreamProgram p =
-          loom::compileStreamProgram(op, r, N, StreamAlgorithm::ReduceScatterAllGather, slot, &w.round(r), pub);
-      loom::ProgramBuffers b = w.buffers(r, op.sendbuf, n * 4, op.recvbuf, n * 4);
-      w.addCells(r, b, true);
-      loom::enqueueProgram(w.rank(r), p, b);
-      // The caller's next kernel keeps the result and scribbles over both
-      // buffers at once.
-      w.rank(r).enqueueWork(0, [&, r] {
-        seen[size_t(r)] = recv[size_t(r)];
-        std::fill(send[size_t(r)].begin(), send[size_t(r)].end(), -1000000);
-        std::fill(recv[size_t(r)].begin(), recv[size_t(r)].end(), -1000000);
-      });
-    }
-    for (int r = 0; r < N; ++r) {
-      std::string msg;
-      REQUIRE(w.rank(r).synchronize(&msg) == loomSuccess);
-    }
-    for (int r = 0; r < N; ++r)
-      for (size_t i = 0; i < n; ++i) bad += seen[size_t(r)][i] != int32_t(600 + N * (iter + int(i % 89)));
-  }
-  CHECK(bad == 0);
-  uint64_t published = 0;
-  for (int r = 0; r < N; ++r) published += w.rank(r).publishedReads();
-  CHECK(published > 0);
-}
-
-TEST_CASE(
     "stream programs, device zero-copy: cells a rank published for an earlier program are not read in a later one "
     "that did not write them (their tag is older than the round), so a freed buffer is never read",
     "[streamprog]") {
@@ -1028,90 +980,63 @@ TEST_CASE(
   CHECK(w.rank(0).publishedReads() == published);  // nothing read through the old cells
 }
 
-TEST_CASE(
-    "stream programs, device zero-copy: a publishing rank's reduce-scatter also waits for the peers before the "
-    "caller's later work",
-    "[streamprog]") {
-  const int N = 4;
-  const size_t slot = 1024, n = 1000;  // several rounds of N chunks
-  loomsim::SimDeviceWorld w(N, 1, loom::streamWindowBytes(slot));
-  std::vector<std::vector<int32_t>> send(N, std::vector<int32_t>(N * n)), recv(N, std::vector<int32_t>(n)),
-      seen(N, std::vector<int32_t>(n));
-  size_t bad = 0;
-  for (int iter = 0; iter < 12; ++iter) {
-    for (int r = 0; r < N; ++r)
-      for (size_t j = 0; j < N * n; ++j) send[size_t(r)][j] = int32_t(r * 100 + iter + int(j % 89));
-    for (int r = 0; r < N; ++r) {
-      loom::OpDesc op;
-      op.coll = Collective::ReduceScatter;
-      op.sendbuf = send[size_t(r)].data();
-      op.recvbuf = recv[size_t(r)].data();
-      op.count = n;
-      op.dtype = loomInt32;
-      loom::StreamPublish pub;
-      pub.cells = true;
-      pub.mine = true;
-      loom::StreamProgram p =
-          loom::compileStreamProgram(op, r, N, StreamAlgorithm::OneShot, slot, &w.round(r), pub);
-      loom::ProgramBuffers b = w.buffers(r, op.sendbuf, N * n * 4, op.recvbuf, n * 4);
-      w.addCells(r, b, true);
-      loom::enqueueProgram(w.rank(r), p, b);
-      w.rank(r).enqueueWork(0, [&, r] {
-        seen[size_t(r)] = recv[size_t(r)];
-        std::fill(send[size_t(r)].begin(), send[size_t(r)].end(), -1000000);
-      });
-    }
-    for (int r = 0; r < N; ++r) {
-      std::string msg;
-      REQUIRE(w.rank(r).synchronize(&msg) == loomSuccess);
-    }
-    for (int r = 0; r < N; ++r)
-      for (size_t i = 0; i < n; ++i)
-        bad += seen[size_t(r)][i] != int32_t(600 + N * (iter + int((size_t(r) * n + i) % 89)));
-  }
-  CHECK(bad == 0);
-}
 
 TEST_CASE(
-    "stream programs, device zero-copy: a publishing rank's all-gather also waits for the peers before the "
-    "caller's later work",
+    "stream programs, device zero-copy: a publishing rank's later work waits until the peers are done with its "
+    "buffers (the caller may overwrite them at once): all-reduce, reduce-scatter, all-gather",
     "[streamprog]") {
   const int N = 4;
-  const size_t slot = 1024, n = 1000;
-  loomsim::SimDeviceWorld w(N, 1, loom::streamWindowBytes(slot));
-  std::vector<std::vector<int32_t>> send(N, std::vector<int32_t>(n)), recv(N, std::vector<int32_t>(N * n)),
-      seen(N, std::vector<int32_t>(N * n));
-  size_t bad = 0;
-  for (int iter = 0; iter < 12; ++iter) {
-    for (int r = 0; r < N; ++r)
-      for (size_t j = 0; j < n; ++j) send[size_t(r)][j] = int32_t(r * 1000 + iter + int(j % 89));
-    for (int r = 0; r < N; ++r) {
-      loom::OpDesc op;
-      op.coll = Collective::AllGather;
-      op.sendbuf = send[size_t(r)].data();
-      op.recvbuf = recv[size_t(r)].data();
-      op.count = n;
-      op.dtype = loomInt32;
-      loom::StreamPublish pub;
-      pub.cells = true;
-      pub.mine = true;
-      loom::StreamProgram p =
-          loom::compileStreamProgram(op, r, N, StreamAlgorithm::OneShot, slot, &w.round(r), pub);
-      loom::ProgramBuffers b = w.buffers(r, op.sendbuf, n * 4, op.recvbuf, N * n * 4);
-      w.addCells(r, b, true);
-      loom::enqueueProgram(w.rank(r), p, b);
-      w.rank(r).enqueueWork(0, [&, r] {
-        seen[size_t(r)] = recv[size_t(r)];
-        std::fill(send[size_t(r)].begin(), send[size_t(r)].end(), -1000000);
-      });
+  const size_t slot = 1024, n = 1000;  // several rounds
+  for (Collective coll : {Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather}) {
+    INFO(loom::collectiveName(coll));
+    const bool rs = coll == Collective::ReduceScatter, ag = coll == Collective::AllGather;
+    const size_t sendElems = rs ? N * n : n, recvElems = ag ? N * n : n;
+    const StreamAlgorithm algo =
+        coll == Collective::AllReduce ? StreamAlgorithm::ReduceScatterAllGather : StreamAlgorithm::OneShot;
+    loomsim::SimDeviceWorld w(N, 1, loom::streamWindowBytes(slot));
+    std::vector<std::vector<int32_t>> send(N, std::vector<int32_t>(sendElems)),
+        recv(N, std::vector<int32_t>(recvElems)), seen(N, std::vector<int32_t>(recvElems));
+    size_t bad = 0;
+    for (int iter = 0; iter < 12; ++iter) {
+      for (int r = 0; r < N; ++r)
+        for (size_t j = 0; j < sendElems; ++j) send[size_t(r)][j] = int32_t(r * 1000 + iter + int(j % 89));
+      for (int r = 0; r < N; ++r) {
+        loom::OpDesc op;
+        op.coll = coll;
+        op.sendbuf = send[size_t(r)].data();
+        op.recvbuf = recv[size_t(r)].data();
+        op.count = n;
+        op.dtype = loomInt32;
+        loom::StreamPublish pub;
+        pub.cells = true;
+        pub.mine = true;
+        loom::StreamProgram p = loom::compileStreamProgram(op, r, N, algo, slot, &w.round(r), pub);
+        loom::ProgramBuffers b = w.buffers(r, op.sendbuf, sendElems * 4, op.recvbuf, recvElems * 4);
+        w.addCells(r, b, true);
+        loom::enqueueProgram(w.rank(r), p, b);
+        // The caller's next kernel keeps the result and scribbles over both
+        // buffers at once.
+        w.rank(r).enqueueWork(0, [&, r] {
+          seen[size_t(r)] = recv[size_t(r)];
+          std::fill(send[size_t(r)].begin(), send[size_t(r)].end(), -1000000);
+          std::fill(recv[size_t(r)].begin(), recv[size_t(r)].end(), -1000000);
+        });
+      }
+      for (int r = 0; r < N; ++r) {
+        std::string msg;
+        REQUIRE(w.rank(r).synchronize(&msg) == loomSuccess);
+      }
+      for (int r = 0; r < N; ++r)
+        for (size_t i = 0; i < recvElems; ++i) {
+          const int32_t want = ag   ? int32_t(int(i / n) * 1000 + iter + int(i % n % 89))
+                               : rs ? int32_t(6000 + N * (iter + int((size_t(r) * n + i) % 89)))
+                                    : int32_t(6000 + N * (iter + int(i % 89)));
+          bad += seen[size_t(r)][i] != want;
+        }
     }
-    for (int r = 0; r < N; ++r) {
-      std::string msg;
-      REQUIRE(w.rank(r).synchronize(&msg) == loomSuccess);
-    }
-    for (int r = 0; r < N; ++r)
-      for (size_t i = 0; i < N * n; ++i)
-        bad += seen[size_t(r)][i] != int32_t(int(i / n) * 1000 + iter + int(i % n % 89));
+    CHECK(bad == 0);
+    uint64_t published = 0;
+    for (int r = 0; r < N; ++r) published += w.rank(r).publishedReads();
+    CHECK(published > 0);
   }
-  CHECK(bad == 0);
 }
