@@ -558,8 +558,8 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "stream programs: a reduction into its own sources, a second destination over part of a source, overlapping "
-    "destinations, or a second destination on a copy are refused before anything runs",
+    "stream programs: a reduction into its own sources (beyond one pass), a second destination over part of a "
+    "source, overlapping destinations, or a second destination on a copy are refused before anything runs",
     "[streamprog]") {
   loomsim::SimDeviceWorld w(1, 1, 4096);
   std::vector<float> a(256), b(256);
@@ -578,6 +578,12 @@ TEST_CASE(
   const std::vector<Case> cases = {
       {"reduces into one of its sources", loom::StreamOpKind::Reduce, ref(Space::Recv, 0), false, {},
        {ref(Space::Send, 0), ref(Space::Recv, 64)}},
+      // Exactly one of its sources is allowed in one pass only (at most
+      // kOnePassSources): 9 are chained through dst.
+      {"reduces into one of its sources", loom::StreamOpKind::Reduce, ref(Space::Recv, 0), false, {},
+       {ref(Space::Recv, 0), ref(Space::Send, 0), ref(Space::Window, 0), ref(Space::Window, 512),
+        ref(Space::Window, 1024), ref(Space::Window, 1536), ref(Space::Window, 2048), ref(Space::Window, 2560),
+        ref(Space::Window, 3072)}},
       {"writes its second destination over part of a source", loom::StreamOpKind::Reduce, ref(Space::Window, 0),
        true, ref(Space::Recv, 4), {ref(Space::Send, 0), ref(Space::Recv, 0)}},
       {"has overlapping destinations", loom::StreamOpKind::Reduce, ref(Space::Window, 0), true,

@@ -1038,8 +1038,10 @@ std::unique_ptr<SteppedRun> DeviceComm::beginRun(const OpDesc& op, void* callerS
   ProgramBuffers b;
   StreamPublish pub;
   pub.cells = zeroCopy_ && readsPublished(op, nranks_, algo);
-  if (pub.cells && mayPublish(op, rank_, nranks_, algo)) pub.mine = publishFor(op, sendBytes, recvBytes, &b);
-  if (pub.cells && !pub.mine) b.published.assign(size_t(nranks_), {});
+  if (pub.cells) {
+    b.published.assign(size_t(nranks_), {});  // nothing published unless publishFor fills it
+    if (mayPublish(op, rank_, nranks_, algo)) pub.mine = publishFor(op, sendBytes, recvBytes, &b);
+  }
   std::unique_lock<std::mutex> g(mu_);
   if (failCode_ != loomSuccess) fail(failCode_, "the %s communicator has failed: %s", driver_->name(), failed_.c_str());
   const uint64_t before = round_;  // rounds enqueued so far: the value the last one's done flag reaches
@@ -1065,8 +1067,6 @@ std::unique_ptr<SteppedRun> DeviceComm::beginRun(const OpDesc& op, void* callerS
           if (c % 2 == int(k % 2)) cellsHeld_[k % 2][size_t(q)][size_t(c)] = b.published[size_t(q)][size_t(c)];
     b.cells = cells_;
     b.peerCells = peerCells_;
-  } else {
-    b.published.clear();
   }
   b.send = needSend ? op.sendbuf : nullptr;
   b.sendBytes = needSend ? sendBytes : 0;
@@ -1323,7 +1323,6 @@ const DeviceComm::Published* DeviceComm::publishedAlloc(void* base) {
 }
 
 bool DeviceComm::publishFor(const OpDesc& op, size_t sendBytes, size_t recvBytes, ProgramBuffers* b) {
-  b->published.assign(size_t(nranks_), {});
   if (!publishable_ || !publishTo_ || nranks_ < 2) return false;
   void *sendBase = nullptr, *recvBase = nullptr;
   if (!publishable_(op.sendbuf, sendBytes, &sendBase) || !publishable_(op.recvbuf, recvBytes, &recvBase))

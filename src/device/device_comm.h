@@ -556,7 +556,7 @@ class DeviceComm final : public DeviceCollectives {
   // This rank's region for `peer`, allocated if needed (p2pMu_ held).
   const IpcRecord& outRegionLocked(int peer);
   // Device zero-copy: whether this rank publishes op's buffers, and what
-  // (b.published, for every reader).  Asks the peers to map an allocation
+  // (fills b.published, already sized for every reader, only when it does).  Asks the peers to map an allocation
   // the first time (not under mu_: they answer from their control threads).
   bool publishFor(const OpDesc& op, size_t sendBytes, size_t recvBytes, ProgramBuffers* b);
   // The allocation at `base` as mapped in every peer (at[r]); ok false:
