@@ -333,18 +333,29 @@ LOOM_API loomResult_t loomMemAlloc(void** ptr, size_t size);
 LOOM_API loomResult_t loomMemFree(void* ptr);
 
 /* Registers [buff, buff + size) for repeated use with comm, for buffers a
- * framework already owns (gradient buckets).  Local and cheap: no peer is
- * contacted.  Transports that need registration (RDMA, later) prepare the
- * memory here; on shared memory, memory from loomMemAlloc is read in place
- * with or without registration, and other host memory is still copied
- * through loom's staging buffers (peers cannot map it).  A range may be
- * registered more than once; each call returns its own handle.  Returns
- * loomInvalidArgument for a NULL comm, buff or handle, or size 0. */
+ * framework already owns (gradient buckets, an allocator's segments).  Local
+ * and cheap: no peer is contacted.  Transports that need registration (RDMA)
+ * prepare the memory here; on shared memory, memory from loomMemAlloc is
+ * read in place with or without registration, and other host memory is
+ * still copied through loom's staging buffers (peers cannot map it).
+ *
+ * CUDA device memory (cudaMalloc'd, of comm's device) registers only with a
+ * CUDA communicator.  Its large all-reduces, reduce-scatters and all-gathers
+ * whose buffers lie in one registration are then read in place by the peers
+ * on the same host, as loomMemAlloc's are (device zero-copy; the first use
+ * of an allocation asks the peers to map it, about a millisecond).  Such
+ * memory must be deregistered before it is freed (as with NCCL).
+ *
+ * A range may be registered more than once; each call returns its own
+ * handle.  Returns loomInvalidArgument for a NULL comm, buff or handle,
+ * size 0, device memory on a host communicator or of another device. */
 LOOM_API loomResult_t loomCommRegister(const loomComm_t comm, void* buff, size_t size, void** handle);
 
-/* Releases a handle loomCommRegister returned for comm.  Operations already
- * issued on the buffer are not affected.  A handle that is not a live
- * registration of comm is loomInvalidArgument. */
+/* Releases a handle loomCommRegister returned for comm.  For device memory
+ * that no other registration of comm holds, it first waits for this
+ * process's work on the device to finish (as cudaFree does) and then has the
+ * peers that map the allocation unmap it, so that it may be freed after.
+ * A handle that is not a live registration of comm is loomInvalidArgument. */
 LOOM_API loomResult_t loomCommDeregister(const loomComm_t comm, void* handle);
 
 /* ---- Collectives ------------------------------------------------------- */

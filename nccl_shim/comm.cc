@@ -424,10 +424,14 @@ NCCL_SHIM_API(ncclResult_t, ncclCommRegister, const ncclComm_t comm, void* buff,
 NCCL_SHIM_API(ncclResult_t, ncclCommDeregister, const ncclComm_t comm, void* handle) {
   ensureEnv();
   if (!comm) return fail(ncclInvalidArgument, "ncclCommDeregister: comm is NULL");
-  std::lock_guard<std::mutex> lock(comm->mu);
-  if (!comm->registrations.erase(handle))
-    return fail(ncclInvalidArgument, "ncclCommDeregister: %p is not a registration of this communicator",
-                handle);
+  {
+    std::lock_guard<std::mutex> lock(comm->mu);
+    if (!comm->registrations.erase(handle))
+      return fail(ncclInvalidArgument, "ncclCommDeregister: %p is not a registration of this communicator",
+                  handle);
+  }
+  // Outside the lock: for published device memory this waits for the
+  // device and for the peers to unmap it.
   Registration* reg = static_cast<Registration*>(handle);
   loomResult_t r = loomCommDeregister(comm->loom, reg->loomHandle);
   delete reg;

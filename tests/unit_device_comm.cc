@@ -2124,6 +2124,88 @@ TEST_CASE("CUDA communicator, device zero-copy (simulated device): all-reduces o
   }
 }
 
+TEST_CASE("CUDA communicator, device zero-copy (simulated device): device memory registered with loomCommRegister "
+          "is published as loomMemAlloc's is, its deregistration has the peers unmap it, then it is staged, and another "
+          "device's memory is refused",
+          "[devcomm][api]") {
+  ScopedEnv slot("LOOM_DEVICE_SLOT_BYTES", "65536");
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(2, 1, 256);
+  DeviceEnv env(mem, world);
+  std::vector<loomComm_t> comms = initCudaComms(2);
+  REQUIRE(comms.size() == 2);
+  const size_t n = 300000;  // reduce-scatter + all-gather, several rounds
+  auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+  // One plain device allocation per rank (as a framework's allocator
+  // segment) holding the send and the recv buffer.
+  uint8_t* segment[2];
+  int32_t *send[2], *recv[2];
+  for (int r = 0; r < 2; ++r) {
+    segment[r] = mem.alloc(0, 2 * n * 4 + 4096);
+    send[r] = reinterpret_cast<int32_t*>(segment[r] + 4096);
+    recv[r] = send[r] + n;
+  }
+  // How many published reads one all-reduce made; its result is exact.
+  auto allReduce = [&](int salt) {
+    const uint64_t before = world.rank(0).publishedReads() + world.rank(1).publishedReads();
+    for (int r = 0; r < 2; ++r)
+      for (size_t i = 0; i < n; ++i) send[r][i] = int32_t(r * 7 + salt + int(i % 1000));
+    for (int r = 0; r < 2; ++r)
+      CHECK(loomAllReduce(send[r], recv[r], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) == loomSuccess);
+    for (int r = 0; r < 2; ++r) {
+      std::string msg;
+      REQUIRE(world.rank(r).synchronize(&msg) == loomSuccess);
+    }
+    long wrong = 0;
+    for (int r = 0; r < 2; ++r)
+      for (size_t i = 0; i < n; ++i) wrong += recv[r][i] != int32_t(7 + 2 * salt + 2 * int(i % 1000));
+    CHECK(wrong == 0);
+    return world.rank(0).publishedReads() + world.rank(1).publishedReads() - before;
+  };
+  CHECK(allReduce(1) == 0);  // not registered: staged
+  // Rank 0 registers its send buffer only: its recv buffer is not covered,
+  // so it publishes nothing; rank 1 registers its whole segment and
+  // publishes.  Exact either way.
+  void *whole[2], *part = nullptr;
+  REQUIRE(loomCommRegister(comms[0], send[0], n * 4, &part) == loomSuccess);
+  REQUIRE(loomCommRegister(comms[1], segment[1], 2 * n * 4 + 4096, &whole[1]) == loomSuccess);
+  CHECK(allReduce(2) > 0);
+  CHECK(ipcOf(comms[0]).memoryStats().published == 0);
+  CHECK(ipcOf(comms[1]).memoryStats().published == 1);
+  // Then rank 0's whole segment too: both publish one allocation each,
+  // for both buffers.
+  REQUIRE(loomCommRegister(comms[0], segment[0], 2 * n * 4 + 4096, &whole[0]) == loomSuccess);
+  CHECK(allReduce(3) > 0);
+  for (int r = 0; r < 2; ++r) {
+    CHECK(ipcOf(comms[size_t(r)]).memoryStats().published == 1);
+    CHECK(ipcOf(comms[size_t(r)]).memoryStats().publishedIn == 1);
+  }
+  CHECK(dumpOf(comms[0]).find("zero-copy: 1 allocation published, 1 of peers mapped here") != std::string::npos);
+  // Deregistering the whole segment keeps it published while the part is
+  // registered; the last deregistration has the peer unmap it.
+  CHECK(loomCommDeregister(comms[0], whole[0]) == loomSuccess);
+  CHECK(ipcOf(comms[0]).memoryStats().published == 1);
+  CHECK(loomCommDeregister(comms[0], part) == loomSuccess);
+  CHECK(ipcOf(comms[0]).memoryStats().published == 0);
+  CHECK(ipcOf(comms[1]).memoryStats().publishedIn == 0);
+  CHECK(loomCommDeregister(comms[1], whole[1]) == loomSuccess);
+  CHECK(ipcOf(comms[1]).memoryStats().published == 0);
+  CHECK(ipcOf(comms[0]).memoryStats().publishedIn == 0);
+  CHECK(loomCommDeregister(comms[1], whole[1]) == loomInvalidArgument);  // twice
+  CHECK(allReduce(4) == 0);  // staged again, still exact
+  // Freed while the communicators live: nobody maps it (DeviceEnv checks).
+  for (int r = 0; r < 2; ++r) mem.free(segment[r]);
+  // Another device's memory: a clear error, nothing registered.
+  uint8_t* other = mem.alloc(1, 4096);
+  void* h = nullptr;
+  CHECK(loomCommRegister(comms[0], other, 4096, &h) == loomInvalidArgument);
+  CHECK(std::string(loomGetLastError(nullptr)).find("is memory of cuda:1, but this communicator runs on sim:0") !=
+        std::string::npos);
+  CHECK(comms[0]->registrations().size() == 0);
+  mem.free(other);
+  for (int r = 0; r < 2; ++r) CHECK(loomCommDestroy(comms[size_t(r)]) == loomSuccess);
+}
+
 // ---- The staged path: device buffers between hosts ----------------------
 
 namespace {
@@ -2677,6 +2759,71 @@ TEST_CASE("CUDA communicator on several hosts with several ranks each (simulated
     CHECK(ringSendRecvWrong(mem, world, comms, 5000) == 0);  // the flat path
     destroyPromptly(comms);
   }
+}
+
+TEST_CASE("CUDA communicator on the hierarchical path (simulated device): registered device memory is published "
+          "by the local sub-communicator, and its deregistration has the host's peers unmap it",
+          "[devcomm][hierdev]") {
+  ScopedEnv minBytes("LOOM_DEVICE_HIER_MIN_BYTES", "64");
+  ScopedEnv slot("LOOM_DEVICE_SLOT_BYTES", "65536");
+  const int N = 4;
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(N, 1, 256, patientDevice());
+  DeviceEnv env(mem, world);
+  std::vector<loomComm_t> comms = initCudaCommsOn(N, [](int r) { return "hier-reg-host-" + std::to_string(r / 2); });
+  REQUIRE(comms.size() == size_t(N));
+  auto localOf = [&](int r) -> loom::DeviceComm& {
+    return *dynamic_cast<loom::DeviceComm*>(hierOf(comms[size_t(r)])->localComm()->deviceComm());
+  };
+  const size_t n = 200000;
+  auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+  std::vector<uint8_t*> segment(N);
+  std::vector<int32_t*> send(N), recv(N);
+  std::vector<void*> handle(N);
+  for (int r = 0; r < N; ++r) {
+    segment[size_t(r)] = mem.alloc(0, 2 * n * 4);
+    send[size_t(r)] = reinterpret_cast<int32_t*>(segment[size_t(r)]);
+    recv[size_t(r)] = send[size_t(r)] + n;
+    REQUIRE(loomCommRegister(comms[size_t(r)], segment[size_t(r)], 2 * n * 4, &handle[size_t(r)]) == loomSuccess);
+  }
+  auto reads = [&] {
+    uint64_t s = 0;
+    for (int r = 0; r < N; ++r) s += world.rank(r).publishedReads();
+    return s;
+  };
+  auto allReduce = [&](int salt) {
+    for (int r = 0; r < N; ++r)
+      for (size_t i = 0; i < n; ++i) send[size_t(r)][i] = int32_t(r + salt + int(i % 977));
+    for (int r = 0; r < N; ++r)
+      CHECK(loomAllReduce(send[size_t(r)], recv[size_t(r)], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) ==
+            loomSuccess);
+    for (int r = 0; r < N; ++r) {
+      std::string msg;
+      REQUIRE(world.rank(r).synchronize(&msg) == loomSuccess);
+    }
+    long wrong = 0;
+    for (int r = 0; r < N; ++r)
+      for (size_t i = 0; i < n; ++i) wrong += recv[size_t(r)][i] != int32_t(6 + N * salt + N * int(i % 977));
+    CHECK(wrong == 0);
+  };
+  uint64_t before = reads();
+  allReduce(1);
+  CHECK(reads() > before);
+  for (int r = 0; r < N; ++r) {
+    CHECK(hierOf(comms[size_t(r)])->hierRuns() == 1);
+    CHECK(localOf(r).memoryStats().published == 1);
+    CHECK(localOf(r).memoryStats().publishedIn == 1);
+  }
+  for (int r = 0; r < N; ++r) CHECK(loomCommDeregister(comms[size_t(r)], handle[size_t(r)]) == loomSuccess);
+  for (int r = 0; r < N; ++r) {
+    CHECK(localOf(r).memoryStats().published == 0);
+    CHECK(localOf(r).memoryStats().publishedIn == 0);
+  }
+  before = reads();
+  allReduce(2);
+  CHECK(reads() == before);  // staged now, still exact
+  for (int r = 0; r < N; ++r) mem.free(segment[size_t(r)]);
+  destroyPromptly(comms);
 }
 
 TEST_CASE("CUDA communicators and the hierarchical path: auto takes it where it applies and stages otherwise, "

@@ -981,7 +981,7 @@ loomResult_t loomCommRegister(const loomComm_t comm, void* buff, size_t size, vo
   return guarded("loomCommRegister", nullptr, [&] {
     checkComm(comm);
     if (!handle) fail(loomInvalidArgument, "handle is NULL");
-    *handle = comm->registrations().add(buff, size, comm->transportList());
+    *handle = comm->registerBuffer(buff, size);
     return loomSuccess;
   });
 }
@@ -989,7 +989,7 @@ loomResult_t loomCommRegister(const loomComm_t comm, void* buff, size_t size, vo
 loomResult_t loomCommDeregister(const loomComm_t comm, void* handle) {
   return guarded("loomCommDeregister", nullptr, [&] {
     checkComm(comm);
-    comm->registrations().remove(handle);
+    comm->deregisterBuffer(handle);
     return loomSuccess;
   });
 }

@@ -20,6 +20,7 @@
 #include "src/core/hot.h"
 #include "src/core/log.h"
 #include "src/core/hier_device.h"
+#include "src/device/cuda_loader.h"
 #include "src/device/device_choice.h"
 #include "src/device/device_memory.h"
 #include "src/device/host_reduce.h"
@@ -130,6 +131,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
   rank_ = rank;
   nranks_ = nranks;
   part_ = device.part;
+  if (device.registrations) publishFrom_ = device.registrations;
   if (!part_) logSetRank(rank);  // a sub-communicator's rank is not the process's
   timeoutMs_ = device.timeoutMs > 0 ? device.timeoutMs : cfg.timeoutMs;
   spinUs_ = cfg.spinUs;
@@ -355,7 +357,9 @@ loom::DeviceCommOptions loomComm::deviceOptions(const RankInfo& root) {
   // Device zero-copy: loomMemAlloc's memory is published (its free has the
   // peers unmap it first).
   o.zeroCopy = root.deviceZeroCopy != 0;
-  o.publishable = [](const void* p, size_t bytes, void** base) { return deviceMemFind(p, bytes, base); };
+  o.publishable = [this](const void* p, size_t bytes, void** base) {
+    return deviceMemFind(p, bytes, base) || publishFrom_->findAllocation(p, bytes, base);
+  };
   o.publishTo = [this](int peer, const IpcRecord& rec) { return askDevicePublish(peer, 1, rec); };
   o.unpublishTo = [this](int peer, const IpcRecord& rec) { askDevicePublish(peer, 2, rec); };
   o.freeHook = true;
@@ -363,6 +367,29 @@ loom::DeviceCommOptions loomComm::deviceOptions(const RankInfo& root) {
   // (the watchdog stops before ctl_ goes, see ~loomComm).
   o.sendSignatures = [this](int peer, std::vector<uint8_t> bytes) { sendSignatures(peer, std::move(bytes)); };
   return o;
+}
+
+void* loomComm::registerBuffer(void* buff, size_t bytes) {
+  void* allocation = nullptr;
+  if (buff && device_ && device_->deviceMemory(buff, bytes, &allocation))
+    return registrations_.add(buff, bytes, transportList(), MemoryKind::CudaDevice, allocation);
+  if (buff && !device_)
+    if (const int dev = cudaPointerDevice(buff); dev >= 0)
+      fail(loomInvalidArgument,
+           "buff %p is CUDA device memory (cuda:%d), but this communicator runs on the host: register host "
+           "memory, or create the communicator with LOOM_DEVICE=cuda",
+           buff, dev);
+  return registrations_.add(buff, bytes, transportList());
+}
+
+void loomComm::deregisterBuffer(void* handle) {
+  std::unique_ptr<Registration> gone = registrations_.remove(handle);
+  void* base = nullptr;
+  // Still published while another registration, or loomMemAlloc (whose free
+  // withdraws it), holds the allocation.
+  if (gone->allocation && device_ && !registrations_.holdsAllocation(gone->allocation) &&
+      !deviceMemFind(gone->allocation, 1, &base))
+    device_->withdraw(gone->allocation);
 }
 
 void loomComm::sendSignatures(int peer, std::vector<uint8_t> bytes) {
@@ -1169,11 +1196,13 @@ std::unique_ptr<DeviceCollectives> loomComm::makeHierDevice(Bootstrap& boot, con
   sub.timeoutMs = timeoutMs_.load();
   sub.path = 1;
   sub.part = "local";
+  sub.registrations = &registrations_;  // the parent's buffers are the ones it reads
   try {
     parts.local =
         loomComm::create(decodeUniqueId(ids[size_t(localRoot)].local), sh.perHost, sh.localIndex, nullptr, sub);
     sub.path = 2;
     sub.part = "rail";
+    sub.registrations = nullptr;
     parts.rail = loomComm::create(decodeUniqueId(ids[size_t(railRoot)].rail), sh.hosts, sh.hostIndex, nullptr, sub);
     if (sh.hostMajor) {
       // The hierarchical reduce-scatter's and all-gather's device memory

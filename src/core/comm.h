@@ -190,6 +190,12 @@ struct loomComm : public loom::ExecEnv,
   // loomCommRegister's records (src/core/registration.h), and the
   // transports a registration is offered to.
   loom::RegistrationTable& registrations() { return registrations_; }
+  // loomCommRegister / loomCommDeregister.  CUDA device memory registers
+  // only on a CUDA communicator of its device (loomInvalidArgument
+  // otherwise), and device zero-copy may publish it; its deregistration has
+  // the peers unmap it (DeviceCollectives::withdraw).
+  void* registerBuffer(void* buff, size_t bytes);
+  void deregisterBuffer(void* handle);
   // The device side of a CUDA communicator (LOOM_DEVICE=cuda), nullptr on
   // the host: its collectives are stream programs on the caller's stream.
   loom::DeviceCollectives* deviceComm() const { return device_.get(); }
@@ -319,6 +325,9 @@ struct loomComm : public loom::ExecEnv,
   std::unique_ptr<loom::TaggedP2P> tagged_;  // loomSendTagged / loomRecvTagged
   std::vector<int64_t> taggedRetryMs_;       // per peer: when to look for its tagged connection again
   loom::RegistrationTable registrations_;  // released before the transports
+  // The records device zero-copy publishes from: registrations_, or the
+  // parent's for the hierarchical path's local sub-communicator.
+  const loom::RegistrationTable* publishFrom_ = &registrations_;
   std::unique_ptr<loom::DeviceCollectives> device_;  // CUDA communicators only
   // Mismatch-check batches (CtlType::Sigs) that came before device_.
   std::mutex earlySigsMutex_;

@@ -258,6 +258,12 @@ void HierDeviceComm::run(const OpDesc& op, void* callerStream) {
   if (sigs_) sigs_->recordMine(op), wakeSignatures();
 }
 
+bool HierDeviceComm::deviceMemory(const void* p, size_t bytes, void** allocation) {
+  return local_->deviceComm()->deviceMemory(p, bytes, allocation);
+}
+
+void HierDeviceComm::withdraw(void* allocation) { local_->deviceComm()->withdraw(allocation); }
+
 void HierDeviceComm::runAllReduce(const OpDesc& op, void* callerStream) {
   const HierSplit s = hierSplit(op.count, shape_.perHost);
   const size_t esz = dtypeSize(op.dtype);

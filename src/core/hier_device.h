@@ -154,6 +154,11 @@ class HierDeviceComm final : public DeviceCollectives {
   void setTimeoutMs(int64_t ms) override;
   void stopWatchdog() override;
   void abandon() override { flat_->abandon(); }
+  // Registered device memory is published by the local sub-communicator
+  // (its IPC path reads the parent's buffers; it publishes from the
+  // parent's records, DeviceRequest::registrations).
+  bool deviceMemory(const void* p, size_t bytes, void** allocation) override;
+  void withdraw(void* allocation) override;
   std::string describe() const override;
 
   // Whether run() takes `op` through the hierarchy.

@@ -7,7 +7,17 @@
 
 namespace loom {
 
-void* RegistrationTable::add(void* buff, size_t bytes, const std::vector<Transport*>& transports) {
+namespace {
+
+bool covers(const Registration& r, const void* p, size_t bytes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p), b = reinterpret_cast<uintptr_t>(r.base);
+  return a >= b && a - b <= r.bytes && bytes <= r.bytes - (a - b);
+}
+
+}  // namespace
+
+void* RegistrationTable::add(void* buff, size_t bytes, const std::vector<Transport*>& transports, MemoryKind kind,
+                             void* allocation) {
   if (!buff) fail(loomInvalidArgument, "buff is NULL");
   if (bytes == 0) fail(loomInvalidArgument, "size is 0");
   if (reinterpret_cast<uintptr_t>(buff) + bytes < reinterpret_cast<uintptr_t>(buff))
@@ -15,9 +25,14 @@ void* RegistrationTable::add(void* buff, size_t bytes, const std::vector<Transpo
   auto reg = std::make_unique<Registration>();
   reg->base = buff;
   reg->bytes = bytes;
-  PeerBuffer pb;
-  reg->peerMappable = hostMemExport(buff, bytes, &pb);
-  reg->kind = reg->peerMappable ? MemoryKind::RegisteredHost : MemoryKind::Host;
+  if (kind == MemoryKind::CudaDevice) {
+    reg->kind = kind;
+    reg->allocation = allocation;
+  } else {
+    PeerBuffer pb;
+    reg->peerMappable = hostMemExport(buff, bytes, &pb);
+    reg->kind = reg->peerMappable ? MemoryKind::RegisteredHost : MemoryKind::Host;
+  }
   for (Transport* t : transports)
     if (t->serves(reg->kind == MemoryKind::RegisteredHost ? MemoryKind::Host : reg->kind))
       if (std::shared_ptr<void> h = t->registerBuffer(buff, bytes, reg->kind)) reg->handles.push_back(std::move(h));
@@ -31,7 +46,7 @@ void* RegistrationTable::add(void* buff, size_t bytes, const std::vector<Transpo
   return handle;
 }
 
-void RegistrationTable::remove(void* handle) {
+std::unique_ptr<Registration> RegistrationTable::remove(void* handle) {
   std::unique_ptr<Registration> gone;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -42,17 +57,31 @@ void RegistrationTable::remove(void* handle) {
     gone = std::move(it->second);
     regs_.erase(it);
   }
-  // The transports' handles are released here, outside the lock.
+  return gone;  // its transports' handles are released with it, outside the lock
 }
 
 const Registration* RegistrationTable::find(const void* p, size_t bytes) const {
-  uintptr_t a = reinterpret_cast<uintptr_t>(p);
   std::lock_guard<std::mutex> lock(mu_);
-  for (const auto& kv : regs_) {
-    uintptr_t b = reinterpret_cast<uintptr_t>(kv.second->base);
-    if (a >= b && a - b <= kv.second->bytes && bytes <= kv.second->bytes - (a - b)) return kv.second.get();
-  }
+  for (const auto& kv : regs_)
+    if (covers(*kv.second, p, bytes)) return kv.second.get();
   return nullptr;
+}
+
+bool RegistrationTable::findAllocation(const void* p, size_t bytes, void** allocation) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& kv : regs_)
+    if (kv.second->allocation && covers(*kv.second, p, bytes)) {
+      *allocation = kv.second->allocation;
+      return true;
+    }
+  return false;
+}
+
+bool RegistrationTable::holdsAllocation(const void* allocation) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& kv : regs_)
+    if (kv.second->allocation == allocation) return true;
+  return false;
 }
 
 size_t RegistrationTable::size() const {

@@ -8,6 +8,7 @@ namespace loom {
 
 class DeviceDriver;
 struct RankInfo;
+class RegistrationTable;
 
 // What init was asked for: loomConfig_t's deviceKind and cudaDevice, or
 // LOOM_DEVICE and the current device (the default).
@@ -31,6 +32,10 @@ struct DeviceRequest {
   // transports, staged pieces, ...) a sub-communicator takes instead of its
   // own root's environment.
   const RankInfo* parentRoot = nullptr;
+  // The hierarchical path's local sub-communicator: its parent's
+  // loomCommRegister records, whose device memory it may publish (the
+  // parent's buffers are the ones it reads).  nullptr: its own.
+  const RegistrationTable* registrations = nullptr;
   // Made by loomCommSplit or loomCommShrink from a communicator: where
   // LOOM_DEVICE_PATH=hier does not apply to its shape, the path auto picks
   // is taken instead of failing.

@@ -15,6 +15,7 @@
 #include "src/core/clock.h"
 #include "src/core/error.h"
 #include "src/core/log.h"
+#include "src/device/cuda_loader.h"
 #include "src/device/device_memory.h"
 #include "src/device/host_reduce.h"  // dtypeSize
 
@@ -1283,6 +1284,66 @@ void DeviceComm::unpublishAll() {
     LOOM_WARN("DEVICE", "rank %d: reading this rank's flags failed: %s", rank_, e.what());
   }
   for (uint64_t base : bases) unpublish(reinterpret_cast<void*>(uintptr_t(base)), true);
+}
+
+namespace {
+
+void checkRegisteredDevice(const void* p, int device, int mine, const char* name) {
+  if (device != mine)
+    fail(loomInvalidArgument, "buff %p is memory of cuda:%d, but this communicator runs on %s:%d", p, device, name,
+         mine);
+}
+
+}  // namespace
+
+bool DeviceCollectives::deviceMemory(const void* p, size_t /*bytes*/, void** allocation) {
+  const int d = cudaPointerDevice(p);
+  if (d < 0) return false;
+  checkRegisteredDevice(p, d, device(), deviceName());
+  *allocation = nullptr;
+  return true;
+}
+
+bool DeviceComm::deviceMemory(const void* p, size_t bytes, void** allocation) {
+  DeviceScope current(*driver_);
+  const int d = driver_->pointerDevice(p);
+  if (d < 0) return false;
+  checkRegisteredDevice(p, d, driver_->device(), driver_->name());
+  *allocation = nullptr;
+  void* base = nullptr;
+  size_t alloc = 0;
+  try {
+    driver_->addressRange(p, &base, &alloc);
+  } catch (const Error& e) {
+    LOOM_INFO("DEVICE", "rank %d: registered device memory at %p is not published (zero-copy off for it): %s",
+              rank_, p, e.what());
+    return true;
+  }
+  const auto b = reinterpret_cast<uintptr_t>(base), q = reinterpret_cast<uintptr_t>(p);
+  if (base && q >= b && q - b <= alloc && bytes <= alloc - (q - b)) *allocation = base;  // else spans allocations
+  return true;
+}
+
+void DeviceComm::withdraw(void* allocation) {
+  bool mapped = false;
+  {
+    std::lock_guard<std::mutex> g(pubMu_);
+    auto it = pubs_.find(uint64_t(uintptr_t(allocation)));
+    if (it == pubs_.end()) return;
+    for (uint64_t at : it->second.at) mapped = mapped || at;
+  }
+  // A program on published buffers ends only once the peers are done
+  // reading them, so once this process's work on the device is done no
+  // peer reads the allocation any more (loomMemFree waits the same way).
+  if (mapped) {
+    try {
+      DeviceScope current(*driver_);
+      driver_->synchronize();
+    } catch (const Error& e) {
+      LOOM_WARN("DEVICE", "rank %d: deregistering device memory at %p: %s", rank_, allocation, e.what());
+    }
+  }
+  unpublish(allocation);
 }
 
 const DeviceComm::Published* DeviceComm::publishedAlloc(void* base) {

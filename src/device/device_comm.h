@@ -377,6 +377,15 @@ class DeviceCollectives {
   // communicator's destroy, while its control plane still runs, after
   // stopWatchdog; it waits for this rank's programs first).
   virtual void unpublishAll() {}
+  // loomCommRegister: whether [p, p + bytes) is device memory (false: host
+  // memory; loomInvalidArgument: another device's) and the base of the
+  // CUDA allocation holding it whole, which device zero-copy may then
+  // publish (*allocation nullptr: none, or a path that publishes nothing).
+  virtual bool deviceMemory(const void* p, size_t bytes, void** allocation);
+  // Its deregistration (no registration holds it any more): once this
+  // process's work on the device is done, as loomMemFree waits, the peers
+  // unmap the allocation if this rank published it.  Never throws.
+  virtual void withdraw(void* /*allocation*/) {}
   // A peer's batch of collective signatures (the IPC path's mismatch
   // check, src/device/op_signature.h; on the control thread).
   virtual void onPeerSignatures(int /*from*/, const std::vector<uint8_t>& /*bytes*/) {}
@@ -496,6 +505,8 @@ class DeviceComm final : public DeviceCollectives {
   // its own destroy unmaps everything.
   void unpublish(void* base, bool destroying = false);
   void unpublishAll() override;
+  bool deviceMemory(const void* p, size_t bytes, void** allocation) override;
+  void withdraw(void* allocation) override;
   bool zeroCopy() const { return zeroCopy_; }
 
   // Which all-reduce program `bytes` gets.

@@ -25,6 +25,12 @@
 //   memalloc loomMemAlloc with LOOM_DEVICE=cuda: device memory of device 0
 //           (cudaPointerGetAttributes), cudaIpcGetMemHandle takes it, an
 //           all-reduce on it is exact, loomMemFree frees it
+//   register cudaMalloc memory registered with loomCommRegister (one
+//           allocation holding the send and the recv buffer, as a
+//           framework's allocator segment): an all-reduce on it is exact
+//           and, with 2 or more ranks, publishes it (loomCommDump: 1
+//           allocation); after loomCommDeregister nothing is published and
+//           the next all-reduce is exact; then cudaFree
 // Prints one row per N and check; exits non-zero on any wrong value, error
 // or crash (run.sh bounds the run with timeout(1)).
 //
@@ -204,6 +210,16 @@ long regionsOut(loomComm_t comm) {
   if (loomCommDump(comm, buf, sizeof buf) != loomSuccess) return -1;
   const char* at = std::strstr(buf, "send/recv staging: ");
   return at ? std::strtol(at + std::strlen("send/recv staging: "), nullptr, 10) : -1;
+}
+
+// Allocations this rank publishes (device zero-copy), as loomCommDump says
+// (-1: no zero-copy here: the staged path, or LOOM_DEVICE_ZERO_COPY=0).
+long publishedAllocs(loomComm_t comm) {
+  char buf[8192];
+  if (loomCommDump(comm, buf, sizeof buf) != loomSuccess) return -1;
+  const char* at = std::strstr(buf, "zero-copy: ");
+  if (!at || std::strncmp(at, "zero-copy: off", 14) == 0) return -1;
+  return std::strtol(at + std::strlen("zero-copy: "), nullptr, 10);
 }
 
 // One lazy-staging check: 1 when the count differs from want (and says so).
@@ -403,6 +419,50 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, size_t maxCount) 
     std::printf("RESULT memalloc 4 %ld\n", bad);
   }
 
+  // register: plain cudaMalloc memory registered with the communicator is
+  // published (2 or more ranks), and no more once deregistered.
+  {
+    long bad = 0;
+    const size_t n = size_t(1) << 22;  // 16 MiB each: the reduce-scatter + all-gather all-reduce
+    float* seg = nullptr;
+    CK(cudaMalloc(&seg, 2 * n * 4 + 4096));
+    float* s = seg + 1024;
+    float* r = s + n;
+    std::vector<float> v(n), got(n);
+    auto allReduce = [&](int salt) {
+      for (size_t i = 0; i < n; ++i) v[i] = float((me + salt) % 7 + int(i % 5));
+      CK(cudaMemcpy(s, v.data(), n * 4, cudaMemcpyHostToDevice));
+      LK(loomAllReduce(s, r, n, loomFloat32, loomSum, comm, loomStream_t(st)));
+      CK(cudaStreamSynchronize(st));
+      CK(cudaMemcpy(got.data(), r, n * 4, cudaMemcpyDeviceToHost));
+      long wrong = 0;
+      for (size_t i = 0; i < n; ++i) {
+        float want = 0;
+        for (int q = 0; q < N; ++q) want += float((q + salt) % 7 + int(i % 5));
+        wrong += got[i] != want;
+      }
+      if (wrong) std::fprintf(stderr, "rank %d: register: %ld elements wrong (salt %d)\n", me, wrong, salt);
+      return wrong != 0;
+    };
+    void* h = nullptr;
+    LK(loomCommRegister(comm, seg, 2 * n * 4 + 4096, &h));
+    bad += allReduce(1);
+    const long before = publishedAllocs(comm);  // -1: a path without zero-copy (only exactness is checked)
+    if (before >= 0 && before != (N > 1 ? 1 : 0)) {
+      std::fprintf(stderr, "rank %d: register: %ld allocations published, want %d\n", me, before, N > 1);
+      ++bad;
+    }
+    LK(loomCommDeregister(comm, h));  // returns once the peers unmapped it
+    const long after = publishedAllocs(comm);
+    if (before >= 0 && after != 0) {
+      std::fprintf(stderr, "rank %d: register: %ld allocations published after deregister\n", me, after);
+      ++bad;
+    }
+    bad += allReduce(2);
+    CK(cudaFree(seg));
+    std::printf("RESULT register 4 %ld\n", bad);
+  }
+
   // order: the call returns while earlier work on the stream still runs.
   {
     const size_t n = size_t(1) << 20;
@@ -515,7 +575,7 @@ int main(int argc, char** argv) {
         std::printf("rank %d of %d exited abnormally (status %d)\n", r, N, st);
       }
     }
-    for (const char* check : {"comm", "p2p", "lazy", "groups", "memalloc", "order", "errors"}) {
+    for (const char* check : {"comm", "p2p", "lazy", "groups", "memalloc", "register", "order", "errors"}) {
       long cases = 0, wrong = 0;
       bool seen = false;
       for (int r = 0; r < N; ++r) {

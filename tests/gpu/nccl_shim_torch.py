@@ -7,7 +7,10 @@ result on the default group (backend "nccl": the shim) is compared with a
 reference computed from every rank's input (gathered through a gloo group;
 small integers, so every type's result is exact); then a short DDP
 run on the shim is compared with the same run whose gradients gloo reduces
-(within 1e-5).  Exits non-zero on any difference.
+(within 1e-5).  Exits non-zero on any difference.  tests/gpu/torch.sh runs it
+twice: as is, and with TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 (torch
+registers its allocator's segments, so loom's device zero-copy reads them in
+place; empty_cache between the two parts deregisters them).
 
 On the GPU machine (docs/nccl.md, "On a GPU machine"):
     LD_PRELOAD=$PWD/build-gpu/lib/libloom_nccl.so NCCL_DEBUG=VERSION \
@@ -119,6 +122,11 @@ def main():
     print(f"rank {rank}/{world}: torch {torch.__version__}, NCCL version reported "
           f"{torch.cuda.nccl.version()}, device {torch.cuda.get_device_name(0)}", flush=True)
     collectives(rank, world, dev, gloo)
+    # Give the allocator's segments back to CUDA: with
+    # TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 each is deregistered
+    # (the peer unmaps what was published), and DDP's tensors then come
+    # from new segments, often at the same addresses.
+    torch.cuda.empty_cache()
     ddp(rank, dev, gloo)
     dist.barrier(group=gloo)
     dist.destroy_process_group()

@@ -7,7 +7,9 @@
 #    monitored_barrier, shrink, zero-copy, the crash loop), CPU tensors.
 # 2. torch's own "nccl" backend on loom's NCCL drop-in (issue 16):
 #    tests/gpu/nccl_shim_torch.py with LD_PRELOAD=libloom_nccl.so, 2 ranks on
-#    one GPU (torchrun), every collective and a short DDP run against gloo.
+#    one GPU (torchrun), every collective and a short DDP run against gloo;
+#    then again with TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1, so
+#    that torch registers its allocator's segments (device zero-copy).
 # PYTHON picks the interpreter (default: python3).  Exits non-zero if a step
 # fails; prints a table.  Steps time out after LOOM_GPU_STEP_TIMEOUT seconds
 # (default 240); tests/gpu/deps.sh brings what the machine lacks (.gpudeps).
@@ -72,6 +74,13 @@ step "loom_torch tests on this torch (ctest -R torch:)" ctest --test-dir "$build
 step "torch nccl backend on libloom_nccl.so, 2 ranks on one GPU" env LD_PRELOAD="$build/lib/libloom_nccl.so" \
   NCCL_DEBUG=VERSION timeout "$limit" "$py" -m torch.distributed.run --standalone --nproc-per-node 2 \
   "$here/tests/gpu/nccl_shim_torch.py"
+# The same with torch registering its allocator's segments with every
+# communicator (ncclCommRegister -> loomCommRegister): large all-reduces,
+# reduce-scatters and all-gathers on them are then read in place (device
+# zero-copy), and each segment's free deregisters it first.
+step "the same, torch registering its segments (zero-copy)" env LD_PRELOAD="$build/lib/libloom_nccl.so" \
+  TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 NCCL_DEBUG=VERSION timeout "$limit" "$py" -m torch.distributed.run \
+  --standalone --nproc-per-node 2 "$here/tests/gpu/nccl_shim_torch.py"
 echo
 printf '%-60s %s\n' "step" "result"
 for i in "${!names[@]}"; do printf '%-60s %s\n' "${names[$i]}" "${results[$i]}"; done
