@@ -447,6 +447,7 @@ struct Options {
   int stream = 0;  // 1: issue on a loom host stream; 0: blocking calls (NULL stream)
   bool registered = false;  // -R: buffers from loomMemAlloc, registered with the communicator
   bool cuda = false;        // -G / --device cuda: device buffers on a CUDA communicator
+  bool cudaRegistered = false;  // --cuda-registered (with -G): cudaMalloc'd, registered with the communicator
   std::string json;
   enum Pattern { kExchange, kOneWay, kPingPong } pattern = kExchange;  // sendrecv only (-p)
 };
@@ -485,6 +486,9 @@ void usage(FILE* f) {
                "                        (peers on the host reduce straight out of them; with -G:\n"
                "                        device memory from loomMemAlloc, not registered, which\n"
                "                        large all-reduces read in place, LOOM_DEVICE_ZERO_COPY)\n"
+               "      --cuda-registered with -G: cudaMalloc'd buffers registered with\n"
+               "                        loomCommRegister, as a framework registers its allocator's\n"
+               "                        segments (read in place as -G -R's are)\n"
                "  -p, --pattern P       sendrecv only: exchange (default: send to the next rank and\n"
                "                        receive from the previous at once), oneway (even ranks only\n"
                "                        send, to the odd rank after them), pingpong (even ranks send\n"
@@ -626,6 +630,7 @@ Options parseArgs(int argc, char** argv) {
       {"json", required_argument, nullptr, 'J'},
       {"stream", required_argument, nullptr, 's'},
       {"registered", no_argument, nullptr, 'R'},
+      {"cuda-registered", no_argument, nullptr, 'C'},
       {"device", required_argument, nullptr, 'D'},
       {"pattern", required_argument, nullptr, 'p'},
       {"help", no_argument, nullptr, 'h'},
@@ -673,6 +678,7 @@ Options parseArgs(int argc, char** argv) {
         o.stream = static_cast<int>(v);
         break;
       case 'R': o.registered = true; break;
+      case 'C': o.cudaRegistered = true; break;
       case 'G': o.cuda = true; break;
       case 'D':
         if (std::strcmp(optarg, "cuda") == 0)
@@ -712,6 +718,8 @@ Options parseArgs(int argc, char** argv) {
             "alltoall, gather, scatter)",
             argv[optind]);
   if (o.minBytes > o.maxBytes) badArgs("-b %zu is larger than -e %zu", o.minBytes, o.maxBytes);
+  if (o.cudaRegistered && !o.cuda) badArgs("--cuda-registered needs -G (device buffers)");
+  if (o.cudaRegistered && o.registered) badArgs("--cuda-registered and -R: choose one (-R: loomMemAlloc's memory)");
   if (sawOp && !o.coll->reducing && envRankIsZero())
     std::fprintf(stderr, "loom-perf: note: -o is ignored by %s\n", o.coll->name);
   if (!o.coll->reducing) o.ops = {loomSum};  // one pass, printed as "none"
@@ -913,6 +921,10 @@ class Bench {
         send_ = static_cast<char*>(p);
         CUDACHECK(malloc(&p, cap_));
         recv_ = static_cast<char*>(p);
+        if (o.cudaRegistered) {
+          LOOMCHECK(loomCommRegister(comm_, send_, cap_, &sendReg_));
+          LOOMCHECK(loomCommRegister(comm_, recv_, cap_, &recvReg_));
+        }
       }
       CUDACHECK(memset(send_, 0, cap_));
       CUDACHECK(memset(recv_, 0, cap_));
@@ -945,6 +957,10 @@ class Bench {
         loomMemFree(send_);
         loomMemFree(recv_);
       } else {
+        if (o_.cudaRegistered) {  // before the free: the peers unmap it
+          loomCommDeregister(comm_, sendReg_);
+          loomCommDeregister(comm_, recvReg_);
+        }
         gCuda->free(send_);
         gCuda->free(recv_);
       }

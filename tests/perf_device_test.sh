@@ -23,6 +23,8 @@ expect_exit2() {  # expect_exit2 PATTERN ARGS...: exit status 2 and PATTERN on s
 }
 
 expect_exit2 "expected host or cuda, got 'tpu'" all_reduce --device tpu
+expect_exit2 "--cuda-registered needs -G" all_reduce --cuda-registered
+expect_exit2 "--cuda-registered and -R: choose one" all_reduce -G -R --cuda-registered
 
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
   for coll in all_reduce alltoall gather scatter sendrecv; do
@@ -35,11 +37,15 @@ if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
   timeout 300 "$BIN/loom-run" -n 2 "$BIN/loom-perf" all_reduce -G -R -b 8 -e 16M -f 8 -n 3 -w 1 -c 1 \
     >"$tmp/out" 2>&1 || { cat "$tmp/out"; fail "loom-perf all_reduce -G -R on the GPU"; }
   echo "ok: loom-run -n 2 loom-perf all_reduce -G -R (checked)"
+  timeout 300 "$BIN/loom-run" -n 2 "$BIN/loom-perf" all_reduce -G --cuda-registered -b 8 -e 16M -f 8 -n 3 -w 1 -c 1 \
+    >"$tmp/out" 2>&1 || { cat "$tmp/out"; fail "loom-perf all_reduce -G --cuda-registered on the GPU"; }
+  echo "ok: loom-run -n 2 loom-perf all_reduce -G --cuda-registered (checked)"
 else
   expect_exit2 "loom-perf: --device cuda: no CUDA device: " all_reduce -G
   expect_exit2 "no CUDA device" alltoall --device cuda -b 8 -e 1K
   expect_exit2 "no CUDA device" sendrecv --device cuda -b 8 -e 1K
   expect_exit2 "no CUDA device" all_reduce -G -R
+  expect_exit2 "no CUDA device" all_reduce -G --cuda-registered
   echo "(no GPU here: the device runs are tests/gpu/run.sh's)"
 fi
 echo "perf device test: ok"

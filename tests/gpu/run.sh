@@ -129,6 +129,10 @@ for phase in "${phases[@]}"; do
     step "loom-perf -G all_reduce, 2 ranks, 8 B .. 256 MiB" "${run[@]}" -n 2 "${lp[@]}" all_reduce -G -b 8 -e 256M -f 4 -c 1
     # loomMemAlloc buffers (-R): large all-reduces read in place (zero-copy).
     step "loom-perf -G -R all_reduce (zero-copy), 2 ranks, 8 B .. 256 MiB" "${run[@]}" -n 2 "${lp[@]}" all_reduce -G -R -b 8 -e 256M -f 4 -c 1
+    # cudaMalloc buffers registered with loomCommRegister (a framework's
+    # segments): read in place the same way.
+    step "loom-perf -G --cuda-registered all_reduce (zero-copy), 2 ranks, 8 B .. 256 MiB" "${run[@]}" -n 2 "${lp[@]}" \
+      all_reduce -G --cuda-registered -b 8 -e 256M -f 4 -c 1
     step "loom-perf -G all_reduce, staged path, 2 ranks, 8 B .. 256 MiB" env LOOM_DEVICE_PATH=staged \
       "${run[@]}" -n 2 "${lp[@]}" all_reduce -G -b 8 -e 256M -f 4 -c 1
     for coll in alltoall gather scatter sendrecv; do
