@@ -183,7 +183,8 @@ size_t perRound(size_t bytes, size_t esz) {
 bool readsPublished(const OpDesc& op, int nranks, StreamAlgorithm algo) {
   if (nranks < 2 || op.count == 0) return false;
   return (op.coll == Collective::AllReduce && algo == StreamAlgorithm::ReduceScatterAllGather) ||
-         op.coll == Collective::ReduceScatter || op.coll == Collective::AllGather;
+         op.coll == Collective::ReduceScatter || op.coll == Collective::AllGather ||
+         op.coll == Collective::AllToAll;
 }
 
 bool mayPublish(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo) {
@@ -195,6 +196,9 @@ bool mayPublish(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo) {
     const uintptr_t in = reinterpret_cast<uintptr_t>(op.sendbuf), out = reinterpret_cast<uintptr_t>(op.recvbuf);
     return in + block <= out || out + size_t(nranks) * block <= in || in == out + uintptr_t(rank) * block;
   }
+  // All-to-all: the peers read the send buffer while this rank writes its
+  // output, so only out of place (the API allows no other overlap).
+  if (op.coll == Collective::AllToAll) return op.sendbuf != op.recvbuf;
   if (op.coll != Collective::ReduceScatter) return true;
   const uintptr_t own = reinterpret_cast<uintptr_t>(op.sendbuf) + uintptr_t(rank) * block;
   const uintptr_t out = reinterpret_cast<uintptr_t>(op.recvbuf);
@@ -459,20 +463,30 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         }
         b.set(0, kFlagDone, v);
         break;
-      case Collective::AllToAll:
+      case Collective::AllToAll: {
         // Every rank stages the chunks the others take, then takes chunk
         // `me` of every other rank's slot into block q of its output; its
         // own block goes straight from send to recv (in place it is there).
+        // Zero-copy (out of place only, mayPublish): a publishing rank
+        // stages nothing, and the peers copy their chunks straight from
+        // block q of its send buffer through its cells.
         guard();
-        stageBlocks(base, off, c, me);
+        const bool cells = publish.cells, mine = cells && publish.mine;
+        if (cells) writeCells();
+        if (!mine) stageBlocks(base, off, c, me);
         b.set(0, kFlagInput, v);
         if (!inPlace) b.copy(0, recvAt((size_t(me) * n + off) * esz), sendAt((size_t(me) * n + off) * esz), c * esz);
         b.waitOthers(0, kFlagInput, v);
-        for (int q = 0; q < N; ++q)
-          if (q != me)
-            b.copy(0, recvAt((size_t(q) * n + off) * esz), winAt(q, base + size_t(me) * c * esz), c * esz);
+        for (int q = 0; q < N; ++q) {
+          if (q == me) continue;
+          const ProgramRef to = recvAt((size_t(q) * n + off) * esz);
+          const size_t chunk = base + size_t(me) * c * esz;
+          b.copy(0, to, cells ? publishedAt(q, sendCell, (size_t(me) * n + off) * esz, chunk, v) : winAt(q, chunk),
+                 c * esz);
+        }
         b.set(0, kFlagDone, v);
         break;
+      }
       case Collective::Gather:
         if (me != op.root) {
           // Reads no window: done as soon as the chunk is staged (the root's
@@ -506,8 +520,7 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         break;  // refused above
     }
   }
-  if ((rsag || op.coll == Collective::ReduceScatter || op.coll == Collective::AllGather) && publish.cells &&
-      publish.mine && g > *round) {
+  if (readsPublished(op, N, algo) && publish.cells && publish.mine && g > *round) {
     // The peers read this rank's buffers until their last round is done:
     // the caller's later work (which may write them) waits for that.
     b.waitOthers(rsag ? 1 : 0, kFlagDone, g);

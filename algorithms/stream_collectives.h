@@ -25,8 +25,9 @@ const char* streamAlgorithmName(StreamAlgorithm a);
 // A window is two slots of slotBytes (alternate rounds use alternate slots).
 inline size_t streamWindowBytes(size_t slotBytes) { return 2 * slotBytes; }
 
-// Device zero-copy for the reduce-scatter + all-gather all-reduce and for
-// reduce-scatter (CellIndex in stream_program.h).  Ranks may differ in
+// Device zero-copy for the reduce-scatter + all-gather all-reduce, the
+// reduce-scatter, the all-gather and the all-to-all (CellIndex in
+// stream_program.h).  Ranks may differ in
 // `mine`; `cells` is the communicator's and the same everywhere for a call.
 struct StreamPublish {
   // The communicator has cell areas: the peers' parts are read through
@@ -49,7 +50,8 @@ bool readsPublished(const OpDesc& op, int nranks, StreamAlgorithm algo);
 // Whether rank `rank` may publish its buffers of `op` (StreamPublish::mine):
 // a reduce-scatter whose own block lies apart from its output, or is it
 // exactly in a one-pass reduction (NCCL's in-place layout, at most
-// kOnePassSources ranks).
+// kOnePassSources ranks); an all-gather whose input lies apart from its
+// output or is its own block; an all-to-all out of place.
 bool mayPublish(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo);
 
 // Rank `rank`'s program for `op` (sendbuf/recvbuf only compared, never read:
@@ -57,9 +59,10 @@ bool mayPublish(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo);
 // program uses rounds [*round, *round + program.rounds) and advances it.
 // Every rank must compile the same operations in the same order.  The
 // algorithm matters for all-reduce only; the other collectives have one
-// program each.  `publish` applies to the reduce-scatter + all-gather
-// all-reduce only.  loomInternalError if slotBytes cannot hold one element
-// per rank.
+// program each.  `publish` applies where readsPublished says (the
+// reduce-scatter + all-gather all-reduce, reduce-scatter, all-gather,
+// all-to-all).  loomInternalError if slotBytes cannot hold one element per
+// rank.
 StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo,
                                    size_t slotBytes, uint64_t* round, const StreamPublish& publish = {});
 

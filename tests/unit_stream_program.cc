@@ -855,12 +855,25 @@ TEST_CASE(
           round = 0;
           p = loom::compileStreamProgram(op, r, N, StreamAlgorithm::OneShot, slot, &round, pub);
           CHECK(traffic(p) == size_t(2 * (N - 1) + (inPlace ? 0 : 2)) * B);
+          // All-to-all, published (out of place only): nothing staged, the
+          // others' chunks copied straight from their send buffers, the own
+          // block across: 2N x a block, against 4(N - 1) + 2.
+          op.coll = Collective::AllToAll;
+          op.sendbuf = a.data();
+          op.recvbuf = inPlace ? a.data() : c.data();
+          CHECK(loom::mayPublish(op, r, N, StreamAlgorithm::OneShot) == !inPlace);
+          if (!inPlace) {
+            round = 0;
+            p = loom::compileStreamProgram(op, r, N, StreamAlgorithm::OneShot, slot, &round, pub);
+            CHECK(traffic(p) == size_t(2 * N) * B);
+          }
         }
 }
 
 TEST_CASE(
-    "stream programs, device zero-copy: the all-reduce, reduce-scatter and all-gather are exact whoever publishes "
-    "(nobody, everyone, odd ranks), N = 1..8, every op, in and out of place, one device and several",
+    "stream programs, device zero-copy: the all-reduce, reduce-scatter, all-gather and all-to-all are exact "
+    "whoever publishes (nobody, everyone, odd ranks), N = 1..8, every op, in and out of place, one device and "
+    "several",
     "[streamprog]") {
   const size_t slot = 2048;
   uint64_t seed = 500;
@@ -873,7 +886,8 @@ TEST_CASE(
       for (int mode : {2, 1, 3, 2, 0, 3, 1})
         for (const Variant& v : {Variant{Collective::AllReduce, StreamAlgorithm::ReduceScatterAllGather},
                                  Variant{Collective::ReduceScatter, StreamAlgorithm::OneShot},
-                                 Variant{Collective::AllGather, StreamAlgorithm::OneShot}})
+                                 Variant{Collective::AllGather, StreamAlgorithm::OneShot},
+                                 Variant{Collective::AllToAll, StreamAlgorithm::OneShot}})
         for (loomRedOp_t op : {loomSum, loomAvg, loomMax})
           for (size_t count : {size_t(1), size_t(37), size_t(2053)})
             for (bool inPlace : {false, true}) {
@@ -989,14 +1003,16 @@ TEST_CASE(
 
 TEST_CASE(
     "stream programs, device zero-copy: a publishing rank's later work waits until the peers are done with its "
-    "buffers (the caller may overwrite them at once): all-reduce, reduce-scatter, all-gather",
+    "buffers (the caller may overwrite them at once): all-reduce, reduce-scatter, all-gather, all-to-all",
     "[streamprog]") {
   const int N = 4;
   const size_t slot = 1024, n = 1000;  // several rounds
-  for (Collective coll : {Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather}) {
+  for (Collective coll :
+       {Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather, Collective::AllToAll}) {
     INFO(loom::collectiveName(coll));
-    const bool rs = coll == Collective::ReduceScatter, ag = coll == Collective::AllGather;
-    const size_t sendElems = rs ? N * n : n, recvElems = ag ? N * n : n;
+    const bool rs = coll == Collective::ReduceScatter, ag = coll == Collective::AllGather,
+               a2a = coll == Collective::AllToAll;
+    const size_t sendElems = rs || a2a ? N * n : n, recvElems = ag || a2a ? N * n : n;
     const StreamAlgorithm algo =
         coll == Collective::AllReduce ? StreamAlgorithm::ReduceScatterAllGather : StreamAlgorithm::OneShot;
     loomsim::SimDeviceWorld w(N, 1, loom::streamWindowBytes(slot));
@@ -1034,7 +1050,9 @@ TEST_CASE(
       }
       for (int r = 0; r < N; ++r)
         for (size_t i = 0; i < recvElems; ++i) {
-          const int32_t want = ag   ? int32_t(int(i / n) * 1000 + iter + int(i % n % 89))
+          // all-to-all: block q of rank r's output is block r of rank q's input
+          const int32_t want = a2a  ? int32_t(int(i / n) * 1000 + iter + int((size_t(r) * n + i % n) % 89))
+                               : ag ? int32_t(int(i / n) * 1000 + iter + int(i % n % 89))
                                : rs ? int32_t(6000 + N * (iter + int((size_t(r) * n + i) % 89)))
                                     : int32_t(6000 + N * (iter + int(i % 89)));
           bad += seen[size_t(r)][i] != want;

@@ -396,14 +396,15 @@ void enqueueRoundRobin(std::vector<RankEnqueue>& ranks) {
   }
 }
 
-// publish (the reduce-scatter + all-gather all-reduce only): 0 no cells,
+// publish (where readsPublished says): 0 no cells,
 // 1 cells but nobody publishes, 2 every rank publishes, 3 odd ranks do.
 std::string runProgram(const loom::CudaApi& api, Ranks& R, const Variant& v, loomDataType_t t, loomRedOp_t op,
                        size_t n, bool inPlace, std::mt19937_64& rng, int publish = 0) {
   const int N = R.n;
   const size_t esz = loom::dtypeSize(t);
-  const size_t sendElems = v.coll == Collective::ReduceScatter ? size_t(N) * n : n;
-  const size_t recvElems = v.coll == Collective::AllGather ? size_t(N) * n : n;
+  const bool a2a = v.coll == Collective::AllToAll;
+  const size_t sendElems = v.coll == Collective::ReduceScatter || a2a ? size_t(N) * n : n;
+  const size_t recvElems = v.coll == Collective::AllGather || a2a ? size_t(N) * n : n;
   const size_t bufElems = std::max(sendElems, recvElems);
   const int root = N - 1;
   std::vector<std::vector<uint8_t>> input(static_cast<size_t>(N), std::vector<uint8_t>(sendElems * esz)),
@@ -481,8 +482,12 @@ std::string runProgram(const loom::CudaApi& api, Ranks& R, const Variant& v, loo
         else if (inPlace) want = input[size_t(r)];
         else want.assign(recvInit[size_t(r)].begin(), recvInit[size_t(r)].begin() + long(recvElems * esz));
         break;
-      case Collective::P2P:  // stream programs do not serve these
-      case Collective::AllToAll:
+      case Collective::AllToAll:  // block q: block r of rank q's input
+        for (int q = 0; q < N; ++q)
+          want.insert(want.end(), input[size_t(q)].begin() + long(size_t(r) * n * esz),
+                      input[size_t(q)].begin() + long(size_t(r + 1) * n * esz));
+        break;
+      case Collective::P2P:  // not run here
       case Collective::Gather:
       case Collective::Scatter: break;
     }
@@ -529,8 +534,9 @@ void testPrograms(const loom::CudaApi& api, const std::vector<int>& rankCounts, 
           loom::strf("%s/%s N=%d: %ld cases", loom::collectiveName(v.coll), loom::streamAlgorithmName(v.algo), N, cases),
           wrong, firstBad);
     }
-    // Device zero-copy: the reduce-scatter + all-gather all-reduce with
-    // nobody, everyone and odd ranks publishing (cells written by stream
+    // Device zero-copy: the reduce-scatter + all-gather all-reduce, the
+    // reduce-scatter, the all-gather and the all-to-all with nobody,
+    // everyone and odd ranks publishing (cells written by stream
     // writes, sources resolved by the kernels), modes in an order that
     // changes every cell between calls.
     if (N > 1) {
@@ -539,7 +545,8 @@ void testPrograms(const loom::CudaApi& api, const std::vector<int>& rankCounts, 
       for (int mode : {2, 1, 3, 2, 0, 3})
         for (const Variant& zv : {Variant{Collective::AllReduce, StreamAlgorithm::ReduceScatterAllGather},
                                   Variant{Collective::ReduceScatter, StreamAlgorithm::OneShot},
-                                  Variant{Collective::AllGather, StreamAlgorithm::OneShot}})
+                                  Variant{Collective::AllGather, StreamAlgorithm::OneShot},
+                                  Variant{Collective::AllToAll, StreamAlgorithm::OneShot}})
         for (loomRedOp_t op : {loomSum, loomAvg})
           for (size_t n : {size_t(1), size_t(1031), size_t(1) << 20, maxCount})
             for (bool inPlace : {false, true}) {
@@ -555,7 +562,8 @@ void testPrograms(const loom::CudaApi& api, const std::vector<int>& rankCounts, 
               }
             }
       row("zero-copy",
-          loom::strf("all-reduce, reduce-scatter, all-gather with published buffers, N=%d: %ld cases", N, cases),
+          loom::strf("all-reduce, reduce-scatter, all-gather, all-to-all with published buffers, N=%d: %ld cases", N,
+                     cases),
           wrong, firstBad);
     }
   }
