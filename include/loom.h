@@ -307,10 +307,10 @@ LOOM_API loomResult_t loomCommDump(loomComm_t comm, char* buf, size_t size);
  * with a GPU), loomMemAlloc returns device memory of the current CUDA
  * device, as ncclMemAlloc does (cudaMalloc'd: CUDA IPC can export any
  * buffer inside it; not zeroed), and loomMemFree frees it.  Large
- * all-reduces, reduce-scatters and all-gathers whose send and recv buffers
- * lie in it are read in place by the peers on the same host
- * (LOOM_DEVICE_ZERO_COPY, docs/usage.md);
- * loomMemFree then first has those peers unmap it.  Otherwise:
+ * all-reduces, reduce-scatters, all-gathers and out-of-place all-to-alls
+ * whose send and recv buffers lie in it are read in place by the peers on
+ * the same host (LOOM_DEVICE_ZERO_COPY, docs/usage.md); loomMemFree then
+ * first has those peers unmap it.  Otherwise:
  *
  * loomMemAlloc returns host memory that the other ranks on this host can map
  * (a memfd, whole pages, placed on the caller's NUMA node where the rank is
@@ -340,10 +340,12 @@ LOOM_API loomResult_t loomMemFree(void* ptr);
  * still copied through loom's staging buffers (peers cannot map it).
  *
  * CUDA device memory (cudaMalloc'd, of comm's device) registers only with a
- * CUDA communicator.  Its large all-reduces, reduce-scatters and all-gathers
- * whose buffers lie in one registration are then read in place by the peers
- * on the same host, as loomMemAlloc's are (device zero-copy; the first use
- * of an allocation asks the peers to map it, about a millisecond).  Such
+ * CUDA communicator.  Large all-reduces, reduce-scatters, all-gathers and
+ * out-of-place all-to-alls whose send and recv buffers each lie inside a
+ * registration (or in loomMemAlloc memory) are then read in place by the
+ * peers on the same host, as loomMemAlloc's are
+ * (device zero-copy; the first use of an allocation asks the peers to map
+ * it, about a millisecond).  Such
  * memory must be deregistered before it is freed (as with NCCL).
  *
  * A range may be registered more than once; each call returns its own
@@ -352,9 +354,10 @@ LOOM_API loomResult_t loomMemFree(void* ptr);
 LOOM_API loomResult_t loomCommRegister(const loomComm_t comm, void* buff, size_t size, void** handle);
 
 /* Releases a handle loomCommRegister returned for comm.  For device memory
- * that no other registration of comm holds, it first waits for this
- * process's work on the device to finish (as cudaFree does) and then has the
- * peers that map the allocation unmap it, so that it may be freed after.
+ * that this rank published and no other registration of comm holds, it
+ * first waits for this process's work on the device to finish (as cudaFree
+ * does) and then has the peers that map the allocation unmap it, so that it
+ * may be freed after.
  * A handle that is not a live registration of comm is loomInvalidArgument. */
 LOOM_API loomResult_t loomCommDeregister(const loomComm_t comm, void* handle);
 

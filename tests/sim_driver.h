@@ -184,6 +184,12 @@ class SimDriver final : public loom::DeviceDriver {
   void* allocate(size_t bytes) override { return mem_.alloc(device_, bytes); }
   void release(void* p) override { mem_.free(p); }
   void addressRange(const void* p, void** base, size_t* bytes) const override { mem_.range(p, base, bytes); }
+  // cudaDeviceSynchronize: this rank's streams (its error is the streams'
+  // own, reported where they are synchronised).
+  void synchronize() override {
+    std::string msg;
+    if (world_) world_->rank(rank_).synchronize(&msg);
+  }
   void exportHandle(void* base, uint8_t h[loom::kIpcHandleBytes]) const override { mem_.handle(base, h); }
   void* openHandle(const uint8_t h[loom::kIpcHandleBytes]) override {
     if (g_failOpenRank.load() == rank_)

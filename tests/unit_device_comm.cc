@@ -2195,9 +2195,57 @@ TEST_CASE("CUDA communicator, device zero-copy (simulated device): device memory
   CHECK(allReduce(4) == 0);  // staged again, still exact
   // Freed while the communicators live: nobody maps it (DeviceEnv checks).
   for (int r = 0; r < 2; ++r) mem.free(segment[r]);
+  // loomMemAlloc memory registered too: its deregistration leaves it
+  // published (loomMemFree withdraws it).
+  void *la[2], *lh[2];
+  for (int r = 0; r < 2; ++r) {
+    REQUIRE(loomMemAlloc(&la[r], 2 * n * 4) == loomSuccess);
+    REQUIRE(loomCommRegister(comms[size_t(r)], la[r], 2 * n * 4, &lh[r]) == loomSuccess);
+    send[r] = static_cast<int32_t*>(la[r]);
+    recv[r] = send[r] + n;
+  }
+  CHECK(allReduce(5) > 0);
+  for (int r = 0; r < 2; ++r) CHECK(loomCommDeregister(comms[size_t(r)], lh[r]) == loomSuccess);
+  CHECK(ipcOf(comms[0]).memoryStats().published == 1);
+  CHECK(allReduce(6) > 0);
+  for (int r = 0; r < 2; ++r) CHECK(loomMemFree(la[r]) == loomSuccess);
+  CHECK(ipcOf(comms[0]).memoryStats().published == 0);
+  CHECK(ipcOf(comms[1]).memoryStats().publishedIn == 0);
+  // A registration whose record went without a deregistration (as when
+  // the caller frees registered memory and gets new memory at the same
+  // address): registering it again has the peers unmap the old mapping
+  // first, then the next call publishes it anew.
+  uint8_t* seg2[2];
+  void* h2[2];
+  for (int r = 0; r < 2; ++r) {
+    seg2[r] = mem.alloc(0, 2 * n * 4);
+    send[r] = reinterpret_cast<int32_t*>(seg2[r]);
+    recv[r] = send[r] + n;
+    REQUIRE(loomCommRegister(comms[size_t(r)], seg2[r], 2 * n * 4, &h2[r]) == loomSuccess);
+  }
+  CHECK(allReduce(7) > 0);
+  comms[0]->registrations().remove(h2[0]);  // the record only, as if it were never deregistered
+  CHECK(ipcOf(comms[1]).memoryStats().publishedIn == 1);
+  REQUIRE(loomCommRegister(comms[0], seg2[0], 2 * n * 4, &h2[0]) == loomSuccess);
+  CHECK(ipcOf(comms[0]).memoryStats().published == 0);
+  CHECK(ipcOf(comms[1]).memoryStats().publishedIn == 0);
+  CHECK(allReduce(8) > 0);
+  CHECK(ipcOf(comms[0]).memoryStats().published == 1);
+  for (int r = 0; r < 2; ++r) {
+    CHECK(loomCommDeregister(comms[size_t(r)], h2[r]) == loomSuccess);
+    mem.free(seg2[r]);
+  }
+  // Bad arguments on a CUDA communicator.
+  void* h = nullptr;
+  CHECK(loomCommRegister(comms[0], nullptr, 4096, &h) == loomInvalidArgument);
+  CHECK(std::string(loomGetLastError(nullptr)).find("buff is NULL") != std::string::npos);
+  uint8_t* some = mem.alloc(0, 4096);
+  CHECK(loomCommRegister(comms[0], some, 0, &h) == loomInvalidArgument);
+  CHECK(std::string(loomGetLastError(nullptr)).find("size is 0") != std::string::npos);
+  CHECK(loomCommRegister(comms[0], some, 4096, nullptr) == loomInvalidArgument);
+  mem.free(some);
   // Another device's memory: a clear error, nothing registered.
   uint8_t* other = mem.alloc(1, 4096);
-  void* h = nullptr;
   CHECK(loomCommRegister(comms[0], other, 4096, &h) == loomInvalidArgument);
   CHECK(std::string(loomGetLastError(nullptr)).find("is memory of cuda:1, but this communicator runs on sim:0") !=
         std::string::npos);
@@ -3374,8 +3422,8 @@ loom::DeviceCommOptions zeroCopyOptions(Publishable& pub, SimComms** self, int* 
 }
 }  // namespace
 
-TEST_CASE("device communicator (simulated device), zero-copy: published all-reduces, reduce-scatters and all-gathers "
-          "are exact, each allocation is mapped once per peer, and unpublish unmaps it before it is freed",
+TEST_CASE("device communicator (simulated device), zero-copy: published all-reduces, reduce-scatters, all-gathers and "
+          "all-to-alls are exact, each allocation is mapped once per peer, and unpublish unmaps it before it is freed",
           "[devcomm]") {
   Publishable pub;
   SimComms* self = nullptr;
@@ -3434,9 +3482,36 @@ TEST_CASE("device communicator (simulated device), zero-copy: published all-redu
   round(true, true, 3000, loomAvg, Collective::ReduceScatter);
   round(false, false, 3000, loomSum, Collective::AllGather);
   round(true, true, 3000, loomSum, Collective::AllGather);
+  round(false, false, 3000, loomSum, Collective::AllToAll);
+  round(false, true, 3000, loomSum, Collective::AllToAll);
+  round(true, false, 3000, loomSum, Collective::AllToAll);  // in place: nobody publishes, exact
   uint64_t rsReads = 0;
   for (int r = 0; r < N; ++r) rsReads += s.world.rank(r).publishedReads();
   CHECK(rsReads > reads);
+  // Withdrawn while the peers may still be reading it (no synchronisation
+  // first, as a deregistration right after the call): withdraw waits for
+  // this rank's work, which ends only once the peers are done with its
+  // buffers; then they unmap it.  Exact.
+  {
+    Prepared q = prepare(s, Op{Collective::AllReduce, loomFloat32, loomSum, 40000, 0, false}, rng);
+    for (int r = 0; r < N; ++r) {
+      void* base = nullptr;
+      size_t bytes = 0;
+      s.mem.range(q.send[size_t(r)], &base, &bytes);
+      pub.add(base);
+      s.mem.range(q.recv[size_t(r)], &base, &bytes);
+      pub.add(base);
+    }
+    for (int r = 0; r < N; ++r) issue(s, q, r);
+    void* base = nullptr;
+    size_t bytes = 0;
+    s.mem.range(q.send[0], &base, &bytes);
+    const size_t mapped = s.mem.openMappings();
+    s.comms[0]->withdraw(base, nullptr);
+    CHECK(s.mem.openMappings() == mapped - size_t(N - 1));
+    REQUIRE(syncAll(s).empty());
+    CHECK(verify(q, N) == "");
+  }
   // Unpublish before the free: every peer unmaps it, and it is freed with
   // no mapping left (the fixture checks freedWhileMapped at the end).
   const size_t mappedBefore = s.mem.openMappings();

@@ -978,7 +978,7 @@ loomResult_t loomMemFree(void* ptr) {
 }
 
 loomResult_t loomCommRegister(const loomComm_t comm, void* buff, size_t size, void** handle) {
-  return guarded("loomCommRegister", nullptr, [&] {
+  return guarded("loomCommRegister", comm, [&] {
     checkComm(comm);
     if (!handle) fail(loomInvalidArgument, "handle is NULL");
     *handle = comm->registerBuffer(buff, size);
@@ -987,7 +987,7 @@ loomResult_t loomCommRegister(const loomComm_t comm, void* buff, size_t size, vo
 }
 
 loomResult_t loomCommDeregister(const loomComm_t comm, void* handle) {
-  return guarded("loomCommDeregister", nullptr, [&] {
+  return guarded("loomCommDeregister", comm, [&] {
     checkComm(comm);
     comm->deregisterBuffer(handle);
     return loomSuccess;

@@ -371,8 +371,15 @@ loom::DeviceCommOptions loomComm::deviceOptions(const RankInfo& root) {
 
 void* loomComm::registerBuffer(void* buff, size_t bytes) {
   void* allocation = nullptr;
-  if (buff && device_ && device_->deviceMemory(buff, bytes, &allocation))
+  if (buff && device_ && device_->deviceMemory(buff, bytes, &allocation)) {
+    void* base = nullptr;
+    // Published while no registration holds it: the caller freed it without
+    // deregistering, and this is new memory at the same address (the
+    // peers' mappings are of the old): have them unmap those first.
+    if (allocation && !registrations_.holdsAllocation(allocation) && !deviceMemFind(allocation, 1, &base))
+      device_->withdraw(allocation, nullptr);
     return registrations_.add(buff, bytes, transportList(), MemoryKind::CudaDevice, allocation);
+  }
   if (buff && !device_)
     if (const int dev = cudaPointerDevice(buff); dev >= 0)
       fail(loomInvalidArgument,
@@ -387,9 +394,10 @@ void loomComm::deregisterBuffer(void* handle) {
   void* base = nullptr;
   // Still published while another registration, or loomMemAlloc (whose free
   // withdraws it), holds the allocation.
-  if (gone->allocation && device_ && !registrations_.holdsAllocation(gone->allocation) &&
-      !deviceMemFind(gone->allocation, 1, &base))
-    device_->withdraw(gone->allocation);
+  auto held = [&] {
+    return registrations_.holdsAllocation(gone->allocation) || deviceMemFind(gone->allocation, 1, &base);
+  };
+  if (gone->allocation && device_ && !held()) device_->withdraw(gone->allocation, held);
 }
 
 void loomComm::sendSignatures(int peer, std::vector<uint8_t> bytes) {

@@ -262,7 +262,9 @@ bool HierDeviceComm::deviceMemory(const void* p, size_t bytes, void** allocation
   return local_->deviceComm()->deviceMemory(p, bytes, allocation);
 }
 
-void HierDeviceComm::withdraw(void* allocation) { local_->deviceComm()->withdraw(allocation); }
+void HierDeviceComm::withdraw(void* allocation, const std::function<bool()>& held) {
+  local_->deviceComm()->withdraw(allocation, held);
+}
 
 void HierDeviceComm::runAllReduce(const OpDesc& op, void* callerStream) {
   const HierSplit s = hierSplit(op.count, shape_.perHost);

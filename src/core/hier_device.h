@@ -158,7 +158,7 @@ class HierDeviceComm final : public DeviceCollectives {
   // (its IPC path reads the parent's buffers; it publishes from the
   // parent's records, DeviceRequest::registrations).
   bool deviceMemory(const void* p, size_t bytes, void** allocation) override;
-  void withdraw(void* allocation) override;
+  void withdraw(void* allocation, const std::function<bool()>& held) override;
   std::string describe() const override;
 
   // Whether run() takes `op` through the hierarchy.

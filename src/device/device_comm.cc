@@ -1241,6 +1241,10 @@ void DeviceComm::unpublish(void* base, bool destroying) {
     if (!pubs_.count(uint64_t(uintptr_t(base)))) return;
   }
   std::lock_guard<std::mutex> ask(askMu_);
+  unpublishHeld(base, destroying);
+}
+
+void DeviceComm::unpublishHeld(void* base, bool destroying) {
   Published pub;
   {
     std::lock_guard<std::mutex> g(pubMu_);
@@ -1324,13 +1328,23 @@ bool DeviceComm::deviceMemory(const void* p, size_t bytes, void** allocation) {
   return true;
 }
 
-void DeviceComm::withdraw(void* allocation) {
+void DeviceComm::withdraw(void* allocation, const std::function<bool()>& held) {
+  const uint64_t key = uint64_t(uintptr_t(allocation));
   bool mapped = false;
   {
     std::lock_guard<std::mutex> g(pubMu_);
-    auto it = pubs_.find(uint64_t(uintptr_t(allocation)));
+    auto it = pubs_.find(key);
     if (it == pubs_.end()) return;
     for (uint64_t at : it->second.at) mapped = mapped || at;
+  }
+  if (failed()) {
+    std::lock_guard<std::mutex> ask(askMu_);
+    if (held && held()) return;
+    std::lock_guard<std::mutex> g(pubMu_);
+    if (pubs_.erase(key) && mapped)
+      LOOM_INFO("DEVICE", "rank %d: the communicator has failed, so the peers are not asked to unmap its device "
+                "memory at %p (they unmap it when their communicators go)", rank_, allocation);
+    return;
   }
   // A program on published buffers ends only once the peers are done
   // reading them, so once this process's work on the device is done no
@@ -1343,7 +1357,9 @@ void DeviceComm::withdraw(void* allocation) {
       LOOM_WARN("DEVICE", "rank %d: deregistering device memory at %p: %s", rank_, allocation, e.what());
     }
   }
-  unpublish(allocation);
+  std::lock_guard<std::mutex> ask(askMu_);
+  if (held && held()) return;  // registered again meanwhile: still published
+  unpublishHeld(allocation, false);
 }
 
 const DeviceComm::Published* DeviceComm::publishedAlloc(void* base) {
@@ -1385,10 +1401,13 @@ const DeviceComm::Published* DeviceComm::publishedAlloc(void* base) {
 
 bool DeviceComm::publishFor(const OpDesc& op, size_t sendBytes, size_t recvBytes, ProgramBuffers* b) {
   if (!publishable_ || !publishTo_ || nranks_ < 2) return false;
+  // Under askMu_: a deregistration (withdraw) in another thread either
+  // comes after this publish, and has the peers unmap it, or before, and
+  // the memory is not publishable any more.
+  std::lock_guard<std::mutex> ask(askMu_);
   void *sendBase = nullptr, *recvBase = nullptr;
   if (!publishable_(op.sendbuf, sendBytes, &sendBase) || !publishable_(op.recvbuf, recvBytes, &recvBase))
     return false;
-  std::lock_guard<std::mutex> ask(askMu_);
   const Published* s = publishedAlloc(sendBase);
   const Published* r = s->ok ? publishedAlloc(recvBase) : s;
   if (!s->ok || !r->ok) return false;

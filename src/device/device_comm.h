@@ -384,8 +384,11 @@ class DeviceCollectives {
   virtual bool deviceMemory(const void* p, size_t bytes, void** allocation);
   // Its deregistration (no registration holds it any more): once this
   // process's work on the device is done, as loomMemFree waits, the peers
-  // unmap the allocation if this rank published it.  Never throws.
-  virtual void withdraw(void* /*allocation*/) {}
+  // unmap the allocation if this rank published it, unless `held` (checked
+  // under the lock publishing takes) says it was registered again
+  // meanwhile.  A failed communicator asks no peer (one may still read it;
+  // as its destroy) and only forgets it.  Never throws.
+  virtual void withdraw(void* /*allocation*/, const std::function<bool()>& /*held*/) {}
   // A peer's batch of collective signatures (the IPC path's mismatch
   // check, src/device/op_signature.h; on the control thread).
   virtual void onPeerSignatures(int /*from*/, const std::vector<uint8_t>& /*bytes*/) {}
@@ -504,9 +507,11 @@ class DeviceComm final : public DeviceCollectives {
   // At destroy (`destroying`), a peer that does not answer is only noted:
   // its own destroy unmaps everything.
   void unpublish(void* base, bool destroying = false);
+  // unpublish() with askMu_ held.
+  void unpublishHeld(void* base, bool destroying);
   void unpublishAll() override;
   bool deviceMemory(const void* p, size_t bytes, void** allocation) override;
-  void withdraw(void* allocation) override;
+  void withdraw(void* allocation, const std::function<bool()>& held) override;
   bool zeroCopy() const { return zeroCopy_; }
 
   // Which all-reduce program `bytes` gets.

@@ -212,14 +212,19 @@ long regionsOut(loomComm_t comm) {
   return at ? std::strtol(at + std::strlen("send/recv staging: "), nullptr, 10) : -1;
 }
 
-// Allocations this rank publishes (device zero-copy), as loomCommDump says
-// (-1: no zero-copy here: the staged path, or LOOM_DEVICE_ZERO_COPY=0).
-long publishedAllocs(loomComm_t comm) {
+// Allocations this rank publishes (device zero-copy) and peers'
+// allocations mapped here for them (*in), as loomCommDump says (-1: no
+// zero-copy here: the staged path, or LOOM_DEVICE_ZERO_COPY=0).
+long publishedAllocs(loomComm_t comm, long* in = nullptr) {
   char buf[8192];
   if (loomCommDump(comm, buf, sizeof buf) != loomSuccess) return -1;
   const char* at = std::strstr(buf, "zero-copy: ");
   if (!at || std::strncmp(at, "zero-copy: off", 14) == 0) return -1;
-  return std::strtol(at + std::strlen("zero-copy: "), nullptr, 10);
+  char* end = nullptr;
+  const long out = std::strtol(at + std::strlen("zero-copy: "), &end, 10);
+  const char* comma = std::strchr(end, ',');
+  if (in) *in = comma ? std::strtol(comma + 1, nullptr, 10) : -1;
+  return out;
 }
 
 // One lazy-staging check: 1 when the count differs from want (and says so).
@@ -459,6 +464,14 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, size_t maxCount) 
       ++bad;
     }
     bad += allReduce(2);
+    // Every rank's deregistration returned before its second all-reduce,
+    // which ended only once every rank had issued it: nothing of a peer's
+    // is mapped here any more.
+    long in = -1;
+    if (publishedAllocs(comm, &in) >= 0 && in != 0) {
+      std::fprintf(stderr, "rank %d: register: %ld peer allocations still mapped here\n", me, in);
+      ++bad;
+    }
     CK(cudaFree(seg));
     std::printf("RESULT register 4 %ld\n", bad);
   }
