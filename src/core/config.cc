@@ -126,12 +126,13 @@ const std::vector<ConfigVar>& configTable() {
        "with 4 MiB slots, 134 with 16 MiB, 211 with 32 MiB, 280 with 64 MiB, measured when an all-reduce's round "
        "was half a slot and moved 11/8 of today's bytes; rank 0's value is used by all)"},
       {"LOOM_DEVICE_ZERO_COPY", "bool", "1",
-       "CUDA IPC path, all-reduces above LOOM_DEVICE_ONESHOT_BYTES, reduce-scatters and all-gathers: a rank whose "
-       "send and recv buffers come from loomMemAlloc publishes them, and the peers reduce from and copy out of them "
-       "in place instead of through its window (all-reduce: 2.5 instead of 4 times the bytes of memory traffic per rank at 2 "
-       "ranks); other buffers are staged as before, and each rank decides for itself per call. loomMemFree of published memory first has "
-       "the peers unmap it. 0: windows only, and the copies out use the copy engine (rank 0's value is used by "
-       "all)"},
+       "CUDA IPC path, all-reduces above LOOM_DEVICE_ONESHOT_BYTES, reduce-scatters, all-gathers and out-of-place "
+       "all-to-alls: a rank whose send and recv buffers come from loomMemAlloc, or lie in device memory registered "
+       "with loomCommRegister, publishes them, and the peers reduce from and copy out of them in place instead of "
+       "through its window (all-reduce: 2.5 instead of 4 times the bytes of memory traffic per rank at 2 ranks); "
+       "other buffers are staged as before, and each rank decides for itself per call. loomMemFree or "
+       "loomCommDeregister of published memory first has the peers unmap it. 0: windows only, and the copies out "
+       "use the copy engine (rank 0's value is used by all)"},
       {"LOOM_DEVICE_ONESHOT_BYTES", "int", "262144",
        "CUDA IPC path: all-reduces up to this many bytes run one-shot (every rank reduces every window), larger "
        "ones reduce-scatter + all-gather (not yet measured on GPUs; rank 0's value is used by all)"},
