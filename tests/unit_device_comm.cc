@@ -2050,6 +2050,31 @@ TEST_CASE("loomMemAlloc on a CUDA process (LOOM_DEVICE=cuda, simulated device): 
   }
 }
 
+namespace {
+
+// An all-reduce of n int32 over two CUDA communicators (simulated device)
+// out of send into recv, checked exact; the published reads it made.
+uint64_t twoRankAllReduce(loomsim::SimDeviceWorld& world, const std::vector<loomComm_t>& comms,
+                          int32_t* const* send, int32_t* const* recv, size_t n, int salt) {
+  auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+  const uint64_t before = world.rank(0).publishedReads() + world.rank(1).publishedReads();
+  for (int r = 0; r < 2; ++r)
+    for (size_t i = 0; i < n; ++i) send[r][i] = int32_t(r * 7 + salt + int(i % 1000));
+  for (int r = 0; r < 2; ++r)
+    CHECK(loomAllReduce(send[r], recv[r], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) == loomSuccess);
+  for (int r = 0; r < 2; ++r) {
+    std::string msg;
+    REQUIRE(world.rank(r).synchronize(&msg) == loomSuccess);
+  }
+  long wrong = 0;
+  for (int r = 0; r < 2; ++r)
+    for (size_t i = 0; i < n; ++i) wrong += recv[r][i] != int32_t(7 + 2 * salt + 2 * int(i % 1000));
+  CHECK(wrong == 0);
+  return world.rank(0).publishedReads() + world.rank(1).publishedReads() - before;
+}
+
+}  // namespace
+
 TEST_CASE("CUDA communicator, device zero-copy (simulated device): all-reduces on loomMemAlloc buffers are read in "
           "place through the control plane's publish, loomMemFree has the peers unmap first, LOOM_DEVICE_ZERO_COPY=0 "
           "stages everything",
@@ -2065,20 +2090,8 @@ TEST_CASE("CUDA communicator, device zero-copy (simulated device): all-reduces o
     INFO("LOOM_DEVICE_ZERO_COPY=" << zc);
     CHECK(ipcOf(comms[0]).zeroCopy() == (zc[0] == '1'));
     const size_t n = 300000;  // 1.2 MB: reduce-scatter + all-gather, several rounds
-    auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
     auto allReduce = [&](int32_t* const* send, int32_t* const* recv, int salt) {
-      for (int r = 0; r < 2; ++r)
-        for (size_t i = 0; i < n; ++i) send[r][i] = int32_t(r * 7 + salt + int(i % 1000));
-      for (int r = 0; r < 2; ++r)
-        CHECK(loomAllReduce(send[r], recv[r], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) == loomSuccess);
-      for (int r = 0; r < 2; ++r) {
-        std::string msg;
-        REQUIRE(world.rank(r).synchronize(&msg) == loomSuccess);
-      }
-      long wrong = 0;
-      for (int r = 0; r < 2; ++r)
-        for (size_t i = 0; i < n; ++i) wrong += recv[r][i] != int32_t(7 + 2 * salt + 2 * int(i % 1000));
-      CHECK(wrong == 0);
+      twoRankAllReduce(world, comms, send, recv, n, salt);
     };
     int32_t *send[2], *recv[2];
     for (int r = 0; r < 2; ++r) {
@@ -2135,7 +2148,6 @@ TEST_CASE("CUDA communicator, device zero-copy (simulated device): device memory
   std::vector<loomComm_t> comms = initCudaComms(2);
   REQUIRE(comms.size() == 2);
   const size_t n = 300000;  // reduce-scatter + all-gather, several rounds
-  auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
   // One plain device allocation per rank (as a framework's allocator
   // segment) holding the send and the recv buffer.
   uint8_t* segment[2];
@@ -2146,22 +2158,7 @@ TEST_CASE("CUDA communicator, device zero-copy (simulated device): device memory
     recv[r] = send[r] + n;
   }
   // How many published reads one all-reduce made; its result is exact.
-  auto allReduce = [&](int salt) {
-    const uint64_t before = world.rank(0).publishedReads() + world.rank(1).publishedReads();
-    for (int r = 0; r < 2; ++r)
-      for (size_t i = 0; i < n; ++i) send[r][i] = int32_t(r * 7 + salt + int(i % 1000));
-    for (int r = 0; r < 2; ++r)
-      CHECK(loomAllReduce(send[r], recv[r], n, loomInt32, loomSum, comms[size_t(r)], fakeStream) == loomSuccess);
-    for (int r = 0; r < 2; ++r) {
-      std::string msg;
-      REQUIRE(world.rank(r).synchronize(&msg) == loomSuccess);
-    }
-    long wrong = 0;
-    for (int r = 0; r < 2; ++r)
-      for (size_t i = 0; i < n; ++i) wrong += recv[r][i] != int32_t(7 + 2 * salt + 2 * int(i % 1000));
-    CHECK(wrong == 0);
-    return world.rank(0).publishedReads() + world.rank(1).publishedReads() - before;
-  };
+  auto allReduce = [&](int salt) { return twoRankAllReduce(world, comms, send, recv, n, salt); };
   CHECK(allReduce(1) == 0);  // not registered: staged
   // Rank 0 registers its send buffer only: its recv buffer is not covered,
   // so it publishes nothing; rank 1 registers its whole segment and
@@ -3435,9 +3432,8 @@ TEST_CASE("device communicator (simulated device), zero-copy: published all-redu
   pub.mem = &s.mem;
   for (const std::string& e : s.initErrors) REQUIRE(e.empty());
   std::mt19937_64 rng(77);
-  auto round = [&](bool inPlace, bool publishOdd, size_t count, loomRedOp_t op,
-                   Collective coll = Collective::AllReduce) {
-    Prepared p = prepare(s, Op{coll, loomFloat32, op, count, 0, inPlace}, rng);
+  // The ranks (all, or odd ones) whose buffers of p may be published.
+  auto mayPublish = [&](const Prepared& p, bool publishOdd) {
     for (int r = 0; r < N; ++r)
       if (!publishOdd || r % 2) {
         void* b = nullptr;
@@ -3447,6 +3443,11 @@ TEST_CASE("device communicator (simulated device), zero-copy: published all-redu
         s.mem.range(p.recv[size_t(r)], &b, &n);
         pub.add(b);
       }
+  };
+  auto round = [&](bool inPlace, bool publishOdd, size_t count, loomRedOp_t op,
+                   Collective coll = Collective::AllReduce) {
+    Prepared p = prepare(s, Op{coll, loomFloat32, op, count, 0, inPlace}, rng);
+    mayPublish(p, publishOdd);
     for (int r = 0; r < N; ++r) issue(s, p, r);
     const std::string problems = syncAll(s);
     INFO(problems);
@@ -3494,14 +3495,7 @@ TEST_CASE("device communicator (simulated device), zero-copy: published all-redu
   // buffers; then they unmap it.  Exact.
   {
     Prepared q = prepare(s, Op{Collective::AllReduce, loomFloat32, loomSum, 40000, 0, false}, rng);
-    for (int r = 0; r < N; ++r) {
-      void* base = nullptr;
-      size_t bytes = 0;
-      s.mem.range(q.send[size_t(r)], &base, &bytes);
-      pub.add(base);
-      s.mem.range(q.recv[size_t(r)], &base, &bytes);
-      pub.add(base);
-    }
+    mayPublish(q, false);
     for (int r = 0; r < N; ++r) issue(s, q, r);
     void* base = nullptr;
     size_t bytes = 0;
