@@ -75,7 +75,17 @@ TEST_CASE("loomCommAbort from another thread ends a call blocked on the communic
       CHECK(r0 == loomRemoteError);
       CHECK(msg0.find("aborted") != std::string::npos);
       CHECK(waited < 5.0);  // at the abort, not at the timeout
-      CHECK(r1 != loomSuccess);  // its peer is gone
+      // Its peer is gone, so rank 1 fails, unless its call needed nothing
+      // more of rank 0 than what rank 0 had put in before the abort (8
+      // floats: the one-shot path reads rank 0's staged input) and ran
+      // before the abort's notice arrived; then its result is whole, as
+      // fault-tolerant MPI allows (found on a loaded Debian 13 ASan run).
+      if (r1 == loomSuccess) {
+        CHECK(count == 8);
+        long wrong = 0;
+        for (float v : b) wrong += v != 3.0f;
+        CHECK(wrong == 0);
+      }
     }
   }
 }
