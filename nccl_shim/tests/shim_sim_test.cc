@@ -5,7 +5,8 @@
 // simulated device buffers with a non-NULL cudaStream_t, N = 2..4 on one
 // and two devices, exact after the streams synchronise; send/recv groups;
 // groups spanning every rank's communicator from one thread;
-// ncclCommCuDevice; ncclCommInitAll on two devices; and the refusals: a
+// ncclCommCuDevice; ncclCommInitAll on two devices; ncclCommRegister of
+// device memory read in place (device zero-copy); and the refusals: a
 // CUDA stream on a host communicator, a group mixing host and CUDA
 // communicators, PreMulSum on device buffers, host memory on a CUDA
 // communicator.
@@ -559,5 +560,61 @@ TEST_CASE(
   }
   for (ncclComm_t c2 : shrunk)
     if (c2) CHECK(ncclCommDestroy(c2) == ncclSuccess);
+  for (ncclComm_t c2 : comms) CHECK(ncclCommDestroy(c2) == ncclSuccess);
+}
+
+TEST_CASE(
+    "NCCL shim on CUDA communicators (simulated device): device memory given to ncclCommRegister (as PyTorch's "
+    "allocator hook gives its segments) is read in place by large all-reduces, and ncclCommDeregister has the peer "
+    "unmap it",
+    "[nccl][devcomm]") {
+  setenv("LOOM_DEVICE_SLOT_BYTES", "65536", 1);  // several rounds of the reduce-scatter + all-gather
+  const int n = 2;
+  SimCuda sim(n, 1);
+  std::string err;
+  std::vector<ncclComm_t> comms = initRanks(n, &err);
+  unsetenv("LOOM_DEVICE_SLOT_BYTES");
+  INFO(err);
+  REQUIRE(comms.size() == size_t(n));
+  auto ipc = [&](int r) -> loom::DeviceComm& {
+    return *dynamic_cast<loom::DeviceComm*>(comms[size_t(r)]->loom->deviceComm());
+  };
+  const size_t c = 300000;
+  std::vector<int32_t*> seg(static_cast<size_t>(n));
+  std::vector<void*> handle(static_cast<size_t>(n), nullptr);
+  for (int r = 0; r < n; ++r) {
+    seg[size_t(r)] = sim.alloc(0, c + 1024);  // the segment; the bucket at an offset in it
+    REQUIRE(ncclCommRegister(comms[size_t(r)], seg[size_t(r)], (c + 1024) * 4, &handle[size_t(r)]) == ncclSuccess);
+  }
+  auto allReduce = [&](int k) {
+    const uint64_t before = sim.world.rank(0).publishedReads() + sim.world.rank(1).publishedReads();
+    for (int r = 0; r < n; ++r)
+      for (size_t i = 0; i < c; ++i) seg[size_t(r)][256 + i] = in(k, r, i);
+    std::vector<ncclResult_t> rc(size_t(n), ncclInternalError);
+    perRank(n, [&](int r) {
+      int32_t* p = seg[size_t(r)] + 256;
+      rc[size_t(r)] = ncclAllReduce(p, p, c, ncclInt32, ncclSum, comms[size_t(r)], fakeStream());
+    });
+    for (ncclResult_t x : rc) CHECK(x == ncclSuccess);
+    CHECK(sim.sync(&err));
+    long wrong = 0;
+    for (int r = 0; r < n; ++r)
+      for (size_t i = 0; i < c; ++i) wrong += seg[size_t(r)][256 + i] != in(k, 0, i) + in(k, 1, i);
+    CHECK(wrong == 0);
+    return sim.world.rank(0).publishedReads() + sim.world.rank(1).publishedReads() - before;
+  };
+  CHECK(allReduce(1) > 0);
+  for (int r = 0; r < n; ++r) {
+    CHECK(ipc(r).memoryStats().published == 1);
+    CHECK(ipc(r).memoryStats().publishedIn == 1);
+  }
+  for (int r = 0; r < n; ++r) CHECK(ncclCommDeregister(comms[size_t(r)], handle[size_t(r)]) == ncclSuccess);
+  for (int r = 0; r < n; ++r) {
+    CHECK(ipc(r).memoryStats().published == 0);
+    CHECK(ipc(r).memoryStats().publishedIn == 0);
+  }
+  CHECK(ncclCommDeregister(comms[0], handle[0]) == ncclInvalidArgument);  // twice
+  CHECK(allReduce(2) == 0);  // staged now, still exact
+  for (int r = 0; r < n; ++r) sim.mem.free(seg[size_t(r)]);
   for (ncclComm_t c2 : comms) CHECK(ncclCommDestroy(c2) == ncclSuccess);
 }
