@@ -2106,6 +2106,27 @@ TEST_CASE("CUDA communicator, device zero-copy (simulated device): all-reduces o
     allReduce(send, send, 2);  // in place
     const uint64_t reads = world.rank(0).publishedReads() + world.rank(1).publishedReads() - before;
     if (zc[0] == '1') {
+      // A small all-gather (under LOOM_DEVICE_ONESHOT_BYTES) touches no
+      // cell: nothing read through one, published or not.
+      auto cellReads = [&] {
+        return world.rank(0).publishedReads() + world.rank(1).publishedReads() + world.rank(0).fallbackReads() +
+               world.rank(1).fallbackReads();
+      };
+      const uint64_t cellsBefore = cellReads();
+      auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+      for (int r = 0; r < 2; ++r)
+        for (int i = 0; i < 100; ++i) send[r][i] = r * 1000 + i;
+      for (int r = 0; r < 2; ++r)
+        CHECK(loomAllGather(send[r], recv[r], 100, loomInt32, comms[size_t(r)], fakeStream) == loomSuccess);
+      for (int r = 0; r < 2; ++r) {
+        std::string msg;
+        REQUIRE(world.rank(r).synchronize(&msg) == loomSuccess);
+      }
+      CHECK(cellReads() == cellsBefore);
+      long wrong = 0;
+      for (int r = 0; r < 2; ++r)
+        for (int i = 0; i < 200; ++i) wrong += recv[r][i] != (i / 100) * 1000 + i % 100;
+      CHECK(wrong == 0);
       CHECK(reads > 0);
       CHECK(ipcOf(comms[0]).memoryStats().published == 2);
       CHECK(ipcOf(comms[1]).memoryStats().publishedIn == 2);

@@ -1033,12 +1033,14 @@ std::unique_ptr<SteppedRun> DeviceComm::beginRun(const OpDesc& op, void* callerS
   const bool needSend = sh.needSend, needRecv = sh.needRecv;
   const size_t sendBytes = sh.sendBytes, recvBytes = sh.recvBytes;
   const StreamAlgorithm algo = allReduceAlgorithm(n * esz);
-  // Device zero-copy: the reduce-scatter + all-gather all-reduce and
-  // reduce-scatter read the peers through their cells, and publish this
-  // rank's buffers when they can.
+  // Device zero-copy: the reduce-scatter + all-gather all-reduce,
+  // reduce-scatter, all-gather and all-to-all read the peers through their
+  // cells, and publish this rank's buffers when they can.  Only large calls
+  // (over LOOM_DEVICE_ONESHOT_BYTES, the same on every rank): zero-copy
+  // saves bandwidth, and a small call would only pay the cells' writes.
   ProgramBuffers b;
   StreamPublish pub;
-  pub.cells = zeroCopy_ && readsPublished(op, nranks_, algo);
+  pub.cells = zeroCopy_ && readsPublished(op, nranks_, algo) && std::max(sendBytes, recvBytes) > oneShotBytes_;
   if (pub.cells) {
     b.published.assign(size_t(nranks_), {});  // nothing published unless publishFor fills it
     if (mayPublish(op, rank_, nranks_, algo)) pub.mine = publishFor(op, sendBytes, recvBytes, &b);
