@@ -182,13 +182,30 @@ size_t perRound(size_t bytes, size_t esz) {
 
 bool readsPublished(const OpDesc& op, int nranks, StreamAlgorithm algo) {
   if (nranks < 2 || op.count == 0) return false;
-  return (op.coll == Collective::AllReduce && algo == StreamAlgorithm::ReduceScatterAllGather) ||
-         op.coll == Collective::ReduceScatter || op.coll == Collective::AllGather ||
-         op.coll == Collective::AllToAll;
+  return op.coll != Collective::P2P && (op.coll != Collective::AllReduce || algo == StreamAlgorithm::ReduceScatterAllGather);
+}
+
+bool writesCells(const OpDesc& op, int rank) {
+  switch (op.coll) {
+    case Collective::Broadcast:
+    case Collective::Scatter: return rank == op.root;  // the others' buffers nobody reads
+    case Collective::Reduce:
+    case Collective::Gather: return rank != op.root;
+    default: return true;
+  }
+}
+
+size_t zeroCopyBytes(const OpDesc& op, int nranks) {
+  return op.count * dtypeSize(op.dtype) * (perRankCount(op.coll) ? size_t(nranks) : 1);
 }
 
 bool mayPublish(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo) {
-  if (!readsPublished(op, nranks, algo)) return false;
+  if (!readsPublished(op, nranks, algo) || !writesCells(op, rank)) return false;
+  // Rooted: only the send buffer is read by others, and the publishing
+  // side writes no block of it (a broadcast root, a scatter root, which
+  // writes its own block of the output only, the senders of a reduce or a
+  // gather).
+  if (rooted(op.coll)) return true;
   const size_t block = op.count * dtypeSize(op.dtype);
   if (op.coll == Collective::AllGather) {
     // The peers read the send buffer while this rank writes the other
@@ -302,7 +319,7 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
     // the program's first round on the slot, after its guard: the values
     // when they changed, the tag always.
     auto writeCells = [&] {
-      if (g >= p.firstRound + 2) return;
+      if (g >= p.firstRound + 2 || !writesCells(op, me)) return;
       for (int q = 0; q < N; ++q)
         if (q != me) {
           if (publish.write[slot]) {
@@ -439,30 +456,42 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         b.set(0, kFlagDone, v);
         break;
       }
-      case Collective::Broadcast:
+      // Rooted collectives, zero-copy: the side whose send buffer the
+      // others read (a broadcast's or scatter's root, a reduce's or
+      // gather's senders) may publish it and stage nothing; the readers
+      // take it through its cells.
+      case Collective::Broadcast: {
+        const bool cells = publish.cells, mine = cells && publish.mine;
         if (me == op.root) {
           guard();
-          b.copy(0, winAt(me, base), sendAt(off * esz), c * esz);
+          if (cells) writeCells();
+          if (!mine) b.copy(0, winAt(me, base), sendAt(off * esz), c * esz);
           b.set(0, kFlagInput, v);
           if (!inPlace) b.copy(0, recvAt(off * esz), sendAt(off * esz), c * esz);
         } else {
           b.wait(0, op.root, kFlagInput, v);
-          b.copy(0, recvAt(off * esz), winAt(op.root, base), c * esz);
+          b.copy(0, recvAt(off * esz),
+                 cells ? publishedAt(op.root, sendCell, off * esz, base, v) : winAt(op.root, base), c * esz);
         }
         b.set(0, kFlagDone, v);
         break;
-      case Collective::Reduce:
+      }
+      case Collective::Reduce: {
+        const bool cells = publish.cells, mine = cells && publish.mine;
         guard();
-        b.copy(0, winAt(me, base), sendAt(off * esz), c * esz);
+        if (cells) writeCells();
+        if (!mine) b.copy(0, winAt(me, base), sendAt(off * esz), c * esz);
         b.set(0, kFlagInput, v);
         if (me == op.root) {
           b.waitOthers(0, kFlagInput, v);
-          for (int q = 0; q < N; ++q) all.push_back(winAt(q, base));
+          for (int q = 0; q < N; ++q)
+            all.push_back(q != me && cells ? publishedAt(q, sendCell, off * esz, base, v) : winAt(q, base));
           b.reduce(0, recvAt(off * esz), all, c);
           if (avg) b.divide(0, recvAt(off * esz), c, N);
         }
         b.set(0, kFlagDone, v);
         break;
+      }
       case Collective::AllToAll: {
         // Every rank stages the chunks the others take, then takes chunk
         // `me` of every other rank's slot into block q of its output; its
@@ -487,35 +516,46 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         b.set(0, kFlagDone, v);
         break;
       }
-      case Collective::Gather:
+      case Collective::Gather: {
+        const bool cells = publish.cells, mine = cells && publish.mine;
         if (me != op.root) {
           // Reads no window: done as soon as the chunk is staged (the root's
           // done flag is what guards this slot's reuse).
           guard();
-          b.copy(0, winAt(me, base), sendAt(off * esz), c * esz);
+          if (cells) writeCells();
+          if (!mine) b.copy(0, winAt(me, base), sendAt(off * esz), c * esz);
           b.set(0, kFlagInput, v);
         } else {
           if (!rootInPlace) b.copy(0, recvAt((size_t(me) * n + off) * esz), sendAt(off * esz), c * esz);
           for (int q = 0; q < N; ++q) {
             if (q == me) continue;
             b.wait(0, q, kFlagInput, v);
-            b.copy(0, recvAt((size_t(q) * n + off) * esz), winAt(q, base), c * esz);
+            b.copy(0, recvAt((size_t(q) * n + off) * esz),
+                   cells ? publishedAt(q, sendCell, off * esz, base, v) : winAt(q, base), c * esz);
           }
         }
         b.set(0, kFlagDone, v);
         break;
-      case Collective::Scatter:
+      }
+      case Collective::Scatter: {
+        const bool cells = publish.cells, mine = cells && publish.mine;
         if (me == op.root) {
           guard();
-          stageBlocks(base, off, c, me);  // the root's own block is copied below, never read from the slot
+          if (cells) writeCells();
+          if (!mine) stageBlocks(base, off, c, me);  // the root's own block is copied below, never read from the slot
           b.set(0, kFlagInput, v);
           if (!rootInPlace) b.copy(0, recvAt(off * esz), sendAt((size_t(me) * n + off) * esz), c * esz);
         } else {
           b.wait(0, op.root, kFlagInput, v);
-          b.copy(0, recvAt(off * esz), winAt(op.root, base + size_t(me) * c * esz), c * esz);
+          const size_t chunk = base + size_t(me) * c * esz;
+          b.copy(0, recvAt(off * esz),
+                 cells ? publishedAt(op.root, sendCell, (size_t(me) * n + off) * esz, chunk, v)
+                       : winAt(op.root, chunk),
+                 c * esz);
         }
         b.set(0, kFlagDone, v);
         break;
+      }
       case Collective::P2P:
         break;  // refused above
     }

@@ -25,9 +25,8 @@ const char* streamAlgorithmName(StreamAlgorithm a);
 // A window is two slots of slotBytes (alternate rounds use alternate slots).
 inline size_t streamWindowBytes(size_t slotBytes) { return 2 * slotBytes; }
 
-// Device zero-copy for the reduce-scatter + all-gather all-reduce, the
-// reduce-scatter, the all-gather and the all-to-all (CellIndex in
-// stream_program.h).  Ranks may differ in
+// Device zero-copy for the reduce-scatter + all-gather all-reduce and
+// every other collective but send/recv (CellIndex in stream_program.h).  Ranks may differ in
 // `mine`; `cells` is the communicator's and the same everywhere for a call.
 struct StreamPublish {
   // The communicator has cell areas: the peers' parts are read through
@@ -47,11 +46,21 @@ struct StreamPublish {
 // Whether `op`'s program reads the peers through their cells (given a
 // communicator with cell areas): the same on every rank for the same call.
 bool readsPublished(const OpDesc& op, int nranks, StreamAlgorithm algo);
+// Whether rank `rank`'s program writes its cells (where readsPublished):
+// every rank's, but for rooted collectives only the side whose send buffer
+// the others read (a broadcast's or scatter's root, a reduce's or gather's
+// other ranks).  A rank that does not write them leaves its cells' tags
+// older than the program's rounds, so its readers (none) would fall back.
+bool writesCells(const OpDesc& op, int rank);
+// The size the zero-copy threshold compares (the same on every rank): the
+// buffer, N blocks for collectives whose count is per rank.
+size_t zeroCopyBytes(const OpDesc& op, int nranks);
 // Whether rank `rank` may publish its buffers of `op` (StreamPublish::mine):
 // a reduce-scatter whose own block lies apart from its output, or is it
 // exactly in a one-pass reduction (NCCL's in-place layout, at most
 // kOnePassSources ranks); an all-gather whose input lies apart from its
-// output or is its own block; an all-to-all out of place.
+// output or is its own block; an all-to-all out of place; the rank of a
+// rooted collective whose send buffer the others read (writesCells).
 bool mayPublish(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo);
 
 // Rank `rank`'s program for `op` (sendbuf/recvbuf only compared, never read:
@@ -60,8 +69,7 @@ bool mayPublish(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo);
 // Every rank must compile the same operations in the same order.  The
 // algorithm matters for all-reduce only; the other collectives have one
 // program each.  `publish` applies where readsPublished says (the
-// reduce-scatter + all-gather all-reduce, reduce-scatter, all-gather,
-// all-to-all).  loomInternalError if slotBytes cannot hold one element per
+// reduce-scatter + all-gather all-reduce and every other collective).  loomInternalError if slotBytes cannot hold one element per
 // rank.
 StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo,
                                    size_t slotBytes, uint64_t* round, const StreamPublish& publish = {});

@@ -307,10 +307,10 @@ LOOM_API loomResult_t loomCommDump(loomComm_t comm, char* buf, size_t size);
  * with a GPU), loomMemAlloc returns device memory of the current CUDA
  * device, as ncclMemAlloc does (cudaMalloc'd: CUDA IPC can export any
  * buffer inside it; not zeroed), and loomMemFree frees it.  Large
- * all-reduces, reduce-scatters, all-gathers and out-of-place all-to-alls
- * whose send and recv buffers lie in it are read in place by the peers on
- * the same host (LOOM_DEVICE_ZERO_COPY, docs/usage.md); loomMemFree then
- * first has those peers unmap it.  Otherwise:
+ * collectives (not send/recv, not the in-place all-to-all) whose buffers
+ * lie in it are read in place by the peers on the same host
+ * (LOOM_DEVICE_ZERO_COPY, docs/usage.md); loomMemFree then first has those
+ * peers unmap it.  Otherwise:
  *
  * loomMemAlloc returns host memory that the other ranks on this host can map
  * (a memfd, whole pages, placed on the caller's NUMA node where the rank is
@@ -340,13 +340,12 @@ LOOM_API loomResult_t loomMemFree(void* ptr);
  * still copied through loom's staging buffers (peers cannot map it).
  *
  * CUDA device memory (cudaMalloc'd, of comm's device) registers only with a
- * CUDA communicator.  Large all-reduces, reduce-scatters, all-gathers and
- * out-of-place all-to-alls whose send and recv buffers each lie inside a
- * registration (or in loomMemAlloc memory) are then read in place by the
- * peers on the same host, as loomMemAlloc's are
- * (device zero-copy; the first use of an allocation asks the peers to map
- * it, about a millisecond).  Such
- * memory must be deregistered before it is freed (as with NCCL).
+ * CUDA communicator.  Large collectives (not send/recv, not the in-place
+ * all-to-all) whose buffers each lie inside a registration (or in
+ * loomMemAlloc memory) are then read in place by the peers on the same
+ * host, as loomMemAlloc's are (device zero-copy; the first use of an
+ * allocation asks the peers to map it, about a millisecond).  Such memory
+ * must be deregistered before it is freed (as with NCCL).
  *
  * A range may be registered more than once; each call returns its own
  * handle.  Returns loomInvalidArgument for a NULL comm, buff or handle,

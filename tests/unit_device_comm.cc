@@ -3440,8 +3440,9 @@ loom::DeviceCommOptions zeroCopyOptions(Publishable& pub, SimComms** self, int* 
 }
 }  // namespace
 
-TEST_CASE("device communicator (simulated device), zero-copy: published all-reduces, reduce-scatters, all-gathers and "
-          "all-to-alls are exact, each allocation is mapped once per peer, and unpublish unmaps it before it is freed",
+TEST_CASE("device communicator (simulated device), zero-copy: published collectives (all-reduce, reduce-scatter, "
+          "all-gather, all-to-all, rooted) are exact, each allocation is mapped once per peer, and unpublish unmaps "
+          "it before it is freed",
           "[devcomm]") {
   Publishable pub;
   SimComms* self = nullptr;
@@ -3507,6 +3508,16 @@ TEST_CASE("device communicator (simulated device), zero-copy: published all-redu
   round(false, false, 3000, loomSum, Collective::AllToAll);
   round(false, true, 3000, loomSum, Collective::AllToAll);
   round(true, false, 3000, loomSum, Collective::AllToAll);  // in place: nobody publishes, exact
+  // Rooted: the side the others read publishes its send buffer only.
+  for (Collective rc : {Collective::Broadcast, Collective::Reduce, Collective::Gather, Collective::Scatter}) {
+    INFO(loom::collectiveName(rc));
+    uint64_t before = 0, after = 0;
+    for (int r = 0; r < N; ++r) before += s.world.rank(r).publishedReads();
+    round(false, false, 3000, loomSum, rc);
+    round(true, false, 3000, loomAvg, rc);
+    for (int r = 0; r < N; ++r) after += s.world.rank(r).publishedReads();
+    CHECK(after > before);
+  }
   uint64_t rsReads = 0;
   for (int r = 0; r < N; ++r) rsReads += s.world.rank(r).publishedReads();
   CHECK(rsReads > reads);

@@ -867,13 +867,30 @@ TEST_CASE(
             p = loom::compileStreamProgram(op, r, N, StreamAlgorithm::OneShot, slot, &round, pub);
             CHECK(traffic(p) == size_t(2 * N) * B);
           }
+          // Rooted, published by the side the others read: a broadcast or
+          // scatter root moves only its own block into its output (nothing
+          // in place), a reduce's or gather's sender nothing at all.
+          for (Collective rc : {Collective::Broadcast, Collective::Reduce, Collective::Gather, Collective::Scatter}) {
+            INFO(loom::collectiveName(rc));
+            op.coll = rc;
+            const bool rootSide = rc == Collective::Broadcast || rc == Collective::Scatter;
+            op.root = rootSide ? r : (r + 1) % N;  // this rank is the side that publishes
+            op.sendbuf = a.data();
+            op.recvbuf = rc == Collective::Scatter && inPlace ? a.data() + size_t(r) * B
+                         : inPlace && rc == Collective::Broadcast ? a.data() : c.data();
+            REQUIRE(loom::mayPublish(op, r, N, StreamAlgorithm::OneShot));
+            round = 0;
+            p = loom::compileStreamProgram(op, r, N, StreamAlgorithm::OneShot, slot, &round, pub);
+            CHECK(traffic(p) == (rootSide && !inPlace ? 2 * B : 0));
+            op.root = rootSide ? (r + 1) % N : r;  // the other side never publishes
+            CHECK_FALSE(loom::mayPublish(op, r, N, StreamAlgorithm::OneShot));
+          }
         }
 }
 
 TEST_CASE(
-    "stream programs, device zero-copy: the all-reduce, reduce-scatter, all-gather and all-to-all are exact "
-    "whoever publishes (nobody, everyone, odd ranks), N = 1..8, every op, in and out of place, one device and "
-    "several",
+    "stream programs, device zero-copy: every collective is exact whoever publishes (nobody, everyone, odd ranks), "
+    "N = 1..8, every op, in and out of place, roots varied, one device and several",
     "[streamprog]") {
   const size_t slot = 2048;
   uint64_t seed = 500;
@@ -887,12 +904,18 @@ TEST_CASE(
         for (const Variant& v : {Variant{Collective::AllReduce, StreamAlgorithm::ReduceScatterAllGather},
                                  Variant{Collective::ReduceScatter, StreamAlgorithm::OneShot},
                                  Variant{Collective::AllGather, StreamAlgorithm::OneShot},
-                                 Variant{Collective::AllToAll, StreamAlgorithm::OneShot}})
+                                 Variant{Collective::AllToAll, StreamAlgorithm::OneShot},
+                                 Variant{Collective::Broadcast, StreamAlgorithm::OneShot},
+                                 Variant{Collective::Reduce, StreamAlgorithm::OneShot},
+                                 Variant{Collective::Gather, StreamAlgorithm::OneShot},
+                                 Variant{Collective::Scatter, StreamAlgorithm::OneShot}})
         for (loomRedOp_t op : {loomSum, loomAvg, loomMax})
           for (size_t count : {size_t(1), size_t(37), size_t(2053)})
             for (bool inPlace : {false, true}) {
+              if (op != loomSum && !loom::reduces(v.coll)) continue;  // the op changes nothing there
               Case c;
               c.v = v;
+              c.root = int((count + size_t(mode)) % size_t(n));
               c.type = op == loomMax ? loomInt64 : loomBfloat16;
               c.op = op;
               c.count = count;
@@ -1003,16 +1026,18 @@ TEST_CASE(
 
 TEST_CASE(
     "stream programs, device zero-copy: a publishing rank's later work waits until the peers are done with its "
-    "buffers (the caller may overwrite them at once): all-reduce, reduce-scatter, all-gather, all-to-all",
+    "buffers (the caller may overwrite them at once): every collective",
     "[streamprog]") {
-  const int N = 4;
+  const int N = 4, root = 2;
   const size_t slot = 1024, n = 1000;  // several rounds
-  for (Collective coll :
-       {Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather, Collective::AllToAll}) {
+  for (Collective coll : {Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather,
+                          Collective::AllToAll, Collective::Broadcast, Collective::Reduce, Collective::Gather,
+                          Collective::Scatter}) {
     INFO(loom::collectiveName(coll));
     const bool rs = coll == Collective::ReduceScatter, ag = coll == Collective::AllGather,
                a2a = coll == Collective::AllToAll;
-    const size_t sendElems = rs || a2a ? N * n : n, recvElems = ag || a2a ? N * n : n;
+    const size_t sendElems = rs || a2a || coll == Collective::Scatter ? N * n : n,
+                 recvElems = ag || a2a || coll == Collective::Gather ? N * n : n;
     const StreamAlgorithm algo =
         coll == Collective::AllReduce ? StreamAlgorithm::ReduceScatterAllGather : StreamAlgorithm::OneShot;
     loomsim::SimDeviceWorld w(N, 1, loom::streamWindowBytes(slot));
@@ -1029,12 +1054,13 @@ TEST_CASE(
         op.recvbuf = recv[size_t(r)].data();
         op.count = n;
         op.dtype = loomInt32;
+        op.root = root;
         loom::StreamPublish pub;
         pub.cells = true;
-        pub.mine = true;
+        pub.mine = loom::mayPublish(op, r, N, algo);
         loom::StreamProgram p = loom::compileStreamProgram(op, r, N, algo, slot, &w.round(r), pub);
         loom::ProgramBuffers b = w.buffers(r, op.sendbuf, sendElems * 4, op.recvbuf, recvElems * 4);
-        w.addCells(r, b, true);
+        w.addCells(r, b, pub.mine);
         loom::enqueueProgram(w.rank(r), p, b);
         // The caller's next kernel keeps the result and scribbles over both
         // buffers at once.
@@ -1048,15 +1074,25 @@ TEST_CASE(
         std::string msg;
         REQUIRE(w.rank(r).synchronize(&msg) == loomSuccess);
       }
-      for (int r = 0; r < N; ++r)
+      for (int r = 0; r < N; ++r) {
+        if ((coll == Collective::Reduce || coll == Collective::Gather) && r != root) continue;  // no output
         for (size_t i = 0; i < recvElems; ++i) {
-          // all-to-all: block q of rank r's output is block r of rank q's input
-          const int32_t want = a2a  ? int32_t(int(i / n) * 1000 + iter + int((size_t(r) * n + i % n) % 89))
-                               : ag ? int32_t(int(i / n) * 1000 + iter + int(i % n % 89))
-                               : rs ? int32_t(6000 + N * (iter + int((size_t(r) * n + i) % 89)))
-                                    : int32_t(6000 + N * (iter + int(i % 89)));
+          const int q = int(i / n);  // the rank whose block this is (all-gather, all-to-all, gather)
+          int32_t want = 0;
+          switch (coll) {
+            case Collective::AllToAll:  // block r of rank q's input
+              want = int32_t(q * 1000 + iter + int((size_t(r) * n + i % n) % 89));
+              break;
+            case Collective::AllGather:
+            case Collective::Gather: want = int32_t(q * 1000 + iter + int(i % n % 89)); break;
+            case Collective::ReduceScatter: want = int32_t(6000 + N * (iter + int((size_t(r) * n + i) % 89))); break;
+            case Collective::Broadcast: want = int32_t(root * 1000 + iter + int(i % 89)); break;
+            case Collective::Scatter: want = int32_t(root * 1000 + iter + int((size_t(r) * n + i) % 89)); break;
+            default: want = int32_t(6000 + N * (iter + int(i % 89))); break;  // all-reduce, reduce
+          }
           bad += seen[size_t(r)][i] != want;
         }
+      }
     }
     CHECK(bad == 0);
     uint64_t published = 0;

@@ -126,7 +126,7 @@ const std::vector<ConfigVar>& configTable() {
        "with 4 MiB slots, 134 with 16 MiB, 211 with 32 MiB, 280 with 64 MiB, measured when an all-reduce's round "
        "was half a slot and moved 11/8 of today's bytes; rank 0's value is used by all)"},
       {"LOOM_DEVICE_ZERO_COPY", "bool", "1",
-       "CUDA IPC path, all-reduces, reduce-scatters, all-gathers and out-of-place all-to-alls above "
+       "CUDA IPC path, collectives (not send/recv, not the in-place all-to-all) above "
        "LOOM_DEVICE_ONESHOT_BYTES: a rank whose send and recv buffers come from loomMemAlloc, or lie in device memory registered "
        "with loomCommRegister, publishes them, and the peers reduce from and copy out of them in place instead of "
        "through its window (all-reduce: 2.5 instead of 4 times the bytes of memory traffic per rank at 2 ranks); "
@@ -135,8 +135,8 @@ const std::vector<ConfigVar>& configTable() {
        "use the copy engine (rank 0's value is used by all)"},
       {"LOOM_DEVICE_ONESHOT_BYTES", "int", "262144",
        "CUDA IPC path: all-reduces up to this many bytes run one-shot (every rank reduces every window), larger "
-       "ones reduce-scatter + all-gather; reduce-scatters, all-gathers and all-to-alls up to it (their larger "
-       "buffer) take no device zero-copy (not yet measured on GPUs; rank 0's value is used by all)"},
+       "ones reduce-scatter + all-gather; other collectives up to it (their whole buffer, N blocks for per-rank "
+       "counts) take no device zero-copy (not yet measured on GPUs; rank 0's value is used by all)"},
       {"LOOM_CHECK_MODE", "on|off", "on",
        "check that ranks call the same operation (sequence number + signature per slot; rooted collectives: "
        "headers to and from the root at one-shot sizes, a tag handshake with the neighbouring ranks on the "

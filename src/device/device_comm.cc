@@ -1033,14 +1033,14 @@ std::unique_ptr<SteppedRun> DeviceComm::beginRun(const OpDesc& op, void* callerS
   const bool needSend = sh.needSend, needRecv = sh.needRecv;
   const size_t sendBytes = sh.sendBytes, recvBytes = sh.recvBytes;
   const StreamAlgorithm algo = allReduceAlgorithm(n * esz);
-  // Device zero-copy: the reduce-scatter + all-gather all-reduce,
-  // reduce-scatter, all-gather and all-to-all read the peers through their
-  // cells, and publish this rank's buffers when they can.  Only large calls
-  // (over LOOM_DEVICE_ONESHOT_BYTES, the same on every rank): zero-copy
-  // saves bandwidth, and a small call would only pay the cells' writes.
+  // Device zero-copy: the reduce-scatter + all-gather all-reduce and the
+  // other collectives read the peers through their cells, and publish this
+  // rank's buffers when they can.  Only large calls (over
+  // LOOM_DEVICE_ONESHOT_BYTES, the same on every rank): zero-copy saves
+  // bandwidth, and a small call would only pay the cells' writes.
   ProgramBuffers b;
   StreamPublish pub;
-  pub.cells = zeroCopy_ && readsPublished(op, nranks_, algo) && std::max(sendBytes, recvBytes) > oneShotBytes_;
+  pub.cells = zeroCopy_ && readsPublished(op, nranks_, algo) && zeroCopyBytes(op, nranks_) > oneShotBytes_;
   if (pub.cells) {
     b.published.assign(size_t(nranks_), {});  // nothing published unless publishFor fills it
     if (mayPublish(op, rank_, nranks_, algo)) pub.mine = publishFor(op, sendBytes, recvBytes, &b);
@@ -1049,7 +1049,7 @@ std::unique_ptr<SteppedRun> DeviceComm::beginRun(const OpDesc& op, void* callerS
   if (failCode_ != loomSuccess) fail(failCode_, "the %s communicator has failed: %s", driver_->name(), failed_.c_str());
   const uint64_t before = round_;  // rounds enqueued so far: the value the last one's done flag reaches
   uint64_t round = round_;
-  if (pub.cells)
+  if (pub.cells && writesCells(op, rank_))
     for (int slot = 0; slot < 2; ++slot) {
       bool same = true;
       for (int q = 0; q < nranks_; ++q)
@@ -1063,11 +1063,13 @@ std::unique_ptr<SteppedRun> DeviceComm::beginRun(const OpDesc& op, void* callerS
     }
   StreamProgram p = compileStreamProgram(op, rank_, nranks_, algo, slotBytes_, &round, pub);
   if (pub.cells) {
-    // The slots this program's rounds use now hold its values.
-    for (uint64_t k = p.firstRound; k < p.firstRound + std::min<uint64_t>(p.rounds, 2); ++k)
-      for (int q = 0; q < nranks_; ++q)
-        for (int c = 0; c < kCellCount; ++c)
-          if (c % 2 == int(k % 2)) cellsHeld_[k % 2][size_t(q)][size_t(c)] = b.published[size_t(q)][size_t(c)];
+    // The slots this program's rounds use now hold its values (a rank
+    // whose program writes no cells leaves them as they were).
+    if (writesCells(op, rank_))
+      for (uint64_t k = p.firstRound; k < p.firstRound + std::min<uint64_t>(p.rounds, 2); ++k)
+        for (int q = 0; q < nranks_; ++q)
+          for (int c = 0; c < kCellCount; ++c)
+            if (c % 2 == int(k % 2)) cellsHeld_[k % 2][size_t(q)][size_t(c)] = b.published[size_t(q)][size_t(c)];
     b.cells = cells_;
     b.peerCells = peerCells_;
   }
@@ -1407,19 +1409,24 @@ bool DeviceComm::publishFor(const OpDesc& op, size_t sendBytes, size_t recvBytes
   // comes after this publish, and has the peers unmap it, or before, and
   // the memory is not publishable any more.
   std::lock_guard<std::mutex> ask(askMu_);
+  // Rooted collectives: the others read the send buffer only.
+  const bool withRecv = !rooted(op.coll);
   void *sendBase = nullptr, *recvBase = nullptr;
-  if (!publishable_(op.sendbuf, sendBytes, &sendBase) || !publishable_(op.recvbuf, recvBytes, &recvBase))
+  if (!publishable_(op.sendbuf, sendBytes, &sendBase) ||
+      (withRecv && !publishable_(op.recvbuf, recvBytes, &recvBase)))
     return false;
   const Published* s = publishedAlloc(sendBase);
-  const Published* r = s->ok ? publishedAlloc(recvBase) : s;
+  const Published* r = s->ok && withRecv ? publishedAlloc(recvBase) : s;
   if (!s->ok || !r->ok) return false;
   const uint64_t sendOff = uint64_t(static_cast<const uint8_t*>(op.sendbuf) - static_cast<const uint8_t*>(sendBase));
-  const uint64_t recvOff = uint64_t(static_cast<uint8_t*>(op.recvbuf) - static_cast<uint8_t*>(recvBase));
+  const uint64_t recvOff =
+      withRecv ? uint64_t(static_cast<uint8_t*>(op.recvbuf) - static_cast<uint8_t*>(recvBase)) : 0;
   for (int q = 0; q < nranks_; ++q) {
     if (q == rank_) continue;
     auto& c = b->published[size_t(q)];
     c[kCellSend0] = c[kCellSend1] = ProgramBuffers::Cell{s->at[size_t(q)] + sendOff, sendBytes};
-    c[kCellRecv0] = c[kCellRecv1] = ProgramBuffers::Cell{r->at[size_t(q)] + recvOff, recvBytes};
+    c[kCellRecv0] = c[kCellRecv1] =
+        withRecv ? ProgramBuffers::Cell{r->at[size_t(q)] + recvOff, recvBytes} : ProgramBuffers::Cell{};
   }
   return true;
 }
