@@ -138,6 +138,12 @@ for phase in "${phases[@]}"; do
     for coll in alltoall gather scatter sendrecv; do
       step "loom-perf -G $coll, 2 ranks, 8 B .. 64 MiB" "${run[@]}" -n 2 "${lp[@]}" "$coll" -G -b 8 -e 64M -f 8 -c 1 -r 1
     done
+    # The other collectives on loomMemAlloc buffers (zero-copy above
+    # LOOM_DEVICE_ONESHOT_BYTES), next to the rows above.
+    for coll in reduce_scatter all_gather alltoall broadcast reduce gather scatter; do
+      step "loom-perf -G -R $coll (zero-copy), 2 ranks, 8 B .. 64 MiB" "${run[@]}" -n 2 "${lp[@]}" "$coll" -G -R \
+        -b 8 -e 64M -f 8 -c 1 -r 1
+    done
     step "loom-perf --device cuda (the ctest script)" bash "$here/tests/perf_device_test.sh" "$build/bin"
     ;;
   sweep)
