@@ -128,6 +128,7 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
     std::map<int, int> joined;  // rank -> its Join connection
     std::set<int> askedState;   // pending ranks asked whether they shrink without this rank
     std::set<int> notYet;       // ... that answered from an earlier shrink (or none)
+    std::set<int> answered;     // ... that answered at all
     // Alive and in this same shrink (or done with it) without this rank: the
     // ranks passed different lists and follow another coordinator; going
     // on would build a second communicator beside theirs.  A rank that does
@@ -139,6 +140,7 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
       notYet.erase(r);
       if (ctl.askShrinking(r, &active, &theirs, &theirRound, std::min(deadline, nowMs() + 200)) != Reach::Acked)
         return;
+      answered.insert(r);
       if (theirRound < round) {
         notYet.insert(r);
         return;
@@ -186,9 +188,12 @@ std::shared_ptr<loomComm> loomComm::shrink(const std::vector<int>& exclude) {
                  listRanks(pending).c_str());
           if (now >= agreeBy) {
             // Once more before leaving them out: those that had not entered
-            // this shrink when first asked.
+            // this shrink when first asked, and those whose answer never
+            // came (under load the first question's 200 ms may pass): a
+            // live rank shrinking without this one follows another
+            // coordinator, and going on would build a second communicator.
             for (int r : pending)
-              if (notYet.count(r)) checkTheirShrink(r);
+              if (notYet.count(r) || !answered.count(r)) checkTheirShrink(r);
             LOOM_WARN("SHRINK", "rank %d: ranks%s did not join the shrink in %lld ms; leaving them out", me,
                       listRanks(pending).c_str(), (long long)T);
             for (int r : pending) out.insert(r);
