@@ -26,17 +26,19 @@ const char* streamAlgorithmName(StreamAlgorithm a);
 inline size_t streamWindowBytes(size_t slotBytes) { return 2 * slotBytes; }
 
 // Device zero-copy for the reduce-scatter + all-gather all-reduce and
-// every other collective but send/recv (CellIndex in stream_program.h).  Ranks may differ in
-// `mine`; `cells` is the communicator's and the same everywhere for a call.
+// every other collective but send/recv (CellIndex in stream_program.h).
+// Ranks may differ in `mine`; `cells` is the communicator's and the same
+// everywhere for a call.
 struct StreamPublish {
   // The communicator has cell areas: the peers' parts are read through
   // their cells (Space::Published), and the program writes this rank's
   // cells where `write` says.  False: windows only, no cell is touched.
   bool cells = false;
-  // This rank publishes its send and recv buffers (ProgramBuffers::published
-  // holds them for every reader): it stages nothing in its window, its
-  // reduced part goes to its recv buffer only, and its program ends only
-  // once every peer is done with the last round (they read its buffers).
+  // This rank publishes its buffers (ProgramBuffers::published holds them
+  // for every reader; rooted collectives: the send buffer only): it stages
+  // nothing in its window, an all-reduce's reduced part goes to its recv
+  // buffer only, and its program ends only once every peer is done with the
+  // last round (they read its buffers).
   bool mine = false;
   // Per slot: this program's values differ from what the cells of that
   // slot hold now, so its first round on that slot writes them.

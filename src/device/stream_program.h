@@ -70,12 +70,14 @@ constexpr int kRoundFlags = 3;
 // rank q's cells as published to this rank, kCellCount cells of
 // kCellWords words each: {the buffer's start as mapped in this rank, its
 // bytes}; a start of 0 means "not published: read my window".  A rank
-// publishes its send and recv buffers of the reduce-scatter + all-gather
-// all-reduce (a cell per buffer and slot: round g uses the cells of slot
-// g % 2, which it writes, when it must, after the same guard as that slot,
-// so no reader of the round before that used them still reads them) and
-// then stages nothing in its window: the peers reduce straight from its
-// send buffer and copy the reduced parts straight from its recv buffer.
+// publishes its send and recv buffers of a collective (a cell per buffer
+// and slot: round g uses the cells of slot g % 2, which it writes, when it
+// must, after the same guard as that slot, so no reader of the round
+// before that used them still reads them) and then stages nothing in its
+// window: the peers reduce or copy straight from its send buffer (and, the
+// reduce-scatter + all-gather all-reduce, copy the reduced parts straight
+// from its recv buffer).  Rooted collectives publish the send buffer of
+// the side the others read only (writesCells, stream_collectives.h).
 enum CellIndex : uint8_t {
   kCellSend0 = 0,  // send buffer, slot 0 rounds
   kCellSend1 = 1,
