@@ -182,7 +182,8 @@ size_t perRound(size_t bytes, size_t esz) {
 
 bool readsPublished(const OpDesc& op, int nranks, StreamAlgorithm algo) {
   if (nranks < 2 || op.count == 0) return false;
-  return op.coll != Collective::P2P && (op.coll != Collective::AllReduce || algo == StreamAlgorithm::ReduceScatterAllGather);
+  return op.coll != Collective::P2P &&
+         (op.coll != Collective::AllReduce || algo == StreamAlgorithm::ReduceScatterAllGather);
 }
 
 bool writesCells(const OpDesc& op, int rank) {
@@ -306,6 +307,9 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         b.copy(0, winAt(me, base + size_t(q) * c * esz), sendAt((size_t(q) * n + off) * esz), c * esz);
   };
 
+  // Zero-copy (StreamPublish): whether the peers are read through their
+  // cells, and whether this rank publishes its buffers.
+  const bool cells = publish.cells && readsPublished(op, N, algo), mine = cells && publish.mine;
   uint64_t g = *round;
   // The flag value of the program's last round (the cells' tag).
   const uint64_t lastV = *round + (n + m - 1) / m;
@@ -319,7 +323,7 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
     // the program's first round on the slot, after its guard: the values
     // when they changed, the tag always.
     auto writeCells = [&] {
-      if (g >= p.firstRound + 2 || !writesCells(op, me)) return;
+      if (!cells || g >= p.firstRound + 2 || !writesCells(op, me)) return;
       for (int q = 0; q < N; ++q)
         if (q != me) {
           if (publish.write[slot]) {
@@ -349,8 +353,7 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         // Zero-copy (StreamPublish): the peers' parts are read through
         // their cells of this round's slot, which the program's first round
         // on that slot writes when they change.
-        const bool cells = rsag && publish.cells, mine = cells && publish.mine;
-        if (cells) writeCells();
+        writeCells();
         auto peerPart = [&](int q, CellIndex c, size_t qs) {
           return cells ? publishedAt(q, c, (off + qs) * esz, base + qs * esz, v) : winAt(q, base + qs * esz);
         };
@@ -413,8 +416,7 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         // through their cells; a publishing rank stages nothing and reads
         // its own block in place (exactly the output, in place: one pass).
         guard();
-        const bool cells = publish.cells, mine = cells && publish.mine;
-        if (cells) writeCells();
+        writeCells();
         if (!mine) stageBlocks(base, off, c, ownBlockApart ? me : -1);
         b.set(0, kFlagInput, v);
         b.waitOthers(0, kFlagInput, v);
@@ -436,8 +438,7 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         // buffers through their cells; a publishing rank stages nothing and
         // copies its own chunk across (in place it is already there).
         guard();
-        const bool cells = publish.cells, mine = cells && publish.mine;
-        if (cells) writeCells();
+        writeCells();
         if (!mine) b.copy(0, winAt(me, base), sendAt(off * esz), c * esz);
         b.set(0, kFlagInput, v);
         b.waitOthers(0, kFlagInput, v);
@@ -461,10 +462,9 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
       // gather's senders) may publish it and stage nothing; the readers
       // take it through its cells.
       case Collective::Broadcast: {
-        const bool cells = publish.cells, mine = cells && publish.mine;
         if (me == op.root) {
           guard();
-          if (cells) writeCells();
+          writeCells();
           if (!mine) b.copy(0, winAt(me, base), sendAt(off * esz), c * esz);
           b.set(0, kFlagInput, v);
           if (!inPlace) b.copy(0, recvAt(off * esz), sendAt(off * esz), c * esz);
@@ -477,9 +477,8 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         break;
       }
       case Collective::Reduce: {
-        const bool cells = publish.cells, mine = cells && publish.mine;
         guard();
-        if (cells) writeCells();
+        writeCells();
         if (!mine) b.copy(0, winAt(me, base), sendAt(off * esz), c * esz);
         b.set(0, kFlagInput, v);
         if (me == op.root) {
@@ -500,8 +499,7 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         // stages nothing, and the peers copy their chunks straight from
         // block q of its send buffer through its cells.
         guard();
-        const bool cells = publish.cells, mine = cells && publish.mine;
-        if (cells) writeCells();
+        writeCells();
         if (!mine) stageBlocks(base, off, c, me);
         b.set(0, kFlagInput, v);
         if (!inPlace) b.copy(0, recvAt((size_t(me) * n + off) * esz), sendAt((size_t(me) * n + off) * esz), c * esz);
@@ -517,12 +515,11 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         break;
       }
       case Collective::Gather: {
-        const bool cells = publish.cells, mine = cells && publish.mine;
         if (me != op.root) {
           // Reads no window: done as soon as the chunk is staged (the root's
           // done flag is what guards this slot's reuse).
           guard();
-          if (cells) writeCells();
+          writeCells();
           if (!mine) b.copy(0, winAt(me, base), sendAt(off * esz), c * esz);
           b.set(0, kFlagInput, v);
         } else {
@@ -538,10 +535,9 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         break;
       }
       case Collective::Scatter: {
-        const bool cells = publish.cells, mine = cells && publish.mine;
         if (me == op.root) {
           guard();
-          if (cells) writeCells();
+          writeCells();
           if (!mine) stageBlocks(base, off, c, me);  // the root's own block is copied below, never read from the slot
           b.set(0, kFlagInput, v);
           if (!rootInPlace) b.copy(0, recvAt(off * esz), sendAt((size_t(me) * n + off) * esz), c * esz);
@@ -560,7 +556,7 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
         break;  // refused above
     }
   }
-  if (readsPublished(op, N, algo) && publish.cells && publish.mine && g > *round) {
+  if (mine && g > *round) {
     // The peers read this rank's buffers until their last round is done:
     // the caller's later work (which may write them) waits for that.
     b.waitOthers(rsag ? 1 : 0, kFlagDone, g);
