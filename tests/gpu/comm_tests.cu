@@ -31,6 +31,10 @@
 //           and, with 2 or more ranks, publishes it (loomCommDump: 1
 //           allocation); after loomCommDeregister nothing is published and
 //           the next all-reduce is exact; then cudaFree
+//   mixed   zero-copy with many calls in flight (LOOM_DEVICE_ONESHOT_BYTES=0):
+//           batches of 16 random calls of every collective, roots, types,
+//           ops, sizes and layouts, each rank's buffers published, staged or
+//           half and half, one synchronisation per batch: exact
 // Prints one row per N and check; exits non-zero on any wrong value, error
 // or crash (run.sh bounds the run with timeout(1)).
 //
@@ -85,7 +89,12 @@ struct Case {
   size_t n;
   bool inPlace;
   size_t seed;
+  int root = -1;  // -1: rank N-1
 };
+
+// Where a case's buffers come from: cudaMalloc'd per case (null), or carved
+// from the pools below (the send buffer, then the recv buffer).
+using Carve = void* (*)(void* ctx, size_t bytes, bool send);
 
 struct Live {  // one issued case: its buffers and what rank `me` must get
   Case c;
@@ -94,22 +103,28 @@ struct Live {  // one issued case: its buffers and what rank `me` must get
   const uint8_t* send = nullptr;
   uint8_t* recv = nullptr;
   std::vector<uint8_t> want;
+  bool owned = true;  // cudaMalloc'd for this case: check() frees them
 };
 
-Live issue(const Case& c, int me, int N, loomComm_t comm, cudaStream_t st) {
+Live issue(const Case& c, int me, int N, loomComm_t comm, cudaStream_t st, Carve carve = nullptr,
+           void* ctx = nullptr) {
   Live L;
   L.c = c;
   const size_t esz = loom::dtypeSize(c.t), n = c.n;
   const size_t sendElems = c.coll == ReduceScatter || c.coll == AllToAll || c.coll == Scatter ? size_t(N) * n : n;
   const size_t recvElems = c.coll == AllGather || c.coll == AllToAll || c.coll == Gather ? size_t(N) * n : n;
   const size_t big = std::max(sendElems, recvElems) * esz;
-  const int root = N - 1;
+  const int root = c.root < 0 ? N - 1 : c.root;
   std::vector<std::vector<uint8_t>> in(static_cast<size_t>(N), std::vector<uint8_t>(sendElems * esz));
   for (int q = 0; q < N; ++q) inputOf(q, c.seed, &in[size_t(q)], c.t);
   std::vector<uint8_t> garbage(big + 1, 0x5a);
   // Copies on the rank's stream: ordered before the collective.  (Pageable
   // sources are staged before cudaMemcpyAsync returns.)
-  CK(cudaMalloc(&L.recvDev, big + 1));
+  L.owned = carve == nullptr;
+  if (carve)
+    L.recvDev = carve(ctx, big + 1, false);
+  else
+    CK(cudaMalloc(&L.recvDev, big + 1));
   CK(cudaMemcpyAsync(L.recvDev, garbage.data(), big + 1, cudaMemcpyHostToDevice, st));
   uint8_t* rb = static_cast<uint8_t*>(L.recvDev);
   if (c.inPlace) {
@@ -121,7 +136,10 @@ Live issue(const Case& c, int me, int N, loomComm_t comm, cudaStream_t st) {
     if (c.coll == AllGather || c.coll == Gather) s = rb + size_t(me) * n * esz;
     L.send = s;
   } else {
-    CK(cudaMalloc(&L.sendDev, sendElems * esz + 1));
+    if (carve)
+      L.sendDev = carve(ctx, sendElems * esz + 1, true);
+    else
+      CK(cudaMalloc(&L.sendDev, sendElems * esz + 1));
     L.send = static_cast<uint8_t*>(L.sendDev);
     L.recv = rb;
   }
@@ -186,8 +204,10 @@ Live issue(const Case& c, int me, int N, loomComm_t comm, cudaStream_t st) {
 bool check(Live& L) {
   std::vector<uint8_t> got(L.want.size());
   if (!got.empty()) CK(cudaMemcpy(got.data(), L.recv, got.size(), cudaMemcpyDeviceToHost));
-  if (L.sendDev) CK(cudaFree(L.sendDev));
-  CK(cudaFree(L.recvDev));
+  if (L.owned) {
+    if (L.sendDev) CK(cudaFree(L.sendDev));
+    CK(cudaFree(L.recvDev));
+  }
   return got == L.want;
 }
 
@@ -248,7 +268,7 @@ long lazyCheck(loomComm_t comm, cudaStream_t st, int me, long want, const char* 
   return 1;
 }
 
-int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, size_t maxCount) {
+int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, loomUniqueId id3, size_t maxCount) {
   CK(cudaSetDevice(0));
   setenv("LOOM_DEVICE", "cuda", 1);
   loomComm_t comm;
@@ -476,6 +496,96 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, size_t maxCount) 
     std::printf("RESULT register 4 %ld\n", bad);
   }
 
+  // mixed: device zero-copy with many calls in flight.  On a communicator
+  // made with LOOM_DEVICE_ONESHOT_BYTES=0 (cells at every size), batches of
+  // 16 random calls (every collective, random roots, types, ops, sizes, in
+  // and out of place), each rank's buffers from a loomMemAlloc pool (it
+  // publishes them), from a cudaMalloc pool (it stages), or the send buffer
+  // published and the recv buffer not; one synchronisation per batch, and
+  // the pools reused by the next batch.  Catches cells written before their
+  // guard, a wrong record of what a rank's cells hold, and a batch reusing
+  // memory a peer still reads: what a synchronisation after every call hides.
+  {
+    const char* prev = std::getenv("LOOM_DEVICE_ONESHOT_BYTES");
+    const std::string saved = prev ? prev : "";
+    setenv("LOOM_DEVICE_ONESHOT_BYTES", "0", 1);
+    loomComm_t zc;
+    LK(loomCommInitRank(&zc, N, id3, me));
+    if (prev)
+      setenv("LOOM_DEVICE_ONESHOT_BYTES", saved.c_str(), 1);
+    else
+      unsetenv("LOOM_DEVICE_ONESHOT_BYTES");
+    struct Pools {
+      uint8_t* base[2];  // [0] cudaMalloc (staged), [1] loomMemAlloc (published)
+      size_t used[2], cap;
+      int choice;  // 0: both buffers staged, 1: both published, 2: send published, recv staged
+    } pools{};
+    pools.cap = size_t(72) << 20;
+    void* pub = nullptr;
+    CK(cudaMalloc(reinterpret_cast<void**>(&pools.base[0]), pools.cap));
+    LK(loomMemAlloc(&pub, pools.cap));
+    pools.base[1] = static_cast<uint8_t*>(pub);
+    Carve carve = [](void* ctx, size_t bytes, bool send) -> void* {
+      Pools* p = static_cast<Pools*>(ctx);
+      const int k = p->choice == 1 || (p->choice == 2 && send) ? 1 : 0;
+      const size_t at = (p->used[k] + 255) & ~size_t(255);
+      if (at + bytes > p->cap) {
+        std::fprintf(stderr, "mixed: pool %d too small (%zu + %zu bytes)\n", k, at, bytes);
+        std::abort();
+      }
+      p->used[k] = at + bytes;
+      return p->base[k] + at;
+    };
+    const loomDataType_t types[] = {loomFloat32, loomInt32, loomBfloat16, loomFloat64, loomInt8};
+    const size_t cap = std::min(size_t(65536), std::max(size_t(1), maxCount / size_t(N)));
+    long mixedCases = 0, mixedWrong = 0;
+    for (int trial = 0; trial < 12; ++trial) {
+      std::mt19937_64 rng(size_t(trial) * 7919u + 17u);  // the same calls on every rank
+      std::vector<Live> inFlight;
+      pools.used[0] = pools.used[1] = 0;
+      for (int k = 0; k < 16; ++k) {
+        Case c{};
+        c.coll = Coll(rng() % 8);
+        c.t = types[rng() % 5];
+        const bool reducing = c.coll == AllReduce || c.coll == ReduceScatter || c.coll == Reduce;
+        c.op = reducing ? kOps[rng() % 5] : loomSum;
+        const size_t span = std::min(cap, size_t(1) << (rng() % 17));  // sizes spread over 1 .. 64 Ki
+        c.n = 1 + size_t(rng() % span);
+        c.inPlace = rng() % 2;
+        c.root = int(rng() % size_t(N));
+        c.seed = 100000 + size_t(trial) * 16 + size_t(k);
+        for (int q = 0; q < N; ++q) {
+          const int choice = int(rng() % 3);
+          if (q == me) pools.choice = choice;
+        }
+        inFlight.push_back(issue(c, me, N, zc, st, carve, &pools));
+      }
+      CK(cudaStreamSynchronize(st));
+      for (Live& L : inFlight) {
+        ++mixedCases;
+        if (!check(L)) {
+          ++mixedWrong;
+          if (mixedWrong <= 5)
+            std::fprintf(stderr, "rank %d of %d: mixed trial %d: %s type %d op %d n=%zu root %d %s: wrong result\n",
+                         me, N, trial, kCollNames[L.c.coll], int(L.c.t), int(L.c.op), L.c.n, L.c.root,
+                         L.c.inPlace ? "in-place" : "out-of-place");
+        }
+      }
+    }
+    // Its one loomMemAlloc pool is what this rank published (-1: no
+    // zero-copy on this path).
+    const long published = publishedAllocs(zc);
+    if (published >= 0 && published != (N > 1 ? 1 : 0)) {
+      std::fprintf(stderr, "rank %d: mixed: %ld allocations published, want %d\n", me, published, N > 1);
+      ++mixedWrong;
+    }
+    CK(cudaStreamSynchronize(st));
+    mixedWrong += loomMemFree(pub) != loomSuccess;
+    CK(cudaFree(pools.base[0]));
+    LK(loomCommDestroy(zc));
+    std::printf("RESULT mixed %ld %ld\n", mixedCases, mixedWrong);
+  }
+
   // order: the call returns while earlier work on the stream still runs.
   {
     const size_t n = size_t(1) << 20;
@@ -553,9 +663,10 @@ int main(int argc, char** argv) {
   int failures = 0;
   std::printf("%-8s %-64s %8s  %s\n", "check", "cases", "wrong", "result");
   for (int N : rankCounts) {
-    loomUniqueId id, id2;
+    loomUniqueId id, id2, id3;
     LK(loomGetUniqueId(&id));
     LK(loomGetUniqueId(&id2));
+    LK(loomGetUniqueId(&id3));
     std::vector<pid_t> pids;
     std::vector<int> pipes;
     for (int r = 0; r < N; ++r) {
@@ -565,7 +676,7 @@ int main(int argc, char** argv) {
       if (p == 0) {
         close(fds[0]);
         dup2(fds[1], 1);
-        _exit(rankMain(r, N, id, id2, maxCount));
+        _exit(rankMain(r, N, id, id2, id3, maxCount));
       }
       close(fds[1]);
       pids.push_back(p);
@@ -588,7 +699,7 @@ int main(int argc, char** argv) {
         std::printf("rank %d of %d exited abnormally (status %d)\n", r, N, st);
       }
     }
-    for (const char* check : {"comm", "p2p", "lazy", "groups", "memalloc", "register", "order", "errors"}) {
+    for (const char* check : {"comm", "p2p", "lazy", "groups", "memalloc", "register", "mixed", "order", "errors"}) {
       long cases = 0, wrong = 0;
       bool seen = false;
       for (int r = 0; r < N; ++r) {
