@@ -3407,7 +3407,7 @@ struct Publishable {
   }
 };
 
-loom::DeviceCommOptions zeroCopyOptions(Publishable& pub, SimComms** self, int* unpublishes) {
+loom::DeviceCommOptions zeroCopyOptions(Publishable& pub, SimComms** self, std::atomic<int>* unpublishes) {
   loom::DeviceCommOptions o;
   o.slotBytes = 4096;
   o.oneShotBytes = 0;  // every all-reduce reduce-scatter + all-gather
@@ -3446,7 +3446,7 @@ TEST_CASE("device communicator (simulated device), zero-copy: published collecti
           "[devcomm]") {
   Publishable pub;
   SimComms* self = nullptr;
-  int unpublishes = 0;
+  std::atomic<int> unpublishes{0};
   const int N = 3;
   loom::DeviceCommOptions opts = zeroCopyOptions(pub, &self, &unpublishes);
   SimComms s(N, 1, opts, true, patientDevice());
@@ -3556,6 +3556,95 @@ TEST_CASE("device communicator (simulated device), zero-copy: published collecti
   CHECK(s.mem.openMappings() == 0);
 }
 
+TEST_CASE("device communicator (simulated device), zero-copy: a first publish asks every peer at once, a peer "
+          "that cannot map it leaves the call staged and exact, and the others unmap it when it goes",
+          "[devcomm]") {
+  Publishable pub;
+  SimComms* self = nullptr;
+  std::atomic<int> unpublishes{0};
+  const int N = 5;
+  loom::DeviceCommOptions opts = zeroCopyOptions(pub, &self, &unpublishes);
+  // Each question waits (up to 5 s) until all of its record's questions
+  // have arrived: asked at once, they all have, and none waits long.
+  struct Gate {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::map<uint64_t, int> arrived;  // per published record (its base)
+    int inFlight = 0, most = 0, late = 0;
+    int refuseFromOwner = -1, refusingPeer = -1;
+  } gate;
+  auto inner = opts.publishTo;
+  opts.publishTo = [inner, &gate, N](int peer, const loom::IpcRecord& rec) {
+    {
+      std::unique_lock<std::mutex> l(gate.mu);
+      ++gate.inFlight;
+      gate.most = std::max(gate.most, gate.inFlight);
+      ++gate.arrived[rec.base];
+      gate.cv.notify_all();
+      if (!gate.cv.wait_for(l, std::chrono::seconds(5), [&] { return gate.arrived[rec.base] >= N - 1; })) ++gate.late;
+      --gate.inFlight;
+      if (peer == gate.refusingPeer && int(rec.process - 1000) == gate.refuseFromOwner)
+        loom::fail(loomRemoteError, "rank %d cannot map it (the test refuses)", peer);
+    }
+    return inner(peer, rec);
+  };
+  SimComms s(N, 1, opts, true, patientDevice());
+  self = &s;
+  pub.mem = &s.mem;
+  for (const std::string& e : s.initErrors) REQUIRE(e.empty());
+  std::mt19937_64 rng(91);
+  auto publishAll = [&](const Prepared& p, int only) {
+    for (int r = 0; r < N; ++r)
+      if (only < 0 || r == only)
+        for (const void* q : {static_cast<const void*>(p.send[size_t(r)]), static_cast<const void*>(p.recv[size_t(r)])}) {
+          void* b = nullptr;
+          size_t n = 0;
+          s.mem.range(q, &b, &n);
+          pub.add(b);
+        }
+  };
+  // Everyone publishes: every allocation's N - 1 questions were in flight together.
+  Prepared p = prepare(s, Op{Collective::AllReduce, loomFloat32, loomSum, 6000, 0, false}, rng);
+  publishAll(p, -1);
+  for (int r = 0; r < N; ++r) issue(s, p, r);
+  REQUIRE(syncAll(s).empty());
+  CHECK(verify(p, N) == "");
+  {
+    std::lock_guard<std::mutex> l(gate.mu);
+    CHECK(gate.most >= N - 1);
+    CHECK(gate.late == 0);
+    CHECK(gate.arrived.size() == size_t(2 * N));  // send and recv allocations of every rank
+  }
+  for (int r = 0; r < N; ++r) CHECK(s.comms[size_t(r)]->memoryStats().published == 2);
+  // Rank 0's new buffers; rank 3 refuses to map them.  The call is staged
+  // for rank 0 and exact; ranks 1, 2 and 4 mapped them all the same.
+  {
+    std::lock_guard<std::mutex> l(gate.mu);
+    gate.refuseFromOwner = 0;
+    gate.refusingPeer = 3;
+  }
+  const size_t mappedBefore = s.mem.openMappings();
+  Prepared q = prepare(s, Op{Collective::AllReduce, loomFloat32, loomSum, 6000, 0, false}, rng);
+  publishAll(q, 0);
+  for (int r = 0; r < N; ++r) issue(s, q, r);
+  REQUIRE(syncAll(s).empty());
+  CHECK(verify(q, N) == "");
+  // The new send allocation is not published (rank 3 has no mapping), so
+  // its recv allocation was not even asked for.
+  CHECK(s.comms[0]->memoryStats().published == 2);
+  CHECK(s.mem.openMappings() == mappedBefore + size_t(N - 2));
+  // Unpublishing it asks just the peers that mapped it.
+  void* b = nullptr;
+  size_t n = 0;
+  s.mem.range(q.send[0], &b, &n);
+  unpublishes = 0;
+  s.comms[0]->unpublish(b);
+  CHECK(unpublishes == N - 2);
+  CHECK(s.mem.openMappings() == mappedBefore);
+  for (int r = 0; r < N; ++r) s.comms[size_t(r)].reset();
+  CHECK(s.mem.openMappings() == 0);
+}
+
 TEST_CASE("device communicator (simulated device), zero-copy: collectives of every kind, roots, layouts and "
           "publishers mixed back to back with one synchronisation are exact (cells rewritten while slower peers "
           "may still be on the previous program)",
@@ -3566,7 +3655,7 @@ TEST_CASE("device communicator (simulated device), zero-copy: collectives of eve
   // record of what a rank's cells hold that does not match them, shows.
   Publishable pub;
   SimComms* self = nullptr;
-  int unpublishes = 0;
+  std::atomic<int> unpublishes{0};
   const int N = GENERATE(2, 3, 5);
   const int gpus = GENERATE(1, 2);
   const size_t oneShot = GENERATE(size_t(0), size_t(8192));
