@@ -297,14 +297,18 @@ int Control::dial(int r, int64_t deadlineMs) {
   int err = rc == 0 ? 0 : errno;
   if (err == EINPROGRESS) {
     for (;;) {
-      int64_t left = deadlineMs - nowMs();
-      if (left <= 0) {
-        close(fd);
-        fail(loomTimeout, "connecting to rank %d's control socket at %s timed out", r, a.str().c_str());
-      }
+      // Polled at least once, even past the deadline: a process that was
+      // not scheduled for the whole time (a loaded machine) finds the
+      // connection made rather than taking a live peer for cut off.
+      const int64_t left = std::max<int64_t>(0, deadlineMs - nowMs());
       pollfd p{fd, POLLOUT, 0};
       int n = poll(&p, 1, int(std::min<int64_t>(left, 100)));
       if (n > 0) break;
+      if (n < 0 && errno == EINTR) continue;
+      if (left == 0) {
+        close(fd);
+        fail(loomTimeout, "connecting to rank %d's control socket at %s timed out", r, a.str().c_str());
+      }
     }
     err = 0;
     socklen_t len = sizeof err;
