@@ -172,32 +172,61 @@ inline std::atomic<long> g_pinnedLive{0};
 // cudaIpcOpenMemHandle would (-1: none).
 inline std::atomic<int> g_failOpenRank{-1};
 
+// The calling thread's current simulated device, as CUDA's per-thread
+// current device: 0 on a thread that never chose one.
+inline thread_local int t_simCurrentDevice = 0;
+
 // The DeviceDriver of one rank on a simulated device: memory from
-// SimMemory, the stream backend of the rank in a SimDeviceWorld.
+// SimMemory, the stream backend of the rank in a SimDeviceWorld.  As with
+// CUDA, the calls that act on "the current device" (allocating, mapping a
+// peer's handle, creating streams, synchronising) must run with this
+// rank's device current (DeviceScope); here they fail otherwise, which a
+// real GPU would not say but do on the wrong device.
 class SimDriver final : public loom::DeviceDriver {
  public:
   SimDriver(SimMemory& mem, loomsim::SimDeviceWorld* world, int rank, int device)
       : mem_(mem), world_(world), rank_(rank), device_(device) {}
   int device() const override { return device_; }
   const char* name() const override { return "sim"; }
+  int enter() override {
+    const int previous = t_simCurrentDevice;
+    t_simCurrentDevice = device_;
+    return previous;
+  }
+  void leave(int previous) override {
+    if (previous >= 0) t_simCurrentDevice = previous;
+  }
+  void onDevice(const char* what) const {
+    if (t_simCurrentDevice != device_)
+      loom::fail(loomSystemError, "sim driver: %s for device %d while the thread's current device is %d (a call "
+                 "outside a DeviceScope)", what, device_, t_simCurrentDevice);
+  }
   int pointerDevice(const void* p) const override { return mem_.deviceOf(p); }
-  void* allocate(size_t bytes) override { return mem_.alloc(device_, bytes); }
+  void* allocate(size_t bytes) override {
+    onDevice("allocate");
+    return mem_.alloc(device_, bytes);
+  }
   void release(void* p) override { mem_.free(p); }
   void addressRange(const void* p, void** base, size_t* bytes) const override { mem_.range(p, base, bytes); }
   // cudaDeviceSynchronize: this rank's streams (its error is the streams'
   // own, reported where they are synchronised).
   void synchronize() override {
+    onDevice("synchronize");
     std::string msg;
     if (world_) world_->rank(rank_).synchronize(&msg);
   }
   void exportHandle(void* base, uint8_t h[loom::kIpcHandleBytes]) const override { mem_.handle(base, h); }
   void* openHandle(const uint8_t h[loom::kIpcHandleBytes]) override {
+    onDevice("openHandle");
     if (g_failOpenRank.load() == rank_)
       loom::fail(loomUnhandledCudaError, "sim:%d: cudaIpcOpenMemHandle failed: peer access is not supported between "
                  "these devices (CUDA error 217)", device_);
     return mem_.open(h);
   }
-  void closeHandle(void* mapped) override { mem_.closeMapping(mapped); }
+  void closeHandle(void* mapped) override {
+    onDevice("closeHandle");
+    mem_.closeMapping(mapped);
+  }
   // Pinned host memory is host memory here (pointerDevice says -1).
   void* allocateHost(size_t bytes) override {
     g_pinnedLive.fetch_add(1);
@@ -213,6 +242,7 @@ class SimDriver final : public loom::DeviceDriver {
   }
   std::atomic<bool> failLaunch{false};  // backend() fails as a CUDA launch would
   loom::StreamBackend& backend(void* callerStream, int streams, int events) override {
+    onDevice("backend (stream creation)");
     if (failLaunch.load()) loom::fail(loomUnhandledCudaError, "sim: cuStreamWaitValue64 failed: device lost");
     simCheck(streams <= 2, "at most 2 side streams");
     simCheck(events <= 8, "at most 8 events");
@@ -222,7 +252,11 @@ class SimDriver final : public loom::DeviceDriver {
     caller_ = std::make_unique<loomsim::SimCallerBackend>(r, caller);  // as CUDA's: valid until the next call
     return *caller_;
   }
+  std::atomic<bool> failReads{false};  // flag reads fail as after a sticky CUDA error
   uint64_t readFlag(const uint64_t* flag) override {
+    if (failReads.load())
+      loom::fail(loomUnhandledCudaError, "sim: cudaMemcpyAsync failed: an illegal memory access was encountered "
+                 "(CUDA error 700)");
     return reinterpret_cast<const std::atomic<uint64_t>*>(flag)->load(std::memory_order_acquire);
   }
   // As a write on a stream of its own: at once, waking the streams that wait.

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <optional>
 #include <random>
 #include <system_error>
 #include <thread>
@@ -198,6 +199,12 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
   const size_t flagBytes = flagAreaBytes(nranks), cellBytes = zeroCopy_ ? cellAreaBytes(nranks) : 0,
                blockBytes = flagBytes + cellBytes + streamWindowBytes(slotBytes_);
   blockBytes_ = blockBytes;
+  // Everything below allocates, maps or creates streams: on this
+  // communicator's device, whichever device the calling thread has current
+  // (a config naming another device, a split from a thread on another).
+  // (Left before undo() hands the driver to the reaper, which may free it.)
+  std::optional<DeviceScope> current;
+  current.emplace(*driver_);
   // The watchdog's reads of the whole flag area; first, so that a failure
   // here leaves nothing to free but the driver's own.
   driver_->prepareFlagReads(size_t(nranks) * kFlagCount);
@@ -205,6 +212,7 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
   // A failed init: this rank's part undone, its block freed once no peer
   // that may have mapped it maps it any more.
   auto undo = [&] {
+    current.reset();
     tracked_.clear();
     for (int r = 0; r < nranks; ++r)
       if (r != rank) tracked_.push_back(r);
@@ -603,6 +611,10 @@ void DeviceComm::finishSignatures() {
 }
 
 DeviceComm::~DeviceComm() {
+  // The release stream, the drain's reads, the unmaps: on this device.  Left
+  // before leaveMemory hands the driver to the reaper, which may free it.
+  std::optional<DeviceScope> current;
+  current.emplace(*driver_);
   if (freeHook_) removeDeviceMemFreeHook(freeHook_);
   stopWatchdog();
   {
@@ -628,6 +640,7 @@ DeviceComm::~DeviceComm() {
   }
   // Failed or abandoned (running): never waits for the peers, but never
   // frees what a stream of this rank may still touch either.
+  current.reset();
   leaveMemory(running);
 }
 
@@ -1030,6 +1043,10 @@ void DeviceComm::run(const OpDesc& op, void* callerStream) {
 
 std::unique_ptr<SteppedRun> DeviceComm::beginRun(const OpDesc& op, void* callerStream) {
   if (op.coll == Collective::P2P) return beginRunP2P({op}, callerStream);
+  // From here on (publishFor exports and asks for address ranges, the
+  // enqueue creates streams): this communicator's device.  The API calls
+  // beginRun directly, from a thread that may have another device current.
+  DeviceScope current(*driver_);
   check(op);
   const size_t esz = dtypeSize(op.dtype), n = op.count;
   const DeviceOpShape sh = deviceOpShape(op, rank_, nranks_);
@@ -1085,7 +1102,6 @@ std::unique_ptr<SteppedRun> DeviceComm::beginRun(const OpDesc& op, void* callerS
   b.flags = flags_;
   b.flagCopies = flagCopies_;
   auto run = std::make_unique<Run>(*this, std::move(g), std::move(p), std::move(b), false);
-  DeviceScope current(*driver_);
   try {
     round_ = round;  // the peers advance theirs whatever happens here
     // The mismatch check: the watchdog, woken once the call is enqueued,
@@ -1477,6 +1493,7 @@ void DeviceComm::runP2P(const std::vector<OpDesc>& ops, void* callerStream) {
 }
 
 std::unique_ptr<SteppedRun> DeviceComm::beginRunP2P(const std::vector<OpDesc>& ops, void* callerStream) {
+  DeviceScope current(*driver_);  // prepareP2P maps peers' regions: into this device's context
   for (const OpDesc& op : ops) {
     if (op.coll != Collective::P2P) fail(loomInternalError, "runP2P given %s", collectiveName(op.coll));
     check(op);
@@ -1523,7 +1540,6 @@ std::unique_ptr<SteppedRun> DeviceComm::beginRunP2P(const std::vector<OpDesc>& o
   const uint64_t before = p2p_.programs;  // send/recv programs enqueued so far (kFlagP2PDone's last value)
   StreamProgram p = compileP2PProgram(ops, rank_, nranks_, slotBytes_, &counters);
   auto run = std::make_unique<Run>(*this, std::move(g), std::move(p), std::move(b), true);
-  DeviceScope current(*driver_);
   try {
     p2p_ = counters;  // the peers count these chunks whatever happens here
     const StreamProgram& prog = run->program();
