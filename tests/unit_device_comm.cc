@@ -543,6 +543,38 @@ TEST_CASE("device communicator (simulated device): a device error while enqueuei
   }
 }
 
+TEST_CASE("device communicator (simulated device): a CUDA error in the watchdog's flag reads (a sticky device "
+          "error) fails the communicator with CUDA's message instead of leaving it to time out",
+          "[devcomm]") {
+  loomsim::SimDeviceOptions so;
+  so.deadlineMs = 15000;
+  loom::DeviceCommOptions opts;
+  opts.slotBytes = 1024;
+  opts.drainTimeoutMs = 200;
+  opts.timeoutMs = 60000;  // a watched communicator (it reads its flags while a program is pending)
+  SimComms s(2, 2, opts, true, so);
+  for (const std::string& e : s.initErrors) REQUIRE(e.empty());
+  std::mt19937_64 rng(9);
+  Prepared p = prepare(s, {Collective::AllReduce, loomFloat32, loomSum, 1000, 0, false}, rng);
+  s.drivers[1]->failReads = true;
+  issue(s, p, 1);  // waits for rank 0, which has not called: the watchdog reads rank 1's flags
+  std::string why;
+  loomResult_t code = loomSuccess;
+  for (int i = 0; i < 500 && code == loomSuccess; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    code = s.comms[1]->failure(&why);
+  }
+  CHECK(code == loomUnhandledCudaError);
+  INFO(why);
+  CHECK(why.find("the device failed") != std::string::npos);
+  CHECK(why.find("illegal memory access") != std::string::npos);
+  s.drivers[1]->failReads = false;
+  issue(s, p, 0);  // rank 1's streams were released: nothing hangs
+  std::string msg;
+  CHECK(s.world.rank(1).synchronize(&msg) == loomSuccess);
+  s.comms[0]->markFailed(loomRemoteError, "rank 1 failed (the test)");  // as its control plane would say
+}
+
 TEST_CASE("device communicator (simulated device): ranks with different slot sizes fail init on every rank",
           "[devcomm]") {
   SimComms s(2, 1, {}, true, {}, {1024, 2048});

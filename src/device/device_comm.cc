@@ -845,7 +845,14 @@ void DeviceComm::watch() {
         if (!failedFlag_.load()) sleepMs = std::min(sleepMs, checkProgress(nowMs()));
       }
     } catch (const Error& e) {
-      if (!warned) LOOM_WARN("DEVICE", "rank %d: device watchdog: %s", rank_, e.what());
+      // A CUDA error in the watchdog's own reads is the device's (a sticky
+      // error, an illegal address in some kernel: every later call fails
+      // alike), not a hiccup: the communicator fails with it, so that its
+      // callers and its peers hear of it instead of timing out.
+      if (e.code() == loomUnhandledCudaError && !failedFlag_.load())
+        failFromWatchdog(e.code(), strf("rank %d: the device failed: %s", rank_, e.what()), -1);
+      else if (!warned)
+        LOOM_WARN("DEVICE", "rank %d: device watchdog: %s", rank_, e.what());
       warned = true;  // once: it tries again every 100 ms
     }
     lk.lock();
