@@ -98,6 +98,8 @@ const loom::CudaApi kRecording = {
       return 0;
     },
     nullptr,  // deviceSynchronize: the driver's
+    nullptr,  // contextDevice, clearContext: the driver's
+    nullptr,
 };
 
 void* handle(uintptr_t v) { return reinterpret_cast<void*>(v); }
@@ -405,7 +407,7 @@ namespace {
 // guarded (TSan).  The test reads g_drv only while no rank runs.
 std::vector<std::string> g_drv;
 std::mutex g_drvMu;
-std::atomic<int> g_current{0};      // cudaGetDevice's answer
+std::atomic<int> g_current{0};      // cudaGetDevice's answer; -1: the thread has no context
 std::atomic<int> g_failIpcOpen{0};  // cudaIpcOpenMemHandle's result
 std::atomic<uintptr_t> g_next{0x1000};
 std::vector<std::pair<void*, size_t>> g_blocks;  // cudaMalloc'd (zeroed) memory: the communicators' blocks
@@ -458,7 +460,7 @@ const loom::CudaApi kDriverTable = {
     },
     [](void** p, size_t n) {
       *p = calloc(1, n);
-      record(loom::strf("malloc %zu", n));
+      record(loom::strf("malloc %zu on %d", n, g_current.load()));
       std::lock_guard<std::mutex> g(g_drvMu);
       g_blocks.emplace_back(*p, n);
       return 0;
@@ -524,6 +526,15 @@ const loom::CudaApi kDriverTable = {
       record("deviceSynchronize");
       return 0;
     },
+    [](int* d) {  // the thread's context: g_current, -1 for none
+      *d = g_current;
+      return 0;
+    },
+    []() {
+      record("clearContext");
+      g_current = -1;
+      return 0;
+    },
 };
 
 size_t countOf(const std::string& prefix) {
@@ -533,6 +544,35 @@ size_t countOf(const std::string& prefix) {
 }
 
 }  // namespace
+
+TEST_CASE("CUDA communicator driver: a thread with no CUDA context gets none back, not device 0's (the "
+          "control thread, the watchdog, the reaper, a user's fresh thread)",
+          "[cuda]") {
+  g_drv.clear();
+  g_current = -1;  // no context on this thread
+  auto* stream = reinterpret_cast<void*>(uintptr_t(0xcafe));
+  {
+    loom::DeviceComm dc(0, 1, loom::makeCudaDeviceDriver(kDriverTable, 1),
+                        [](const void* m, size_t b, void* all) { memcpy(all, m, b); });
+    for (const std::string& c : g_drv)
+      if (c.rfind("malloc ", 0) == 0) CHECK(c.substr(c.size() - 5) == " on 1");
+    CHECK(g_current == -1);
+    std::vector<uint8_t> a(4096), b(4096);
+    loom::OpDesc op;
+    op.sendbuf = a.data();
+    op.recvbuf = b.data();
+    op.count = 1024;
+    g_drv.clear();
+    dc.run(op, stream);
+    REQUIRE(g_drv.size() == 3);
+    CHECK(g_drv[0] == "setDevice 1");
+    CHECK(g_drv[2] == "clearContext");
+    CHECK(g_current == -1);
+  }
+  CHECK(countOf("setDevice 0") == 0);  // never: that would make device 0's context
+  CHECK(g_current == -1);
+  g_current = 0;
+}
 
 TEST_CASE("CUDA communicator driver: its calls through the plug-in table (device, memory, side streams and "
           "events made once, the caller's stream as program stream 0, errors with CUDA's message)",
@@ -545,6 +585,10 @@ TEST_CASE("CUDA communicator driver: its calls through the plug-in table (device
     loom::DeviceComm dc(0, 1, loom::makeCudaDeviceDriver(kDriverTable, 1),
                         [](const void* m, size_t b, void* all) { memcpy(all, m, b); });
     CHECK(countOf("malloc") == 1);
+    CHECK(countOf("setDevice 1") >= 1);
+    for (const std::string& c : g_drv)
+      if (c.rfind("malloc ", 0) == 0) CHECK(c.substr(c.size() - 5) == " on 1");  // the window on its device
+    CHECK(g_current == 0);  // the caller's device again
     CHECK(dc.device() == 1);
     std::vector<uint8_t> a(1 << 20), b(1 << 20);
     loom::OpDesc op;

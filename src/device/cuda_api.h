@@ -103,9 +103,20 @@ struct CudaApi {
   // cudaDeviceSynchronize (loomMemFree of published memory: this rank's
   // programs, which end only once the peers are done reading it, first).
   int (*deviceSynchronize)();
+  // ---- ABI 8: the calling thread's context, read and restored without
+  // making one.  cudaGetDevice says 0 on a thread that has no context, and
+  // restoring that with cudaSetDevice(0) makes device 0's primary context
+  // (hundreds of MB on GPU 0 for a rank on another GPU), so a scope on
+  // such a thread (the control thread answering a peer, the watchdog, the
+  // reaper, a user's fresh thread) restores "no context" instead.
+  // The device of the thread's current context, -1 when it has none
+  // (cuCtxGetCurrent, cuCtxGetDevice).
+  int (*contextDevice)(int* device);
+  // cuCtxSetCurrent(NULL): the thread has no current context again.
+  int (*clearContext)();
 };
 
-constexpr int kCudaApiVersion = 7;
+constexpr int kCudaApiVersion = 8;
 // sizeof(cudaIpcMemHandle_t) (CUDA_IPC_HANDLE_SIZE); the plug-in checks it.
 constexpr size_t kCudaIpcHandleBytes = 64;
 

@@ -80,12 +80,16 @@ class CudaDeviceDriver final : public DeviceDriver {
   }
   int enter() override {
     int current = -1;
-    check(api_.getDevice(&current), "cudaGetDevice");
+    check(api_.contextDevice(&current), "cuCtxGetCurrent");
     if (current != device_) check(api_.setDevice(device_), "cudaSetDevice");
-    return current;
+    return current < 0 ? kNoContext : current;
   }
   void leave(int previous) override {
-    if (previous >= 0 && previous != device_) api_.setDevice(previous);  // best effort: the work is enqueued
+    // Best effort: the work is enqueued.
+    if (previous == kNoContext)
+      api_.clearContext();  // not cudaSetDevice(0): that would make device 0's context
+    else if (previous >= 0 && previous != device_)
+      api_.setDevice(previous);
   }
   uint64_t readFlag(const uint64_t* flag) override {
     uint64_t v = 0;

@@ -122,8 +122,10 @@ void loadDeviceKernels(const DeviceChoice& choice) {
   std::string why;
   const CudaApi* api = cudaPlugin(&why);
   if (!api) fail(loomInvalidUsage, "no CUDA plug-in: %s", why.c_str());
+  // The thread's context, restored after (none: none again, not device
+  // 0's, which cudaSetDevice(0) would make).
   int previous = -1;
-  if (api->getDevice(&previous) != 0) previous = -1;
+  const bool known = api->contextDevice(&previous) == 0;
   if (previous != choice.device) {
     int rc = api->setDevice(choice.device);
     if (rc != 0)
@@ -131,7 +133,10 @@ void loadDeviceKernels(const DeviceChoice& choice) {
            api->errorString(rc), rc);
   }
   int rc = api->loadKernels();
-  if (previous >= 0 && previous != choice.device) api->setDevice(previous);
+  if (known && previous < 0)
+    api->clearContext();
+  else if (known && previous != choice.device)
+    api->setDevice(previous);
   if (rc != 0)
     fail(loomUnhandledCudaError, "loading loom's CUDA kernels on device %d (cudaFuncGetAttributes) failed: %s (CUDA "
          "error %d)", choice.device, api->errorString(rc), rc);

@@ -119,6 +119,10 @@ struct IpcRecord {
 // namespace is never taken for this one.
 uint64_t thisProcessToken();
 
+// DeviceDriver::enter's answer for a thread that had no current device
+// context (CUDA: cuCtxGetCurrent gave none).
+constexpr int kNoContext = -2;
+
 // The device calls a DeviceComm makes.  Every call throws loom::Error
 // (loomUnhandledCudaError with CUDA's message for the CUDA driver).
 class DeviceDriver {
@@ -183,7 +187,9 @@ class DeviceDriver {
   }
   // Makes this device the calling thread's current one for the calls that
   // follow and returns what to give leave() to restore the caller's (CUDA:
-  // the current device, as NCCL switches and restores it).
+  // the current device, as NCCL switches and restores it; kNoContext for a
+  // thread that had no CUDA context, which leave() gives none again; -1:
+  // nothing to restore).
   virtual int enter() { return 0; }
   virtual void leave(int previous) { (void)previous; }
 };

@@ -24,12 +24,18 @@ constexpr int kDriverBase = 100000;
 using StreamValue64Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 using GetErrorStringFn = CUresult (*)(CUresult, const char**);
 using AddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+using CtxGetCurrentFn = CUresult (*)(CUcontext*);
+using CtxGetDeviceFn = CUresult (*)(CUdevice*);
+using CtxSetCurrentFn = CUresult (*)(CUcontext);
 
 struct Driver {
   StreamValue64Fn waitValue64 = nullptr;
   StreamValue64Fn writeValue64 = nullptr;
   GetErrorStringFn getErrorString = nullptr;
   AddressRangeFn addressRange = nullptr;
+  CtxGetCurrentFn ctxGetCurrent = nullptr;
+  CtxGetDeviceFn ctxGetDevice = nullptr;
+  CtxSetCurrentFn ctxSetCurrent = nullptr;
   cudaError_t status = cudaErrorNotReady;  // of the lookup
 };
 
@@ -50,6 +56,9 @@ const Driver& driver() {
     if (x.status == cudaSuccess) x.status = lookup("cuStreamWriteValue64", &x.writeValue64);
     if (x.status == cudaSuccess) x.status = lookup("cuGetErrorString", &x.getErrorString);
     if (x.status == cudaSuccess) x.status = lookup("cuMemGetAddressRange", &x.addressRange);
+    if (x.status == cudaSuccess) x.status = lookup("cuCtxGetCurrent", &x.ctxGetCurrent);
+    if (x.status == cudaSuccess) x.status = lookup("cuCtxGetDevice", &x.ctxGetDevice);
+    if (x.status == cudaSuccess) x.status = lookup("cuCtxSetCurrent", &x.ctxSetCurrent);
     return x;
   }();
   return d;
@@ -117,6 +126,28 @@ int pointerDevice(const void* ptr, int* device) {
 
 int getDevice(int* device) { return int(cudaGetDevice(device)); }
 int setDevice(int device) { return int(cudaSetDevice(device)); }
+
+int contextDevice(int* device) {
+  *device = -1;
+  const Driver& d = driver();
+  if (d.status != cudaSuccess) return int(d.status);
+  CUcontext ctx = nullptr;
+  CUresult r = d.ctxGetCurrent(&ctx);
+  if (r != CUDA_SUCCESS) return kDriverBase + int(r);
+  if (!ctx) return 0;
+  CUdevice dev = 0;
+  r = d.ctxGetDevice(&dev);
+  if (r != CUDA_SUCCESS) return kDriverBase + int(r);
+  *device = int(dev);
+  return 0;
+}
+
+int clearContext() {
+  const Driver& d = driver();
+  if (d.status != cudaSuccess) return int(d.status);
+  CUresult r = d.ctxSetCurrent(nullptr);
+  return r == CUDA_SUCCESS ? 0 : kDriverBase + int(r);
+}
 
 int mallocZeroed(void** ptr, size_t bytes) {
   *ptr = nullptr;
@@ -233,7 +264,8 @@ const CudaApi kApi = {kCudaApiVersion, waitValue64,     writeValue64,   memcpyAs
                       setDevice,       mallocZeroed,    freeMem,        addressRange,   ipcGetHandle,  ipcOpenHandle,
                       ipcCloseHandle,  streamCreate,    streamDestroy,  eventCreate,    eventDestroy,
                       readValue64,     mallocRaw,       hostAllocMapped, hostFree,     loadKernelsOnce,
-                      launchReduceIndirect, launchCopyIndirect, deviceSynchronize};
+                      launchReduceIndirect, launchCopyIndirect, deviceSynchronize, contextDevice,
+                      clearContext};
 
 }  // namespace
 }  // namespace cuda
