@@ -234,10 +234,13 @@ const void* SimRank::resolve(const void* fallback, loom::CellRef c, size_t bytes
   auto word = [&](int i) {
     return reinterpret_cast<const std::atomic<uint64_t>*>(c.cell + i)->load(std::memory_order_acquire);
   };
-  const uint64_t addr = word(0), len = word(1);
+  // As the kernels (reduce_kernels.cu, resolveSource): the tag, then addr,
+  // bytes and addr again (the owner writes addr = 0, bytes, addr).
   const uint64_t tag =
       c.tag ? reinterpret_cast<const std::atomic<uint64_t>*>(c.tag)->load(std::memory_order_acquire) : c.minTag;
-  if (tag < c.minTag || addr == 0 || c.offset > len || bytes > len - c.offset) {
+  const uint64_t addr = tag < c.minTag ? 0 : word(0);
+  const uint64_t len = addr ? word(1) : 0;
+  if (tag < c.minTag || addr == 0 || word(0) != addr || c.offset > len || bytes > len - c.offset) {
     ++fallbackReads_;
     return fallback;
   }

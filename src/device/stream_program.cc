@@ -275,6 +275,10 @@ void ProgramEnqueuer::visit(size_t index, bool enqueue) {
     case StreamOpKind::SetCell: {
       const ProgramBuffers::Cell& c = b.published[size_t(o.flagRank)][o.flag];
       uint64_t* at = b.peerCells[size_t(o.flagRank)] + size_t(o.flag) * kCellWords;
+      // addr = 0, bytes, addr: a reader that sees the same nonzero addr
+      // before and after reading bytes has that buffer's size, even one
+      // released while this rewrites the cell (the kernels' resolveSource).
+      be.setFlag(o.stream, at, 0);
       be.setFlag(o.stream, at + 1, c.bytes);
       be.setFlag(o.stream, at, c.addr);
       break;

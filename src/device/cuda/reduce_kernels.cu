@@ -52,19 +52,40 @@ struct Sources {
   size_t bytes;
 };
 
+// A load that later loads cannot pass (the cells are written by another
+// process's stream writes, each after a fence).
+__device__ inline uint64_t loadAcquire(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// The tag first, then the cell.  The owner rewrites a cell as addr = 0,
+// bytes, addr (SetCell, stream_program.cc), so the same nonzero addr read
+// before and after bytes means bytes is that buffer's: a reader released
+// while the owner rewrites (mismatched calls, a failure) never pairs an
+// old buffer with a new, larger size and reads past it.
 __device__ inline const void* resolveSource(const void* direct, const uint64_t* cell, size_t off, const uint64_t* tag,
                                             uint64_t minTag, size_t bytes) {
-  if (!cell || (tag && *tag < minTag)) return direct;
-  const uint64_t addr = cell[0], len = cell[1];
-  if (addr == 0 || off > len || bytes > len - off) return direct;
+  if (!cell || (tag && loadAcquire(tag) < minTag)) return direct;
+  const uint64_t addr = loadAcquire(cell);
+  const uint64_t len = loadAcquire(cell + 1);
+  if (addr == 0 || loadAcquire(cell) != addr || off > len || bytes > len - off) return direct;
   return reinterpret_cast<const uint8_t*>(addr) + off;
 }
 
+// Thread 0 of each block resolves the sources once, the block's threads all
+// take its answer (one set of reads per block instead of per thread, and no
+// thread of a block reads another buffer than its neighbours).  Every
+// thread of the block must call it, before any returns.
 template <class Ty>
 __device__ inline void resolveAll(Sources<Ty>& s, int nsrcs) {
-  for (int k = 0; k < nsrcs; ++k)
-    s.p[k] = static_cast<const typename Ty::Store*>(
-        resolveSource(s.p[k], s.cell[k], s.off[k], s.tag[k], s.minTag[k], s.bytes));
+  __shared__ const void* resolved[kCudaMaxReduceSources];
+  if (threadIdx.x == 0)
+    for (int k = 0; k < nsrcs; ++k)
+      resolved[k] = resolveSource(s.p[k], s.cell[k], s.off[k], s.tag[k], s.minTag[k], s.bytes);
+  __syncthreads();
+  for (int k = 0; k < nsrcs; ++k) s.p[k] = static_cast<const typename Ty::Store*>(resolved[k]);
 }
 
 // Elements [begin, n).
@@ -82,7 +103,7 @@ __global__ void reduceElements(typename Ty::Store* dst, typename Ty::Store* dst2
 
 // Vectors [0, nvec) of 16 bytes.  A published source that turns out not
 // to be 16-byte aligned makes the whole launch go element by element over
-// the same range (every thread resolves the same pointers, so all agree).
+// the same range (resolveAll: a block's threads take the same pointers).
 template <class Ty, class Op>
 __global__ void reduceVectors(typename Ty::Store* dst, typename Ty::Store* dst2, Sources<Ty> s, int nsrcs,
                               size_t nvec) {
@@ -122,7 +143,10 @@ __global__ void reduceVectors(typename Ty::Store* dst, typename Ty::Store* dst2,
 // aligned, else byte by byte.
 __global__ void copyBytes(uint8_t* dst, const uint8_t* src, const uint64_t* cell, size_t off, const uint64_t* tag,
                           uint64_t minTag, size_t bytes) {
-  src = static_cast<const uint8_t*>(resolveSource(src, cell, off, tag, minTag, bytes));
+  __shared__ const void* resolved;  // as resolveAll: once per block
+  if (threadIdx.x == 0) resolved = resolveSource(src, cell, off, tag, minTag, bytes);
+  __syncthreads();
+  src = static_cast<const uint8_t*>(resolved);
   const size_t step = size_t(gridDim.x) * blockDim.x, first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   size_t done = 0;
   if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
