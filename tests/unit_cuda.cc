@@ -179,6 +179,65 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("CUDA backend: a cell is rewritten as addr = 0, its size, then addr (a released reader never pairs an "
+          "old buffer with a new size)",
+          "[cuda]") {
+  // Rank 1 of 3 publishes its buffers for a reduce-scatter + all-gather
+  // all-reduce: every SetCell becomes three stream writes into the peer's
+  // cell, in this order (resolveSource reads addr, size, addr).
+  const int N = 3, me = 1;
+  std::vector<float> send(6000), recv(6000);
+  std::vector<std::vector<uint8_t>> win(N, std::vector<uint8_t>(4096));
+  std::vector<std::vector<uint64_t>> flags(N, std::vector<uint64_t>(loom::kFlagCount));
+  std::vector<std::vector<uint64_t>> cellArea(N, std::vector<uint64_t>(size_t(N) * loom::kCellRowWords));
+  loom::OpDesc op;
+  op.sendbuf = send.data();
+  op.recvbuf = recv.data();
+  op.count = 6000;
+  loom::StreamPublish pub;
+  pub.cells = true;
+  pub.mine = true;
+  uint64_t round = 0;
+  loom::StreamProgram p =
+      loom::compileStreamProgram(op, me, N, loom::StreamAlgorithm::ReduceScatterAllGather, 2048, &round, pub);
+  loom::ProgramBuffers b;
+  b.send = send.data();
+  b.sendBytes = b.recvBytes = 24000;
+  b.recv = recv.data();
+  b.windowBytes = 4096;
+  b.published.assign(size_t(N), {});
+  for (int r = 0; r < N; ++r) {
+    b.windows.push_back(win[size_t(r)].data());
+    b.flags.push_back(flags[size_t(r)].data());
+    b.cells.push_back(cellArea[size_t(me)].data() + size_t(r) * loom::kCellRowWords);
+    b.peerCells.push_back(cellArea[size_t(r)].data() + size_t(me) * loom::kCellRowWords);
+    for (int c = 0; c < loom::kCellCount; ++c)
+      b.published[size_t(r)][size_t(c)] = {0x100000u * uint64_t(r + 1) + uint64_t(c) * 0x1000u, 24000};
+  }
+  void* s0 = handle(0x5000);
+  loom::CudaStreamBackend be(kRecording, {s0, handle(0x5100)}, {handle(0xe000), handle(0xe100)});
+  g_calls.clear();
+  loom::enqueueProgram(be, p, b);
+  INFO(p.describe());
+  size_t cellOps = 0, at = 0;
+  for (const loom::StreamOp& o : p.ops) {
+    if (o.kind != loom::StreamOpKind::SetCell) {
+      ++at;
+      continue;
+    }
+    ++cellOps;
+    REQUIRE(at + 3 <= g_calls.size());
+    uint64_t* cell = b.peerCells[size_t(o.flagRank)] + size_t(o.flag) * loom::kCellWords;
+    const loom::ProgramBuffers::Cell& want = b.published[size_t(o.flagRank)][o.flag];
+    void* s = o.stream ? handle(0x5100) : s0;
+    CHECK(g_calls[at] == "write " + ptr(s) + " " + ptr(cell) + " = 0");
+    CHECK(g_calls[at + 1] == "write " + ptr(s) + " " + ptr(cell + 1) + " = " + std::to_string(want.bytes));
+    CHECK(g_calls[at + 2] == "write " + ptr(s) + " " + ptr(cell) + " = " + std::to_string(want.addr));
+    at += 3;
+  }
+  CHECK(cellOps > 0);
+}
+
 TEST_CASE("CUDA backend: a reduction of more sources than one launch takes is chained in source order",
           "[cuda]") {
   std::vector<const void*> srcs;
