@@ -472,6 +472,27 @@ TEST_CASE("device communicator (simulated device): host memory, another device's
   CHECK(rc == loomInvalidArgument);
   CHECK(m.find("recvbuff") != std::string::npos);
   CHECK(m.find("is memory of sim:1, but this communicator runs on sim:0") != std::string::npos);
+  // Reductions load whole elements: a float buffer two bytes off is refused
+  // (on a GPU it would fault); a byte type, or a copy, takes any address.
+  uint8_t* dev0b = s.mem.alloc(0, 256);
+  d.sendbuf = dev0b + 2;
+  d.recvbuf = dev0b + 128;
+  d.count = 8;
+  m = err(d, &rc);
+  CHECK(rc == loomInvalidArgument);
+  CHECK(m.find("sendbuff") != std::string::npos);
+  CHECK(m.find("is not aligned to its float32 elements (4 bytes)") != std::string::npos);
+  d.coll = Collective::Reduce;
+  d.root = 0;
+  d.sendbuf = dev0b;
+  d.recvbuf = dev0b + 130;
+  m = err(d, &rc);
+  CHECK(rc == loomInvalidArgument);
+  CHECK(m.find("recvbuff") != std::string::npos);
+  d.root = 1;  // this rank does not receive: its recvbuff is not read
+  CHECK(loom::deviceOpShape(d, 0, 2).needRecv == false);
+  d.coll = Collective::AllReduce;
+  d.count = 16;
   // A receive into host memory; a tagged receive (not served).
   d.coll = Collective::P2P;
   d.peer = 1;

@@ -15,6 +15,7 @@
 #include <random>
 #include <system_error>
 #include <thread>
+#include <tuple>
 
 #include "src/core/clock.h"
 #include "src/core/error.h"
@@ -936,6 +937,20 @@ void checkDeviceOp(const DeviceDriver& driver, const OpDesc& op, int rank, int n
   if (op.count > 0) {
     if (sh.needSend) checkBuffer(driver, "sendbuff", op.sendbuf);
     if (sh.needRecv) checkBuffer(driver, "recvbuff", op.recvbuf);
+    // The reduction kernels load and store whole elements: a buffer that
+    // is not a multiple of its element's size from an aligned address
+    // would fault on the device (a sticky misaligned-address error that
+    // kills every communicator of the process) rather than fail here.
+    const size_t esz = dtypeSize(op.dtype);
+    const bool reduces = op.coll == Collective::AllReduce || op.coll == Collective::ReduceScatter ||
+                         op.coll == Collective::Reduce;
+    if (reduces && esz > 1)
+      for (const auto& [what, p, needed] : {std::make_tuple("sendbuff", op.sendbuf, sh.needSend),
+                                            std::make_tuple("recvbuff", static_cast<const void*>(op.recvbuf),
+                                                            sh.needRecv)})
+        if (needed && reinterpret_cast<uintptr_t>(p) % esz != 0)
+          fail(loomInvalidArgument, "%s %p is not aligned to its %s elements (%zu bytes): the device reduces whole "
+               "elements", what, p, dtypeName(op.dtype), esz);
   }
 }
 
