@@ -114,6 +114,11 @@ struct CudaApi {
   int (*contextDevice)(int* device);
   // cuCtxSetCurrent(NULL): the thread has no current context again.
   int (*clearContext)();
+  // *supported = CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS of the
+  // device (every wait and flag of a stream program is one): checked at
+  // init, so that a device without them (some virtual GPUs, old drivers)
+  // fails there with the reason, not half-way through the first call.
+  int (*streamMemOps)(int device, int* supported);
 };
 
 constexpr int kCudaApiVersion = 8;

@@ -122,6 +122,15 @@ void loadDeviceKernels(const DeviceChoice& choice) {
   std::string why;
   const CudaApi* api = cudaPlugin(&why);
   if (!api) fail(loomInvalidUsage, "no CUDA plug-in: %s", why.c_str());
+  // (A device attribute: no context needed, nothing to restore.)
+  int memOps = 0;
+  if (int q = api->streamMemOps(choice.device, &memOps))
+    fail(loomUnhandledCudaError, "asking whether device %d runs stream memory operations failed: %s (CUDA error %d)",
+         choice.device, api->errorString(q), q);
+  if (!memOps)
+    fail(loomUnhandledCudaError, "device %d cannot run 64-bit stream memory operations "
+         "(CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS is 0; some virtual GPUs and old drivers lack them): "
+         "every wait and flag of loom's CUDA path is one (use LOOM_DEVICE=host with host buffers)", choice.device);
   // The thread's context, restored after (none: none again, not device
   // 0's, which cudaSetDevice(0) would make).
   int previous = -1;

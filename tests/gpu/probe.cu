@@ -131,12 +131,15 @@ int main() {
   CK(cudaDriverGetVersion(&drv));
   CUdevice dev;
   CU(cuDeviceGet(&dev, 0));
-  int a64 = -1, uva = -1, hostPtr = -1;
+  int a64 = -1, uva = -1, hostPtr = -1, flush = -1;
   CU(cuDeviceGetAttribute(&a64, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, dev));
   CU(cuDeviceGetAttribute(&uva, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, dev));
   CU(cuDeviceGetAttribute(&hostPtr, CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, dev));
+  // Whether CU_STREAM_WAIT_VALUE_FLUSH is available (remote writes, e.g. a
+  // NIC's, made visible before what waits on a flag): loom does not use it.
+  CU(cuDeviceGetAttribute(&flush, CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES, dev));
   std::printf("info  attrs: driver %d, 64-bit stream memory operations %d, unified addressing %d, host pointer for "
-              "registered memory %d\n", drv, a64, uva, hostPtr);
+              "registered memory %d, flush remote writes %d\n", drv, a64, uva, hostPtr, flush);
 
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));

@@ -27,6 +27,8 @@ using AddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 using CtxGetCurrentFn = CUresult (*)(CUcontext*);
 using CtxGetDeviceFn = CUresult (*)(CUdevice*);
 using CtxSetCurrentFn = CUresult (*)(CUcontext);
+using DeviceGetFn = CUresult (*)(CUdevice*, int);
+using DeviceGetAttributeFn = CUresult (*)(int*, CUdevice_attribute, CUdevice);
 
 struct Driver {
   StreamValue64Fn waitValue64 = nullptr;
@@ -36,6 +38,8 @@ struct Driver {
   CtxGetCurrentFn ctxGetCurrent = nullptr;
   CtxGetDeviceFn ctxGetDevice = nullptr;
   CtxSetCurrentFn ctxSetCurrent = nullptr;
+  DeviceGetFn deviceGet = nullptr;
+  DeviceGetAttributeFn deviceGetAttribute = nullptr;
   cudaError_t status = cudaErrorNotReady;  // of the lookup
 };
 
@@ -59,6 +63,8 @@ const Driver& driver() {
     if (x.status == cudaSuccess) x.status = lookup("cuCtxGetCurrent", &x.ctxGetCurrent);
     if (x.status == cudaSuccess) x.status = lookup("cuCtxGetDevice", &x.ctxGetDevice);
     if (x.status == cudaSuccess) x.status = lookup("cuCtxSetCurrent", &x.ctxSetCurrent);
+    if (x.status == cudaSuccess) x.status = lookup("cuDeviceGet", &x.deviceGet);
+    if (x.status == cudaSuccess) x.status = lookup("cuDeviceGetAttribute", &x.deviceGetAttribute);
     return x;
   }();
   return d;
@@ -140,6 +146,16 @@ int contextDevice(int* device) {
   if (r != CUDA_SUCCESS) return kDriverBase + int(r);
   *device = int(dev);
   return 0;
+}
+
+int streamMemOps(int device, int* supported) {
+  *supported = 0;
+  const Driver& d = driver();
+  if (d.status != cudaSuccess) return int(d.status);
+  CUdevice dev = 0;
+  CUresult r = d.deviceGet(&dev, device);
+  if (r == CUDA_SUCCESS) r = d.deviceGetAttribute(supported, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, dev);
+  return r == CUDA_SUCCESS ? 0 : kDriverBase + int(r);
 }
 
 int clearContext() {
@@ -265,7 +281,7 @@ const CudaApi kApi = {kCudaApiVersion, waitValue64,     writeValue64,   memcpyAs
                       ipcCloseHandle,  streamCreate,    streamDestroy,  eventCreate,    eventDestroy,
                       readValue64,     mallocRaw,       hostAllocMapped, hostFree,     loadKernelsOnce,
                       launchReduceIndirect, launchCopyIndirect, deviceSynchronize, contextDevice,
-                      clearContext};
+                      clearContext,    streamMemOps};
 
 }  // namespace
 }  // namespace cuda
