@@ -98,7 +98,8 @@ const loom::CudaApi kRecording = {
       return 0;
     },
     nullptr,  // deviceSynchronize: the driver's
-    nullptr,  // contextDevice, clearContext, streamMemOps: the driver's and init's
+    nullptr,  // contextDevice, clearContext, streamMemOps, streamQuery: the driver's and init's
+    nullptr,
     nullptr,
     nullptr,
 };
@@ -470,6 +471,7 @@ std::vector<std::string> g_drv;
 std::mutex g_drvMu;
 std::atomic<int> g_current{0};      // cudaGetDevice's answer; -1: the thread has no context
 std::atomic<int> g_failIpcOpen{0};  // cudaIpcOpenMemHandle's result
+std::atomic<bool> g_pending{false};  // cudaStreamQuery: work left on the stream
 std::atomic<uintptr_t> g_next{0x1000};
 std::vector<std::pair<void*, size_t>> g_blocks;  // cudaMalloc'd (zeroed) memory: the communicators' blocks
 void record(std::string call) {
@@ -600,6 +602,10 @@ const loom::CudaApi kDriverTable = {
       *supported = 1;
       return 0;
     },
+    [](void* s) {  // cudaStreamQuery: g_pending says whether the stream has work left
+      record(loom::strf("streamQuery %p", s));
+      return g_pending.load() ? 1 : 0;
+    },
 };
 
 size_t countOf(const std::string& prefix) {
@@ -609,6 +615,31 @@ size_t countOf(const std::string& prefix) {
 }
 
 }  // namespace
+
+TEST_CASE("CUDA communicator driver: the watchdog's repeated release writes never pile up behind a batch that "
+          "has not run",
+          "[cuda]") {
+  g_drv.clear();
+  g_current = 0;
+  g_pending = false;
+  auto drv = loom::makeCudaDeviceDriver(kDriverTable, 0);
+  uint64_t a = 0, b = 0;
+  uint64_t* flags[] = {&a, &b};
+  drv->writeFlags(flags, 2, 7);
+  CHECK(countOf("write ") == 2);
+  g_pending = true;  // that batch has not run: the same one again is not enqueued
+  drv->writeFlags(flags, 2, 7);
+  CHECK(countOf("write ") == 2);
+  CHECK(countOf("streamQuery") == 1);
+  drv->writeFlags(flags, 2, 9);  // other values are always written
+  CHECK(countOf("write ") == 4);
+  drv->writeFlags(flags, 1, 9);  // and other flags
+  CHECK(countOf("write ") == 5);
+  g_pending = false;  // it ran: the same batch goes again (a peer may have lowered a flag since)
+  drv->writeFlags(flags, 1, 9);
+  CHECK(countOf("write ") == 6);
+  g_pending = false;
+}
 
 TEST_CASE("CUDA communicator driver: a thread with no CUDA context gets none back, not device 0's (the "
           "control thread, the watchdog, the reaper, a user's fresh thread)",

@@ -119,6 +119,9 @@ struct CudaApi {
   // init, so that a device without them (some virtual GPUs, old drivers)
   // fails there with the reason, not half-way through the first call.
   int (*streamMemOps)(int device, int* supported);
+  // cudaStreamQuery: 0 when everything enqueued on `stream` is done, 1 while
+  // it is not, else a CUDA error.
+  int (*streamQuery)(void* stream);
 };
 
 constexpr int kCudaApiVersion = 8;

@@ -127,7 +127,20 @@ class CudaDeviceDriver final : public DeviceDriver {
     // communicator's or the caller's streams hold (a stream blocked in
     // cuStreamWaitValue64 included), and nothing here waits for them.
     if (!releaseStream_) check(api_.streamCreate(&releaseStream_), "cudaStreamCreateWithFlags");
+    // The watchdog repeats the same writes every millisecond until the
+    // streams are done.  While the last batch has not run (its stream may
+    // sit behind a blocked wait on a shared hardware queue), a new one
+    // would only pile up until cuStreamWriteValue64 blocks the watchdog:
+    // the pending batch writes the same values when it runs.
+    std::vector<uint64_t*> batch(flags, flags + n);
+    if (batch == lastBatch_ && value == lastValue_) {
+      const int q = api_.streamQuery(releaseStream_);
+      if (q == 1) return;
+      check(q, "cudaStreamQuery");
+    }
     for (size_t i = 0; i < n; ++i) check(api_.writeValue64(releaseStream_, flags[i], value), "cuStreamWriteValue64");
+    lastBatch_ = std::move(batch);
+    lastValue_ = value;
   }
 
  private:
@@ -144,6 +157,8 @@ class CudaDeviceDriver final : public DeviceDriver {
   size_t readCap_ = 0;
   bool readPrepared_ = false;
   void* releaseStream_ = nullptr;  // writeFlags'
+  std::vector<uint64_t*> lastBatch_;  // writeFlags' last batch, and its value
+  uint64_t lastValue_ = 0;
   std::vector<void*> streams_;  // side streams (program streams 1..)
   std::vector<void*> events_;
   std::unique_ptr<CudaStreamBackend> backend_;

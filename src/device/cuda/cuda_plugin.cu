@@ -158,6 +158,15 @@ int streamMemOps(int device, int* supported) {
   return r == CUDA_SUCCESS ? 0 : kDriverBase + int(r);
 }
 
+int streamQuery(void* stream) {
+  cudaError_t rc = cudaStreamQuery(static_cast<cudaStream_t>(stream));
+  if (rc == cudaErrorNotReady) {
+    cudaGetLastError();  // not an error: nothing left for the next call to report
+    return 1;
+  }
+  return int(rc);
+}
+
 int clearContext() {
   const Driver& d = driver();
   if (d.status != cudaSuccess) return int(d.status);
@@ -281,7 +290,7 @@ const CudaApi kApi = {kCudaApiVersion, waitValue64,     writeValue64,   memcpyAs
                       ipcCloseHandle,  streamCreate,    streamDestroy,  eventCreate,    eventDestroy,
                       readValue64,     mallocRaw,       hostAllocMapped, hostFree,     loadKernelsOnce,
                       launchReduceIndirect, launchCopyIndirect, deviceSynchronize, contextDevice,
-                      clearContext,    streamMemOps};
+                      clearContext,    streamMemOps,   streamQuery};
 
 }  // namespace
 }  // namespace cuda
