@@ -77,25 +77,37 @@ __device__ inline const void* resolveSource(const void* direct, const uint64_t* 
 // Thread 0 of each block resolves the sources once, the block's threads all
 // take its answer (one set of reads per block instead of per thread, and no
 // thread of a block reads another buffer than its neighbours).  Every
-// thread of the block must call it, before any returns.
+// thread of the block must call it, before any returns.  Loops over the
+// sources run to kCudaMaxReduceSources with `k < nsrcs` inside, unrolled:
+// every index is then a constant and the pointers stay in registers (a
+// loop to nsrcs indexed them at run time, which put the whole Sources in
+// local memory and reloaded a pointer from it for every element).
+constexpr int kMaxSrc = kCudaMaxReduceSources;
+
 template <class Ty>
-__device__ inline void resolveAll(Sources<Ty>& s, int nsrcs) {
-  __shared__ const void* resolved[kCudaMaxReduceSources];
-  if (threadIdx.x == 0)
-    for (int k = 0; k < nsrcs; ++k)
-      resolved[k] = resolveSource(s.p[k], s.cell[k], s.off[k], s.tag[k], s.minTag[k], s.bytes);
+__device__ inline void resolveAll(const Sources<Ty>& s, int nsrcs, const typename Ty::Store* (&p)[kMaxSrc]) {
+  __shared__ const void* resolved[kMaxSrc];
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int k = 0; k < kMaxSrc; ++k)
+      if (k < nsrcs) resolved[k] = resolveSource(s.p[k], s.cell[k], s.off[k], s.tag[k], s.minTag[k], s.bytes);
+  }
   __syncthreads();
-  for (int k = 0; k < nsrcs; ++k) s.p[k] = static_cast<const typename Ty::Store*>(resolved[k]);
+#pragma unroll
+  for (int k = 0; k < kMaxSrc; ++k) p[k] = k < nsrcs ? static_cast<const typename Ty::Store*>(resolved[k]) : nullptr;
 }
 
 // Elements [begin, n).
 template <class Ty, class Op>
 __global__ void reduceElements(typename Ty::Store* dst, typename Ty::Store* dst2, Sources<Ty> s, int nsrcs,
                                size_t begin, size_t n) {
-  resolveAll(s, nsrcs);
+  const typename Ty::Store* p[kMaxSrc];
+  resolveAll(s, nsrcs, p);
   for (size_t i = begin + size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    typename Ty::Store acc = s.p[0][i];
-    for (int k = 1; k < nsrcs; ++k) acc = reduce<Ty, Op>(acc, s.p[k][i]);
+    typename Ty::Store acc = p[0][i];
+#pragma unroll
+    for (int k = 1; k < kMaxSrc; ++k)
+      if (k < nsrcs) acc = reduce<Ty, Op>(acc, p[k][i]);
     dst[i] = acc;
     if (dst2) dst2[i] = acc;
   }
@@ -113,14 +125,19 @@ __global__ void reduceVectors(typename Ty::Store* dst, typename Ty::Store* dst2,
     uint4 v;
     S e[V];
   };
-  resolveAll(s, nsrcs);
+  const S* p[kMaxSrc];
+  resolveAll(s, nsrcs, p);
   bool aligned = true;
-  for (int k = 0; k < nsrcs; ++k) aligned = aligned && (reinterpret_cast<uintptr_t>(s.p[k]) & 15) == 0;
+#pragma unroll
+  for (int k = 0; k < kMaxSrc; ++k)
+    if (k < nsrcs) aligned = aligned && (reinterpret_cast<uintptr_t>(p[k]) & 15) == 0;
   const size_t step = size_t(gridDim.x) * blockDim.x, first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (!aligned) {
     for (size_t i = first; i < nvec * V; i += step) {
-      S acc = s.p[0][i];
-      for (int k = 1; k < nsrcs; ++k) acc = reduce<Ty, Op>(acc, s.p[k][i]);
+      S acc = p[0][i];
+#pragma unroll
+      for (int k = 1; k < kMaxSrc; ++k)
+        if (k < nsrcs) acc = reduce<Ty, Op>(acc, p[k][i]);
       dst[i] = acc;
       if (dst2) dst2[i] = acc;
     }
@@ -128,11 +145,14 @@ __global__ void reduceVectors(typename Ty::Store* dst, typename Ty::Store* dst2,
   }
   for (size_t i = first; i < nvec; i += step) {
     Pack acc, in;
-    acc.v = reinterpret_cast<const uint4*>(s.p[0])[i];
-    for (int k = 1; k < nsrcs; ++k) {
-      in.v = reinterpret_cast<const uint4*>(s.p[k])[i];
+    acc.v = reinterpret_cast<const uint4*>(p[0])[i];
 #pragma unroll
-      for (int j = 0; j < V; ++j) acc.e[j] = reduce<Ty, Op>(acc.e[j], in.e[j]);
+    for (int k = 1; k < kMaxSrc; ++k) {
+      if (k < nsrcs) {
+        in.v = reinterpret_cast<const uint4*>(p[k])[i];
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc.e[j] = reduce<Ty, Op>(acc.e[j], in.e[j]);
+      }
     }
     reinterpret_cast<uint4*>(dst)[i] = acc.v;
     if (dst2) reinterpret_cast<uint4*>(dst2)[i] = acc.v;
