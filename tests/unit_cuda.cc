@@ -26,6 +26,7 @@
 #include "src/device/device_choice.h"
 #include "src/device/cuda_stream_backend.h"
 #include "src/device/device_comm.h"
+#include "src/device/reduce_ops.h"
 
 namespace {
 
@@ -238,6 +239,51 @@ TEST_CASE("CUDA backend: a cell is rewritten as addr = 0, its size, then addr (a
     at += 3;
   }
   CHECK(cellOps > 0);
+}
+
+TEST_CASE("device copy kernel's words: every alignment of source and destination, sizes and thread counts copy "
+          "exactly the range",
+          "[cuda]") {
+  // copyBytes (reduce_kernels.cu) runs this for each thread of its grid
+  // with the widest word the two addresses allow once aligned alike.
+  struct alignas(16) Vec16 {
+    uint8_t b[16];
+  };
+  auto copyAll = [](uint8_t* dst, const uint8_t* src, size_t bytes, size_t threads) {
+    using loom::elementwise::copyWords;
+    const uintptr_t apart = reinterpret_cast<uintptr_t>(dst) ^ reinterpret_cast<uintptr_t>(src);
+    for (size_t t = 0; t < threads; ++t) {
+      if ((apart & 15) == 0)
+        copyWords<Vec16>(dst, src, bytes, t, threads);
+      else if ((apart & 7) == 0)
+        copyWords<uint64_t>(dst, src, bytes, t, threads);
+      else if ((apart & 3) == 0)
+        copyWords<uint32_t>(dst, src, bytes, t, threads);
+      else if ((apart & 1) == 0)
+        copyWords<uint16_t>(dst, src, bytes, t, threads);
+      else
+        copyWords<uint8_t>(dst, src, bytes, t, threads);
+    }
+  };
+  alignas(64) static uint8_t s[1024], d[1024];
+  long bad = 0, cases = 0;
+  for (int so = 0; so < 32; ++so)
+    for (int dof = 0; dof < 32; ++dof)
+      for (size_t n : {0, 1, 2, 3, 5, 15, 16, 17, 31, 33, 100, 257, 900})
+        for (size_t threads : {1, 3, 64}) {
+          for (int i = 0; i < 1024; ++i) s[i] = uint8_t(i * 7 + 3), d[i] = 0xee;
+          copyAll(d + dof, s + so, n, threads);
+          ++cases;
+          for (int i = 0; i < 1024; ++i) {
+            const bool in = i >= dof && size_t(i) < size_t(dof) + n;
+            if (d[i] != (in ? s[so + i - dof] : 0xee)) {
+              ++bad;
+              break;
+            }
+          }
+        }
+  CHECK(cases == 32 * 32 * 13 * 3);
+  CHECK(bad == 0);
 }
 
 TEST_CASE("CUDA backend: a reduction of more sources than one launch takes is chained in source order",

@@ -13,6 +13,7 @@
 // prod wrap (two's complement); max/min propagate NaN; loomAvg combines as
 // sum and divides once at the end (Elem::divide).
 #pragma once
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -255,6 +256,24 @@ LOOM_HD_INLINE typename Ty::Store divide(typename Ty::Store x, typename Ty::Divi
   using V = typename Ty::Value;
   using D = typename Ty::Divisor;
   return Ty::save(V(D(Ty::load(x)) / q));
+}
+
+// A grid-stride share (this thread: first, first + step, ...) of copying
+// `bytes` from src to dst, which lie alike modulo sizeof(W): the bytes up to
+// dst's first W boundary, then whole Ws, then the rest.  The device copy
+// kernel (reduce_kernels.cu, copyBytes) picks the widest W the two
+// addresses allow; tests/unit_cuda.cc runs it here for every alignment.
+template <class W>
+LOOM_HD_INLINE void copyWords(uint8_t* dst, const uint8_t* src, size_t bytes, size_t first, size_t step) {
+  constexpr uintptr_t m = sizeof(W) - 1;
+  size_t head = size_t((sizeof(W) - (reinterpret_cast<uintptr_t>(dst) & m)) & m);
+  if (head > bytes) head = bytes;
+  for (size_t i = first; i < head; i += step) dst[i] = src[i];
+  const size_t nw = (bytes - head) / sizeof(W);
+  W* dw = reinterpret_cast<W*>(dst + head);
+  const W* sw = reinterpret_cast<const W*>(src + head);
+  for (size_t i = first; i < nw; i += step) dw[i] = sw[i];
+  for (size_t i = head + nw * sizeof(W) + first; i < bytes; i += step) dst[i] = src[i];
 }
 
 }  // namespace elementwise

@@ -159,8 +159,10 @@ __global__ void reduceVectors(typename Ty::Store* dst, typename Ty::Store* dst2,
   }
 }
 
-// dst = the (resolved) source, `bytes` bytes: 16 at a time when both are
-// aligned, else byte by byte.
+// dst = the (resolved) source, `bytes` bytes, in the widest words both
+// addresses allow once aligned alike: 16 bytes when they agree modulo 16,
+// down to single bytes only when one is odd and the other even (a bfloat16
+// view two bytes into a buffer copies 2 bytes at a time, not 1).
 __global__ void copyBytes(uint8_t* dst, const uint8_t* src, const uint64_t* cell, size_t off, const uint64_t* tag,
                           uint64_t minTag, size_t bytes) {
   __shared__ const void* resolved;  // as resolveAll: once per block
@@ -168,14 +170,17 @@ __global__ void copyBytes(uint8_t* dst, const uint8_t* src, const uint64_t* cell
   __syncthreads();
   src = static_cast<const uint8_t*>(resolved);
   const size_t step = size_t(gridDim.x) * blockDim.x, first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  size_t done = 0;
-  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
-    const size_t nvec = bytes / 16;
-    for (size_t i = first; i < nvec; i += step)
-      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
-    done = nvec * 16;
-  }
-  for (size_t i = done + first; i < bytes; i += step) dst[i] = src[i];
+  const uintptr_t apart = reinterpret_cast<uintptr_t>(dst) ^ reinterpret_cast<uintptr_t>(src);
+  if ((apart & 15) == 0)
+    copyWords<uint4>(dst, src, bytes, first, step);
+  else if ((apart & 7) == 0)
+    copyWords<uint64_t>(dst, src, bytes, first, step);
+  else if ((apart & 3) == 0)
+    copyWords<uint32_t>(dst, src, bytes, first, step);
+  else if ((apart & 1) == 0)
+    copyWords<uint16_t>(dst, src, bytes, first, step);
+  else
+    copyWords<uint8_t>(dst, src, bytes, first, step);
 }
 
 template <class Ty>
