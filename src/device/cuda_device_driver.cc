@@ -27,8 +27,10 @@ class CudaDeviceDriver final : public DeviceDriver {
   const char* name() const override { return "cuda"; }
 
   int pointerDevice(const void* p) const override {
+    // cudaPointerGetAttributes answers for host memory too (not an error):
+    // an error is the device's own (a sticky one), not "host memory".
     int d = -1;
-    if (api_.pointerDevice(p, &d) != 0) return -1;
+    check(api_.pointerDevice(p, &d), "cudaPointerGetAttributes");
     return d;
   }
   void* allocate(size_t bytes) override {

@@ -1376,6 +1376,18 @@ void checkRegisteredDevice(const void* p, int device, int mine, const char* name
 
 }  // namespace
 
+void DeviceComm::noteUnpublishable(const void* p, const char* why) {
+  // Once as a warning: memory from cudaMallocAsync pools or PyTorch's
+  // expandable segments (cuMem) has no CUDA IPC handle, so every large call
+  // on it stages, and a user who expected zero-copy should hear why.
+  if (!warnedUnpublishable_.exchange(true))
+    LOOM_WARN("DEVICE", "rank %d: device memory at %p cannot be published to the peers, so operations on it are "
+              "staged (zero-copy off for it; memory from cudaMallocAsync pools or PyTorch's expandable segments "
+              "has no CUDA IPC handle; said once per communicator): %s", rank_, p, why);
+  else
+    LOOM_INFO("DEVICE", "rank %d: device memory at %p is not published (zero-copy off for it): %s", rank_, p, why);
+}
+
 bool DeviceCollectives::deviceMemory(const void* p, size_t /*bytes*/, void** allocation) {
   const int d = cudaPointerDevice(p);
   if (d < 0) return false;
@@ -1395,8 +1407,7 @@ bool DeviceComm::deviceMemory(const void* p, size_t bytes, void** allocation) {
   try {
     driver_->addressRange(p, &base, &alloc);
   } catch (const Error& e) {
-    LOOM_INFO("DEVICE", "rank %d: registered device memory at %p is not published (zero-copy off for it): %s",
-              rank_, p, e.what());
+    noteUnpublishable(p, e.what());
     return true;
   }
   const auto b = reinterpret_cast<uintptr_t>(base), q = reinterpret_cast<uintptr_t>(p);
@@ -1456,8 +1467,7 @@ const DeviceComm::Published* DeviceComm::publishedAlloc(void* base) {
     driver_->addressRange(base, &b, &bytes);
     pub.rec = exportRange(*driver_, b, bytes, process_);
   } catch (const Error& e) {
-    LOOM_INFO("DEVICE", "rank %d: device memory at %p is not published (zero-copy off for it): %s", rank_, base,
-              e.what());
+    noteUnpublishable(base, e.what());
     pub.ok = false;
   }
   // Every peer is asked, even once one has failed: those that mapped it

@@ -593,6 +593,8 @@ class DeviceComm final : public DeviceCollectives {
   int rank_, nranks_;
   size_t slotBytes_, oneShotBytes_;
   bool zeroCopy_ = false;
+  std::atomic<bool> warnedUnpublishable_{false};
+  void noteUnpublishable(const void* p, const char* why);
   std::function<bool(const void*, size_t, void**)> publishable_;
   std::function<uint64_t(int, const IpcRecord&)> publishTo_;
   std::function<void(int, const IpcRecord&)> unpublishTo_;
