@@ -16,11 +16,20 @@ class CudaDeviceDriver final : public DeviceDriver {
  public:
   CudaDeviceDriver(const CudaApi& api, int device) : api_(api), device_(device) {}
   ~CudaDeviceDriver() override {
+    // On its own device, and the thread's context restored after (the
+    // reaper destroys drivers after leaving their scope: a runtime call on
+    // a thread without a context would make device 0's).
+    int previous = -1;
+    try {
+      previous = enter();
+    } catch (const Error&) {  // destroyed anyway, best effort
+    }
     if (readStream_) api_.streamDestroy(readStream_);
     if (readBuf_) api_.hostFree(readBuf_);
     if (releaseStream_) api_.streamDestroy(releaseStream_);
     for (void* e : events_) api_.eventDestroy(e);
     for (void* s : streams_) api_.streamDestroy(s);
+    leave(previous);
   }
 
   int device() const override { return device_; }
