@@ -34,7 +34,8 @@
 //   mixed   zero-copy with many calls in flight (LOOM_DEVICE_ONESHOT_BYTES=0):
 //           batches of 16 random calls of every collective, roots, types,
 //           ops, sizes and layouts, each rank's buffers published, staged or
-//           half and half, one synchronisation per batch: exact
+//           half and half, 0-3 elements past a 256-byte boundary, one
+//           synchronisation per batch: exact
 // Prints one row per N and check; exits non-zero on any wrong value, error
 // or crash (run.sh bounds the run with timeout(1)).
 //
@@ -519,6 +520,7 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, loomUniqueId id3,
       uint8_t* base[2];  // [0] cudaMalloc (staged), [1] loomMemAlloc (published)
       size_t used[2], cap;
       int choice;  // 0: both buffers staged, 1: both published, 2: send published, recv staged
+      size_t skew;  // bytes past a 256-byte boundary (whole elements): unaligned vectors, copy heads and tails
     } pools{};
     pools.cap = size_t(72) << 20;
     void* pub = nullptr;
@@ -528,7 +530,7 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, loomUniqueId id3,
     Carve carve = [](void* ctx, size_t bytes, bool send) -> void* {
       Pools* p = static_cast<Pools*>(ctx);
       const int k = p->choice == 1 || (p->choice == 2 && send) ? 1 : 0;
-      const size_t at = (p->used[k] + 255) & ~size_t(255);
+      const size_t at = ((p->used[k] + 255) & ~size_t(255)) + p->skew;
       if (at + bytes > p->cap) {
         std::fprintf(stderr, "mixed: pool %d too small (%zu + %zu bytes)\n", k, at, bytes);
         std::abort();
@@ -556,7 +558,8 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, loomUniqueId id3,
         c.seed = 100000 + size_t(trial) * 16 + size_t(k);
         for (int q = 0; q < N; ++q) {
           const int choice = int(rng() % 3);
-          if (q == me) pools.choice = choice;
+          const size_t skew = loom::dtypeSize(c.t) * size_t(rng() % 4);
+          if (q == me) pools.choice = choice, pools.skew = skew;
         }
         inFlight.push_back(issue(c, me, N, zc, st, carve, &pools));
       }
