@@ -2709,6 +2709,47 @@ TEST_CASE("CUDA communicator across hosts (simulated device): a caller's stream 
   CHECK(g_pinnedLive.load() == 0);
 }
 
+TEST_CASE("staged path: a failed communicator destroyed while its stream has yet to run keeps its pinned memory "
+          "until the stream is done with it",
+          "[devcomm][staged]") {
+  // The failure releases the stream's waits; it must not make the pinned
+  // buffers look used up (their `free` flags), or destroy frees memory the
+  // stream will still copy through and write flags into (on a GPU: a
+  // sticky fault, or a free that waits for the whole device).
+  const long pinnedBefore = g_pinnedLive.load();
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(1, 1, 256);
+  loom::StagedCommOptions o;
+  o.pieceBytes = 4096;
+  o.issueHost = [](const std::vector<loom::OpDesc>&) { return std::function<void()>([] {}); };
+  auto c = std::make_unique<loom::StagedDeviceComm>(0, 1, std::make_unique<SimDriver>(mem, &world, 0, 0), o);
+  uint8_t* buf = mem.alloc(0, 4000 * sizeof(float));
+  std::atomic<bool> open{false};
+  struct Opener {  // a failed REQUIRE must not leave the stream blocked
+    std::atomic<bool>& o;
+    ~Opener() { o.store(true); }
+  } opener{open};
+  world.rank(0).enqueueWork(0, [&open] {  // the caller's own work, ahead of the collective
+    while (!open.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  loom::OpDesc d;
+  d.coll = Collective::AllReduce;
+  d.dtype = loomFloat32;
+  d.count = 4000;
+  d.sendbuf = d.recvbuf = buf;
+  c->run(d, nullptr);
+  c->markFailed(loomRemoteError, "aborted (the test)");
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  c.reset();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK(g_pinnedLive.load() > pinnedBefore);  // the stream has not run: nothing of its memory is freed
+  open.store(true);
+  std::string msg;
+  CHECK(world.rank(0).synchronize(&msg) == loomSuccess);  // released: it runs to the end
+  CHECK(loom::waitDeviceRemains(10000));
+  CHECK(g_pinnedLive.load() == pinnedBefore);  // and then all of it is
+}
+
 TEST_CASE("staged path: pieces hold the same elements of every rank's block and fit their slot, for every "
           "collective, N and type",
           "[devcomm][staged]") {

@@ -313,10 +313,13 @@ bool StagedDeviceComm::waitIn(const Step& s) {
 
 void StagedDeviceComm::releaseAll() {
   std::lock_guard<std::mutex> g(mu_);
-  auto one = [&](Buffer& b) {
-    driver_->storeHostFlag(b.out(), kReleasedFlag);
-    driver_->storeHostFlag(b.free(), kReleasedFlag);
-  };
+  // Only `out`, which the streams wait for: with it released, each use's
+  // copy-out runs and writes `free` itself, which is what a later use's
+  // wait and the reaper (StagedRemains::step: the streams are done with a
+  // buffer once `free` reaches its uses) read.  Releasing `free` too made
+  // every buffer look done at once, and a destroy after a failure freed
+  // pinned memory the stream would still copy through.
+  auto one = [&](Buffer& b) { driver_->storeHostFlag(b.out(), kReleasedFlag); };
   for (auto& b : slots_) one(*b);
   if (bulk_) one(*bulk_);
   for (auto& b : retired_) one(*b);
@@ -390,12 +393,21 @@ struct StagedRemains final : DeviceRemains {
     return done;
   }
   void free() override {
+    // On the communicator's device (the reaper thread may have none current:
+    // a runtime call there would make device 0's context).
+    int previous = -1;
+    try {
+      previous = driver->enter();
+    } catch (const Error& e) {
+      LOOM_WARN("DEVICE", "rank %d: selecting the device to free its pinned memory: %s", rank, e.what());
+    }
     for (const Part& p : parts) {
       try {
         driver->releaseHost(p.mem);
       } catch (const Error&) {  // nothing to tell from here
       }
     }
+    driver->leave(previous);
     driver.reset();
   }
 };
