@@ -141,11 +141,17 @@ NCCL_SHIM_API(const char*, ncclGetErrorString, ncclResult_t result) {
 }
 
 // The thread's last error (the shim's or loom's message), else the
-// communicator's own (an asynchronous failure), else "".
+// communicator's own (an asynchronous failure), else the process's last
+// error, as NCCL's one string (another thread's, or a failure
+// ncclCommGetAsyncError reported), else "".
 NCCL_SHIM_API(const char*, ncclGetLastError, ncclComm_t comm) {
   const char* mine = lastError();
-  if (*mine || !comm) return mine;
-  return loomGetLastError(comm->loom);
+  if (*mine) return mine;
+  if (comm) {
+    const char* its = loomGetLastError(comm->loom);
+    if (its && *its) return its;
+  }
+  return processLastError();
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclGetUniqueId, ncclUniqueId* uniqueId) {
@@ -348,7 +354,11 @@ NCCL_SHIM_API(ncclResult_t, ncclCommGetAsyncError, ncclComm_t comm, ncclResult_t
   loomResult_t e = loomSuccess;
   loomResult_t r = loomCommGetAsyncError(comm->loom, &e);
   if (r != loomSuccess) return fromLoom(r, "ncclCommGetAsyncError");
-  *asyncError = toNccl(e);  // the reason stays on the communicator: ncclGetLastError(comm)
+  *asyncError = toNccl(e);
+  // The reason stays on the communicator (ncclGetLastError(comm)) and is
+  // the process's last error too, for ncclGetLastError(NULL) (PyTorch's
+  // watchdog asks that way).
+  if (e != loomSuccess) noteError(std::string("ncclCommGetAsyncError: ") + loomGetLastError(comm->loom));
   return ncclSuccess;
 }
 

@@ -16,6 +16,7 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -26,6 +27,13 @@ namespace nccl_shim {
 namespace {
 
 thread_local std::string tlsError;
+// NCCL keeps one last-error string for the process: PyTorch's watchdog asks
+// ncclGetLastError(NULL) on its own thread after ncclCommGetAsyncError said
+// a communicator failed.  The thread's own error comes first (it is about
+// that thread's last call), then this.
+std::mutex gErrorMu;
+std::string gError;
+thread_local std::string tlsGlobalCopy;  // what lastError() handed out from gError
 
 struct Group {
   int depth = 0;
@@ -134,7 +142,7 @@ ncclResult_t fail(ncclResult_t r, const char* fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
-  tlsError = msg;
+  noteError(msg);
   Group& g = tlsGroup;
   if (g.depth > 0 && g.error == ncclSuccess) {
     g.error = r;
@@ -146,13 +154,25 @@ ncclResult_t fail(ncclResult_t r, const char* fmt, ...) {
 
 ncclResult_t fromLoom(loomResult_t r, const char* call) {
   if (r == loomSuccess) return ncclSuccess;
-  tlsError = std::string(call) + ": " + loomGetLastError(nullptr);
+  noteError(std::string(call) + ": " + loomGetLastError(nullptr));
   logf(Level::Info, "%s", tlsError.c_str());
   return toNccl(r);
 }
 
+void noteError(const std::string& msg) {
+  tlsError = msg;
+  std::lock_guard<std::mutex> g(gErrorMu);
+  gError = msg;
+}
+
 void clearLastError() { tlsError.clear(); }
 const char* lastError() { return tlsError.c_str(); }
+
+const char* processLastError() {
+  std::lock_guard<std::mutex> g(gErrorMu);
+  tlsGlobalCopy = gError;
+  return tlsGlobalCopy.c_str();
+}
 
 bool inGroup() { return tlsGroup.depth > 0; }
 
@@ -246,7 +266,7 @@ NCCL_SHIM_API(ncclResult_t, ncclGroupEnd) {
   Group done = std::move(g);
   g = Group();
   if (done.error != ncclSuccess) {
-    tlsError = "ncclGroupEnd: the group was not launched because one of its calls failed: " + done.errorMsg;
+    noteError("ncclGroupEnd: the group was not launched because one of its calls failed: " + done.errorMsg);
     return done.error;  // deferred inits included: their handles stay without a communicator
   }
   if (!done.inits.empty())

@@ -66,6 +66,10 @@ ncclResult_t toNccl(loomResult_t r);
 ncclResult_t fromLoom(loomResult_t r, const char* call);
 void clearLastError();
 const char* lastError();
+// Records msg as this thread's last error and the process's (NCCL's one
+// string); processLastError() is the latter, valid until the thread asks again.
+void noteError(const std::string& msg);
+const char* processLastError();
 
 // One operation as the shim hands it to loom: issue() makes the loom call
 // on the given stream.  Scratch memory it

@@ -618,3 +618,31 @@ TEST_CASE(
   for (int r = 0; r < n; ++r) sim.mem.free(seg[size_t(r)]);
   for (ncclComm_t c2 : comms) CHECK(ncclCommDestroy(c2) == ncclSuccess);
 }
+
+TEST_CASE("NCCL shim: a failure ncclCommGetAsyncError reports is also the process's last error, for "
+          "ncclGetLastError(NULL) on any thread (NCCL keeps one string, and PyTorch's watchdog asks that way)",
+          "[nccl][devcomm]") {
+  const int n = 2;
+  SimCuda sim(n, 1);
+  std::string err;
+  std::vector<ncclComm_t> comms = initRanks(n, &err);
+  INFO(err);
+  REQUIRE(comms.size() == size_t(n));
+  REQUIRE(ncclCommAbort(comms[1]) == ncclSuccess);  // rank 0's communicator fails through the notice
+  ncclResult_t async = ncclSuccess;
+  std::thread watchdog([&] {
+    for (int i = 0; i < 500 && async == ncclSuccess; ++i) {
+      if (ncclCommGetAsyncError(comms[0], &async) != ncclSuccess) break;
+      if (async == ncclSuccess) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  });
+  watchdog.join();
+  CHECK(async != ncclSuccess);
+  std::string seen;
+  std::thread other([&] { seen = ncclGetLastError(nullptr); });  // a thread that made no call of its own
+  other.join();
+  INFO(seen);
+  CHECK(seen.find("ncclCommGetAsyncError") != std::string::npos);
+  CHECK(seen.find("abort") != std::string::npos);
+  CHECK(ncclCommAbort(comms[0]) == ncclSuccess);
+}
