@@ -99,7 +99,8 @@ const loom::CudaApi kRecording = {
       return 0;
     },
     nullptr,  // deviceSynchronize: the driver's
-    nullptr,  // contextDevice, clearContext, streamMemOps, streamQuery: the driver's and init's
+    nullptr,  // contextDevice, clearContext, streamMemOps, streamQuery, streamCapturing: the driver's,
+    nullptr,  // init's and the API's
     nullptr,
     nullptr,
     nullptr,
@@ -651,6 +652,10 @@ const loom::CudaApi kDriverTable = {
     [](void* s) {  // cudaStreamQuery: g_pending says whether the stream has work left
       record(loom::strf("streamQuery %p", s));
       return g_pending.load() ? 1 : 0;
+    },
+    [](void*, int* capturing) {  // the API's, not the driver's
+      *capturing = 0;
+      return 0;
     },
 };
 

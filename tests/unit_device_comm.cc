@@ -1424,6 +1424,72 @@ std::vector<loomComm_t> initCudaComms(int n) {
 
 }  // namespace
 
+namespace {
+const uintptr_t kCapturingStream = 0xcafe;  // the stream the probe below says is being captured
+int captureProbe(void* stream) { return reinterpret_cast<uintptr_t>(stream) == kCapturingStream; }
+}  // namespace
+
+TEST_CASE("CUDA communicator through the C API (simulated device): a stream being captured into a CUDA graph is "
+          "refused with loomInvalidUsage before anything is issued, in a group too, and the communicator goes on",
+          "[devcomm][api]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(2, 1, 256);
+  DeviceEnv env(mem, world);
+  loomUniqueId id;
+  REQUIRE(loomGetUniqueId(&id) == loomSuccess);
+  loomComm_t comms[2] = {nullptr, nullptr};
+  loomResult_t rcs[2];
+  {
+    std::vector<std::thread> ts;
+    for (int r = 0; r < 2; ++r) ts.emplace_back([&, r] { rcs[r] = loomCommInitRank(&comms[r], 2, id, r); });
+    for (auto& t : ts) t.join();
+  }
+  REQUIRE(rcs[0] == loomSuccess);
+  REQUIRE(rcs[1] == loomSuccess);
+  loom::setCudaCaptureProbeForTesting(captureProbe);
+  struct Unset {
+    ~Unset() { loom::setCudaCaptureProbeForTesting(nullptr); }
+  } unset;
+  auto* capturing = reinterpret_cast<loomStream_t>(kCapturingStream);
+  auto* plain = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+  const size_t n = 1000;
+  int32_t* buf[2];
+  for (int r = 0; r < 2; ++r) {
+    buf[r] = reinterpret_cast<int32_t*>(mem.alloc(0, n * 4));
+    for (size_t i = 0; i < n; ++i) buf[r][i] = int32_t(i) + r;
+  }
+  auto* dev0 = dynamic_cast<loom::DeviceComm*>(comms[0]->deviceComm());
+  REQUIRE(dev0 != nullptr);
+  const uint64_t round = dev0->round();
+  CHECK(loomAllReduce(buf[0], buf[0], n, loomInt32, loomSum, comms[0], capturing) == loomInvalidUsage);
+  std::string why = loomGetLastError(comms[0]);
+  INFO(why);
+  CHECK(why.find("being captured into a CUDA graph") != std::string::npos);
+  CHECK(dev0->round() == round);  // nothing compiled or enqueued
+  // In a group: the member is refused at its call and the group launches nothing.
+  CHECK(loomGroupStart() == loomSuccess);
+  CHECK(loomAllGather(buf[0], buf[1], 1, loomInt32, comms[0], plain) == loomSuccess);
+  CHECK(loomBroadcast(buf[0], buf[0], n, loomInt32, 0, comms[0], capturing) == loomInvalidUsage);
+  CHECK(loomGroupEnd() != loomSuccess);
+  CHECK(dev0->round() == round);
+  // The communicator goes on: the same all-reduce on a stream not being captured.
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 2; ++r)
+    ts.emplace_back([&, r] { rcs[r] = loomAllReduce(buf[r], buf[r], n, loomInt32, loomSum, comms[r], plain); });
+  for (auto& t : ts) t.join();
+  CHECK(rcs[0] == loomSuccess);
+  CHECK(rcs[1] == loomSuccess);
+  for (int r = 0; r < 2; ++r) {
+    std::string msg;
+    CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
+  }
+  long wrong = 0;
+  for (int r = 0; r < 2; ++r)
+    for (size_t i = 0; i < n; ++i) wrong += buf[r][i] != 2 * int32_t(i) + 1;
+  CHECK(wrong == 0);
+  for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
+}
+
 TEST_CASE("CUDA communicators through the C API (simulated device): one thread's group over 4 ranks enqueues "
           "their programs round-robin, so large all-reduces and a ring of sends complete where each stream's queue "
           "holds 64 operations (a rank's program enqueued whole would fill it with waits on the next rank)",

@@ -265,6 +265,16 @@ void* cudaStreamOf(loomStream_t stream) {
     case StreamKind::Foreign:
       break;
   }
+  // A graph captured with a collective would replay its flag waits and
+  // writes with the values of the capture: the replay would not wait for
+  // the peers and would read stale data.  Refused, before anything is
+  // issued (a group member: at its call, so the group launches nothing).
+  if (cudaStreamCapturing(static_cast<void*>(stream)))
+    fail(loomInvalidUsage,
+         "stream %p is being captured into a CUDA graph: loom's CUDA collectives cannot be captured (a replay "
+         "would repeat the capture's flag values and not synchronise with the peers); issue them outside the "
+         "capture",
+         static_cast<void*>(stream));
   return static_cast<void*>(stream);
 }
 

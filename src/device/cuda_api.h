@@ -122,6 +122,10 @@ struct CudaApi {
   // cudaStreamQuery: 0 when everything enqueued on `stream` is done, 1 while
   // it is not, else a CUDA error.
   int (*streamQuery)(void* stream);
+  // *capturing = 1 while `stream` is being captured into a CUDA graph
+  // (cudaStreamIsCapturing: active or invalidated; for the legacy stream,
+  // also while another thread captures in global mode), else 0.
+  int (*streamCapturing)(void* stream, int* capturing);
 };
 
 constexpr int kCudaApiVersion = 8;

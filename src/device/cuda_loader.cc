@@ -72,6 +72,7 @@ const Plugin& plugin() {
 }
 
 std::atomic<int (*)(const void*)> g_classifier{nullptr};
+std::atomic<int (*)(void*)> g_captureProbe{nullptr};
 
 }  // namespace
 
@@ -94,6 +95,19 @@ LOOM_HOT int cudaPointerDevice(const void* ptr) {
   int device = -1;
   return p.api->pointerDevice(ptr, &device) == 0 ? device : -1;
 }
+
+bool cudaStreamCapturing(void* stream) {
+  if (auto fn = g_captureProbe.load(std::memory_order_acquire)) return fn(stream) != 0;
+  const Plugin& p = plugin();
+  if (!p.devices) return false;
+  int capturing = 0;
+  if (int rc = p.api->streamCapturing(stream, &capturing))
+    fail(loomUnhandledCudaError, "cudaStreamIsCapturing(%p) failed: %s (CUDA error %d)", stream,
+         p.api->errorString(rc), rc);
+  return capturing != 0;
+}
+
+void setCudaCaptureProbeForTesting(int (*fn)(void*)) { g_captureProbe.store(fn, std::memory_order_release); }
 
 void setCudaPointerClassifierForTesting(int (*fn)(const void*)) {
   g_classifier.store(fn, std::memory_order_release);

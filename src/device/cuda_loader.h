@@ -21,6 +21,14 @@ int cudaDeviceCount(std::string* why);
 // whenever the process has no CUDA device: nothing is asked then).
 int cudaPointerDevice(const void* p);
 
+// Whether `stream` (a cudaStream_t; null: the legacy stream) is being
+// captured into a CUDA graph.  False when the process has no CUDA device.
+// loomUnhandledCudaError if CUDA cannot say.
+bool cudaStreamCapturing(void* stream);
+// Tests only: answer cudaStreamCapturing with fn (nonzero: capturing)
+// instead of CUDA (nullptr: CUDA again).
+void setCudaCaptureProbeForTesting(int (*fn)(void*));
+
 // Tests only: classify pointers with fn instead of CUDA (nullptr: CUDA
 // again), so that the API's handling of device pointers is tested on
 // machines without a GPU.

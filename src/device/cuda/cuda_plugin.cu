@@ -167,6 +167,20 @@ int streamQuery(void* stream) {
   return int(rc);
 }
 
+int streamCapturing(void* stream, int* capturing) {
+  *capturing = 0;
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  cudaError_t rc = cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &st);
+  if (rc == cudaErrorStreamCaptureImplicit) {  // the legacy stream while a global-mode capture runs
+    cudaGetLastError();
+    *capturing = 1;
+    return 0;
+  }
+  if (rc != cudaSuccess) return int(rc);
+  *capturing = st != cudaStreamCaptureStatusNone;
+  return 0;
+}
+
 int clearContext() {
   const Driver& d = driver();
   if (d.status != cudaSuccess) return int(d.status);
@@ -290,7 +304,7 @@ const CudaApi kApi = {kCudaApiVersion, waitValue64,     writeValue64,   memcpyAs
                       ipcCloseHandle,  streamCreate,    streamDestroy,  eventCreate,    eventDestroy,
                       readValue64,     mallocRaw,       hostAllocMapped, hostFree,     loadKernelsOnce,
                       launchReduceIndirect, launchCopyIndirect, deviceSynchronize, contextDevice,
-                      clearContext,    streamMemOps,   streamQuery};
+                      clearContext,    streamMemOps,   streamQuery,    streamCapturing};
 
 }  // namespace
 }  // namespace cuda
