@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2034  # loom_mps_why: read by the scripts that source this one
 # Sourced by the GPU scripts (run.sh, nccl_tests.sh, torch.sh).
 # loom_gpu_deps makes
 # loom's build dependencies findable on the lent GPU machine, whose image
@@ -90,6 +91,9 @@ loom_mps_start() {
     { loom_mps_why="not installed: processes are time-sliced"; return 1; }
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/loom-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/loom-mps/log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  # A daemon an earlier call left (killed at its limit: no trap ran) would
+  # make -d fail and the phase run time-sliced: stop it first.
+  echo quit | timeout 10 nvidia-cuda-mps-control >/dev/null 2>&1 && sleep 1
   if nvidia-cuda-mps-control -d; then
     loom_mps_on=1
     sleep 1

@@ -10,9 +10,12 @@
 #    one GPU (torchrun), every collective and a short DDP run against gloo;
 #    then again with TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1, so
 #    that torch registers its allocator's segments (device zero-copy).
+# Step 2 runs first: it needs the GPU, step 1 only this machine's torch.
 # PYTHON picks the interpreter (default: python3).  Exits non-zero if a step
 # fails; prints a table.  Steps time out after LOOM_GPU_STEP_TIMEOUT seconds
-# (default 240); tests/gpu/deps.sh brings what the machine lacks (.gpudeps).
+# (default 240); LOOM_GPU_RESULTS names a file that gets each step's row as
+# it finishes (a call cut off at the device tool's limit still says what
+# ran); tests/gpu/deps.sh brings what the machine lacks (.gpudeps).
 set -uo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 build=${1:-$here/build-gpu-torch}
@@ -36,12 +39,15 @@ fi
 
 status=0
 names=() results=()
+results_file=${LOOM_GPU_RESULTS:-}
 step() {
-  local name=$1
+  local name=$1 r t=$SECONDS
   shift
   echo "== $name: $*"
-  if "$@"; then results+=("ok"); else results+=("FAIL ($?)"); status=1; fi
-  names+=("$name")
+  if "$@"; then r="ok ($((SECONDS - t)) s)"; else r="FAIL ($?)"; status=1; fi
+  names+=("$name") results+=("$r")
+  [ -n "$results_file" ] && printf '%-60s %s\n' "$name" "$r" >>"$results_file"
+  return 0
 }
 # The extension must share the libstdc++ that python and torch load.  The
 # GPU machine's default g++ (/opt/gcc, 13.3) linked a private copy into it,
@@ -62,25 +68,28 @@ echo "extension's C++: ${cxx[*]:-the default compiler}"
 step "configure (torch from $prefix)" cmake -S "$here" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$prefix" -DPython3_EXECUTABLE="$(command -v "$py")" -DLOOM_BUILD_TORCH=ON \
   -DLOOM_CUDA_ARCHS="$cc" "${shim[@]}" "${cxx[@]}"
-# -k 0: one target that fails to build does not keep the others from it.
-step "build loom, loom_torch, the shim" cmake --build "$build" -j"$(nproc)" -- -k 0
-step "loom_torch built for this torch" bash -c "ls '$build'/python/loom_torch/*.so"
+# Only what the steps use (the unit tests are most of a whole build; the
+# torch tests launch their ranks with loom-run); -k 0: one target that fails
+# to build does not keep the others from it.
+step "build loom, loom_torch, the shim" timeout -k 15 "$((3 * limit))" cmake --build "$build" -j"$(nproc)" \
+  --target loom loom_cuda loom_nccl loom_torch_ext loom-run mp-worker -- -k 0
 step "the NCCL shim built" ls "$build/lib/libloom_nccl.so"
-# Fails where nm is missing or nothing was built, not only on a private copy.
-step "loom_torch shares the process's libstdc++" bash -c "set -o pipefail; command -v nm >/dev/null &&
-  syms=\$(nm -D --defined-only '$build'/python/loom_torch/*.so) && ! grep -q _ZNSo9_M_insert <<<\"\$syms\""
-step "loom_torch tests on this torch (ctest -R torch:)" ctest --test-dir "$build" -R "^torch:" --output-on-failure \
-  --timeout "$limit"
 step "torch nccl backend on libloom_nccl.so, 2 ranks on one GPU" env LD_PRELOAD="$build/lib/libloom_nccl.so" \
-  NCCL_DEBUG=VERSION timeout "$limit" "$py" -m torch.distributed.run --standalone --nproc-per-node 2 \
+  NCCL_DEBUG=VERSION timeout -k 15 "$limit" "$py" -m torch.distributed.run --standalone --nproc-per-node 2 \
   "$here/tests/gpu/nccl_shim_torch.py"
 # The same with torch registering its allocator's segments with every
 # communicator (ncclCommRegister -> loomCommRegister): large all-reduces,
 # reduce-scatters and all-gathers on them are then read in place (device
 # zero-copy), and each segment's free deregisters it first.
 step "the same, torch registering its segments (zero-copy)" env LD_PRELOAD="$build/lib/libloom_nccl.so" \
-  TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 NCCL_DEBUG=VERSION timeout "$limit" "$py" -m torch.distributed.run \
-  --standalone --nproc-per-node 2 "$here/tests/gpu/nccl_shim_torch.py"
+  TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 NCCL_DEBUG=VERSION timeout -k 15 "$limit" "$py" \
+  -m torch.distributed.run --standalone --nproc-per-node 2 "$here/tests/gpu/nccl_shim_torch.py"
+step "loom_torch built for this torch" bash -c "ls '$build'/python/loom_torch/*.so"
+# Fails where nm is missing or nothing was built, not only on a private copy.
+step "loom_torch shares the process's libstdc++" bash -c "set -o pipefail; command -v nm >/dev/null &&
+  syms=\$(nm -D --defined-only '$build'/python/loom_torch/*.so) && ! grep -q _ZNSo9_M_insert <<<\"\$syms\""
+step "loom_torch tests on this torch (ctest -R torch:)" ctest --test-dir "$build" -R "^torch:" --output-on-failure \
+  --timeout "$limit"
 echo
 printf '%-60s %s\n' "step" "result"
 for i in "${!names[@]}"; do printf '%-60s %s\n' "${names[$i]}" "${results[$i]}"; done
