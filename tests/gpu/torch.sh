@@ -71,8 +71,10 @@ step "configure (torch from $prefix)" cmake -S "$here" -B "$build" -G Ninja -DCM
 # Only what the steps use (the unit tests are most of a whole build; the
 # torch tests launch their ranks with loom-run); -k 0: one target that fails
 # to build does not keep the others from it.
+targets=(loom loom_cuda loom_torch_ext loom-run)
+[ ${#shim[@]} -gt 0 ] && targets+=(loom_nccl)  # no nccl.h: no such target (naming it would build nothing)
 step "build loom, loom_torch, the shim" timeout -k 15 "$((3 * limit))" cmake --build "$build" -j"$(nproc)" \
-  --target loom loom_cuda loom_nccl loom_torch_ext loom-run mp-worker -- -k 0
+  --target "${targets[@]}" -- -k 0
 step "the NCCL shim built" ls "$build/lib/libloom_nccl.so"
 step "torch nccl backend on libloom_nccl.so, 2 ranks on one GPU" env LD_PRELOAD="$build/lib/libloom_nccl.so" \
   NCCL_DEBUG=VERSION timeout -k 15 "$limit" "$py" -m torch.distributed.run --standalone --nproc-per-node 2 \
