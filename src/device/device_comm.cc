@@ -394,6 +394,7 @@ struct IpcRemains final : DeviceRemains {
     if (board) holding = board->holders(tracked);
     return holding.empty();
   }
+  bool releasing() const override { return !streamsDone && !released.empty(); }
   std::string waitingFor() const override {
     if (!streamsDone) return "its streams to finish";
     std::string who;
@@ -509,14 +510,14 @@ class Reaper {
       work.swap(list_);
       busy_ = work.size();
       g.unlock();
-      std::vector<std::unique_ptr<DeviceRemains>> keep;
+      std::vector<std::unique_ptr<DeviceRemains>> keep, ready;
       bool urgent = false;  // some stream may still need releasing: poll every millisecond
       const int64_t now = nowMs();
       for (auto& r : work) {
         if (r->warned && now < r->nextPollMs) {
           keep.push_back(std::move(r));
         } else if (r->step()) {
-          r->free();
+          ready.push_back(std::move(r));
         } else if (const int64_t t = nowMs(); t > r->deadline && !r->patient()) {
           giveUp(std::move(r));
         } else {
@@ -527,6 +528,19 @@ class Reaper {
           urgent |= !r->warned;
           keep.push_back(std::move(r));
         }
+      }
+      // Frees synchronise the device: none while a kept remains' streams
+      // may still need this thread's next release (DeviceRemains::releasing),
+      // or this thread could wait in the free for a stream only it can let
+      // go.  A remains that never finishes is given up at its deadline, and
+      // the frees go on then.
+      bool releasing = false;
+      for (const auto& r : keep) releasing = releasing || r->releasing();
+      for (auto& r : ready) {
+        if (releasing)
+          keep.push_back(std::move(r));  // its step() says done again next time
+        else
+          r->free();
       }
       g.lock();
       for (auto& r : keep) list_.push_back(std::move(r));

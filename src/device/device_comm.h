@@ -439,6 +439,11 @@ struct DeviceRemains {
   // Kept for good (given up on, or the process exits): names it owns in
   // the file system go.
   virtual void forget() {}
+  // Its streams may still need the reaper's releases (step() writes them):
+  // while any listed remains does, the reaper frees nothing, since a free
+  // synchronises the device (cudaFree, cudaFreeHost) and would wait for a
+  // stream only its next release lets go.
+  virtual bool releasing() const { return false; }
   int rank = 0;
   int64_t deadline = 0;
   bool warned = false;    // the reaper's: told that it is overdue

@@ -385,13 +385,15 @@ struct StagedRemains final : DeviceRemains {
   std::vector<Part> parts;
   bool released = false;
 
+  bool done = false;
   bool step() override {
-    bool done = true;
+    done = true;
     for (const Part& p : parts) done &= __atomic_load_n(p.free, __ATOMIC_ACQUIRE) >= p.uses;
     if (!done && released)
       for (const Part& p : parts) driver->storeHostFlag(p.out, kReleasedFlag);
     return done;
   }
+  bool releasing() const override { return released && !done; }
   void free() override {
     // On the communicator's device (the reaper thread may have none current:
     // a runtime call there would make device 0's context).
