@@ -99,8 +99,9 @@ const loom::CudaApi kRecording = {
       return 0;
     },
     nullptr,  // deviceSynchronize: the driver's
-    nullptr,  // contextDevice, clearContext, streamMemOps, streamQuery, streamCapturing: the driver's,
-    nullptr,  // init's and the API's
+    nullptr,  // contextDevice, clearContext, streamMemOps, streamQuery, streamCapturing, relaxCaptureMode:
+    nullptr,  // the driver's, init's, the API's and loom's threads'
+    nullptr,
     nullptr,
     nullptr,
     nullptr,
@@ -657,6 +658,7 @@ const loom::CudaApi kDriverTable = {
       *capturing = 0;
       return 0;
     },
+    []() { return 0; },  // relaxCaptureMode: loom's threads', not the driver's
 };
 
 size_t countOf(const std::string& prefix) {

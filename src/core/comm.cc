@@ -228,8 +228,10 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
       if (p.localKey == mine.localKey) a = resolveAddr(a.ss.ss_family == AF_INET6 ? "::1" : "127.0.0.1", a.port());
       ctlAddrs.push_back(a);
     }
-    ctl_->setRegionAnswer(
-        [this](int from, const std::vector<uint8_t>& question) { return deviceRegionAnswer(from, question); });
+    ctl_->setRegionAnswer([this](int from, const std::vector<uint8_t>& question) {
+      relaxCudaCaptureModeOnThisThread();  // the control thread maps and unmaps peers' memory
+      return deviceRegionAnswer(from, question);
+    });
     ctl_->start(root.commTag, ctlAddrs, [this](const CtlMsg& m) { onNotice(m); }, [this] { return cause(); });
   }
   // Which ranks share a host, and where each sits (the tuner reads it).

@@ -126,6 +126,12 @@ struct CudaApi {
   // (cudaStreamIsCapturing: active or invalidated; for the legacy stream,
   // also while another thread captures in global mode), else 0.
   int (*streamCapturing)(void* stream, int* capturing);
+  // cudaThreadExchangeStreamCaptureMode(relaxed) for the calling thread:
+  // loom's own threads (the watchdog, the reaper, the control thread's
+  // answers) then never invalidate another thread's global-mode capture
+  // (PyTorch's torch.cuda.graph default) with their CUDA calls, as NCCL's
+  // threads do not.
+  int (*relaxCaptureMode)();
 };
 
 constexpr int kCudaApiVersion = 8;

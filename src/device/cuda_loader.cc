@@ -107,6 +107,16 @@ bool cudaStreamCapturing(void* stream) {
   return capturing != 0;
 }
 
+void relaxCudaCaptureModeOnThisThread() {
+  thread_local bool relaxed = false;
+  if (relaxed) return;
+  relaxed = true;
+  const Plugin& p = plugin();
+  if (!p.devices) return;
+  if (int rc = p.api->relaxCaptureMode())
+    LOOM_WARN("DEVICE", "cudaThreadExchangeStreamCaptureMode failed: %s (CUDA error %d)", p.api->errorString(rc), rc);
+}
+
 void setCudaCaptureProbeForTesting(int (*fn)(void*)) { g_captureProbe.store(fn, std::memory_order_release); }
 
 void setCudaPointerClassifierForTesting(int (*fn)(const void*)) {

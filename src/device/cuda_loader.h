@@ -25,6 +25,11 @@ int cudaPointerDevice(const void* p);
 // captured into a CUDA graph.  False when the process has no CUDA device.
 // loomUnhandledCudaError if CUDA cannot say.
 bool cudaStreamCapturing(void* stream);
+// Makes the calling thread's CUDA calls relaxed about graph captures
+// (cudaThreadExchangeStreamCaptureMode): for loom's own threads, once each,
+// so that their calls never invalidate another thread's global-mode
+// capture.  Nothing when the process has no CUDA device.
+void relaxCudaCaptureModeOnThisThread();
 // Tests only: answer cudaStreamCapturing with fn (nonzero: capturing)
 // instead of CUDA (nullptr: CUDA again).
 void setCudaCaptureProbeForTesting(int (*fn)(void*));

@@ -500,6 +500,7 @@ class Reaper {
 
  private:
   void loop() {
+    relaxCudaCaptureModeOnThisThread();  // its releases and frees must not break a graph capture
     std::unique_lock<std::mutex> g(mu_);
     while (!stop_) {
       if (list_.empty()) {
@@ -838,6 +839,7 @@ void DeviceComm::enterDevice() {
 }
 
 void DeviceComm::watch() {
+  relaxCudaCaptureModeOnThisThread();  // its reads must not break another thread's graph capture
   bool released = false;  // the streams finished after the release
   bool warned = false;
   std::unique_lock<std::mutex> lk(wmu_);

@@ -14,6 +14,9 @@
 //           what the kernel wrote
 //   p2p     loomSend/loomRecv in a group (a ring, 1 element to 3 Mi) and
 //           loomAllToAllv of uneven blocks: exact
+//   capture a call on a stream being captured into a CUDA graph is
+//           loomInvalidUsage, and the capture (global mode) survives it and
+//           loom's watchdog reading flags meanwhile
 //   errors  a host pointer and a loom host stream on a CUDA communicator:
 //           loomInvalidArgument with a message
 //   lazy    send/recv staging is made on first use (loomCommDump): none
@@ -51,6 +54,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "loom.h"
@@ -614,6 +618,50 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, loomUniqueId id3,
     CK(cudaFree(buf));
   }
 
+  // capture: a call on a stream being captured into a CUDA graph is
+  // refused, and neither that refusal nor loom's own threads (the watchdog
+  // reads flags while an all-reduce waits behind a slow kernel) invalidate
+  // the capture, a global-mode one (torch.cuda.graph's default).
+  {
+    long bad = 0;
+    const size_t n = size_t(1) << 16;
+    float *buf, *x;
+    CK(cudaMalloc(&buf, n * 4));
+    CK(cudaMalloc(&x, 4096));
+    CK(cudaMemset(buf, 0, n * 4));
+    slowFill<<<64, 256, 0, st>>>(buf, n, float(me + 1), 200000000LL);  // about 0.1 s
+    LK(loomAllReduce(buf, buf, n, loomFloat32, loomSum, comm, loomStream_t(st)));
+    cudaStream_t cs;
+    CK(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
+    CK(cudaStreamBeginCapture(cs, cudaStreamCaptureModeGlobal));
+    slowFill<<<1, 32, 0, cs>>>(x, 1024, 1.0f, 0);
+    const loomResult_t r = loomAllReduce(x, x, 1024, loomFloat32, loomSum, comm, loomStream_t(cs));
+    const std::string msg = loomGetLastError(comm);
+    if (r != loomInvalidUsage || msg.find("captured into a CUDA graph") == std::string::npos) {
+      std::fprintf(stderr, "rank %d: capture: the call on the capturing stream gave %d: %s\n", me, int(r), msg.c_str());
+      ++bad;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the watchdog reads meanwhile
+    cudaGraph_t g = nullptr;
+    const cudaError_t e = cudaStreamEndCapture(cs, &g);
+    if (e != cudaSuccess) {
+      std::fprintf(stderr, "rank %d: capture: cudaStreamEndCapture: %s (invalidated)\n", me, cudaGetErrorString(e));
+      ++bad;
+      (void)cudaGetLastError();
+    }
+    if (g) CK(cudaGraphDestroy(g));
+    CK(cudaStreamSynchronize(st));
+    std::vector<float> got(n);
+    CK(cudaMemcpy(got.data(), buf, n * 4, cudaMemcpyDeviceToHost));
+    long wrongVals = 0;
+    for (float v : got) wrongVals += v != float(N * (N + 1) / 2);
+    bad += wrongVals != 0;
+    CK(cudaStreamDestroy(cs));
+    CK(cudaFree(buf));
+    CK(cudaFree(x));
+    std::printf("RESULT capture 3 %ld\n", bad);
+  }
+
   // errors: host pointer, loom host stream.
   {
     long bad = 0;
@@ -702,7 +750,7 @@ int main(int argc, char** argv) {
         std::printf("rank %d of %d exited abnormally (status %d)\n", r, N, st);
       }
     }
-    for (const char* check : {"comm", "p2p", "lazy", "groups", "memalloc", "register", "mixed", "order", "errors"}) {
+    for (const char* check : {"comm", "p2p", "lazy", "groups", "memalloc", "register", "mixed", "order", "capture", "errors"}) {
       long cases = 0, wrong = 0;
       bool seen = false;
       for (int r = 0; r < N; ++r) {

@@ -181,6 +181,11 @@ int streamCapturing(void* stream, int* capturing) {
   return 0;
 }
 
+int relaxCaptureMode() {
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  return int(cudaThreadExchangeStreamCaptureMode(&mode));
+}
+
 int clearContext() {
   const Driver& d = driver();
   if (d.status != cudaSuccess) return int(d.status);
@@ -304,7 +309,7 @@ const CudaApi kApi = {kCudaApiVersion, waitValue64,     writeValue64,   memcpyAs
                       ipcCloseHandle,  streamCreate,    streamDestroy,  eventCreate,    eventDestroy,
                       readValue64,     mallocRaw,       hostAllocMapped, hostFree,     loadKernelsOnce,
                       launchReduceIndirect, launchCopyIndirect, deviceSynchronize, contextDevice,
-                      clearContext,    streamMemOps,   streamQuery,    streamCapturing};
+                      clearContext,    streamMemOps,   streamQuery,    streamCapturing, relaxCaptureMode};
 
 }  // namespace
 }  // namespace cuda
