@@ -39,7 +39,8 @@ cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head
 cc=${cc:-90}
 
 cmake -S "$here" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_CUDA_ARCHS="$cc" \
-  -DLOOM_NCCL_INCLUDE_DIR="$nccl_include" -DLOOM_BUILD_TORCH=OFF >/dev/null || exit 2
+  -DLOOM_NCCL_INCLUDE_DIR="$nccl_include" -DLOOM_BUILD_TORCH=OFF >"$build.cmake.log" 2>&1 ||
+  { tail -20 "$build.cmake.log"; exit 2; }
 cmake --build "$build" -j"$(nproc)" --target loom loom_cuda loom_nccl || exit 2
 shimdir=$build/lib/loom_nccl
 [ -e "$shimdir/libnccl.so.2" ] || { echo "no $shimdir/libnccl.so.2"; exit 2; }
@@ -112,7 +113,7 @@ run() {  # name, args...: fails on a non-zero exit or a wrong value
   local name=$1 out
   shift
   echo "== $name"
-  out=$(timeout "$limit" "${launch[@]}" "$work/build/$name" "${shape[@]}" "$@" 2>&1)
+  out=$(timeout -k 15 "$limit" "${launch[@]}" "$work/build/$name" "${shape[@]}" "$@" 2>&1)
   local rc=$?
   echo "$out"
   if [ $rc -ne 0 ] || ! grep -q 'Out of bounds values : 0 OK' <<<"$out"; then
