@@ -246,26 +246,12 @@ TEST_CASE("CUDA backend: a cell is rewritten as addr = 0, its size, then addr (a
 TEST_CASE("device copy kernel's words: every alignment of source and destination, sizes and thread counts copy "
           "exactly the range",
           "[cuda]") {
-  // copyBytes (reduce_kernels.cu) runs this for each thread of its grid
-  // with the widest word the two addresses allow once aligned alike.
+  // copyBytes (reduce_kernels.cu) runs copyShare for each thread of its grid.
   struct alignas(16) Vec16 {
     uint8_t b[16];
   };
   auto copyAll = [](uint8_t* dst, const uint8_t* src, size_t bytes, size_t threads) {
-    using loom::elementwise::copyWords;
-    const uintptr_t apart = reinterpret_cast<uintptr_t>(dst) ^ reinterpret_cast<uintptr_t>(src);
-    for (size_t t = 0; t < threads; ++t) {
-      if ((apart & 15) == 0)
-        copyWords<Vec16>(dst, src, bytes, t, threads);
-      else if ((apart & 7) == 0)
-        copyWords<uint64_t>(dst, src, bytes, t, threads);
-      else if ((apart & 3) == 0)
-        copyWords<uint32_t>(dst, src, bytes, t, threads);
-      else if ((apart & 1) == 0)
-        copyWords<uint16_t>(dst, src, bytes, t, threads);
-      else
-        copyWords<uint8_t>(dst, src, bytes, t, threads);
-    }
+    for (size_t t = 0; t < threads; ++t) loom::elementwise::copyShare<Vec16>(dst, src, bytes, t, threads);
   };
   alignas(64) static uint8_t s[1024], d[1024];
   long bad = 0, cases = 0;

@@ -276,5 +276,24 @@ LOOM_HD_INLINE void copyWords(uint8_t* dst, const uint8_t* src, size_t bytes, si
   for (size_t i = head + nw * sizeof(W) + first; i < bytes; i += step) dst[i] = src[i];
 }
 
+// The copy kernel's share of `bytes` from src to dst, in the widest words
+// the two addresses allow once aligned alike: 16 bytes (W16, uint4 on the
+// device) when they agree modulo 16, down to single bytes only when one is
+// odd and the other even.
+template <class W16>
+LOOM_HD_INLINE void copyShare(uint8_t* dst, const uint8_t* src, size_t bytes, size_t first, size_t step) {
+  const uintptr_t apart = reinterpret_cast<uintptr_t>(dst) ^ reinterpret_cast<uintptr_t>(src);
+  if ((apart & 15) == 0)
+    copyWords<W16>(dst, src, bytes, first, step);
+  else if ((apart & 7) == 0)
+    copyWords<uint64_t>(dst, src, bytes, first, step);
+  else if ((apart & 3) == 0)
+    copyWords<uint32_t>(dst, src, bytes, first, step);
+  else if ((apart & 1) == 0)
+    copyWords<uint16_t>(dst, src, bytes, first, step);
+  else
+    copyWords<uint8_t>(dst, src, bytes, first, step);
+}
+
 }  // namespace elementwise
 }  // namespace loom

@@ -170,17 +170,7 @@ __global__ void copyBytes(uint8_t* dst, const uint8_t* src, const uint64_t* cell
   __syncthreads();
   src = static_cast<const uint8_t*>(resolved);
   const size_t step = size_t(gridDim.x) * blockDim.x, first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const uintptr_t apart = reinterpret_cast<uintptr_t>(dst) ^ reinterpret_cast<uintptr_t>(src);
-  if ((apart & 15) == 0)
-    copyWords<uint4>(dst, src, bytes, first, step);
-  else if ((apart & 7) == 0)
-    copyWords<uint64_t>(dst, src, bytes, first, step);
-  else if ((apart & 3) == 0)
-    copyWords<uint32_t>(dst, src, bytes, first, step);
-  else if ((apart & 1) == 0)
-    copyWords<uint16_t>(dst, src, bytes, first, step);
-  else
-    copyWords<uint8_t>(dst, src, bytes, first, step);
+  copyShare<uint4>(dst, src, bytes, first, step);
 }
 
 template <class Ty>
