@@ -33,7 +33,7 @@ thread_local std::string tlsError;
 // that thread's last call), then this.
 std::mutex gErrorMu;
 std::string gError;
-thread_local std::string tlsGlobalCopy;  // what lastError() handed out from gError
+thread_local std::string tlsGlobalCopy;  // what processLastError() handed this thread from gError
 
 struct Group {
   int depth = 0;

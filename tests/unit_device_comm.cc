@@ -1435,17 +1435,9 @@ TEST_CASE("CUDA communicator through the C API (simulated device): a stream bein
   SimMemory mem;
   loomsim::SimDeviceWorld world(2, 1, 256);
   DeviceEnv env(mem, world);
-  loomUniqueId id;
-  REQUIRE(loomGetUniqueId(&id) == loomSuccess);
-  loomComm_t comms[2] = {nullptr, nullptr};
+  std::vector<loomComm_t> comms = initCudaComms(2);
+  REQUIRE(comms.size() == 2);
   loomResult_t rcs[2];
-  {
-    std::vector<std::thread> ts;
-    for (int r = 0; r < 2; ++r) ts.emplace_back([&, r] { rcs[r] = loomCommInitRank(&comms[r], 2, id, r); });
-    for (auto& t : ts) t.join();
-  }
-  REQUIRE(rcs[0] == loomSuccess);
-  REQUIRE(rcs[1] == loomSuccess);
   loom::setCudaCaptureProbeForTesting(captureProbe);
   struct Unset {
     ~Unset() { loom::setCudaCaptureProbeForTesting(nullptr); }

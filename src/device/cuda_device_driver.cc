@@ -1,6 +1,7 @@
 // CUDA's DeviceDriver (cuda_device_driver.h): one CUDA call per method.
 #include "src/device/cuda_device_driver.h"
 
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -143,14 +144,13 @@ class CudaDeviceDriver final : public DeviceDriver {
     // sit behind a blocked wait on a shared hardware queue), a new one
     // would only pile up until cuStreamWriteValue64 blocks the watchdog:
     // the pending batch writes the same values when it runs.
-    std::vector<uint64_t*> batch(flags, flags + n);
-    if (batch == lastBatch_ && value == lastValue_) {
+    if (value == lastValue_ && std::equal(flags, flags + n, lastBatch_.begin(), lastBatch_.end())) {
       const int q = api_.streamQuery(releaseStream_);
       if (q == 1) return;
       check(q, "cudaStreamQuery");
     }
     for (size_t i = 0; i < n; ++i) check(api_.writeValue64(releaseStream_, flags[i], value), "cuStreamWriteValue64");
-    lastBatch_ = std::move(batch);
+    lastBatch_.assign(flags, flags + n);
     lastValue_ = value;
   }
 

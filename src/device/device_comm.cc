@@ -15,7 +15,6 @@
 #include <random>
 #include <system_error>
 #include <thread>
-#include <tuple>
 
 #include "src/core/clock.h"
 #include "src/core/error.h"
@@ -32,6 +31,14 @@ uint64_t thisProcessToken() {
     return (uint64_t(rd()) << 32) ^ rd();
   }();
   return random ^ (uint64_t(getpid()) * 0x9e3779b97f4a7c15ull);
+}
+
+QuietDeviceScope::QuietDeviceScope(DeviceDriver& driver, int rank, const char* what) : d(driver) {
+  try {
+    previous = d.enter();
+  } catch (const Error& e) {
+    LOOM_WARN("DEVICE", "rank %d: selecting the device to %s: %s", rank, what, e.what());
+  }
 }
 
 IpcImportCache::~IpcImportCache() {
@@ -402,41 +409,32 @@ struct IpcRemains final : DeviceRemains {
     return strf("rank%s %s to unmap it (to destroy %s communicator%s)", holding.size() > 1 ? "s" : "", who.c_str(),
                 holding.size() > 1 ? "their" : "its", holding.size() > 1 ? "s" : "");
   }
-  // The communicator's device for the calls that follow (the reaper
-  // thread's current one may be any: closes, frees and the driver's stream
-  // destroys all need it); -1 if it could not be selected (said).
-  int enterQuietly(const char* what) {
-    try {
-      return driver->enter();
-    } catch (const Error& e) {
-      LOOM_WARN("DEVICE", "rank %d: selecting the device to %s: %s", rank, what, e.what());
-      return -1;
-    }
-  }
   void unmapPeers() {
     if (!imports) return;
-    const int previous = enterQuietly("unmap the peers' memory");
-    for (int r = 0; r < int(records.size()); ++r)
-      if (r != rank) imports->release(r, records[size_t(r)]);
-    for (const auto& [r, rec] : mapped) imports->release(r, rec);
-    imports.reset();
-    driver->leave(previous);
+    {
+      QuietDeviceScope current(*driver, rank, "unmap the peers' memory");
+      for (int r = 0; r < int(records.size()); ++r)
+        if (r != rank) imports->release(r, records[size_t(r)]);
+      for (const auto& [r, rec] : mapped) imports->release(r, rec);
+      imports.reset();
+    }
     holds.clear();  // the peers may free what this rank mapped
   }
   void free() override {
     unmapPeers();
-    const int previous = enterQuietly("free its memory");
-    for (void* p : regions) {
+    {
+      QuietDeviceScope current(*driver, rank, "free its memory");
+      for (void* p : regions) {
+        try {
+          driver->release(p);
+        } catch (const Error&) {  // nothing to tell from here
+        }
+      }
       try {
-        driver->release(p);
+        driver->release(block);
       } catch (const Error&) {  // nothing to tell from here
       }
     }
-    try {
-      driver->release(block);
-    } catch (const Error&) {  // nothing to tell from here
-    }
-    driver->leave(previous);
     board.reset();
     driver.reset();
   }
@@ -958,15 +956,15 @@ void checkDeviceOp(const DeviceDriver& driver, const OpDesc& op, int rank, int n
     // would fault on the device (a sticky misaligned-address error that
     // kills every communicator of the process) rather than fail here.
     const size_t esz = dtypeSize(op.dtype);
-    const bool reduces = op.coll == Collective::AllReduce || op.coll == Collective::ReduceScatter ||
-                         op.coll == Collective::Reduce;
-    if (reduces && esz > 1)
-      for (const auto& [what, p, needed] : {std::make_tuple("sendbuff", op.sendbuf, sh.needSend),
-                                            std::make_tuple("recvbuff", static_cast<const void*>(op.recvbuf),
-                                                            sh.needRecv)})
-        if (needed && reinterpret_cast<uintptr_t>(p) % esz != 0)
-          fail(loomInvalidArgument, "%s %p is not aligned to its %s elements (%zu bytes): the device reduces whole "
-               "elements", what, p, dtypeName(op.dtype), esz);
+    auto aligned = [&](const char* what, const void* p) {
+      if (reinterpret_cast<uintptr_t>(p) % esz != 0)
+        fail(loomInvalidArgument, "%s %p is not aligned to its %s elements (%zu bytes): the device reduces whole "
+             "elements", what, p, dtypeName(op.dtype), esz);
+    };
+    if (op.coll == Collective::AllReduce || op.coll == Collective::ReduceScatter || op.coll == Collective::Reduce) {
+      if (sh.needSend) aligned("sendbuff", op.sendbuf);
+      if (sh.needRecv) aligned("recvbuff", op.recvbuf);
+    }
   }
 }
 

@@ -205,6 +205,19 @@ struct DeviceScope {
   DeviceScope& operator=(const DeviceScope&) = delete;
 };
 
+// DeviceScope for a destroyed communicator's frees (the reaper thread may
+// have any device current, or none): a device that cannot be selected is
+// said, and the calls go ahead (memory freed from the wrong device beats
+// memory kept for ever).  End it before the driver goes.
+struct QuietDeviceScope {
+  DeviceDriver& d;
+  int previous = -1;
+  QuietDeviceScope(DeviceDriver& driver, int rank, const char* what);
+  ~QuietDeviceScope() { d.leave(previous); }
+  QuietDeviceScope(const QuietDeviceScope&) = delete;
+  QuietDeviceScope& operator=(const QuietDeviceScope&) = delete;
+};
+
 // Peers' device allocations mapped here, keyed by (rank, the owner's base
 // address).  Opening a handle costs about a millisecond, so a mapping is
 // kept while anything refers to it; a record with the same key but another

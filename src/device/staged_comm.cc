@@ -386,8 +386,8 @@ struct StagedRemains final : DeviceRemains {
   };
   std::vector<Part> parts;
   bool released = false;
+  bool done = false;  // at the last step: the streams are done with every part
 
-  bool done = false;
   bool step() override {
     done = true;
     for (const Part& p : parts) done &= __atomic_load_n(p.free, __ATOMIC_ACQUIRE) >= p.uses;
@@ -397,21 +397,15 @@ struct StagedRemains final : DeviceRemains {
   }
   bool releasing() const override { return released && !done; }
   void free() override {
-    // On the communicator's device (the reaper thread may have none current:
-    // a runtime call there would make device 0's context).
-    int previous = -1;
-    try {
-      previous = driver->enter();
-    } catch (const Error& e) {
-      LOOM_WARN("DEVICE", "rank %d: selecting the device to free its pinned memory: %s", rank, e.what());
-    }
-    for (const Part& p : parts) {
-      try {
-        driver->releaseHost(p.mem);
-      } catch (const Error&) {  // nothing to tell from here
+    {
+      QuietDeviceScope current(*driver, rank, "free its pinned memory");
+      for (const Part& p : parts) {
+        try {
+          driver->releaseHost(p.mem);
+        } catch (const Error&) {  // nothing to tell from here
+        }
       }
     }
-    driver->leave(previous);
     driver.reset();
   }
 };
