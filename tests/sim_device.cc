@@ -142,6 +142,8 @@ loomResult_t SimRank::synchronize(std::string* msg) {
 
 void SimRank::enqueueWork(int s, std::function<void()> fn) { stream(s).enqueue(std::move(fn), true); }
 
+void SimRank::enqueueWait(int s, std::function<void()> fn) { stream(s).enqueue(std::move(fn), false); }
+
 int SimRank::addCallerStream(const void* key) {
   const int index = int(streams_.size());
   streams_.push_back(std::make_unique<SimStream>(*this, gpu_, seed_ * 1000003u + uint64_t(index) * 7919u + 1));
@@ -278,6 +280,20 @@ void SimRank::recordEvent(int s, int e) {
         ev.completed.store(gen, std::memory_order_release);
         world_.notify();
       },
+      false);
+}
+
+void SimRank::joinStream(int waiter, int waited) {
+  if (waiter == waited) return;
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  stream(waited).enqueue(
+      [this, done] {
+        done->store(true, std::memory_order_release);
+        world_.notify();
+      },
+      false);
+  stream(waiter).enqueue(
+      [this, done] { await([&] { return done->load(std::memory_order_acquire); }, rank_, "another stream's work"); },
       false);
 }
 

@@ -104,12 +104,18 @@ class SimRank final : public loom::StreamBackend {
 
   // The caller's own work on one of its streams (a "kernel").
   void enqueueWork(int stream, std::function<void()> fn);
+  // A wait of the caller's on one of its streams (a cudaStreamWaitEvent on
+  // its own event, say): holds that stream only, not the device.
+  void enqueueWait(int stream, std::function<void()> fn);
   // Another caller stream, as a second cudaStream_t: `key` is the stream
   // handle the test passes to the API, the result its stream index here
   // (SimDriver runs a program given that handle on that stream; any other
   // handle is stream 0).  Add them before anything is enqueued.
   int addCallerStream(const void* key);
   int callerStream(const void* key) const;
+  // Stream `waiter` waits for everything enqueued on stream `waited` so far
+  // (an event recorded there and waited for here: cudaStreamWaitEvent).
+  void joinStream(int waiter, int waited);
   // Waits for every stream; loomSuccess or the first error (message in *msg).
   loomResult_t synchronize(std::string* msg);
 

@@ -252,6 +252,14 @@ class SimDriver final : public loom::DeviceDriver {
     caller_ = std::make_unique<loomsim::SimCallerBackend>(r, caller);  // as CUDA's: valid until the next call
     return *caller_;
   }
+  void streamWaitStream(void* waiter, void* waited) override {
+    onDevice("streamWaitStream");
+    if (failLaunch.load()) loom::fail(loomUnhandledCudaError, "sim: cudaEventRecord failed: device lost");
+    loomsim::SimRank& r = world_->rank(rank_);
+    r.joinStream(r.callerStream(waiter), r.callerStream(waited));
+    joins.fetch_add(1);
+  }
+  std::atomic<size_t> joins{0};  // streamWaitStream calls (tests)
   std::atomic<bool> failReads{false};  // flag reads fail as after a sticky CUDA error
   uint64_t readFlag(const uint64_t* flag) override {
     if (failReads.load())

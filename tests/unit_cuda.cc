@@ -680,6 +680,40 @@ TEST_CASE("CUDA communicator driver: the watchdog's repeated release writes neve
   g_pending = false;
 }
 
+TEST_CASE("CUDA communicator driver: a group's streams are joined by one event, recorded on the stream waited "
+          "for and waited for by the other, on the communicator's device",
+          "[cuda]") {
+  g_drv.clear();
+  g_current = 0;
+  auto* a = reinterpret_cast<void*>(uintptr_t(0xa0));
+  auto* b = reinterpret_cast<void*>(uintptr_t(0xb0));
+  auto* c = reinterpret_cast<void*>(uintptr_t(0xc0));
+  {
+    loom::DeviceComm dc(0, 1, loom::makeCudaDeviceDriver(kDriverTable, 1),
+                        [](const void* m, size_t bytes, void* all) { memcpy(all, m, bytes); });
+    g_drv.clear();
+    dc.joinStreams(a, {b, a, c}, true);  // a waits for b and c (a itself is skipped)
+    REQUIRE(g_drv.size() == 7);
+    CHECK(g_drv[0] == "setDevice 1");
+    REQUIRE(g_drv[1].rfind("eventCreate ", 0) == 0);
+    const std::string ev = g_drv[1].substr(12);
+    CHECK(g_drv[2] == "record " + ev + " " + ptr(b));
+    CHECK(g_drv[3] == "waitevent " + ptr(a) + " " + ev);
+    CHECK(g_drv[4] == "record " + ev + " " + ptr(c));
+    CHECK(g_drv[5] == "waitevent " + ptr(a) + " " + ev);
+    CHECK(g_drv[6] == "setDevice 0");
+    g_drv.clear();
+    dc.joinStreams(a, {b, c}, false);  // b and c wait for a: the same event, made once
+    REQUIRE(g_drv.size() == 6);
+    CHECK(g_drv[1] == "record " + ev + " " + ptr(a));
+    CHECK(g_drv[2] == "waitevent " + ptr(b) + " " + ev);
+    CHECK(g_drv[3] == "record " + ev + " " + ptr(a));
+    CHECK(g_drv[4] == "waitevent " + ptr(c) + " " + ev);
+    g_drv.clear();
+  }
+  CHECK(countOf("eventDestroy") >= 1);
+}
+
 TEST_CASE("CUDA communicator driver: a thread with no CUDA context gets none back, not device 0's (the "
           "control thread, the watchdog, the reaper, a user's fresh thread)",
           "[cuda]") {

@@ -2021,15 +2021,7 @@ TEST_CASE("CUDA communicators through the C API (simulated device): one group sp
         wrong += (ar[r][i] != 100 + 2 * i) + (recvb[r][i] != (1 - r) * 1000000 + i);
     CHECK(wrong == 0);
 
-    // One communicator, two streams in one group: refused, nothing launched.
     const uint64_t round0 = ipcOf(comms[0]).round();
-    REQUIRE(loomGroupStart() == loomSuccess);
-    CHECK(loomAllReduce(ar[0], ar[0], kN, loomInt32, loomSum, comms[0], streams[0]) == loomSuccess);
-    CHECK(loomAllReduce(ar[0], ar[0], kN, loomInt32, loomSum, comms[0], streams[1]) == loomInvalidUsage);
-    CHECK(std::string(loomGetLastError(comms[0])).find("all operations of a group on one communicator must use "
-                                                       "one stream") != std::string::npos);
-    CHECK(loomGroupEnd() == loomInvalidUsage);
-    CHECK(ipcOf(comms[0]).round() == round0);
 
     // Tagged send/recv: refused with its reason, alone and in a group
     // (which then launches nothing, its good members included).
@@ -2067,6 +2059,19 @@ TEST_CASE("CUDA communicators through the C API (simulated device): one group sp
                                                     "communicators") != std::string::npos);
   CHECK(loomGroupEnd() == loomInvalidUsage);
   CHECK(b[0] == -1.0f);
+  // One host communicator, two loom streams in one group: refused (a host
+  // group runs as one operation on one stream), nothing runs.
+  loomStream_t hs[2] = {nullptr, nullptr};
+  for (auto& h : hs) REQUIRE(loomStreamCreate(&h) == loomSuccess);
+  REQUIRE(loomGroupStart() == loomSuccess);
+  CHECK(loomAllReduce(a.data(), b.data(), 64, loomFloat32, loomSum, host[0], hs[0]) == loomSuccess);
+  CHECK(loomAllReduce(a.data(), b.data(), 64, loomFloat32, loomSum, host[0], hs[1]) == loomInvalidUsage);
+  CHECK(std::string(loomGetLastError(host[0])).find("all operations of a group on one host communicator must use "
+                                                    "one stream") != std::string::npos);
+  CHECK(loomGroupEnd() == loomInvalidUsage);
+  for (auto& h : hs) CHECK(loomStreamSynchronize(h) == loomSuccess);
+  CHECK(b[0] == -1.0f);
+  for (auto& h : hs) CHECK(loomStreamDestroy(h) == loomSuccess);
   for (auto& h : host) CHECK(loomCommDestroy(h) == loomSuccess);
 }
 
@@ -3516,6 +3521,101 @@ TEST_CASE("CUDA communicator (simulated device): collectives and send/recv issue
     for (int k = 0; k < 2; ++k)
       for (size_t i = 0; i < n; ++i) wrong += got[size_t(k)][i] != msg[size_t(k)][i];
     CHECK(wrong == 0);
+    destroyPromptly(comms);
+  }
+}
+
+TEST_CASE("CUDA communicator (simulated device): a group whose calls on one communicator use two streams runs after "
+          "both streams' earlier work, and later work on either stream waits for the whole group, as NCCL joins "
+          "a group's streams (on the ipc, staged and hierarchical paths)",
+          "[devcomm][streams][group]") {
+  struct Path {
+    const char* name;
+    int n;
+    std::function<std::string(int)> hostOf;
+  };
+  ScopedEnv minBytes("LOOM_DEVICE_HIER_MIN_BYTES", "0");
+  for (const Path& path : {Path{"ipc", 2, [](int) { return std::string(); }},
+                           Path{"staged", 2, [](int r) { return "two-hosts-" + std::to_string(r); }},
+                           Path{"hier", 4, [](int r) { return "hier-host-" + std::to_string(r / 2); }}}) {
+    INFO(path.name);
+    const int N = path.n;
+    const size_t ranks = size_t(N);
+    SimMemory mem;
+    loomsim::SimDeviceWorld world(N, N, 256, patientDevice());
+    auto* streamA = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));  // stream 0 of every rank
+    auto* streamB = reinterpret_cast<loomStream_t>(uintptr_t(0xb0b));
+    std::vector<int> indexB(ranks);
+    for (int r = 0; r < N; ++r) indexB[size_t(r)] = world.rank(r).addCallerStream(streamB);
+    DeviceEnv env(mem, world);
+    std::vector<loomComm_t> comms = initCudaCommsOn(N, path.hostOf);
+    REQUIRE(comms.size() == ranks);
+    CHECK(std::string(comms[0]->deviceComm()->pathName()) == path.name);
+    const size_t n = 20000;
+    std::vector<float *> x(ranks), y(ranks), yCopy(ranks), sendb(ranks), recvb(ranks);
+    for (size_t r = 0; r < ranks; ++r) {
+      for (auto* v : {&x, &y, &yCopy, &sendb, &recvb}) (*v)[r] = reinterpret_cast<float*>(mem.alloc(0, n * 4));
+      for (size_t i = 0; i < n; ++i) {
+        x[r][i] = -1000.0f;  // until stream B's kernel writes it
+        y[r][i] = float(r + 1) + float(i % 5);
+        yCopy[r][i] = -1.0f;
+        sendb[r][i] = float(r * 1000) + float(i % 11);
+        recvb[r][i] = -1.0f;
+      }
+    }
+    // Every rank's stream B writes x in a kernel of its own; rank 0's B
+    // first waits for `go` (a wait: it holds stream B, not the device).
+    std::atomic<bool> go{false};
+    world.rank(0).enqueueWait(indexB[0], [&go] {
+      while (!go.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    });
+    for (int r = 0; r < N; ++r) {
+      float* xr = x[size_t(r)];
+      world.rank(r).enqueueWork(indexB[size_t(r)], [xr, r, n] {
+        for (size_t i = 0; i < n; ++i) xr[i] = float(10 * (r + 1)) + float(i % 3);
+      });
+    }
+    // One group per rank: y's all-reduce on A (the group's first stream),
+    // x's on B, a ring of sends on B and receives on A.
+    for (int r = 0; r < N; ++r) {
+      loomComm_t cm = comms[size_t(r)];
+      const size_t u = size_t(r);
+      REQUIRE(loomGroupStart() == loomSuccess);
+      CHECK(loomAllReduce(y[u], y[u], n, loomFloat32, loomSum, cm, streamA) == loomSuccess);
+      CHECK(loomAllReduce(x[u], x[u], n, loomFloat32, loomSum, cm, streamB) == loomSuccess);
+      CHECK(loomSend(sendb[u], n, loomFloat32, (r + 1) % N, cm, streamB) == loomSuccess);
+      CHECK(loomRecv(recvb[u], n, loomFloat32, (r + N - 1) % N, cm, streamA) == loomSuccess);
+      REQUIRE(loomGroupEnd() == loomSuccess);
+      INFO(loomGetLastError(cm));
+      // Later work on B reads what the group wrote on A.
+      float *yr = y[u], *cr = yCopy[u];
+      world.rank(r).enqueueWork(indexB[u], [yr, cr, n] { memcpy(cr, yr, n * 4); });
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // time for a group that did not wait to run
+    go.store(true);
+    for (int r = 0; r < N; ++r) {
+      std::string m;
+      CHECK(world.rank(r).synchronize(&m) == loomSuccess);
+      INFO(m);
+    }
+    long wrongX = 0, wrongY = 0, wrongCopy = 0, wrongRecv = 0;
+    for (size_t r = 0; r < ranks; ++r)
+      for (size_t i = 0; i < n; ++i) {
+        float sx = 0, sy = 0;
+        for (int q = 0; q < N; ++q) {
+          sx += float(10 * (q + 1)) + float(i % 3);
+          sy += float(q + 1) + float(i % 5);
+        }
+        const size_t from = (r + ranks - 1) % ranks;
+        wrongX += x[r][i] != sx;
+        wrongY += y[r][i] != sy;
+        wrongCopy += yCopy[r][i] != sy;
+        wrongRecv += recvb[r][i] != float(from * 1000) + float(i % 11);
+      }
+    CHECK(wrongX == 0);     // the group waited for B's kernel
+    CHECK(wrongY == 0);
+    CHECK(wrongCopy == 0);  // B's later kernel waited for the group
+    CHECK(wrongRecv == 0);
     destroyPromptly(comms);
   }
 }

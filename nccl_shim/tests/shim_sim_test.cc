@@ -358,7 +358,7 @@ TEST_CASE(
 TEST_CASE(
     "NCCL shim: a CUDA stream on a host communicator is refused naming the host communicator and "
     "LOOM_DEVICE, as is ncclCommCuDevice, and on a CUDA communicator a group mixing it with a host one, "
-    "PreMulSum, host memory and two streams on one communicator in a group are refused and launch nothing",
+    "PreMulSum and host memory are refused and launch nothing, and a group using two streams on one communicator runs",
     "[nccl][devcomm]") {
   // Two host communicators (LOOM_DEVICE=host) ...
   setenv("LOOM_DEVICE", "host", 1);
@@ -398,13 +398,27 @@ TEST_CASE(
   CHECK(last.find("the group was not launched") != std::string::npos);
   CHECK(ipcRound(cuda[0]) == before);
 
-  // Two streams on one CUDA communicator in one group: loom refuses the group.
+  // Two streams on one CUDA communicator in one group: allowed, as in
+  // NCCL (loom joins them); both ranks' groups from this thread.
+  int32_t* e[2] = {sim.alloc(0, 64), sim.alloc(0, 64)};
+  for (int r = 0; r < 2; ++r)
+    for (int i = 0; i < 16; ++i) e[r][i] = r + 1;
   REQUIRE(ncclGroupStart() == ncclSuccess);
-  CHECK(ncclAllReduce(d, d, 16, ncclInt32, ncclSum, cuda[0], fakeStream(0x10)) == ncclSuccess);
-  CHECK(ncclAllReduce(d, d, 16, ncclInt32, ncclSum, cuda[0], fakeStream(0x20)) == ncclSuccess);
-  CHECK(ncclGroupEnd() == ncclInvalidUsage);
-  CHECK(std::string(ncclGetLastError(nullptr)).find("must use one stream") != std::string::npos);
-  CHECK(ipcRound(cuda[0]) == before);
+  for (int r = 0; r < 2; ++r) {
+    CHECK(ncclAllReduce(e[r], e[r], 8, ncclInt32, ncclSum, cuda[size_t(r)], fakeStream(0x10)) == ncclSuccess);
+    CHECK(ncclAllReduce(e[r] + 8, e[r] + 8, 8, ncclInt32, ncclSum, cuda[size_t(r)], fakeStream(0x20)) ==
+          ncclSuccess);
+  }
+  CHECK(ncclGroupEnd() == ncclSuccess);
+  INFO(ncclGetLastError(nullptr));
+  std::string syncMsg;
+  CHECK(sim.sync(&syncMsg));
+  INFO(syncMsg);
+  int wrong = 0;
+  for (int r = 0; r < 2; ++r)
+    for (int i = 0; i < 16; ++i) wrong += e[r][i] != 3;
+  CHECK(wrong == 0);
+  CHECK(ipcRound(cuda[0]) == before + 2);
 
   // PreMulSum would scale device memory on the host: refused.
   int32_t scalar = 3;
@@ -419,7 +433,7 @@ TEST_CASE(
   // Host memory on a CUDA communicator: loom's message, nothing enqueued.
   CHECK(ncclAllReduce(x, d, 4, ncclFloat32, ncclSum, cuda[0], fakeStream()) == ncclInvalidArgument);
   CHECK(std::string(ncclGetLastError(nullptr)).find("is host memory") != std::string::npos);
-  CHECK(ipcRound(cuda[0]) == before);
+  CHECK(ipcRound(cuda[0]) == before + 2);
 
   for (ncclComm_t c : cuda) CHECK(ncclCommDestroy(c) == ncclSuccess);
   for (ncclComm_t c : host) CHECK(ncclCommDestroy(c) == ncclSuccess);

@@ -37,11 +37,16 @@ namespace {
 thread_local std::string tlsLastError;
 thread_local std::string tlsCommError;
 
-// A group's members on one communicator (one stream each).
+// A group's members on one communicator.  On a CUDA communicator they may
+// use several streams, as NCCL allows: all run on the first (`stream`),
+// which first waits for the others' earlier work, and the others then
+// wait for the group's end (loomGroupEnd), as if the group were issued on
+// each of them.
 struct GroupPart {
   loomComm* comm = nullptr;
   std::shared_ptr<loomComm> keep;  // the group's hold: destroyed elsewhere, it lives until the group ends
   loomStream_t stream = nullptr;
+  std::vector<loomStream_t> others;  // the other streams its members named, each once
   std::vector<OpDesc> ops;
 };
 struct GroupState {
@@ -56,19 +61,24 @@ thread_local GroupState tlsGroup;
 // lookup through __tls_get_addr in a shared library).
 std::atomic<int> gOpenGroups{0};
 
-// Adds checked members to the caller's group.  One stream per
-// communicator; several communicators only when all are CUDA ones (their
-// calls only enqueue, so one thread can issue every rank's part; a host
-// communicator's group runs on the calling thread and would wait there for
-// its peers while the next communicator's part, maybe the one they wait
-// for, has not started).
+// Adds checked members to the caller's group.  Several streams per
+// communicator only on a CUDA one (GroupPart; a host communicator's group
+// runs as one operation on one loom stream); several communicators only
+// when all are CUDA ones (their calls only enqueue, so one thread can
+// issue every rank's part; a host communicator's group runs on the
+// calling thread and would wait there for its peers while the next
+// communicator's part, maybe the one they wait for, has not started).
 void joinGroup(GroupState& g, loomComm* comm, loomStream_t stream, const std::vector<OpDesc>& ops) {
   for (GroupPart& part : g.parts)
     if (part.comm == comm) {
-      if (part.stream != stream)
-        fail(loomInvalidUsage,
-             "all operations of a group on one communicator must use one stream (stream %p, then %p)",
-             static_cast<void*>(part.stream), static_cast<void*>(stream));
+      if (part.stream != stream && std::find(part.others.begin(), part.others.end(), stream) == part.others.end()) {
+        if (!comm->deviceComm())
+          fail(loomInvalidUsage,
+               "all operations of a group on one host communicator must use one stream (stream %p, then %p); "
+               "CUDA communicators join a group's streams",
+               static_cast<void*>(part.stream), static_cast<void*>(stream));
+        part.others.push_back(stream);
+      }
       part.ops.insert(part.ops.end(), ops.begin(), ops.end());
       return;
     }
@@ -76,7 +86,7 @@ void joinGroup(GroupState& g, loomComm* comm, loomStream_t stream, const std::ve
     fail(loomInvalidUsage,
          "a group spanning several communicators needs CUDA communicators (LOOM_DEVICE=cuda); a host "
          "communicator's group must use that communicator alone");
-  g.parts.push_back(GroupPart{comm, comm->shared_from_this(), stream, ops});
+  g.parts.push_back(GroupPart{comm, comm->shared_from_this(), stream, {}, ops});
 }
 
 // Runs f, converting exceptions into a result code and a message that names
@@ -1222,6 +1232,20 @@ loomResult_t loomGroupEnd(void) {
     });
     if (r != loomSuccess) return r;
   }
+  // A part whose members used several streams: its first stream waits for
+  // the others' earlier work before anything of the group is enqueued (an
+  // error here launches nothing, as one of the setup above).
+  auto join = [&](size_t i, bool before) {
+    std::vector<void*> others;
+    for (loomStream_t s : parts[i].others) others.push_back(cudaStreamOf(s));
+    parts[i].comm->deviceComm()->joinStreams(cudaStreamOf(parts[i].stream), others, before);
+    return loomSuccess;
+  };
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (parts[i].others.empty()) continue;
+    loomResult_t r = guarded("loomGroupEnd", parts[i].comm, [&] { return join(i, true); });
+    if (r != loomSuccess) return r;
+  }
   // One thread may drive several ranks here (NCCL's one-thread groups,
   // nccl-tests' -t): the parts' calls are enqueued round-robin, a few
   // stream operations of each in turn, so that no rank's stream queue
@@ -1290,6 +1314,13 @@ loomResult_t loomGroupEnd(void) {
         busy = busy || c.run;
       }
     }
+  }
+  // Every call is enqueued (a failed part's up to where it stopped): the
+  // other streams of a part wait for its end.
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (parts[i].others.empty()) continue;
+    loomResult_t r = guarded("loomGroupEnd", parts[i].comm, [&] { return join(i, false); });
+    if (r != loomSuccess && first == loomSuccess) first = r;
   }
   return first;
 }

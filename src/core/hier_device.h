@@ -148,6 +148,11 @@ class HierDeviceComm final : public DeviceCollectives {
   void run(const OpDesc& op, void* callerStream) override;
   void runP2P(const std::vector<OpDesc>& ops, void* callerStream) override;
   void prepareP2P(const std::vector<OpDesc>& ops) override { flat_->prepareP2P(ops); }
+  // On the flat communicator's driver (the same device, and every part of
+  // a call runs on the caller's stream).
+  void joinStreams(void* main, const std::vector<void*>& others, bool before) override {
+    flat_->joinStreams(main, others, before);
+  }
   void onPeerSignatures(int from, const std::vector<uint8_t>& bytes) override;
   bool failed() const override;
   bool markFailed(loomResult_t code, const std::string& msg) override;

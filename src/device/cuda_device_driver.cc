@@ -29,6 +29,7 @@ class CudaDeviceDriver final : public DeviceDriver {
     if (readBuf_) api_.hostFree(readBuf_);
     if (releaseStream_) api_.streamDestroy(releaseStream_);
     for (void* e : events_) api_.eventDestroy(e);
+    if (joinEvent_) api_.eventDestroy(joinEvent_);
     for (void* s : streams_) api_.streamDestroy(s);
     leave(previous);
   }
@@ -89,6 +90,13 @@ class CudaDeviceDriver final : public DeviceDriver {
     all.insert(all.end(), streams_.begin(), streams_.end());
     backend_ = std::make_unique<CudaStreamBackend>(api_, std::move(all), events_);
     return *backend_;
+  }
+  void streamWaitStream(void* waiter, void* waited) override {
+    // One event serves every join: cudaStreamWaitEvent waits for the
+    // record enqueued before it, and a later record does not change that.
+    if (!joinEvent_) check(api_.eventCreate(&joinEvent_), "cudaEventCreateWithFlags");
+    check(api_.eventRecord(joinEvent_, waited), "cudaEventRecord");
+    check(api_.streamWaitEvent(waiter, joinEvent_), "cudaStreamWaitEvent");
   }
   int enter() override {
     int current = -1;
@@ -172,6 +180,7 @@ class CudaDeviceDriver final : public DeviceDriver {
   uint64_t lastValue_ = 0;
   std::vector<void*> streams_;  // side streams (program streams 1..)
   std::vector<void*> events_;
+  void* joinEvent_ = nullptr;  // streamWaitStream's
   std::unique_ptr<CudaStreamBackend> backend_;
 };
 

@@ -1194,6 +1194,22 @@ IpcRecord DeviceComm::p2pRegionFor(int reader) {
   return outRegionLocked(reader);
 }
 
+void joinStreamsOn(DeviceDriver& driver, void* main, const std::vector<void*>& others, bool before) {
+  DeviceScope current(driver);
+  for (void* s : others) {
+    if (s == main) continue;
+    if (before)
+      driver.streamWaitStream(main, s);
+    else
+      driver.streamWaitStream(s, main);
+  }
+}
+
+void DeviceComm::joinStreams(void* main, const std::vector<void*>& others, bool before) {
+  std::lock_guard<std::mutex> g(mu_);
+  joinStreamsOn(*driver_, main, others, before);
+}
+
 void DeviceComm::prepareP2P(const std::vector<OpDesc>& ops) {
   for (const OpDesc& op : ops) {
     if (op.coll != Collective::P2P || op.peer < 0 || op.peer >= nranks_)

@@ -164,6 +164,12 @@ class DeviceDriver {
   // stream 0) and the driver's side streams and events (streams 1..,
   // events 0..): at least `streams` streams and `events` events.
   virtual StreamBackend& backend(void* callerStream, int streams, int events) = 0;
+  // Makes `waiter` wait for everything enqueued on `waited` so far (CUDA:
+  // an event recorded on `waited`, then cudaStreamWaitEvent on `waiter`),
+  // as a group whose calls on one communicator use several streams joins
+  // them (DeviceCollectives::joinStreams).  Callers serialise (their
+  // communicator's lock) and have the device current.
+  virtual void streamWaitStream(void* waiter, void* waited) = 0;
   // A flag's value now (device memory of any rank, as mapped here), read
   // from the host.
   virtual uint64_t readFlag(const uint64_t* flag) = 0;
@@ -255,6 +261,10 @@ class IpcImportCache {
   std::vector<Entry> retired_;  // replaced while still referenced
   size_t opens_ = 0;
 };
+
+// DeviceCollectives::joinStreams on `driver` (whose communicator's lock the
+// caller holds), in its device's scope.
+void joinStreamsOn(DeviceDriver& driver, void* main, const std::vector<void*>& others, bool before);
 
 // Describes [p, p + bytes) of this process's device memory for the peers.
 IpcRecord exportRange(const DeviceDriver& driver, const void* p, size_t bytes, uint64_t process);
@@ -382,6 +392,13 @@ class DeviceCollectives {
   virtual std::unique_ptr<SteppedRun> beginRunP2P(const std::vector<OpDesc>& /*ops*/, void* /*callerStream*/) {
     return nullptr;
   }
+  // A group whose calls on this communicator used several streams runs
+  // them all on the first (`main`), joined to the others as NCCL joins a
+  // group's streams: with `before`, main waits for everything enqueued on
+  // each of `others` so far (called before anything of the group is
+  // enqueued); else each of `others` waits for everything enqueued on main
+  // so far (called once the group's calls are).  Enqueues only.
+  virtual void joinStreams(void* main, const std::vector<void*>& others, bool before) = 0;
   // What runP2P needs made before anything of a group is enqueued (nothing
   // on the staged path).
   virtual void prepareP2P(const std::vector<OpDesc>& ops) = 0;
@@ -513,6 +530,7 @@ class DeviceComm final : public DeviceCollectives {
   // or loomTimeout: the peer did not answer; a device error allocating)
   // leaves the communicator as it was, and the call may be repeated.
   void prepareP2P(const std::vector<OpDesc>& ops) override;
+  void joinStreams(void* main, const std::vector<void*>& others, bool before) override;
   // This rank's region for `reader`, allocated now if it has none yet (the
   // answer to a peer's fetchRegion; any thread).
   IpcRecord p2pRegionFor(int reader) override;

@@ -217,6 +217,11 @@ void StagedDeviceComm::run(const OpDesc& op, void* callerStream) {
   push(steps);
 }
 
+void StagedDeviceComm::joinStreams(void* main, const std::vector<void*>& others, bool before) {
+  std::lock_guard<std::mutex> g(mu_);
+  joinStreamsOn(*driver_, main, others, before);
+}
+
 void StagedDeviceComm::runP2P(const std::vector<OpDesc>& ops, void* callerStream) {
   for (const OpDesc& op : ops) {
     if (op.coll != Collective::P2P) fail(loomInternalError, "runP2P given %s", collectiveName(op.coll));

@@ -98,6 +98,7 @@ class StagedDeviceComm final : public DeviceCollectives {
   void run(const OpDesc& op, void* callerStream) override;
   void runP2P(const std::vector<OpDesc>& ops, void* callerStream) override;
   void prepareP2P(const std::vector<OpDesc>&) override {}
+  void joinStreams(void* main, const std::vector<void*>& others, bool before) override;
   bool failed() const override { return failedFlag_.load(std::memory_order_acquire); }
   bool markFailed(loomResult_t code, const std::string& msg) override;
   void setTimeoutMs(int64_t ms) override { timeoutMs_.store(ms); }

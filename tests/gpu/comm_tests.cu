@@ -14,6 +14,9 @@
 //           what the kernel wrote
 //   p2p     loomSend/loomRecv in a group (a ring, 1 element to 3 Mi) and
 //           loomAllToAllv of uneven blocks: exact
+//   streams a group whose calls on one communicator use two streams: it
+//           runs after a slow kernel on the second, and a copy on the
+//           second after the group sees the first's result
 //   capture a call on a stream being captured into a CUDA graph is
 //           loomInvalidUsage, and the capture (global mode) survives it and
 //           loom's watchdog reading flags meanwhile
@@ -618,6 +621,47 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, loomUniqueId id3,
     CK(cudaFree(buf));
   }
 
+  // streams: a group whose two all-reduces use two streams (NCCL allows
+  // it): it waits for a slow kernel on the second stream, and a copy
+  // enqueued on that stream after the group sees the first stream's result.
+  {
+    long bad = 0;
+    const size_t n = size_t(1) << 18;
+    float *a, *b, *c;
+    CK(cudaMalloc(&a, n * 4));
+    CK(cudaMalloc(&b, n * 4));
+    CK(cudaMalloc(&c, n * 4));
+    CK(cudaMemset(c, 0, n * 4));
+    slowFill<<<64, 256, 0, st>>>(a, n, float(me + 1), 0);
+    cudaStream_t s2;
+    CK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+    CK(cudaStreamSynchronize(st));
+    slowFill<<<64, 256, 0, s2>>>(b, n, float(10 * (me + 1)), 500000000LL);  // about 0.3 s
+    LK(loomGroupStart());
+    LK(loomAllReduce(a, a, n, loomFloat32, loomSum, comm, loomStream_t(st)));
+    LK(loomAllReduce(b, b, n, loomFloat32, loomSum, comm, loomStream_t(s2)));
+    LK(loomGroupEnd());
+    CK(cudaMemcpyAsync(c, a, n * 4, cudaMemcpyDeviceToDevice, s2));
+    CK(cudaStreamSynchronize(s2));  // s2 alone: its copy must have waited for the group on st
+    std::vector<float> got(n);
+    const float sumA = float(N * (N + 1) / 2), sumB = 10.0f * sumA;
+    CK(cudaMemcpy(got.data(), c, n * 4, cudaMemcpyDeviceToHost));
+    long wrongCopy = 0, wrongB = 0;
+    for (float v : got) wrongCopy += v != sumA;
+    CK(cudaStreamSynchronize(st));
+    CK(cudaMemcpy(got.data(), b, n * 4, cudaMemcpyDeviceToHost));
+    for (float v : got) wrongB += v != sumB;
+    if (wrongB) std::fprintf(stderr, "rank %d: streams: %ld elements of the second stream's all-reduce wrong\n", me, wrongB);
+    if (wrongCopy)
+      std::fprintf(stderr, "rank %d: streams: the copy after the group saw %ld elements unreduced\n", me, wrongCopy);
+    bad += (wrongB != 0) + (wrongCopy != 0);
+    CK(cudaStreamDestroy(s2));
+    CK(cudaFree(a));
+    CK(cudaFree(b));
+    CK(cudaFree(c));
+    std::printf("RESULT streams 2 %ld\n", bad);
+  }
+
   // capture: a call on a stream being captured into a CUDA graph is
   // refused, and neither that refusal nor loom's own threads (the watchdog
   // reads flags while an all-reduce waits behind a slow kernel) invalidate
@@ -750,7 +794,7 @@ int main(int argc, char** argv) {
         std::printf("rank %d of %d exited abnormally (status %d)\n", r, N, st);
       }
     }
-    for (const char* check : {"comm", "p2p", "lazy", "groups", "memalloc", "register", "mixed", "order", "capture", "errors"}) {
+    for (const char* check : {"comm", "p2p", "lazy", "groups", "memalloc", "register", "mixed", "order", "streams", "capture", "errors"}) {
       long cases = 0, wrong = 0;
       bool seen = false;
       for (int r = 0; r < N; ++r) {
