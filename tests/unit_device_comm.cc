@@ -2813,33 +2813,39 @@ TEST_CASE("staged path: a failed communicator destroyed while its stream has yet
   CHECK(g_pinnedLive.load() == pinnedBefore);  // and then all of it is
 }
 
-TEST_CASE("device remains: the reaper frees nothing while another remains' streams may still need its releases "
-          "(a free synchronises the device and would wait for them)",
+TEST_CASE("device remains: the reaper frees nothing, and tells the others' steps to unmap nothing, while another "
+          "remains' streams may still need its releases (a free synchronises the device and would wait for them)",
           "[devcomm][unmap]") {
   struct Fake final : loom::DeviceRemains {
     std::atomic<bool>* done = nullptr;
     std::atomic<bool>* freed = nullptr;
+    std::atomic<bool>* lastDefer = nullptr;  // deferBlocking at its last step
     std::atomic<int> steps{0};
     bool needsReleases = false;
-    bool step() override { return ++steps > 1 && done->load(); }  // the destroying thread's step: not yet
+    bool step() override {
+      if (lastDefer) lastDefer->store(deferBlocking);
+      return ++steps > 1 && done->load();  // the destroying thread's step: not yet
+    }
     void free() override { freed->store(true); }
     bool releasing() const override { return needsReleases && !done->load(); }
   };
-  std::atomic<bool> aDone{false}, bDone{true}, aFreed{false}, bFreed{false};
+  std::atomic<bool> aDone{false}, bDone{true}, aFreed{false}, bFreed{false}, bDefer{false};
   auto a = std::make_unique<Fake>();  // a failed communicator's: its streams still wait for releases
   a->done = &aDone, a->freed = &aFreed, a->needsReleases = true, a->deadline = loom::nowMs() + 60000;
   auto b = std::make_unique<Fake>();  // one whose streams are done: ready to free
-  b->done = &bDone, b->freed = &bFreed, b->deadline = loom::nowMs() + 60000;
+  b->done = &bDone, b->freed = &bFreed, b->lastDefer = &bDefer, b->deadline = loom::nowMs() + 60000;
   Fake* bp = b.get();
   loom::reapDeviceRemains(std::move(a));
   loom::reapDeviceRemains(std::move(b));
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   CHECK(bp->steps.load() > 1);  // the reaper found it ready
+  CHECK(bDefer.load());         // told to put off what may synchronise (IpcRemains: unmapping the peers')
   CHECK_FALSE(bFreed.load());    // and freed nothing while a still releases
   aDone.store(true);
   CHECK(loom::waitDeviceRemains(5000));
   CHECK(aFreed.load());
   CHECK(bFreed.load());
+  CHECK_FALSE(bDefer.load());  // its last step, which let it go, was told nothing releases
 }
 
 TEST_CASE("staged path: pieces hold the same elements of every rank's block and fit their slot, for every "

@@ -397,6 +397,7 @@ struct IpcRemains final : DeviceRemains {
       }
       if (!streamsDone) return false;
     }
+    if (imports && deferBlocking) return false;  // unmapped at a later step (patient() holds it meanwhile)
     unmapPeers();
     if (board) holding = board->holders(tracked);
     return holding.empty();
@@ -512,7 +513,10 @@ class Reaper {
       std::vector<std::unique_ptr<DeviceRemains>> keep, ready;
       bool urgent = false;  // some stream may still need releasing: poll every millisecond
       const int64_t now = nowMs();
+      bool releasingNow = false;  // as at the start of this round (see DeviceRemains::deferBlocking)
+      for (const auto& r : work) releasingNow = releasingNow || r->releasing();
       for (auto& r : work) {
+        r->deferBlocking = releasingNow;
         if (r->warned && now < r->nextPollMs) {
           keep.push_back(std::move(r));
         } else if (r->step()) {

@@ -474,6 +474,12 @@ struct DeviceRemains {
   // synchronises the device (cudaFree, cudaFreeHost) and would wait for a
   // stream only its next release lets go.
   virtual bool releasing() const { return false; }
+  // Set by the reaper before each step: some listed remains is releasing,
+  // so step() must make no call that may synchronise the device either
+  // (CUDA documents none for cudaIpcCloseMemHandle, but unmapping memory
+  // the device may still address is the kind of call that waits; it
+  // costs one more millisecond to put it off) and says not done yet.
+  bool deferBlocking = false;
   int rank = 0;
   int64_t deadline = 0;
   bool warned = false;    // the reaper's: told that it is overdue
