@@ -75,6 +75,23 @@ loom_nccl_include() {
   echo "$inc"
 }
 
+# loom_step_limit: prints the seconds the next step may run:
+# LOOM_GPU_STEP_TIMEOUT (240), or what is left of LOOM_GPU_BUDGET (seconds
+# for the whole script from its start, its build included; 0 or unset:
+# none) when that is less; 0 once the budget is spent (the caller then runs
+# nothing more and says so).  Meant for the device tool's 10-minute calls: a
+# script that would be cut off part-way still ends its own way, with its
+# table and its exit status.
+loom_step_limit() {
+  local step=${LOOM_GPU_STEP_TIMEOUT:-240} budget=${LOOM_GPU_BUDGET:-0} left
+  if [ "$budget" -gt 0 ]; then
+    left=$((budget - SECONDS))
+    [ "$left" -lt "$step" ] && step=$left
+    [ "$step" -lt 0 ] && step=0
+  fi
+  echo "$step"
+}
+
 # A private MPS daemon (its own pipe folder) for processes that share the one
 # GPU: without it they are time-sliced, and their times are the slicer's
 # (on the H200, 582 us for an 8 B all-reduce of 2 processes against 35-49

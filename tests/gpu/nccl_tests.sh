@@ -20,7 +20,8 @@
 # Then the other collectives briefly (8 B .. 64 MiB).  With mpirun, under a
 # private MPS daemon where the machine has one (deps.sh).  LD_LIBRARY_PATH puts
 # the shim's libnccl.so.2 first, so nothing is rebuilt against loom.
-# NCCL_TESTS_ONLY (a list of test names) runs only those.
+# NCCL_TESTS_ONLY (a list of test names) runs only those; LOOM_GPU_BUDGET
+# (seconds, deps.sh's loom_step_limit) bounds the whole script.
 # Exits non-zero if a run fails or reports a wrong value.
 set -uo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
@@ -31,7 +32,6 @@ cuda=${CUDA_HOME:-/usr/local/cuda}
 export PATH=$cuda/bin:$PATH
 source "$here/tests/gpu/deps.sh"
 loom_gpu_deps "$here" || exit 2
-limit=${LOOM_GPU_STEP_TIMEOUT:-240}
 nccl_include=$(loom_nccl_include) || exit 2
 echo "nccl.h: $nccl_include/nccl.h ($(grep -m1 -E '^#define NCCL_VERSION_CODE' "$nccl_include/nccl.h"))"
 command -v nvidia-smi >/dev/null && nvidia-smi -L
@@ -110,10 +110,16 @@ unset NCCL_INCLUDE  # the build's, not a setting of NCCL's (the shim would warn 
 
 status=0
 run() {  # name, args...: fails on a non-zero exit or a wrong value
-  local name=$1 out
+  local name=$1 out lim
   shift
+  lim=$(loom_step_limit)
+  if [ "$lim" -le 0 ]; then
+    echo "!! $name not run: LOOM_GPU_BUDGET=${LOOM_GPU_BUDGET} s spent"
+    status=1
+    return
+  fi
   echo "== $name"
-  out=$(timeout -k 15 "$limit" "${launch[@]}" "$work/build/$name" "${shape[@]}" "$@" 2>&1)
+  out=$(timeout -k 15 "$lim" "${launch[@]}" "$work/build/$name" "${shape[@]}" "$@" 2>&1)
   local rc=$?
   echo "$out"
   if [ $rc -ne 0 ] || ! grep -q 'Out of bounds values : 0 OK' <<<"$out"; then

@@ -32,7 +32,6 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 build=${LOOM_GPU_BUILD:-$here/build-gpu}
-limit=${LOOM_GPU_STEP_TIMEOUT:-240}
 phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(probe check perf hier sanitize)
 for p in "${phases[@]}"; do
@@ -79,12 +78,14 @@ declare -a names results
 status=0
 step() {  # step NAME COMMAND...: runs it under the step timeout, records ok/FAIL
   local name=$1; shift
+  local lim; lim=$(loom_step_limit)
+  if [ "$lim" -le 0 ]; then record "$name" "NOT RUN (LOOM_GPU_BUDGET=${LOOM_GPU_BUDGET} s spent)"; status=1; return; fi
   echo "== $name: $*"
   local t=$SECONDS
-  timeout -k 15 "$limit" "$@"  # -k: a process that ignores SIGTERM does not hold the call to its limit
+  timeout -k 15 "$lim" "$@"  # -k: a process that ignores SIGTERM does not hold the call to its limit
   local rc=$?
   if [ $rc -eq 0 ]; then record "$name" "ok ($((SECONDS - t)) s)"; elif [ $rc -eq 124 ]; then
-    record "$name" "TIMEOUT (${limit} s)"; status=1; else record "$name" "FAIL ($rc)"; status=1; fi
+    record "$name" "TIMEOUT (${lim} s)"; status=1; else record "$name" "FAIL ($rc)"; status=1; fi
 }
 record() {  # record NAME RESULT: a row of the table (and of LOOM_GPU_RESULTS)
   names+=("$1"); results+=("$2")

@@ -41,10 +41,23 @@ status=0
 names=() results=()
 results_file=${LOOM_GPU_RESULTS:-}
 step() {
-  local name=$1 r t=$SECONDS
+  local name=$1 r t=$SECONDS rc left=0
   shift
-  echo "== $name: $*"
-  if "$@"; then r="ok ($((SECONDS - t)) s)"; else r="FAIL ($?)"; status=1; fi
+  # LOOM_GPU_BUDGET (deps.sh) bounds the whole script; each step keeps its
+  # own timeout as well.
+  if [ "${LOOM_GPU_BUDGET:-0}" -gt 0 ]; then
+    left=$((LOOM_GPU_BUDGET - SECONDS))
+    [ "$left" -le 0 ] && left=-1
+  fi
+  if [ "$left" -lt 0 ]; then
+    r="NOT RUN (LOOM_GPU_BUDGET=${LOOM_GPU_BUDGET} s spent)"
+    status=1
+  else
+    echo "== $name: $*"
+    if [ "$left" -gt 0 ]; then timeout -k 15 "$left" "$@"; else "$@"; fi
+    rc=$?
+    if [ $rc -eq 0 ]; then r="ok ($((SECONDS - t)) s)"; else r="FAIL ($rc)"; status=1; fi
+  fi
   names+=("$name") results+=("$r")
   [ -n "$results_file" ] && printf '%-60s %s\n' "$name" "$r" >>"$results_file"
   return 0
