@@ -396,6 +396,21 @@ LOOM_API loomResult_t loomReduce(const void* sendbuff, void* recvbuff, size_t co
                                  loomDataType_t datatype, loomRedOp_t op, int root, loomComm_t comm,
                                  loomStream_t stream);
 
+/* A local operation (this rank's buffers only, no peer takes part):
+ * dst[i] = src[i] * k for i < count, one step of loomProd (float16 and
+ * bfloat16 multiply in float32 and round once, integers wrap), dst may
+ * equal src.  k is the one element of `datatype` at `scalar`: host memory
+ * read during the call, or with scalarOnDevice nonzero memory read when the
+ * work runs (on a CUDA communicator, device memory of its device).  It is
+ * what a PreMulSum reduction (NCCL's ncclRedOpCreatePreMulSum) does to each
+ * rank's input before loomSum: loom's NCCL shim maps one onto the two.  On a
+ * CUDA communicator the buffers are device memory and the work is enqueued on
+ * the cudaStream_t; otherwise host memory, done during the call (NULL
+ * stream) or enqueued on the loom stream.  Inside loomGroupStart/End it is
+ * issued at the call, before the group's collectives. */
+LOOM_API loomResult_t loomScale(void* dst, const void* src, size_t count, loomDataType_t datatype,
+                                const void* scalar, int scalarOnDevice, loomComm_t comm, loomStream_t stream);
+
 /* The exchanges below are, as in NCCL, one group of sends and receives
  * between every pair that exchanges data (a rank's own block is copied
  * locally); every rank must call the same one with matching counts, or the

@@ -19,6 +19,7 @@
 #include "loom.h"
 #include "src/core/error.h"
 #include "src/device/device_comm.h"
+#include "src/device/host_reduce.h"
 #include "tests/sim_device.h"
 
 namespace loomsim {
@@ -260,6 +261,21 @@ class SimDriver final : public loom::DeviceDriver {
     joins.fetch_add(1);
   }
   std::atomic<size_t> joins{0};  // streamWaitStream calls (tests)
+  // The host's arithmetic, as the device kernel's (reduce_ops.h), on the
+  // caller's stream; a scalar "on the device" is read when the work runs.
+  void scale(void* stream, void* dst, const void* src, size_t count, loomDataType_t type, const void* scalar,
+             bool scalarOnDevice) override {
+    onDevice("scale");
+    if (failLaunch.load()) loom::fail(loomUnhandledCudaError, "sim: the scale kernel's launch failed: device lost");
+    loomsim::SimRank& r = world_->rank(rank_);
+    uint64_t k = 0;
+    if (!scalarOnDevice) memcpy(&k, scalar, loom::dtypeSize(type));
+    r.enqueueWork(r.callerStream(stream), [=] {
+      uint64_t by = k;
+      if (scalarOnDevice) memcpy(&by, scalar, loom::dtypeSize(type));
+      loom::scaleHost(dst, src, count, type, &by);
+    });
+  }
   std::atomic<bool> failReads{false};  // flag reads fail as after a sticky CUDA error
   uint64_t readFlag(const uint64_t* flag) override {
     if (failReads.load())

@@ -26,6 +26,7 @@
 #include "src/device/device_choice.h"
 #include "src/device/cuda_stream_backend.h"
 #include "src/device/device_comm.h"
+#include "src/device/host_reduce.h"
 #include "src/device/reduce_ops.h"
 
 namespace {
@@ -99,8 +100,9 @@ const loom::CudaApi kRecording = {
       return 0;
     },
     nullptr,  // deviceSynchronize: the driver's
-    nullptr,  // contextDevice, clearContext, streamMemOps, streamQuery, streamCapturing, relaxCaptureMode:
-    nullptr,  // the driver's, init's, the API's and loom's threads'
+    nullptr,  // contextDevice, clearContext, streamMemOps, streamQuery, streamCapturing, relaxCaptureMode,
+    nullptr,  // launchScale: the driver's, init's, the API's and loom's threads'
+    nullptr,
     nullptr,
     nullptr,
     nullptr,
@@ -645,6 +647,13 @@ const loom::CudaApi kDriverTable = {
       return 0;
     },
     []() { return 0; },  // relaxCaptureMode: loom's threads', not the driver's
+    [](void* d, const void* src, size_t n, int t, const void* k, int onDevice, void* s) {
+      uint64_t v = 0;
+      if (!onDevice) memcpy(&v, k, loom::dtypeSize(loomDataType_t(t)));
+      record(onDevice ? loom::strf("scale %p %p <- %p n=%zu t=%d by *%p", s, d, src, n, t, k)
+                      : loom::strf("scale %p %p <- %p n=%zu t=%d by %llu", s, d, src, n, t, (unsigned long long)v));
+      return 0;
+    },
 };
 
 size_t countOf(const std::string& prefix) {
@@ -688,6 +697,7 @@ TEST_CASE("CUDA communicator driver: a group's streams are joined by one event, 
   auto* a = reinterpret_cast<void*>(uintptr_t(0xa0));
   auto* b = reinterpret_cast<void*>(uintptr_t(0xb0));
   auto* c = reinterpret_cast<void*>(uintptr_t(0xc0));
+  std::string ev;
   {
     loom::DeviceComm dc(0, 1, loom::makeCudaDeviceDriver(kDriverTable, 1),
                         [](const void* m, size_t bytes, void* all) { memcpy(all, m, bytes); });
@@ -696,7 +706,7 @@ TEST_CASE("CUDA communicator driver: a group's streams are joined by one event, 
     REQUIRE(g_drv.size() == 7);
     CHECK(g_drv[0] == "setDevice 1");
     REQUIRE(g_drv[1].rfind("eventCreate ", 0) == 0);
-    const std::string ev = g_drv[1].substr(12);
+    ev = g_drv[1].substr(12);
     CHECK(g_drv[2] == "record " + ev + " " + ptr(b));
     CHECK(g_drv[3] == "waitevent " + ptr(a) + " " + ev);
     CHECK(g_drv[4] == "record " + ev + " " + ptr(c));
@@ -711,7 +721,34 @@ TEST_CASE("CUDA communicator driver: a group's streams are joined by one event, 
     CHECK(g_drv[4] == "waitevent " + ptr(c) + " " + ev);
     g_drv.clear();
   }
-  CHECK(countOf("eventDestroy") >= 1);
+  CHECK(countOf("eventDestroy " + ev) == 1);
+}
+
+TEST_CASE("CUDA communicator driver: loomScale's kernel is launched on the caller's stream on the communicator's "
+          "device, a host scalar passed by value and a device one by address",
+          "[cuda][scale]") {
+  g_drv.clear();
+  g_current = 0;
+  auto* stream = reinterpret_cast<void*>(uintptr_t(0x5ca1));
+  {
+    loom::DeviceComm dc(0, 1, loom::makeCudaDeviceDriver(kDriverTable, 1),
+                        [](const void* m, size_t bytes, void* all) { memcpy(all, m, bytes); });
+    std::vector<int32_t> buf(64);  // "device memory": the table says every pointer is device 1's
+    const int32_t k = 7;
+    g_drv.clear();
+    dc.scale(buf.data() + 32, buf.data(), 16, loomInt32, &k, false, stream);
+    REQUIRE(g_drv.size() == 3);
+    CHECK(g_drv[0] == "setDevice 1");
+    CHECK(g_drv[1] == loom::strf("scale %p %p <- %p n=16 t=%d by 7", stream, static_cast<void*>(buf.data() + 32),
+                                 static_cast<void*>(buf.data()), int(loomInt32)));
+    CHECK(g_drv[2] == "setDevice 0");
+    g_drv.clear();
+    dc.scale(buf.data(), buf.data(), 16, loomInt32, buf.data() + 63, true, stream);
+    REQUIRE(g_drv.size() == 3);
+    CHECK(g_drv[1] == loom::strf("scale %p %p <- %p n=16 t=%d by *%p", stream, static_cast<void*>(buf.data()),
+                                 static_cast<void*>(buf.data()), int(loomInt32), static_cast<void*>(buf.data() + 63)));
+    g_drv.clear();
+  }
 }
 
 TEST_CASE("CUDA communicator driver: a thread with no CUDA context gets none back, not device 0's (the "

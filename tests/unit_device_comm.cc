@@ -2822,30 +2822,38 @@ TEST_CASE("device remains: the reaper frees nothing, and tells the others' steps
     std::atomic<bool>* lastDefer = nullptr;  // deferBlocking at its last step
     std::atomic<int> steps{0};
     bool needsReleases = false;
+    bool honoursDefer = false;  // as IpcRemains: not done while its unmapping must wait
     bool step() override {
       if (lastDefer) lastDefer->store(deferBlocking);
+      if (honoursDefer && deferBlocking) return false;
       return ++steps > 1 && done->load();  // the destroying thread's step: not yet
     }
     void free() override { freed->store(true); }
     bool releasing() const override { return needsReleases && !done->load(); }
   };
-  std::atomic<bool> aDone{false}, bDone{true}, aFreed{false}, bFreed{false}, bDefer{false};
+  std::atomic<bool> aDone{false}, bDone{true}, aFreed{false}, bFreed{false}, cFreed{false}, cDefer{false};
   auto a = std::make_unique<Fake>();  // a failed communicator's: its streams still wait for releases
   a->done = &aDone, a->freed = &aFreed, a->needsReleases = true, a->deadline = loom::nowMs() + 60000;
   auto b = std::make_unique<Fake>();  // one whose streams are done: ready to free
-  b->done = &bDone, b->freed = &bFreed, b->lastDefer = &bDefer, b->deadline = loom::nowMs() + 60000;
+  b->done = &bDone, b->freed = &bFreed, b->deadline = loom::nowMs() + 60000;
   Fake* bp = b.get();
+  auto c = std::make_unique<Fake>();  // one whose streams are done, still to unmap its peers' memory
+  c->done = &bDone, c->freed = &cFreed, c->lastDefer = &cDefer, c->honoursDefer = true;
+  c->deadline = loom::nowMs() + 60000;
   loom::reapDeviceRemains(std::move(a));
   loom::reapDeviceRemains(std::move(b));
+  loom::reapDeviceRemains(std::move(c));
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  CHECK(bp->steps.load() > 1);  // the reaper found it ready
-  CHECK(bDefer.load());         // told to put off what may synchronise (IpcRemains: unmapping the peers')
+  CHECK(bp->steps.load() > 1);  // the reaper found b ready
   CHECK_FALSE(bFreed.load());    // and freed nothing while a still releases
+  CHECK(cDefer.load());          // c was told to put off what may synchronise (IpcRemains: unmapping)
+  CHECK_FALSE(cFreed.load());
   aDone.store(true);
   CHECK(loom::waitDeviceRemains(5000));
   CHECK(aFreed.load());
   CHECK(bFreed.load());
-  CHECK_FALSE(bDefer.load());  // its last step, which let it go, was told nothing releases
+  CHECK(cFreed.load());
+  CHECK_FALSE(cDefer.load());  // its last step, which let it go, was told nothing releases
 }
 
 TEST_CASE("staged path: pieces hold the same elements of every rank's block and fit their slot, for every "
@@ -3990,4 +3998,96 @@ TEST_CASE("device communicator (simulated device), zero-copy: collectives of eve
   for (int r = 0; r < N; ++r) reads += s.world.rank(r).publishedReads();
   CHECK(reads > 0);
   for (int r = 0; r < N; ++r) s.comms[size_t(r)].reset();
+}
+
+TEST_CASE("loomScale: dst = src * k on the communicator's memory and stream (a CUDA communicator on the simulated "
+          "device: enqueued after the stream's earlier work, a device scalar read when it runs; a host one: at the "
+          "call or on a loom stream), and bad buffers are clear errors",
+          "[devcomm][api][scale]") {
+  {
+    SimMemory mem;
+    loomsim::SimDeviceWorld world(2, 1, 256, patientDevice());
+    auto* streamB = reinterpret_cast<loomStream_t>(uintptr_t(0xb0b));
+    const int indexB = world.rank(0).addCallerStream(streamB);
+    DeviceEnv env(mem, world);
+    std::vector<loomComm_t> comms = initCudaComms(2);
+    REQUIRE(comms.size() == 2);
+    const size_t n = 5000;
+    auto* x = reinterpret_cast<float*>(mem.alloc(0, n * 4));
+    auto* y = reinterpret_cast<float*>(mem.alloc(0, n * 4));
+    auto* kDev = reinterpret_cast<float*>(mem.alloc(0, 64));
+    for (size_t i = 0; i < n; ++i) x[i] = -1.0f, y[i] = -1.0f;
+    *kDev = 2.0f;
+    // Stream B: held, then its kernel writes x; the scale must come after.
+    std::atomic<bool> go{false};
+    world.rank(0).enqueueWait(indexB, [&go] {
+      while (!go.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    });
+    world.rank(0).enqueueWork(indexB, [x, n] {
+      for (size_t i = 0; i < n; ++i) x[i] = float(i % 100);
+    });
+    const float k = 0.25f;
+    CHECK(loomScale(y, x, n, loomFloat32, &k, 0, comms[0], streamB) == loomSuccess);
+    INFO(loomGetLastError(comms[0]));
+    CHECK(loomScale(x, x, n, loomFloat32, kDev, 1, comms[0], streamB) == loomSuccess);  // in place, device scalar
+    *kDev = 4.0f;  // read when the work runs: after this
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    go.store(true);
+    std::string msg;
+    CHECK(world.rank(0).synchronize(&msg) == loomSuccess);
+    long wrongY = 0, wrongX = 0;
+    for (size_t i = 0; i < n; ++i) {
+      wrongY += y[i] != float(i % 100) * 0.25f;
+      wrongX += x[i] != float(i % 100) * 4.0f;
+    }
+    CHECK(wrongY == 0);
+    CHECK(wrongX == 0);
+    // Errors: host memory, misaligned, overlapping, a host scalar named as
+    // on the device, NULLs.
+    std::vector<float> host(16);
+    CHECK(loomScale(host.data(), x, 16, loomFloat32, &k, 0, comms[0], streamB) == loomInvalidArgument);
+    CHECK(std::string(loomGetLastError(comms[0])).find("dst") != std::string::npos);
+    CHECK(std::string(loomGetLastError(comms[0])).find("is host memory") != std::string::npos);
+    CHECK(loomScale(reinterpret_cast<char*>(y) + 2, x, 16, loomFloat32, &k, 0, comms[0], streamB) ==
+          loomInvalidArgument);
+    CHECK(std::string(loomGetLastError(comms[0])).find("not aligned") != std::string::npos);
+    CHECK(loomScale(x + 1, x, 16, loomFloat32, &k, 0, comms[0], streamB) == loomInvalidArgument);
+    CHECK(std::string(loomGetLastError(comms[0])).find("overlap") != std::string::npos);
+    CHECK(loomScale(y, x, 16, loomFloat32, &k, 1, comms[0], streamB) == loomInvalidArgument);
+    CHECK(std::string(loomGetLastError(comms[0])).find("scalar (on the device)") != std::string::npos);
+    CHECK(loomScale(y, x, 16, loomFloat32, nullptr, 0, comms[0], streamB) == loomInvalidArgument);
+    CHECK(loomScale(y, x, 16, loomDataType_t(99), &k, 0, comms[0], streamB) == loomInvalidArgument);
+    CHECK(loomScale(y, x, 0, loomFloat32, &k, 0, comms[0], streamB) == loomSuccess);
+    destroyPromptly(comms);
+  }
+  // A host communicator (one rank).
+  loomComm_t h = nullptr;
+  loomUniqueId id;
+  REQUIRE(loomGetUniqueId(&id) == loomSuccess);
+  REQUIRE(loomCommInitRank(&h, 1, id, 0) == loomSuccess);
+  std::vector<int32_t> a(100), b(100, -1);
+  for (int i = 0; i < 100; ++i) a[size_t(i)] = i - 50;
+  int32_t k = 3;
+  REQUIRE(loomScale(b.data(), a.data(), 100, loomInt32, &k, 0, h, nullptr) == loomSuccess);
+  for (int i = 0; i < 100; ++i) CHECK(b[size_t(i)] == (i - 50) * 3);
+  loomStream_t s = nullptr;
+  REQUIRE(loomStreamCreate(&s) == loomSuccess);
+  k = 2;
+  REQUIRE(loomScale(a.data(), a.data(), 100, loomInt32, &k, 0, h, s) == loomSuccess);  // k read at the call
+  int32_t k2 = 5;
+  REQUIRE(loomScale(b.data(), b.data(), 100, loomInt32, &k2, 1, h, s) == loomSuccess);  // read when it runs
+  k = 1000, k2 = 7;
+  REQUIRE(loomStreamSynchronize(s) == loomSuccess);
+  // a's scalar was read at the call (2, not 1000); b's when the work ran,
+  // before or after the store (5 or 7), the same for every element.
+  int wrongA = 0, wrongB = 0;
+  const int by = b[0] == -150 * 5 ? 5 : 7;
+  for (int i = 0; i < 100; ++i) wrongA += a[size_t(i)] != (i - 50) * 2, wrongB += b[size_t(i)] != (i - 50) * 3 * by;
+  CHECK(wrongA == 0);
+  CHECK(wrongB == 0);
+  CHECK(loomScale(b.data() + 1, b.data(), 10, loomInt32, &k, 0, h, nullptr) == loomInvalidArgument);
+  CHECK(std::string(loomGetLastError(h)).find("overlap") != std::string::npos);
+  CHECK(loomScale(b.data(), a.data(), 10, loomInt32, nullptr, 0, h, nullptr) == loomInvalidArgument);
+  CHECK(loomStreamDestroy(s) == loomSuccess);
+  CHECK(loomCommDestroy(h) == loomSuccess);
 }

@@ -594,3 +594,63 @@ TEST_CASE("divideHost by 1 or by a non-positive divisor copies instead of dividi
   CHECK(s[0] == INT32_MIN);
   loom::divideHost(nullptr, nullptr, 0, loomFloat32, 4);
 }
+
+TEST_CASE("scaleHost (loomScale, the device kernel's arithmetic) is one step of loomProd by the scalar: integers "
+          "wrap, float16/bfloat16 multiply in float32 and round once, in and out of place",
+          "[reduce]") {
+  std::mt19937_64 rng(42);
+  for (loomDataType_t t : kTypes) {
+    INFO(loom::dtypeName(t));
+    const size_t esz = loom::dtypeSize(t), n = 1000;
+    std::vector<uint8_t> src(n * esz), ks(n * esz), want(n * esz), got(n * esz);
+    for (auto& b : src) b = uint8_t(rng());
+    if (t == loomFloat16 || t == loomBfloat16 || t == loomFloat32 || t == loomFloat64) {
+      // Finite values of moderate size (random bits are often NaN or huge).
+      for (size_t i = 0; i < n; ++i) {
+        const double v = double(int64_t(rng() % 20001) - 10000) / 97.0;
+        if (t == loomFloat16) {
+          uint16_t h = floatToHalf(float(v / 64));
+          memcpy(&src[i * 2], &h, 2);
+        } else if (t == loomBfloat16) {
+          uint16_t h = floatToBf16(float(v));
+          memcpy(&src[i * 2], &h, 2);
+        } else if (t == loomFloat32) {
+          float f = float(v);
+          memcpy(&src[i * 4], &f, 4);
+        } else {
+          memcpy(&src[i * 8], &v, 8);
+        }
+      }
+    }
+    std::vector<uint8_t> k(esz);
+    for (auto& b : k) b = uint8_t(rng());
+    if (t == loomFloat16) {
+      uint16_t h = floatToHalf(0.37f);
+      memcpy(k.data(), &h, 2);
+    } else if (t == loomBfloat16) {
+      uint16_t h = floatToBf16(-1.7f);
+      memcpy(k.data(), &h, 2);
+    } else if (t == loomFloat32) {
+      float f = 1.0f / 3.0f;
+      memcpy(k.data(), &f, 4);
+    } else if (t == loomFloat64) {
+      double d = 1.0 / 7.0;
+      memcpy(k.data(), &d, 8);
+    }
+    for (size_t i = 0; i < n; ++i) memcpy(&ks[i * esz], k.data(), esz);
+    loom::reduceHost(want.data(), src.data(), ks.data(), n, t, loomProd);
+    loom::scaleHost(got.data(), src.data(), n, t, k.data());
+    CHECK(got == want);
+    std::vector<uint8_t> inPlace = src;
+    loom::scaleHost(inPlace.data(), inPlace.data(), n, t, k.data());
+    CHECK(inPlace == want);
+  }
+  int8_t w[2] = {100, -128};
+  const int8_t three = 3;
+  loom::scaleHost(w, w, 2, loomInt8, &three);
+  CHECK(w[0] == int8_t(44));    // 300 wraps
+  CHECK(w[1] == int8_t(-128));  // -384 wraps
+  uint16_t h = floatToHalf(3.0f), k2 = floatToHalf(0.5f);
+  loom::scaleHost(&h, &h, 1, loomFloat16, &k2);
+  CHECK(halfToFloat(h) == 1.5f);
+}

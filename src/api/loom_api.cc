@@ -1014,6 +1014,45 @@ loomResult_t loomCommDeregister(const loomComm_t comm, void* handle) {
   });
 }
 
+loomResult_t loomScale(void* dst, const void* src, size_t count, loomDataType_t datatype, const void* scalar,
+                       int scalarOnDevice, loomComm_t comm, loomStream_t stream) {
+  if (loomResult_t r = checkEnums("loomScale", comm, &datatype, nullptr)) return r;
+  return guarded("loomScale", comm, [&]() -> loomResult_t {
+    checkComm(comm);
+    checkedBytes(count, datatype, 1);  // overflow
+    if (DeviceCollectives* d = comm->deviceComm()) {
+      d->scale(dst, src, count, datatype, scalar, scalarOnDevice != 0, cudaStreamOf(stream));
+      return loomSuccess;
+    }
+    HostStream* hs = hostStreamOf(stream);
+    if (!scalar) fail(loomInvalidArgument, "scalar is NULL");
+    if (count == 0) return loomSuccess;
+    const size_t bytes = count * dtypeSize(datatype);
+    for (const auto& [what, p] : {std::pair<const char*, const void*>{"dst", dst}, {"src", src}}) {
+      if (!p) fail(loomInvalidArgument, "%s is NULL", what);
+      if (memoryKindOf(p) == MemoryKind::CudaDevice)
+        fail(loomInvalidArgument,
+             "%s %p is CUDA device memory (cuda:%d), but this communicator runs on the host: pass host memory, or "
+             "create the communicator with LOOM_DEVICE=cuda",
+             what, p, cudaPointerDevice(p));
+    }
+    const char *d = static_cast<const char*>(dst), *s = static_cast<const char*>(src);
+    if (d != s && d < s + bytes && s < d + bytes)
+      fail(loomInvalidArgument, "dst %p and src %p overlap without being one buffer", dst, src);
+    uint64_t k = 0;  // one element, read now unless it is read when the work runs
+    if (!scalarOnDevice) memcpy(&k, scalar, dtypeSize(datatype));
+    auto work = [=]() {
+      uint64_t by = k;
+      if (scalarOnDevice) memcpy(&by, scalar, dtypeSize(datatype));
+      scaleHost(dst, src, count, datatype, &by);
+      return loomSuccess;
+    };
+    if (!hs) return work();
+    hs->enqueue(work);
+    return loomSuccess;
+  });
+}
+
 loomResult_t loomAllReduce(const void* sendbuff, void* recvbuff, size_t count, loomDataType_t datatype,
                            loomRedOp_t op, loomComm_t comm, loomStream_t stream) {
   if (loomResult_t r = checkEnums("loomAllReduce", comm, &datatype, &op)) return r;
@@ -1234,16 +1273,17 @@ loomResult_t loomGroupEnd(void) {
   }
   // A part whose members used several streams: its first stream waits for
   // the others' earlier work before anything of the group is enqueued (an
-  // error here launches nothing, as one of the setup above).
-  auto join = [&](size_t i, bool before) {
-    std::vector<void*> others;
-    for (loomStream_t s : parts[i].others) others.push_back(cudaStreamOf(s));
-    parts[i].comm->deviceComm()->joinStreams(cudaStreamOf(parts[i].stream), others, before);
-    return loomSuccess;
-  };
+  // error here launches nothing, as one of the setup above).  The handles
+  // are checked once, here (cudaStreamOf: a capture begun since the calls).
+  std::vector<std::pair<void*, std::vector<void*>>> joined(parts.size());
   for (size_t i = 0; i < parts.size(); ++i) {
     if (parts[i].others.empty()) continue;
-    loomResult_t r = guarded("loomGroupEnd", parts[i].comm, [&] { return join(i, true); });
+    loomResult_t r = guarded("loomGroupEnd", parts[i].comm, [&] {
+      joined[i].first = cudaStreamOf(parts[i].stream);
+      for (loomStream_t s : parts[i].others) joined[i].second.push_back(cudaStreamOf(s));
+      parts[i].comm->deviceComm()->joinStreams(joined[i].first, joined[i].second, true);
+      return loomSuccess;
+    });
     if (r != loomSuccess) return r;
   }
   // One thread may drive several ranks here (NCCL's one-thread groups,
@@ -1319,7 +1359,10 @@ loomResult_t loomGroupEnd(void) {
   // other streams of a part wait for its end.
   for (size_t i = 0; i < parts.size(); ++i) {
     if (parts[i].others.empty()) continue;
-    loomResult_t r = guarded("loomGroupEnd", parts[i].comm, [&] { return join(i, false); });
+    loomResult_t r = guarded("loomGroupEnd", parts[i].comm, [&] {
+      parts[i].comm->deviceComm()->joinStreams(joined[i].first, joined[i].second, false);
+      return loomSuccess;
+    });
     if (r != loomSuccess && first == loomSuccess) first = r;
   }
   return first;

@@ -153,6 +153,10 @@ class HierDeviceComm final : public DeviceCollectives {
   void joinStreams(void* main, const std::vector<void*>& others, bool before) override {
     flat_->joinStreams(main, others, before);
   }
+  void scale(void* dst, const void* src, size_t count, loomDataType_t type, const void* scalar, bool scalarOnDevice,
+             void* callerStream) override {
+    flat_->scale(dst, src, count, type, scalar, scalarOnDevice, callerStream);
+  }
   void onPeerSignatures(int from, const std::vector<uint8_t>& bytes) override;
   bool failed() const override;
   bool markFailed(loomResult_t code, const std::string& msg) override;

@@ -132,9 +132,18 @@ struct CudaApi {
   // (PyTorch's torch.cuda.graph default) with their CUDA calls, as NCCL's
   // threads do not.
   int (*relaxCaptureMode)();
+  // ---- ABI 9: loomScale, a local multiply (the NCCL shim's PreMulSum on
+  // device buffers) ----
+  // dst[i] = src[i] * k for `count` elements of `dtype`, as one step of
+  // loom's product (reduce_ops.h scaleElement: float16/bfloat16 in float32
+  // rounded once, integers wrap); dst may be src.  k is one element of
+  // dtype at `scalar`: host memory read at the launch (scalarOnDevice 0) or
+  // device memory the kernel reads when it runs (1).
+  int (*launchScale)(void* dst, const void* src, size_t count, int dtype, const void* scalar, int scalarOnDevice,
+                     void* stream);
 };
 
-constexpr int kCudaApiVersion = 8;
+constexpr int kCudaApiVersion = 9;
 // sizeof(cudaIpcMemHandle_t) (CUDA_IPC_HANDLE_SIZE); the plug-in checks it.
 constexpr size_t kCudaIpcHandleBytes = 64;
 

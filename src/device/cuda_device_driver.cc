@@ -98,6 +98,11 @@ class CudaDeviceDriver final : public DeviceDriver {
     check(api_.eventRecord(joinEvent_, waited), "cudaEventRecord");
     check(api_.streamWaitEvent(waiter, joinEvent_), "cudaStreamWaitEvent");
   }
+  void scale(void* stream, void* dst, const void* src, size_t count, loomDataType_t type, const void* scalar,
+             bool scalarOnDevice) override {
+    check(api_.launchScale(dst, src, count, int(type), scalar, scalarOnDevice ? 1 : 0, stream),
+          "the scale kernel's launch");
+  }
   int enter() override {
     int current = -1;
     check(api_.contextDevice(&current), "cuCtxGetCurrent");

@@ -405,6 +405,7 @@ struct IpcRemains final : DeviceRemains {
   bool releasing() const override { return !streamsDone && !released.empty(); }
   std::string waitingFor() const override {
     if (!streamsDone) return "its streams to finish";
+    if (imports) return "another destroyed communicator's streams, before it unmaps the peers' memory";
     std::string who;
     for (int r : holding) who += strf("%s%d", who.empty() ? "" : ", ", r);
     return strf("rank%s %s to unmap it (to destroy %s communicator%s)", holding.size() > 1 ? "s" : "", who.c_str(),
@@ -1200,18 +1201,57 @@ IpcRecord DeviceComm::p2pRegionFor(int reader) {
 
 void joinStreamsOn(DeviceDriver& driver, void* main, const std::vector<void*>& others, bool before) {
   DeviceScope current(driver);
+  if (before) {  // the first error stops it: the caller launches nothing then
+    for (void* s : others)
+      if (s != main) driver.streamWaitStream(main, s);
+    return;
+  }
+  // The group is enqueued: every stream that can be joined is, and the
+  // first error is reported after.
+  std::optional<Error> first;
   for (void* s : others) {
     if (s == main) continue;
-    if (before)
-      driver.streamWaitStream(main, s);
-    else
+    try {
       driver.streamWaitStream(s, main);
+    } catch (const Error& e) {
+      if (!first)
+        first = Error(e.code(), strf("%s (the group's calls were enqueued on stream %p; stream %p does not wait for "
+                                     "them)",
+                                     e.what(), main, s));
+    }
   }
+  if (first) throw *first;
 }
 
 void DeviceComm::joinStreams(void* main, const std::vector<void*>& others, bool before) {
   std::lock_guard<std::mutex> g(mu_);
   joinStreamsOn(*driver_, main, others, before);
+}
+
+void scaleOn(DeviceDriver& driver, void* dst, const void* src, size_t count, loomDataType_t type, const void* scalar,
+             bool scalarOnDevice, void* stream) {
+  if (!scalar) fail(loomInvalidArgument, "scalar is NULL");
+  if (count == 0) return;
+  const size_t esz = dtypeSize(type);
+  for (const auto& [what, p] : {std::pair<const char*, const void*>{"dst", dst}, {"src", src}}) {
+    if (!p) fail(loomInvalidArgument, "%s is NULL", what);
+    checkBuffer(driver, what, p);
+    if (reinterpret_cast<uintptr_t>(p) % esz != 0)
+      fail(loomInvalidArgument, "%s %p is not aligned to its %s elements (%zu bytes): the device scales whole "
+           "elements", what, p, dtypeName(type), esz);
+  }
+  const char *d = static_cast<const char*>(dst), *s = static_cast<const char*>(src);
+  if (d != s && d < s + count * esz && s < d + count * esz)
+    fail(loomInvalidArgument, "dst %p and src %p overlap without being one buffer", dst, src);
+  if (scalarOnDevice) checkBuffer(driver, "scalar (on the device)", scalar);
+  DeviceScope current(driver);
+  driver.scale(stream, dst, src, count, type, scalar, scalarOnDevice);
+}
+
+void DeviceComm::scale(void* dst, const void* src, size_t count, loomDataType_t type, const void* scalar,
+                       bool scalarOnDevice, void* callerStream) {
+  std::lock_guard<std::mutex> g(mu_);
+  scaleOn(*driver_, dst, src, count, type, scalar, scalarOnDevice, callerStream);
 }
 
 void DeviceComm::prepareP2P(const std::vector<OpDesc>& ops) {

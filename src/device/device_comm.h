@@ -170,6 +170,12 @@ class DeviceDriver {
   // them (DeviceCollectives::joinStreams).  Callers serialise (their
   // communicator's lock) and have the device current.
   virtual void streamWaitStream(void* waiter, void* waited) = 0;
+  // dst = src * k on `stream` (loomScale; CudaApi::launchScale): k is the
+  // one element of `type` at `scalar`, host memory read now, or with
+  // scalarOnDevice device memory read when the work runs.  With the
+  // device current.
+  virtual void scale(void* stream, void* dst, const void* src, size_t count, loomDataType_t type, const void* scalar,
+                     bool scalarOnDevice) = 0;
   // A flag's value now (device memory of any rank, as mapped here), read
   // from the host.
   virtual uint64_t readFlag(const uint64_t* flag) = 0;
@@ -265,6 +271,10 @@ class IpcImportCache {
 // DeviceCollectives::joinStreams on `driver` (whose communicator's lock the
 // caller holds), in its device's scope.
 void joinStreamsOn(DeviceDriver& driver, void* main, const std::vector<void*>& others, bool before);
+// DeviceCollectives::scale on `driver` (the caller holds its
+// communicator's lock).
+void scaleOn(DeviceDriver& driver, void* dst, const void* src, size_t count, loomDataType_t type, const void* scalar,
+             bool scalarOnDevice, void* stream);
 
 // Describes [p, p + bytes) of this process's device memory for the peers.
 IpcRecord exportRange(const DeviceDriver& driver, const void* p, size_t bytes, uint64_t process);
@@ -399,6 +409,11 @@ class DeviceCollectives {
   // enqueued); else each of `others` waits for everything enqueued on main
   // so far (called once the group's calls are).  Enqueues only.
   virtual void joinStreams(void* main, const std::vector<void*>& others, bool before) = 0;
+  // loomScale on this communicator's device and callerStream: checks the
+  // buffers (device memory of this device, whole elements) and enqueues
+  // dst = src * k (DeviceDriver::scale).
+  virtual void scale(void* dst, const void* src, size_t count, loomDataType_t type, const void* scalar,
+                     bool scalarOnDevice, void* callerStream) = 0;
   // What runP2P needs made before anything of a group is enqueued (nothing
   // on the staged path).
   virtual void prepareP2P(const std::vector<OpDesc>& ops) = 0;
@@ -537,6 +552,8 @@ class DeviceComm final : public DeviceCollectives {
   // leaves the communicator as it was, and the call may be repeated.
   void prepareP2P(const std::vector<OpDesc>& ops) override;
   void joinStreams(void* main, const std::vector<void*>& others, bool before) override;
+  void scale(void* dst, const void* src, size_t count, loomDataType_t type, const void* scalar, bool scalarOnDevice,
+             void* callerStream) override;
   // This rank's region for `reader`, allocated now if it has none yet (the
   // answer to a peer's fetchRegion; any thread).
   IpcRecord p2pRegionFor(int reader) override;

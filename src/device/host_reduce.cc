@@ -291,6 +291,23 @@ void divideHost(void* dst, const void* src, size_t n, loomDataType_t type, int d
       type, [&](auto ty) { divideLoop<decltype(ty)>(dst, src, n, divisor); return 0; }, 0);
 }
 
+void scaleHost(void* dst, const void* src, size_t n, loomDataType_t type, const void* scalar) {
+  if (n == 0) return;
+  elementwise::withElem(
+      type,
+      [&](auto ty) {
+        using Ty = decltype(ty);
+        using S = typename Ty::Store;
+        S k;
+        memcpy(&k, scalar, sizeof k);
+        u8* d = static_cast<u8*>(dst);
+        const u8* s = static_cast<const u8*>(src);
+        for (size_t i = 0; i < n; ++i) st<S>(d, i, elementwise::scaleElement<Ty>(ld<S>(s, i), k));
+        return 0;
+      },
+      0);
+}
+
 float halfToFloat(uint16_t h) { return elementwise::h2f(h); }
 uint16_t floatToHalf(float f) { return elementwise::f2h(f); }
 float bf16ToFloat(uint16_t h) { return elementwise::bf2f(h); }

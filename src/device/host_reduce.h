@@ -48,6 +48,12 @@ HostReduceFn hostReduceSmallFn(loomDataType_t type, loomRedOp_t op);
 // dst may alias src.
 void divideHost(void* dst, const void* src, size_t n, loomDataType_t type, int divisor);
 
+// dst[i] = src[i] * k for i < n, k the one element of `type` at `scalar`
+// (loomScale): one step of the product, so integers wrap and float16 and
+// bfloat16 multiply in float32 and round once, as the device kernel does.
+// dst may alias src exactly.
+void scaleHost(void* dst, const void* src, size_t n, loomDataType_t type, const void* scalar);
+
 // float <-> float16 / bfloat16 conversions (round to nearest even, NaN kept).
 float halfToFloat(uint16_t h);
 uint16_t floatToHalf(float f);

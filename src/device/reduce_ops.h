@@ -249,6 +249,13 @@ LOOM_HD_INLINE typename Ty::Store reduce(typename Ty::Store a, typename Ty::Stor
   return Ty::save(combine<Op>(Ty::load(a), Ty::load(b)));
 }
 
+// One stored element times k (loomScale): one step of loom's product, so
+// host and device agree bit for bit.
+template <class Ty>
+LOOM_HD_INLINE typename Ty::Store scaleElement(typename Ty::Store x, typename Ty::Store k) {
+  return reduce<Ty, Prod>(x, k);
+}
+
 // One stored element divided by q (loomAvg's last step): integers truncate
 // toward zero, float16/bfloat16 divide in float32 and round once.  q > 0.
 template <class Ty>

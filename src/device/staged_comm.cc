@@ -222,6 +222,12 @@ void StagedDeviceComm::joinStreams(void* main, const std::vector<void*>& others,
   joinStreamsOn(*driver_, main, others, before);
 }
 
+void StagedDeviceComm::scale(void* dst, const void* src, size_t count, loomDataType_t type, const void* scalar,
+                             bool scalarOnDevice, void* callerStream) {
+  std::lock_guard<std::mutex> g(mu_);
+  scaleOn(*driver_, dst, src, count, type, scalar, scalarOnDevice, callerStream);
+}
+
 void StagedDeviceComm::runP2P(const std::vector<OpDesc>& ops, void* callerStream) {
   for (const OpDesc& op : ops) {
     if (op.coll != Collective::P2P) fail(loomInternalError, "runP2P given %s", collectiveName(op.coll));

@@ -99,6 +99,8 @@ class StagedDeviceComm final : public DeviceCollectives {
   void runP2P(const std::vector<OpDesc>& ops, void* callerStream) override;
   void prepareP2P(const std::vector<OpDesc>&) override {}
   void joinStreams(void* main, const std::vector<void*>& others, bool before) override;
+  void scale(void* dst, const void* src, size_t count, loomDataType_t type, const void* scalar, bool scalarOnDevice,
+             void* callerStream) override;
   bool failed() const override { return failedFlag_.load(std::memory_order_acquire); }
   bool markFailed(loomResult_t code, const std::string& msg) override;
   void setTimeoutMs(int64_t ms) override { timeoutMs_.store(ms); }

@@ -309,7 +309,8 @@ const CudaApi kApi = {kCudaApiVersion, waitValue64,     writeValue64,   memcpyAs
                       ipcCloseHandle,  streamCreate,    streamDestroy,  eventCreate,    eventDestroy,
                       readValue64,     mallocRaw,       hostAllocMapped, hostFree,     loadKernelsOnce,
                       launchReduceIndirect, launchCopyIndirect, deviceSynchronize, contextDevice,
-                      clearContext,    streamMemOps,   streamQuery,    streamCapturing, relaxCaptureMode};
+                      clearContext,    streamMemOps,   streamQuery,    streamCapturing, relaxCaptureMode,
+                      launchScale};
 
 }  // namespace
 }  // namespace cuda

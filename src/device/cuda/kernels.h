@@ -15,6 +15,8 @@ int launchReduceIndirect(void* dst, void* dst2, const void* const* srcs, const u
 int launchCopyIndirect(void* dst, const void* src, const uint64_t* cell, size_t offset, const uint64_t* tag,
                        uint64_t minTag, size_t bytes, void* stream);
 int launchDivide(void* dst, const void* src, size_t count, int dtype, int divisor, void* stream);
+int launchScale(void* dst, const void* src, size_t count, int dtype, const void* scalar, int scalarOnDevice,
+                void* stream);
 // cudaFuncGetAttributes on every kernel of reduce_kernels.cu: loads them
 // into the current context now (CudaApi::loadKernels).
 int loadKernels();

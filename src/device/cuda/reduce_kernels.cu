@@ -24,6 +24,7 @@
 // reduction would fail for it.
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "src/device/cuda/kernels.h"
 #include "src/device/reduce_ops.h"
@@ -180,6 +181,15 @@ __global__ void divideElements(typename Ty::Store* dst, const typename Ty::Store
     dst[i] = divide<Ty>(src[i], q);
 }
 
+// k: *kp when kp is set (device memory, read as the kernel runs), else k.
+template <class Ty>
+__global__ void scaleElements(typename Ty::Store* dst, const typename Ty::Store* src, size_t n,
+                              const typename Ty::Store* kp, typename Ty::Store k) {
+  const typename Ty::Store by = kp ? *kp : k;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    dst[i] = scaleElement<Ty>(src[i], by);
+}
+
 unsigned blocksFor(size_t work) {
   size_t b = (work + kThreads - 1) / kThreads;
   return unsigned(b < kMaxBlocks ? b : kMaxBlocks);
@@ -258,6 +268,19 @@ cudaError_t launchDivideTyped(void* dst, const void* src, size_t n, int divisor,
                           args, 0, st);
 }
 
+template <class Ty>
+cudaError_t launchScaleTyped(void* dst, const void* src, size_t n, const void* scalar, int onDevice, cudaStream_t st) {
+  using S = typename Ty::Store;
+  S* d = static_cast<S*>(dst);
+  const S* from = static_cast<const S*>(src);
+  const S* kp = onDevice ? static_cast<const S*>(scalar) : nullptr;
+  S k{};
+  if (!onDevice) memcpy(&k, scalar, sizeof k);
+  void* args[] = {&d, &from, &n, &kp, &k};
+  return cudaLaunchKernel(reinterpret_cast<const void*>(&scaleElements<Ty>), dim3(blocksFor(n)), dim3(kThreads),
+                          args, 0, st);
+}
+
 
 }  // namespace
 
@@ -303,7 +326,8 @@ template <class Ty>
 cudaError_t loadType() {
   cudaFuncAttributes a;
   for (cudaError_t rc : {loadReduce<Ty, Sum>(), loadReduce<Ty, Prod>(), loadReduce<Ty, Max>(), loadReduce<Ty, Min>(),
-                         cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(&divideElements<Ty>))})
+                         cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(&divideElements<Ty>)),
+                         cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(&scaleElements<Ty>))})
     if (rc != cudaSuccess) return rc;
   return cudaSuccess;
 }
@@ -325,6 +349,15 @@ int launchDivide(void* dst, const void* src, size_t n, int dtype, int divisor, v
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   return int(withElem(
       dtype, [&](auto ty) { return launchDivideTyped<decltype(ty)>(dst, src, n, divisor, st); },
+      cudaErrorInvalidValue));
+}
+
+int launchScale(void* dst, const void* src, size_t n, int dtype, const void* scalar, int scalarOnDevice, void* stream) {
+  if (n == 0) return 0;
+  if (!scalar) return int(cudaErrorInvalidValue);
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  return int(withElem(
+      dtype, [&](auto ty) { return launchScaleTyped<decltype(ty)>(dst, src, n, scalar, scalarOnDevice, st); },
       cudaErrorInvalidValue));
 }
 
