@@ -3,8 +3,9 @@
 // NCCL's datatypes int8..bfloat16 and ops sum..avg have loom's numbering and
 // pass through.  float8 (e4m3, e5m2) moves as bytes (uint8) where nothing is
 // reduced and is refused where it would be.  A PreMulSum operator is loom's
-// sum over a scaled copy of the input, made when the operation is issued
-// (host communicators only: the copy is made on the host).
+// sum over a scaled copy of the input (loomScale): on a host communicator a
+// host copy made when the operation is issued, on a CUDA one device scratch
+// scaled on the caller's stream just before the sum (premulsum.cc).
 //
 // On a CUDA communicator the caller's cudaStream_t is loom's stream: each
 // call is enqueued on it and returns, as NCCL's do.
@@ -24,13 +25,27 @@ struct Reduction {
   bool preMul = false;
   ncclComm::PreMulSum pms{};
 
-  // sendbuff, or for a PreMulSum its scaled copy in scratch.
-  const void* input(const void* sendbuff, size_t count, std::vector<char>* scratch) const {
-    if (!preMul) return sendbuff;
-    scratch->resize(count * typeSize(pms.type) + 1);
-    const void* scalar = pms.residence == ncclScalarDevice ? pms.scalarPtr : pms.scalarBytes;
-    scaleInto(scratch->data(), sendbuff, count, pms.type, scalar);
-    return scratch->data();
+  // The input loom sums: sendbuff, or for a PreMulSum its scaled copy (on a
+  // host communicator in hostScratch, scaled now; on a CUDA one in the
+  // communicator's device scratch for stream s, scaled on s).
+  loomResult_t input(ncclComm* comm, const void* sendbuff, size_t count, loomStream_t s,
+                     std::vector<char>* hostScratch, const void** out) const {
+    *out = sendbuff;
+    if (!preMul || count == 0) return loomSuccess;
+    const size_t bytes = count * typeSize(pms.type);
+    const loomDataType_t t = loomDataType_t(pms.type);
+    if (!comm->cuda()) {
+      hostScratch->resize(bytes);
+      const void* scalar = pms.residence == ncclScalarDevice ? pms.scalarPtr : pms.scalarBytes;
+      *out = hostScratch->data();
+      return loomScale(hostScratch->data(), sendbuff, count, t, scalar, 0, comm->loom, nullptr);
+    }
+    void* scratch = nullptr;
+    if (loomResult_t r = deviceScratch(comm, s, bytes, &scratch)) return r;
+    *out = scratch;
+    const bool onDevice = pms.residence == ncclScalarDevice;
+    return loomScale(scratch, sendbuff, count, t, onDevice ? pms.scalarPtr : pms.scalarBytes, onDevice ? 1 : 0,
+                     comm->loom, s);
   }
 };
 
@@ -64,8 +79,6 @@ ncclResult_t reduction(const char* call, ncclComm_t comm, ncclDataType_t type, n
                   "%s: unknown reduction op %d (not built in, not a PreMulSum of this comm)", call, o);
     out->pms = it->second;
   }
-  if (comm->cuda())  // never made on one (ncclRedOpCreatePreMulSum): the host must not read device buffers
-    return fail(ncclInvalidUsage, "%s: PreMulSum op %d on a CUDA communicator", call, o);
   if (out->pms.type != type)
     return fail(ncclInvalidArgument, "%s: the PreMulSum op %d was made for datatype %d, not %d", call, o,
                 int(out->pms.type), t);
@@ -87,8 +100,9 @@ NCCL_SHIM_API(ncclResult_t, ncclAllReduce, const void* sendbuff, void* recvbuff,
   auto scratch = red.preMul ? std::make_shared<std::vector<char>>() : nullptr;
   loomComm_t lc = comm->loom;
   return submit(comm, call, stream, [=](loomStream_t s) {
-    return loomAllReduce(red.input(sendbuff, count, scratch.get()), recvbuff, count, loomDataType_t(datatype),
-                         red.op, lc, s);
+    const void* in;
+    if (loomResult_t r = red.input(comm, sendbuff, count, s, scratch.get(), &in)) return r;
+    return loomAllReduce(in, recvbuff, count, loomDataType_t(datatype), red.op, lc, s);
   });
 }
 
@@ -101,8 +115,9 @@ NCCL_SHIM_API(ncclResult_t, ncclReduce, const void* sendbuff, void* recvbuff, si
   auto scratch = red.preMul ? std::make_shared<std::vector<char>>() : nullptr;
   loomComm_t lc = comm->loom;
   return submit(comm, call, stream, [=](loomStream_t s) {
-    return loomReduce(red.input(sendbuff, count, scratch.get()), recvbuff, count, loomDataType_t(datatype),
-                      red.op, root, lc, s);
+    const void* in;
+    if (loomResult_t r = red.input(comm, sendbuff, count, s, scratch.get(), &in)) return r;
+    return loomReduce(in, recvbuff, count, loomDataType_t(datatype), red.op, root, lc, s);
   });
 }
 
@@ -119,8 +134,9 @@ NCCL_SHIM_API(ncclResult_t, ncclReduceScatter, const void* sendbuff, void* recvb
   loomComm_t lc = comm->loom;
   return submit(comm, call, stream, [=](loomStream_t s) {
     // A scaled copy is never in place: loom then reads all of it.
-    return loomReduceScatter(red.input(sendbuff, inCount, scratch.get()), recvbuff, recvcount,
-                             loomDataType_t(datatype), red.op, lc, s);
+    const void* in;
+    if (loomResult_t r = red.input(comm, sendbuff, inCount, s, scratch.get(), &in)) return r;
+    return loomReduceScatter(in, recvbuff, recvcount, loomDataType_t(datatype), red.op, lc, s);
   });
 }
 

@@ -90,6 +90,7 @@ namespace {
 
 void unwrap(ncclComm_t comm) {
   if (comm->groupStream) loomStreamDestroy(comm->groupStream);
+  freeScratch(comm);
   for (void* reg : comm->registrations) delete static_cast<Registration*>(reg);
   delete comm;
 }

@@ -46,6 +46,7 @@ thread_local Group tlsGroup;
 
 // Launches the queued operations of one communicator as one loom group.
 loomResult_t launch(const std::vector<PendingOp*>& ops, loomStream_t stream) {
+  beginLaunch();
   loomResult_t first = loomGroupStart();
   for (PendingOp* op : ops) {
     loomResult_t r = op->issue(stream);
@@ -58,6 +59,7 @@ loomResult_t launch(const std::vector<PendingOp*>& ops, loomStream_t stream) {
 
 // CUDA communicators' operations as one loom group, each on its own stream.
 loomResult_t launchOnDevices(std::vector<PendingOp>& ops) {
+  beginLaunch();
   loomResult_t first = loomGroupStart();
   for (PendingOp& op : ops) {
     loomResult_t r = op.issue(op.stream);

@@ -39,10 +39,23 @@ struct ncclComm {
     const void* scalarPtr;  // ncclScalarDevice: read when the collective runs
     double scalarBytes[2];  // ncclScalarHostImmediate: the scalar, copied at creation
   };
-  std::mutex mu;  // guards the two tables below
+  std::mutex mu;  // guards the tables below
   std::map<int, PreMulSum> preMulSums;
   int nextOp = ncclNumOps;
   std::set<void*> registrations;
+  // A CUDA communicator's PreMulSum inputs are scaled into device memory of
+  // its own (loomMemAlloc), one arena per stream: a call's region is reused
+  // only by later work on that stream, and the calls of one launch (a
+  // group) get regions of their own.  Outgrown arenas stay until the
+  // communicator goes (work in flight may still read them).
+  struct Scratch {
+    loomStream_t stream = nullptr;
+    void* base = nullptr;
+    size_t bytes = 0, used = 0;
+    uint64_t launch = 0;  // the launch whose regions `used` counts
+  };
+  std::vector<Scratch> scratch;
+  std::vector<void*> retiredScratch;
 };
 
 namespace nccl_shim {
@@ -84,6 +97,15 @@ struct PendingOp {
 };
 
 bool inGroup();
+// A launch (a call outside a group, or a group's end) begins on this
+// thread: the device scratch of the PreMulSum calls it issues is handed out
+// afresh (deviceScratch).
+void beginLaunch();
+// `bytes` of comm's device scratch for `stream`, apart from every region
+// this launch took before (premulsum.cc).
+loomResult_t deviceScratch(ncclComm* comm, loomStream_t stream, size_t bytes, void** out);
+// Frees a communicator's device scratch (after its loom communicator is gone).
+void freeScratch(ncclComm* comm);
 // Queues op for ncclGroupEnd.
 ncclResult_t enqueue(PendingOp op);
 
@@ -115,6 +137,7 @@ template <class Issue>
 ncclResult_t submit(ncclComm* comm, const char* name, cudaStream_t stream, Issue&& issue) {
   loomStream_t s = comm->cuda() ? reinterpret_cast<loomStream_t>(stream) : nullptr;
   if (inGroup()) return enqueue(PendingOp{comm, name, s, std::forward<Issue>(issue)});
+  beginLaunch();
   return fromLoom(issue(s), name);
 }
 
@@ -129,8 +152,6 @@ ncclResult_t checkStream(const char* call, ncclComm_t comm, cudaStream_t stream)
 ncclResult_t moveType(const char* call, ncclDataType_t in, loomDataType_t* out);
 size_t typeSize(ncclDataType_t t);
 
-// PreMulSum (premulsum.cc): dst[i] = scalar * src[i] in the operator's type.
-void scaleInto(void* dst, const void* src, size_t count, ncclDataType_t type, const void* scalar);
 
 }  // namespace nccl_shim
 

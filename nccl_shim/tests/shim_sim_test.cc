@@ -358,7 +358,7 @@ TEST_CASE(
 TEST_CASE(
     "NCCL shim: a CUDA stream on a host communicator is refused naming the host communicator and "
     "LOOM_DEVICE, as is ncclCommCuDevice, and on a CUDA communicator a group mixing it with a host one, "
-    "PreMulSum and host memory are refused and launch nothing, and a group using two streams on one communicator runs",
+    "host memory is refused and launches nothing, a PreMulSum's scalar must be device memory, and a group using two streams on one communicator runs",
     "[nccl][devcomm]") {
   // Two host communicators (LOOM_DEVICE=host) ...
   setenv("LOOM_DEVICE", "host", 1);
@@ -420,13 +420,16 @@ TEST_CASE(
   CHECK(wrong == 0);
   CHECK(ipcRound(cuda[0]) == before + 2);
 
-  // PreMulSum would scale device memory on the host: refused.
+  // A PreMulSum made on a CUDA communicator with a host scalar in device
+  // memory is refused at its first use (the scalar must be device memory).
   int32_t scalar = 3;
   ncclRedOp_t op;
-  CHECK(ncclRedOpCreatePreMulSum(&op, &scalar, ncclInt32, ncclScalarHostImmediate, cuda[0]) ==
-        ncclInvalidUsage);
-  CHECK(std::string(ncclGetLastError(nullptr)).find("cannot scale device buffers") != std::string::npos);
-  // ... while a host communicator still has it.
+  REQUIRE(ncclRedOpCreatePreMulSum(&op, &scalar, ncclInt32, ncclScalarDevice, cuda[0]) == ncclSuccess);
+  CHECK(ncclAllReduce(d, d, 16, ncclInt32, op, cuda[0], fakeStream()) == ncclInvalidArgument);
+  CHECK(std::string(ncclGetLastError(nullptr)).find("scalar (on the device)") != std::string::npos);
+  CHECK(ncclRedOpDestroy(op, cuda[0]) == ncclSuccess);
+  CHECK(ipcRound(cuda[0]) == before + 2);
+  // A host communicator has it too.
   CHECK(ncclRedOpCreatePreMulSum(&op, &scalar, ncclInt32, ncclScalarHostImmediate, host[0]) == ncclSuccess);
   CHECK(ncclRedOpDestroy(op, host[0]) == ncclSuccess);
 
@@ -659,4 +662,99 @@ TEST_CASE("NCCL shim: a failure ncclCommGetAsyncError reports is also the proces
   CHECK(seen.find("ncclCommGetAsyncError") != std::string::npos);
   CHECK(seen.find("abort") != std::string::npos);
   CHECK(ncclCommAbort(comms[0]) == ncclSuccess);
+}
+
+TEST_CASE("NCCL shim on CUDA communicators (simulated device): PreMulSum (ncclRedOpCreatePreMulSum, as FSDP2's "
+          "reduce-scatter with a gradient divide factor uses it) scales each rank's input into device scratch on the "
+          "caller's stream and sums: all-reduce, reduce-scatter and reduce, in and out of place, a host-immediate "
+          "and a device scalar, several in one group, the input untouched",
+          "[nccl][devcomm][premul]") {
+  const int N = 2;
+  SimCuda sim(N, 1);
+  std::string err;
+  std::vector<ncclComm_t> comms = initRanks(N, &err);
+  INFO(err);
+  REQUIRE(comms.size() == size_t(N));
+  const size_t n = 3000;
+  // Per rank: float inputs (k = 0.5: every product and sum exact), an int32
+  // input with a device scalar of 3, recv buffers.
+  std::vector<float*> x(N), y(N), rsIn(N), rsOut(N), red(N);
+  std::vector<int32_t*> xi(N), yi(N), kDev(N);
+  ncclRedOp_t half[N], three[N];
+  for (int r = 0; r < N; ++r) {
+    x[r] = reinterpret_cast<float*>(sim.alloc(0, n));
+    y[r] = reinterpret_cast<float*>(sim.alloc(0, n));
+    red[r] = reinterpret_cast<float*>(sim.alloc(0, n));
+    rsIn[r] = reinterpret_cast<float*>(sim.alloc(0, n * N));
+    rsOut[r] = reinterpret_cast<float*>(sim.alloc(0, n));
+    xi[r] = sim.alloc(0, n);
+    yi[r] = sim.alloc(0, n);
+    kDev[r] = sim.alloc(0, 16);
+    *kDev[r] = 3;
+    for (size_t i = 0; i < n; ++i) {
+      x[r][i] = float(r + 1) * float(i % 13);
+      y[r][i] = -1.0f;
+      red[r][i] = -1.0f;
+      rsOut[r][i] = -1.0f;
+      xi[r][i] = int32_t(i % 7) - 3 + r;
+      yi[r][i] = -1;
+    }
+    for (size_t i = 0; i < n * N; ++i) rsIn[r][i] = float(r + 2) * float(i % 11);
+    const float k = 0.5f;
+    REQUIRE(ncclRedOpCreatePreMulSum(&half[r], const_cast<float*>(&k), ncclFloat32, ncclScalarHostImmediate,
+                                     comms[size_t(r)]) == ncclSuccess);
+    REQUIRE(ncclRedOpCreatePreMulSum(&three[r], kDev[r], ncclInt32, ncclScalarDevice, comms[size_t(r)]) ==
+            ncclSuccess);
+  }
+  // One group from this thread: every rank's out-of-place all-reduce of x,
+  // in-place all-reduce of xi (device scalar), reduce-scatter and reduce,
+  // all on one stream (four scaled copies in one launch).
+  REQUIRE(ncclGroupStart() == ncclSuccess);
+  for (int r = 0; r < N; ++r) {
+    ncclComm_t c = comms[size_t(r)];
+    CHECK(ncclAllReduce(x[r], y[r], n, ncclFloat32, half[r], c, fakeStream()) == ncclSuccess);
+    CHECK(ncclAllReduce(xi[r], xi[r], n, ncclInt32, three[r], c, fakeStream()) == ncclSuccess);
+    CHECK(ncclReduceScatter(rsIn[r], rsOut[r], n, ncclFloat32, half[r], c, fakeStream()) == ncclSuccess);
+    CHECK(ncclReduce(x[r], red[r], n, ncclFloat32, half[r], 1, c, fakeStream()) == ncclSuccess);
+  }
+  REQUIRE(ncclGroupEnd() == ncclSuccess);
+  INFO(ncclGetLastError(nullptr));
+  std::string msg;
+  REQUIRE(sim.sync(&msg));
+  long wrong = 0;
+  for (int r = 0; r < N; ++r)
+    for (size_t i = 0; i < n; ++i) {
+      float sx = 0, srs = 0;
+      int32_t si = 0;
+      for (int q = 0; q < N; ++q) {
+        sx += 0.5f * float(q + 1) * float(i % 13);
+        srs += 0.5f * float(q + 2) * float((size_t(r) * n + i) % 11);
+        si += 3 * (int32_t(i % 7) - 3 + q);
+      }
+      wrong += y[r][i] != sx;
+      wrong += xi[r][i] != si;
+      wrong += rsOut[r][i] != srs;
+      wrong += (r == 1 ? red[r][i] != sx : red[r][i] != -1.0f);
+      wrong += x[r][i] != float(r + 1) * float(i % 13);  // the input itself is never scaled
+    }
+  CHECK(wrong == 0);
+  // Again outside a group, one call at a time, reusing the scratch.
+  for (int rep = 0; rep < 3; ++rep) {
+    std::vector<std::thread> ts;
+    for (int r = 0; r < N; ++r)
+      ts.emplace_back([&, r] {
+        if (ncclAllReduce(x[r], y[r], n, ncclFloat32, half[r], comms[size_t(r)], fakeStream()) != ncclSuccess)
+          ++wrong;
+      });
+    for (auto& t : ts) t.join();
+  }
+  REQUIRE(sim.sync(&msg));
+  for (int r = 0; r < N; ++r)
+    for (size_t i = 0; i < n; ++i) wrong += y[r][i] != 0.5f * 3.0f * float(i % 13);
+  CHECK(wrong == 0);
+  for (int r = 0; r < N; ++r) {
+    CHECK(ncclRedOpDestroy(half[r], comms[size_t(r)]) == ncclSuccess);
+    CHECK(ncclRedOpDestroy(three[r], comms[size_t(r)]) == ncclSuccess);
+  }
+  for (ncclComm_t c : comms) CHECK(ncclCommDestroy(c) == ncclSuccess);
 }

@@ -71,6 +71,18 @@ def collectives(rank, world, dev, gloo):
     rs = torch.empty(m, device=dev)
     dist.reduce_scatter_tensor(rs, big.to(dev))
     check("reduce_scatter_tensor", rs, torch.stack(bigs).sum(0)[rank * m:(rank + 1) * m].float())
+    # PreMulSum (ncclRedOpCreatePreMulSum), as FSDP2 reduce-scatters its
+    # gradients with a custom divide factor: each input times 0.25 (exact
+    # for these integers), then summed; a bfloat16 one too.
+    rs = torch.empty(m, device=dev)
+    dist.reduce_scatter_tensor(rs, big.to(dev), op=dist._make_nccl_premul_sum(0.25))
+    check("reduce_scatter_tensor PREMUL_SUM(0.25)", rs,
+          (torch.stack(bigs).double() * 0.25).sum(0)[rank * m:(rank + 1) * m].float())
+    small = x.remainder(64)  # bfloat16 holds these, their halves and the sums exactly
+    a = small.to(torch.bfloat16).to(dev)
+    dist.all_reduce(a, op=dist._make_nccl_premul_sum(0.5))
+    check("all_reduce bfloat16 PREMUL_SUM(0.5)", a,
+          (torch.stack(parts).double().remainder(64) * 0.5).sum(0).to(torch.bfloat16))
     bc = x.to(dev) if rank == 1 else torch.zeros(m, device=dev)
     dist.broadcast(bc, src=1)
     check("broadcast from rank 1", bc, parts[1].float())
