@@ -382,6 +382,9 @@ TEST_CASE(
 
   // ... and two CUDA ones on a simulated device.
   SimCuda sim(2, 1);
+  // Stream 0x20 is a stream of its own on each rank (0x10 and the others
+  // are stream 0), so the two-stream group below really joins two streams.
+  for (int r = 0; r < 2; ++r) REQUIRE(sim.world.rank(r).addCallerStream(fakeStream(0x20)) > 0);
   std::vector<ncclComm_t> cuda = initRanks(2, &err);
   REQUIRE(cuda.size() == 2);
   REQUIRE(cuda[0]->loom->deviceComm() != nullptr);
