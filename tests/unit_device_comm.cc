@@ -2059,20 +2059,45 @@ TEST_CASE("CUDA communicators through the C API (simulated device): one group sp
                                                     "communicators") != std::string::npos);
   CHECK(loomGroupEnd() == loomInvalidUsage);
   CHECK(b[0] == -1.0f);
-  // One host communicator, two loom streams in one group: refused (a host
-  // group runs as one operation on one stream), nothing runs.
-  loomStream_t hs[2] = {nullptr, nullptr};
-  for (auto& h : hs) REQUIRE(loomStreamCreate(&h) == loomSuccess);
-  REQUIRE(loomGroupStart() == loomSuccess);
-  CHECK(loomAllReduce(a.data(), b.data(), 64, loomFloat32, loomSum, host[0], hs[0]) == loomSuccess);
-  CHECK(loomAllReduce(a.data(), b.data(), 64, loomFloat32, loomSum, host[0], hs[1]) == loomInvalidUsage);
-  CHECK(std::string(loomGetLastError(host[0])).find("all operations of a group on one host communicator must use "
-                                                    "one stream") != std::string::npos);
-  CHECK(loomGroupEnd() == loomInvalidUsage);
-  for (auto& h : hs) CHECK(loomStreamSynchronize(h) == loomSuccess);
-  CHECK(b[0] == -1.0f);
-  for (auto& h : hs) CHECK(loomStreamDestroy(h) == loomSuccess);
   for (auto& h : host) CHECK(loomCommDestroy(h) == loomSuccess);
+}
+
+TEST_CASE("a host communicator's group whose calls name two loom streams (or a loom stream and NULL) runs after "
+          "both streams' earlier work, and later work on either waits for it",
+          "[api][streams][group]") {
+  loomComm_t h = nullptr;
+  loomUniqueId id;
+  REQUIRE(loomGetUniqueId(&id) == loomSuccess);
+  REQUIRE(loomCommInitRank(&h, 1, id, 0) == loomSuccess);
+  loomStream_t sa = nullptr, sb = nullptr;
+  REQUIRE(loomStreamCreate(&sa) == loomSuccess);
+  REQUIRE(loomStreamCreate(&sb) == loomSuccess);
+  const size_t big = size_t(16) << 20, n = 1000;
+  std::vector<float> slow(big, 1.0f), x(n), y(n), z(n), w(n);
+  for (bool blocking : {false, true}) {
+    INFO((blocking ? "the group's first stream is NULL" : "two loom streams"));
+    for (size_t i = 0; i < n; ++i) x[i] = float(i % 10), y[i] = -1, z[i] = float(i % 3), w[i] = -1;
+    const float two = 2, three = 3, one = 1;
+    // Stream B: slow work, then x *= 2; the group must read x after it.
+    for (int k = 0; k < 4; ++k)
+      REQUIRE(loomScale(slow.data(), slow.data(), big, loomFloat32, &one, 0, h, sb) == loomSuccess);
+    REQUIRE(loomScale(x.data(), x.data(), n, loomFloat32, &two, 0, h, sb) == loomSuccess);
+    REQUIRE(loomGroupStart() == loomSuccess);
+    CHECK(loomAllReduce(x.data(), y.data(), n, loomFloat32, loomSum, h, blocking ? nullptr : sa) == loomSuccess);
+    CHECK(loomAllReduce(z.data(), w.data(), n, loomFloat32, loomSum, h, sb) == loomSuccess);
+    REQUIRE(loomGroupEnd() == loomSuccess);
+    INFO(loomGetLastError(h));
+    // Later work on B reads what the group wrote (on A, or here).
+    REQUIRE(loomScale(y.data(), y.data(), n, loomFloat32, &three, 0, h, sb) == loomSuccess);
+    CHECK(loomStreamSynchronize(sa) == loomSuccess);
+    CHECK(loomStreamSynchronize(sb) == loomSuccess);
+    int wrong = 0;
+    for (size_t i = 0; i < n; ++i) wrong += y[i] != float(i % 10) * 6, wrong += w[i] != float(i % 3);
+    CHECK(wrong == 0);
+  }
+  CHECK(loomStreamDestroy(sa) == loomSuccess);
+  CHECK(loomStreamDestroy(sb) == loomSuccess);
+  CHECK(loomCommDestroy(h) == loomSuccess);
 }
 
 TEST_CASE("loomMemAlloc on a CUDA process (LOOM_DEVICE=cuda, simulated device): device memory of the current "

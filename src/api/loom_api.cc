@@ -5,12 +5,14 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstddef>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <string>
 #include <utility>
@@ -37,11 +39,12 @@ namespace {
 thread_local std::string tlsLastError;
 thread_local std::string tlsCommError;
 
-// A group's members on one communicator.  On a CUDA communicator they may
-// use several streams, as NCCL allows: all run on the first (`stream`),
-// which first waits for the others' earlier work, and the others then
-// wait for the group's end (loomGroupEnd), as if the group were issued on
-// each of them.
+// A group's members on one communicator.  They may use several streams,
+// as NCCL allows: all run on the first (`stream`), which first waits for
+// the others' earlier work, and the others then wait for the group's end
+// (loomGroupEnd), as if the group were issued on each of them.  On a host
+// communicator a NULL stream among them makes the group a blocking call
+// that first waits for the loom streams' earlier work.
 struct GroupPart {
   loomComm* comm = nullptr;
   std::shared_ptr<loomComm> keep;  // the group's hold: destroyed elsewhere, it lives until the group ends
@@ -61,24 +64,17 @@ thread_local GroupState tlsGroup;
 // lookup through __tls_get_addr in a shared library).
 std::atomic<int> gOpenGroups{0};
 
-// Adds checked members to the caller's group.  Several streams per
-// communicator only on a CUDA one (GroupPart; a host communicator's group
-// runs as one operation on one loom stream); several communicators only
-// when all are CUDA ones (their calls only enqueue, so one thread can
+// Adds checked members to the caller's group (several streams per
+// communicator: GroupPart).  Several communicators only when all are CUDA
+// ones (their calls only enqueue, so one thread can
 // issue every rank's part; a host communicator's group runs on the
 // calling thread and would wait there for its peers while the next
 // communicator's part, maybe the one they wait for, has not started).
 void joinGroup(GroupState& g, loomComm* comm, loomStream_t stream, const std::vector<OpDesc>& ops) {
   for (GroupPart& part : g.parts)
     if (part.comm == comm) {
-      if (part.stream != stream && std::find(part.others.begin(), part.others.end(), stream) == part.others.end()) {
-        if (!comm->deviceComm())
-          fail(loomInvalidUsage,
-               "all operations of a group on one host communicator must use one stream (stream %p, then %p); "
-               "CUDA communicators join a group's streams",
-               static_cast<void*>(part.stream), static_cast<void*>(stream));
+      if (part.stream != stream && std::find(part.others.begin(), part.others.end(), stream) == part.others.end())
         part.others.push_back(stream);
-      }
       part.ops.insert(part.ops.end(), ops.begin(), ops.end());
       return;
     }
@@ -376,6 +372,68 @@ void checkBatch(const loomComm* comm, const std::vector<OpDesc>& ops) {
     if (sends[k] != recvs[k])
       fail(loomInvalidUsage, "rank %d: send to self of %zu bytes matched with a receive of %zu", comm->rank(),
            sends[k], recvs[k]);
+}
+
+loomResult_t submit(loomComm* comm, HostStream* stream, std::vector<OpDesc> ops);
+
+// A host communicator's group whose members named several streams
+// (GroupPart): as if issued on each of them.  All loom streams: the others
+// each reach a marker that waits for the group's end, the first waits for
+// every marker, runs the group, then lets them go.  A NULL stream among
+// them: the group blocks here, after every loom stream's earlier work.
+loomResult_t submitJoined(loomComm* comm, const GroupPart& part) {
+  HostStream* main = hostStreamOf(part.stream);
+  std::vector<HostStream*> others;
+  bool blocking = !main;
+  for (loomStream_t s : part.others) {
+    HostStream* h = hostStreamOf(s);
+    if (h)
+      others.push_back(h);
+    else
+      blocking = true;
+  }
+  if (blocking) {
+    if (main) main->drain();
+    for (HostStream* h : others) h->drain();
+    return submit(comm, nullptr, part.ops);
+  }
+  struct Join {
+    std::mutex m;
+    std::condition_variable cv;
+    size_t arrived = 0;
+    bool done = false;
+  };
+  auto j = std::make_shared<Join>();
+  const size_t n = others.size();
+  auto finish = [j] {
+    {
+      std::lock_guard<std::mutex> g(j->m);
+      j->done = true;
+    }
+    j->cv.notify_all();
+    return loomSuccess;
+  };
+  for (HostStream* h : others)
+    h->enqueue([j] {
+      std::unique_lock<std::mutex> g(j->m);
+      ++j->arrived;
+      j->cv.notify_all();
+      j->cv.wait(g, [&] { return j->done; });
+      return loomSuccess;
+    });
+  main->enqueue([j, n] {
+    std::unique_lock<std::mutex> g(j->m);
+    j->cv.wait(g, [&] { return j->arrived == n; });
+    return loomSuccess;
+  });
+  try {
+    loomResult_t r = submit(comm, main, part.ops);
+    main->enqueue(finish);
+    return r;
+  } catch (...) {
+    main->enqueue(finish);  // nothing of the group was enqueued: the markers go at once
+    throw;
+  }
 }
 
 loomResult_t submit(loomComm* comm, HostStream* stream, std::vector<OpDesc> ops) {
@@ -1251,8 +1309,10 @@ loomResult_t loomGroupEnd(void) {
         return loomSuccess;
       });
   if (!parts[0].comm->deviceComm())  // a host group: one communicator (joinGroup)
-    return guarded("loomGroupEnd", parts[0].comm,
-                   [&] { return submit(parts[0].comm, hostStreamOf(parts[0].stream), std::move(parts[0].ops)); });
+    return guarded("loomGroupEnd", parts[0].comm, [&] {
+      if (!parts[0].others.empty()) return submitJoined(parts[0].comm, parts[0]);
+      return submit(parts[0].comm, hostStreamOf(parts[0].stream), std::move(parts[0].ops));
+    });
   // CUDA communicators, in the order they joined.  Each part's collectives
   // in order on its stream, each a stream program (every rank enqueues the
   // same sequence, so rounds agree), then its sends and receives as one

@@ -77,6 +77,14 @@ void HostStream::workerLoop() {
 }
 
 loomResult_t HostStream::synchronize() {
+  drain();
+  std::lock_guard<std::mutex> lock(m_);
+  loomResult_t r = error_;
+  error_ = loomSuccess;
+  return r;
+}
+
+void HostStream::drain() {
   std::unique_lock<std::mutex> lock(m_);
   ++syncing_;
   while (!queue_.empty() || running_) {
@@ -85,9 +93,6 @@ loomResult_t HostStream::synchronize() {
   }
   --syncing_;
   if (syncing_ == 0 && !queue_.empty()) workCv_.notify_one();
-  loomResult_t r = error_;
-  error_ = loomSuccess;
-  return r;
 }
 
 loomResult_t HostStream::query() {

@@ -30,6 +30,10 @@ class HostStream {
   ~HostStream();  // waits for the queue, joins the worker
   void enqueue(std::function<loomResult_t()> op);
   loomResult_t synchronize();
+  // Waits for everything enqueued so far, as synchronize() does, but leaves
+  // the stream's error for its owner's synchronize() (a group that joins
+  // this stream waits for it without taking its error).
+  void drain();
   loomResult_t query();
 
  private:
