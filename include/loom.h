@@ -328,6 +328,11 @@ LOOM_API loomResult_t loomCommDump(loomComm_t comm, char* buf, size_t size);
  * more than the process may fault in (MemAvailable, its memory cgroups). */
 LOOM_API loomResult_t loomMemAlloc(void** ptr, size_t size);
 
+/* loomMemAlloc for a communicator's buffers: on a CUDA communicator device
+ * memory of its device (whatever device the calling thread has current),
+ * otherwise loomMemAlloc's host memory.  Freed with loomMemFree. */
+LOOM_API loomResult_t loomCommMemAlloc(loomComm_t comm, void** ptr, size_t size);
+
 /* Frees memory from loomMemAlloc.  NULL is a no-op; a pointer loomMemAlloc
  * did not return (or one freed already) is loomInvalidArgument. */
 LOOM_API loomResult_t loomMemFree(void* ptr);
@@ -407,7 +412,8 @@ LOOM_API loomResult_t loomReduce(const void* sendbuff, void* recvbuff, size_t co
  * CUDA communicator the buffers are device memory and the work is enqueued on
  * the cudaStream_t; otherwise host memory, done during the call (NULL
  * stream) or enqueued on the loom stream.  Inside loomGroupStart/End it is
- * issued at the call, before the group's collectives. */
+ * issued at the call, before the group's collectives, and an error cancels
+ * the group as a refused member's does. */
 LOOM_API loomResult_t loomScale(void* dst, const void* src, size_t count, loomDataType_t datatype,
                                 const void* scalar, int scalarOnDevice, loomComm_t comm, loomStream_t stream);
 

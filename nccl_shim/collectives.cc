@@ -10,6 +10,7 @@
 // On a CUDA communicator the caller's cudaStream_t is loom's stream: each
 // call is enqueued on it and returns, as NCCL's do.
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -48,6 +49,29 @@ struct Reduction {
                      comm->loom, s);
   }
 };
+
+// A reducing call's input as loom reads it: sendbuff, or a PreMulSum's
+// scaled copy, made by `prepare` before the launch issues anything
+// (PendingOp::prepare) and held until the call is done.
+struct Scaled {
+  std::shared_ptr<const void*> in;
+  std::shared_ptr<std::vector<char>> hostScratch;
+  std::function<loomResult_t(loomStream_t)> prepare;
+  const void* input() const { return *in; }
+};
+
+Scaled scaled(const Reduction& red, ncclComm* comm, const void* sendbuff, size_t count) {
+  Scaled sc;
+  sc.in = std::make_shared<const void*>(sendbuff);
+  if (!red.preMul) return sc;
+  sc.hostScratch = std::make_shared<std::vector<char>>();
+  auto in = sc.in;
+  auto host = sc.hostScratch;
+  sc.prepare = [red, comm, sendbuff, count, in, host](loomStream_t s) {
+    return red.input(comm, sendbuff, count, s, host.get(), in.get());
+  };
+  return sc;
+}
 
 ncclResult_t prologue(const char* call, ncclComm_t comm, cudaStream_t stream) {
   ensureEnv();
@@ -97,13 +121,12 @@ NCCL_SHIM_API(ncclResult_t, ncclAllReduce, const void* sendbuff, void* recvbuff,
   Reduction red;
   if (ncclResult_t r = prologue(call, comm, stream)) return r;
   if (ncclResult_t r = reduction(call, comm, datatype, op, sendbuff, count, &red)) return r;
-  auto scratch = red.preMul ? std::make_shared<std::vector<char>>() : nullptr;
+  Scaled in = scaled(red, comm, sendbuff, count);
   loomComm_t lc = comm->loom;
-  return submit(comm, call, stream, [=](loomStream_t s) {
-    const void* in;
-    if (loomResult_t r = red.input(comm, sendbuff, count, s, scratch.get(), &in)) return r;
-    return loomAllReduce(in, recvbuff, count, loomDataType_t(datatype), red.op, lc, s);
-  });
+  return submit(
+      comm, call, stream,
+      [=](loomStream_t s) { return loomAllReduce(in.input(), recvbuff, count, loomDataType_t(datatype), red.op, lc, s); },
+      in.prepare);
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclReduce, const void* sendbuff, void* recvbuff, size_t count,
@@ -112,13 +135,14 @@ NCCL_SHIM_API(ncclResult_t, ncclReduce, const void* sendbuff, void* recvbuff, si
   Reduction red;
   if (ncclResult_t r = prologue(call, comm, stream)) return r;
   if (ncclResult_t r = reduction(call, comm, datatype, op, sendbuff, count, &red)) return r;
-  auto scratch = red.preMul ? std::make_shared<std::vector<char>>() : nullptr;
+  Scaled in = scaled(red, comm, sendbuff, count);
   loomComm_t lc = comm->loom;
-  return submit(comm, call, stream, [=](loomStream_t s) {
-    const void* in;
-    if (loomResult_t r = red.input(comm, sendbuff, count, s, scratch.get(), &in)) return r;
-    return loomReduce(in, recvbuff, count, loomDataType_t(datatype), red.op, root, lc, s);
-  });
+  return submit(
+      comm, call, stream,
+      [=](loomStream_t s) {
+        return loomReduce(in.input(), recvbuff, count, loomDataType_t(datatype), red.op, root, lc, s);
+      },
+      in.prepare);
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclReduceScatter, const void* sendbuff, void* recvbuff, size_t recvcount,
@@ -130,14 +154,15 @@ NCCL_SHIM_API(ncclResult_t, ncclReduceScatter, const void* sendbuff, void* recvb
   if (comm->nranks && inCount / size_t(comm->nranks) != recvcount)
     return fail(ncclInvalidArgument, "%s: recvcount %zu is too large", call, recvcount);
   if (ncclResult_t r = reduction(call, comm, datatype, op, sendbuff, inCount, &red)) return r;
-  auto scratch = red.preMul ? std::make_shared<std::vector<char>>() : nullptr;
+  Scaled in = scaled(red, comm, sendbuff, inCount);
   loomComm_t lc = comm->loom;
-  return submit(comm, call, stream, [=](loomStream_t s) {
-    // A scaled copy is never in place: loom then reads all of it.
-    const void* in;
-    if (loomResult_t r = red.input(comm, sendbuff, inCount, s, scratch.get(), &in)) return r;
-    return loomReduceScatter(in, recvbuff, recvcount, loomDataType_t(datatype), red.op, lc, s);
-  });
+  // A scaled copy is never in place: loom then reads all of it.
+  return submit(
+      comm, call, stream,
+      [=](loomStream_t s) {
+        return loomReduceScatter(in.input(), recvbuff, recvcount, loomDataType_t(datatype), red.op, lc, s);
+      },
+      in.prepare);
 }
 
 NCCL_SHIM_API(ncclResult_t, ncclBroadcast, const void* sendbuff, void* recvbuff, size_t count,

@@ -88,9 +88,9 @@ ncclResult_t nccl_shim::runInits(std::vector<PendingInit>& inits) {
 
 namespace {
 
-void unwrap(ncclComm_t comm) {
+void unwrap(ncclComm_t comm, bool aborted = false) {
   if (comm->groupStream) loomStreamDestroy(comm->groupStream);
-  freeScratch(comm);
+  freeScratch(comm, aborted);
   for (void* reg : comm->registrations) delete static_cast<Registration*>(reg);
   delete comm;
 }
@@ -341,7 +341,7 @@ NCCL_SHIM_API(ncclResult_t, ncclCommAbort, ncclComm_t comm) {
   ensureEnv();
   if (!comm) return ncclSuccess;
   loomResult_t r = loomCommAbort(comm->loom);
-  unwrap(comm);
+  unwrap(comm, /*aborted=*/true);
   return fromLoom(r, "ncclCommAbort");
 }
 

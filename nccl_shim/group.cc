@@ -46,7 +46,6 @@ thread_local Group tlsGroup;
 
 // Launches the queued operations of one communicator as one loom group.
 loomResult_t launch(const std::vector<PendingOp*>& ops, loomStream_t stream) {
-  beginLaunch();
   loomResult_t first = loomGroupStart();
   for (PendingOp* op : ops) {
     loomResult_t r = op->issue(stream);
@@ -59,7 +58,6 @@ loomResult_t launch(const std::vector<PendingOp*>& ops, loomStream_t stream) {
 
 // CUDA communicators' operations as one loom group, each on its own stream.
 loomResult_t launchOnDevices(std::vector<PendingOp>& ops) {
-  beginLaunch();
   loomResult_t first = loomGroupStart();
   for (PendingOp& op : ops) {
     loomResult_t r = op.issue(op.stream);
@@ -86,6 +84,13 @@ ncclResult_t endGroup(std::vector<PendingOp> ops) {
         "%d of %d, CUDA device %d); a group must use host communicators only or CUDA ones only; the "
         "group was not launched",
         host->rank, host->nranks, cuda->rank, cuda->nranks, cuda->cudaDevice);
+  // Every call's preparation (a PreMulSum's scaled copy) before anything
+  // is launched: one that fails launches nothing.
+  beginLaunch();
+  for (PendingOp& op : ops)
+    if (op.prepare)
+      if (loomResult_t r = op.prepare(op.stream))
+        return fromLoom(r, "ncclGroupEnd (the group was not launched)");
   if (cuda) return fromLoom(launchOnDevices(ops), "ncclGroupEnd");
   auto opsOf = [&](ncclComm* c) {
     std::vector<PendingOp*> mine;

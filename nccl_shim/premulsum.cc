@@ -39,7 +39,7 @@ loomResult_t deviceScratch(ncclComm* comm, loomStream_t stream, size_t bytes, vo
     // regions, and work in flight may read it, so it stays until the end.
     const size_t grown = std::max(a->used + need, 2 * a->bytes);
     void* p = nullptr;
-    if (loomResult_t r = loomMemAlloc(&p, grown)) return r;
+    if (loomResult_t r = loomCommMemAlloc(comm->loom, &p, grown)) return r;  // on the communicator's device
     if (a->base) comm->retiredScratch.push_back(a->base);
     a->base = p, a->bytes = grown, a->used = 0;
     logf(Level::Info, "PreMulSum: %zu B of device scratch for stream %p", grown, static_cast<void*>(stream));
@@ -49,12 +49,21 @@ loomResult_t deviceScratch(ncclComm* comm, loomStream_t stream, size_t bytes, vo
   return loomSuccess;
 }
 
-void freeScratch(ncclComm* comm) {
+void freeScratch(ncclComm* comm, bool leave) {
+  std::vector<void*> all = comm->retiredScratch;
   for (const ncclComm::Scratch& s : comm->scratch)
-    if (s.base) loomMemFree(s.base);
-  for (void* p : comm->retiredScratch) loomMemFree(p);
+    if (s.base) all.push_back(s.base);
   comm->scratch.clear();
   comm->retiredScratch.clear();
+  if (all.empty()) return;
+  if (leave) {
+    logf(Level::Warn,
+         "ncclCommAbort: rank %d's PreMulSum scratch (%zu allocation%s) stays allocated: freeing it would wait "
+         "for the device",
+         comm->rank, all.size(), all.size() == 1 ? "" : "s");
+    return;
+  }
+  for (void* p : all) loomMemFree(p);
 }
 
 }  // namespace nccl_shim

@@ -94,18 +94,26 @@ struct PendingOp {
   const char* name;
   loomStream_t stream;
   std::function<loomResult_t(loomStream_t)> issue;
+  // What must be done before any call of the launch is issued (a
+  // PreMulSum's scaled copy); may be empty.  A launch runs every prepare
+  // first and launches nothing if one fails.
+  std::function<loomResult_t(loomStream_t)> prepare{};
 };
 
 bool inGroup();
 // A launch (a call outside a group, or a group's end) begins on this
 // thread: the device scratch of the PreMulSum calls it issues is handed out
-// afresh (deviceScratch).
+// afresh (deviceScratch).  A communicator is used by one thread at a time
+// (as NCCL requires): two threads launching on one communicator and
+// stream at once could be handed one region.
 void beginLaunch();
 // `bytes` of comm's device scratch for `stream`, apart from every region
 // this launch took before (premulsum.cc).
 loomResult_t deviceScratch(ncclComm* comm, loomStream_t stream, size_t bytes, void** out);
-// Frees a communicator's device scratch (after its loom communicator is gone).
-void freeScratch(ncclComm* comm);
+// Frees a communicator's device scratch (after its loom communicator is
+// gone); with `leave`, only forgets it (ncclCommAbort: loomMemFree waits for
+// the device, which may wait for another communicator's stuck stream).
+void freeScratch(ncclComm* comm, bool leave = false);
 // Queues op for ncclGroupEnd.
 ncclResult_t enqueue(PendingOp op);
 
@@ -134,10 +142,13 @@ void fillComm(ncclComm* c, loomComm_t loom, const char* call);
 // caller's cudaStream_t, passed through as loom's stream.  The caller has
 // checked the communicator (checkComm) and the stream (checkStream).
 template <class Issue>
-ncclResult_t submit(ncclComm* comm, const char* name, cudaStream_t stream, Issue&& issue) {
+ncclResult_t submit(ncclComm* comm, const char* name, cudaStream_t stream, Issue&& issue,
+                    std::function<loomResult_t(loomStream_t)> prepare = {}) {
   loomStream_t s = comm->cuda() ? reinterpret_cast<loomStream_t>(stream) : nullptr;
-  if (inGroup()) return enqueue(PendingOp{comm, name, s, std::forward<Issue>(issue)});
+  if (inGroup()) return enqueue(PendingOp{comm, name, s, std::forward<Issue>(issue), std::move(prepare)});
   beginLaunch();
+  if (prepare)
+    if (loomResult_t r = prepare(s)) return fromLoom(r, name);
   return fromLoom(issue(s), name);
 }
 

@@ -13,6 +13,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <atomic>
 #include "loom_catch.h"
 #include <cstdint>
 #include <cstdlib>
@@ -741,23 +742,94 @@ TEST_CASE("NCCL shim on CUDA communicators (simulated device): PreMulSum (ncclRe
       wrong += x[r][i] != float(r + 1) * float(i % 13);  // the input itself is never scaled
     }
   CHECK(wrong == 0);
-  // Again outside a group, one call at a time, reusing the scratch.
-  for (int rep = 0; rep < 3; ++rep) {
+  // Again outside a group, one call at a time, reusing the scratch: each
+  // round's input differs (x + rep), and every result is kept apart, so a
+  // scaled copy overwritten before its sum read it shows.
+  std::atomic<int> failedCalls{0};
+  const int reps = 4;
+  std::vector<std::vector<float*>> out(reps, std::vector<float*>(N));
+  std::vector<std::vector<float*>> inRep(reps, std::vector<float*>(N));
+  for (int rep = 0; rep < reps; ++rep)
+    for (int r = 0; r < N; ++r) {
+      out[rep][r] = reinterpret_cast<float*>(sim.alloc(0, n));
+      inRep[rep][r] = reinterpret_cast<float*>(sim.alloc(0, n));
+      for (size_t i = 0; i < n; ++i) inRep[rep][r][i] = float(r + 1) * float(i % 13) + float(rep);
+    }
+  {
     std::vector<std::thread> ts;
     for (int r = 0; r < N; ++r)
       ts.emplace_back([&, r] {
-        if (ncclAllReduce(x[r], y[r], n, ncclFloat32, half[r], comms[size_t(r)], fakeStream()) != ncclSuccess)
-          ++wrong;
+        for (int rep = 0; rep < reps; ++rep)
+          if (ncclAllReduce(inRep[rep][r], out[rep][r], n, ncclFloat32, half[r], comms[size_t(r)], fakeStream()) !=
+              ncclSuccess)
+            ++failedCalls;
       });
     for (auto& t : ts) t.join();
   }
+  CHECK(failedCalls.load() == 0);
   REQUIRE(sim.sync(&msg));
-  for (int r = 0; r < N; ++r)
-    for (size_t i = 0; i < n; ++i) wrong += y[r][i] != 0.5f * 3.0f * float(i % 13);
+  for (int rep = 0; rep < reps; ++rep)
+    for (int r = 0; r < N; ++r)
+      for (size_t i = 0; i < n; ++i)
+        wrong += out[rep][r][i] != 0.5f * (3.0f * float(i % 13) + 2.0f * float(rep));
   CHECK(wrong == 0);
+  // A PreMulSum that fails in a group (a device scalar that is not device
+  // memory) cancels the group: no rank launches anything.
+  int32_t hostScalar = 2;
+  ncclRedOp_t bad[N];
+  for (int r = 0; r < N; ++r)
+    REQUIRE(ncclRedOpCreatePreMulSum(&bad[r], &hostScalar, ncclInt32, ncclScalarDevice, comms[size_t(r)]) ==
+            ncclSuccess);
+  std::vector<uint64_t> rounds;
+  for (ncclComm_t c : comms) rounds.push_back(ipcRound(c));
+  REQUIRE(ncclGroupStart() == ncclSuccess);
+  for (int r = 0; r < N; ++r) {
+    CHECK(ncclAllReduce(xi[r], xi[r], n, ncclInt32, ncclSum, comms[size_t(r)], fakeStream()) == ncclSuccess);
+    CHECK(ncclAllReduce(xi[r], yi[r], n, ncclInt32, bad[r], comms[size_t(r)], fakeStream()) == ncclSuccess);
+  }
+  CHECK(ncclGroupEnd() == ncclInvalidArgument);
+  CHECK(std::string(ncclGetLastError(nullptr)).find("scalar (on the device)") != std::string::npos);
+  for (int r = 0; r < N; ++r) {
+    CHECK(ipcRound(comms[size_t(r)]) == rounds[size_t(r)]);
+    CHECK(ncclRedOpDestroy(bad[r], comms[size_t(r)]) == ncclSuccess);
+  }
   for (int r = 0; r < N; ++r) {
     CHECK(ncclRedOpDestroy(half[r], comms[size_t(r)]) == ncclSuccess);
     CHECK(ncclRedOpDestroy(three[r], comms[size_t(r)]) == ncclSuccess);
   }
+  for (ncclComm_t c : comms) CHECK(ncclCommDestroy(c) == ncclSuccess);
+}
+
+TEST_CASE("NCCL shim on CUDA communicators (simulated device): one thread's group of PreMulSum calls on two "
+          "communicators of two devices scales each on its communicator's device, whatever device is current",
+          "[nccl][devcomm][premul]") {
+  SimCuda sim(2, 2);
+  ncclComm_t comms[2] = {nullptr, nullptr};
+  const int devs[2] = {0, 1};
+  REQUIRE(ncclCommInitAll(comms, 2, devs) == ncclSuccess);
+  const size_t n = 1000;
+  float* buf[2];
+  ncclRedOp_t op[2];
+  const float k = 2.0f;
+  for (int r = 0; r < 2; ++r) {
+    buf[r] = reinterpret_cast<float*>(sim.alloc(r, n));
+    for (size_t i = 0; i < n; ++i) buf[r][i] = float(r + 1) * float(i % 9);
+    REQUIRE(ncclRedOpCreatePreMulSum(&op[r], const_cast<float*>(&k), ncclFloat32, ncclScalarHostImmediate,
+                                     comms[r]) == ncclSuccess);
+  }
+  loom::setThreadDeviceForTesting(0);  // device 0 current for both calls
+  REQUIRE(ncclGroupStart() == ncclSuccess);
+  for (int r = 0; r < 2; ++r)
+    CHECK(ncclAllReduce(buf[r], buf[r], n, ncclFloat32, op[r], comms[r], fakeStream()) == ncclSuccess);
+  CHECK(ncclGroupEnd() == ncclSuccess);
+  INFO(ncclGetLastError(nullptr));
+  loom::setThreadDeviceForTesting(-1);
+  std::string msg;
+  REQUIRE(sim.sync(&msg));
+  int wrong = 0;
+  for (int r = 0; r < 2; ++r)
+    for (size_t i = 0; i < n; ++i) wrong += buf[r][i] != 2.0f * 3.0f * float(i % 9);
+  CHECK(wrong == 0);
+  for (int r = 0; r < 2; ++r) CHECK(ncclRedOpDestroy(op[r], comms[r]) == ncclSuccess);
   for (ncclComm_t c : comms) CHECK(ncclCommDestroy(c) == ncclSuccess);
 }

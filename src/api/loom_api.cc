@@ -1048,6 +1048,19 @@ loomResult_t loomMemAlloc(void** ptr, size_t size) {
   });
 }
 
+loomResult_t loomCommMemAlloc(loomComm_t comm, void** ptr, size_t size) {
+  return guarded("loomCommMemAlloc", comm, [&] {
+    checkComm(comm);
+    if (!ptr) fail(loomInvalidArgument, "ptr is NULL");
+    if (DeviceCollectives* d = comm->deviceComm()) {
+      *ptr = deviceMemAlloc(size, d->device());
+      return loomSuccess;
+    }
+    *ptr = hostMemAlloc(size);
+    return loomSuccess;
+  });
+}
+
 loomResult_t loomMemFree(void* ptr) {
   return guarded("loomMemFree", nullptr, [&] {
     if (ptr && !deviceMemFree(ptr)) hostMemFree(ptr);
@@ -1076,38 +1089,52 @@ loomResult_t loomScale(void* dst, const void* src, size_t count, loomDataType_t 
                        int scalarOnDevice, loomComm_t comm, loomStream_t stream) {
   if (loomResult_t r = checkEnums("loomScale", comm, &datatype, nullptr)) return r;
   return guarded("loomScale", comm, [&]() -> loomResult_t {
-    checkComm(comm);
-    checkedBytes(count, datatype, 1);  // overflow
-    if (DeviceCollectives* d = comm->deviceComm()) {
-      d->scale(dst, src, count, datatype, scalar, scalarOnDevice != 0, cudaStreamOf(stream));
-      return loomSuccess;
-    }
-    HostStream* hs = hostStreamOf(stream);
-    if (!scalar) fail(loomInvalidArgument, "scalar is NULL");
-    if (count == 0) return loomSuccess;
-    const size_t bytes = count * dtypeSize(datatype);
-    for (const auto& [what, p] : {std::pair<const char*, const void*>{"dst", dst}, {"src", src}}) {
-      if (!p) fail(loomInvalidArgument, "%s is NULL", what);
-      if (memoryKindOf(p) == MemoryKind::CudaDevice)
+    try {
+      checkComm(comm);
+      checkedBytes(count, datatype, 1);  // overflow
+      if (DeviceCollectives* d = comm->deviceComm()) {
+        d->scale(dst, src, count, datatype, scalar, scalarOnDevice != 0, cudaStreamOf(stream));
+        return loomSuccess;
+      }
+      HostStream* hs = hostStreamOf(stream);
+      if (!scalar) fail(loomInvalidArgument, "scalar is NULL");
+      if (memoryKindOf(scalar) == MemoryKind::CudaDevice)
         fail(loomInvalidArgument,
-             "%s %p is CUDA device memory (cuda:%d), but this communicator runs on the host: pass host memory, or "
-             "create the communicator with LOOM_DEVICE=cuda",
-             what, p, cudaPointerDevice(p));
-    }
-    const char *d = static_cast<const char*>(dst), *s = static_cast<const char*>(src);
-    if (d != s && d < s + bytes && s < d + bytes)
-      fail(loomInvalidArgument, "dst %p and src %p overlap without being one buffer", dst, src);
-    uint64_t k = 0;  // one element, read now unless it is read when the work runs
-    if (!scalarOnDevice) memcpy(&k, scalar, dtypeSize(datatype));
-    auto work = [=]() {
-      uint64_t by = k;
-      if (scalarOnDevice) memcpy(&by, scalar, dtypeSize(datatype));
-      scaleHost(dst, src, count, datatype, &by);
+             "scalar %p is CUDA device memory (cuda:%d), but this communicator runs on the host", scalar,
+             cudaPointerDevice(scalar));
+      if (count == 0) return loomSuccess;
+      const size_t bytes = count * dtypeSize(datatype);
+      for (const auto& [what, p] : {std::pair<const char*, const void*>{"dst", dst}, {"src", src}}) {
+        if (!p) fail(loomInvalidArgument, "%s is NULL", what);
+        if (memoryKindOf(p) == MemoryKind::CudaDevice)
+          fail(loomInvalidArgument,
+               "%s %p is CUDA device memory (cuda:%d), but this communicator runs on the host: pass host "
+               "memory, or create the communicator with LOOM_DEVICE=cuda",
+               what, p, cudaPointerDevice(p));
+      }
+      const char *d = static_cast<const char*>(dst), *s = static_cast<const char*>(src);
+      if (d != s && d < s + bytes && s < d + bytes)
+        fail(loomInvalidArgument, "dst %p and src %p overlap without being one buffer", dst, src);
+      uint64_t k = 0;  // one element, read now unless it is read when the work runs
+      if (!scalarOnDevice) memcpy(&k, scalar, dtypeSize(datatype));
+      auto work = [=]() {
+        uint64_t by = k;
+        if (scalarOnDevice) memcpy(&by, scalar, dtypeSize(datatype));
+        scaleHost(dst, src, count, datatype, &by);
+        return loomSuccess;
+      };
+      if (!hs) return work();
+      hs->enqueue(work);
       return loomSuccess;
-    };
-    if (!hs) return work();
-    hs->enqueue(work);
-    return loomSuccess;
+    } catch (const Error& e) {
+      // Inside a group an error cancels it, as a refused member's does.
+      GroupState& g = tlsGroup;
+      if (g.depth > 0 && g.error == loomSuccess) {
+        g.error = e.code();
+        g.errorMsg = std::string("loomScale: ") + e.what();
+      }
+      throw;
+    }
   });
 }
 

@@ -1243,7 +1243,12 @@ void scaleOn(DeviceDriver& driver, void* dst, const void* src, size_t count, loo
   const char *d = static_cast<const char*>(dst), *s = static_cast<const char*>(src);
   if (d != s && d < s + count * esz && s < d + count * esz)
     fail(loomInvalidArgument, "dst %p and src %p overlap without being one buffer", dst, src);
-  if (scalarOnDevice) checkBuffer(driver, "scalar (on the device)", scalar);
+  if (scalarOnDevice) {
+    checkBuffer(driver, "scalar (on the device)", scalar);
+    if (reinterpret_cast<uintptr_t>(scalar) % esz != 0)
+      fail(loomInvalidArgument, "scalar (on the device) %p is not aligned to its %s element (%zu bytes)", scalar,
+           dtypeName(type), esz);
+  }
   DeviceScope current(driver);
   driver.scale(stream, dst, src, count, type, scalar, scalarOnDevice);
 }

@@ -40,10 +40,16 @@ std::map<int, std::function<void(void*)>>& hooks() {
 
 }  // namespace
 
-void* deviceMemAlloc(size_t bytes) {
-  const std::string& d = config().device;
-  if (d.empty() || d == "host") return nullptr;  // without loading the CUDA plug-in
-  const DeviceChoice choice = checkDeviceChoice();
+void* deviceMemAlloc(size_t bytes, int device) {
+  DeviceRequest request;
+  if (device >= 0) {
+    request.kind = DeviceRequest::Kind::Cuda;
+    request.device = device;
+  } else {
+    const std::string& d = config().device;
+    if (d.empty() || d == "host") return nullptr;  // without loading the CUDA plug-in
+  }
+  const DeviceChoice choice = checkDeviceChoice(request);
   if (!choice.cuda) return nullptr;
   if (bytes == 0) fail(loomInvalidArgument, "size is 0");
   Allocation a;

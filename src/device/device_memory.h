@@ -14,8 +14,10 @@ namespace loom {
 // LOOM_DEVICE says the host (the caller then gives host memory).  Throws
 // loom::Error: loomInvalidArgument for size 0, loomInvalidUsage when
 // LOOM_DEVICE=cuda has no usable device (the reason, as communicator init
-// gives it), loomUnhandledCudaError with CUDA's message.
-void* deviceMemAlloc(size_t bytes);
+// gives it), loomUnhandledCudaError with CUDA's message.  On the current
+// CUDA device, or on `device` when it is >= 0 (loomCommMemAlloc: a CUDA
+// communicator's own, whatever the calling thread has current).
+void* deviceMemAlloc(size_t bytes, int device = -1);
 // Frees `ptr` and returns true if deviceMemAlloc returned it (and it is
 // still live); false otherwise, touching nothing.
 bool deviceMemFree(void* ptr);
