@@ -3464,19 +3464,26 @@ TEST_CASE("CUDA communicator on the hierarchical path (simulated device): ranks 
 
 // ---- One communicator, two streams ------------------------------------------
 
+// The ipc, staged and hierarchical paths, as ranks and the host each rank
+// poses on (with LOOM_DEVICE_HIER_MIN_BYTES=0 the hier one takes every
+// all-reduce through the hierarchy).
+struct DevicePath {
+  const char* name;
+  int n;
+  std::function<std::string(int)> hostOf;
+};
+std::vector<DevicePath> threeDevicePaths() {
+  return {DevicePath{"ipc", 2, [](int) { return std::string(); }},
+          DevicePath{"staged", 2, [](int r) { return "two-hosts-" + std::to_string(r); }},
+          DevicePath{"hier", 4, [](int r) { return "hier-host-" + std::to_string(r / 2); }}};
+}
+
 TEST_CASE("CUDA communicator (simulated device): collectives and send/recv issued on two streams run in the order "
           "they were issued on each rank, when the first stream is held up by the caller's own work (on the ipc, "
           "staged and hierarchical paths)",
           "[devcomm][streams]") {
-  struct Path {
-    const char* name;
-    int n;
-    std::function<std::string(int)> hostOf;
-  };
   ScopedEnv minBytes("LOOM_DEVICE_HIER_MIN_BYTES", "0");
-  for (const Path& path : {Path{"ipc", 2, [](int) { return std::string(); }},
-                           Path{"staged", 2, [](int r) { return "two-hosts-" + std::to_string(r); }},
-                           Path{"hier", 4, [](int r) { return "hier-host-" + std::to_string(r / 2); }}}) {
+  for (const DevicePath& path : threeDevicePaths()) {
     INFO(path.name);
     const int N = path.n;
     SimMemory mem;
@@ -3568,15 +3575,8 @@ TEST_CASE("CUDA communicator (simulated device): a group whose calls on one comm
           "both streams' earlier work, and later work on either stream waits for the whole group, as NCCL joins "
           "a group's streams (on the ipc, staged and hierarchical paths)",
           "[devcomm][streams][group]") {
-  struct Path {
-    const char* name;
-    int n;
-    std::function<std::string(int)> hostOf;
-  };
   ScopedEnv minBytes("LOOM_DEVICE_HIER_MIN_BYTES", "0");
-  for (const Path& path : {Path{"ipc", 2, [](int) { return std::string(); }},
-                           Path{"staged", 2, [](int r) { return "two-hosts-" + std::to_string(r); }},
-                           Path{"hier", 4, [](int r) { return "hier-host-" + std::to_string(r / 2); }}}) {
+  for (const DevicePath& path : threeDevicePaths()) {
     INFO(path.name);
     const int N = path.n;
     const size_t ranks = size_t(N);
