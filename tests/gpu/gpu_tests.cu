@@ -5,7 +5,8 @@
 //   kernels   every type x op x source count (1..8, and 19 chained through
 //             CudaStreamBackend), aligned and misaligned, sizes 0..1 Mi:
 //             bit for bit against the host arithmetic (reduce_ops.h via
-//             reduceHost, left to right), and the avg divide
+//             reduceHost, left to right), and the avg divide; loomScale's
+//             kernel against scaleHost
 //   programs  every collective x program variant x N ranks (threads of this
 //             process, one stream each plus a side stream, all on one GPU,
 //             windows and flags in device memory) x types x ops, in and out
@@ -158,6 +159,56 @@ void testKernels(const loom::CudaApi& api) {
             CK(cudaFree(dst));
           }
   row("kernels", loom::strf("%ld cases: 10 types x 5 ops x 1..19 sources x sizes x 1-2 destinations", cases), wrong,
+      firstBad);
+  CK(cudaStreamDestroy(st));
+}
+
+// loomScale's kernel (plug-in ABI 9): every type, sizes, misaligned by one
+// element, in and out of place, the scalar by value and from device
+// memory: bit for bit against scaleHost.
+void testScale(const loom::CudaApi& api) {
+  cudaStream_t st;
+  CK(cudaStreamCreate(&st));
+  std::mt19937_64 rng(3);
+  long cases = 0, wrong = 0;
+  std::string firstBad;
+  for (loomDataType_t t : kTypes)
+    for (size_t n : {size_t(0), size_t(1), size_t(4097), size_t(1) << 20})
+      for (size_t misalign : {size_t(0), size_t(1)})
+        for (bool inPlace : {false, true})
+          for (int onDevice : {0, 1}) {
+            const size_t esz = loom::dtypeSize(t), bytes = (n + misalign) * esz;
+            std::vector<uint8_t> in(bytes), k(esz);
+            fillRandom(in, t, rng);
+            fillRandom(k, t, rng);
+            void *src, *dst, *kDev;
+            CK(cudaMalloc(&src, bytes + 16));
+            CK(cudaMalloc(&dst, bytes + 16));
+            CK(cudaMalloc(&kDev, 16));
+            CK(cudaMemcpy(src, in.data(), bytes, cudaMemcpyHostToDevice));
+            CK(cudaMemcpy(kDev, k.data(), esz, cudaMemcpyHostToDevice));
+            uint8_t* s = static_cast<uint8_t*>(src) + misalign * esz;
+            uint8_t* d = inPlace ? s : static_cast<uint8_t*>(dst) + misalign * esz;
+            const int rc = api.launchScale(d, s, n, int(t), onDevice ? kDev : k.data(), onDevice, st);
+            if (rc != 0 || !finish(st, 60)) {
+              row("scale", loom::strf("launchScale failed or did not finish (%d)", rc), 1, "error");
+              std::exit(1);
+            }
+            std::vector<uint8_t> got(n * esz), want(n * esz);
+            CK(cudaMemcpy(got.data(), d, n * esz, cudaMemcpyDeviceToHost));
+            if (n) loom::scaleHost(want.data(), in.data() + misalign * esz, n, t, k.data());
+            ++cases;
+            if (got != want) {
+              ++wrong;
+              if (firstBad.empty())
+                firstBad = loom::strf("%s n=%zu misalign=%zu%s%s", loom::dtypeName(t), n, misalign,
+                                      inPlace ? " in place" : "", onDevice ? " device scalar" : "");
+            }
+            CK(cudaFree(src));
+            CK(cudaFree(dst));
+            CK(cudaFree(kDev));
+          }
+  row("scale", loom::strf("%ld cases: 10 types x sizes x alignment x in place x scalar residence", cases), wrong,
       firstBad);
   CK(cudaStreamDestroy(st));
 }
@@ -682,6 +733,7 @@ int main(int argc, char** argv) {
   try {
     if (kernels) testKernels(*api);
     if (kernels) testIndirect(*api);
+    if (kernels) testScale(*api);
     testPrograms(*api, ranks, maxCount);
     for (int N : ranks) testOrder(*api, N);
   } catch (const loom::Error& e) {  // a CUDA call failed (CudaStreamBackend says which, with CUDA's message)
