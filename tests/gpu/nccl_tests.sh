@@ -17,7 +17,8 @@
 #     t GPU t, so a copy of its source is built with every thread on GPU
 #     NCCL_TESTS_DEVICE (one line of src/common.cu; the original is untouched),
 #     and -p 1 so that each thread initialises its own communicator.
-# Then the other collectives briefly (8 B .. 64 MiB).  With mpirun, under a
+# Then every reduction op (-o all, PreMulSum included; NCCL_TESTS_ONLY name
+# all_reduce_ops) to 4 MiB, and the other collectives briefly (8 B .. 64 MiB).  With mpirun, under a
 # private MPS daemon where the machine has one (deps.sh).  LD_LIBRARY_PATH puts
 # the shim's libnccl.so.2 first, so nothing is rebuilt against loom.
 # NCCL_TESTS_ONLY (a list of test names) runs only those; LOOM_GPU_BUDGET
@@ -131,6 +132,9 @@ run() {  # name, args...: fails on a non-zero exit or a wrong value
 only=" ${NCCL_TESTS_ONLY:-} "
 wanted() { [ "$only" = "  " ] || [[ "$only" == *" $1 "* ]]; }
 wanted all_reduce_perf && run all_reduce_perf -b 8 -e 256M -f 2
+# Every op nccl-tests knows (sum, prod, max, min, avg, PreMulSum), briefly:
+# the shim's PreMulSum on CUDA communicators (loomScale, then loomSum).
+wanted all_reduce_ops && run all_reduce_perf -b 8 -e 4M -f 8 -o all
 for t in all_gather_perf reduce_scatter_perf broadcast_perf reduce_perf alltoall_perf sendrecv_perf gather_perf \
   scatter_perf; do
   wanted "$t" && run "$t" -b 8 -e 64M -f 8
