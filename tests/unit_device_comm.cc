@@ -2100,6 +2100,50 @@ TEST_CASE("a host communicator's group whose calls name two loom streams (or a l
   CHECK(loomCommDestroy(h) == loomSuccess);
 }
 
+TEST_CASE("loomCommMemAlloc: device memory of a CUDA communicator's own device whatever device is current (two "
+          "simulated devices), host memory on a host communicator, freed by loomMemFree",
+          "[devcomm][api]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(2, 2, 256);
+  {
+    loom::setDeviceDriverFactoryForTesting(
+        [&](int r, int, int device) { return std::make_unique<SimDriver>(mem, &world, r, device >= 0 ? device : r); },
+        2);
+    setenv("LOOM_DEVICE", "cuda", 1);
+    loom::configReload();
+    std::vector<loomComm_t> comms = initCudaComms(2);  // rank r on device r
+    REQUIRE(comms.size() == 2);
+    loom::setThreadDeviceForTesting(0);
+    for (int r = 0; r < 2; ++r) {
+      void* p = nullptr;
+      REQUIRE(loomCommMemAlloc(comms[size_t(r)], &p, 4096) == loomSuccess);
+      CHECK(mem.deviceOf(p) == r);
+      CHECK(loomMemFree(p) == loomSuccess);
+    }
+    void* q = nullptr;
+    REQUIRE(loomMemAlloc(&q, 4096) == loomSuccess);  // the current device's
+    CHECK(mem.deviceOf(q) == 0);
+    CHECK(loomMemFree(q) == loomSuccess);
+    CHECK(loomCommMemAlloc(comms[0], nullptr, 16) == loomInvalidArgument);
+    loom::setThreadDeviceForTesting(-1);
+    for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
+    unsetenv("LOOM_DEVICE");
+    loom::configReload();
+    loom::setDeviceDriverFactoryForTesting(nullptr);
+    CHECK(loom::waitDeviceRemains(30000));
+  }
+  loomComm_t h = nullptr;
+  loomUniqueId id;
+  REQUIRE(loomGetUniqueId(&id) == loomSuccess);
+  REQUIRE(loomCommInitRank(&h, 1, id, 0) == loomSuccess);
+  void* p = nullptr;
+  REQUIRE(loomCommMemAlloc(h, &p, 4096) == loomSuccess);
+  CHECK(mem.deviceOf(p) == -1);
+  static_cast<char*>(p)[4095] = 1;  // host memory
+  CHECK(loomMemFree(p) == loomSuccess);
+  CHECK(loomCommDestroy(h) == loomSuccess);
+}
+
 TEST_CASE("loomMemAlloc on a CUDA process (LOOM_DEVICE=cuda, simulated device): device memory of the current "
           "device, exportable through cuda_ipc at any offset, usable by CUDA communicators, freed by loomMemFree, "
           "host memory otherwise, without a usable device the reason",
