@@ -413,7 +413,8 @@ LOOM_API loomResult_t loomReduce(const void* sendbuff, void* recvbuff, size_t co
  * the cudaStream_t; otherwise host memory, done during the call (NULL
  * stream) or enqueued on the loom stream.  Inside loomGroupStart/End it is
  * issued at the call, before the group's collectives, and an error cancels
- * the group as a refused member's does. */
+ * the group's collectives as a refused member's does (loomScale calls of
+ * the group that succeeded before it are already issued). */
 LOOM_API loomResult_t loomScale(void* dst, const void* src, size_t count, loomDataType_t datatype,
                                 const void* scalar, int scalarOnDevice, loomComm_t comm, loomStream_t stream);
 
@@ -503,8 +504,11 @@ LOOM_API loomResult_t loomRecvTagged(void* recvbuff, size_t count, loomDataType_
 /* Group calls: operations issued between loomGroupStart and loomGroupEnd
  * (on this thread) are started together at loomGroupEnd, as one operation,
  * so that e.g. a send and a recv between two ranks cannot deadlock.  Groups
- * nest; the outermost loomGroupEnd launches.  All operations of a group must
- * use one communicator and one stream (loomInvalidUsage otherwise). */
+ * nest; the outermost loomGroupEnd launches.  A group's operations may name
+ * several streams: it runs after every one's earlier work and their later
+ * work waits for it (with NULL among them it blocks).  A group spans several
+ * communicators only when all are CUDA ones (loomInvalidUsage otherwise);
+ * one refused member launches nothing. */
 LOOM_API loomResult_t loomGroupStart(void);
 LOOM_API loomResult_t loomGroupEnd(void);
 

@@ -54,16 +54,18 @@ struct Reduction {
 // scaled copy, made by `prepare` before the launch issues anything
 // (PendingOp::prepare) and held until the call is done.
 struct Scaled {
-  std::shared_ptr<const void*> in;
+  const void* sendbuff = nullptr;
+  std::shared_ptr<const void*> in;  // a PreMulSum's copy, once prepared (nothing allocated otherwise)
   std::shared_ptr<std::vector<char>> hostScratch;
   std::function<loomResult_t(loomStream_t)> prepare;
-  const void* input() const { return *in; }
+  const void* input() const { return in ? *in : sendbuff; }
 };
 
 Scaled scaled(const Reduction& red, ncclComm* comm, const void* sendbuff, size_t count) {
   Scaled sc;
-  sc.in = std::make_shared<const void*>(sendbuff);
+  sc.sendbuff = sendbuff;
   if (!red.preMul) return sc;
+  sc.in = std::make_shared<const void*>(sendbuff);
   sc.hostScratch = std::make_shared<std::vector<char>>();
   auto in = sc.in;
   auto host = sc.hostScratch;

@@ -9,6 +9,8 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
+#include <vector>
 
 #include "nccl_shim/shim.h"
 
@@ -55,14 +57,23 @@ void freeScratch(ncclComm* comm, bool leave) {
     if (s.base) all.push_back(s.base);
   comm->scratch.clear();
   comm->retiredScratch.clear();
-  if (all.empty()) return;
+  // An aborted communicator's scratch waits for the next destroy of any
+  // communicator (abort, then init again, is how elastic jobs recover), so
+  // at most one generation of it stays allocated.
+  static std::mutex abandonedMu;
+  static auto* abandoned = new std::vector<void*>();  // leaked: used at exit
+  std::lock_guard<std::mutex> lock(abandonedMu);
   if (leave) {
-    logf(Level::Warn,
-         "ncclCommAbort: rank %d's PreMulSum scratch (%zu allocation%s) stays allocated: freeing it would wait "
-         "for the device",
-         comm->rank, all.size(), all.size() == 1 ? "" : "s");
+    if (!all.empty())
+      logf(Level::Info,
+           "ncclCommAbort: rank %d's PreMulSum scratch (%zu allocation%s) is freed at the next "
+           "ncclCommDestroy: freeing it now would wait for the device",
+           comm->rank, all.size(), all.size() == 1 ? "" : "s");
+    abandoned->insert(abandoned->end(), all.begin(), all.end());
     return;
   }
+  all.insert(all.end(), abandoned->begin(), abandoned->end());
+  abandoned->clear();
   for (void* p : all) loomMemFree(p);
 }
 

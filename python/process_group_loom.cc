@@ -408,6 +408,11 @@ std::exception_ptr LoomQueue::errorOf(const char* what, loomResult_t r) const {
 // outside streamLock_: their callbacks may drop the last reference to the
 // group, whose destructor takes that lock exclusively.
 void LoomQueue::completeBatch(std::deque<c10::intrusive_ptr<LoomWork>>& batch) {
+  // Nothing taken, nothing to complete: a synchronize here (a wait() whose
+  // work the completer thread already took) could take the error that
+  // belongs to the completer's batch, which would then complete as a
+  // success (the stream hands its error to one synchronize only).
+  if (batch.empty()) return;
   std::exception_ptr error;
   {
     std::shared_lock<std::shared_mutex> lock(streamLock_);

@@ -2100,18 +2100,74 @@ TEST_CASE("a host communicator's group whose calls name two loom streams (or a l
   CHECK(loomCommDestroy(h) == loomSuccess);
 }
 
+TEST_CASE("host communicators: threads ending groups joined over the same loom streams in opposite orders, and a "
+          "thread issuing on one of those streams meanwhile, never deadlock and stay exact",
+          "[api][streams][group]") {
+  loomComm_t c[2] = {nullptr, nullptr};
+  for (auto& h : c) {
+    loomUniqueId id;
+    REQUIRE(loomGetUniqueId(&id) == loomSuccess);
+    REQUIRE(loomCommInitRank(&h, 1, id, 0) == loomSuccess);
+  }
+  loomStream_t sa = nullptr, sb = nullptr;
+  REQUIRE(loomStreamCreate(&sa) == loomSuccess);
+  REQUIRE(loomStreamCreate(&sb) == loomSuccess);
+  const int iters = 300;
+  const size_t n = 64;
+  std::atomic<int> bad{0};
+  auto joined = [&](int k) {
+    std::vector<float> x(n, float(k + 1)), y(n), z(n, 2.0f), w(n);
+    loomStream_t first = k == 0 ? sa : sb, second = k == 0 ? sb : sa;
+    for (int i = 0; i < iters; ++i) {
+      if (loomGroupStart() != loomSuccess) ++bad;
+      if (loomAllReduce(x.data(), y.data(), n, loomFloat32, loomSum, c[k], first) != loomSuccess) ++bad;
+      if (loomAllReduce(z.data(), w.data(), n, loomFloat32, loomSum, c[k], second) != loomSuccess) ++bad;
+      if (loomGroupEnd() != loomSuccess) ++bad;
+    }
+    // Both streams' work of this thread is done once each stream is drained.
+    if (loomStreamSynchronize(first) != loomSuccess || loomStreamSynchronize(second) != loomSuccess) ++bad;
+    for (size_t e = 0; e < n; ++e) bad += y[e] != float(k + 1) || w[e] != 2.0f;
+  };
+  auto plain = [&] {  // the first communicator's operations on sb, meanwhile
+    std::vector<float> a(n, 3.0f), b(n);
+    for (int i = 0; i < iters; ++i)
+      if (loomAllReduce(a.data(), b.data(), n, loomFloat32, loomSum, c[0], sb) != loomSuccess) ++bad;
+    if (loomStreamSynchronize(sb) != loomSuccess) ++bad;
+    for (size_t e = 0; e < n; ++e) bad += b[e] != 3.0f;
+  };
+  std::thread t0(joined, 0), t1(joined, 1), t2(plain);
+  t0.join();
+  t1.join();
+  t2.join();
+  CHECK(bad.load() == 0);
+  CHECK(loomStreamDestroy(sa) == loomSuccess);
+  CHECK(loomStreamDestroy(sb) == loomSuccess);
+  for (auto& h : c) CHECK(loomCommDestroy(h) == loomSuccess);
+}
+
 TEST_CASE("loomCommMemAlloc: device memory of a CUDA communicator's own device whatever device is current (two "
           "simulated devices), host memory on a host communicator, freed by loomMemFree",
           "[devcomm][api]") {
   SimMemory mem;
   loomsim::SimDeviceWorld world(2, 2, 256);
   {
-    loom::setDeviceDriverFactoryForTesting(
-        [&](int r, int, int device) { return std::make_unique<SimDriver>(mem, &world, r, device >= 0 ? device : r); },
-        2);
-    setenv("LOOM_DEVICE", "cuda", 1);
-    loom::configReload();
-    std::vector<loomComm_t> comms = initCudaComms(2);  // rank r on device r
+    struct TwoDevices {  // LOOM_DEVICE=cuda, rank r on device r; undone on scope exit
+      TwoDevices(SimMemory& m, loomsim::SimDeviceWorld& w) {
+        loom::setDeviceDriverFactoryForTesting(
+            [&m, &w](int r, int, int device) { return std::make_unique<SimDriver>(m, &w, r, device >= 0 ? device : r); },
+            2);
+        setenv("LOOM_DEVICE", "cuda", 1);
+        loom::configReload();
+      }
+      ~TwoDevices() {
+        loom::setThreadDeviceForTesting(-1);
+        unsetenv("LOOM_DEVICE");
+        loom::configReload();
+        loom::setDeviceDriverFactoryForTesting(nullptr);
+        CHECK(loom::waitDeviceRemains(30000));
+      }
+    } env(mem, world);
+    std::vector<loomComm_t> comms = initCudaComms(2);
     REQUIRE(comms.size() == 2);
     loom::setThreadDeviceForTesting(0);
     for (int r = 0; r < 2; ++r) {
@@ -2125,12 +2181,7 @@ TEST_CASE("loomCommMemAlloc: device memory of a CUDA communicator's own device w
     CHECK(mem.deviceOf(q) == 0);
     CHECK(loomMemFree(q) == loomSuccess);
     CHECK(loomCommMemAlloc(comms[0], nullptr, 16) == loomInvalidArgument);
-    loom::setThreadDeviceForTesting(-1);
     for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
-    unsetenv("LOOM_DEVICE");
-    loom::configReload();
-    loom::setDeviceDriverFactoryForTesting(nullptr);
-    CHECK(loom::waitDeviceRemains(30000));
   }
   loomComm_t h = nullptr;
   loomUniqueId id;

@@ -374,13 +374,56 @@ void checkBatch(const loomComm* comm, const std::vector<OpDesc>& ops) {
            sends[k], recvs[k]);
 }
 
-loomResult_t submit(loomComm* comm, HostStream* stream, std::vector<OpDesc> ops);
+// Taking a ticket and enqueuing what it runs happen under one process-wide
+// lock (held for both, never while an operation runs).  Otherwise two
+// threads issuing on one communicator could enqueue on one loom stream in
+// the opposite order to their tickets and each wait for the other's turn,
+// and a joined group's markers (submitJoined) could land behind another
+// thread's later operation, or two joined groups' markers cross.
+std::mutex gEnqueueMu;
+
+// A group's operations as one run on its stream, in its turn.
+struct IssuedGroup {
+  std::shared_ptr<loomComm> comm;
+  std::vector<OpDesc> ops;
+  std::vector<SlotTag> tags;
+  uint64_t ticket = 0;
+  loomResult_t run() const {
+    comm->waitTurn(ticket);
+    loomResult_t r = comm->runOps(ops, tags);
+    comm->endTurn();
+    return r;
+  }
+};
+
+// Checks a group's operations and takes their turn (the caller holds
+// gEnqueueMu when it will enqueue them).
+IssuedGroup issueGroup(loomComm* comm, std::vector<OpDesc> ops) {
+  loomResult_t prior = comm->asyncError();
+  if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->failure().c_str());
+  checkBatch(comm, ops);
+  IssuedGroup g;
+  g.comm = comm->shared_from_this();
+  g.ops = std::move(ops);
+  g.ticket = comm->issue(g.ops, &g.tags);
+  return g;
+}
+
+loomResult_t submit(loomComm* comm, HostStream* stream, std::vector<OpDesc> ops) {
+  if (!stream) return issueGroup(comm, std::move(ops)).run();
+  std::lock_guard<std::mutex> lock(gEnqueueMu);
+  auto g = std::make_shared<IssuedGroup>(issueGroup(comm, std::move(ops)));
+  stream->enqueue([g] { return g->run(); });
+  return loomSuccess;
+}
 
 // A host communicator's group whose members named several streams
-// (GroupPart): as if issued on each of them.  All loom streams: the others
-// each reach a marker that waits for the group's end, the first waits for
-// every marker, runs the group, then lets them go.  A NULL stream among
-// them: the group blocks here, after every loom stream's earlier work.
+// (GroupPart): as if issued on each of them.  All loom streams: each other
+// stream reaches a marker that waits for the group's end and then reports
+// its result; the first stream waits for every marker, then runs the group
+// and lets them go (one operation).  A NULL stream among them: the group
+// blocks here, after every loom stream's earlier work.  Nothing is enqueued
+// unless the group was checked and has its turn.
 loomResult_t submitJoined(loomComm* comm, const GroupPart& part) {
   HostStream* main = hostStreamOf(part.stream);
   std::vector<HostStream*> others;
@@ -398,59 +441,39 @@ loomResult_t submitJoined(loomComm* comm, const GroupPart& part) {
     return submit(comm, nullptr, part.ops);
   }
   struct Join {
+    IssuedGroup group;
     std::mutex m;
     std::condition_variable cv;
     size_t arrived = 0;
     bool done = false;
+    loomResult_t result = loomSuccess;
   };
   auto j = std::make_shared<Join>();
   const size_t n = others.size();
-  auto finish = [j] {
+  std::lock_guard<std::mutex> lock(gEnqueueMu);
+  j->group = issueGroup(comm, part.ops);
+  main->enqueue([j, n] {
+    {
+      std::unique_lock<std::mutex> g(j->m);
+      j->cv.wait(g, [&] { return j->arrived == n; });
+    }
+    const loomResult_t r = j->group.run();
     {
       std::lock_guard<std::mutex> g(j->m);
       j->done = true;
+      j->result = r;
     }
     j->cv.notify_all();
-    return loomSuccess;
-  };
+    return r;
+  });
   for (HostStream* h : others)
     h->enqueue([j] {
       std::unique_lock<std::mutex> g(j->m);
       ++j->arrived;
       j->cv.notify_all();
       j->cv.wait(g, [&] { return j->done; });
-      return loomSuccess;
+      return j->result;
     });
-  main->enqueue([j, n] {
-    std::unique_lock<std::mutex> g(j->m);
-    j->cv.wait(g, [&] { return j->arrived == n; });
-    return loomSuccess;
-  });
-  try {
-    loomResult_t r = submit(comm, main, part.ops);
-    main->enqueue(finish);
-    return r;
-  } catch (...) {
-    main->enqueue(finish);  // nothing of the group was enqueued: the markers go at once
-    throw;
-  }
-}
-
-loomResult_t submit(loomComm* comm, HostStream* stream, std::vector<OpDesc> ops) {
-  loomResult_t prior = comm->asyncError();
-  if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->failure().c_str());
-  checkBatch(comm, ops);
-  std::vector<SlotTag> tags;
-  uint64_t ticket = comm->issue(ops, &tags);
-  std::shared_ptr<loomComm> sp = comm->shared_from_this();
-  auto run = [sp, ops = std::move(ops), tags = std::move(tags), ticket]() {
-    sp->waitTurn(ticket);
-    loomResult_t r = sp->runOps(ops, tags);
-    sp->endTurn();
-    return r;
-  };
-  if (!stream) return run();
-  stream->enqueue(std::move(run));
   return loomSuccess;
 }
 

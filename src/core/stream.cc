@@ -77,8 +77,11 @@ void HostStream::workerLoop() {
 }
 
 loomResult_t HostStream::synchronize() {
-  drain();
-  std::lock_guard<std::mutex> lock(m_);
+  // The error is taken in the same hold of the lock that saw the queue
+  // empty: the thread that ran the failing operation gets it before another
+  // synchronizing thread can (loom_torch's queue attributes it that way).
+  std::unique_lock<std::mutex> lock(m_);
+  drainLocked(lock);
   loomResult_t r = error_;
   error_ = loomSuccess;
   return r;
@@ -86,6 +89,10 @@ loomResult_t HostStream::synchronize() {
 
 void HostStream::drain() {
   std::unique_lock<std::mutex> lock(m_);
+  drainLocked(lock);
+}
+
+void HostStream::drainLocked(std::unique_lock<std::mutex>& lock) {
   ++syncing_;
   while (!queue_.empty() || running_) {
     if (!running_) runFront(lock);

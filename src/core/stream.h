@@ -40,6 +40,8 @@ class HostStream {
   void workerLoop();
   // Runs the front operation; called with the lock held, returns with it held.
   void runFront(std::unique_lock<std::mutex>& lock);
+  // Waits (running queued work) until the queue is empty; lock held.
+  void drainLocked(std::unique_lock<std::mutex>& lock);
 
   std::mutex m_;
   std::condition_variable workCv_, doneCv_;
