@@ -404,7 +404,11 @@ std::exception_ptr LoomQueue::errorOf(const char* what, loomResult_t r) const {
 // started, so it is complete when the synchronize returns. The stream reports
 // the first error since the last synchronize; the whole batch carries it (a
 // failed communicator fails every later call anyway). Several threads may
-// synchronize at once: each completes the batch it took. The works complete
+// complete batches (the completer, a waiting thread): each completes the
+// batch it took, synchronizing one at a time, and once a synchronize has
+// seen the communicator fail, every later batch carries that error too, so
+// a batch whose own error another thread's synchronize took never
+// completes as a success (syncMu_, failedWith_). The works complete
 // outside streamLock_: their callbacks may drop the last reference to the
 // group, whose destructor takes that lock exclusively.
 void LoomQueue::completeBatch(std::deque<c10::intrusive_ptr<LoomWork>>& batch) {
@@ -416,8 +420,14 @@ void LoomQueue::completeBatch(std::deque<c10::intrusive_ptr<LoomWork>>& batch) {
   std::exception_ptr error;
   {
     std::shared_lock<std::shared_mutex> lock(streamLock_);
+    std::lock_guard<std::mutex> one(syncMu_);
     // Once closed, close() synchronized the stream: the batch is done.
     loomResult_t r = closed_ ? loomSuccess : loomStreamSynchronize(stream_);
+    if (r != loomSuccess && failedWith_ == loomSuccess) {
+      loomResult_t async = loomSuccess;
+      if (loomCommGetAsyncError(comm_, &async) == loomSuccess && async != loomSuccess) failedWith_ = r;
+    }
+    if (r == loomSuccess) r = failedWith_;
     if (r != loomSuccess) {
       try {
         fail("operation", r);

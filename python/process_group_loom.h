@@ -149,6 +149,13 @@ class LoomQueue {
   // Shared while synchronizing the stream, exclusive to destroy it.
   std::shared_mutex streamLock_;
   bool closed_ = false;
+  // One synchronize at a time (completeBatch), and the error of one that
+  // saw the communicator fail: every batch completed after it carries it
+  // (the stream hands an error to one synchronize only, which may be
+  // another thread's batch's; a failed communicator fails every later call
+  // anyway).  Errors that leave the communicator healthy are not kept.
+  std::mutex syncMu_;
+  loomResult_t failedWith_ = loomSuccess;
 };
 
 // A 1-D CPU tensor of `numel` elements in loomMemAlloc memory (pooled)
