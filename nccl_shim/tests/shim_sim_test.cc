@@ -6,10 +6,10 @@
 // and two devices, exact after the streams synchronise; send/recv groups;
 // groups spanning every rank's communicator from one thread;
 // ncclCommCuDevice; ncclCommInitAll on two devices; ncclCommRegister of
-// device memory read in place (device zero-copy); and the refusals: a
-// CUDA stream on a host communicator, a group mixing host and CUDA
-// communicators, PreMulSum on device buffers, host memory on a CUDA
-// communicator.
+// device memory read in place (device zero-copy); PreMulSum on device
+// buffers; a group naming two streams on one communicator; and the
+// refusals: a CUDA stream on a host communicator, a group mixing host and
+// CUDA communicators, host memory on a CUDA communicator.
 #include <nccl.h>
 
 #include <algorithm>
