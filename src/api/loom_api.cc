@@ -1114,30 +1114,26 @@ loomResult_t loomScale(void* dst, const void* src, size_t count, loomDataType_t 
   return guarded("loomScale", comm, [&]() -> loomResult_t {
     try {
       checkComm(comm);
-      checkedBytes(count, datatype, 1);  // overflow
-      if (DeviceCollectives* d = comm->deviceComm()) {
-        d->scale(dst, src, count, datatype, scalar, scalarOnDevice != 0, cudaStreamOf(stream));
+      const size_t bytes = checkedBytes(count, datatype, 1);  // overflow
+      DeviceCollectives* dev = comm->deviceComm();
+      void* cs = dev ? cudaStreamOf(stream) : nullptr;
+      HostStream* hs = dev ? nullptr : hostStreamOf(stream);
+      if (!scalar) fail(loomInvalidArgument, "scalar is NULL");
+      if (count == 0) return loomSuccess;
+      if (!dst || !src) fail(loomInvalidArgument, "%s is NULL", dst ? "src" : "dst");
+      if (dst != src && overlaps(dst, bytes, src, bytes))
+        fail(loomInvalidArgument, "dst %p and src %p overlap without being one buffer", dst, src);
+      if (dev) {
+        dev->scale(dst, src, count, datatype, scalar, scalarOnDevice != 0, cs);
         return loomSuccess;
       }
-      HostStream* hs = hostStreamOf(stream);
-      if (!scalar) fail(loomInvalidArgument, "scalar is NULL");
-      if (memoryKindOf(scalar) == MemoryKind::CudaDevice)
-        fail(loomInvalidArgument,
-             "scalar %p is CUDA device memory (cuda:%d), but this communicator runs on the host", scalar,
-             cudaPointerDevice(scalar));
-      if (count == 0) return loomSuccess;
-      const size_t bytes = count * dtypeSize(datatype);
-      for (const auto& [what, p] : {std::pair<const char*, const void*>{"dst", dst}, {"src", src}}) {
-        if (!p) fail(loomInvalidArgument, "%s is NULL", what);
+      for (const auto& [what, p] :
+           {std::pair<const char*, const void*>{"dst", dst}, {"src", src}, {"scalar", scalar}})
         if (memoryKindOf(p) == MemoryKind::CudaDevice)
           fail(loomInvalidArgument,
                "%s %p is CUDA device memory (cuda:%d), but this communicator runs on the host: pass host "
                "memory, or create the communicator with LOOM_DEVICE=cuda",
                what, p, cudaPointerDevice(p));
-      }
-      const char *d = static_cast<const char*>(dst), *s = static_cast<const char*>(src);
-      if (d != s && d < s + bytes && s < d + bytes)
-        fail(loomInvalidArgument, "dst %p and src %p overlap without being one buffer", dst, src);
       uint64_t k = 0;  // one element, read now unless it is read when the work runs
       if (!scalarOnDevice) memcpy(&k, scalar, dtypeSize(datatype));
       auto work = [=]() {

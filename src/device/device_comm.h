@@ -409,9 +409,10 @@ class DeviceCollectives {
   // enqueued); else each of `others` waits for everything enqueued on main
   // so far (called once the group's calls are).  Enqueues only.
   virtual void joinStreams(void* main, const std::vector<void*>& others, bool before) = 0;
-  // loomScale on this communicator's device and callerStream: checks the
-  // buffers (device memory of this device, whole elements) and enqueues
-  // dst = src * k (DeviceDriver::scale).
+  // loomScale on this communicator's device and callerStream (count > 0,
+  // no NULL, no overlap: the API checked): checks the buffers (device memory
+  // of this device, whole elements) and enqueues dst = src * k
+  // (DeviceDriver::scale).
   virtual void scale(void* dst, const void* src, size_t count, loomDataType_t type, const void* scalar,
                      bool scalarOnDevice, void* callerStream) = 0;
   // What runP2P needs made before anything of a group is enqueued (nothing
