@@ -95,6 +95,15 @@ class Builder {
     for (int r = 0; r < p_.nranks; ++r)
       if (r != p_.rank) wait(s, r, f, v);
   }
+  // This rank's own copy of rank r's flag f (stream 0).
+  void setLocal(int r, uint8_t f, uint64_t v) {
+    StreamOp o;
+    o.kind = StreamOpKind::SetLocal;
+    o.flagRank = r;
+    o.flag = f;
+    o.value = v;
+    p_.ops.push_back(o);
+  }
   void set(int s, FlagIndex f, uint64_t v) {
     StreamOp o;
     o.kind = StreamOpKind::SetFlag;
@@ -568,6 +577,47 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
   p.rounds = g - *round;
   *round = g;
   return p;
+}
+
+StreamProgram makeReplayable(StreamProgram p) {
+  if (p.firstRound != 0) fail(loomInternalError, "a replayable program must start at round 0, not %llu",
+                              (unsigned long long)p.firstRound);
+  p.replayable = true;
+  if (p.nranks == 1 || p.rounds == 0) return p;  // a local copy at most: no flag, no window
+  StreamProgram out = p;
+  out.ops.clear();
+  out.streams = 1;
+  out.events = 0;
+  Builder b(out);
+  b.setLocal(p.rank, kFlagGraphBusy, 1);
+  for (StreamOp o : p.ops) {
+    switch (o.kind) {
+      case StreamOpKind::RecordEvent:
+      case StreamOpKind::WaitEvent:
+        continue;  // the fork and join of a second stream, folded away
+      case StreamOpKind::SetCell:
+      case StreamOpKind::SetCellTag:
+      case StreamOpKind::SetPeerFlag:
+      case StreamOpKind::SetLocal:
+        fail(loomInternalError, "a replayable program cannot publish cells or set per-pair or local flags");
+      default:
+        break;
+    }
+    o.stream = 0;
+    out.ops.push_back(o);
+  }
+  for (const ProgramRef& r : out.srcs)
+    if (r.space == Space::Published) fail(loomInternalError, "a replayable program cannot read published buffers");
+  b.set(0, FlagIndex(kFlagGraphEnd), 1);
+  b.waitOthers(0, FlagIndex(kFlagGraphEnd), 1);
+  for (int r = 0; r < p.nranks; ++r)
+    for (uint8_t f : {uint8_t(kFlagInput), uint8_t(kFlagReduced), uint8_t(kFlagDone), kFlagGraphEnd})
+      b.setLocal(r, f, 0);
+  b.set(0, FlagIndex(kFlagGraphReset), 1);
+  b.waitOthers(0, FlagIndex(kFlagGraphReset), 1);
+  for (int r = 0; r < p.nranks; ++r) b.setLocal(r, kFlagGraphReset, 0);
+  b.setLocal(p.rank, kFlagGraphBusy, 0);
+  return out;
 }
 
 StreamProgram compileP2PProgram(const std::vector<OpDesc>& ops, int rank, int nranks, size_t slotBytes,

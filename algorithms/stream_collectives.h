@@ -76,6 +76,28 @@ bool mayPublish(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo);
 StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, StreamAlgorithm algo,
                                    size_t slotBytes, uint64_t* round, const StreamPublish& publish = {});
 
+// Rank p.rank's program `p` (compileStreamProgram from round 0, without
+// zero-copy) made replayable: a call captured into a CUDA graph, which every
+// replay repeats with the capture's flag values (kFlagGraphEnd in
+// stream_program.h).  One stream (the reduce-scatter + all-gather's second
+// stream folded onto the caller's, so no side stream joins the capture),
+// and around the program:
+//   own busy = 1;  <the program>;
+//   end = 1 (after all of this rank's other writes of it);
+//   wait every peer's end >= 1: nobody reads this rank's window or writes
+//     its flag area for this call any more;
+//   zero this rank's own area (every row's round flags and end);
+//   reset = 1; wait every peer's reset >= 1: everyone zeroed theirs, so no
+//     peer's next call can write into an area before it is zeroed;
+//   zero every row's reset; own busy = 0.
+// A peer's next call writes its end only after this rank's next program
+// wrote to it, which is after this rank zeroed its resets, and its reset
+// only after that end: nothing of a next call is ever zeroed.  Every wait
+// is "flag >= value" on this rank's own memory, so a failed communicator's
+// release (kReleasedFlag) still ends each one.  loomInternalError for a
+// program that does not start at round 0, or publishes.
+StreamProgram makeReplayable(StreamProgram p);
+
 // Send/recv.  A pair's messages go through a region of the sender's
 // device memory for that receiver: two chunks of p2pChunkBytes, used by
 // alternate chunks of the pair.  Regions are made on first use of the pair

@@ -1,6 +1,7 @@
 // The simulated device of tests/sim_device.h.
 #include "tests/sim_device.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 
@@ -37,6 +38,10 @@ SimStream::~SimStream() {
 void SimStream::enqueue(std::function<void()> fn, bool usesGpu) {
   {
     std::unique_lock<std::mutex> g(mu_);
+    if (capturing_) {
+      captured_.emplace_back(std::move(fn), usesGpu);
+      return;
+    }
     const SimDeviceOptions& o = rank_.world_.options();
     auto room = [&] { return stop_ || queue_.size() < o.queueDepth; };
     if (o.queueDepth > 0 && !cv_.wait_for(g, std::chrono::milliseconds(o.deadlineMs), room))
@@ -49,6 +54,56 @@ void SimStream::enqueue(std::function<void()> fn, bool usesGpu) {
   cv_.notify_all();
 }
 
+void SimStream::beginCapture() {
+  std::lock_guard<std::mutex> g(mu_);
+  if (capturing_) loom::fail(loomInternalError, "sim: a stream captured twice at once");
+  capturing_ = true;
+  captured_.clear();
+}
+
+SimGraph SimStream::endCapture() {
+  std::lock_guard<std::mutex> g(mu_);
+  if (!capturing_) loom::fail(loomInternalError, "sim: end of a capture never begun");
+  capturing_ = false;
+  return std::make_shared<const std::vector<SimTask>>(std::move(captured_));
+}
+
+bool SimStream::capturing() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return capturing_;
+}
+
+namespace {
+std::mutex g_captureMu;
+std::vector<const void*> g_capturing;  // caller stream handles being captured
+}  // namespace
+
+int simStreamCapturing(void* key) {
+  std::lock_guard<std::mutex> g(g_captureMu);
+  return std::find(g_capturing.begin(), g_capturing.end(), key) != g_capturing.end() ? 1 : 0;
+}
+
+void SimRank::beginCapture(const void* key) {
+  const int s = callerStream(key);
+  if (s == 0) loom::fail(loomInternalError, "sim: capture on a stream that is no added caller stream");
+  stream(s).beginCapture();
+  std::lock_guard<std::mutex> g(g_captureMu);
+  g_capturing.push_back(key);
+}
+
+SimGraph SimRank::endCapture(const void* key) {
+  {
+    std::lock_guard<std::mutex> g(g_captureMu);
+    g_capturing.erase(std::remove(g_capturing.begin(), g_capturing.end(), key), g_capturing.end());
+  }
+  return stream(callerStream(key)).endCapture();
+}
+
+void SimRank::launchGraph(const void* key, const SimGraph& graph) {
+  SimStream& st = stream(callerStream(key));
+  for (const SimTask& t : *graph) st.enqueue(t.first, t.second);
+}
+
 void SimStream::drain() {
   std::unique_lock<std::mutex> g(mu_);
   cv_.wait(g, [&] { return queue_.empty() && !busy_; });
@@ -57,7 +112,7 @@ void SimStream::drain() {
 void SimStream::loop() {
   const SimDeviceOptions& o = rank_.world_.options();
   for (;;) {
-    std::pair<std::function<void()>, bool> task;
+    SimTask task;
     {
       std::unique_lock<std::mutex> g(mu_);
       cv_.wait(g, [&] { return stop_ || !queue_.empty(); });

@@ -67,13 +67,26 @@ class SimGpu {
 class SimDeviceWorld;
 class SimRank;
 
+// What a stream holds: work to run in order (usesGpu: a kernel or a copy,
+// which holds the device; else a wait).
+using SimTask = std::pair<std::function<void()>, bool>;
+// A captured CUDA graph: the tasks enqueued on a stream while it was
+// captured, with every value they were given then (a replay repeats them).
+using SimGraph = std::shared_ptr<const std::vector<SimTask>>;
+
 class SimStream {
  public:
   SimStream(SimRank& rank, SimGpu& gpu, uint64_t seed);
   ~SimStream();
   // fn runs in stream order; a loom::Error it throws fails the rank.  With
   // usesGpu it holds the device (a kernel or a copy), else it is a wait.
+  // While the stream is captured, fn is recorded instead (run by launches).
   void enqueue(std::function<void()> fn, bool usesGpu);
+  // cudaStreamBeginCapture / cudaStreamEndCapture: what is enqueued in
+  // between runs nothing now and becomes the graph.
+  void beginCapture();
+  SimGraph endCapture();
+  bool capturing() const;
   // Returns once everything enqueued so far has run or been skipped.
   void drain();
 
@@ -82,9 +95,11 @@ class SimStream {
   SimRank& rank_;
   SimGpu& gpu_;
   uint64_t rng_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::pair<std::function<void()>, bool>> queue_;
+  std::deque<SimTask> queue_;
+  bool capturing_ = false;
+  std::vector<SimTask> captured_;
   bool busy_ = false;
   bool stop_ = false;
   std::thread thread_;
@@ -116,6 +131,15 @@ class SimRank final : public loom::StreamBackend {
   // Stream `waiter` waits for everything enqueued on stream `waited` so far
   // (an event recorded there and waited for here: cudaStreamWaitEvent).
   void joinStream(int waiter, int waited);
+  // CUDA graphs on the added caller stream `key`: begin and end a capture
+  // (while it lasts, setCudaCaptureProbeForTesting(simStreamCapturing)
+  // says the handle is being captured, so loom's calls on it take the
+  // graph lane), and enqueue a captured graph's tasks on it, as
+  // cudaGraphLaunch does.  Captured programs use no events (the graph
+  // lane's are one stream), so a replay repeats nothing host-side.
+  void beginCapture(const void* key);
+  SimGraph endCapture(const void* key);
+  void launchGraph(const void* key, const SimGraph& graph);
   // Waits for every stream; loomSuccess or the first error (message in *msg).
   loomResult_t synchronize(std::string* msg);
 
@@ -251,5 +275,11 @@ class SimDeviceWorld {
   std::condition_variable wakeCv_;
   std::vector<std::unique_ptr<SimRank>> ranks_;
 };
+
+// The capture probe of the simulated device (cudaStreamCapturing's, through
+// setCudaCaptureProbeForTesting): whether some SimRank captures the caller
+// stream with this handle now.  Capturing handles must be unique in the
+// process (ranks as threads: one per rank).
+int simStreamCapturing(void* key);
 
 }  // namespace loomsim

@@ -73,6 +73,7 @@ TEST_CASE("every default in config.cc's table is the value config() uses when th
       {"LOOM_DEVICE_STAGE_BYTES", [&] { return num(c.deviceStageBytes); }},
       {"LOOM_DEVICE_HIER_MIN_BYTES", [&] { return num(c.deviceHierMinBytes); }},
       {"LOOM_DEVICE_SLOT_BYTES", [&] { return num(c.deviceSlotBytes); }},
+      {"LOOM_DEVICE_GRAPH_SLOT_BYTES", [&] { return num(c.deviceGraphSlotBytes); }},
       {"LOOM_DEVICE_ZERO_COPY", [&] { return std::string(c.deviceZeroCopy ? "1" : "0"); }},
       {"LOOM_DEVICE_ONESHOT_BYTES", [&] { return num(c.deviceOneShotBytes); }},
       {"LOOM_CPU_BIND", [&] { return c.cpuBind; }},

@@ -165,6 +165,9 @@ TEST_CASE(
       case loom::StreamOpKind::SetCellTag:
         FAIL_CHECK("a program without cells publishes none");
         break;
+      case loom::StreamOpKind::SetLocal:
+        FAIL_CHECK("an eager program sets no local flag");
+        break;
       case loom::StreamOpKind::Copy:
         CHECK(c.rfind("memcpy " + ptr(s), 0) == 0);
         break;

@@ -180,12 +180,16 @@ void fillRandom(uint8_t* p, size_t n, loomDataType_t t, std::mt19937_64& rng) {
 struct Prepared {
   Op o;
   std::vector<uint8_t*> send, recv;
+  std::vector<uint8_t*> allocs;  // per rank: the output's allocation, then the input's (nullptr: in place)
   std::vector<std::vector<uint8_t>> input, expect;
   size_t recvBytes = 0;
 };
 
-// Rank r's buffers on simulated device r % gpus of `mem`.
-Prepared prepare(SimMemory& mem, int N, int gpus, const Op& o, std::mt19937_64& rng) {
+// Rank r's buffers on simulated device r % gpus of `mem`; with `reuse`
+// (a Prepared of the same op), new values in its buffers, which a captured
+// call keeps using.
+Prepared prepare(SimMemory& mem, int N, int gpus, const Op& o, std::mt19937_64& rng,
+                 const Prepared* reuse = nullptr) {
   const size_t esz = loom::dtypeSize(o.type), n = o.count;
   size_t sendElems = n, recvElems = n;
   if (o.coll == Collective::ReduceScatter || o.coll == Collective::AllToAll || o.coll == Collective::Scatter)
@@ -200,13 +204,13 @@ Prepared prepare(SimMemory& mem, int N, int gpus, const Op& o, std::mt19937_64& 
   for (int r = 0; r < N; ++r) {
     const int dev = r % gpus;
     const size_t big = std::max(sendElems, recvElems) * esz + 8;
-    uint8_t* rb = mem.alloc(dev, big);
+    uint8_t* rb = reuse ? reuse->allocs[size_t(2 * r)] : mem.alloc(dev, big);
     fillRandom(rb, big / esz, o.type, rng);  // garbage before the operation
     uint8_t *in, *out;
     // Gather and scatter are in place at the root only.
     const bool ip = o.inPlace && (!rootOnly || r == o.root);
     if (!ip) {
-      in = mem.alloc(dev, sendElems * esz + 8);
+      in = reuse ? reuse->allocs[size_t(2 * r + 1)] : mem.alloc(dev, sendElems * esz + 8);
       out = rb;
     } else if (o.coll == Collective::Gather) {
       in = rb + size_t(r) * n * esz;
@@ -226,6 +230,8 @@ Prepared prepare(SimMemory& mem, int N, int gpus, const Op& o, std::mt19937_64& 
     fillRandom(in, sendElems, o.type, rng);
     p.send.push_back(in);
     p.recv.push_back(out);
+    p.allocs.push_back(rb);
+    p.allocs.push_back(ip ? nullptr : in);
     p.input.emplace_back(in, in + sendElems * esz);
     before[size_t(r)].assign(out, out + recvElems * esz);
   }
@@ -273,9 +279,11 @@ Prepared prepare(SimMemory& mem, int N, int gpus, const Op& o, std::mt19937_64& 
   return p;
 }
 
-Prepared prepare(SimComms& s, const Op& o, std::mt19937_64& rng) { return prepare(s.mem, s.n(), s.gpus, o, rng); }
+Prepared prepare(SimComms& s, const Op& o, std::mt19937_64& rng, const Prepared* reuse = nullptr) {
+  return prepare(s.mem, s.n(), s.gpus, o, rng, reuse);
+}
 
-void issue(SimComms& s, const Prepared& p, int r) {
+void issue(SimComms& s, const Prepared& p, int r, void* stream = nullptr) {
   loom::OpDesc d;
   d.coll = p.o.coll;
   d.sendbuf = p.send[size_t(r)];
@@ -284,7 +292,7 @@ void issue(SimComms& s, const Prepared& p, int r) {
   d.dtype = p.o.type;
   d.op = p.o.op;
   d.root = p.o.root;
-  s.comms[size_t(r)]->run(d, nullptr);
+  s.comms[size_t(r)]->run(d, stream);
 }
 
 std::string verify(const Prepared& p, int N) {
@@ -1424,47 +1432,78 @@ std::vector<loomComm_t> initCudaComms(int n) {
 
 }  // namespace
 
-namespace {
-const uintptr_t kCapturingStream = 0xcafe;  // the stream the probe below says is being captured
-int captureProbe(void* stream) { return reinterpret_cast<uintptr_t>(stream) == kCapturingStream; }
-}  // namespace
-
-TEST_CASE("CUDA communicator through the C API (simulated device): a stream being captured into a CUDA graph is "
-          "refused with loomInvalidUsage before anything is issued, in a group too, and the communicator goes on",
-          "[devcomm][api]") {
+TEST_CASE("CUDA communicator through the C API (simulated device): collectives on a stream being captured into a "
+          "CUDA graph are captured and every replay is exact; a send there is refused with loomInvalidUsage before "
+          "anything is issued, in a group too; without a graph lane a collective is refused; the communicator goes on",
+          "[devcomm][api][graph]") {
   SimMemory mem;
   loomsim::SimDeviceWorld world(2, 1, 256);
   DeviceEnv env(mem, world);
+  const bool lane = GENERATE(true, false);
+  ScopedEnv graphSlot("LOOM_DEVICE_GRAPH_SLOT_BYTES", lane ? "65536" : "0");
   std::vector<loomComm_t> comms = initCudaComms(2);
   REQUIRE(comms.size() == 2);
-  loomResult_t rcs[2];
-  loom::setCudaCaptureProbeForTesting(captureProbe);
+  loom::setCudaCaptureProbeForTesting(loomsim::simStreamCapturing);
   struct Unset {
     ~Unset() { loom::setCudaCaptureProbeForTesting(nullptr); }
   } unset;
-  auto* capturing = reinterpret_cast<loomStream_t>(kCapturingStream);
+  char keys[2];
+  for (int r = 0; r < 2; ++r) REQUIRE(world.rank(r).addCallerStream(&keys[r]) > 0);
   auto* plain = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
-  const size_t n = 1000;
+  const size_t n = 100000;  // 400 KB: several rounds of 64 KiB graph slots
   int32_t* buf[2];
+  int32_t* out[2];
   for (int r = 0; r < 2; ++r) {
     buf[r] = reinterpret_cast<int32_t*>(mem.alloc(0, n * 4));
-    for (size_t i = 0; i < n; ++i) buf[r][i] = int32_t(i) + r;
+    out[r] = reinterpret_cast<int32_t*>(mem.alloc(0, n * 4));
   }
   auto* dev0 = dynamic_cast<loom::DeviceComm*>(comms[0]->deviceComm());
   REQUIRE(dev0 != nullptr);
   const uint64_t round = dev0->round();
-  CHECK(loomAllReduce(buf[0], buf[0], n, loomInt32, loomSum, comms[0], capturing) == loomInvalidUsage);
-  std::string why = loomGetLastError(comms[0]);
-  INFO(why);
-  CHECK(why.find("being captured into a CUDA graph") != std::string::npos);
-  CHECK(dev0->round() == round);  // nothing compiled or enqueued
-  // In a group: the member is refused at its call and the group launches nothing.
-  CHECK(loomGroupStart() == loomSuccess);
-  CHECK(loomAllGather(buf[0], buf[1], 1, loomInt32, comms[0], plain) == loomSuccess);
-  CHECK(loomBroadcast(buf[0], buf[0], n, loomInt32, 0, comms[0], capturing) == loomInvalidUsage);
-  CHECK(loomGroupEnd() != loomSuccess);
-  CHECK(dev0->round() == round);
-  // The communicator goes on: the same all-reduce on a stream not being captured.
+  std::vector<loomsim::SimGraph> graphs(2);
+  for (int r = 0; r < 2; ++r) {
+    auto* st = reinterpret_cast<loomStream_t>(&keys[r]);
+    world.rank(r).beginCapture(&keys[r]);
+    const loomResult_t rc = loomAllReduce(buf[r], out[r], n, loomInt32, loomSum, comms[r], st);
+    if (lane) {
+      CHECK(rc == loomSuccess);
+    } else {
+      CHECK(rc == loomInvalidUsage);
+      CHECK(std::string(loomGetLastError(comms[r])).find("LOOM_DEVICE_GRAPH_SLOT_BYTES=0") != std::string::npos);
+    }
+    if (r == 0) {
+      CHECK(loomSend(buf[0], 10, loomInt32, 1, comms[0], st) == loomInvalidUsage);
+      std::string why = loomGetLastError(comms[0]);
+      INFO(why);
+      CHECK(why.find("being captured into a CUDA graph") != std::string::npos);
+      // In a group: the member is refused at its call and the group launches nothing.
+      CHECK(loomGroupStart() == loomSuccess);
+      CHECK(loomAllGather(buf[0], out[0], 1, loomInt32, comms[0], plain) == loomSuccess);
+      CHECK(loomRecv(buf[0], 10, loomInt32, 1, comms[0], st) == loomInvalidUsage);
+      CHECK(loomGroupEnd() != loomSuccess);
+    }
+    graphs[size_t(r)] = world.rank(r).endCapture(&keys[r]);
+  }
+  CHECK(dev0->round() == round);  // nothing eager compiled or enqueued
+  CHECK(dev0->captured() == (lane ? 1u : 0u));
+  if (lane)
+    for (int rep = 1; rep <= 3; ++rep) {
+      for (int r = 0; r < 2; ++r)
+        for (size_t i = 0; i < n; ++i) buf[r][i] = int32_t(i) * rep + r;
+      for (int r = 0; r < 2; ++r) world.rank(r).launchGraph(&keys[r], graphs[size_t(r)]);
+      for (int r = 0; r < 2; ++r) {
+        std::string msg;
+        CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
+      }
+      long wrong = 0;
+      for (int r = 0; r < 2; ++r)
+        for (size_t i = 0; i < n; ++i) wrong += out[r][i] != 2 * int32_t(i) * rep + 1;
+      CHECK(wrong == 0);
+    }
+  // The communicator goes on: an all-reduce on a stream not being captured.
+  loomResult_t rcs[2];
+  for (int r = 0; r < 2; ++r)
+    for (size_t i = 0; i < n; ++i) buf[r][i] = int32_t(i) + r;
   std::vector<std::thread> ts;
   for (int r = 0; r < 2; ++r)
     ts.emplace_back([&, r] { rcs[r] = loomAllReduce(buf[r], buf[r], n, loomInt32, loomSum, comms[r], plain); });
@@ -1783,11 +1822,13 @@ TEST_CASE("device communicator (simulated device): send/recv staging is made on 
     SimComms s(N, 1, opts);
     for (int r = 0; r < N; ++r) REQUIRE(s.initErrors[size_t(r)].empty());
     INFO("N=" << N);
-    // Init allocates one block per rank: flags and the collectives' two slots, nothing for send/recv.
+    // Init allocates one block per rank: flags and the collectives' two
+    // slots, the graph lane's, nothing for send/recv.
     CHECK(s.mem.live() == size_t(N));
     for (int r = 0; r < N; ++r) {
       const loom::DeviceMemoryStats m = s.comms[size_t(r)]->memoryStats();
-      CHECK(m.blockBytes == loom::flagAreaBytes(N) + loom::streamWindowBytes(1024));
+      CHECK(m.blockBytes == loom::flagAreaBytes(N) + loom::streamWindowBytes(1024) +
+                                loom::graphLaneBytes(N, loom::kDeviceGraphSlotBytes));
       CHECK(m.regionsOut == 0);
       CHECK(m.regionsIn == 0);
     }
@@ -1932,8 +1973,9 @@ TEST_CASE("CUDA communicator through the C API (simulated device): send/recv sta
   for (int r = 0; r < 3; ++r) {
     std::string d = dumpOf(comms[size_t(r)]);
     INFO(d);
-    CHECK(d.find(loom::strf("device sim:0, ipc path: %zu B allocated at init", loom::flagAreaBytes(3) + loom::cellAreaBytes(3) +
-                                                                          loom::streamWindowBytes(slot))) !=
+    CHECK(d.find(loom::strf("device sim:0, ipc path: %zu B allocated at init",
+                            loom::flagAreaBytes(3) + loom::cellAreaBytes(3) + loom::streamWindowBytes(slot) +
+                                loom::graphLaneBytes(3, size_t(8) << 20))) !=
           std::string::npos);
     CHECK(d.find("send/recv staging: 0 regions allocated here (0 B), 0 of peers mapped here") != std::string::npos);
   }
@@ -3771,8 +3813,9 @@ TEST_CASE("CUDA communicator (simulated device): LOOM_DEVICE_SLOT_BYTES sizes th
     for (loomComm_t c : comms) {
       CHECK(ipcOf(c).slotBytes() == 65536);
       CHECK(ipcOf(c).oneShotBytes() == std::stoul(oneShot));
-      CHECK(dumpOf(c).find(loom::strf("%zu B allocated at init", loom::flagAreaBytes(N) + loom::cellAreaBytes(N) +
-                                                                     loom::streamWindowBytes(65536))) !=
+      CHECK(dumpOf(c).find(loom::strf("%zu B allocated at init",
+                                      loom::flagAreaBytes(N) + loom::cellAreaBytes(N) + loom::streamWindowBytes(65536) +
+                                          loom::graphLaneBytes(N, size_t(8) << 20))) !=
             std::string::npos);
     }
     auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
@@ -4222,4 +4265,286 @@ TEST_CASE("loomScale: dst = src * k on the communicator's memory and stream (a C
   CHECK(loomScale(b.data(), a.data(), 10, loomInt32, nullptr, 0, h, nullptr) == loomInvalidArgument);
   CHECK(loomStreamDestroy(s) == loomSuccess);
   CHECK(loomCommDestroy(h) == loomSuccess);
+}
+
+namespace {
+
+// The simulated device's capture probe (cudaStreamCapturing) for a test.
+struct SimCaptureProbe {
+  SimCaptureProbe() { loom::setCudaCaptureProbeForTesting(loomsim::simStreamCapturing); }
+  ~SimCaptureProbe() { loom::setCudaCaptureProbeForTesting(nullptr); }
+  SimCaptureProbe(const SimCaptureProbe&) = delete;
+  SimCaptureProbe& operator=(const SimCaptureProbe&) = delete;
+};
+
+// A stream handle per rank to capture on (unique in the process).
+struct CaptureStreams {
+  std::vector<char> keys;
+  explicit CaptureStreams(loomsim::SimDeviceWorld& w) : keys(size_t(w.nranks())) {
+    for (int r = 0; r < w.nranks(); ++r) REQUIRE(w.rank(r).addCallerStream(&keys[size_t(r)]) > 0);
+  }
+  void* operator[](int r) { return &keys[size_t(r)]; }
+};
+
+// Every rank's graph of what issue(r, its capture stream) enqueues while
+// that stream is captured (one thread: a capture runs nothing).
+std::vector<loomsim::SimGraph> captureAll(loomsim::SimDeviceWorld& w, CaptureStreams& cs,
+                                          const std::function<void(int, void*)>& issue) {
+  std::vector<loomsim::SimGraph> graphs;
+  for (int r = 0; r < w.nranks(); ++r) {
+    w.rank(r).beginCapture(cs[r]);
+    try {
+      issue(r, cs[r]);
+    } catch (...) {
+      w.rank(r).endCapture(cs[r]);
+      throw;
+    }
+    graphs.push_back(w.rank(r).endCapture(cs[r]));
+  }
+  return graphs;
+}
+
+void launchAll(loomsim::SimDeviceWorld& w, CaptureStreams& cs, const std::vector<loomsim::SimGraph>& graphs,
+               int skip = -1) {
+  for (int r = 0; r < w.nranks(); ++r)
+    if (r != skip) w.rank(r).launchGraph(cs[r], graphs[size_t(r)]);
+}
+
+std::vector<Op> graphOps(int N) {
+  std::vector<Op> ops;
+  for (size_t c : {size_t(7), size_t(1000)})
+    for (bool ip : {false, true}) {
+      ops.push_back({Collective::AllReduce, loomFloat32, loomSum, c, 0, ip});
+      ops.push_back({Collective::ReduceScatter, loomInt32, loomSum, c, 0, ip});
+      ops.push_back({Collective::AllGather, loomFloat16, loomSum, c, 0, ip});
+      ops.push_back({Collective::Broadcast, loomUint8, loomSum, c, N - 1, ip});
+      ops.push_back({Collective::Reduce, loomFloat64, loomMax, c, N / 2, ip});
+      ops.push_back({Collective::AllToAll, loomBfloat16, loomSum, c, 0, ip});
+      ops.push_back({Collective::Gather, loomInt64, loomSum, c, N - 1, ip});
+      ops.push_back({Collective::Scatter, loomFloat32, loomSum, c, N / 2, ip});
+    }
+  ops.push_back({Collective::AllReduce, loomBfloat16, loomAvg, 3000, 0, false});
+  ops.push_back({Collective::AllReduce, loomInt8, loomProd, 513, 0, true});
+  ops.push_back({Collective::AllReduce, loomFloat32, loomSum, 0, 0, false});  // count 0: nothing
+  return ops;
+}
+
+}  // namespace
+
+TEST_CASE("graph lane (simulated device): a captured collective runs nothing at capture, and each replay is exact "
+          "with the inputs of its time, N = 1..4, ranks sharing a device and on two, eager calls on another stream "
+          "in between",
+          "[devcomm][graph]") {
+  SimCaptureProbe probe;
+  std::mt19937_64 rng(31);
+  for (int N : {1, 2, 3, 4})
+    for (int gpus : {1, 2}) {
+      if (gpus > N) continue;
+      loom::DeviceCommOptions opts;
+      opts.graphSlotBytes = 1024;  // several rounds per call
+      opts.oneShotBytes = 512;     // both all-reduce programs
+      SimComms s(N, gpus, opts);
+      for (const std::string& e : s.initErrors) REQUIRE(e.empty());
+      CaptureStreams cs(s.world);
+      const std::vector<Op> ops = graphOps(N);
+      Prepared eager = prepare(s, {Collective::AllReduce, loomInt32, loomSum, 300, 0, false}, rng);
+      uint64_t eagerRounds = 0;
+      for (const Op& o : ops) {
+        INFO(opName(o, N) << " gpus=" << gpus);
+        Prepared p = prepare(s, o, rng);
+        std::vector<std::vector<uint8_t>> atCapture;
+        for (int r = 0; r < N; ++r) atCapture.emplace_back(p.recv[size_t(r)], p.recv[size_t(r)] + p.recvBytes);
+        const std::vector<loomsim::SimGraph> g = captureAll(s.world, cs, [&](int r, void* st) { issue(s, p, r, st); });
+        REQUIRE(syncAll(s).empty());
+        for (int r = 0; r < N; ++r) CHECK(memcmp(p.recv[size_t(r)], atCapture[size_t(r)].data(), p.recvBytes) == 0);
+        for (int rep = 0; rep < 3; ++rep) {
+          Prepared q = rep == 0 ? p : prepare(s, o, rng, &p);  // new values in the captured buffers
+          launchAll(s.world, cs, g);
+          if (rep == 1) {  // an eager call on the NULL stream, while the replay may run
+            for (int r = 0; r < N; ++r) issue(s, eager, r);
+            ++eagerRounds;
+          }
+          const std::string problems = syncAll(s);
+          INFO("replay " << rep << ": " << problems);
+          REQUIRE(problems.empty());
+          CHECK(verify(q, N) == "");
+        }
+      }
+      CHECK(verify(eager, N) == "");  // the same inputs each time, out of place
+      for (int r = 0; r < N; ++r) {
+        CHECK_FALSE(s.comms[size_t(r)]->failed());
+        CHECK(s.comms[size_t(r)]->captured() == ops.size());
+        CHECK_FALSE(s.comms[size_t(r)]->replaying());
+        if (N > 1) CHECK(s.comms[size_t(r)]->round() > 0);  // the eager calls' rounds alone
+      }
+      (void)eagerRounds;
+    }
+}
+
+TEST_CASE("graph lane (simulated device): several calls in one graph and two graphs, launched back to back "
+          "without synchronising, every replay counted",
+          "[devcomm][graph]") {
+  SimCaptureProbe probe;
+  std::mt19937_64 rng(32);
+  const int N = 3;
+  loom::DeviceCommOptions opts;
+  opts.graphSlotBytes = 1024;
+  opts.oneShotBytes = 512;
+  SimComms s(N, 1, opts);
+  CaptureStreams cs(s.world);
+  Prepared a = prepare(s, {Collective::AllReduce, loomFloat32, loomSum, 2000, 0, false}, rng);
+  Prepared b = prepare(s, {Collective::AllGather, loomInt32, loomSum, 300, 0, false}, rng);
+  Prepared c = prepare(s, {Collective::Broadcast, loomUint8, loomSum, 5000, 1, false}, rng);
+  // In place: each replay sums again, so the result counts the replays.
+  const size_t n = 700;
+  std::vector<int32_t*> x(N);
+  for (int r = 0; r < N; ++r) {
+    x[size_t(r)] = reinterpret_cast<int32_t*>(s.mem.alloc(0, n * 4));
+    for (size_t i = 0; i < n; ++i) x[size_t(r)][i] = int32_t(i) + r;
+  }
+  const auto g1 = captureAll(s.world, cs, [&](int r, void* st) {
+    issue(s, a, r, st);
+    issue(s, b, r, st);
+    issue(s, c, r, st);
+  });
+  const auto g2 = captureAll(s.world, cs, [&](int r, void* st) {
+    loom::OpDesc d;
+    d.coll = Collective::AllReduce;
+    d.sendbuf = d.recvbuf = x[size_t(r)];
+    d.count = n;
+    d.dtype = loomInt32;
+    d.op = loomSum;
+    s.comms[size_t(r)]->run(d, st);
+  });
+  for (int k = 0; k < 3; ++k) {
+    launchAll(s.world, cs, g1);
+    launchAll(s.world, cs, g2);
+  }
+  REQUIRE(syncAll(s).empty());
+  CHECK(verify(a, N) == "");
+  CHECK(verify(b, N) == "");
+  CHECK(verify(c, N) == "");
+  // After one all-reduce every rank holds S(i) = 3i + 3; each next one
+  // multiplies by N.
+  long wrong = 0;
+  for (int r = 0; r < N; ++r)
+    for (size_t i = 0; i < n; ++i) wrong += x[size_t(r)][i] != (3 * int32_t(i) + 3) * N * N;
+  CHECK(wrong == 0);
+  for (int r = 0; r < N; ++r) CHECK(s.comms[size_t(r)]->round() == 0);  // no eager round was used
+}
+
+TEST_CASE("graph lane (simulated device): a dead rank during a replay fails the others naming it and their "
+          "replays end; a rank that does not launch its graph is a timeout; later launches end too",
+          "[devcomm][graph][abort]") {
+  SimCaptureProbe probe;
+  loomsim::SimDeviceOptions so;
+  so.deadlineMs = 15000;  // a wait still pending then was never released
+  loom::DeviceCommOptions opts;
+  opts.graphSlotBytes = 1024;
+  opts.drainTimeoutMs = 200;
+  opts.probeAfterMs = 50;
+  loomsim::SimDeviceWorld* world = nullptr;
+  bool dead = GENERATE(true, false);
+  INFO((dead ? "rank 2 dies" : "rank 2 does not launch"));
+  if (dead) {
+    opts.peerGone = [&world](int peer, std::string* why) {
+      if (!world || !world->dead(peer)) return false;
+      *why = "its control socket refuses";
+      return true;
+    };
+  } else {
+    opts.timeoutMs = 300;
+  }
+  SimComms s(3, 1, opts, true, so);
+  world = &s.world;
+  CaptureStreams cs(s.world);
+  std::mt19937_64 rng(33);
+  Prepared p = prepare(s, {Collective::AllReduce, loomFloat32, loomSum, 1000, 0, false}, rng);
+  const auto g = captureAll(s.world, cs, [&](int r, void* st) { issue(s, p, r, st); });
+  launchAll(s.world, cs, g);
+  REQUIRE(syncAll(s).empty());
+  CHECK(verify(p, 3) == "");
+  if (dead) s.world.kill(2);
+  launchAll(s.world, cs, g, 2);
+  for (int r = 0; r < 2; ++r) {
+    std::string msg;
+    CHECK(s.world.rank(r).synchronize(&msg) == loomSuccess);  // released, not failed by the device
+    INFO(msg);
+    std::string why;
+    CHECK(s.comms[size_t(r)]->failure(&why) == (dead ? loomRemoteError : loomTimeout));
+    INFO(why);
+    CHECK(why.find(dead ? "rank 2 is gone (its control socket refuses)" : "replay of a captured call") !=
+          std::string::npos);
+    if (!dead) CHECK(why.find("wait for rank 2") != std::string::npos);
+  }
+  // The communicator is failed for good, but a graph launched now still
+  // ends (released while it runs), and eager calls are refused.
+  launchAll(s.world, cs, g, 2);
+  for (int r = 0; r < 2; ++r) {
+    std::string msg;
+    CHECK(s.world.rank(r).synchronize(&msg) == loomSuccess);
+    CHECK_FALSE(s.comms[size_t(r)]->replaying());
+    loom::OpDesc d;
+    d.coll = Collective::AllReduce;
+    d.sendbuf = p.send[size_t(r)];
+    d.recvbuf = p.recv[size_t(r)];
+    d.count = 10;
+    d.dtype = loomFloat32;
+    CHECK_THROWS_AS(s.comms[size_t(r)]->run(d, nullptr), loom::Error);
+    CHECK_THROWS_AS(s.comms[size_t(r)]->run(d, cs[r]), loom::Error);
+  }
+  if (!dead) s.comms[2]->markFailed(loomRemoteError, "the test's");  // its peers failed: it would too
+}
+
+TEST_CASE("graph lane (simulated device): send/recv and a communicator without a graph lane refuse a capture; an "
+          "error while capturing leaves the communicator healthy",
+          "[devcomm][graph]") {
+  SimCaptureProbe probe;
+  std::mt19937_64 rng(34);
+  loom::DeviceCommOptions opts;
+  opts.graphSlotBytes = 1024;
+  SimComms s(2, 1, opts);
+  CaptureStreams cs(s.world);
+  Prepared p = prepare(s, {Collective::AllReduce, loomInt32, loomSum, 500, 0, false}, rng);
+  loom::OpDesc send;
+  send.coll = Collective::P2P;
+  send.isSend = true;
+  send.peer = 1;
+  send.sendbuf = p.send[0];
+  send.count = 10;
+  send.dtype = loomInt32;
+  s.world.rank(0).beginCapture(cs[0]);
+  try {
+    s.comms[0]->runP2P({send}, cs[0]);
+    FAIL("a send on a captured stream was taken");
+  } catch (const loom::Error& e) {
+    CHECK(e.code() == loomInvalidUsage);
+    CHECK(std::string(e.what()).find("not yet sends and receives") != std::string::npos);
+  }
+  // A launch that fails while capturing: the call fails, the communicator does not.
+  s.drivers[0]->failLaunch.store(true);
+  CHECK_THROWS_AS(issue(s, p, 0, cs[0]), loom::Error);
+  s.drivers[0]->failLaunch.store(false);
+  s.world.rank(0).endCapture(cs[0]);
+  CHECK_FALSE(s.comms[0]->failed());
+  CHECK(s.comms[0]->captured() == 0);
+  for (int r = 0; r < 2; ++r) issue(s, p, r);  // eager, on the NULL stream
+  REQUIRE(syncAll(s).empty());
+  CHECK(verify(p, 2) == "");
+
+  loom::DeviceCommOptions none;
+  none.graphSlotBytes = 0;
+  SimComms t(1, 1, none);
+  CaptureStreams ct(t.world);
+  Prepared q = prepare(t, {Collective::AllReduce, loomInt32, loomSum, 5, 0, false}, rng);
+  t.world.rank(0).beginCapture(ct[0]);
+  try {
+    issue(t, q, 0, ct[0]);
+    FAIL("a capture without a graph lane was taken");
+  } catch (const loom::Error& e) {
+    CHECK(e.code() == loomInvalidUsage);
+    CHECK(std::string(e.what()).find("LOOM_DEVICE_GRAPH_SLOT_BYTES=0") != std::string::npos);
+  }
+  t.world.rank(0).endCapture(ct[0]);
+  CHECK(t.comms[0]->memoryStats().blockBytes < s.comms[0]->memoryStats().blockBytes);
 }

@@ -271,17 +271,18 @@ void* cudaStreamOf(loomStream_t stream) {
     case StreamKind::Foreign:
       break;
   }
-  // A graph captured with a collective would replay its flag waits and
-  // writes with the values of the capture: the replay would not wait for
-  // the peers and would read stale data.  Refused, before anything is
-  // issued (a group member: at its call, so the group launches nothing).
-  if (cudaStreamCapturing(static_cast<void*>(stream)))
-    fail(loomInvalidUsage,
-         "stream %p is being captured into a CUDA graph: loom's CUDA collectives cannot be captured (a replay "
-         "would repeat the capture's flag values and not synchronise with the peers); issue them outside the "
-         "capture",
-         static_cast<void*>(stream));
   return static_cast<void*>(stream);
+}
+
+// cudaStreamOf for a call of `comm` (p2p: sends and receives): on a stream
+// being captured into a CUDA graph, only what the communicator's path can
+// capture is taken (DeviceCollectives::checkCapture: the ipc path's graph
+// lane captures collectives), before anything is issued (a group member:
+// at its call, so the group launches nothing).
+void* deviceStreamOf(loomComm* comm, loomStream_t stream, bool p2p) {
+  void* cs = cudaStreamOf(stream);
+  if (cudaStreamCapturing(cs)) comm->deviceComm()->checkCapture(cs, p2p);
+  return cs;
 }
 
 // A collective on a CUDA communicator: compiled to a stream program and
@@ -304,7 +305,7 @@ auto onDevice(loomComm* comm, F&& f) {
 // enqueues it.  nullptr: enqueued whole already (a path that does not step).
 std::unique_ptr<SteppedRun> beginOnDevice(loomComm* comm, loomStream_t stream, const OpDesc* op,
                                           const std::vector<OpDesc>* p2p) {
-  void* cs = cudaStreamOf(stream);
+  void* cs = deviceStreamOf(comm, stream, op == nullptr || op->coll == Collective::P2P);
   loomResult_t prior = comm->asyncError();
   if (prior != loomSuccess) fail(prior, "the communicator has failed: %s", comm->failure().c_str());
   return onDevice(comm, [&] {
@@ -518,7 +519,7 @@ LOOM_HOT loomResult_t issueOp(const char* call, loomComm* comm, loomStream_t str
         if (g.depth == 0) return runOnDevice(comm, stream, op);
         // In a group: checked now, enqueued by loomGroupEnd with the rest
         // (a group with a bad member enqueues nothing).
-        cudaStreamOf(stream);
+        deviceStreamOf(comm, stream, op.coll == Collective::P2P);
         comm->deviceComm()->check(op);
       }
       hostStream = comm->deviceComm() ? nullptr : hostStreamOf(stream);
@@ -559,7 +560,7 @@ loomResult_t issueExchange(const char* call, loomComm* comm, loomStream_t stream
       if (comm->deviceComm()) {
         // One send/recv program (or into the caller's group, checked now).
         if (g.depth == 0) return ops.empty() ? loomSuccess : runP2POnDevice(comm, stream, ops);
-        cudaStreamOf(stream);
+        deviceStreamOf(comm, stream, true);
         for (const OpDesc& op : ops) comm->deviceComm()->check(op);
       }
       hostStream = comm->deviceComm() ? nullptr : hostStreamOf(stream);

@@ -44,9 +44,11 @@ void checkRankInfo(RankInfo* info, int r) {
     fail(loomRemoteError, "rank 0 sent device path %u, staged pieces of %u B during init", info->devicePath,
          info->deviceStageBytes);
   if (info->deviceSlotBytes < 65536 || info->deviceSlotBytes > (1u << 28) || info->deviceSlotBytes % 4096 ||
-      info->deviceOneShotBytes > (1u << 31))
-    fail(loomRemoteError, "rank 0 sent device slots of %u B, one-shot all-reduces up to %u B during init",
-         info->deviceSlotBytes, info->deviceOneShotBytes);
+      info->deviceOneShotBytes > (1u << 31) || info->deviceGraphSlotBytes > (1u << 28) ||
+      info->deviceGraphSlotBytes % 4096 || (info->deviceGraphSlotBytes > 0 && info->deviceGraphSlotBytes < 65536))
+    fail(loomRemoteError,
+         "rank 0 sent device slots of %u B, graph lane slots of %u B, one-shot all-reduces up to %u B during init",
+         info->deviceSlotBytes, info->deviceGraphSlotBytes, info->deviceOneShotBytes);
   // The bounds config.cc enforces on rank 0's own environment.
   if (info->slots < 2 || info->slots > 1024 || info->slotBytes < 4096 || info->slotBytes > (64u << 20) ||
       info->slotBytes % 64 || info->mailBytes > (1u << 20) || info->mailBytes % 64 ||
@@ -170,6 +172,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
   mine.deviceStageBytes = uint32_t(cfg.deviceStageBytes);
   mine.deviceHierMinBytes = uint32_t(cfg.deviceHierMinBytes);
   mine.deviceSlotBytes = uint32_t(cfg.deviceSlotBytes);
+  mine.deviceGraphSlotBytes = uint32_t(cfg.deviceGraphSlotBytes);
   mine.deviceOneShotBytes = uint32_t(cfg.deviceOneShotBytes);
   mine.deviceZeroCopy = cfg.deviceZeroCopy ? 1 : 0;
   snprintf(mine.hostId, sizeof mine.hostId, "%s", host.c_str());
@@ -191,6 +194,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
     mine.deviceStageBytes = p->deviceStageBytes;
     mine.deviceHierMinBytes = p->deviceHierMinBytes;
     mine.deviceSlotBytes = p->deviceSlotBytes;
+    mine.deviceGraphSlotBytes = p->deviceGraphSlotBytes;
     mine.deviceOneShotBytes = p->deviceOneShotBytes;
     mine.deviceZeroCopy = p->deviceZeroCopy;
   }
@@ -310,13 +314,17 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
       o.pieceBytes = root.deviceStageBytes;
       device_ = std::make_unique<StagedDeviceComm>(rank, nranks, deviceDriverFor(deviceChoice, driverRank, nranks), o);
     } else {
+      DeviceCommOptions o = deviceOptions(root);
+      // The hierarchical path's sub-communicators are never given a
+      // captured stream (the hierarchical path refuses captures).
+      if (device.part) o.graphSlotBytes = 0;
       device_ = std::make_unique<DeviceComm>(
           rank, nranks, deviceDriverFor(deviceChoice, driverRank, nranks),
           [&boot](const void* m, size_t bytes, void* all) {
             std::vector<uint8_t> v = boot.allGather(m, bytes);
             memcpy(all, v.data(), v.size());
           },
-          deviceOptions(root));
+          o);
     }
     {
       std::lock_guard<std::mutex> g(earlySigsMutex_);
@@ -346,7 +354,7 @@ void loomComm::init(const UniqueIdData& id, int nranks, int rank, const BootChec
 }
 
 loom::DeviceCommOptions loomComm::deviceOptions(const RankInfo& root) {
-  DeviceCommOptions o{root.deviceSlotBytes, root.deviceOneShotBytes, thisProcessToken()};
+  DeviceCommOptions o{root.deviceSlotBytes, root.deviceGraphSlotBytes, root.deviceOneShotBytes, thisProcessToken()};
   // The watchdog: loomTimeout after LOOM_TIMEOUT_MS without progress, a
   // peer the control plane finds gone after a second without progress; its
   // failures go the way of a host operation's (the peers are told, and

@@ -60,6 +60,7 @@ struct RankInfo {
   uint32_t deviceSlotBytes;     // LOOM_DEVICE_SLOT_BYTES; rank 0's value is used by all
   uint32_t deviceOneShotBytes;  // LOOM_DEVICE_ONESHOT_BYTES; rank 0's value is used by all
   uint32_t deviceZeroCopy;      // LOOM_DEVICE_ZERO_COPY (1 on); rank 0's value is used by all
+  uint32_t deviceGraphSlotBytes;  // LOOM_DEVICE_GRAPH_SLOT_BYTES (0: none); rank 0's value is used by all
 };
 
 // Checks the record rank `r` sent during init (bytes from the network):

@@ -1,5 +1,6 @@
 #include "src/core/config.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -125,6 +126,12 @@ const std::vector<ConfigVar>& configTable() {
        "larger slots move large buffers faster: on an H200 with 2 processes, a 256 MiB all-reduce reached 51 GB/s "
        "with 4 MiB slots, 134 with 16 MiB, 211 with 32 MiB, 280 with 64 MiB, measured when an all-reduce's round "
        "was half a slot and moved 11/8 of today's bytes; rank 0's value is used by all)"},
+      {"LOOM_DEVICE_GRAPH_SLOT_BYTES", "int", "8388608",
+       "the CUDA IPC path's graph lane: collectives issued on a stream being captured into a CUDA graph run "
+       "replayable programs (they count their rounds from zero and return their flags to zero at the end, so every "
+       "replay synchronises with the peers anew) in a second window of two slots of this size and flags of their "
+       "own, allocated at init next to the first; 0: no graph lane, and such calls are refused (a multiple of 4096, "
+       "up to 268435456, raised to 65536 if smaller but not 0; rank 0's value is used by all)"},
       {"LOOM_DEVICE_ZERO_COPY", "bool", "1",
        "CUDA IPC path, collectives (not send/recv, not the in-place all-to-all) above "
        "LOOM_DEVICE_ONESHOT_BYTES: a rank whose send and recv buffers come from loomMemAlloc, or lie in device memory registered "
@@ -249,6 +256,9 @@ static Config readConfig() {
   c.devicePath = envChoice("LOOM_DEVICE_PATH", {"auto", "ipc", "staged", "hier"}, "auto");
   c.deviceHierMinBytes = envInt("LOOM_DEVICE_HIER_MIN_BYTES", 1 << 20, 0, int64_t(1) << 31);
   c.deviceSlotBytes = envInt("LOOM_DEVICE_SLOT_BYTES", 32 << 20, 65536, 1 << 28) & ~int64_t(4095);
+  c.deviceGraphSlotBytes = envInt("LOOM_DEVICE_GRAPH_SLOT_BYTES", 8 << 20, 0, 1 << 28);
+  if (c.deviceGraphSlotBytes > 0)  // 0 turns the lane off; anything else is a usable slot
+    c.deviceGraphSlotBytes = std::max<int64_t>(65536, c.deviceGraphSlotBytes & ~int64_t(4095));
   c.deviceZeroCopy = envBool("LOOM_DEVICE_ZERO_COPY", true);
   c.deviceOneShotBytes = envInt("LOOM_DEVICE_ONESHOT_BYTES", 256 << 10, 0, int64_t(1) << 31);
   c.dumpSignal = envInt("LOOM_DUMP_SIGNAL", 0, 0, 64);

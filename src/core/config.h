@@ -52,6 +52,7 @@ struct Config {
   int64_t deviceHierMinBytes = 1 << 20;  // LOOM_DEVICE_HIER_MIN_BYTES
   int64_t deviceStageBytes = 2 << 20;  // LOOM_DEVICE_STAGE_BYTES
   int64_t deviceSlotBytes = 32 << 20;  // LOOM_DEVICE_SLOT_BYTES
+  int64_t deviceGraphSlotBytes = 8 << 20;  // LOOM_DEVICE_GRAPH_SLOT_BYTES (0: no graph lane)
   bool deviceZeroCopy = true;          // LOOM_DEVICE_ZERO_COPY
   int64_t deviceOneShotBytes = 256 << 10;  // LOOM_DEVICE_ONESHOT_BYTES
   int64_t dumpSignal;         // LOOM_DUMP_SIGNAL (0 = none)

@@ -203,9 +203,15 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
   inRecords_.resize(size_t(nranks));
   if (slotBytes_ < 256 || slotBytes_ % 256)
     fail(loomInvalidArgument, "device slots of %zu bytes: need a multiple of 256", slotBytes_);
+  graphSlotBytes_ = options.graphSlotBytes;
+  if (graphSlotBytes_ % 256)
+    fail(loomInvalidArgument, "graph lane slots of %zu bytes: need a multiple of 256 (or 0)", graphSlotBytes_);
   imports_ = std::make_unique<IpcImportCache>(*driver_, process);
+  // The block: flags, cells, the collectives' window, then the graph
+  // lane's flags and window.
   const size_t flagBytes = flagAreaBytes(nranks), cellBytes = zeroCopy_ ? cellAreaBytes(nranks) : 0,
-               blockBytes = flagBytes + cellBytes + streamWindowBytes(slotBytes_);
+               graphAt = flagBytes + cellBytes + streamWindowBytes(slotBytes_),
+               blockBytes = graphAt + graphLaneBytes(nranks, graphSlotBytes_);
   blockBytes_ = blockBytes;
   // Everything below allocates, maps or creates streams: on this
   // communicator's device, whichever device the calling thread has current
@@ -258,7 +264,8 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
       const IpcRecord& rec = records_[size_t(r)];
       if (rec.bytes != blockBytes)
         fail(loomRemoteError, "rank %d's device window is %llu bytes, this rank's %zu: every rank must use the same "
-             "slot size (LOOM_DEVICE_SLOT_BYTES), zero-copy setting (LOOM_DEVICE_ZERO_COPY) and number of ranks", r,
+             "slot sizes (LOOM_DEVICE_SLOT_BYTES, LOOM_DEVICE_GRAPH_SLOT_BYTES), zero-copy setting "
+             "(LOOM_DEVICE_ZERO_COPY) and number of ranks", r,
              (unsigned long long)rec.bytes, blockBytes);
       if (r != rank && rec.board != 0) {
         try {
@@ -282,9 +289,19 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
         flagCopies_.push_back(reinterpret_cast<uint64_t*>(at) + size_t(rank) * kFlagCount);
         for (int f = 0; f < kFlagCount; ++f) released_.push_back(flags_.back() + f);
       }
+      if (graphSlotBytes_) {
+        uint8_t* lane = at + graphAt;
+        gwindows_.push_back(lane + flagBytes);
+        gflags_.push_back(own + (graphAt + size_t(r) * kFlagCount * sizeof(uint64_t)) / sizeof(uint64_t));
+        if (r != rank) {
+          gflagCopies_.push_back(reinterpret_cast<uint64_t*>(lane) + size_t(rank) * kFlagCount);
+          for (int f = 0; f < kFlagGraphBusy; ++f) greleased_.push_back(gflags_.back() + f);
+        }
+      }
     }
     // Its own copy last: seeing it set means the copies in the peers' memory were written before.
     flagCopies_.push_back(own + size_t(rank) * kFlagCount);
+    if (graphSlotBytes_) gflagCopies_.push_back(gflags_[size_t(rank)]);
   } catch (const Error& e) {
     code = e.code();
     snprintf(status.error, sizeof status.error, "%s", e.what());
@@ -336,8 +353,15 @@ bool DeviceComm::drain() {
   std::lock_guard<std::mutex> g(mu_);
   bool sent = false;
   for (uint64_t k : p2p_.sent) sent |= k > 0;
+  if (drainTimeoutMs_ == 0 && (round_ > 0 || sent || captured_.load() > 0)) return false;
+  // A replay running here (the caller should have synchronised, but a
+  // graph launched on another stream...): once it ends, every peer has
+  // finished reading this rank's graph window (makeReplayable).
+  while (captured_.load() > 0 && driver_->readFlag(gflags_[size_t(rank_)] + kFlagGraphBusy) != 0) {
+    if (nowMs() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
   if (round_ == 0 && !sent) return true;
-  if (drainTimeoutMs_ == 0) return false;
   for (int r = 0; r < nranks_; ++r) {
     // A peer that holds this rank's board keeps its memory allocated until
     // it unmaps it, after its last read: no need to wait for it here.
@@ -375,6 +399,10 @@ struct IpcRemains final : DeviceRemains {
   uint64_t target = 0;
   const uint64_t* ownP2PDone = nullptr;  // and the send/recv programs'
   uint64_t p2pTarget = 0;
+  // The graph lane's (when calls were captured): this rank's busy flag
+  // (a replay runs while it is 1) and the peer rows a release writes.
+  const uint64_t* graphBusy = nullptr;
+  std::vector<uint64_t*> graphReleased;
   bool streamsDone = false;
   std::vector<int> holding;  // who held the board at the last step (the warning)
 
@@ -385,8 +413,11 @@ struct IpcRemains final : DeviceRemains {
       try {
         const int previous = driver->enter();
         try {
-          streamsDone = driver->readFlag(ownDone) >= target && driver->readFlag(ownP2PDone) >= p2pTarget;
-          if (!streamsDone) driver->writeFlags(released.data(), released.size(), kReleasedFlag);
+          const bool eagerDone = driver->readFlag(ownDone) >= target && driver->readFlag(ownP2PDone) >= p2pTarget;
+          const bool graphDone = !graphBusy || driver->readFlag(graphBusy) == 0;
+          streamsDone = eagerDone && graphDone;
+          if (!eagerDone) driver->writeFlags(released.data(), released.size(), kReleasedFlag);
+          if (!graphDone) driver->writeFlags(graphReleased.data(), graphReleased.size(), kReleasedFlag);
         } catch (...) {
           driver->leave(previous);
           throw;
@@ -402,7 +433,7 @@ struct IpcRemains final : DeviceRemains {
     if (board) holding = board->holders(tracked);
     return holding.empty();
   }
-  bool releasing() const override { return !streamsDone && !released.empty(); }
+  bool releasing() const override { return !streamsDone && (!released.empty() || graphBusy); }
   std::string waitingFor() const override {
     if (!streamsDone) return "its streams to finish";
     if (imports) return "another destroyed communicator's streams, before it unmaps the peers' memory";
@@ -590,6 +621,27 @@ void reapDeviceRemains(std::unique_ptr<DeviceRemains> r) {
   }
 }
 
+void DeviceCollectives::checkCapture(void* stream, bool /*p2p*/) const {
+  fail(loomInvalidUsage,
+       "stream %p is being captured into a CUDA graph, but the %s path cannot capture loom's calls (a replay would "
+       "repeat the capture's flag values and not synchronise with the peers): issue them outside the capture, or "
+       "use the ipc path (LOOM_DEVICE_PATH=ipc: the ranks on one host)",
+       stream, pathName());
+}
+
+void DeviceComm::checkCapture(void* stream, bool p2p) const {
+  if (p2p)
+    fail(loomInvalidUsage,
+         "stream %p is being captured into a CUDA graph: loom captures collectives, not yet sends and receives; "
+         "issue them outside the capture",
+         stream);
+  if (!graphSlotBytes_)
+    fail(loomInvalidUsage,
+         "stream %p is being captured into a CUDA graph, but this communicator has no graph lane "
+         "(LOOM_DEVICE_GRAPH_SLOT_BYTES=0 when it was made)",
+         stream);
+}
+
 IpcRecord DeviceCollectives::p2pRegionFor(int reader) {
   fail(loomRemoteError, "rank %d asked this %s communicator (%s path) for a send/recv region, which it has none of",
        reader, deviceName(), pathName());
@@ -684,6 +736,10 @@ void DeviceComm::leaveMemory(bool streamsMayRun) {
     rest->target = enqueued_.load();
     rest->ownP2PDone = flags_[size_t(rank_)] + kFlagP2PDone;
     rest->p2pTarget = p2pEnqueued_.load();
+    if (captured_.load() > 0) {
+      rest->graphBusy = gflags_[size_t(rank_)] + kFlagGraphBusy;
+      rest->graphReleased = greleased_;
+    }
   }
   // Freed now if no peer maps it any more, else once none does.
   rest->driver = std::move(driver_);
@@ -718,6 +774,14 @@ bool DeviceComm::programsDone() {
 }
 
 void DeviceComm::release() { driver_->writeFlags(released_.data(), released_.size(), kReleasedFlag); }
+
+void DeviceComm::releaseGraph() { driver_->writeFlags(greleased_.data(), greleased_.size(), kReleasedFlag); }
+
+bool DeviceComm::replaying() {
+  if (captured_.load() == 0) return false;
+  DeviceScope current(*driver_);
+  return driver_->readFlag(gflags_[size_t(rank_)] + kFlagGraphBusy) != 0;
+}
 
 int64_t DeviceComm::checkSignatures() {
   if (!sigs_) return 100;
@@ -835,6 +899,67 @@ int64_t DeviceComm::checkProgress(int64_t now) {
   return 5;
 }
 
+int64_t DeviceComm::checkGraphProgress(int64_t now) {
+  const int64_t timeoutMs = timeoutMs_.load();
+  if (!peerGone_ && timeoutMs <= 0) {
+    gMovedMs_ = gProbedMs_ = now;
+    return 100;
+  }
+  enterDevice();
+  std::vector<uint64_t> all(size_t(nranks_) * kFlagCount);
+  driver_->readFlags(gflags_[0], all.size(), all.data());  // the rows are contiguous
+  auto at = [&](int r, int f) { return all[size_t(r) * kFlagCount + size_t(f)]; };
+  if (at(rank_, kFlagGraphBusy) == 0) {  // no replay here: a launch starts one any time
+    gMovedMs_ = gProbedMs_ = now;
+    return 100;
+  }
+  uint64_t sum = 0;
+  for (uint64_t v : all) sum += v;
+  if (sum != gSeenSum_) {
+    gSeenSum_ = sum;
+    gMovedMs_ = gProbedMs_ = now;
+  }
+  const int64_t still = now - gMovedMs_;
+  // How far each peer's replay got as seen here: reset, end, then its
+  // round flags.  The peers furthest behind are the ones waited for.
+  auto progress = [&](int r) {
+    return (at(r, kFlagGraphReset) ? uint64_t(1) << 62 : 0) + (at(r, kFlagGraphEnd) ? uint64_t(1) << 61 : 0) +
+           std::max({at(r, kFlagInput), at(r, kFlagReduced), at(r, kFlagDone)});
+  };
+  uint64_t least = ~uint64_t(0);
+  for (int r = 0; r < nranks_; ++r)
+    if (r != rank_) least = std::min(least, progress(r));
+  std::vector<int> behind;
+  for (int r = 0; r < nranks_; ++r)
+    if (r != rank_ && progress(r) == least) behind.push_back(r);
+  if (peerGone_ && still >= probeAfterMs_ && now - gProbedMs_ >= probeAfterMs_) {
+    gProbedMs_ = now;
+    for (int r = 0; r < nranks_; ++r) {
+      std::string why;
+      if (r != rank_ && peerGone_(r, &why)) {
+        failFromWatchdog(loomRemoteError,
+                         strf("rank %d: rank %d is gone (%s) while this rank's %s streams replayed a captured call "
+                              "(a CUDA graph) with it",
+                              rank_, r, why.c_str(), driver_->name()),
+                         r);
+        return 1;
+      }
+    }
+  }
+  if (timeoutMs > 0 && still >= timeoutMs) {
+    std::string who;
+    for (int r : behind) who += strf("%s%d", who.empty() ? "" : ", ", r);
+    failFromWatchdog(loomTimeout,
+                     strf("rank %d: a replay of a captured call (a CUDA graph) made no progress on %s:%d for %lld ms "
+                          "(LOOM_TIMEOUT_MS): this rank's streams wait for rank %s (every rank must launch the "
+                          "graphs with this communicator's calls in the same order)",
+                          rank_, driver_->name(), driver_->device(), (long long)still, who.empty() ? "?" : who.c_str()),
+                     behind.empty() ? -1 : behind.front());
+    return 1;
+  }
+  return 5;
+}
+
 void DeviceComm::enterDevice() {
   if (entered_) return;
   previousDevice_ = driver_->enter();
@@ -860,9 +985,22 @@ void DeviceComm::watch() {
           released = programsDone();
         }
         sleepMs = released ? 100 : 1;
+        // A replay may start any time a graph is launched, and zeroes its
+        // flags as it goes: released whenever one runs, for as long as the
+        // communicator lives.
+        if (captured_.load() > 0) {
+          enterDevice();
+          if (driver_->readFlag(gflags_[size_t(rank_)] + kFlagGraphBusy) != 0) {
+            releaseGraph();
+            sleepMs = 1;
+          } else {
+            sleepMs = std::min<int64_t>(sleepMs, 10);
+          }
+        }
       } else {
         sleepMs = checkSignatures();
         if (!failedFlag_.load()) sleepMs = std::min(sleepMs, checkProgress(nowMs()));
+        if (!failedFlag_.load() && captured_.load() > 0) sleepMs = std::min(sleepMs, checkGraphProgress(nowMs()));
       }
     } catch (const Error& e) {
       // A CUDA error in the watchdog's own reads is the device's (a sticky
@@ -1003,15 +1141,15 @@ bool sameStream(const void* a, const void* b) {
 // and its buffers, and enqueues them in steps (ProgramEnqueuer).
 class DeviceComm::Run final : public SteppedRun {
  public:
-  Run(DeviceComm& comm, std::unique_lock<std::mutex> lock, StreamProgram program, ProgramBuffers buffers, bool p2p)
-      : comm_(comm), lock_(std::move(lock)), p_(std::move(program)), b_(std::move(buffers)), p2p_(p2p) {}
+  Run(DeviceComm& comm, std::unique_lock<std::mutex> lock, StreamProgram program, ProgramBuffers buffers, Lane lane)
+      : comm_(comm), lock_(std::move(lock)), p_(std::move(program)), b_(std::move(buffers)), lane_(lane) {}
   ~Run() override {
     if (failed_) return;
-    if (enq_ && !done_)
+    if (enq_ && !done_ && lane_ != Lane::Graph)
       comm_.failEnqueue(loomInternalError, "a call was left half enqueued (its group stopped at another's error)",
-                        p2p_);
+                        lane_);
     else
-      comm_.noteEnqueued(p2p_);
+      comm_.noteEnqueued(lane_);
   }
   const StreamProgram& program() const { return p_; }
   // After the backend's preamble: checks the whole program, enqueues none of it.
@@ -1033,7 +1171,9 @@ class DeviceComm::Run final : public SteppedRun {
   // communicator (failed(), under the same lock) while the run still lives.
   void failWith(const Error& e) {
     failed_ = true;
-    comm_.failEnqueue(e.code(), e.what(), p2p_);
+    // A captured call's error spoils the capture, not the communicator:
+    // nothing of it ran, and no counter moved.
+    if (lane_ != Lane::Graph) comm_.failEnqueue(e.code(), e.what(), lane_);
     lock_.unlock();
   }
 
@@ -1042,17 +1182,17 @@ class DeviceComm::Run final : public SteppedRun {
   std::unique_lock<std::mutex> lock_;
   StreamProgram p_;
   ProgramBuffers b_;
-  bool p2p_;
+  Lane lane_;
   std::unique_ptr<ProgramEnqueuer> enq_;
   bool done_ = false, failed_ = false;
 };
 
-void DeviceComm::failEnqueue(loomResult_t code, const std::string& what, bool p2p) {
+void DeviceComm::failEnqueue(loomResult_t code, const std::string& what, Lane lane) {
   failCode_ = code;
   failed_ = what;
   // Half a program may be enqueued: release its waits (its last round may
   // never be done; the memory then outlives it, see ~DeviceComm).
-  if (p2p)
+  if (lane == Lane::P2P)
     p2pEnqueued_.store(p2p_.programs);
   else
     enqueued_.store(round_);
@@ -1064,8 +1204,10 @@ void DeviceComm::failEnqueue(loomResult_t code, const std::string& what, bool p2
   wcv_.notify_all();
 }
 
-void DeviceComm::noteEnqueued(bool p2p) {
-  if (p2p)
+void DeviceComm::noteEnqueued(Lane lane) {
+  if (lane == Lane::Graph)
+    captured_.fetch_add(1);
+  else if (lane == Lane::P2P)
     p2pEnqueued_.store(p2p_.programs);
   else
     enqueued_.store(round_);
@@ -1089,6 +1231,7 @@ std::unique_ptr<SteppedRun> DeviceComm::beginRun(const OpDesc& op, void* callerS
   // beginRun directly, from a thread that may have another device current.
   DeviceScope current(*driver_);
   check(op);
+  if (cudaStreamCapturing(callerStream)) return beginGraphRun(op, callerStream);
   const size_t esz = dtypeSize(op.dtype), n = op.count;
   const DeviceOpShape sh = deviceOpShape(op, rank_, nranks_);
   const bool needSend = sh.needSend, needRecv = sh.needRecv;
@@ -1142,7 +1285,7 @@ std::unique_ptr<SteppedRun> DeviceComm::beginRun(const OpDesc& op, void* callerS
   b.windowBytes = streamWindowBytes(slotBytes_);
   b.flags = flags_;
   b.flagCopies = flagCopies_;
-  auto run = std::make_unique<Run>(*this, std::move(g), std::move(p), std::move(b), false);
+  auto run = std::make_unique<Run>(*this, std::move(g), std::move(p), std::move(b), Lane::Collective);
   try {
     round_ = round;  // the peers advance theirs whatever happens here
     // The mismatch check: the watchdog, woken once the call is enqueued,
@@ -1158,6 +1301,37 @@ std::unique_ptr<SteppedRun> DeviceComm::beginRun(const OpDesc& op, void* callerS
       run->start(be);
       collStream_ = callerStream;
     }
+  } catch (const Error& e) {
+    run->failWith(e);
+    throw;
+  }
+  return run;
+}
+
+// A collective on a stream being captured: a replayable program in the
+// graph lane (makeReplayable), which leaves the round counter, the stream
+// order of eager calls and the mismatch check alone.
+std::unique_ptr<SteppedRun> DeviceComm::beginGraphRun(const OpDesc& op, void* callerStream) {
+  checkCapture(callerStream, false);
+  const DeviceOpShape sh = deviceOpShape(op, rank_, nranks_);
+  const StreamAlgorithm algo = allReduceAlgorithm(op.count * dtypeSize(op.dtype));
+  std::unique_lock<std::mutex> g(mu_);
+  if (failCode_ != loomSuccess) fail(failCode_, "the %s communicator has failed: %s", driver_->name(), failed_.c_str());
+  uint64_t round = 0;
+  StreamProgram p = makeReplayable(compileStreamProgram(op, rank_, nranks_, algo, graphSlotBytes_, &round));
+  ProgramBuffers b;
+  b.send = sh.needSend ? op.sendbuf : nullptr;
+  b.sendBytes = sh.needSend ? sh.sendBytes : 0;
+  b.recv = sh.needRecv ? op.recvbuf : nullptr;
+  b.recvBytes = sh.needRecv ? sh.recvBytes : 0;
+  b.windows = gwindows_;
+  b.windowBytes = streamWindowBytes(graphSlotBytes_);
+  b.flags = gflags_;
+  b.flagCopies = gflagCopies_;
+  auto run = std::make_unique<Run>(*this, std::move(g), std::move(p), std::move(b), Lane::Graph);
+  try {
+    const StreamProgram& prog = run->program();
+    if (!prog.ops.empty()) run->start(driver_->backend(callerStream, prog.streams, prog.events));
   } catch (const Error& e) {
     run->failWith(e);
     throw;
@@ -1605,6 +1779,7 @@ std::unique_ptr<SteppedRun> DeviceComm::beginRunP2P(const std::vector<OpDesc>& o
     if (op.coll != Collective::P2P) fail(loomInternalError, "runP2P given %s", collectiveName(op.coll));
     check(op);
   }
+  if (cudaStreamCapturing(callerStream)) checkCapture(callerStream, true);
   {
     std::lock_guard<std::mutex> g(mu_);
     if (failCode_ != loomSuccess)
@@ -1646,7 +1821,7 @@ std::unique_ptr<SteppedRun> DeviceComm::beginRunP2P(const std::vector<OpDesc>& o
   P2PCounters counters = p2p_;
   const uint64_t before = p2p_.programs;  // send/recv programs enqueued so far (kFlagP2PDone's last value)
   StreamProgram p = compileP2PProgram(ops, rank_, nranks_, slotBytes_, &counters);
-  auto run = std::make_unique<Run>(*this, std::move(g), std::move(p), std::move(b), true);
+  auto run = std::make_unique<Run>(*this, std::move(g), std::move(p), std::move(b), Lane::P2P);
   try {
     p2p_ = counters;  // the peers count these chunks whatever happens here
     const StreamProgram& prog = run->program();

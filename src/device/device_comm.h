@@ -83,6 +83,11 @@ constexpr size_t kIpcHandleBytes = 64;  // cudaIpcMemHandle_t
 inline size_t flagAreaBytes(int nranks) {
   return (size_t(nranks) * kFlagCount * sizeof(uint64_t) + 255) / 256 * 256;
 }
+// The graph lane's part of a rank's block, after the collectives' window:
+// a flag area and a window of two graph slots (none without a lane).
+inline size_t graphLaneBytes(int nranks, size_t graphSlotBytes) {
+  return graphSlotBytes ? flagAreaBytes(nranks) + 2 * graphSlotBytes : 0;
+}
 // Device zero-copy's cell area (CellIndex), after the flags when the
 // communicator has it (DeviceCommOptions::zeroCopy), padded the same way.
 inline size_t cellAreaBytes(int nranks) {
@@ -97,6 +102,10 @@ constexpr uint64_t kReleasedFlag = uint64_t(1) << 62;
 // by default: each round costs tens of microseconds on a GPU whatever its
 // size, docs/testing.md).
 constexpr size_t kDeviceSlotBytes = size_t(4) << 20;
+// The graph lane's slot DeviceCommOptions defaults to (the unit tests':
+// small, so that captured calls take several rounds).  Communicators made
+// through the C API take LOOM_DEVICE_GRAPH_SLOT_BYTES (8 MiB by default).
+constexpr size_t kDeviceGraphSlotBytes = size_t(256) << 10;
 // All-reduces up to this size use the one-shot program, larger ones
 // reduce-scatter + all-gather.
 constexpr size_t kDeviceOneShotBytes = size_t(256) << 10;
@@ -292,6 +301,12 @@ bool decodeRegionAnswer(int peer, const std::vector<uint8_t>& bytes, IpcRecord* 
 
 struct DeviceCommOptions {
   size_t slotBytes = kDeviceSlotBytes;        // every rank must use the same
+  // The graph lane: calls on a stream being captured into a CUDA graph run
+  // replayable programs (makeReplayable) in a window of two slots of this
+  // size and a flag area of their own, after the collectives' window in
+  // the block (0: no graph lane, such calls are loomInvalidUsage).  Every
+  // rank must use the same.
+  size_t graphSlotBytes = kDeviceGraphSlotBytes;
   size_t oneShotBytes = kDeviceOneShotBytes;  // all-reduce: one-shot up to this size
   uint64_t process = 0;                       // this process (IpcRecord::process; thisProcessToken())
   // At destruction, how long to wait for the peers to finish reading this
@@ -391,6 +406,11 @@ class DeviceCollectives {
   virtual const char* pathName() const = 0;
   // Whether run()/runP2P() would take `op` (see DeviceComm::check).
   virtual void check(const OpDesc& op) const = 0;
+  // `stream` is being captured into a CUDA graph: throws loomInvalidUsage
+  // with the reason unless this path can capture a collective (p2p: sends
+  // and receives) on it.  Only DeviceComm's graph lane captures
+  // collectives; this default refuses everything.
+  virtual void checkCapture(void* stream, bool p2p) const;
   virtual void run(const OpDesc& op, void* callerStream) = 0;
   virtual void runP2P(const std::vector<OpDesc>& ops, void* callerStream) = 0;
   // run()/runP2P() in steps, for one thread that drives several
@@ -532,10 +552,19 @@ class DeviceComm final : public DeviceCollectives {
   // naming the buffer).  Changes nothing (a group checks every member
   // before it runs any).
   void check(const OpDesc& op) const override;
+  // Collectives are captured when the communicator has a graph lane;
+  // sends and receives are not yet.
+  void checkCapture(void* stream, bool p2p) const override;
   // Checks op (check()), compiles this rank's program
   // and enqueues it on callerStream.  Returns once enqueued.  An error
   // while enqueueing leaves the communicator failed (its rounds can no
   // longer agree with the peers'): every later call fails with it.
+  // On a stream being captured into a CUDA graph (cudaStreamCapturing),
+  // the call takes the graph lane instead (makeReplayable): it moves no
+  // round counter and an enqueue error leaves the communicator healthy
+  // (the capture is what is spoiled; nothing ran).  Replays of captured
+  // calls must follow each other on a rank (one stream, or ordered), in
+  // the same order on every rank, as eager calls do.
   void run(const OpDesc& op, void* callerStream) override;
   // Sends and receives (P2P ops: one call, or a group's members in order)
   // as one stream program on callerStream (compileP2PProgram: chunk by
@@ -585,6 +614,11 @@ class DeviceComm final : public DeviceCollectives {
     return bytes <= oneShotBytes_ ? StreamAlgorithm::OneShot : StreamAlgorithm::ReduceScatterAllGather;
   }
   uint64_t round() const;  // the round counter (tests)
+  uint64_t captured() const { return captured_.load(); }  // calls captured into graphs so far
+  size_t graphSlotBytes() const { return graphSlotBytes_; }
+  // Whether a replay of a captured call runs on this rank now (its own busy
+  // flag, read now; false without a graph lane).
+  bool replaying();
   // Whether the communicator failed (every later run() then fails).
   bool failed() const override;
   // The failure (loomSuccess if none) and its message.
@@ -609,11 +643,18 @@ class DeviceComm final : public DeviceCollectives {
 
  private:
   class Run;  // a call being enqueued (device_comm.cc)
+  enum class Lane : uint8_t { Collective, P2P, Graph };
+  // beginRun on a stream being captured (the graph lane).
+  std::unique_ptr<SteppedRun> beginGraphRun(const OpDesc& op, void* callerStream);
+  // The watchdog's look at the graph lane while healthy: how long to sleep next.
+  int64_t checkGraphProgress(int64_t now);
+  // Writes kReleasedFlag into every peer row of this rank's graph flags.
+  void releaseGraph();
   // A call's enqueue failed (or was abandoned) half-way: the communicator
   // fails for good, and the watchdog releases whatever waits on it.  Under mu_.
-  void failEnqueue(loomResult_t code, const std::string& what, bool p2p);
+  void failEnqueue(loomResult_t code, const std::string& what, Lane lane);
   // A call is enqueued whole: the watchdog may look at it.  Under mu_.
-  void noteEnqueued(bool p2p);
+  void noteEnqueued(Lane lane);
   // Hands this rank's memory, the peers' mappings, the holds and the
   // driver to the reaper (device_comm.cc's IpcRemains), which frees them at
   // once if it can: once this rank's streams are done (streamsMayRun: it
@@ -687,6 +728,16 @@ class DeviceComm final : public DeviceCollectives {
   std::vector<uint64_t*> flagCopies_;  // where this rank's flag writes go (its row of every area, its own last)
   std::vector<uint64_t*> released_;    // the flags a release writes (every peer row here)
   std::vector<uint64_t*> peerFlags_;   // per rank r: this rank's row in r's area (per-pair flag writes)
+  // The graph lane (graphSlotBytes_ > 0), laid out as the collectives':
+  // every rank's graph window as mapped here, row r of this rank's graph
+  // flag area, this rank's row of every graph area (its own last), and
+  // the flags a release writes (every peer row's, but the busy flag).
+  size_t graphSlotBytes_ = 0;
+  std::vector<uint8_t*> gwindows_;
+  std::vector<uint64_t*> gflags_, gflagCopies_, greleased_;
+  std::atomic<uint64_t> captured_{0};
+  uint64_t gSeenSum_ = 0;  // the watchdog's: the graph flags' sum as last seen, and when it moved
+  int64_t gMovedMs_ = 0, gProbedMs_ = 0;
   P2PCounters p2p_;                    // send/recv: chunks per peer, programs (under mu_)
   std::function<IpcRecord(int)> fetchRegion_;
   // Send/recv staging, per peer.  Out: this rank's allocations (p2pMu_,

@@ -9,7 +9,15 @@ namespace loom {
 
 namespace {
 
-const char* flagName(int f) {
+const char* flagName(int f, bool replayable) {
+  if (replayable) switch (f) {
+      case kFlagGraphEnd:
+        return "end";
+      case kFlagGraphReset:
+        return "reset";
+      case kFlagGraphBusy:
+        return "busy";
+    }
   switch (f) {
     case kFlagInput:
       return "input";
@@ -64,13 +72,13 @@ std::string StreamProgram::describe() const {
     s += strf("s%d ", o.stream);
     switch (o.kind) {
       case StreamOpKind::WaitFlag:
-        s += strf("wait flag[%d].%s >= %llu", o.flagRank, flagName(o.flag), (unsigned long long)o.value);
+        s += strf("wait flag[%d].%s >= %llu", o.flagRank, flagName(o.flag, replayable), (unsigned long long)o.value);
         break;
       case StreamOpKind::SetFlag:
-        s += strf("set flag[%d].%s = %llu", rank, flagName(o.flag), (unsigned long long)o.value);
+        s += strf("set flag[%d].%s = %llu", rank, flagName(o.flag, replayable), (unsigned long long)o.value);
         break;
       case StreamOpKind::SetPeerFlag:
-        s += strf("set flag[%d].%s = %llu for rank %d", rank, flagName(o.flag), (unsigned long long)o.value,
+        s += strf("set flag[%d].%s = %llu for rank %d", rank, flagName(o.flag, replayable), (unsigned long long)o.value,
                   o.flagRank);
         break;
       case StreamOpKind::SetCell:
@@ -97,6 +105,10 @@ std::string StreamProgram::describe() const {
         break;
       case StreamOpKind::WaitEvent:
         s += strf("wait event %d", o.event);
+        break;
+      case StreamOpKind::SetLocal:
+        s += strf("set own flag[%d].%s = %llu", o.flagRank, flagName(o.flag, replayable),
+                  (unsigned long long)o.value);
         break;
     }
     s += "\n";
@@ -210,6 +222,7 @@ void ProgramEnqueuer::visit(size_t index, bool enqueue) {
     case StreamOpKind::WaitFlag:
     case StreamOpKind::SetFlag:
     case StreamOpKind::SetPeerFlag:
+    case StreamOpKind::SetLocal:
       if (o.flag >= kFlagCount || o.flagRank < 0 || o.flagRank >= p.nranks) res.bad("names no flag");
       if (o.kind == StreamOpKind::SetFlag && o.flagRank != p.rank) res.bad("sets another rank's flag");
       if (o.kind == StreamOpKind::SetPeerFlag && b.peerFlags.size() != size_t(p.nranks))
@@ -306,6 +319,9 @@ void ProgramEnqueuer::visit(size_t index, bool enqueue) {
       break;
     case StreamOpKind::WaitEvent:
       be.waitEvent(o.stream, o.event);
+      break;
+    case StreamOpKind::SetLocal:
+      be.setFlag(o.stream, b.flags[size_t(o.flagRank)] + o.flag, o.value);
       break;
   }
 }

@@ -66,6 +66,21 @@ enum FlagIndex : uint8_t {
 // The flags of the collectives' rounds (a round counter every rank advances).
 constexpr int kRoundFlags = 3;
 
+// Replayable programs: a call captured into a CUDA graph.  A replay repeats
+// every value the capture enqueued, so such a program cannot continue the
+// communicator's round counter: it runs in a flag area and window of its
+// own (DeviceComm's graph lane), counts its rounds from zero, and returns
+// every flag it used to zero before it ends (makeReplayable,
+// algorithms/stream_collectives.h), so the next replay, or the next
+// captured call, starts from zeros again.  Its flags, in the same layout:
+// the round flags (kFlagInput, kFlagReduced, kFlagDone), then these three.
+constexpr uint8_t kFlagGraphEnd = 3;    // the owner finished the program: none of its writes of it is to come
+constexpr uint8_t kFlagGraphReset = 4;  // the owner zeroed its own area's rows after seeing everyone's end
+// In the owner's own row of its own area only, which no peer writes: 1
+// from a replayable program's first op to its last (the watchdog's and
+// destroy's "a replay is running here").
+constexpr uint8_t kFlagGraphBusy = 5;
+
 // Device zero-copy.  Each rank has a cell area beside its flags: row q holds
 // rank q's cells as published to this rank, kCellCount cells of
 // kCellWords words each: {the buffer's start as mapped in this rank, its
@@ -115,6 +130,8 @@ enum class StreamOpKind : uint8_t {
   Divide,       // dst = src[0] / divisor, `count` elements (loomAvg's last step)
   RecordEvent,  // event `event` completes when the stream's earlier work has
   WaitEvent,    // stream waits for the last record of `event` enqueued before this op
+  SetLocal,     // this rank's own copy of flag(flagRank, flag), where its waits read it, = value;
+                // no peer sees it (a replayable program's zeroing and busy mark)
 };
 
 struct StreamOp {
@@ -142,6 +159,7 @@ struct StreamProgram {
   loomRedOp_t op = loomSum;
   uint64_t firstRound = 0;  // rounds [firstRound, firstRound + rounds) of the communicator
   uint64_t rounds = 0;
+  bool replayable = false;  // made by makeReplayable (flags 3..5 are the graph lane's)
   std::vector<StreamOp> ops;
   std::vector<ProgramRef> srcs;
 
