@@ -272,6 +272,14 @@ LOOM_API loomResult_t loomCudaDeviceCount(int* count);
  * with CUDA's message if CUDA cannot say. */
 LOOM_API loomResult_t loomCudaGetDevice(int* device);
 
+/* Whether `stream` (a cudaStream_t; NULL: the legacy default stream) is
+ * being captured into a CUDA graph now (cudaStreamIsCapturing): *capturing
+ * is 1 or 0, and 0 where the process has no CUDA device.  A CUDA
+ * communicator's collectives on such a stream are captured (the ipc path's
+ * graph lane, docs/usage.md "CUDA graphs").  loomInvalidArgument on NULL
+ * capturing. */
+LOOM_API loomResult_t loomCudaStreamCapturing(void* stream, int* capturing);
+
 /* Stores in *asyncError the error that failed the communicator in the
  * background (loomSuccess when none).  Once a communicator has failed every
  * later call on it returns that error; destroy or abort it, or shrink it.

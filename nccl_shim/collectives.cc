@@ -85,7 +85,7 @@ ncclResult_t prologue(const char* call, ncclComm_t comm, cudaStream_t stream) {
 // The op and type of a reducing call.  The PreMulSum is copied: NCCL lets
 // the operator be destroyed as soon as the call that uses it returns.
 ncclResult_t reduction(const char* call, ncclComm_t comm, ncclDataType_t type, ncclRedOp_t op,
-                       const void* sendbuff, size_t inCount, Reduction* out) {
+                       const void* sendbuff, size_t inCount, cudaStream_t stream, Reduction* out) {
   int t = int(type), o = int(op);
   if (t == ncclFloat8e4m3 || t == ncclFloat8e5m2)
     return fail(ncclInvalidUsage,
@@ -110,6 +110,13 @@ ncclResult_t reduction(const char* call, ncclComm_t comm, ncclDataType_t type, n
                 int(out->pms.type), t);
   if (inCount > SIZE_MAX / 16) return fail(ncclInvalidArgument, "%s: count %zu is too large", call, inCount);
   if (inCount && !sendbuff) return fail(ncclInvalidArgument, "%s: sendbuff is NULL", call);
+  int capturing = 0;
+  if (comm->cuda() && loomCudaStreamCapturing(stream, &capturing) == loomSuccess && capturing)
+    return fail(ncclInvalidUsage,
+                "%s: a PreMulSum on a stream being captured into a CUDA graph is not supported yet: its scaled copy "
+                "needs device scratch that would be allocated during the capture (which invalidates it) or shared "
+                "with calls outside it; issue it outside the capture, or sum and scale apart",
+                call);
   out->op = loomSum;
   out->preMul = true;
   return ncclSuccess;
@@ -122,7 +129,7 @@ NCCL_SHIM_API(ncclResult_t, ncclAllReduce, const void* sendbuff, void* recvbuff,
   const char* call = "ncclAllReduce";
   Reduction red;
   if (ncclResult_t r = prologue(call, comm, stream)) return r;
-  if (ncclResult_t r = reduction(call, comm, datatype, op, sendbuff, count, &red)) return r;
+  if (ncclResult_t r = reduction(call, comm, datatype, op, sendbuff, count, stream, &red)) return r;
   Scaled in = scaled(red, comm, sendbuff, count);
   loomComm_t lc = comm->loom;
   return submit(
@@ -136,7 +143,7 @@ NCCL_SHIM_API(ncclResult_t, ncclReduce, const void* sendbuff, void* recvbuff, si
   const char* call = "ncclReduce";
   Reduction red;
   if (ncclResult_t r = prologue(call, comm, stream)) return r;
-  if (ncclResult_t r = reduction(call, comm, datatype, op, sendbuff, count, &red)) return r;
+  if (ncclResult_t r = reduction(call, comm, datatype, op, sendbuff, count, stream, &red)) return r;
   Scaled in = scaled(red, comm, sendbuff, count);
   loomComm_t lc = comm->loom;
   return submit(
@@ -155,7 +162,7 @@ NCCL_SHIM_API(ncclResult_t, ncclReduceScatter, const void* sendbuff, void* recvb
   size_t inCount = recvcount * size_t(comm->nranks);
   if (comm->nranks && inCount / size_t(comm->nranks) != recvcount)
     return fail(ncclInvalidArgument, "%s: recvcount %zu is too large", call, recvcount);
-  if (ncclResult_t r = reduction(call, comm, datatype, op, sendbuff, inCount, &red)) return r;
+  if (ncclResult_t r = reduction(call, comm, datatype, op, sendbuff, inCount, stream, &red)) return r;
   Scaled in = scaled(red, comm, sendbuff, inCount);
   loomComm_t lc = comm->loom;
   // A scaled copy is never in place: loom then reads all of it.

@@ -28,6 +28,7 @@
 #include "src/core/clock.h"
 #include "src/core/comm.h"
 #include "src/core/config.h"
+#include "src/device/cuda_loader.h"
 #include "src/device/device_choice.h"
 #include "tests/sim_device.h"
 #include "tests/sim_driver.h"
@@ -831,5 +832,65 @@ TEST_CASE("NCCL shim on CUDA communicators (simulated device): one thread's grou
     for (size_t i = 0; i < n; ++i) wrong += buf[r][i] != 2.0f * 3.0f * float(i % 9);
   CHECK(wrong == 0);
   for (int r = 0; r < 2; ++r) CHECK(ncclRedOpDestroy(op[r], comms[r]) == ncclSuccess);
+  for (ncclComm_t c : comms) CHECK(ncclCommDestroy(c) == ncclSuccess);
+}
+
+TEST_CASE("NCCL shim on CUDA communicators (simulated device): collectives issued on a stream being captured into "
+          "a CUDA graph are captured, and each replay is exact with the inputs of its time; a PreMulSum there is "
+          "refused with a reason",
+          "[nccl][devcomm][graph]") {
+  const int N = 3;
+  SimCuda sim(N, 1);
+  std::string err;
+  std::vector<ncclComm_t> comms = initRanks(N, &err);
+  INFO(err);
+  REQUIRE(comms.size() == size_t(N));
+  loom::setCudaCaptureProbeForTesting(loomsim::simStreamCapturing);
+  struct Unset {
+    ~Unset() { loom::setCudaCaptureProbeForTesting(nullptr); }
+  } unset;
+  char keys[N];
+  for (int r = 0; r < N; ++r) REQUIRE(sim.world.rank(r).addCallerStream(&keys[r]) > 0);
+  const size_t n = 50000;
+  std::vector<int32_t*> x(N), y(N), g(N);
+  for (int r = 0; r < N; ++r) {
+    x[r] = sim.alloc(0, n);
+    y[r] = sim.alloc(0, n);
+    g[r] = sim.alloc(0, size_t(N) * 10);
+  }
+  std::vector<loomsim::SimGraph> graphs(N);
+  const uint64_t round = ipcRound(comms[0]);
+  for (int r = 0; r < N; ++r) {
+    auto st = reinterpret_cast<cudaStream_t>(&keys[r]);
+    sim.world.rank(r).beginCapture(&keys[r]);
+    CHECK(ncclAllReduce(x[r], y[r], n, ncclInt32, ncclSum, comms[size_t(r)], st) == ncclSuccess);
+    CHECK(ncclGroupStart() == ncclSuccess);
+    CHECK(ncclAllGather(x[r], g[r], 10, ncclInt32, comms[size_t(r)], st) == ncclSuccess);
+    CHECK(ncclGroupEnd() == ncclSuccess);
+    if (r == 0) {
+      const int32_t k = 2;
+      ncclRedOp_t twice;
+      REQUIRE(ncclRedOpCreatePreMulSum(&twice, const_cast<int32_t*>(&k), ncclInt32, ncclScalarHostImmediate,
+                                       comms[0]) == ncclSuccess);
+      CHECK(ncclAllReduce(x[0], y[0], n, ncclInt32, twice, comms[0], st) == ncclInvalidUsage);
+      CHECK(std::string(ncclGetLastError(comms[0])).find("being captured into a CUDA graph") != std::string::npos);
+      CHECK(ncclRedOpDestroy(twice, comms[0]) == ncclSuccess);
+    }
+    graphs[size_t(r)] = sim.world.rank(r).endCapture(&keys[r]);
+  }
+  CHECK(ipcRound(comms[0]) == round);
+  for (int rep = 0; rep < 3; ++rep) {
+    for (int r = 0; r < N; ++r)
+      for (size_t i = 0; i < n; ++i) x[r][i] = in(rep, r, i);
+    for (int r = 0; r < N; ++r) sim.world.rank(r).launchGraph(&keys[r], graphs[size_t(r)]);
+    REQUIRE(sim.sync(&err));
+    long wrong = 0;
+    for (int r = 0; r < N; ++r) {
+      for (size_t i = 0; i < n; ++i) wrong += y[r][i] != in(rep, 0, i) + in(rep, 1, i) + in(rep, 2, i);
+      for (int q = 0; q < N; ++q)
+        for (size_t i = 0; i < 10; ++i) wrong += g[r][size_t(q) * 10 + i] != in(rep, q, i);
+    }
+    CHECK(wrong == 0);
+  }
   for (ncclComm_t c : comms) CHECK(ncclCommDestroy(c) == ncclSuccess);
 }

@@ -1041,6 +1041,14 @@ loomResult_t loomCudaGetDevice(int* device) {
   });
 }
 
+loomResult_t loomCudaStreamCapturing(void* stream, int* capturing) {
+  return guarded("loomCudaStreamCapturing", nullptr, [&] {
+    if (!capturing) fail(loomInvalidArgument, "capturing is NULL");
+    *capturing = cudaStreamCapturing(stream) ? 1 : 0;
+    return loomSuccess;
+  });
+}
+
 loomResult_t loomCommGetAsyncError(loomComm_t comm, loomResult_t* asyncError) {
   return guarded("loomCommGetAsyncError", nullptr, [&] {
     checkComm(comm);

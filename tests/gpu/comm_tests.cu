@@ -17,9 +17,11 @@
 //   streams a group whose calls on one communicator use two streams: it
 //           runs after a slow kernel on the second, and a copy on the
 //           second after the group sees the first's result
-//   capture a call on a stream being captured into a CUDA graph is
-//           loomInvalidUsage, and the capture (global mode) survives it and
-//           loom's watchdog reading flags meanwhile
+//   capture collectives captured into a CUDA graph (global mode): a
+//           one-shot and a two-round all-reduce and an all-gather, five
+//           replays with new inputs each, an eager call between two: exact;
+//           a send there is loomInvalidUsage and the capture survives it
+//           and loom's watchdog reading flags meanwhile
 //   errors  a host pointer and a loom host stream on a CUDA communicator:
 //           loomInvalidArgument with a message
 //   lazy    send/recv staging is made on first use (loomCommDump): none
@@ -662,48 +664,98 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, loomUniqueId id3,
     std::printf("RESULT streams 2 %ld\n", bad);
   }
 
-  // capture: a call on a stream being captured into a CUDA graph is
-  // refused, and neither that refusal nor loom's own threads (the watchdog
-  // reads flags while an all-reduce waits behind a slow kernel) invalidate
-  // the capture, a global-mode one (torch.cuda.graph's default).
+  // capture: collectives captured into a CUDA graph (global mode,
+  // torch.cuda.graph's default) while an eager all-reduce waits behind a
+  // slow kernel (loom's watchdog reads flags meanwhile): a one-shot and a
+  // multi-round reduce-scatter + all-gather all-reduce and an all-gather,
+  // after a copy of inputs the host rewrites before each replay; a send on
+  // the captured stream is refused and the capture survives it; five
+  // replays, an eager all-reduce between two of them: exact every time.
   {
-    long bad = 0;
-    const size_t n = size_t(1) << 16;
-    float *buf, *x;
+    long bad = 0, cases = 0;
+    const size_t n = size_t(1) << 16, small = 256, big = size_t(3) << 20;  // big: 12 MiB, two graph-lane rounds
+    float *buf, *src, *x, *y, *sx, *sy, *z;
     CK(cudaMalloc(&buf, n * 4));
-    CK(cudaMalloc(&x, 4096));
+    CK(cudaMalloc(&src, big * 4));
+    CK(cudaMalloc(&x, big * 4));
+    CK(cudaMalloc(&y, big * 4));
+    CK(cudaMalloc(&sx, small * 4));
+    CK(cudaMalloc(&sy, small * 4));
+    CK(cudaMalloc(&z, small * 4 * size_t(N)));
     CK(cudaMemset(buf, 0, n * 4));
     slowFill<<<64, 256, 0, st>>>(buf, n, float(me + 1), 200000000LL);  // about 0.1 s
     LK(loomAllReduce(buf, buf, n, loomFloat32, loomSum, comm, loomStream_t(st)));
     cudaStream_t cs;
     CK(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
     CK(cudaStreamBeginCapture(cs, cudaStreamCaptureModeGlobal));
-    slowFill<<<1, 32, 0, cs>>>(x, 1024, 1.0f, 0);
-    const loomResult_t r = loomAllReduce(x, x, 1024, loomFloat32, loomSum, comm, loomStream_t(cs));
+    CK(cudaMemcpyAsync(x, src, big * 4, cudaMemcpyDeviceToDevice, cs));
+    CK(cudaMemcpyAsync(sx, src, small * 4, cudaMemcpyDeviceToDevice, cs));
+    const loomResult_t r1 = loomAllReduce(sx, sy, small, loomFloat32, loomSum, comm, loomStream_t(cs));
+    const loomResult_t r2 = loomAllReduce(x, y, big, loomFloat32, loomSum, comm, loomStream_t(cs));
+    const loomResult_t r3 = loomAllGather(sx, z, small, loomFloat32, comm, loomStream_t(cs));
+    if (r1 != loomSuccess || r2 != loomSuccess || r3 != loomSuccess) {
+      std::fprintf(stderr, "rank %d: capture: the captured calls gave %d %d %d: %s\n", me, int(r1), int(r2), int(r3),
+                   loomGetLastError(comm));
+      ++bad;
+    }
+    const loomResult_t rs = loomSend(sx, 1, loomFloat32, (me + 1) % N, comm, loomStream_t(cs));
     const std::string msg = loomGetLastError(comm);
-    if (r != loomInvalidUsage || msg.find("captured into a CUDA graph") == std::string::npos) {
-      std::fprintf(stderr, "rank %d: capture: the call on the capturing stream gave %d: %s\n", me, int(r), msg.c_str());
+    if (rs != loomInvalidUsage || msg.find("captured into a CUDA graph") == std::string::npos) {
+      std::fprintf(stderr, "rank %d: capture: a send on the capturing stream gave %d: %s\n", me, int(rs), msg.c_str());
       ++bad;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the watchdog reads meanwhile
     cudaGraph_t g = nullptr;
+    cudaGraphExec_t exec = nullptr;
     const cudaError_t e = cudaStreamEndCapture(cs, &g);
     if (e != cudaSuccess) {
       std::fprintf(stderr, "rank %d: capture: cudaStreamEndCapture: %s (invalidated)\n", me, cudaGetErrorString(e));
       ++bad;
       (void)cudaGetLastError();
     }
-    if (g) CK(cudaGraphDestroy(g));
+    if (g && cudaGraphInstantiate(&exec, g, 0) != cudaSuccess) {
+      std::fprintf(stderr, "rank %d: capture: cudaGraphInstantiate: %s\n", me, cudaGetErrorString(cudaGetLastError()));
+      ++bad;
+      exec = nullptr;
+    }
     CK(cudaStreamSynchronize(st));
     std::vector<float> got(n);
     CK(cudaMemcpy(got.data(), buf, n * 4, cudaMemcpyDeviceToHost));
     long wrongVals = 0;
     for (float v : got) wrongVals += v != float(N * (N + 1) / 2);
     bad += wrongVals != 0;
+    std::vector<float> in(big), out(big), gathered(small * size_t(N));
+    for (int rep = 1; exec && rep <= 5; ++rep) {
+      // Rank q's input: (q + 1) * rep + i % 7; the sum over the ranks is exact.
+      for (size_t i = 0; i < big; ++i) in[i] = float((me + 1) * rep) + float(i % 7);
+      CK(cudaMemcpy(src, in.data(), big * 4, cudaMemcpyHostToDevice));
+      CK(cudaGraphLaunch(exec, cs));
+      if (rep == 3) {  // an eager call on another stream while the replay may run
+        LK(loomAllReduce(buf, buf, n, loomFloat32, loomSum, comm, loomStream_t(st)));
+      }
+      CK(cudaStreamSynchronize(cs));
+      CK(cudaStreamSynchronize(st));
+      CK(cudaMemcpy(out.data(), y, big * 4, cudaMemcpyDeviceToHost));
+      long wrongBig = 0, wrongSmall = 0, wrongGather = 0;
+      const float base = float(rep * N * (N + 1) / 2);
+      for (size_t i = 0; i < big; ++i) wrongBig += out[i] != base + float(N) * float(i % 7);
+      CK(cudaMemcpy(out.data(), sy, small * 4, cudaMemcpyDeviceToHost));
+      for (size_t i = 0; i < small; ++i) wrongSmall += out[i] != base + float(N) * float(i % 7);
+      CK(cudaMemcpy(gathered.data(), z, small * 4 * size_t(N), cudaMemcpyDeviceToHost));
+      for (int q = 0; q < N; ++q)
+        for (size_t i = 0; i < small; ++i)
+          wrongGather += gathered[size_t(q) * small + i] != float((q + 1) * rep) + float(i % 7);
+      if (wrongBig || wrongSmall || wrongGather)
+        std::fprintf(stderr, "rank %d: capture: replay %d wrong: %ld of the large all-reduce, %ld of the small, %ld "
+                     "of the all-gather\n", me, rep, wrongBig, wrongSmall, wrongGather);
+      bad += (wrongBig != 0) + (wrongSmall != 0) + (wrongGather != 0);
+      cases += 3;
+    }
+    if (exec) CK(cudaGraphExecDestroy(exec));
+    if (g) CK(cudaGraphDestroy(g));
     CK(cudaStreamDestroy(cs));
-    CK(cudaFree(buf));
-    CK(cudaFree(x));
-    std::printf("RESULT capture 3 %ld\n", bad);
+    for (float* p : {buf, src, x, y, sx, sy, z}) CK(cudaFree(p));
+    std::printf("RESULT capture %ld %ld\n", cases + 3, bad);
   }
 
   // errors: host pointer, loom host stream.

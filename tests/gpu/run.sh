@@ -125,6 +125,8 @@ for phase in "${phases[@]}"; do
     # A measurement (issue 15's goals: busbw at 256 MiB >= 60% of the copy
     # bandwidth it prints, 8 B <= 30 us); fails only if a rank fails.
     step "GPU: all-reduce speed, 2 processes (loom-gpu-comm-perf)" "$build/bin/loom-gpu-comm-perf" --ranks 2
+    # The same replayed from a CUDA graph (the graph lane's programs).
+    step "GPU: all-reduce speed from CUDA graph replays, 2 processes" "$build/bin/loom-gpu-comm-perf" --ranks 2 --graph 1
     # loom-perf with device buffers (-G), checked; its busbw is printed next
     # to loom-gpu-comm-perf's copy bandwidth above.
     step "loom-perf -G all_reduce, 2 ranks, 8 B .. 256 MiB" "${run[@]}" -n 2 "${lp[@]}" all_reduce -G -b 8 -e 256M -f 4 -c 1
