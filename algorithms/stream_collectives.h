@@ -90,9 +90,13 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
 //   reset = 1; wait every peer's reset >= 1: everyone zeroed theirs, so no
 //     peer's next call can write into an area before it is zeroed;
 //   zero every row's reset; own busy = 0.
-// A peer's next call writes its end only after this rank's next program
-// wrote to it, which is after this rank zeroed its resets, and its reset
-// only after that end: nothing of a next call is ever zeroed.  Every wait
+// A peer writes anything of its next call only after it saw this rank's
+// reset, which this rank writes after zeroing its round flags and end; and
+// its next reset only after its next end barrier, which needs this rank's
+// next end, written after this rank zeroed its resets: nothing of a next
+// call is ever zeroed (a peer that waits for nobody in its program, a
+// broadcast root, may write its next end early, but ends are zeroed only
+// before this rank's reset).  Every wait
 // is "flag >= value" on this rank's own memory, so a failed communicator's
 // release (kReleasedFlag) still ends each one.  loomInternalError for a
 // program that does not start at round 0, or publishes.

@@ -1433,8 +1433,8 @@ std::vector<loomComm_t> initCudaComms(int n) {
 }  // namespace
 
 TEST_CASE("CUDA communicator through the C API (simulated device): collectives on a stream being captured into a "
-          "CUDA graph are captured and every replay is exact; a send there is refused with loomInvalidUsage before "
-          "anything is issued, in a group too; without a graph lane a collective is refused; the communicator goes on",
+          "CUDA graph are captured and every replay is exact, and a send there is refused with loomInvalidUsage before "
+          "anything is issued, in a group too, and without a graph lane a collective is refused, and the communicator goes on",
           "[devcomm][api][graph]") {
   SimMemory mem;
   loomsim::SimDeviceWorld world(2, 1, 256);
@@ -1504,6 +1504,82 @@ TEST_CASE("CUDA communicator through the C API (simulated device): collectives o
   loomResult_t rcs[2];
   for (int r = 0; r < 2; ++r)
     for (size_t i = 0; i < n; ++i) buf[r][i] = int32_t(i) + r;
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 2; ++r)
+    ts.emplace_back([&, r] { rcs[r] = loomAllReduce(buf[r], buf[r], n, loomInt32, loomSum, comms[r], plain); });
+  for (auto& t : ts) t.join();
+  CHECK(rcs[0] == loomSuccess);
+  CHECK(rcs[1] == loomSuccess);
+  for (int r = 0; r < 2; ++r) {
+    std::string msg;
+    CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
+  }
+  long wrong = 0;
+  for (int r = 0; r < 2; ++r)
+    for (size_t i = 0; i < n; ++i) wrong += buf[r][i] != 2 * int32_t(i) + 1;
+  CHECK(wrong == 0);
+  for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
+}
+
+namespace {
+const uintptr_t kImplicitStream = 0xcafe;  // the probe below: the legacy stream during another thread's capture
+int implicitProbe(void* stream) {
+  return reinterpret_cast<uintptr_t>(stream) == kImplicitStream ? 2 : loomsim::simStreamCapturing(stream);
+}
+}  // namespace
+
+TEST_CASE("CUDA communicator through the C API (simulated device): the legacy stream while another thread "
+          "captures in global mode is refused for every call, and a group joining a captured and an uncaptured "
+          "stream on one communicator is refused before anything is enqueued",
+          "[devcomm][api][graph]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(2, 1, 256);
+  DeviceEnv env(mem, world);
+  std::vector<loomComm_t> comms = initCudaComms(2);
+  REQUIRE(comms.size() == 2);
+  loom::setCudaCaptureProbeForTesting(implicitProbe);
+  struct Unset {
+    ~Unset() { loom::setCudaCaptureProbeForTesting(nullptr); }
+  } unset;
+  char keys[2];
+  for (int r = 0; r < 2; ++r) REQUIRE(world.rank(r).addCallerStream(&keys[r]) > 0);
+  auto* implicit = reinterpret_cast<loomStream_t>(kImplicitStream);
+  auto* plain = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+  const size_t n = 1000;
+  int32_t* buf[2];
+  for (int r = 0; r < 2; ++r) {
+    buf[r] = reinterpret_cast<int32_t*>(mem.alloc(0, n * 4));
+    for (size_t i = 0; i < n; ++i) buf[r][i] = int32_t(i) + r;
+  }
+  auto* dev0 = dynamic_cast<loom::DeviceComm*>(comms[0]->deviceComm());
+  REQUIRE(dev0 != nullptr);
+  const uint64_t round = dev0->round();
+  CHECK(loomAllReduce(buf[0], buf[0], n, loomInt32, loomSum, comms[0], implicit) == loomInvalidUsage);
+  CHECK(std::string(loomGetLastError(comms[0])).find("legacy default stream") != std::string::npos);
+  const int32_t two = 2;
+  CHECK(loomScale(buf[0], buf[0], n, loomInt32, &two, 0, comms[0], implicit) == loomInvalidUsage);
+  CHECK(loomSend(buf[0], 1, loomInt32, 1, comms[0], implicit) == loomInvalidUsage);
+  int capturing = -1;
+  CHECK(loomCudaStreamCapturing(implicit, &capturing) == loomSuccess);
+  CHECK(capturing == 0);
+  // A group on one communicator naming a captured and an uncaptured stream.
+  world.rank(0).beginCapture(&keys[0]);
+  CHECK(loomCudaStreamCapturing(&keys[0], &capturing) == loomSuccess);
+  CHECK(capturing == 1);
+  CHECK(loomGroupStart() == loomSuccess);
+  CHECK(loomAllReduce(buf[0], buf[0], n, loomInt32, loomSum, comms[0], reinterpret_cast<loomStream_t>(&keys[0])) ==
+        loomSuccess);
+  CHECK(loomAllReduce(buf[0], buf[0], n, loomInt32, loomSum, comms[0], plain) == loomSuccess);
+  CHECK(loomGroupEnd() == loomInvalidUsage);
+  const std::string why = loomGetLastError(comms[0]);
+  INFO(why);
+  CHECK(why.find("only the first is being captured") != std::string::npos);
+  const loomsim::SimGraph g = world.rank(0).endCapture(&keys[0]);
+  CHECK(g->empty());  // nothing was captured
+  CHECK(dev0->round() == round);
+  CHECK(dev0->captured() == 0);
+  // The communicators go on.
+  loomResult_t rcs[2];
   std::vector<std::thread> ts;
   for (int r = 0; r < 2; ++r)
     ts.emplace_back([&, r] { rcs[r] = loomAllReduce(buf[r], buf[r], n, loomInt32, loomSum, comms[r], plain); });
@@ -4434,7 +4510,7 @@ TEST_CASE("graph lane (simulated device): several calls in one graph and two gra
 }
 
 TEST_CASE("graph lane (simulated device): a dead rank during a replay fails the others naming it and their "
-          "replays end; a rank that does not launch its graph is a timeout; later launches end too",
+          "replays end, and a rank that does not launch its graph is a timeout, and later launches end too",
           "[devcomm][graph][abort]") {
   SimCaptureProbe probe;
   loomsim::SimDeviceOptions so;
@@ -4496,7 +4572,7 @@ TEST_CASE("graph lane (simulated device): a dead rank during a replay fails the 
   if (!dead) s.comms[2]->markFailed(loomRemoteError, "the test's");  // its peers failed: it would too
 }
 
-TEST_CASE("graph lane (simulated device): send/recv and a communicator without a graph lane refuse a capture; an "
+TEST_CASE("graph lane (simulated device): send/recv and a communicator without a graph lane refuse a capture, and an "
           "error while capturing leaves the communicator healthy",
           "[devcomm][graph]") {
   SimCaptureProbe probe;
@@ -4547,4 +4623,85 @@ TEST_CASE("graph lane (simulated device): send/recv and a communicator without a
   }
   t.world.rank(0).endCapture(ct[0]);
   CHECK(t.comms[0]->memoryStats().blockBytes < s.comms[0]->memoryStats().blockBytes);
+}
+
+TEST_CASE("graph lane (simulated device): graphs of one-round calls whose ranks wait for nobody (a broadcast root, "
+          "a scatter root, gather senders) launched 40 times back to back without synchronising, N = 2..8",
+          "[devcomm][graph]") {
+  SimCaptureProbe probe;
+  std::mt19937_64 rng(35);
+  for (int N = 2; N <= 8; ++N) {
+    INFO("N=" << N);
+    loom::DeviceCommOptions opts;
+    opts.graphSlotBytes = 4096;  // each call one round
+    SimComms s(N, N % 2 + 1, opts);
+    CaptureStreams cs(s.world);
+    Prepared b = prepare(s, {Collective::Broadcast, loomInt32, loomSum, 100, 0, false}, rng);
+    Prepared sc = prepare(s, {Collective::Scatter, loomUint8, loomSum, 30, N - 1, false}, rng);
+    Prepared ga = prepare(s, {Collective::Gather, loomFloat16, loomSum, 50, N / 2, false}, rng);
+    // In place, so that the count of replays shows in the result.
+    std::vector<int32_t*> x(static_cast<size_t>(N));
+    for (int r = 0; r < N; ++r) {
+      x[size_t(r)] = reinterpret_cast<int32_t*>(s.mem.alloc(r % s.gpus, 64));
+      for (int i = 0; i < 16; ++i) x[size_t(r)][i] = r == 0 ? 1 : 0;
+    }
+    const auto g = captureAll(s.world, cs, [&](int r, void* st) {
+      issue(s, b, r, st);
+      issue(s, sc, r, st);
+      issue(s, ga, r, st);
+      loom::OpDesc d;
+      d.coll = Collective::AllReduce;
+      d.sendbuf = d.recvbuf = x[size_t(r)];
+      d.count = 16;
+      d.dtype = loomInt32;
+      d.op = loomSum;
+      s.comms[size_t(r)]->run(d, st);
+    });
+    const int launches = 40;
+    for (int k = 0; k < launches; ++k) launchAll(s.world, cs, g);
+    const std::string problems = syncAll(s);
+    INFO(problems);
+    REQUIRE(problems.empty());
+    CHECK(verify(b, N) == "");
+    CHECK(verify(sc, N) == "");
+    CHECK(verify(ga, N) == "");
+    // 1 on rank 0 and 0 elsewhere, summed 40 times: N^39 (int32 wraps alike everywhere).
+    uint32_t want = 1;
+    for (int k = 1; k < launches; ++k) want *= uint32_t(N);
+    long wrong = 0;
+    for (int r = 0; r < N; ++r)
+      for (int i = 0; i < 16; ++i) wrong += uint32_t(x[size_t(r)][i]) != want;
+    CHECK(wrong == 0);
+  }
+}
+
+TEST_CASE("graph lane (simulated device): destroying ranks whose replay waits for a rank that never launched its "
+          "graph releases the replay and keeps the memory until it ends",
+          "[devcomm][graph][abort]") {
+  SimCaptureProbe probe;
+  loomsim::SimDeviceOptions so;
+  so.deadlineMs = 15000;
+  loom::DeviceCommOptions opts;
+  opts.graphSlotBytes = 1024;
+  opts.drainTimeoutMs = 200;
+  SimComms s(3, 1, opts, true, so);
+  CaptureStreams cs(s.world);
+  std::mt19937_64 rng(36);
+  Prepared p = prepare(s, {Collective::AllReduce, loomFloat32, loomSum, 1000, 0, false}, rng);
+  const auto g = captureAll(s.world, cs, [&](int r, void* st) { issue(s, p, r, st); });
+  launchAll(s.world, cs, g, 2);  // rank 2 never launches
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK(s.comms[0]->replaying());
+  CHECK(s.comms[1]->replaying());
+  const size_t frees = s.mem.frees();
+  s.comms[0].reset();  // healthy, no timeout: the drain gives up after 200 ms, the replay is released
+  s.comms[1].reset();
+  for (int r = 0; r < 2; ++r) {
+    std::string msg;
+    CHECK(s.world.rank(r).synchronize(&msg) == loomSuccess);  // released, not a sim timeout
+    INFO(msg);
+  }
+  s.comms[2].reset();  // the last mapper of ranks 0 and 1's memory
+  CHECK(loom::waitDeviceRemains(10000));
+  CHECK(s.mem.frees() >= frees + 3);  // every rank's block
 }

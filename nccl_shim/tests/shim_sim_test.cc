@@ -836,7 +836,7 @@ TEST_CASE("NCCL shim on CUDA communicators (simulated device): one thread's grou
 }
 
 TEST_CASE("NCCL shim on CUDA communicators (simulated device): collectives issued on a stream being captured into "
-          "a CUDA graph are captured, and each replay is exact with the inputs of its time; a PreMulSum there is "
+          "a CUDA graph are captured, and each replay is exact with the inputs of its time, and a PreMulSum there is "
           "refused with a reason",
           "[nccl][devcomm][graph]") {
   const int N = 3;

@@ -257,8 +257,10 @@ LOOM_HOT HostStream* hostStreamOf(loomStream_t stream) {
 }
 
 // The cudaStream_t behind a CUDA communicator's stream argument (NULL: the
-// legacy default stream).  A loom host stream is refused.
-void* cudaStreamOf(loomStream_t stream) {
+// legacy default stream).  A loom host stream is refused, and so is the
+// legacy stream while another thread captures in global mode; whether the
+// stream is being captured in *captureState (usableCaptureState).
+void* cudaStreamOf(loomStream_t stream, int* captureState = nullptr) {
   StreamRef s = classifyStream(stream);
   switch (s.kind) {
     case StreamKind::Host:
@@ -271,6 +273,8 @@ void* cudaStreamOf(loomStream_t stream) {
     case StreamKind::Foreign:
       break;
   }
+  const int state = usableCaptureState(static_cast<void*>(stream));
+  if (captureState) *captureState = state;
   return static_cast<void*>(stream);
 }
 
@@ -280,8 +284,9 @@ void* cudaStreamOf(loomStream_t stream) {
 // lane captures collectives), before anything is issued (a group member:
 // at its call, so the group launches nothing).
 void* deviceStreamOf(loomComm* comm, loomStream_t stream, bool p2p) {
-  void* cs = cudaStreamOf(stream);
-  if (cudaStreamCapturing(cs)) comm->deviceComm()->checkCapture(cs, p2p);
+  int capturing = 0;
+  void* cs = cudaStreamOf(stream, &capturing);
+  if (capturing) comm->deviceComm()->checkCapture(cs, p2p);
   return cs;
 }
 
@@ -1044,7 +1049,7 @@ loomResult_t loomCudaGetDevice(int* device) {
 loomResult_t loomCudaStreamCapturing(void* stream, int* capturing) {
   return guarded("loomCudaStreamCapturing", nullptr, [&] {
     if (!capturing) fail(loomInvalidArgument, "capturing is NULL");
-    *capturing = cudaStreamCapturing(stream) ? 1 : 0;
+    *capturing = cudaStreamCaptureState(stream) == 1 ? 1 : 0;
     return loomSuccess;
   });
 }
@@ -1394,8 +1399,21 @@ loomResult_t loomGroupEnd(void) {
   for (size_t i = 0; i < parts.size(); ++i) {
     if (parts[i].others.empty()) continue;
     loomResult_t r = guarded("loomGroupEnd", parts[i].comm, [&] {
-      joined[i].first = cudaStreamOf(parts[i].stream);
-      for (loomStream_t s : parts[i].others) joined[i].second.push_back(cudaStreamOf(s));
+      int mainState = 0;
+      joined[i].first = cudaStreamOf(parts[i].stream, &mainState);
+      for (loomStream_t s : parts[i].others) {
+        int state = 0;
+        joined[i].second.push_back(cudaStreamOf(s, &state));
+        // Joined, a stream outside a capture would be pulled into it (it
+        // waits for an event recorded there), and a captured one waiting
+        // for work outside its capture breaks it.
+        if (state != mainState)
+          fail(loomInvalidUsage,
+               "a group's calls on one communicator name streams %p and %p, and only %s is being captured into a "
+               "CUDA graph: joining them would pull the other into the capture or invalidate it; issue them in "
+               "separate groups",
+               joined[i].first, joined[i].second.back(), mainState ? "the first" : "the second");
+      }
       parts[i].comm->deviceComm()->joinStreams(joined[i].first, joined[i].second, true);
       return loomSuccess;
     });

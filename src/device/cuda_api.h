@@ -123,8 +123,10 @@ struct CudaApi {
   // it is not, else a CUDA error.
   int (*streamQuery)(void* stream);
   // *capturing = 1 while `stream` is being captured into a CUDA graph
-  // (cudaStreamIsCapturing: active or invalidated; for the legacy stream,
-  // also while another thread captures in global mode), else 0.
+  // (cudaStreamIsCapturing: active or invalidated), 2 for the legacy stream
+  // while another thread captures in global mode (cudaErrorStreamCapture-
+  // Implicit: the stream itself is not captured, and work on it would
+  // invalidate that capture; since ABI 10), else 0.
   int (*streamCapturing)(void* stream, int* capturing);
   // cudaThreadExchangeStreamCaptureMode(relaxed) for the calling thread:
   // loom's own threads (the watchdog, the reaper, the control thread's
@@ -143,7 +145,7 @@ struct CudaApi {
                      void* stream);
 };
 
-constexpr int kCudaApiVersion = 9;
+constexpr int kCudaApiVersion = 10;  // 10: streamCapturing says 2 for an implicit capture
 // sizeof(cudaIpcMemHandle_t) (CUDA_IPC_HANDLE_SIZE); the plug-in checks it.
 constexpr size_t kCudaIpcHandleBytes = 64;
 

@@ -96,15 +96,27 @@ LOOM_HOT int cudaPointerDevice(const void* ptr) {
   return p.api->pointerDevice(ptr, &device) == 0 ? device : -1;
 }
 
-bool cudaStreamCapturing(void* stream) {
-  if (auto fn = g_captureProbe.load(std::memory_order_acquire)) return fn(stream) != 0;
+int cudaStreamCaptureState(void* stream) {
+  if (auto fn = g_captureProbe.load(std::memory_order_acquire)) return fn(stream);
   const Plugin& p = plugin();
-  if (!p.devices) return false;
+  if (!p.devices) return 0;
   int capturing = 0;
   if (int rc = p.api->streamCapturing(stream, &capturing))
     fail(loomUnhandledCudaError, "cudaStreamIsCapturing(%p) failed: %s (CUDA error %d)", stream,
          p.api->errorString(rc), rc);
-  return capturing != 0;
+  return capturing;
+}
+
+bool cudaStreamCapturing(void* stream) { return cudaStreamCaptureState(stream) != 0; }
+
+int usableCaptureState(void* stream) {
+  const int state = cudaStreamCaptureState(stream);
+  if (state == 2)
+    fail(loomInvalidUsage,
+         "stream %p is the legacy default stream while another thread captures a CUDA graph in global mode: work "
+         "enqueued on it would invalidate that capture (cudaErrorStreamCaptureImplicit); use a stream of your own",
+         stream);
+  return state;
 }
 
 void relaxCudaCaptureModeOnThisThread() {

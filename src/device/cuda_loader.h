@@ -25,6 +25,14 @@ int cudaPointerDevice(const void* p);
 // captured into a CUDA graph.  False when the process has no CUDA device.
 // loomUnhandledCudaError if CUDA cannot say.
 bool cudaStreamCapturing(void* stream);
+// The same in detail: 0 none, 1 `stream` is being captured, 2 it is the
+// legacy stream while another thread captures in global mode (nothing may
+// be enqueued on it then: that would invalidate the capture).
+int cudaStreamCaptureState(void* stream);
+// cudaStreamCaptureState for a stream loom is about to enqueue on: 0 or 1,
+// or loomInvalidUsage for 2 (the legacy stream during another thread's
+// global-mode capture) with the reason.
+int usableCaptureState(void* stream);
 // Makes the calling thread's CUDA calls relaxed about graph captures
 // (cudaThreadExchangeStreamCaptureMode): for loom's own threads, once each,
 // so that their calls never invalidate another thread's global-mode

@@ -302,6 +302,8 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
     // Its own copy last: seeing it set means the copies in the peers' memory were written before.
     flagCopies_.push_back(own + size_t(rank) * kFlagCount);
     if (graphSlotBytes_) gflagCopies_.push_back(gflags_[size_t(rank)]);
+    allReleased_ = released_;
+    allReleased_.insert(allReleased_.end(), greleased_.begin(), greleased_.end());
   } catch (const Error& e) {
     code = e.code();
     snprintf(status.error, sizeof status.error, "%s", e.what());
@@ -403,6 +405,7 @@ struct IpcRemains final : DeviceRemains {
   // (a replay runs while it is 1) and the peer rows a release writes.
   const uint64_t* graphBusy = nullptr;
   std::vector<uint64_t*> graphReleased;
+  std::vector<uint64_t*> allReleased;  // both, as one batch (the CUDA driver skips a batch equal to the last)
   bool streamsDone = false;
   std::vector<int> holding;  // who held the board at the last step (the warning)
 
@@ -416,8 +419,10 @@ struct IpcRemains final : DeviceRemains {
           const bool eagerDone = driver->readFlag(ownDone) >= target && driver->readFlag(ownP2PDone) >= p2pTarget;
           const bool graphDone = !graphBusy || driver->readFlag(graphBusy) == 0;
           streamsDone = eagerDone && graphDone;
-          if (!eagerDone) driver->writeFlags(released.data(), released.size(), kReleasedFlag);
-          if (!graphDone) driver->writeFlags(graphReleased.data(), graphReleased.size(), kReleasedFlag);
+          const std::vector<uint64_t*>& batch = !eagerDone && !graphDone ? allReleased
+                                                : !eagerDone              ? released
+                                                                          : graphReleased;
+          if (!streamsDone) driver->writeFlags(batch.data(), batch.size(), kReleasedFlag);
         } catch (...) {
           driver->leave(previous);
           throw;
@@ -692,7 +697,7 @@ DeviceComm::~DeviceComm() {
     std::lock_guard<std::mutex> g(p2pMu_);
     closing_ = true;  // no region is made from here on
   }
-  const bool running = failed() || drainTimeoutMs_ == 0;
+  bool running = failed() || drainTimeoutMs_ == 0;
   if (!running) {
     // The caller synchronised its own streams (as NCCL requires before
     // ncclCommDestroy), but a peer may still be reading this rank's window
@@ -704,10 +709,19 @@ DeviceComm::~DeviceComm() {
     } catch (const Error& e) {
       LOOM_WARN("DEVICE", "rank %d: reading the peers' flags failed: %s", rank_, e.what());
     }
+    // A replay still running here: it waits for a peer that never
+    // launched its graph (the caller was to destroy after the last
+    // replay).  Released from now on, as a failed communicator's streams
+    // are, and the memory kept until it ends.
+    if (captured_.load() > 0 && replaying()) {
+      LOOM_WARN("DEVICE", "rank %d: destroyed while a replay of a captured call still runs on it; releasing it (its "
+                "output is undefined) and keeping the memory until it ends", rank_);
+      running = true;
+    }
     // The peers unmap what this rank published (the caller may free it
     // once the communicator is gone).  A failed communicator's peers may
     // still run programs that read it: they unmap it when they go.
-    unpublishAll();
+    if (!running) unpublishAll();
   }
   // Failed or abandoned (running): never waits for the peers, but never
   // frees what a stream of this rank may still touch either.
@@ -739,6 +753,7 @@ void DeviceComm::leaveMemory(bool streamsMayRun) {
     if (captured_.load() > 0) {
       rest->graphBusy = gflags_[size_t(rank_)] + kFlagGraphBusy;
       rest->graphReleased = greleased_;
+      rest->allReleased = allReleased_;
     }
   }
   // Freed now if no peer maps it any more, else once none does.
@@ -774,8 +789,6 @@ bool DeviceComm::programsDone() {
 }
 
 void DeviceComm::release() { driver_->writeFlags(released_.data(), released_.size(), kReleasedFlag); }
-
-void DeviceComm::releaseGraph() { driver_->writeFlags(greleased_.data(), greleased_.size(), kReleasedFlag); }
 
 bool DeviceComm::replaying() {
   if (captured_.load() == 0) return false;
@@ -979,24 +992,20 @@ void DeviceComm::watch() {
       if (failedFlag_.load()) {
         // Repeated until the streams are done: a live peer's program may
         // still write a lower value over a released flag.
-        if (!released) {
-          enterDevice();
-          release();
-          released = programsDone();
-        }
-        sleepMs = released ? 100 : 1;
         // A replay may start any time a graph is launched, and zeroes its
         // flags as it goes: released whenever one runs, for as long as the
-        // communicator lives.
-        if (captured_.load() > 0) {
-          enterDevice();
-          if (driver_->readFlag(gflags_[size_t(rank_)] + kFlagGraphBusy) != 0) {
-            releaseGraph();
-            sleepMs = 1;
-          } else {
-            sleepMs = std::min<int64_t>(sleepMs, 10);
-          }
+        // communicator lives.  One batch per step (the CUDA driver skips
+        // one equal to the last, so releases do not pile up behind a
+        // blocked wait).
+        enterDevice();
+        const bool replay =
+            captured_.load() > 0 && driver_->readFlag(gflags_[size_t(rank_)] + kFlagGraphBusy) != 0;
+        if (!released || replay) {
+          const std::vector<uint64_t*>& batch = !released && replay ? allReleased_ : replay ? greleased_ : released_;
+          driver_->writeFlags(batch.data(), batch.size(), kReleasedFlag);
+          if (!released) released = programsDone();
         }
+        sleepMs = !released || replay ? 1 : captured_.load() > 0 ? 10 : 100;
       } else {
         sleepMs = checkSignatures();
         if (!failedFlag_.load()) sleepMs = std::min(sleepMs, checkProgress(nowMs()));
@@ -1231,7 +1240,7 @@ std::unique_ptr<SteppedRun> DeviceComm::beginRun(const OpDesc& op, void* callerS
   // beginRun directly, from a thread that may have another device current.
   DeviceScope current(*driver_);
   check(op);
-  if (cudaStreamCapturing(callerStream)) return beginGraphRun(op, callerStream);
+  if (usableCaptureState(callerStream) == 1) return beginGraphRun(op, callerStream);
   const size_t esz = dtypeSize(op.dtype), n = op.count;
   const DeviceOpShape sh = deviceOpShape(op, rank_, nranks_);
   const bool needSend = sh.needSend, needRecv = sh.needRecv;
@@ -1779,7 +1788,7 @@ std::unique_ptr<SteppedRun> DeviceComm::beginRunP2P(const std::vector<OpDesc>& o
     if (op.coll != Collective::P2P) fail(loomInternalError, "runP2P given %s", collectiveName(op.coll));
     check(op);
   }
-  if (cudaStreamCapturing(callerStream)) checkCapture(callerStream, true);
+  if (usableCaptureState(callerStream) == 1) checkCapture(callerStream, true);
   {
     std::lock_guard<std::mutex> g(mu_);
     if (failCode_ != loomSuccess)

@@ -648,8 +648,7 @@ class DeviceComm final : public DeviceCollectives {
   std::unique_ptr<SteppedRun> beginGraphRun(const OpDesc& op, void* callerStream);
   // The watchdog's look at the graph lane while healthy: how long to sleep next.
   int64_t checkGraphProgress(int64_t now);
-  // Writes kReleasedFlag into every peer row of this rank's graph flags.
-  void releaseGraph();
+
   // A call's enqueue failed (or was abandoned) half-way: the communicator
   // fails for good, and the watchdog releases whatever waits on it.  Under mu_.
   void failEnqueue(loomResult_t code, const std::string& what, Lane lane);
@@ -735,6 +734,7 @@ class DeviceComm final : public DeviceCollectives {
   size_t graphSlotBytes_ = 0;
   std::vector<uint8_t*> gwindows_;
   std::vector<uint64_t*> gflags_, gflagCopies_, greleased_;
+  std::vector<uint64_t*> allReleased_;  // released_ and greleased_ as one batch
   std::atomic<uint64_t> captured_{0};
   uint64_t gSeenSum_ = 0;  // the watchdog's: the graph flags' sum as last seen, and when it moved
   int64_t gMovedMs_ = 0, gProbedMs_ = 0;

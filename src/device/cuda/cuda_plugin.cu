@@ -173,7 +173,7 @@ int streamCapturing(void* stream, int* capturing) {
   cudaError_t rc = cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &st);
   if (rc == cudaErrorStreamCaptureImplicit) {  // the legacy stream while a global-mode capture runs
     cudaGetLastError();
-    *capturing = 1;
+    *capturing = 2;
     return 0;
   }
   if (rc != cudaSuccess) return int(rc);
