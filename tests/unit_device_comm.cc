@@ -2743,6 +2743,14 @@ TEST_CASE("CUDA communicator across hosts (simulated device, ranks as threads po
       REQUIRE(stagedOf(comms[size_t(r)]) != nullptr);
       CHECK(dumpOf(comms[size_t(r)]).find("staged path") != std::string::npos);
     }
+    if (N == 2) {  // a stream being captured into a CUDA graph: host threads drive this path, so it refuses
+      loom::setCudaCaptureProbeForTesting([](void* st) { return int(reinterpret_cast<uintptr_t>(st) == 0xbeef); });
+      auto* b = reinterpret_cast<int32_t*>(mem.alloc(0, 64));
+      CHECK(loomAllReduce(b, b, 4, loomInt32, loomSum, comms[0], reinterpret_cast<loomStream_t>(uintptr_t(0xbeef))) ==
+            loomInvalidUsage);
+      CHECK(std::string(loomGetLastError(comms[0])).find("the staged path cannot capture") != std::string::npos);
+      loom::setCudaCaptureProbeForTesting(nullptr);
+    }
     auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
     std::mt19937_64 rng(uint64_t(N) * 77);
     std::vector<Op> ops = everyCollective(N);

@@ -1133,6 +1133,11 @@ std::string DeviceComm::describe() const {
               m.published == 1 ? "" : "s", m.publishedIn);
   else
     s += "  zero-copy: off (LOOM_DEVICE_ZERO_COPY=0)\n";
+  if (graphSlotBytes_)
+    s += strf("  graph lane: 2 x %zu B slots, %llu call%s captured\n", graphSlotBytes_,
+              (unsigned long long)captured_.load(), captured_.load() == 1 ? "" : "s");
+  else
+    s += "  graph lane: none (LOOM_DEVICE_GRAPH_SLOT_BYTES=0)\n";
   return s;
 }
 

@@ -5,7 +5,9 @@ NCCL itself refuses two ranks on one GPU ("Duplicate GPU detected"); loom's
 CUDA communicators allow it.  Every rank uses cuda:0.  Each collective's
 result on the default group (backend "nccl": the shim) is compared with a
 reference computed from every rank's input (gathered through a gloo group;
-small integers, so every type's result is exact); then a short DDP
+small integers, so every type's result is exact); an all_reduce and an
+all_gather captured into a CUDA graph are replayed with new inputs; then a
+short DDP
 run on the shim is compared with the same run whose gradients gloo reduces
 (within 1e-5).  Exits non-zero on any difference.  tests/gpu/torch.sh runs it
 twice: as is, and with TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 (torch
@@ -102,6 +104,35 @@ def collectives(rank, world, dev, gloo):
     torch.cuda.synchronize()
 
 
+def graphs(rank, world, dev, gloo):
+    """An all_reduce and an all_gather captured into a CUDA graph
+    (torch.cuda.graph, global capture mode: loom's graph lane), replayed
+    three times with new inputs: exact each time."""
+    g = torch.Generator().manual_seed(4321 + rank)
+    m, k = 1 << 16, 1024
+    x = torch.zeros(m, device=dev)
+    y = torch.empty(world * k, device=dev)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up on a side stream, as torch asks before a capture
+        a = x * 2
+        dist.all_reduce(a)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        a = x * 2
+        dist.all_reduce(a)
+        dist.all_gather_into_tensor(y, a[:k])
+    for rep in range(1, 4):
+        vals = torch.randint(-50, 50, (m,), generator=g)
+        x.copy_(vals.float().to(dev))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = (torch.stack(gathered(vals, world, gloo)) * 2).sum(0).float()
+        check(f"CUDA graph replay {rep}: all_reduce", a, want)
+        check(f"CUDA graph replay {rep}: all_gather_into_tensor", y, torch.cat([want[:k]] * world))
+
+
 def ddp(rank, dev, gloo):
     def run(group):
         torch.manual_seed(0)
@@ -134,6 +165,7 @@ def main():
     print(f"rank {rank}/{world}: torch {torch.__version__}, NCCL version reported "
           f"{torch.cuda.nccl.version()}, device {torch.cuda.get_device_name(0)}", flush=True)
     collectives(rank, world, dev, gloo)
+    graphs(rank, world, dev, gloo)
     # Give the allocator's segments back to CUDA: with
     # TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 each is deregistered
     # (the peer unmaps what was published), and DDP's tensors then come
