@@ -579,7 +579,9 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
   return p;
 }
 
-StreamProgram makeReplayable(StreamProgram p) {
+StreamProgram makeReplayable(StreamProgram p, uint64_t sig) {
+  if (sig == 0 || sig >= (uint64_t(1) << 61))
+    fail(loomInternalError, "a replayable program's signature must be in [1, 2^61), not %llu", (unsigned long long)sig);
   if (p.firstRound != 0) fail(loomInternalError, "a replayable program must start at round 0, not %llu",
                               (unsigned long long)p.firstRound);
   p.replayable = true;
@@ -589,7 +591,10 @@ StreamProgram makeReplayable(StreamProgram p) {
   out.streams = 1;
   out.events = 0;
   Builder b(out);
-  b.setLocal(p.rank, kFlagGraphBusy, 1);
+  b.setLocal(p.rank, kFlagGraphBusy, sig);
+  for (int r = 0; r < p.nranks; ++r)
+    if (r != p.rank) b.setPeer(0, r, FlagIndex(kFlagGraphSig), sig);
+  b.waitOthers(0, FlagIndex(kFlagGraphSig), sig);
   for (StreamOp o : p.ops) {
     switch (o.kind) {
       case StreamOpKind::RecordEvent:
@@ -610,9 +615,11 @@ StreamProgram makeReplayable(StreamProgram p) {
     if (r.space == Space::Published) fail(loomInternalError, "a replayable program cannot read published buffers");
   b.set(0, FlagIndex(kFlagGraphEnd), 1);
   b.waitOthers(0, FlagIndex(kFlagGraphEnd), 1);
-  for (int r = 0; r < p.nranks; ++r)
+  for (int r = 0; r < p.nranks; ++r) {
     for (uint8_t f : {uint8_t(kFlagInput), uint8_t(kFlagReduced), uint8_t(kFlagDone), kFlagGraphEnd})
       b.setLocal(r, f, 0);
+    if (r != p.rank) b.setLocal(r, kFlagGraphSig, 0);
+  }
   b.set(0, FlagIndex(kFlagGraphReset), 1);
   b.waitOthers(0, FlagIndex(kFlagGraphReset), 1);
   for (int r = 0; r < p.nranks; ++r) b.setLocal(r, kFlagGraphReset, 0);

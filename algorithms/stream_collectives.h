@@ -82,11 +82,21 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
 // stream_program.h).  One stream (the reduce-scatter + all-gather's second
 // stream folded onto the caller's, so no side stream joins the capture),
 // and around the program:
-//   own busy = 1;  <the program>;
+//   own busy = sig (the call's signature, nonzero: signatureFlag);
+//   sig = sig in each peer's copy of this rank's flags; wait every peer's
+//     sig >= sig: a peer whose call differs has a different signature,
+//     and either it or this rank stops here (a smaller one passes, but
+//     then waits for flags the other never writes: nobody reads a window
+//     the other filled), so a mismatch stops the ranks instead of
+//     computing garbage silently, and the watchdog names it (DeviceComm;
+//     its release then lets the programs end, with undefined output, as
+//     after any failure);
+//   <the program>;
 //   end = 1 (after all of this rank's other writes of it);
 //   wait every peer's end >= 1: nobody reads this rank's window or writes
 //     its flag area for this call any more;
-//   zero this rank's own area (every row's round flags and end);
+//   zero this rank's own area (every row's round flags and end, the
+//     peers' sigs);
 //   reset = 1; wait every peer's reset >= 1: everyone zeroed theirs, so no
 //     peer's next call can write into an area before it is zeroed;
 //   zero every row's reset; own busy = 0.
@@ -100,7 +110,7 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
 // is "flag >= value" on this rank's own memory, so a failed communicator's
 // release (kReleasedFlag) still ends each one.  loomInternalError for a
 // program that does not start at round 0, or publishes.
-StreamProgram makeReplayable(StreamProgram p);
+StreamProgram makeReplayable(StreamProgram p, uint64_t sig);
 
 // Send/recv.  A pair's messages go through a region of the sender's
 // device memory for that receiver: two chunks of p2pChunkBytes, used by

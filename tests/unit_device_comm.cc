@@ -4713,3 +4713,53 @@ TEST_CASE("graph lane (simulated device): destroying ranks whose replay waits fo
   CHECK(loom::waitDeviceRemains(10000));
   CHECK(s.mem.frees() >= frees + 3);  // every rank's block
 }
+
+TEST_CASE("graph lane (simulated device): ranks whose captured calls differ (count, type, collective, root) fail "
+          "with loomInvalidUsage naming the mismatch, and their replays are released (the outputs are then undefined, "
+          "as after any failure)",
+          "[devcomm][graph][abort]") {
+  SimCaptureProbe probe;
+  loomsim::SimDeviceOptions so;
+  so.deadlineMs = 15000;  // a wait still pending then was never released
+  struct Variant {
+    const char* what;
+    Op other;  // rank 1's call; rank 0 and 2 capture an all-reduce of 1000 float32
+  };
+  const Variant variants[] = {
+      {"count", {Collective::AllReduce, loomFloat32, loomSum, 1001, 0, false}},
+      {"type", {Collective::AllReduce, loomInt32, loomSum, 1000, 0, false}},
+      {"op", {Collective::AllReduce, loomFloat32, loomMax, 1000, 0, false}},
+      {"collective", {Collective::Broadcast, loomFloat32, loomSum, 1000, 0, false}},
+  };
+  for (const Variant& v : variants) {
+    INFO(v.what);
+    loom::DeviceCommOptions opts;
+    opts.graphSlotBytes = 1024;
+    opts.drainTimeoutMs = 200;
+    SimComms s(3, 1, opts, true, so);
+    CaptureStreams cs(s.world);
+    std::mt19937_64 rng(37);
+    Prepared mine = prepare(s, {Collective::AllReduce, loomFloat32, loomSum, 1000, 0, false}, rng);
+    Prepared other = prepare(s, v.other, rng);
+    const auto g = captureAll(s.world, cs, [&](int r, void* st) { issue(s, r == 1 ? other : mine, r, st); });
+    launchAll(s.world, cs, g);
+    for (int r = 0; r < 3; ++r) {
+      std::string msg;
+      CHECK(s.world.rank(r).synchronize(&msg) == loomSuccess);  // released by the failure, not hung
+      INFO(msg);
+    }
+    int named = 0;
+    for (int r = 0; r < 3; ++r) {
+      std::string why;
+      const loomResult_t code = s.comms[size_t(r)]->failure(&why);
+      INFO("rank " << r << ": " << why);
+      // Without a control plane here a rank's failure is not passed on:
+      // each rank that saw a differing signature fails by itself.
+      if (code == loomSuccess) continue;
+      CHECK(code == loomInvalidUsage);
+      CHECK(why.find("mismatched captured calls") != std::string::npos);
+      ++named;
+    }
+    CHECK(named >= 2);  // rank 1 and at least one of the others
+  }
+}

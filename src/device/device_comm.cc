@@ -293,9 +293,11 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
         uint8_t* lane = at + graphAt;
         gwindows_.push_back(lane + flagBytes);
         gflags_.push_back(own + (graphAt + size_t(r) * kFlagCount * sizeof(uint64_t)) / sizeof(uint64_t));
+        gpeerFlags_.push_back(reinterpret_cast<uint64_t*>(lane) + size_t(rank) * kFlagCount);
         if (r != rank) {
-          gflagCopies_.push_back(reinterpret_cast<uint64_t*>(lane) + size_t(rank) * kFlagCount);
-          for (int f = 0; f < kFlagGraphBusy; ++f) greleased_.push_back(gflags_.back() + f);
+          gflagCopies_.push_back(gpeerFlags_.back());
+          // Every flag of a peer's row, its signature included (the start gate).
+          for (int f = 0; f < kFlagCount; ++f) greleased_.push_back(gflags_.back() + f);
         }
       }
     }
@@ -914,15 +916,12 @@ int64_t DeviceComm::checkProgress(int64_t now) {
 
 int64_t DeviceComm::checkGraphProgress(int64_t now) {
   const int64_t timeoutMs = timeoutMs_.load();
-  if (!peerGone_ && timeoutMs <= 0) {
-    gMovedMs_ = gProbedMs_ = now;
-    return 100;
-  }
   enterDevice();
   std::vector<uint64_t> all(size_t(nranks_) * kFlagCount);
   driver_->readFlags(gflags_[0], all.size(), all.data());  // the rows are contiguous
   auto at = [&](int r, int f) { return all[size_t(r) * kFlagCount + size_t(f)]; };
-  if (at(rank_, kFlagGraphBusy) == 0) {  // no replay here: a launch starts one any time
+  const uint64_t mine = at(rank_, kFlagGraphBusy);  // this replay's signature
+  if (mine == 0) {  // no replay here: a launch starts one any time
     gMovedMs_ = gProbedMs_ = now;
     return 100;
   }
@@ -933,11 +932,37 @@ int64_t DeviceComm::checkGraphProgress(int64_t now) {
     gMovedMs_ = gProbedMs_ = now;
   }
   const int64_t still = now - gMovedMs_;
-  // How far each peer's replay got as seen here: reset, end, then its
-  // round flags.  The peers furthest behind are the ones waited for.
+  // Mismatched captured calls stop every rank involved (makeReplayable's
+  // start gate), with a peer's signature here that differs from this
+  // rank's.  Only before this rank's reset: after it, a peer may already
+  // have started its next call (and written its next signature) while this
+  // rank waits for a slow one's reset.
+  if (still >= kGraphMismatchMs && at(rank_, kFlagGraphReset) == 0)
+    for (int r = 0; r < nranks_; ++r) {
+      const uint64_t theirs = at(r, kFlagGraphSig);
+      if (r == rank_ || theirs == 0 || theirs == mine || theirs >= kReleasedFlag) continue;
+      std::string what = "?";
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        auto it = graphSigs_.find(mine);
+        if (it != graphSigs_.end()) what = it->second;
+      }
+      failFromWatchdog(loomInvalidUsage,
+                       strf("rank %d: mismatched captured calls (CUDA graph replays): this rank replays %s, rank %d "
+                            "a different call (signature %#llx, this rank's %#llx); every rank must capture the same "
+                            "calls and launch their graphs in the same order",
+                            rank_, what.c_str(), r, (unsigned long long)theirs, (unsigned long long)mine),
+                       r);
+      return 1;
+    }
+  if (!peerGone_ && timeoutMs <= 0) return 5;
+  // How far each peer's replay got as seen here: reset, end, started (its
+  // signature came), then its round flags.  The peers furthest behind are
+  // the ones waited for.
   auto progress = [&](int r) {
     return (at(r, kFlagGraphReset) ? uint64_t(1) << 62 : 0) + (at(r, kFlagGraphEnd) ? uint64_t(1) << 61 : 0) +
-           std::max({at(r, kFlagInput), at(r, kFlagReduced), at(r, kFlagDone)});
+           (at(r, kFlagGraphSig) ? uint64_t(1) << 60 : 0) +
+           std::min(std::max({at(r, kFlagInput), at(r, kFlagReduced), at(r, kFlagDone)}), uint64_t(1) << 59);
   };
   uint64_t least = ~uint64_t(0);
   for (int r = 0; r < nranks_; ++r)
@@ -1332,7 +1357,10 @@ std::unique_ptr<SteppedRun> DeviceComm::beginGraphRun(const OpDesc& op, void* ca
   std::unique_lock<std::mutex> g(mu_);
   if (failCode_ != loomSuccess) fail(failCode_, "the %s communicator has failed: %s", driver_->name(), failed_.c_str());
   uint64_t round = 0;
-  StreamProgram p = makeReplayable(compileStreamProgram(op, rank_, nranks_, algo, graphSlotBytes_, &round));
+  const OpSignature sig = signatureOf(0, op);
+  const uint64_t sigFlag = signatureFlag(sig);
+  graphSigs_.emplace(sigFlag, describeSignature(sig));
+  StreamProgram p = makeReplayable(compileStreamProgram(op, rank_, nranks_, algo, graphSlotBytes_, &round), sigFlag);
   ProgramBuffers b;
   b.send = sh.needSend ? op.sendbuf : nullptr;
   b.sendBytes = sh.needSend ? sh.sendBytes : 0;
@@ -1342,6 +1370,7 @@ std::unique_ptr<SteppedRun> DeviceComm::beginGraphRun(const OpDesc& op, void* ca
   b.windowBytes = streamWindowBytes(graphSlotBytes_);
   b.flags = gflags_;
   b.flagCopies = gflagCopies_;
+  b.peerFlags = gpeerFlags_;
   auto run = std::make_unique<Run>(*this, std::move(g), std::move(p), std::move(b), Lane::Graph);
   try {
     const StreamProgram& prog = run->program();

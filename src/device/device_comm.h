@@ -734,8 +734,15 @@ class DeviceComm final : public DeviceCollectives {
   size_t graphSlotBytes_ = 0;
   std::vector<uint8_t*> gwindows_;
   std::vector<uint64_t*> gflags_, gflagCopies_, greleased_;
+  std::vector<uint64_t*> gpeerFlags_;  // per rank r: this rank's row in r's graph area (the signature gate)
+  // What each signature this rank captured is (mu_; the watchdog reads it
+  // under mu_ to name a mismatch).
+  std::map<uint64_t, std::string> graphSigs_;
   std::vector<uint64_t*> allReleased_;  // released_ and greleased_ as one batch
   std::atomic<uint64_t> captured_{0};
+  // The graph lane's flags still for this long with a peer's signature
+  // differing from this rank's: mismatched captured calls.
+  static constexpr int64_t kGraphMismatchMs = 50;
   uint64_t gSeenSum_ = 0;  // the watchdog's: the graph flags' sum as last seen, and when it moved
   int64_t gMovedMs_ = 0, gProbedMs_ = 0;
   P2PCounters p2p_;                    // send/recv: chunks per peer, programs (under mu_)

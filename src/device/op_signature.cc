@@ -36,6 +36,18 @@ std::string describeSignature(const OpSignature& s) {
   return d;
 }
 
+uint64_t signatureFlag(const OpSignature& s) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the fields but seq
+  auto mix = [&h](uint64_t v) {
+    for (int i = 0; i < 8; ++i, v >>= 8) h = (h ^ (v & 0xff)) * 1099511628211ull;
+  };
+  mix(s.count);
+  mix(uint64_t(s.coll) | uint64_t(s.dtype) << 8 | uint64_t(s.op) << 16);
+  mix(uint64_t(uint32_t(s.root)));
+  h &= (uint64_t(1) << 61) - 1;
+  return h ? h : 1;
+}
+
 std::vector<uint8_t> encodeSignatures(const std::vector<OpSignature>& sigs) {
   std::vector<uint8_t> out(sigs.size() * kEntryBytes);
   uint8_t* p = out.data();

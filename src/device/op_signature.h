@@ -41,6 +41,10 @@ struct OpSignature {
 OpSignature signatureOf(uint64_t seq, const OpDesc& op);
 // "AllReduce of 1000 x float32, sum" / "Broadcast of 7 x int8 from rank 2".
 std::string describeSignature(const OpSignature& s);
+// A captured call's signature as a flag value (the graph lane's start
+// gate, makeReplayable): a hash of everything but seq, in [1, 2^61), so it
+// is never 0 (no call) and below kReleasedFlag (a release passes it).
+uint64_t signatureFlag(const OpSignature& s);
 
 // A batch as bytes (at most kSignatureBatch entries of 24 bytes, under the
 // control plane's 16 KiB of extra bytes), and back: false for bytes that

@@ -76,10 +76,13 @@ constexpr int kRoundFlags = 3;
 // the round flags (kFlagInput, kFlagReduced, kFlagDone), then these three.
 constexpr uint8_t kFlagGraphEnd = 3;    // the owner finished the program: none of its writes of it is to come
 constexpr uint8_t kFlagGraphReset = 4;  // the owner zeroed its own area's rows after seeing everyone's end
-// In the owner's own row of its own area only, which no peer writes: 1
-// from a replayable program's first op to its last (the watchdog's and
-// destroy's "a replay is running here").
+// In the owner's own row of its own area, which no peer writes: the
+// call's signature (signatureFlag, nonzero) from a replayable program's
+// first op to its last (the watchdog's and destroy's "a replay is running
+// here").  In a peer's row: that peer's signature of the call it runs (the
+// start gate), written into this reader's copy only (SetPeerFlag).
 constexpr uint8_t kFlagGraphBusy = 5;
+constexpr uint8_t kFlagGraphSig = 5;
 
 // Device zero-copy.  Each rank has a cell area beside its flags: row q holds
 // rank q's cells as published to this rank, kCellCount cells of
