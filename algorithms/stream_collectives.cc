@@ -620,6 +620,10 @@ StreamProgram makeReplayable(StreamProgram p, uint64_t sig) {
       b.setLocal(r, f, 0);
     if (r != p.rank) b.setLocal(r, kFlagGraphSig, 0);
   }
+  // Its own copy first (SetFlag writes it last): the watchdog, which
+  // compares signatures only before this rank's reset, must see it before
+  // any peer can start its next call and write that call's signature here.
+  b.setLocal(p.rank, kFlagGraphReset, 1);
   b.set(0, FlagIndex(kFlagGraphReset), 1);
   b.waitOthers(0, FlagIndex(kFlagGraphReset), 1);
   for (int r = 0; r < p.nranks; ++r) b.setLocal(r, kFlagGraphReset, 0);
