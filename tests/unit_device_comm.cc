@@ -1432,6 +1432,33 @@ std::vector<loomComm_t> initCudaComms(int n) {
 
 }  // namespace
 
+namespace {
+// Two CUDA communicators after a refused or captured call: an all-reduce
+// of buf (rank r's element i = i + r) on a stream not being captured is
+// exact on both; then both are destroyed.
+void checkGoesOnAndDestroy(loomsim::SimDeviceWorld& world, const std::vector<loomComm_t>& comms, int32_t* const* buf,
+                           size_t n, loomStream_t plain) {
+  loomResult_t rcs[2];
+  for (int r = 0; r < 2; ++r)
+    for (size_t i = 0; i < n; ++i) buf[r][i] = int32_t(i) + r;
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 2; ++r)
+    ts.emplace_back([&, r] { rcs[r] = loomAllReduce(buf[r], buf[r], n, loomInt32, loomSum, comms[size_t(r)], plain); });
+  for (auto& t : ts) t.join();
+  CHECK(rcs[0] == loomSuccess);
+  CHECK(rcs[1] == loomSuccess);
+  for (int r = 0; r < 2; ++r) {
+    std::string msg;
+    CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
+  }
+  long wrong = 0;
+  for (int r = 0; r < 2; ++r)
+    for (size_t i = 0; i < n; ++i) wrong += buf[r][i] != 2 * int32_t(i) + 1;
+  CHECK(wrong == 0);
+  for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
+}
+}  // namespace
+
 TEST_CASE("CUDA communicator through the C API (simulated device): collectives on a stream being captured into a "
           "CUDA graph are captured and every replay is exact, and a send there is refused with loomInvalidUsage before "
           "anything is issued, in a group too, and without a graph lane a collective is refused, and the communicator goes on",
@@ -1501,24 +1528,7 @@ TEST_CASE("CUDA communicator through the C API (simulated device): collectives o
       CHECK(wrong == 0);
     }
   // The communicator goes on: an all-reduce on a stream not being captured.
-  loomResult_t rcs[2];
-  for (int r = 0; r < 2; ++r)
-    for (size_t i = 0; i < n; ++i) buf[r][i] = int32_t(i) + r;
-  std::vector<std::thread> ts;
-  for (int r = 0; r < 2; ++r)
-    ts.emplace_back([&, r] { rcs[r] = loomAllReduce(buf[r], buf[r], n, loomInt32, loomSum, comms[r], plain); });
-  for (auto& t : ts) t.join();
-  CHECK(rcs[0] == loomSuccess);
-  CHECK(rcs[1] == loomSuccess);
-  for (int r = 0; r < 2; ++r) {
-    std::string msg;
-    CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
-  }
-  long wrong = 0;
-  for (int r = 0; r < 2; ++r)
-    for (size_t i = 0; i < n; ++i) wrong += buf[r][i] != 2 * int32_t(i) + 1;
-  CHECK(wrong == 0);
-  for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
+  checkGoesOnAndDestroy(world, comms, buf, n, plain);
 }
 
 namespace {
@@ -1579,22 +1589,7 @@ TEST_CASE("CUDA communicator through the C API (simulated device): the legacy st
   CHECK(dev0->round() == round);
   CHECK(dev0->captured() == 0);
   // The communicators go on.
-  loomResult_t rcs[2];
-  std::vector<std::thread> ts;
-  for (int r = 0; r < 2; ++r)
-    ts.emplace_back([&, r] { rcs[r] = loomAllReduce(buf[r], buf[r], n, loomInt32, loomSum, comms[r], plain); });
-  for (auto& t : ts) t.join();
-  CHECK(rcs[0] == loomSuccess);
-  CHECK(rcs[1] == loomSuccess);
-  for (int r = 0; r < 2; ++r) {
-    std::string msg;
-    CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
-  }
-  long wrong = 0;
-  for (int r = 0; r < 2; ++r)
-    for (size_t i = 0; i < n; ++i) wrong += buf[r][i] != 2 * int32_t(i) + 1;
-  CHECK(wrong == 0);
-  for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
+  checkGoesOnAndDestroy(world, comms, buf, n, plain);
 }
 
 TEST_CASE("CUDA communicators through the C API (simulated device): one thread's group over 4 ranks enqueues "
