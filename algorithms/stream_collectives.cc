@@ -585,12 +585,20 @@ StreamProgram makeReplayable(StreamProgram p, uint64_t sig) {
   if (p.firstRound != 0) fail(loomInternalError, "a replayable program must start at round 0, not %llu",
                               (unsigned long long)p.firstRound);
   p.replayable = true;
-  if (p.nranks == 1 || p.rounds == 0) return p;  // a local copy at most: no flag, no window
+  // One rank: a local copy at most, no flag, no window.  A call of count 0
+  // on several ranks still passes the start gate (a peer may have captured
+  // a call that is not empty: a mismatch to report, not a timeout).
+  if (p.nranks == 1) return p;
   StreamProgram out = p;
   out.ops.clear();
   out.streams = 1;
   out.events = 0;
   Builder b(out);
+  // This rank's own reset from the call before, zeroed only now (while
+  // busy is still 0): zeroed at that call's end, before its busy went to
+  // 0, it would let the watchdog see "before reset" with the old call's
+  // signature while a peer already wrote its next call's.
+  b.setLocal(p.rank, kFlagGraphReset, 0);
   b.setLocal(p.rank, kFlagGraphBusy, sig);
   for (int r = 0; r < p.nranks; ++r)
     if (r != p.rank) b.setPeer(0, r, FlagIndex(kFlagGraphSig), sig);
@@ -626,7 +634,8 @@ StreamProgram makeReplayable(StreamProgram p, uint64_t sig) {
   b.setLocal(p.rank, kFlagGraphReset, 1);
   b.set(0, FlagIndex(kFlagGraphReset), 1);
   b.waitOthers(0, FlagIndex(kFlagGraphReset), 1);
-  for (int r = 0; r < p.nranks; ++r) b.setLocal(r, kFlagGraphReset, 0);
+  for (int r = 0; r < p.nranks; ++r)
+    if (r != p.rank) b.setLocal(r, kFlagGraphReset, 0);
   b.setLocal(p.rank, kFlagGraphBusy, 0);
   return out;
 }

@@ -99,7 +99,11 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
 //     peers' sigs);
 //   reset = 1; wait every peer's reset >= 1: everyone zeroed theirs, so no
 //     peer's next call can write into an area before it is zeroed;
-//   zero every row's reset; own busy = 0.
+//   zero the peers' resets; own busy = 0 (this rank's own reset is zeroed
+//     at the start of its next call, while busy is still 0: the watchdog
+//     compares signatures only while busy is set and this rank's own
+//     reset is 0).
+// A call of count 0 passes the gate and the barriers too (N > 1).
 // A peer writes anything of its next call only after it saw this rank's
 // reset, which this rank writes after zeroing its round flags and end; and
 // its next reset only after its next end barrier, which needs this rank's

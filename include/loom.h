@@ -275,8 +275,8 @@ LOOM_API loomResult_t loomCudaGetDevice(int* device);
 /* Whether `stream` (a cudaStream_t; NULL: the legacy default stream) is
  * being captured into a CUDA graph now (cudaStreamIsCapturing): *capturing
  * is 1 or 0, and 0 where the process has no CUDA device (and for the legacy
- * stream while another thread captures in global mode, which loom's calls
- * refuse: enqueueing there would invalidate that capture).  A CUDA
+ * stream while a blocking stream of the device is being captured, which
+ * loom's calls refuse: enqueueing there would invalidate that capture).  A CUDA
  * communicator's collectives on such a stream are captured (the ipc path's
  * graph lane, docs/usage.md "CUDA graphs").  loomInvalidArgument on NULL
  * capturing. */

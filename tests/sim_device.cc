@@ -248,6 +248,7 @@ void SimRank::setFlag(int s, uint64_t* flag, uint64_t value) {
   auto* f = reinterpret_cast<std::atomic<uint64_t>*>(flag);
   stream(s).enqueue(
       [this, f, value] {
+        if (world_.options().beforeSetFlag) world_.options().beforeSetFlag(f->load(std::memory_order_acquire), value);
         f->store(value, std::memory_order_release);
         world_.notify();
       },

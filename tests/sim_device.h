@@ -48,6 +48,10 @@ struct SimDeviceOptions {
   // never blocks).  An enqueue still blocked after deadlineMs fails with
   // loomInternalError, so a test that would hang on a GPU fails instead.
   size_t queueDepth = 0;
+  // Called on a stream's thread before each flag write it runs, with the
+  // flag's value then and the value written: a test that stalls some
+  // writes (a rank descheduled at the worst moment).  Empty: none.
+  std::function<void(uint64_t old, uint64_t value)> beforeSetFlag{};
   int pausePermille = 50;      // chance per op of a pause while holding the device
   int maxPauseUs = 200;
   uint64_t seed = 1;

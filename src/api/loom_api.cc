@@ -258,7 +258,7 @@ LOOM_HOT HostStream* hostStreamOf(loomStream_t stream) {
 
 // The cudaStream_t behind a CUDA communicator's stream argument (NULL: the
 // legacy default stream).  A loom host stream is refused, and so is the
-// legacy stream while another thread captures in global mode; whether the
+// legacy stream while a blocking stream of its device is captured; whether the
 // stream is being captured in *captureState (usableCaptureState).
 void* cudaStreamOf(loomStream_t stream, int* captureState = nullptr) {
   StreamRef s = classifyStream(stream);

@@ -124,9 +124,9 @@ struct CudaApi {
   int (*streamQuery)(void* stream);
   // *capturing = 1 while `stream` is being captured into a CUDA graph
   // (cudaStreamIsCapturing: active or invalidated), 2 for the legacy stream
-  // while another thread captures in global mode (cudaErrorStreamCapture-
-  // Implicit: the stream itself is not captured, and work on it would
-  // invalidate that capture; since ABI 10), else 0.
+  // while a blocking stream of the device is being captured (cudaError-
+  // StreamCaptureImplicit: the stream itself is not captured, and work on
+  // it would invalidate that capture; since ABI 10), else 0.
   int (*streamCapturing)(void* stream, int* capturing);
   // cudaThreadExchangeStreamCaptureMode(relaxed) for the calling thread:
   // loom's own threads (the watchdog, the reaper, the control thread's

@@ -113,8 +113,9 @@ int usableCaptureState(void* stream) {
   const int state = cudaStreamCaptureState(stream);
   if (state == 2)
     fail(loomInvalidUsage,
-         "stream %p is the legacy default stream while another thread captures a CUDA graph in global mode: work "
-         "enqueued on it would invalidate that capture (cudaErrorStreamCaptureImplicit); use a stream of your own",
+         "stream %p is the legacy default stream while a blocking stream of the device is being captured into a CUDA "
+         "graph: work enqueued on it would invalidate that capture (cudaErrorStreamCaptureImplicit); use a stream of "
+         "your own (cudaStreamNonBlocking)",
          stream);
   return state;
 }

@@ -26,11 +26,13 @@ int cudaPointerDevice(const void* p);
 // loomUnhandledCudaError if CUDA cannot say.
 bool cudaStreamCapturing(void* stream);
 // The same in detail: 0 none, 1 `stream` is being captured, 2 it is the
-// legacy stream while another thread captures in global mode (nothing may
+// legacy stream while a blocking stream of its device is being captured
+// (cudaErrorStreamCaptureImplicit; nothing may
 // be enqueued on it then: that would invalidate the capture).
 int cudaStreamCaptureState(void* stream);
 // cudaStreamCaptureState for a stream loom is about to enqueue on: 0 or 1,
-// or loomInvalidUsage for 2 (the legacy stream during another thread's
+// or loomInvalidUsage for 2 (the legacy stream during a capture of a
+// blocking stream, any thread's and any mode's:
 // global-mode capture) with the reason.
 int usableCaptureState(void* stream);
 // Makes the calling thread's CUDA calls relaxed about graph captures
