@@ -65,7 +65,19 @@ SimGraph SimStream::endCapture() {
   std::lock_guard<std::mutex> g(mu_);
   if (!capturing_) loom::fail(loomInternalError, "sim: end of a capture never begun");
   capturing_ = false;
-  return std::make_shared<const std::vector<SimTask>>(std::move(captured_));
+  auto graph = std::make_shared<SimGraphData>();
+  graph->tasks = std::move(captured_);
+  graph->holds = std::move(holds_);
+  captured_.clear();
+  holds_.clear();
+  return graph;
+}
+
+bool SimStream::holdInCapture(std::function<void()> release) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (!capturing_) return false;
+  holds_.push_back(std::move(release));
+  return true;
 }
 
 bool SimStream::capturing() const {
@@ -101,7 +113,12 @@ SimGraph SimRank::endCapture(const void* key) {
 
 void SimRank::launchGraph(const void* key, const SimGraph& graph) {
   SimStream& st = stream(callerStream(key));
-  for (const SimTask& t : *graph) st.enqueue(t.first, t.second);
+  for (const SimTask& t : graph->tasks) st.enqueue(t.first, t.second);
+}
+
+bool SimRank::holdInCapture(const void* key, std::function<void()> release) {
+  const int s = callerStream(key);
+  return s != 0 && stream(s).holdInCapture(std::move(release));
 }
 
 void SimStream::drain() {

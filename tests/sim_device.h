@@ -75,8 +75,20 @@ class SimRank;
 // which holds the device; else a wait).
 using SimTask = std::pair<std::function<void()>, bool>;
 // A captured CUDA graph: the tasks enqueued on a stream while it was
-// captured, with every value they were given then (a replay repeats them).
-using SimGraph = std::shared_ptr<const std::vector<SimTask>>;
+// captured, with every value they were given then (a replay repeats them),
+// and what the capture asked it to hold (CUDA's user objects): released
+// when the last reference to the graph goes.
+struct SimGraphData {
+  std::vector<SimTask> tasks;
+  std::vector<std::function<void()>> holds;
+  SimGraphData() = default;
+  SimGraphData(const SimGraphData&) = delete;
+  SimGraphData& operator=(const SimGraphData&) = delete;
+  ~SimGraphData() {
+    for (auto& h : holds) h();
+  }
+};
+using SimGraph = std::shared_ptr<const SimGraphData>;
 
 class SimStream {
  public:
@@ -91,6 +103,8 @@ class SimStream {
   void beginCapture();
   SimGraph endCapture();
   bool capturing() const;
+  // The graph being captured holds `release` (false: no capture).
+  bool holdInCapture(std::function<void()> release);
   // Returns once everything enqueued so far has run or been skipped.
   void drain();
 
@@ -104,6 +118,7 @@ class SimStream {
   std::deque<SimTask> queue_;
   bool capturing_ = false;
   std::vector<SimTask> captured_;
+  std::vector<std::function<void()>> holds_;
   bool busy_ = false;
   bool stop_ = false;
   std::thread thread_;
@@ -144,6 +159,10 @@ class SimRank final : public loom::StreamBackend {
   void beginCapture(const void* key);
   SimGraph endCapture(const void* key);
   void launchGraph(const void* key, const SimGraph& graph);
+  // cudaGraphRetainUserObject on the graph being captured on the caller
+  // stream `key`: `release` runs when that graph goes (false, nothing
+  // held: the stream is not being captured).
+  bool holdInCapture(const void* key, std::function<void()> release);
   // Waits for every stream; loomSuccess or the first error (message in *msg).
   loomResult_t synchronize(std::string* msg);
 

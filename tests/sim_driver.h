@@ -261,6 +261,13 @@ class SimDriver final : public loom::DeviceDriver {
     joins.fetch_add(1);
   }
   std::atomic<size_t> joins{0};  // streamWaitStream calls (tests)
+  // A user object of the graph being captured on `stream`.
+  void retainOnCapture(void* stream, std::function<void()> release) override {
+    if (!world_->rank(rank_).holdInCapture(stream, release)) {
+      release();
+      loom::fail(loomUnhandledCudaError, "sim: cudaStreamGetCaptureInfo: stream %p is not being captured", stream);
+    }
+  }
   // The host's arithmetic, as the device kernel's (reduce_ops.h), on the
   // caller's stream; a scalar "on the device" is read when the work runs.
   void scale(void* stream, void* dst, const void* src, size_t count, loomDataType_t type, const void* scalar,

@@ -107,6 +107,7 @@ const loom::CudaApi kRecording = {
     nullptr,
     nullptr,
     nullptr,
+    nullptr,  // retainOnCapture
 };
 
 void* handle(uintptr_t v) { return reinterpret_cast<void*>(v); }
@@ -513,6 +514,7 @@ std::atomic<int> g_failIpcOpen{0};  // cudaIpcOpenMemHandle's result
 std::atomic<bool> g_pending{false};  // cudaStreamQuery: work left on the stream
 std::atomic<uintptr_t> g_next{0x1000};
 std::vector<std::pair<void*, size_t>> g_blocks;  // cudaMalloc'd (zeroed) memory: the communicators' blocks
+std::vector<std::pair<void (*)(void*), void*>> g_retained;  // retainOnCapture's user objects, not yet released
 void record(std::string call) {
   std::lock_guard<std::mutex> g(g_drvMu);
   g_drv.push_back(std::move(call));
@@ -655,6 +657,11 @@ const loom::CudaApi kDriverTable = {
       if (!onDevice) memcpy(&v, k, loom::dtypeSize(loomDataType_t(t)));
       record(onDevice ? loom::strf("scale %p %p <- %p n=%zu t=%d by *%p", s, d, src, n, t, k)
                       : loom::strf("scale %p %p <- %p n=%zu t=%d by %llu", s, d, src, n, t, (unsigned long long)v));
+      return 0;
+    },
+    [](void* s, void (*release)(void*), void* arg) {  // retainOnCapture: held until the test lets go
+      record(loom::strf("retain %p", s));
+      g_retained.emplace_back(release, arg);
       return 0;
     },
 };
@@ -923,6 +930,35 @@ TEST_CASE("CUDA communicator driver: its calls through the plug-in table (device
     }
   }
   g_failIpcOpen = 0;
+}
+
+TEST_CASE("CUDA communicator driver: retainOnCapture hands the plug-in a callback that runs the release once, "
+          "when the graph lets go, and a plug-in error runs it at once and is loomUnhandledCudaError",
+          "[cuda][graph]") {
+  g_current = 1;
+  auto drv = loom::makeCudaDeviceDriver(kDriverTable, 1);
+  int released = 0;
+  g_retained.clear();
+  drv->retainOnCapture(reinterpret_cast<void*>(uintptr_t(0x5150)), [&released] { ++released; });
+  REQUIRE(g_retained.size() == 1);
+  CHECK(countOf("retain 0x5150") == 1);
+  CHECK(released == 0);  // held by the graph
+  g_retained[0].first(g_retained[0].second);  // the graph is destroyed
+  CHECK(released == 1);
+  g_retained.clear();
+  loom::CudaApi failing = kDriverTable;
+  failing.retainOnCapture = [](void*, void (*release)(void*), void* arg) {
+    release(arg);  // as the plug-in does on an error
+    return 901;    // cudaErrorStreamCaptureInvalidated
+  };
+  auto bad = loom::makeCudaDeviceDriver(failing, 1);
+  try {
+    bad->retainOnCapture(nullptr, [&released] { ++released; });
+    FAIL("no error");
+  } catch (const loom::Error& e) {
+    CHECK(e.code() == loomUnhandledCudaError);
+  }
+  CHECK(released == 2);
 }
 
 TEST_CASE("CUDA communicator driver: flag reads land in pinned memory made once at init, never allocated "

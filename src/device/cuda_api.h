@@ -143,6 +143,14 @@ struct CudaApi {
   // device memory the kernel reads when it runs (1).
   int (*launchScale)(void* dst, const void* src, size_t count, int dtype, const void* scalar, int scalarOnDevice,
                      void* stream);
+  // ---- ABI 10: CUDA graphs (and streamCapturing's 2, above) ----
+  // The graph being captured on `stream` takes a user object whose destroy
+  // callback runs release(arg) once, on a CUDA thread, when that graph and
+  // every executable graph made from it are gone (cudaStreamGetCaptureInfo,
+  // cudaUserObjectCreate, cudaGraphRetainUserObject).  release must not
+  // call CUDA.  release(arg) runs exactly once in every case: at once, or
+  // soon on a CUDA thread, when this fails.
+  int (*retainOnCapture)(void* stream, void (*release)(void*), void* arg);
 };
 
 constexpr int kCudaApiVersion = 10;  // 10: streamCapturing says 2 for an implicit capture

@@ -98,6 +98,22 @@ class CudaDeviceDriver final : public DeviceDriver {
     check(api_.eventRecord(joinEvent_, waited), "cudaEventRecord");
     check(api_.streamWaitEvent(waiter, joinEvent_), "cudaStreamWaitEvent");
   }
+  void retainOnCapture(void* stream, std::function<void()> release) override {
+    if (!api_.retainOnCapture) {  // a table without it (the tests' recording ones): nothing held
+      release();
+      return;
+    }
+    auto* held = new std::function<void()>(std::move(release));
+    const int rc = api_.retainOnCapture(
+        stream,
+        [](void* p) {
+          auto* f = static_cast<std::function<void()>*>(p);
+          (*f)();
+          delete f;
+        },
+        held);
+    check(rc, "cudaGraphRetainUserObject");  // held has run (or will) and is gone
+  }
   void scale(void* stream, void* dst, const void* src, size_t count, loomDataType_t type, const void* scalar,
              bool scalarOnDevice) override {
     check(api_.launchScale(dst, src, count, int(type), scalar, scalarOnDevice ? 1 : 0, stream),

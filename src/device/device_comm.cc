@@ -404,26 +404,38 @@ struct IpcRemains final : DeviceRemains {
   const uint64_t* ownP2PDone = nullptr;  // and the send/recv programs'
   uint64_t p2pTarget = 0;
   // The graph lane's (when calls were captured): this rank's busy flag
-  // (a replay runs while it is 1) and the peer rows a release writes.
+  // (a replay runs while it is set), the peer rows a release writes, and
+  // how many holds CUDA graphs with its calls still keep
+  // (DeviceDriver::retainOnCapture): while any does, a replay may start
+  // whenever such a graph is launched, after the destroy too, and is
+  // released then (its peers may be gone; its output is undefined), and
+  // nothing is freed or unmapped.
   const uint64_t* graphBusy = nullptr;
   std::vector<uint64_t*> graphReleased;
   std::vector<uint64_t*> allReleased;  // both, as one batch (the CUDA driver skips a batch equal to the last)
+  std::shared_ptr<std::atomic<int64_t>> graphHolds;
+  bool eagerDone = false;  // the eager programs (done at once for a healthy destroy)
+  bool replaying = false;  // a replay ran at the last step
   bool streamsDone = false;
   std::vector<int> holding;  // who held the board at the last step (the warning)
 
-  // Releases once more until the streams are done, then unmaps the peers'
-  // memory here; true once no peer maps this rank's.
+  bool graphsHeld() const { return graphHolds && graphHolds->load() > 0; }
+  // Releases once more until the streams are done (and while graphs that
+  // captured its calls exist, whenever one replays), then unmaps the
+  // peers' memory here; true once no peer maps this rank's.
   bool step() override {
-    if (!streamsDone) {
+    const bool held = graphsHeld();
+    if (!streamsDone || held) {
       try {
         const int previous = driver->enter();
         try {
-          const bool eagerDone = driver->readFlag(ownDone) >= target && driver->readFlag(ownP2PDone) >= p2pTarget;
-          const bool graphDone = !graphBusy || driver->readFlag(graphBusy) == 0;
-          streamsDone = eagerDone && graphDone;
-          const std::vector<uint64_t*>& batch = !eagerDone && !graphDone ? allReleased
-                                                : !eagerDone              ? released
-                                                                          : graphReleased;
+          if (!eagerDone)
+            eagerDone = driver->readFlag(ownDone) >= target && driver->readFlag(ownP2PDone) >= p2pTarget;
+          replaying = graphBusy && driver->readFlag(graphBusy) != 0;
+          streamsDone = eagerDone && !replaying;
+          const std::vector<uint64_t*>& batch = !eagerDone && replaying ? allReleased
+                                                : !eagerDone             ? released
+                                                                         : graphReleased;
           if (!streamsDone) driver->writeFlags(batch.data(), batch.size(), kReleasedFlag);
         } catch (...) {
           driver->leave(previous);
@@ -431,18 +443,19 @@ struct IpcRemains final : DeviceRemains {
         }
         driver->leave(previous);
       } catch (const Error& e) {
-        LOOM_WARN("DEVICE", "rank %d: releasing a failed communicator's stream waits: %s", rank, e.what());
+        LOOM_WARN("DEVICE", "rank %d: releasing a destroyed communicator's stream waits: %s", rank, e.what());
       }
-      if (!streamsDone) return false;
+      if (!streamsDone || held) return false;
     }
     if (imports && deferBlocking) return false;  // unmapped at a later step (patient() holds it meanwhile)
     unmapPeers();
     if (board) holding = board->holders(tracked);
     return holding.empty();
   }
-  bool releasing() const override { return !streamsDone && (!released.empty() || graphBusy); }
+  bool releasing() const override { return (!eagerDone && !released.empty()) || replaying; }
   std::string waitingFor() const override {
     if (!streamsDone) return "its streams to finish";
+    if (graphsHeld()) return "the CUDA graphs that captured its calls to be destroyed";
     if (imports) return "another destroyed communicator's streams, before it unmaps the peers' memory";
     std::string who;
     for (int r : holding) who += strf("%s%d", who.empty() ? "" : ", ", r);
@@ -479,8 +492,9 @@ struct IpcRemains final : DeviceRemains {
     driver.reset();
   }
   // Once its streams are done it waits for the peers however long it takes
-  // (a peer may keep its communicator for hours); never given up on.
-  bool patient() const override { return streamsDone; }
+  // (a peer may keep its communicator for hours), and for the graphs that
+  // captured its calls (they may live as long); never given up on.
+  bool patient() const override { return streamsDone || graphsHeld(); }
   void forget() override {
     if (board) board->unlink();
   }
@@ -745,18 +759,19 @@ void DeviceComm::leaveMemory(bool streamsMayRun) {
   rest->holds = std::move(holds_);
   rest->imports = std::move(imports_);
   rest->deadline = reapTimeoutMs_ <= 0 ? 0 : nowMs() + reapTimeoutMs_;
-  rest->streamsDone = !streamsMayRun;
+  rest->streamsDone = rest->eagerDone = !streamsMayRun;
   if (streamsMayRun) {
     rest->released = released_;
     rest->ownDone = flags_[size_t(rank_)] + kFlagDone;
     rest->target = enqueued_.load();
     rest->ownP2PDone = flags_[size_t(rank_)] + kFlagP2PDone;
     rest->p2pTarget = p2pEnqueued_.load();
-    if (captured_.load() > 0) {
-      rest->graphBusy = gflags_[size_t(rank_)] + kFlagGraphBusy;
-      rest->graphReleased = greleased_;
-      rest->allReleased = allReleased_;
-    }
+  }
+  if (captured_.load() > 0) {
+    rest->graphBusy = gflags_[size_t(rank_)] + kFlagGraphBusy;
+    rest->graphReleased = greleased_;
+    rest->allReleased = allReleased_;
+    rest->graphHolds = graphHolds_;
   }
   // Freed now if no peer maps it any more, else once none does.
   rest->driver = std::move(driver_);
@@ -1373,6 +1388,10 @@ std::unique_ptr<SteppedRun> DeviceComm::beginGraphRun(const OpDesc& op, void* ca
   b.peerFlags = gpeerFlags_;
   auto run = std::make_unique<Run>(*this, std::move(g), std::move(p), std::move(b), Lane::Graph);
   try {
+    // The graph keeps this rank's memory (and its mappings of the peers')
+    // until it is destroyed, the communicator's destroy notwithstanding.
+    graphHolds_->fetch_add(1);
+    driver_->retainOnCapture(callerStream, [holds = graphHolds_] { holds->fetch_sub(1); });
     const StreamProgram& prog = run->program();
     if (!prog.ops.empty()) run->start(driver_->backend(callerStream, prog.streams, prog.events));
   } catch (const Error& e) {

@@ -185,6 +185,15 @@ class DeviceDriver {
   // device current.
   virtual void scale(void* stream, void* dst, const void* src, size_t count, loomDataType_t type, const void* scalar,
                      bool scalarOnDevice) = 0;
+  // The graph being captured on `stream` holds `release` until that graph
+  // and every executable graph made from it are gone, then calls it once
+  // (CUDA: a user object the graph retains; on a thread of CUDA's, so it
+  // must not call CUDA).  It runs exactly once in every case, at once when
+  // this throws.  This default keeps nothing: release() at once.
+  virtual void retainOnCapture(void* stream, std::function<void()> release) {
+    (void)stream;
+    release();
+  }
   // A flag's value now (device memory of any rank, as mapped here), read
   // from the host.
   virtual uint64_t readFlag(const uint64_t* flag) = 0;
@@ -740,6 +749,10 @@ class DeviceComm final : public DeviceCollectives {
   std::map<uint64_t, std::string> graphSigs_;
   std::vector<uint64_t*> allReleased_;  // released_ and greleased_ as one batch
   std::atomic<uint64_t> captured_{0};
+  // Holds CUDA graphs with this rank's captured calls keep (each call's
+  // graph one, dropped when it is destroyed: DeviceDriver::retainOnCapture);
+  // shared with the memory's remains after a destroy.
+  std::shared_ptr<std::atomic<int64_t>> graphHolds_ = std::make_shared<std::atomic<int64_t>>(0);
   // The graph lane's flags still for this long with a peer's signature
   // differing from this rank's: mismatched captured calls.
   static constexpr int64_t kGraphMismatchMs = 50;

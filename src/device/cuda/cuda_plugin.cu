@@ -181,6 +181,27 @@ int streamCapturing(void* stream, int* capturing) {
   return 0;
 }
 
+int retainOnCapture(void* stream, void (*release)(void*), void* arg) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  cudaGraph_t graph = nullptr;
+  cudaError_t rc = cudaStreamGetCaptureInfo(static_cast<cudaStream_t>(stream), &st, nullptr, &graph);
+  if (rc == cudaSuccess && (st != cudaStreamCaptureStatusActive || !graph)) rc = cudaErrorStreamCaptureInvalidated;
+  cudaUserObject_t obj = nullptr;
+  if (rc == cudaSuccess) rc = cudaUserObjectCreate(&obj, arg, release, 1, cudaUserObjectNoDestructorSync);
+  if (rc != cudaSuccess) {
+    release(arg);
+    return int(rc);
+  }
+  // The graph takes over the one reference (Move): it is released with the
+  // graph and the executable graphs made from it.
+  rc = cudaGraphRetainUserObject(graph, obj, 1, cudaGraphUserObjectMove);
+  if (rc != cudaSuccess) {
+    cudaUserObjectRelease(obj, 1);  // runs release(arg) now: the caller is told of the error and forgets arg
+    return int(rc);
+  }
+  return 0;
+}
+
 int relaxCaptureMode() {
   cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
   return int(cudaThreadExchangeStreamCaptureMode(&mode));
@@ -310,7 +331,7 @@ const CudaApi kApi = {kCudaApiVersion, waitValue64,     writeValue64,   memcpyAs
                       readValue64,     mallocRaw,       hostAllocMapped, hostFree,     loadKernelsOnce,
                       launchReduceIndirect, launchCopyIndirect, deviceSynchronize, contextDevice,
                       clearContext,    streamMemOps,   streamQuery,    streamCapturing, relaxCaptureMode,
-                      launchScale};
+                      launchScale,     retainOnCapture};
 
 }  // namespace
 }  // namespace cuda
