@@ -114,6 +114,9 @@ SimGraph SimRank::endCapture(const void* key) {
 void SimRank::launchGraph(const void* key, const SimGraph& graph) {
   SimStream& st = stream(callerStream(key));
   for (const SimTask& t : graph->tasks) st.enqueue(t.first, t.second);
+  // As CUDA, a graph launched is kept until the launch has run: its holds
+  // go only after the last launch's work.
+  st.enqueue([graph] {}, false);
 }
 
 bool SimRank::holdInCapture(const void* key, std::function<void()> release) {

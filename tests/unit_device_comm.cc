@@ -4730,6 +4730,11 @@ TEST_CASE("graph lane (simulated device): destroying ranks whose replay waits fo
     CHECK(s.world.rank(r).synchronize(&msg) == loomSuccess);
     INFO(msg);
   }
+  // One rank alone: nothing but the remains' release can end its waits.
+  s.world.rank(0).launchGraph(cs[0], g[0]);
+  std::string msg0;
+  CHECK(s.world.rank(0).synchronize(&msg0) == loomSuccess);
+  INFO(msg0);
   CHECK(s.mem.frees() == frees);
   g.clear();  // the graphs (and their user objects) are destroyed
   CHECK(loom::waitDeviceRemains(10000));

@@ -143,7 +143,7 @@ struct CudaApi {
   // device memory the kernel reads when it runs (1).
   int (*launchScale)(void* dst, const void* src, size_t count, int dtype, const void* scalar, int scalarOnDevice,
                      void* stream);
-  // ---- ABI 10: CUDA graphs (and streamCapturing's 2, above) ----
+  // ---- ABI 11: CUDA graphs ----
   // The graph being captured on `stream` takes a user object whose destroy
   // callback runs release(arg) once, on a CUDA thread, when that graph and
   // every executable graph made from it are gone (cudaStreamGetCaptureInfo,
@@ -153,7 +153,7 @@ struct CudaApi {
   int (*retainOnCapture)(void* stream, void (*release)(void*), void* arg);
 };
 
-constexpr int kCudaApiVersion = 10;  // 10: streamCapturing says 2 for an implicit capture
+constexpr int kCudaApiVersion = 11;  // 10: streamCapturing says 2 for an implicit capture; 11: retainOnCapture
 // sizeof(cudaIpcMemHandle_t) (CUDA_IPC_HANDLE_SIZE); the plug-in checks it.
 constexpr size_t kCudaIpcHandleBytes = 64;
 

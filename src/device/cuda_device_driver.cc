@@ -112,7 +112,9 @@ class CudaDeviceDriver final : public DeviceDriver {
           delete f;
         },
         held);
-    check(rc, "cudaGraphRetainUserObject");  // held has run (or will) and is gone
+    // held has run (or will) and is gone.
+    check(rc, "holding memory for the graph being captured (cudaStreamGetCaptureInfo, cudaUserObjectCreate, "
+              "cudaGraphRetainUserObject)");
   }
   void scale(void* stream, void* dst, const void* src, size_t count, loomDataType_t type, const void* scalar,
              bool scalarOnDevice) override {

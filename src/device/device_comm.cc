@@ -416,6 +416,7 @@ struct IpcRemains final : DeviceRemains {
   std::shared_ptr<std::atomic<int64_t>> graphHolds;
   bool eagerDone = false;  // the eager programs (done at once for a healthy destroy)
   bool replaying = false;  // a replay ran at the last step
+  bool warnedRelease = false;
   bool streamsDone = false;
   std::vector<int> holding;  // who held the board at the last step (the warning)
 
@@ -443,7 +444,9 @@ struct IpcRemains final : DeviceRemains {
         }
         driver->leave(previous);
       } catch (const Error& e) {
-        LOOM_WARN("DEVICE", "rank %d: releasing a destroyed communicator's stream waits: %s", rank, e.what());
+        if (!warnedRelease)  // once: it is tried again at every step
+          LOOM_WARN("DEVICE", "rank %d: releasing a destroyed communicator's stream waits: %s", rank, e.what());
+        warnedRelease = true;
       }
       if (!streamsDone || held) return false;
     }
@@ -452,7 +455,11 @@ struct IpcRemains final : DeviceRemains {
     if (board) holding = board->holders(tracked);
     return holding.empty();
   }
-  bool releasing() const override { return (!eagerDone && !released.empty()) || replaying; }
+  // While graphs with its calls exist a replay may be launched any time
+  // (after the destroy too) and wait for this thread's release: a free
+  // elsewhere (cudaFree synchronises the device) would wait for it for
+  // ever.  So nothing is freed meanwhile.
+  bool releasing() const override { return (!eagerDone && !released.empty()) || replaying || graphsHeld(); }
   std::string waitingFor() const override {
     if (!streamsDone) return "its streams to finish";
     if (graphsHeld()) return "the CUDA graphs that captured its calls to be destroyed";
@@ -494,7 +501,7 @@ struct IpcRemains final : DeviceRemains {
   // Once its streams are done it waits for the peers however long it takes
   // (a peer may keep its communicator for hours), and for the graphs that
   // captured its calls (they may live as long); never given up on.
-  bool patient() const override { return streamsDone || graphsHeld(); }
+  bool patient() const override { return streamsDone || (graphsHeld() && eagerDone); }
   void forget() override {
     if (board) board->unlink();
   }
@@ -767,7 +774,9 @@ void DeviceComm::leaveMemory(bool streamsMayRun) {
     rest->ownP2PDone = flags_[size_t(rank_)] + kFlagP2PDone;
     rest->p2pTarget = p2pEnqueued_.load();
   }
-  if (captured_.load() > 0) {
+  // A capture that failed half-way may have left a graph holding it too
+  // (a failed init has no lane set up: nothing ran on it).
+  if (graphSlotBytes_ && gflags_.size() == size_t(nranks_)) {
     rest->graphBusy = gflags_[size_t(rank_)] + kFlagGraphBusy;
     rest->graphReleased = greleased_;
     rest->allReleased = allReleased_;

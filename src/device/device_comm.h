@@ -188,8 +188,9 @@ class DeviceDriver {
   // The graph being captured on `stream` holds `release` until that graph
   // and every executable graph made from it are gone, then calls it once
   // (CUDA: a user object the graph retains; on a thread of CUDA's, so it
-  // must not call CUDA).  It runs exactly once in every case, at once when
-  // this throws.  This default keeps nothing: release() at once.
+  // must not call CUDA).  It runs exactly once in every case: when this
+  // throws, it has run or runs soon.  This default keeps nothing:
+  // release() at once.
   virtual void retainOnCapture(void* stream, std::function<void()> release) {
     (void)stream;
     release();
