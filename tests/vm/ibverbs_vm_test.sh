@@ -39,9 +39,16 @@ case "$CASE" in
   pingpong)
     ibv_devices
     ibv_rc_pingpong -d rxe0 -g 1 -n 20 >/tmp/server.log 2>&1 &
-    sleep 1
-    ibv_rc_pingpong -d rxe0 -g 1 -n 20 127.0.0.1
+    # The server listens once it has set up its device, which under TCG
+    # can take more than a second: the client retries a refused connect
+    # (it fails with "Couldn't connect" and leaves the server waiting).
+    ok=0
+    for _ in $(seq 1 40); do
+      if ibv_rc_pingpong -d rxe0 -g 1 -n 20 127.0.0.1; then ok=1; break; fi
+      sleep 0.5
+    done
     wait
+    [[ $ok == 1 ]] || { echo "FAIL: ibv_rc_pingpong never connected"; cat /tmp/server.log; exit 1; }
     ;;
   matrix)
     for n in 2 3 4; do
