@@ -317,20 +317,23 @@ std::string syncAll(SimComms& s) {
   return problems;
 }
 
+// Every collective the device path serves once, `c` elements, in place or not.
+void addEachCollective(std::vector<Op>* ops, size_t c, bool ip, int N) {
+  ops->push_back({Collective::AllReduce, loomFloat32, loomSum, c, 0, ip});
+  ops->push_back({Collective::ReduceScatter, loomInt32, loomSum, c, 0, ip});
+  ops->push_back({Collective::AllGather, loomFloat16, loomSum, c, 0, ip});
+  ops->push_back({Collective::Broadcast, loomUint8, loomSum, c, N - 1, ip});
+  ops->push_back({Collective::Reduce, loomFloat64, loomMax, c, N / 2, ip});
+  ops->push_back({Collective::AllToAll, loomBfloat16, loomSum, c, 0, ip});
+  ops->push_back({Collective::Gather, loomInt64, loomSum, c, N - 1, ip});
+  ops->push_back({Collective::Scatter, loomFloat32, loomSum, c, N / 2, ip});
+}
+
 std::vector<Op> everyCollective(int N) {
   std::vector<Op> ops;
   const size_t counts[] = {1, 7, 1000};
   for (size_t c : counts) {
-    for (bool ip : {false, true}) {
-      ops.push_back({Collective::AllReduce, loomFloat32, loomSum, c, 0, ip});
-      ops.push_back({Collective::ReduceScatter, loomInt32, loomSum, c, 0, ip});
-      ops.push_back({Collective::AllGather, loomFloat16, loomSum, c, 0, ip});
-      ops.push_back({Collective::Broadcast, loomUint8, loomSum, c, N - 1, ip});
-      ops.push_back({Collective::Reduce, loomFloat64, loomMax, c, N / 2, ip});
-      ops.push_back({Collective::AllToAll, loomBfloat16, loomSum, c, 0, ip});
-      ops.push_back({Collective::Gather, loomInt64, loomSum, c, N - 1, ip});
-      ops.push_back({Collective::Scatter, loomFloat32, loomSum, c, N / 2, ip});
-    }
+    for (bool ip : {false, true}) addEachCollective(&ops, c, ip, N);
   }
   // The exchanges in more types, and a root other than the usual ones.
   ops.push_back({Collective::AllToAll, loomInt8, loomSum, 333, 0, false});
@@ -4392,16 +4395,7 @@ void launchAll(loomsim::SimDeviceWorld& w, CaptureStreams& cs, const std::vector
 std::vector<Op> graphOps(int N) {
   std::vector<Op> ops;
   for (size_t c : {size_t(7), size_t(1000)})
-    for (bool ip : {false, true}) {
-      ops.push_back({Collective::AllReduce, loomFloat32, loomSum, c, 0, ip});
-      ops.push_back({Collective::ReduceScatter, loomInt32, loomSum, c, 0, ip});
-      ops.push_back({Collective::AllGather, loomFloat16, loomSum, c, 0, ip});
-      ops.push_back({Collective::Broadcast, loomUint8, loomSum, c, N - 1, ip});
-      ops.push_back({Collective::Reduce, loomFloat64, loomMax, c, N / 2, ip});
-      ops.push_back({Collective::AllToAll, loomBfloat16, loomSum, c, 0, ip});
-      ops.push_back({Collective::Gather, loomInt64, loomSum, c, N - 1, ip});
-      ops.push_back({Collective::Scatter, loomFloat32, loomSum, c, N / 2, ip});
-    }
+    for (bool ip : {false, true}) addEachCollective(&ops, c, ip, N);
   ops.push_back({Collective::AllReduce, loomBfloat16, loomAvg, 3000, 0, false});
   ops.push_back({Collective::AllReduce, loomInt8, loomProd, 513, 0, true});
   ops.push_back({Collective::AllReduce, loomFloat32, loomSum, 0, 0, false});  // count 0: nothing
