@@ -361,7 +361,7 @@ bool DeviceComm::drain() {
   // A replay running here (the caller should have synchronised, but a
   // graph launched on another stream...): once it ends, every peer has
   // finished reading this rank's graph window (makeReplayable).
-  while (captured_.load() > 0 && driver_->readFlag(gflags_[size_t(rank_)] + kFlagGraphBusy) != 0) {
+  while (captured_.load() > 0 && graphBusyNow()) {
     if (nowMs() > deadline) return false;
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
@@ -816,10 +816,12 @@ bool DeviceComm::programsDone() {
 
 void DeviceComm::release() { driver_->writeFlags(released_.data(), released_.size(), kReleasedFlag); }
 
+bool DeviceComm::graphBusyNow() { return driver_->readFlag(gflags_[size_t(rank_)] + kFlagGraphBusy) != 0; }
+
 bool DeviceComm::replaying() {
   if (captured_.load() == 0) return false;
   DeviceScope current(*driver_);
-  return driver_->readFlag(gflags_[size_t(rank_)] + kFlagGraphBusy) != 0;
+  return graphBusyNow();
 }
 
 int64_t DeviceComm::checkSignatures() {
@@ -1047,8 +1049,7 @@ void DeviceComm::watch() {
         // one equal to the last, so releases do not pile up behind a
         // blocked wait).
         enterDevice();
-        const bool replay =
-            captured_.load() > 0 && driver_->readFlag(gflags_[size_t(rank_)] + kFlagGraphBusy) != 0;
+        const bool replay = captured_.load() > 0 && graphBusyNow();
         if (!released || replay) {
           const std::vector<uint64_t*>& batch = !released && replay ? allReleased_ : replay ? greleased_ : released_;
           driver_->writeFlags(batch.data(), batch.size(), kReleasedFlag);

@@ -656,6 +656,9 @@ class DeviceComm final : public DeviceCollectives {
   enum class Lane : uint8_t { Collective, P2P, Graph };
   // beginRun on a stream being captured (the graph lane).
   std::unique_ptr<SteppedRun> beginGraphRun(const OpDesc& op, void* callerStream);
+  // This rank's graph busy flag is set (a replay runs here), read now on
+  // the calling thread's device (the caller's scope).
+  bool graphBusyNow();
   // The watchdog's look at the graph lane while healthy: how long to sleep next.
   int64_t checkGraphProgress(int64_t now);
 
