@@ -640,16 +640,25 @@ StreamProgram makeReplayable(StreamProgram p, uint64_t sig) {
   return out;
 }
 
-StreamProgram compileP2PProgram(const std::vector<OpDesc>& ops, int rank, int nranks, size_t slotBytes,
-                                P2PCounters* st) {
+namespace {
+
+// Send/recv's program, eager (graph false: the communicator's per-pair
+// counters go on, kFlagP2PDone counts the program) or replayable (graph:
+// counters from zero, every per-pair flag back at zero when it ends, see
+// compileGraphP2PProgram).
+StreamProgram p2pProgram(const std::vector<OpDesc>& ops, int rank, int nranks, size_t slotBytes, P2PCounters* st,
+                         bool graph, uint64_t busy) {
   StreamProgram p;
   p.rank = rank;
   p.nranks = nranks;
   p.dtype = loomUint8;  // copies only, in bytes
+  p.replayable = graph;
   if (nranks < 1 || rank < 0 || rank >= nranks)
     fail(loomInternalError, "send/recv program for rank %d of %d", rank, nranks);
   const size_t chunk = p2pChunkBytes(slotBytes);
   if (chunk == 0) fail(loomInternalError, "send/recv program: slots of %zu bytes hold no chunk", slotBytes);
+  const FlagIndex sentFlag = graph ? kFlagGraphSent : kFlagP2PSent;
+  const FlagIndex ackedFlag = graph ? kFlagGraphAcked : kFlagP2PAcked;
   st->sent.resize(size_t(nranks), 0);
   st->recvd.resize(size_t(nranks), 0);
   struct Member {
@@ -661,14 +670,27 @@ StreamProgram compileP2PProgram(const std::vector<OpDesc>& ops, int rank, int nr
   std::vector<Member> members;
   int32_t sends = 0, recvs = 0;
   size_t most = 0;  // chunks of the longest member
+  // Per peer: the chunks this program receives from it, and sends to it.
+  std::vector<uint64_t> recvTotal(size_t(nranks), 0), sendTotal(size_t(nranks), 0);
   for (const OpDesc& op : ops) {
     if (op.coll != Collective::P2P || op.peer < 0 || op.peer >= nranks)
       fail(loomInternalError, "send/recv program given %s (peer %d)", collectiveName(op.coll), op.peer);
     const size_t bytes = op.count * dtypeSize(op.dtype);
     members.push_back({op.isSend, op.peer, op.isSend ? sends++ : recvs++, bytes});
-    most = std::max(most, (bytes + chunk - 1) / chunk);
+    const size_t chunks = (bytes + chunk - 1) / chunk;
+    most = std::max(most, chunks);
+    (op.isSend ? sendTotal : recvTotal)[size_t(op.peer)] += chunks;
+  }
+  if (graph && most > 0) {
+    if (st->programs != 0 || std::any_of(st->sent.begin(), st->sent.end(), [](uint64_t v) { return v != 0; }) ||
+        std::any_of(st->recvd.begin(), st->recvd.end(), [](uint64_t v) { return v != 0; }))
+      fail(loomInternalError, "a replayable send/recv program must count from zero");
+    if (busy < kGraphP2PBusy || busy >= (uint64_t(1) << 62))  // below kReleasedFlag
+      fail(loomInternalError, "a replayable send/recv program's busy mark %llu is out of range",
+           (unsigned long long)busy);
   }
   Builder b(p);
+  if (graph && most > 0) b.setLocal(rank, kFlagGraphBusy, busy);
   // Chunk k of a pair (its k-th overall) is in chunk k % 2 of the sender's
   // region for the receiver.
   auto chunkAt = [&](uint64_t k) { return size_t(k % 2) * chunk; };
@@ -681,21 +703,51 @@ StreamProgram compileP2PProgram(const std::vector<OpDesc>& ops, int rank, int nr
         if (m.send) {
           const uint64_t k = st->sent[size_t(m.peer)]++;
           // The receiver has copied out chunk k - 2, which used this chunk.
-          if (k >= 2) b.wait(0, m.peer, kFlagP2PAcked, k - 1);
+          if (k >= 2) b.wait(0, m.peer, ackedFlag, k - 1);
           b.copy(0, ProgramRef{Space::P2POut, m.peer, chunkAt(k)}, ProgramRef{Space::Send, m.buffer, off}, len);
-          b.setPeer(0, m.peer, kFlagP2PSent, k + 1);
+          b.setPeer(0, m.peer, sentFlag, k + 1);
         } else {
           const uint64_t k = st->recvd[size_t(m.peer)]++;
-          b.wait(0, m.peer, kFlagP2PSent, k + 1);
+          b.wait(0, m.peer, sentFlag, k + 1);
           b.copy(0, ProgramRef{Space::Recv, m.buffer, off}, ProgramRef{Space::P2PIn, m.peer, chunkAt(k)}, len);
-          b.setPeer(0, m.peer, kFlagP2PAcked, k + 1);
+          // The pair's last chunk of a replayable program: the sender wrote
+          // its last `sent` of the call (this wait saw it), so zero it
+          // here before the ack that lets the sender go on to its next call.
+          if (graph && k + 1 == recvTotal[size_t(m.peer)]) b.setLocal(m.peer, sentFlag, 0);
+          b.setPeer(0, m.peer, ackedFlag, k + 1);
         }
       }
   }
   if (p.ops.empty()) return p;
+  if (graph) {
+    // Wait for each receiver's last ack (it copied everything out of this
+    // rank's region and zeroed its copy of `sent`), then zero this rank's
+    // copy of `acked`: the receiver acks its next call's chunks only after
+    // this rank's next `sent`, written after this.
+    for (int q = 0; q < nranks; ++q)
+      if (sendTotal[size_t(q)] > 0) {
+        b.wait(0, q, ackedFlag, sendTotal[size_t(q)]);
+        b.setLocal(q, ackedFlag, 0);
+      }
+    b.setLocal(rank, kFlagGraphBusy, 0);
+    return p;
+  }
   // Done: the watchdog, destroy and the reaper tell finished programs by it.
   b.set(0, kFlagP2PDone, ++st->programs);
   return p;
+}
+
+}  // namespace
+
+StreamProgram compileP2PProgram(const std::vector<OpDesc>& ops, int rank, int nranks, size_t slotBytes,
+                                P2PCounters* st) {
+  return p2pProgram(ops, rank, nranks, slotBytes, st, false, 0);
+}
+
+StreamProgram compileGraphP2PProgram(const std::vector<OpDesc>& ops, int rank, int nranks, size_t regionBytes,
+                                     uint64_t busy) {
+  P2PCounters fresh;
+  return p2pProgram(ops, rank, nranks, regionBytes, &fresh, true, busy);
 }
 
 }  // namespace loom

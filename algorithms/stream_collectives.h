@@ -145,4 +145,37 @@ struct P2PCounters {
 StreamProgram compileP2PProgram(const std::vector<OpDesc>& ops, int rank, int nranks, size_t slotBytes,
                                 P2PCounters* st);
 
+// Captured sends and receives (a CUDA graph's; DeviceComm's graph lane):
+// the program compileP2PProgram makes from fresh counters, made
+// replayable like makeReplayable's.  It stages in the graph window, which
+// each sender divides into a region per receiver (graphP2PRegionBytes),
+// and counts each pair's chunks in the graph lane's own per-pair flags
+// (kFlagGraphSent/kFlagGraphAcked, which no collective uses) from zero.
+// Around it:
+//   own busy = `busy` (kGraphP2PBusy + the call's number: the watchdog's
+//     and destroy's "a replay is running here");
+//   <the chunks, as compileP2PProgram's>, where a receiver zeroes its copy
+//     of a sender's `sent` after the pair's last chunk of the call, before
+//     its last ack (the sender wrote its last `sent` of the call: the wait
+//     for it passed);
+//   for each receiver: wait for its last ack, then zero this rank's copy
+//     of its `acked` (the receiver acks the next call's chunks only after
+//     this rank's next `sent`, written after this);
+//   own busy = 0.
+// Only the pairs of the call synchronise: there is no start gate, so a
+// mismatch (counts that differ between a sender and its receiver, a rank
+// that replays a collective where its partner replays a send) shows as
+// a replay that stops, which the watchdog reports as loomTimeout.  Nothing
+// else in the graph lane conflicts: a rank's region for a receiver is
+// written again only after that receiver's last ack, and a collective's
+// flags and window are never these.  No ops when nothing moves (every
+// count 0).
+StreamProgram compileGraphP2PProgram(const std::vector<OpDesc>& ops, int rank, int nranks, size_t regionBytes,
+                                     uint64_t busy);
+// A sender's region per receiver in the graph window (two graph slots),
+// a multiple of 256 bytes; 0 when the window is too small to hold one.
+inline size_t graphP2PRegionBytes(int nranks, size_t graphSlotBytes) {
+  return nranks < 1 ? 0 : streamWindowBytes(graphSlotBytes) / size_t(nranks) / 256 * 256;
+}
+
 }  // namespace loom

@@ -1462,9 +1462,10 @@ void checkGoesOnAndDestroy(loomsim::SimDeviceWorld& world, const std::vector<loo
 }
 }  // namespace
 
-TEST_CASE("CUDA communicator through the C API (simulated device): collectives on a stream being captured into a "
-          "CUDA graph are captured and every replay is exact, and a send there is refused with loomInvalidUsage before "
-          "anything is issued, in a group too, and without a graph lane a collective is refused, and the communicator goes on",
+TEST_CASE("CUDA communicator through the C API (simulated device): collectives and a group of sends and receives "
+          "on a stream being captured into a CUDA graph are captured and every replay is exact, a group joining it "
+          "with a stream not captured is refused, without a graph lane both are refused with loomInvalidUsage before "
+          "anything is issued, and the communicator goes on",
           "[devcomm][api][graph]") {
   SimMemory mem;
   loomsim::SimDeviceWorld world(2, 1, 256);
@@ -1481,11 +1482,16 @@ TEST_CASE("CUDA communicator through the C API (simulated device): collectives o
   for (int r = 0; r < 2; ++r) REQUIRE(world.rank(r).addCallerStream(&keys[r]) > 0);
   auto* plain = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
   const size_t n = 100000;  // 400 KB: several rounds of 64 KiB graph slots
+  const size_t m = 30000;  // the exchange: 120 KB, several chunks of the 32 KiB regions
   int32_t* buf[2];
   int32_t* out[2];
+  int32_t* msg[2];
+  int32_t* got[2];
   for (int r = 0; r < 2; ++r) {
     buf[r] = reinterpret_cast<int32_t*>(mem.alloc(0, n * 4));
     out[r] = reinterpret_cast<int32_t*>(mem.alloc(0, n * 4));
+    msg[r] = reinterpret_cast<int32_t*>(mem.alloc(0, m * 4));
+    got[r] = reinterpret_cast<int32_t*>(mem.alloc(0, m * 4));
   }
   auto* dev0 = dynamic_cast<loom::DeviceComm*>(comms[0]->deviceComm());
   REQUIRE(dev0 != nullptr);
@@ -1501,33 +1507,50 @@ TEST_CASE("CUDA communicator through the C API (simulated device): collectives o
       CHECK(rc == loomInvalidUsage);
       CHECK(std::string(loomGetLastError(comms[r])).find("LOOM_DEVICE_GRAPH_SLOT_BYTES=0") != std::string::npos);
     }
+    // The two ranks swap a message: a send and a receive in one group.
+    CHECK(loomGroupStart() == loomSuccess);
+    const loomResult_t sent = loomSend(msg[r], m, loomInt32, 1 - r, comms[r], st);
+    const loomResult_t recvd = loomRecv(got[r], m, loomInt32, 1 - r, comms[r], st);
+    const loomResult_t ended = loomGroupEnd();
+    if (lane) {
+      CHECK(sent == loomSuccess);
+      CHECK(recvd == loomSuccess);
+      CHECK(ended == loomSuccess);
+    } else {
+      CHECK(sent == loomInvalidUsage);
+      CHECK(std::string(loomGetLastError(comms[r])).find("LOOM_DEVICE_GRAPH_SLOT_BYTES=0") != std::string::npos);
+      CHECK(ended != loomSuccess);
+    }
     if (r == 0) {
-      CHECK(loomSend(buf[0], 10, loomInt32, 1, comms[0], st) == loomInvalidUsage);
-      std::string why = loomGetLastError(comms[0]);
-      INFO(why);
-      CHECK(why.find("being captured into a CUDA graph") != std::string::npos);
-      // In a group: the member is refused at its call and the group launches nothing.
+      // A group whose calls on one communicator name the captured stream and
+      // one that is not: refused at its end, nothing launched.
       CHECK(loomGroupStart() == loomSuccess);
       CHECK(loomAllGather(buf[0], out[0], 1, loomInt32, comms[0], plain) == loomSuccess);
-      CHECK(loomRecv(buf[0], 10, loomInt32, 1, comms[0], st) == loomInvalidUsage);
-      CHECK(loomGroupEnd() != loomSuccess);
+      CHECK(loomRecv(buf[0], 10, loomInt32, 1, comms[0], st) == (lane ? loomSuccess : loomInvalidUsage));
+      CHECK(loomGroupEnd() == loomInvalidUsage);
+      if (lane) CHECK(std::string(loomGetLastError(comms[0])).find("joining them would pull the other into the capture") !=
+                      std::string::npos);
     }
     graphs[size_t(r)] = world.rank(r).endCapture(&keys[r]);
   }
   CHECK(dev0->round() == round);  // nothing eager compiled or enqueued
-  CHECK(dev0->captured() == (lane ? 1u : 0u));
+  CHECK(dev0->captured() == (lane ? 2u : 0u));
   if (lane)
     for (int rep = 1; rep <= 3; ++rep) {
-      for (int r = 0; r < 2; ++r)
+      for (int r = 0; r < 2; ++r) {
         for (size_t i = 0; i < n; ++i) buf[r][i] = int32_t(i) * rep + r;
+        for (size_t i = 0; i < m; ++i) msg[r][i] = int32_t(i) * rep - 7 * r, got[r][i] = -1;
+      }
       for (int r = 0; r < 2; ++r) world.rank(r).launchGraph(&keys[r], graphs[size_t(r)]);
       for (int r = 0; r < 2; ++r) {
-        std::string msg;
-        CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
+        std::string why;
+        CHECK(world.rank(r).synchronize(&why) == loomSuccess);
       }
       long wrong = 0;
-      for (int r = 0; r < 2; ++r)
+      for (int r = 0; r < 2; ++r) {
         for (size_t i = 0; i < n; ++i) wrong += out[r][i] != 2 * int32_t(i) * rep + 1;
+        for (size_t i = 0; i < m; ++i) wrong += got[r][i] != int32_t(i) * rep - 7 * (1 - r);
+      }
       CHECK(wrong == 0);
     }
   // The communicator goes on: an all-reduce on a stream not being captured.
@@ -1586,7 +1609,7 @@ TEST_CASE("CUDA communicator through the C API (simulated device): the legacy st
   CHECK(loomGroupEnd() == loomInvalidUsage);
   const std::string why = loomGetLastError(comms[0]);
   INFO(why);
-  CHECK(why.find("only the first is being captured") != std::string::npos);
+  CHECK(why.find("joining them would pull the other into the capture") != std::string::npos);
   const loomsim::SimGraph g = world.rank(0).endCapture(&keys[0]);
   CHECK(g->tasks.empty());  // nothing was captured
   CHECK(dev0->round() == round);
@@ -4582,8 +4605,9 @@ TEST_CASE("graph lane (simulated device): a dead rank during a replay fails the 
   if (!dead) s.comms[2]->markFailed(loomRemoteError, "the test's");  // its peers failed: it would too
 }
 
-TEST_CASE("graph lane (simulated device): send/recv and a communicator without a graph lane refuse a capture, and an "
-          "error while capturing leaves the communicator healthy",
+TEST_CASE("graph lane (simulated device): a communicator without a graph lane refuses a capture, one whose graph "
+          "window cannot hold a send/recv region per rank refuses captured sends, and an error while capturing "
+          "leaves the communicator healthy",
           "[devcomm][graph]") {
   SimCaptureProbe probe;
   std::mt19937_64 rng(34);
@@ -4600,16 +4624,10 @@ TEST_CASE("graph lane (simulated device): send/recv and a communicator without a
   send.count = 10;
   send.dtype = loomInt32;
   s.world.rank(0).beginCapture(cs[0]);
-  try {
-    s.comms[0]->runP2P({send}, cs[0]);
-    FAIL("a send on a captured stream was taken");
-  } catch (const loom::Error& e) {
-    CHECK(e.code() == loomInvalidUsage);
-    CHECK(std::string(e.what()).find("not yet sends and receives") != std::string::npos);
-  }
   // A launch that fails while capturing: the call fails, the communicator does not.
   s.drivers[0]->failLaunch.store(true);
   CHECK_THROWS_AS(issue(s, p, 0, cs[0]), loom::Error);
+  CHECK_THROWS_AS(s.comms[0]->runP2P({send}, cs[0]), loom::Error);
   s.drivers[0]->failLaunch.store(false);
   s.world.rank(0).endCapture(cs[0]);
   CHECK_FALSE(s.comms[0]->failed());
@@ -4633,6 +4651,25 @@ TEST_CASE("graph lane (simulated device): send/recv and a communicator without a
   }
   t.world.rank(0).endCapture(ct[0]);
   CHECK(t.comms[0]->memoryStats().blockBytes < s.comms[0]->memoryStats().blockBytes);
+
+  // Graph slots of 256 B and 3 ranks: 512 B of window, no 256 B region each.
+  loom::DeviceCommOptions tiny;
+  tiny.graphSlotBytes = 256;
+  SimComms u(3, 1, tiny);
+  CaptureStreams cu(u.world);
+  send.sendbuf = u.mem.alloc(0, 64);
+  u.world.rank(0).beginCapture(cu[0]);
+  try {
+    u.comms[0]->runP2P({send}, cu[0]);
+    FAIL("a send without room for its region was taken");
+  } catch (const loom::Error& e) {
+    CHECK(e.code() == loomInvalidUsage);
+    CHECK(std::string(e.what()).find("too small to give each of its 3 ranks a send/recv region") !=
+          std::string::npos);
+  }
+  u.world.rank(0).endCapture(cu[0]);
+  CHECK_FALSE(u.comms[0]->failed());
+  CHECK(u.comms[0]->captured() == 0);
 }
 
 TEST_CASE("graph lane (simulated device): graphs of one-round calls whose ranks wait for nobody (a broadcast root, "
@@ -4800,4 +4837,253 @@ TEST_CASE("graph lane (simulated device): ranks whose captured calls differ (cou
     }
     CHECK(named == 3);  // each by itself or told by a peer
   }
+}
+
+namespace {
+
+// A message of a send/recv test: `in` on the sender's device, `out` on
+// the receiver's; the receive is right when out holds in's bytes.
+struct Message {
+  int from, to;
+  size_t count;
+  loomDataType_t type;
+  uint8_t* in;
+  uint8_t* out;
+  size_t bytes() const { return count * loom::dtypeSize(type); }
+};
+
+// Adds message from -> to to both ranks' group (the sender's send, the
+// receiver's receive) and to *all.
+void addMessage(SimComms& s, std::mt19937_64& rng, int from, int to, size_t count, loomDataType_t t,
+                std::vector<std::vector<P2POp>>* groups, std::vector<Message>* all) {
+  const size_t esz = loom::dtypeSize(t);
+  Message m{from, to, count, t, s.mem.alloc(from % s.gpus, count * esz + 8), s.mem.alloc(to % s.gpus, count * esz + 8)};
+  fillRandom(m.in, count, t, rng);
+  fillRandom(m.out, count, t, rng);
+  (*groups)[size_t(from)].push_back({true, to, count, t, m.in, {}});
+  (*groups)[size_t(to)].push_back({false, from, count, t, m.out, {}});
+  all->push_back(m);
+}
+
+void runGroup(SimComms& s, int r, const std::vector<P2POp>& group, void* stream) {
+  std::vector<loom::OpDesc> ds;
+  for (const P2POp& o : group) ds.push_back(p2pDesc(o));
+  s.comms[size_t(r)]->runP2P(ds, stream);
+}
+
+long wrongMessages(const std::vector<Message>& ms) {
+  long wrong = 0;
+  for (const Message& m : ms)
+    if (m.bytes() && memcmp(m.out, m.in, m.bytes()) != 0 && ++wrong <= 3)
+      FAIL_CHECK("message " << m.from << " -> " << m.to << " (" << m.count << " x " << loom::dtypeName(m.type)
+                            << ") wrong");
+  return wrong;
+}
+
+}  // namespace
+
+TEST_CASE("graph lane (simulated device): captured sends and receives (a ring, every pair both ways with uneven "
+          "sizes and self-sends, a send alone) run nothing at capture and are exact in every replay with new inputs, "
+          "N = 1..5, ranks sharing a device and on two, beside a captured collective, with eager send/recv between "
+          "the same ranks during a replay",
+          "[devcomm][graph]") {
+  SimCaptureProbe probe;
+  for (int N = 1; N <= 5; ++N)
+    for (int gpus : {1, 2}) {
+      if (gpus > N) continue;
+      INFO("N=" << N << " gpus=" << gpus);
+      loom::DeviceCommOptions opts;
+      opts.slotBytes = 1024;
+      opts.graphSlotBytes = 2048;  // regions of 4096 / N bytes (256-byte multiples): most messages take several
+      opts.oneShotBytes = 512;
+      SimComms s(N, gpus, opts);
+      for (const std::string& e : s.initErrors) REQUIRE(e.empty());
+      CaptureStreams cs(s.world);
+      std::mt19937_64 rng(uint64_t(400 + N * 10 + gpus));
+      std::vector<Message> captured, eager;
+      std::vector<std::vector<P2POp>> ring(static_cast<size_t>(N)), pairs(static_cast<size_t>(N)),
+          alone(static_cast<size_t>(N)), eagerRing(static_cast<size_t>(N));
+      for (int r = 0; r < N; ++r)
+        addMessage(s, rng, r, (r + 1) % N, messageCount(r, (r + 1) % N, 3, 0) * 3, loomFloat16, &ring, &captured);
+      for (int from = 0; from < N; ++from)
+        for (int to = 0; to < N; ++to)
+          addMessage(s, rng, from, to, messageCount(from, to, 1, 1), loomInt32, &pairs, &captured);
+      if (N > 1) addMessage(s, rng, N - 1, 0, 3000, loomUint8, &alone, &captured);  // the others have no part
+      for (int r = 0; r < N; ++r)
+        addMessage(s, rng, r, (r + N - 1) % N, 900, loomFloat64, &eagerRing, &eager);
+      Prepared coll = prepare(s, {Collective::AllReduce, loomInt32, loomSum, 1500, 0, false}, rng);
+      std::vector<std::vector<uint8_t>> before;
+      for (const Message& m : captured) before.emplace_back(m.out, m.out + m.bytes());
+      const auto g = captureAll(s.world, cs, [&](int r, void* st) {
+        runGroup(s, r, ring[size_t(r)], st);
+        issue(s, coll, r, st);
+        runGroup(s, r, pairs[size_t(r)], st);
+        runGroup(s, r, alone[size_t(r)], st);
+      });
+      REQUIRE(syncAll(s).empty());
+      long ranAtCapture = 0;
+      for (size_t i = 0; i < captured.size(); ++i)
+        ranAtCapture += memcmp(captured[i].out, before[i].data(), before[i].size()) != 0;
+      CHECK(ranAtCapture == 0);
+      for (int rep = 0; rep < 3; ++rep) {
+        INFO("replay " << rep);
+        Prepared q = rep == 0 ? coll : prepare(s, {Collective::AllReduce, loomInt32, loomSum, 1500, 0, false}, rng,
+                                               &coll);
+        for (const Message& m : captured) fillRandom(m.in, m.count, m.type, rng);
+        launchAll(s.world, cs, g);
+        if (rep == 1) {  // eager sends and receives on the NULL stream, while the replay may run
+          std::vector<std::thread> ts;
+          std::vector<std::string> errors(static_cast<size_t>(N));
+          for (int r = 0; r < N; ++r)
+            ts.emplace_back([&, r] {
+              try {
+                runGroup(s, r, eagerRing[size_t(r)], nullptr);
+              } catch (const loom::Error& e) {
+                errors[size_t(r)] = e.what();
+              }
+            });
+          for (auto& t : ts) t.join();
+          for (const std::string& e : errors) CHECK(e.empty());
+        }
+        const std::string problems = syncAll(s);
+        INFO(problems);
+        REQUIRE(problems.empty());
+        CHECK(wrongMessages(captured) == 0);
+        CHECK(verify(q, N) == "");
+      }
+      CHECK(wrongMessages(eager) == 0);
+      for (int r = 0; r < N; ++r) {
+        CHECK_FALSE(s.comms[size_t(r)]->failed());
+        CHECK(s.comms[size_t(r)]->captured() == 4);
+        CHECK_FALSE(s.comms[size_t(r)]->replaying());
+        CHECK(s.comms[size_t(r)]->round() == 0);  // no eager collective
+      }
+    }
+}
+
+TEST_CASE("graph lane (simulated device): a graph of an in-place all-reduce, captured sends (a ring twice in a "
+          "row, and one pair alone while the other ranks go on to the next collective) and an all-gather launched 16 times back to "
+          "back without synchronising, N = 2..6, also with the zeroing of the send/recv flags stalled now and then",
+          "[devcomm][graph]") {
+  SimCaptureProbe probe;
+  const bool stall = GENERATE(false, true);
+  INFO((stall ? "stalled zeroing" : "no stalls"));
+  for (int N = 2; N <= 6; ++N) {
+    INFO("N=" << N);
+    loom::DeviceCommOptions opts;
+    opts.graphSlotBytes = 1024;
+    loomsim::SimDeviceOptions so;
+    if (stall) {
+      // A rank descheduled as it zeroes a per-pair count (a value below
+      // 2^32 set to 0), one zeroing in three, while its peers go on.
+      auto count = std::make_shared<std::atomic<int>>(0);
+      so.beforeSetFlag = [count](uint64_t old, uint64_t value) {
+        if (value == 0 && old > 0 && old < (uint64_t(1) << 32) && count->fetch_add(1) % 3 == 0)
+          std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      };
+    }
+    SimComms s(N, N % 2 + 1, opts, true, so);
+    CaptureStreams cs(s.world);
+    const size_t n = 300;  // 1200 bytes: several chunks of the 2048 / N byte regions
+    std::vector<int32_t*> x(static_cast<size_t>(N)), y(static_cast<size_t>(N)), z(static_cast<size_t>(N)),
+        w(static_cast<size_t>(N)), all(static_cast<size_t>(N));
+    for (int r = 0; r < N; ++r) {
+      const int dev = r % s.gpus;
+      x[size_t(r)] = reinterpret_cast<int32_t*>(s.mem.alloc(dev, n * 4));
+      y[size_t(r)] = reinterpret_cast<int32_t*>(s.mem.alloc(dev, n * 4));
+      z[size_t(r)] = reinterpret_cast<int32_t*>(s.mem.alloc(dev, n * 4));
+      w[size_t(r)] = reinterpret_cast<int32_t*>(s.mem.alloc(dev, n * 4));
+      all[size_t(r)] = reinterpret_cast<int32_t*>(s.mem.alloc(dev, size_t(N) * n * 4));
+      for (size_t i = 0; i < n; ++i) x[size_t(r)][i] = r == 0 ? int32_t(i) + 1 : 0, y[size_t(r)][i] = -1;
+      for (size_t i = 0; i < n; ++i) z[size_t(r)][i] = -1;
+    }
+    const auto g = captureAll(s.world, cs, [&](int r, void* st) {
+      loom::OpDesc d;
+      d.coll = Collective::AllReduce;
+      d.sendbuf = d.recvbuf = x[size_t(r)];
+      d.count = n;
+      d.dtype = loomInt32;
+      d.op = loomSum;
+      s.comms[size_t(r)]->run(d, st);
+      // x to the next rank, into y from the previous.
+      runGroup(s, r, {{true, (r + 1) % N, n, loomInt32, reinterpret_cast<uint8_t*>(x[size_t(r)]), {}},
+                      {false, (r + N - 1) % N, n, loomInt32, reinterpret_cast<uint8_t*>(y[size_t(r)]), {}}},
+               st);
+      // Again at once, y into w: each sender's next call to the same receiver.
+      runGroup(s, r, {{true, (r + 1) % N, n, loomInt32, reinterpret_cast<uint8_t*>(y[size_t(r)]), {}},
+                      {false, (r + N - 1) % N, n, loomInt32, reinterpret_cast<uint8_t*>(w[size_t(r)]), {}}},
+               st);
+      // Rank 0's y to the last rank's z; the others have no part and run on.
+      if (r == 0) runGroup(s, r, {{true, N - 1, n, loomInt32, reinterpret_cast<uint8_t*>(y[0]), {}}}, st);
+      if (r == N - 1) runGroup(s, r, {{false, 0, n, loomInt32, reinterpret_cast<uint8_t*>(z[size_t(r)]), {}}}, st);
+      d.coll = Collective::AllGather;
+      d.sendbuf = y[size_t(r)];
+      d.recvbuf = all[size_t(r)];
+      s.comms[size_t(r)]->run(d, st);
+    });
+    const int launches = 16;
+    for (int k = 0; k < launches; ++k) launchAll(s.world, cs, g);
+    const std::string problems = syncAll(s);
+    INFO(problems);
+    REQUIRE(problems.empty());
+    // The first all-reduce gives every rank i + 1, each next one multiplies
+    // by N: (i + 1) N^15 (int32 wraps alike everywhere, and not to 0 for
+    // N <= 6); y, w, z and every block of the all-gather got that too.
+    uint32_t scale = 1;
+    for (int k = 1; k < launches; ++k) scale *= uint32_t(N);
+    long wrong = 0;
+    for (int r = 0; r < N; ++r)
+      for (size_t i = 0; i < n; ++i) {
+        const uint32_t want = uint32_t(i + 1) * scale;
+        wrong += uint32_t(x[size_t(r)][i]) != want;
+        wrong += uint32_t(y[size_t(r)][i]) != want;
+        wrong += uint32_t(w[size_t(r)][i]) != want;
+        if (r == N - 1) wrong += uint32_t(z[size_t(r)][i]) != want;
+        for (int q = 0; q < N; ++q) wrong += uint32_t(all[size_t(r)][size_t(q) * n + i]) != want;
+      }
+    CHECK(wrong == 0);
+    for (int r = 0; r < N; ++r) {
+      CHECK_FALSE(s.comms[size_t(r)]->failed());
+      CHECK_FALSE(s.comms[size_t(r)]->replaying());
+    }
+  }
+}
+
+TEST_CASE("graph lane (simulated device): a captured send whose receiver never launches, or receives less, is "
+          "loomTimeout naming the partner, and the replays end (released)",
+          "[devcomm][graph][abort]") {
+  SimCaptureProbe probe;
+  loomsim::SimDeviceOptions so;
+  so.deadlineMs = 15000;
+  const bool shorter = GENERATE(false, true);
+  INFO((shorter ? "rank 1 receives less" : "rank 1 does not launch"));
+  loom::DeviceCommOptions opts;
+  opts.graphSlotBytes = 1024;
+  opts.timeoutMs = 300;
+  opts.drainTimeoutMs = 200;
+  SimComms s(3, 1, opts, true, so);
+  CaptureStreams cs(s.world);
+  const size_t n = 2000;  // 2 KB through regions of 512 B: the sender waits for acks
+  uint8_t* a = s.mem.alloc(0, n);
+  uint8_t* b = s.mem.alloc(0, n);
+  const auto g = captureAll(s.world, cs, [&](int r, void* st) {
+    if (r == 0) runGroup(s, r, {{true, 1, n, loomUint8, a, {}}}, st);
+    if (r == 1) runGroup(s, r, {{false, 0, shorter ? n - 600 : n, loomUint8, b, {}}}, st);
+  });
+  launchAll(s.world, cs, g, shorter ? -1 : 1);
+  std::string msg;
+  CHECK(s.world.rank(0).synchronize(&msg) == loomSuccess);  // released, not failed by the device
+  INFO(msg);
+  std::string why;
+  CHECK(s.comms[0]->failure(&why) == loomTimeout);
+  INFO(why);
+  CHECK(why.find("replays a send/recv group (sends to 1)") != std::string::npos);
+  CHECK(why.find("wait for one of its partners (rank 1)") != std::string::npos);
+  CHECK_FALSE(s.comms[0]->replaying());
+  CHECK_FALSE(s.comms[2]->failed());  // no part in it
+  if (shorter) {
+    CHECK(s.world.rank(1).synchronize(&msg) == loomSuccess);
+    CHECK_FALSE(s.comms[1]->replaying());  // its replay ended, short
+  }
+  s.comms[1]->markFailed(loomRemoteError, "the test's");  // its peer failed: it would too
 }

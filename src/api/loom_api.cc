@@ -1386,6 +1386,11 @@ loomResult_t loomGroupEnd(void) {
   for (size_t i = 0; i < parts.size(); ++i) {
     if (p2p[i].empty()) continue;
     loomResult_t r = guarded("loomGroupEnd", parts[i].comm, [&] {
+      // Captured sends and receives stage in the graph lane's window:
+      // nothing to set up (and no CUDA call to make during the capture).
+      int state = 0;
+      cudaStreamOf(parts[i].stream, &state);
+      if (state == 1) return loomSuccess;
       parts[i].comm->deviceComm()->prepareP2P(p2p[i]);
       return loomSuccess;
     });

@@ -658,16 +658,16 @@ void DeviceCollectives::checkCapture(void* stream, bool /*p2p*/) const {
 }
 
 void DeviceComm::checkCapture(void* stream, bool p2p) const {
-  if (p2p)
-    fail(loomInvalidUsage,
-         "stream %p is being captured into a CUDA graph: loom captures collectives, not yet sends and receives; "
-         "issue them outside the capture",
-         stream);
   if (!graphSlotBytes_)
     fail(loomInvalidUsage,
          "stream %p is being captured into a CUDA graph, but this communicator has no graph lane "
          "(LOOM_DEVICE_GRAPH_SLOT_BYTES=0 when it was made)",
          stream);
+  if (p2p && graphP2PRegionBytes(nranks_, graphSlotBytes_) == 0)
+    fail(loomInvalidUsage,
+         "stream %p is being captured into a CUDA graph, but this communicator's graph lane (2 x %zu B, "
+         "LOOM_DEVICE_GRAPH_SLOT_BYTES) is too small to give each of its %d ranks a send/recv region of 256 B",
+         stream, graphSlotBytes_, nranks_);
 }
 
 IpcRecord DeviceCollectives::p2pRegionFor(int reader) {
@@ -963,7 +963,10 @@ int64_t DeviceComm::checkGraphProgress(int64_t now) {
   // rank's.  Only before this rank's reset: after it, a peer may already
   // have started its next call (and written its next signature) while this
   // rank waits for a slow one's reset.
-  if (still >= kGraphMismatchMs && at(rank_, kFlagGraphReset) == 0)
+  // A captured send/recv has no start gate and no signature: its
+  // partners alone synchronise with it (compileGraphP2PProgram).
+  const bool p2p = mine >= kGraphP2PBusy && mine < kReleasedFlag;
+  if (!p2p && still >= kGraphMismatchMs && at(rank_, kFlagGraphReset) == 0)
     for (int r = 0; r < nranks_; ++r) {
       const uint64_t theirs = at(r, kFlagGraphSig);
       if (r == rank_ || theirs == 0 || theirs == mine || theirs >= kReleasedFlag) continue;
@@ -994,8 +997,15 @@ int64_t DeviceComm::checkGraphProgress(int64_t now) {
   for (int r = 0; r < nranks_; ++r)
     if (r != rank_) least = std::min(least, progress(r));
   std::vector<int> behind;
-  for (int r = 0; r < nranks_; ++r)
-    if (r != rank_ && progress(r) == least) behind.push_back(r);
+  std::string what;
+  if (p2p) {  // its partners: which one is behind, the flags cannot tell (a finished pair's read as zero)
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = graphP2P_.find(mine);
+    if (it != graphP2P_.end()) behind = it->second.partners, what = it->second.what;
+  } else {
+    for (int r = 0; r < nranks_; ++r)
+      if (r != rank_ && progress(r) == least) behind.push_back(r);
+  }
   if (peerGone_ && still >= probeAfterMs_ && now - gProbedMs_ >= probeAfterMs_) {
     gProbedMs_ = now;
     for (int r = 0; r < nranks_; ++r) {
@@ -1013,12 +1023,23 @@ int64_t DeviceComm::checkGraphProgress(int64_t now) {
   if (timeoutMs > 0 && still >= timeoutMs) {
     std::string who;
     for (int r : behind) who += strf("%s%d", who.empty() ? "" : ", ", r);
-    failFromWatchdog(loomTimeout,
-                     strf("rank %d: a replay of a captured call (a CUDA graph) made no progress on %s:%d for %lld ms "
-                          "(LOOM_TIMEOUT_MS): this rank's streams wait for rank %s (every rank must launch the "
-                          "graphs with this communicator's calls in the same order)",
-                          rank_, driver_->name(), driver_->device(), (long long)still, who.empty() ? "?" : who.c_str()),
-                     behind.empty() ? -1 : behind.front());
+    if (p2p)
+      failFromWatchdog(loomTimeout,
+                       strf("rank %d: a replay of a captured call (a CUDA graph) made no progress on %s:%d for %lld "
+                            "ms (LOOM_TIMEOUT_MS): this rank replays %s and its streams wait for one of its partners "
+                            "(rank %s); every rank must launch the graphs with this communicator's calls in the same "
+                            "order, and a receive must match its send's size",
+                            rank_, driver_->name(), driver_->device(), (long long)still,
+                            what.empty() ? "a send/recv group" : what.c_str(), who.empty() ? "?" : who.c_str()),
+                       behind.empty() ? -1 : behind.front());
+    else
+      failFromWatchdog(loomTimeout,
+                       strf("rank %d: a replay of a captured call (a CUDA graph) made no progress on %s:%d for %lld "
+                            "ms (LOOM_TIMEOUT_MS): this rank's streams wait for rank %s (every rank must launch the "
+                            "graphs with this communicator's calls in the same order)",
+                            rank_, driver_->name(), driver_->device(), (long long)still,
+                            who.empty() ? "?" : who.c_str()),
+                       behind.empty() ? -1 : behind.front());
     return 1;
   }
   return 5;
@@ -1401,6 +1422,80 @@ std::unique_ptr<SteppedRun> DeviceComm::beginGraphRun(const OpDesc& op, void* ca
     // The graph keeps this rank's memory (and its mappings of the peers')
     // until it is destroyed, the communicator's destroy notwithstanding.
     graphHolds_->fetch_add(1);
+    driver_->retainOnCapture(callerStream, [holds = graphHolds_] { holds->fetch_sub(1); });
+    const StreamProgram& prog = run->program();
+    if (!prog.ops.empty()) run->start(driver_->backend(callerStream, prog.streams, prog.events));
+  } catch (const Error& e) {
+    run->failWith(e);
+    throw;
+  }
+  return run;
+}
+
+namespace {
+
+// A send/recv program's own buffers: send i reads buffer i of the sends,
+// receive j writes buffer j of the receives (compileP2PProgram's numbering).
+ProgramBuffers p2pBuffers(const std::vector<OpDesc>& ops) {
+  ProgramBuffers b;
+  bool haveSend = false, haveRecv = false;
+  for (const OpDesc& op : ops) {
+    const size_t bytes = op.count * dtypeSize(op.dtype);
+    if (op.isSend && !haveSend) {
+      b.send = op.sendbuf, b.sendBytes = bytes, haveSend = true;
+    } else if (op.isSend) {
+      b.moreSends.push_back({const_cast<void*>(op.sendbuf), bytes});
+    } else if (!haveRecv) {
+      b.recv = op.recvbuf, b.recvBytes = bytes, haveRecv = true;
+    } else {
+      b.moreRecvs.push_back({op.recvbuf, bytes});
+    }
+  }
+  return b;
+}
+
+}  // namespace
+
+// Sends and receives on a stream being captured: a replayable program
+// (compileGraphP2PProgram) staging in the graph window, which each rank
+// divides into a region per receiver; nothing is allocated or asked of a
+// peer, so a capture makes no CUDA call but the program's.
+std::unique_ptr<SteppedRun> DeviceComm::beginGraphRunP2P(const std::vector<OpDesc>& ops, void* callerStream) {
+  checkCapture(callerStream, true);
+  const size_t region = graphP2PRegionBytes(nranks_, graphSlotBytes_);
+  ProgramBuffers b = p2pBuffers(ops);
+  b.windows = gwindows_;
+  b.windowBytes = streamWindowBytes(graphSlotBytes_);
+  b.flags = gflags_;
+  b.flagCopies = gflagCopies_;
+  b.peerFlags = gpeerFlags_;
+  b.p2pBytes = region;
+  for (int q = 0; q < nranks_; ++q) {
+    b.p2pOut.push_back(gwindows_[size_t(rank_)] + size_t(q) * region);  // this rank's region for q
+    b.p2pIn.push_back(gwindows_[size_t(q)] + size_t(rank_) * region);   // q's region for this rank
+  }
+  std::unique_lock<std::mutex> g(mu_);
+  if (failCode_ != loomSuccess) fail(failCode_, "the %s communicator has failed: %s", driver_->name(), failed_.c_str());
+  GraphP2PCall call;
+  std::string sends, recvs;
+  for (const OpDesc& op : ops) {
+    if (op.count == 0) continue;
+    (op.isSend ? sends : recvs) += strf("%s%d", (op.isSend ? sends : recvs).empty() ? "" : ", ", op.peer);
+    if (op.peer != rank_ && std::find(call.partners.begin(), call.partners.end(), op.peer) == call.partners.end())
+      call.partners.push_back(op.peer);
+  }
+  call.what = strf("a send/recv group (%s%s%s%s%s)", sends.empty() ? "" : "sends to ", sends.c_str(),
+                   !sends.empty() && !recvs.empty() ? "; " : "", recvs.empty() ? "" : "receives from ",
+                   recvs.c_str());
+  // One mark per distinct call (captured again, the same mark: the map stays small).
+  uint64_t busy = kGraphP2PBusy + 1 + graphP2P_.size();
+  for (const auto& [mark, known] : graphP2P_)
+    if (known.what == call.what) busy = mark;
+  StreamProgram p = compileGraphP2PProgram(ops, rank_, nranks_, region, busy);
+  graphP2P_.emplace(busy, std::move(call));
+  auto run = std::make_unique<Run>(*this, std::move(g), std::move(p), std::move(b), Lane::Graph);
+  try {
+    graphHolds_->fetch_add(1);  // as beginGraphRun's
     driver_->retainOnCapture(callerStream, [holds = graphHolds_] { holds->fetch_sub(1); });
     const StreamProgram& prog = run->program();
     if (!prog.ops.empty()) run->start(driver_->backend(callerStream, prog.streams, prog.events));
@@ -1851,29 +1946,14 @@ std::unique_ptr<SteppedRun> DeviceComm::beginRunP2P(const std::vector<OpDesc>& o
     if (op.coll != Collective::P2P) fail(loomInternalError, "runP2P given %s", collectiveName(op.coll));
     check(op);
   }
-  if (usableCaptureState(callerStream) == 1) checkCapture(callerStream, true);
+  if (usableCaptureState(callerStream) == 1) return beginGraphRunP2P(ops, callerStream);
   {
     std::lock_guard<std::mutex> g(mu_);
     if (failCode_ != loomSuccess)
       fail(failCode_, "the %s communicator has failed: %s", driver_->name(), failed_.c_str());
   }
   prepareP2P(ops);
-  // Send i reads buffer i of the sends, receive j writes buffer j of the
-  // receives (compileP2PProgram's numbering).
-  ProgramBuffers b;
-  bool haveSend = false, haveRecv = false;
-  for (const OpDesc& op : ops) {
-    const size_t bytes = op.count * dtypeSize(op.dtype);
-    if (op.isSend && !haveSend) {
-      b.send = op.sendbuf, b.sendBytes = bytes, haveSend = true;
-    } else if (op.isSend) {
-      b.moreSends.push_back({const_cast<void*>(op.sendbuf), bytes});
-    } else if (!haveRecv) {
-      b.recv = op.recvbuf, b.recvBytes = bytes, haveRecv = true;
-    } else {
-      b.moreRecvs.push_back({op.recvbuf, bytes});
-    }
-  }
+  ProgramBuffers b = p2pBuffers(ops);
   b.windows = windows_;
   b.windowBytes = streamWindowBytes(slotBytes_);
   b.flags = flags_;

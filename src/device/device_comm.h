@@ -656,6 +656,8 @@ class DeviceComm final : public DeviceCollectives {
   enum class Lane : uint8_t { Collective, P2P, Graph };
   // beginRun on a stream being captured (the graph lane).
   std::unique_ptr<SteppedRun> beginGraphRun(const OpDesc& op, void* callerStream);
+  // beginRunP2P on a stream being captured (compileGraphP2PProgram).
+  std::unique_ptr<SteppedRun> beginGraphRunP2P(const std::vector<OpDesc>& ops, void* callerStream);
   // This rank's graph busy flag is set (a replay runs here), read now on
   // the calling thread's device (the caller's scope).
   bool graphBusyNow();
@@ -751,6 +753,13 @@ class DeviceComm final : public DeviceCollectives {
   // What each signature this rank captured is (mu_; the watchdog reads it
   // under mu_ to name a mismatch).
   std::map<uint64_t, std::string> graphSigs_;
+  // Captured send/recv calls by busy mark (kGraphP2PBusy + their number,
+  // mu_): what they are and their partners, to name them in a timeout.
+  struct GraphP2PCall {
+    std::string what;
+    std::vector<int> partners;
+  };
+  std::map<uint64_t, GraphP2PCall> graphP2P_;
   std::vector<uint64_t*> allReleased_;  // released_ and greleased_ as one batch
   std::atomic<uint64_t> captured_{0};
   // Holds CUDA graphs with this rank's captured calls keep (each call's

@@ -17,6 +17,10 @@ const char* flagName(int f, bool replayable) {
         return "reset";
       case kFlagGraphBusy:
         return "busy";
+      case kFlagGraphSent:
+        return "gsent";
+      case kFlagGraphAcked:
+        return "gacked";
     }
   switch (f) {
     case kFlagInput:

@@ -61,7 +61,11 @@ enum FlagIndex : uint8_t {
   kFlagP2PSent = 3,  // chunks the owner has staged for this reader (send/recv)
   kFlagP2PAcked = 4, // chunks of this reader's the owner has copied out
   kFlagP2PDone = 5,  // send/recv programs the owner has finished
-  kFlagCount = 6,
+  // The graph lane's send/recv flags (below; unused in the eager area):
+  // per pair like kFlagP2PSent/kFlagP2PAcked, counted from zero per call.
+  kFlagGraphSent = 6,
+  kFlagGraphAcked = 7,
+  kFlagCount = 8,
 };
 // The flags of the collectives' rounds (a round counter every rank advances).
 constexpr int kRoundFlags = 3;
@@ -83,6 +87,12 @@ constexpr uint8_t kFlagGraphReset = 4;  // the owner zeroed its own area's rows 
 // start gate), written into this reader's copy only (SetPeerFlag).
 constexpr uint8_t kFlagGraphBusy = 5;
 constexpr uint8_t kFlagGraphSig = 5;
+// Captured sends and receives (compileGraphP2PProgram) use the per-pair
+// kFlagGraphSent/kFlagGraphAcked instead, which no collective touches, and
+// mark the owner's busy flag with kGraphP2PBusy + the call's number on
+// this communicator: above every signature (those are below 2^61), so
+// the watchdog tells the two apart, and below kReleasedFlag (2^62).
+constexpr uint64_t kGraphP2PBusy = uint64_t(1) << 61;
 
 // Device zero-copy.  Each rank has a cell area beside its flags: row q holds
 // rank q's cells as published to this rank, kCellCount cells of
@@ -162,7 +172,7 @@ struct StreamProgram {
   loomRedOp_t op = loomSum;
   uint64_t firstRound = 0;  // rounds [firstRound, firstRound + rounds) of the communicator
   uint64_t rounds = 0;
-  bool replayable = false;  // made by makeReplayable (flags 3..5 are the graph lane's)
+  bool replayable = false;  // made by makeReplayable or compileGraphP2PProgram (flags 3..7 are the graph lane's)
   std::vector<StreamOp> ops;
   std::vector<ProgramRef> srcs;
 
