@@ -835,8 +835,9 @@ TEST_CASE("NCCL shim on CUDA communicators (simulated device): one thread's grou
   for (ncclComm_t c : comms) CHECK(ncclCommDestroy(c) == ncclSuccess);
 }
 
-TEST_CASE("NCCL shim on CUDA communicators (simulated device): collectives issued on a stream being captured into "
-          "a CUDA graph are captured, and each replay is exact with the inputs of its time, and a PreMulSum there is "
+TEST_CASE("NCCL shim on CUDA communicators (simulated device): collectives and a grouped all-to-all of sends and "
+          "receives with uneven sizes (torch's all_to_all with splits) issued on a stream being captured into a CUDA "
+          "graph are captured, and each replay is exact with the inputs of its time, and a PreMulSum there is "
           "refused with a reason",
           "[nccl][devcomm][graph]") {
   const int N = 3;
@@ -858,6 +859,19 @@ TEST_CASE("NCCL shim on CUDA communicators (simulated device): collectives issue
     y[r] = sim.alloc(0, n);
     g[r] = sim.alloc(0, size_t(N) * 10);
   }
+  // The all-to-all: rank r sends block(r, q) elements to rank q, packed in
+  // q order in a2aIn[r]; receives them packed in source order in a2aOut[r].
+  auto block = [](int from, int to) { return size_t(from * 2 + to + 1) * 1500; };
+  auto offset = [&](int r, int upto, bool sending) {
+    size_t o = 0;
+    for (int q = 0; q < upto; ++q) o += sending ? block(r, q) : block(q, r);
+    return o;
+  };
+  std::vector<int32_t*> a2aIn(N), a2aOut(N);
+  for (int r = 0; r < N; ++r) {
+    a2aIn[r] = sim.alloc(0, offset(r, N, true));
+    a2aOut[r] = sim.alloc(0, offset(r, N, false));
+  }
   std::vector<loomsim::SimGraph> graphs(N);
   const uint64_t round = ipcRound(comms[0]);
   for (int r = 0; r < N; ++r) {
@@ -866,6 +880,13 @@ TEST_CASE("NCCL shim on CUDA communicators (simulated device): collectives issue
     CHECK(ncclAllReduce(x[r], y[r], n, ncclInt32, ncclSum, comms[size_t(r)], st) == ncclSuccess);
     CHECK(ncclGroupStart() == ncclSuccess);
     CHECK(ncclAllGather(x[r], g[r], 10, ncclInt32, comms[size_t(r)], st) == ncclSuccess);
+    CHECK(ncclGroupEnd() == ncclSuccess);
+    CHECK(ncclGroupStart() == ncclSuccess);
+    for (int q = 0; q < N; ++q) {
+      CHECK(ncclSend(a2aIn[r] + offset(r, q, true), block(r, q), ncclInt32, q, comms[size_t(r)], st) == ncclSuccess);
+      CHECK(ncclRecv(a2aOut[r] + offset(r, q, false), block(q, r), ncclInt32, q, comms[size_t(r)], st) ==
+            ncclSuccess);
+    }
     CHECK(ncclGroupEnd() == ncclSuccess);
     if (r == 0) {
       const int32_t k = 2;
@@ -880,8 +901,11 @@ TEST_CASE("NCCL shim on CUDA communicators (simulated device): collectives issue
   }
   CHECK(ipcRound(comms[0]) == round);
   for (int rep = 0; rep < 3; ++rep) {
-    for (int r = 0; r < N; ++r)
+    for (int r = 0; r < N; ++r) {
       for (size_t i = 0; i < n; ++i) x[r][i] = in(rep, r, i);
+      for (size_t i = 0; i < offset(r, N, true); ++i) a2aIn[r][i] = in(rep, r, i) * 3 + 1;
+      for (size_t i = 0; i < offset(r, N, false); ++i) a2aOut[r][i] = -1;
+    }
     for (int r = 0; r < N; ++r) sim.world.rank(r).launchGraph(&keys[r], graphs[size_t(r)]);
     REQUIRE(sim.sync(&err));
     long wrong = 0;
@@ -890,6 +914,10 @@ TEST_CASE("NCCL shim on CUDA communicators (simulated device): collectives issue
       for (int q = 0; q < N; ++q)
         for (size_t i = 0; i < 10; ++i) wrong += g[r][size_t(q) * 10 + i] != in(rep, q, i);
     }
+    for (int r = 0; r < N; ++r)
+      for (int q = 0; q < N; ++q)
+        for (size_t i = 0; i < block(q, r); ++i)
+          wrong += a2aOut[r][offset(r, q, false) + i] != in(rep, q, offset(q, r, true) + i) * 3 + 1;
     CHECK(wrong == 0);
   }
   for (ncclComm_t c : comms) CHECK(ncclCommDestroy(c) == ncclSuccess);

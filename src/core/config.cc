@@ -127,10 +127,11 @@ const std::vector<ConfigVar>& configTable() {
        "with 4 MiB slots, 134 with 16 MiB, 211 with 32 MiB, 280 with 64 MiB, measured when an all-reduce's round "
        "was half a slot and moved 11/8 of today's bytes; rank 0's value is used by all)"},
       {"LOOM_DEVICE_GRAPH_SLOT_BYTES", "int", "8388608",
-       "the CUDA IPC path's graph lane: collectives issued on a stream being captured into a CUDA graph run "
-       "replayable programs (they count their rounds from zero and return their flags to zero at the end, so every "
-       "replay synchronises with the peers anew) in a second window of two slots of this size and flags of their "
-       "own, allocated at init next to the first; 0: no graph lane, and such calls are refused (a multiple of 4096, "
+       "the CUDA IPC path's graph lane: collectives, sends and receives issued on a stream being captured into a "
+       "CUDA graph run replayable programs (they count their rounds or chunks from zero and return their flags to "
+       "zero at the end, so every replay synchronises with the peers anew) in a second window of two slots of this "
+       "size and flags of their own, allocated at init next to the first (captured sends stage in a region of "
+       "2 x this / ranks per receiver); 0: no graph lane, and such calls are refused (a multiple of 4096, "
        "up to 268435456, raised to 65536 if smaller but not 0; rank 0's value is used by all)"},
       {"LOOM_DEVICE_ZERO_COPY", "bool", "1",
        "CUDA IPC path, collectives (not send/recv, not the in-place all-to-all) above "

@@ -17,11 +17,11 @@
 //   streams a group whose calls on one communicator use two streams: it
 //           runs after a slow kernel on the second, and a copy on the
 //           second after the group sees the first's result
-//   capture collectives captured into a CUDA graph (global mode): a
-//           one-shot and a two-round all-reduce and an all-gather, five
-//           replays with new inputs each, an eager call between two: exact;
-//           a send there is loomInvalidUsage and the capture survives it
-//           and loom's watchdog reading flags meanwhile
+//   capture collectives and a send/recv ring captured into a CUDA graph
+//           (global mode): a one-shot and a two-round all-reduce, an
+//           all-gather and a 12 MiB ring exchange in a group, five replays
+//           with new inputs each, an eager call between two: exact; the
+//           capture survives loom's watchdog reading flags meanwhile
 //   errors  a host pointer and a loom host stream on a CUDA communicator:
 //           loomInvalidArgument with a message
 //   lazy    send/recv staging is made on first use (loomCommDump): none
@@ -667,14 +667,15 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, loomUniqueId id3,
   // capture: collectives captured into a CUDA graph (global mode,
   // torch.cuda.graph's default) while an eager all-reduce waits behind a
   // slow kernel (loom's watchdog reads flags meanwhile): a one-shot and a
-  // multi-round reduce-scatter + all-gather all-reduce and an all-gather,
-  // after a copy of inputs the host rewrites before each replay; a send on
-  // the captured stream is refused and the capture survives it; five
-  // replays, an eager all-reduce between two of them: exact every time.
+  // multi-round reduce-scatter + all-gather all-reduce, an all-gather and
+  // a ring of sends and receives in a group (several chunks of the graph
+  // window's regions), after a copy of inputs the host rewrites before
+  // each replay; five replays, an eager all-reduce between two of them:
+  // exact every time.
   {
     long bad = 0, cases = 0;
     const size_t n = size_t(1) << 16, small = 256, big = size_t(3) << 20;  // big: 12 MiB, two graph-lane rounds
-    float *buf, *src, *x, *y, *sx, *sy, *z;
+    float *buf, *src, *x, *y, *sx, *sy, *z, *w;
     CK(cudaMalloc(&buf, n * 4));
     CK(cudaMalloc(&src, big * 4));
     CK(cudaMalloc(&x, big * 4));
@@ -682,6 +683,7 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, loomUniqueId id3,
     CK(cudaMalloc(&sx, small * 4));
     CK(cudaMalloc(&sy, small * 4));
     CK(cudaMalloc(&z, small * 4 * size_t(N)));
+    CK(cudaMalloc(&w, big * 4));
     CK(cudaMemset(buf, 0, n * 4));
     slowFill<<<64, 256, 0, st>>>(buf, n, float(me + 1), 200000000LL);  // about 0.1 s
     LK(loomAllReduce(buf, buf, n, loomFloat32, loomSum, comm, loomStream_t(st)));
@@ -698,10 +700,14 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, loomUniqueId id3,
                    loomGetLastError(comm));
       ++bad;
     }
-    const loomResult_t rs = loomSend(sx, 1, loomFloat32, (me + 1) % N, comm, loomStream_t(cs));
-    const std::string msg = loomGetLastError(comm);
-    if (rs != loomInvalidUsage || msg.find("captured into a CUDA graph") == std::string::npos) {
-      std::fprintf(stderr, "rank %d: capture: a send on the capturing stream gave %d: %s\n", me, int(rs), msg.c_str());
+    // x to the next rank, into w from the previous.
+    LK(loomGroupStart());
+    const loomResult_t rs = loomSend(x, big, loomFloat32, (me + 1) % N, comm, loomStream_t(cs));
+    const loomResult_t rr = loomRecv(w, big, loomFloat32, (me + N - 1) % N, comm, loomStream_t(cs));
+    const loomResult_t rg = loomGroupEnd();
+    if (rs != loomSuccess || rr != loomSuccess || rg != loomSuccess) {
+      std::fprintf(stderr, "rank %d: capture: the captured send/recv gave %d %d %d: %s\n", me, int(rs), int(rr),
+                   int(rg), loomGetLastError(comm));
       ++bad;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the watchdog reads meanwhile
@@ -736,7 +742,7 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, loomUniqueId id3,
       CK(cudaStreamSynchronize(cs));
       CK(cudaStreamSynchronize(st));
       CK(cudaMemcpy(out.data(), y, big * 4, cudaMemcpyDeviceToHost));
-      long wrongBig = 0, wrongSmall = 0, wrongGather = 0;
+      long wrongBig = 0, wrongSmall = 0, wrongGather = 0, wrongRing = 0;
       const float base = float(rep * N * (N + 1) / 2);
       for (size_t i = 0; i < big; ++i) wrongBig += out[i] != base + float(N) * float(i % 7);
       CK(cudaMemcpy(out.data(), sy, small * 4, cudaMemcpyDeviceToHost));
@@ -745,16 +751,20 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, loomUniqueId id3,
       for (int q = 0; q < N; ++q)
         for (size_t i = 0; i < small; ++i)
           wrongGather += gathered[size_t(q) * small + i] != float((q + 1) * rep) + float(i % 7);
-      if (wrongBig || wrongSmall || wrongGather)
+      CK(cudaMemcpy(out.data(), w, big * 4, cudaMemcpyDeviceToHost));
+      const int prev = (me + N - 1) % N;
+      for (size_t i = 0; i < big; ++i) wrongRing += out[i] != float((prev + 1) * rep) + float(i % 7);
+      if (wrongBig || wrongSmall || wrongGather || wrongRing)
         std::fprintf(stderr, "rank %d: capture: replay %d wrong: %ld of the large all-reduce, %ld of the small, %ld "
-                     "of the all-gather\n", me, rep, wrongBig, wrongSmall, wrongGather);
-      bad += (wrongBig != 0) + (wrongSmall != 0) + (wrongGather != 0);
-      cases += 3;
+                     "of the all-gather, %ld of the ring exchange\n", me, rep, wrongBig, wrongSmall, wrongGather,
+                     wrongRing);
+      bad += (wrongBig != 0) + (wrongSmall != 0) + (wrongGather != 0) + (wrongRing != 0);
+      cases += 4;
     }
     if (exec) CK(cudaGraphExecDestroy(exec));
     if (g) CK(cudaGraphDestroy(g));
     CK(cudaStreamDestroy(cs));
-    for (float* p : {buf, src, x, y, sx, sy, z}) CK(cudaFree(p));
+    for (float* p : {buf, src, x, y, sx, sy, z, w}) CK(cudaFree(p));
     std::printf("RESULT capture %ld %ld\n", cases + 3, bad);
   }
 

@@ -105,32 +105,50 @@ def collectives(rank, world, dev, gloo):
 
 
 def graphs(rank, world, dev, gloo):
-    """An all_reduce and an all_gather captured into a CUDA graph
+    """An all_reduce, an all_gather and an all_to_all_single with uneven
+    splits (grouped sends and receives) captured into a CUDA graph
     (torch.cuda.graph, global capture mode: loom's graph lane), replayed
     three times with new inputs: exact each time."""
     g = torch.Generator().manual_seed(4321 + rank)
     m, k = 1 << 16, 1024
     x = torch.zeros(m, device=dev)
     y = torch.empty(world * k, device=dev)
+    # all_to_all_single: rank r sends (r + q + 1) * 1000 elements to rank q.
+    split_out = [(rank + q + 1) * 1000 for q in range(world)]
+    split_in = [(q + rank + 1) * 1000 for q in range(world)]
+    a2a_in = torch.zeros(sum(split_out), device=dev)
+    a2a_out = torch.empty(sum(split_in), device=dev)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up on a side stream, as torch asks before a capture
         a = x * 2
         dist.all_reduce(a)
+        dist.all_to_all_single(a2a_out, a2a_in, split_in, split_out)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         a = x * 2
         dist.all_reduce(a)
         dist.all_gather_into_tensor(y, a[:k])
+        dist.all_to_all_single(a2a_out, a2a_in, split_in, split_out)
     for rep in range(1, 4):
         vals = torch.randint(-50, 50, (m,), generator=g)
         x.copy_(vals.float().to(dev))
+        a2a_in.copy_(vals[: a2a_in.numel()].float().to(dev) + 1000 * rank)
         graph.replay()
         torch.cuda.synchronize()
-        want = (torch.stack(gathered(vals, world, gloo)) * 2).sum(0).float()
+        every = gathered(vals, world, gloo)
+        want = (torch.stack(every) * 2).sum(0).float()
         check(f"CUDA graph replay {rep}: all_reduce", a, want)
         check(f"CUDA graph replay {rep}: all_gather_into_tensor", y, torch.cat([want[:k]] * world))
+        # Rank q's a2a_in is its vals' first elements plus 1000 q; its block
+        # for this rank starts after its blocks for ranks 0 .. rank - 1.
+        blocks = []
+        for q, v in enumerate(every):
+            off = sum((q + j + 1) * 1000 for j in range(rank))
+            blocks.append(v[off: off + (q + rank + 1) * 1000].float() + 1000 * q)
+        want_a2a = torch.cat(blocks)
+        check(f"CUDA graph replay {rep}: all_to_all_single with uneven splits", a2a_out, want_a2a)
 
 
 def ddp(rank, dev, gloo):
