@@ -24,6 +24,10 @@ namespace {
 struct Reduction {
   loomRedOp_t op = loomSum;
   bool preMul = false;
+  // A PreMulSum all-reduce on a stream being captured: the scaled copy goes
+  // to recvbuff and the sum runs in place there (no scratch, which would be
+  // allocated during the capture or shared with calls outside it).
+  bool scaleIntoRecv = false;
   ncclComm::PreMulSum pms{};
 
   // The input loom sums: sendbuff, or for a PreMulSum its scaled copy (on a
@@ -85,7 +89,8 @@ ncclResult_t prologue(const char* call, ncclComm_t comm, cudaStream_t stream) {
 // The op and type of a reducing call.  The PreMulSum is copied: NCCL lets
 // the operator be destroyed as soon as the call that uses it returns.
 ncclResult_t reduction(const char* call, ncclComm_t comm, ncclDataType_t type, ncclRedOp_t op,
-                       const void* sendbuff, size_t inCount, cudaStream_t stream, Reduction* out) {
+                       const void* sendbuff, size_t inCount, cudaStream_t stream, Reduction* out,
+                       bool allReduce = false) {
   int t = int(type), o = int(op);
   if (t == ncclFloat8e4m3 || t == ncclFloat8e5m2)
     return fail(ncclInvalidUsage,
@@ -111,12 +116,16 @@ ncclResult_t reduction(const char* call, ncclComm_t comm, ncclDataType_t type, n
   if (inCount > SIZE_MAX / 16) return fail(ncclInvalidArgument, "%s: count %zu is too large", call, inCount);
   if (inCount && !sendbuff) return fail(ncclInvalidArgument, "%s: sendbuff is NULL", call);
   int capturing = 0;
-  if (comm->cuda() && loomCudaStreamCapturing(stream, &capturing) == loomSuccess && capturing)
-    return fail(ncclInvalidUsage,
-                "%s: a PreMulSum on a stream being captured into a CUDA graph is not supported yet: its scaled copy "
-                "needs device scratch that would be allocated during the capture (which invalidates it) or shared "
-                "with calls outside it; issue it outside the capture, or sum and scale apart",
-                call);
+  if (comm->cuda() && loomCudaStreamCapturing(stream, &capturing) == loomSuccess && capturing) {
+    if (!allReduce)
+      return fail(ncclInvalidUsage,
+                  "%s: a PreMulSum on a stream being captured into a CUDA graph is supported for ncclAllReduce "
+                  "only: this call's scaled copy needs device scratch that would be allocated during the capture "
+                  "(which invalidates it) or shared with calls outside it; issue it outside the capture, or sum and "
+                  "scale apart",
+                  call);
+    out->scaleIntoRecv = true;
+  }
   out->op = loomSum;
   out->preMul = true;
   return ncclSuccess;
@@ -129,9 +138,22 @@ NCCL_SHIM_API(ncclResult_t, ncclAllReduce, const void* sendbuff, void* recvbuff,
   const char* call = "ncclAllReduce";
   Reduction red;
   if (ncclResult_t r = prologue(call, comm, stream)) return r;
-  if (ncclResult_t r = reduction(call, comm, datatype, op, sendbuff, count, stream, &red)) return r;
-  Scaled in = scaled(red, comm, sendbuff, count);
+  if (ncclResult_t r = reduction(call, comm, datatype, op, sendbuff, count, stream, &red, true)) return r;
   loomComm_t lc = comm->loom;
+  if (red.scaleIntoRecv) {
+    if (count && !recvbuff) return fail(ncclInvalidArgument, "%s: recvbuff is NULL", call);
+    const ncclComm::PreMulSum pms = red.pms;
+    const bool onDevice = pms.residence == ncclScalarDevice;
+    return submit(
+        comm, call, stream,
+        [=](loomStream_t s) { return loomAllReduce(recvbuff, recvbuff, count, loomDataType_t(datatype), loomSum, lc, s); },
+        [=](loomStream_t s) {
+          return count == 0 ? loomSuccess
+                            : loomScale(recvbuff, sendbuff, count, loomDataType_t(datatype),
+                                        onDevice ? pms.scalarPtr : pms.scalarBytes, onDevice ? 1 : 0, lc, s);
+        });
+  }
+  Scaled in = scaled(red, comm, sendbuff, count);
   return submit(
       comm, call, stream,
       [=](loomStream_t s) { return loomAllReduce(in.input(), recvbuff, count, loomDataType_t(datatype), red.op, lc, s); },

@@ -837,8 +837,8 @@ TEST_CASE("NCCL shim on CUDA communicators (simulated device): one thread's grou
 
 TEST_CASE("NCCL shim on CUDA communicators (simulated device): collectives and a grouped all-to-all of sends and "
           "receives with uneven sizes (torch's all_to_all with splits) issued on a stream being captured into a CUDA "
-          "graph are captured, and each replay is exact with the inputs of its time, and a PreMulSum there is "
-          "refused with a reason",
+          "graph are captured, and each replay is exact with the inputs of its time; so is a PreMulSum all-reduce "
+          "(in and out of place), and a PreMulSum reduce-scatter there is refused with a reason",
           "[nccl][devcomm][graph]") {
   const int N = 3;
   SimCuda sim(N, 1);
@@ -867,10 +867,12 @@ TEST_CASE("NCCL shim on CUDA communicators (simulated device): collectives and a
     for (int q = 0; q < upto; ++q) o += sending ? block(r, q) : block(q, r);
     return o;
   };
-  std::vector<int32_t*> a2aIn(N), a2aOut(N);
+  std::vector<int32_t*> a2aIn(N), a2aOut(N), pm(N), pmIn(N);
   for (int r = 0; r < N; ++r) {
     a2aIn[r] = sim.alloc(0, offset(r, N, true));
     a2aOut[r] = sim.alloc(0, offset(r, N, false));
+    pm[r] = sim.alloc(0, n);
+    pmIn[r] = sim.alloc(0, 100);
   }
   std::vector<loomsim::SimGraph> graphs(N);
   const uint64_t round = ipcRound(comms[0]);
@@ -888,15 +890,20 @@ TEST_CASE("NCCL shim on CUDA communicators (simulated device): collectives and a
             ncclSuccess);
     }
     CHECK(ncclGroupEnd() == ncclSuccess);
+    // A PreMulSum all-reduce is captured (scaled into its output, summed
+    // in place there), out of place and in place; a reduce-scatter's is
+    // refused before anything is issued.
+    const int32_t k = 2;
+    ncclRedOp_t twice;
+    REQUIRE(ncclRedOpCreatePreMulSum(&twice, const_cast<int32_t*>(&k), ncclInt32, ncclScalarHostImmediate,
+                                     comms[size_t(r)]) == ncclSuccess);
+    CHECK(ncclAllReduce(x[r], pm[r], n, ncclInt32, twice, comms[size_t(r)], st) == ncclSuccess);
+    CHECK(ncclAllReduce(pmIn[r], pmIn[r], 100, ncclInt32, twice, comms[size_t(r)], st) == ncclSuccess);
     if (r == 0) {
-      const int32_t k = 2;
-      ncclRedOp_t twice;
-      REQUIRE(ncclRedOpCreatePreMulSum(&twice, const_cast<int32_t*>(&k), ncclInt32, ncclScalarHostImmediate,
-                                       comms[0]) == ncclSuccess);
-      CHECK(ncclAllReduce(x[0], y[0], n, ncclInt32, twice, comms[0], st) == ncclInvalidUsage);
-      CHECK(std::string(ncclGetLastError(comms[0])).find("being captured into a CUDA graph") != std::string::npos);
-      CHECK(ncclRedOpDestroy(twice, comms[0]) == ncclSuccess);
+      CHECK(ncclReduceScatter(x[0], y[0], 10, ncclInt32, twice, comms[0], st) == ncclInvalidUsage);
+      CHECK(std::string(ncclGetLastError(comms[0])).find("supported for ncclAllReduce only") != std::string::npos);
     }
+    CHECK(ncclRedOpDestroy(twice, comms[size_t(r)]) == ncclSuccess);
     graphs[size_t(r)] = sim.world.rank(r).endCapture(&keys[r]);
   }
   CHECK(ipcRound(comms[0]) == round);
@@ -905,6 +912,7 @@ TEST_CASE("NCCL shim on CUDA communicators (simulated device): collectives and a
       for (size_t i = 0; i < n; ++i) x[r][i] = in(rep, r, i);
       for (size_t i = 0; i < offset(r, N, true); ++i) a2aIn[r][i] = in(rep, r, i) * 3 + 1;
       for (size_t i = 0; i < offset(r, N, false); ++i) a2aOut[r][i] = -1;
+      for (size_t i = 0; i < 100; ++i) pmIn[r][i] = in(rep, r, i + 7);
     }
     for (int r = 0; r < N; ++r) sim.world.rank(r).launchGraph(&keys[r], graphs[size_t(r)]);
     REQUIRE(sim.sync(&err));
@@ -913,6 +921,11 @@ TEST_CASE("NCCL shim on CUDA communicators (simulated device): collectives and a
       for (size_t i = 0; i < n; ++i) wrong += y[r][i] != in(rep, 0, i) + in(rep, 1, i) + in(rep, 2, i);
       for (int q = 0; q < N; ++q)
         for (size_t i = 0; i < 10; ++i) wrong += g[r][size_t(q) * 10 + i] != in(rep, q, i);
+    }
+    for (int r = 0; r < N; ++r) {
+      for (size_t i = 0; i < n; ++i) wrong += pm[r][i] != 2 * (in(rep, 0, i) + in(rep, 1, i) + in(rep, 2, i));
+      for (size_t i = 0; i < 100; ++i)
+        wrong += pmIn[r][i] != 2 * (in(rep, 0, i + 7) + in(rep, 1, i + 7) + in(rep, 2, i + 7));
     }
     for (int r = 0; r < N; ++r)
       for (int q = 0; q < N; ++q)

@@ -105,8 +105,9 @@ def collectives(rank, world, dev, gloo):
 
 
 def graphs(rank, world, dev, gloo):
-    """An all_reduce, an all_gather and an all_to_all_single with uneven
-    splits (grouped sends and receives) captured into a CUDA graph
+    """An all_reduce, an all_gather, an all_to_all_single with uneven
+    splits (grouped sends and receives) and a PreMulSum all_reduce
+    captured into a CUDA graph
     (torch.cuda.graph, global capture mode: loom's graph lane), replayed
     three times with new inputs: exact each time."""
     g = torch.Generator().manual_seed(4321 + rank)
@@ -131,6 +132,8 @@ def graphs(rank, world, dev, gloo):
         dist.all_reduce(a)
         dist.all_gather_into_tensor(y, a[:k])
         dist.all_to_all_single(a2a_out, a2a_in, split_in, split_out)
+        h = x * 2  # a PreMulSum all-reduce (scaled into its output in a capture)
+        dist.all_reduce(h, op=dist._make_nccl_premul_sum(0.5))
     for rep in range(1, 4):
         vals = torch.randint(-50, 50, (m,), generator=g)
         x.copy_(vals.float().to(dev))
@@ -141,6 +144,7 @@ def graphs(rank, world, dev, gloo):
         want = (torch.stack(every) * 2).sum(0).float()
         check(f"CUDA graph replay {rep}: all_reduce", a, want)
         check(f"CUDA graph replay {rep}: all_gather_into_tensor", y, torch.cat([want[:k]] * world))
+        check(f"CUDA graph replay {rep}: all_reduce PREMUL_SUM(0.5)", h, want * 0.5)
         # Rank q's a2a_in is its vals' first elements plus 1000 q; its block
         # for this rank starts after its blocks for ranks 0 .. rank - 1.
         blocks = []
