@@ -4409,6 +4409,17 @@ std::vector<loomsim::SimGraph> captureAll(loomsim::SimDeviceWorld& w, CaptureStr
   return graphs;
 }
 
+// Rank r's in-place int32 sum all-reduce of x (n elements) on `stream`.
+void sumInPlace(SimComms& s, int r, int32_t* x, size_t n, void* stream) {
+  loom::OpDesc d;
+  d.coll = Collective::AllReduce;
+  d.sendbuf = d.recvbuf = x;
+  d.count = n;
+  d.dtype = loomInt32;
+  d.op = loomSum;
+  s.comms[size_t(r)]->run(d, stream);
+}
+
 void launchAll(loomsim::SimDeviceWorld& w, CaptureStreams& cs, const std::vector<loomsim::SimGraph>& graphs,
                int skip = -1) {
   for (int r = 0; r < w.nranks(); ++r)
@@ -4516,15 +4527,7 @@ TEST_CASE("graph lane (simulated device): several calls in one graph and two gra
     issue(s, b, r, st);
     issue(s, c, r, st);
   });
-  const auto g2 = captureAll(s.world, cs, [&](int r, void* st) {
-    loom::OpDesc d;
-    d.coll = Collective::AllReduce;
-    d.sendbuf = d.recvbuf = x[size_t(r)];
-    d.count = n;
-    d.dtype = loomInt32;
-    d.op = loomSum;
-    s.comms[size_t(r)]->run(d, st);
-  });
+  const auto g2 = captureAll(s.world, cs, [&](int r, void* st) { sumInPlace(s, r, x[size_t(r)], n, st); });
   for (int k = 0; k < 3; ++k) {
     launchAll(s.world, cs, g1);
     launchAll(s.world, cs, g2);
@@ -4696,13 +4699,7 @@ TEST_CASE("graph lane (simulated device): graphs of one-round calls whose ranks 
       issue(s, b, r, st);
       issue(s, sc, r, st);
       issue(s, ga, r, st);
-      loom::OpDesc d;
-      d.coll = Collective::AllReduce;
-      d.sendbuf = d.recvbuf = x[size_t(r)];
-      d.count = 16;
-      d.dtype = loomInt32;
-      d.op = loomSum;
-      s.comms[size_t(r)]->run(d, st);
+      sumInPlace(s, r, x[size_t(r)], 16, st);
     });
     const int launches = 40;
     for (int k = 0; k < launches; ++k) launchAll(s.world, cs, g);
@@ -4998,13 +4995,7 @@ TEST_CASE("graph lane (simulated device): a graph of an in-place all-reduce, cap
       for (size_t i = 0; i < n; ++i) z[size_t(r)][i] = -1;
     }
     const auto g = captureAll(s.world, cs, [&](int r, void* st) {
-      loom::OpDesc d;
-      d.coll = Collective::AllReduce;
-      d.sendbuf = d.recvbuf = x[size_t(r)];
-      d.count = n;
-      d.dtype = loomInt32;
-      d.op = loomSum;
-      s.comms[size_t(r)]->run(d, st);
+      sumInPlace(s, r, x[size_t(r)], n, st);
       // x to the next rank, into y from the previous.
       runGroup(s, r, {{true, (r + 1) % N, n, loomInt32, reinterpret_cast<uint8_t*>(x[size_t(r)]), {}},
                       {false, (r + N - 1) % N, n, loomInt32, reinterpret_cast<uint8_t*>(y[size_t(r)]), {}}},
@@ -5016,9 +5007,12 @@ TEST_CASE("graph lane (simulated device): a graph of an in-place all-reduce, cap
       // Rank 0's y to the last rank's z; the others have no part and run on.
       if (r == 0) runGroup(s, r, {{true, N - 1, n, loomInt32, reinterpret_cast<uint8_t*>(y[0]), {}}}, st);
       if (r == N - 1) runGroup(s, r, {{false, 0, n, loomInt32, reinterpret_cast<uint8_t*>(z[size_t(r)]), {}}}, st);
+      loom::OpDesc d;
       d.coll = Collective::AllGather;
       d.sendbuf = y[size_t(r)];
       d.recvbuf = all[size_t(r)];
+      d.count = n;
+      d.dtype = loomInt32;
       s.comms[size_t(r)]->run(d, st);
     });
     const int launches = 16;

@@ -1417,7 +1417,11 @@ std::unique_ptr<SteppedRun> DeviceComm::beginGraphRun(const OpDesc& op, void* ca
   b.flags = gflags_;
   b.flagCopies = gflagCopies_;
   b.peerFlags = gpeerFlags_;
-  auto run = std::make_unique<Run>(*this, std::move(g), std::move(p), std::move(b), Lane::Graph);
+  return startGraphRun(std::make_unique<Run>(*this, std::move(g), std::move(p), std::move(b), Lane::Graph),
+                       callerStream);
+}
+
+std::unique_ptr<SteppedRun> DeviceComm::startGraphRun(std::unique_ptr<Run> run, void* callerStream) {
   try {
     // The graph keeps this rank's memory (and its mappings of the peers')
     // until it is destroyed, the communicator's destroy notwithstanding.
@@ -1493,17 +1497,8 @@ std::unique_ptr<SteppedRun> DeviceComm::beginGraphRunP2P(const std::vector<OpDes
     if (known.what == call.what) busy = mark;
   StreamProgram p = compileGraphP2PProgram(ops, rank_, nranks_, region, busy);
   graphP2P_.emplace(busy, std::move(call));
-  auto run = std::make_unique<Run>(*this, std::move(g), std::move(p), std::move(b), Lane::Graph);
-  try {
-    graphHolds_->fetch_add(1);  // as beginGraphRun's
-    driver_->retainOnCapture(callerStream, [holds = graphHolds_] { holds->fetch_sub(1); });
-    const StreamProgram& prog = run->program();
-    if (!prog.ops.empty()) run->start(driver_->backend(callerStream, prog.streams, prog.events));
-  } catch (const Error& e) {
-    run->failWith(e);
-    throw;
-  }
-  return run;
+  return startGraphRun(std::make_unique<Run>(*this, std::move(g), std::move(p), std::move(b), Lane::Graph),
+                       callerStream);
 }
 
 const IpcRecord& DeviceComm::outRegionLocked(int peer) {

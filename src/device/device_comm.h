@@ -658,6 +658,9 @@ class DeviceComm final : public DeviceCollectives {
   std::unique_ptr<SteppedRun> beginGraphRun(const OpDesc& op, void* callerStream);
   // beginRunP2P on a stream being captured (compileGraphP2PProgram).
   std::unique_ptr<SteppedRun> beginGraphRunP2P(const std::vector<OpDesc>& ops, void* callerStream);
+  // A captured call's run (mu_ held in it): the capture's graph takes a
+  // hold on this rank's memory, and the program is checked to be enqueued.
+  std::unique_ptr<SteppedRun> startGraphRun(std::unique_ptr<Run> run, void* callerStream);
   // This rank's graph busy flag is set (a replay runs here), read now on
   // the calling thread's device (the caller's scope).
   bool graphBusyNow();
