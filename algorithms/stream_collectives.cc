@@ -661,25 +661,24 @@ StreamProgram p2pProgram(const std::vector<OpDesc>& ops, int rank, int nranks, s
   const FlagIndex ackedFlag = graph ? kFlagGraphAcked : kFlagP2PAcked;
   st->sent.resize(size_t(nranks), 0);
   st->recvd.resize(size_t(nranks), 0);
-  struct Member {
-    bool send;
-    int peer;
-    int32_t buffer;  // index among the sends or the receives
-    size_t bytes;
+  // Each pair's chunks in the order of its members (the sender's sends
+  // to the receiver and the receiver's receives from the sender list the
+  // same messages in the same order): {buffer index, offset, bytes}.
+  struct Chunk {
+    int32_t buffer;
+    size_t off, len;
   };
-  std::vector<Member> members;
+  std::vector<std::vector<Chunk>> sendChunks(static_cast<size_t>(nranks)), recvChunks(static_cast<size_t>(nranks));
   int32_t sends = 0, recvs = 0;
-  size_t most = 0;  // chunks of the longest member
-  // Per peer: the chunks this program receives from it, and sends to it.
-  std::vector<uint64_t> recvTotal(size_t(nranks), 0), sendTotal(size_t(nranks), 0);
+  size_t most = 0;  // chunks of the longest pair
   for (const OpDesc& op : ops) {
     if (op.coll != Collective::P2P || op.peer < 0 || op.peer >= nranks)
       fail(loomInternalError, "send/recv program given %s (peer %d)", collectiveName(op.coll), op.peer);
     const size_t bytes = op.count * dtypeSize(op.dtype);
-    members.push_back({op.isSend, op.peer, op.isSend ? sends++ : recvs++, bytes});
-    const size_t chunks = (bytes + chunk - 1) / chunk;
-    most = std::max(most, chunks);
-    (op.isSend ? sendTotal : recvTotal)[size_t(op.peer)] += chunks;
+    const int32_t buffer = op.isSend ? sends++ : recvs++;
+    std::vector<Chunk>& list = (op.isSend ? sendChunks : recvChunks)[size_t(op.peer)];
+    for (size_t off = 0; off < bytes; off += chunk) list.push_back({buffer, off, std::min(chunk, bytes - off)});
+    most = std::max(most, list.size());
   }
   if (graph && most > 0) {
     if (st->programs != 0 || std::any_of(st->sent.begin(), st->sent.end(), [](uint64_t v) { return v != 0; }) ||
@@ -694,29 +693,37 @@ StreamProgram p2pProgram(const std::vector<OpDesc>& ops, int rank, int nranks, s
   // Chunk k of a pair (its k-th overall) is in chunk k % 2 of the sender's
   // region for the receiver.
   auto chunkAt = [&](uint64_t k) { return size_t(k % 2) * chunk; };
-  for (size_t c = 0; c < most; ++c) {
-    for (int pass = 0; pass < 2; ++pass)  // this chunk of every send, then of every receive
-      for (const Member& m : members) {
-        const size_t off = c * chunk;
-        if (m.send != (pass == 0) || off >= m.bytes) continue;
-        const size_t len = std::min(chunk, m.bytes - off);
-        if (m.send) {
-          const uint64_t k = st->sent[size_t(m.peer)]++;
-          // The receiver has copied out chunk k - 2, which used this chunk.
-          if (k >= 2) b.wait(0, m.peer, ackedFlag, k - 1);
-          b.copy(0, ProgramRef{Space::P2POut, m.peer, chunkAt(k)}, ProgramRef{Space::Send, m.buffer, off}, len);
-          b.setPeer(0, m.peer, sentFlag, k + 1);
-        } else {
-          const uint64_t k = st->recvd[size_t(m.peer)]++;
-          b.wait(0, m.peer, sentFlag, k + 1);
-          b.copy(0, ProgramRef{Space::Recv, m.buffer, off}, ProgramRef{Space::P2PIn, m.peer, chunkAt(k)}, len);
-          // The pair's last chunk of a replayable program: the sender wrote
-          // its last `sent` of the call (this wait saw it), so zero it
-          // here before the ack that lets the sender go on to its next call.
-          if (graph && k + 1 == recvTotal[size_t(m.peer)]) b.setLocal(m.peer, sentFlag, 0);
-          b.setPeer(0, m.peer, ackedFlag, k + 1);
-        }
-      }
+  // Step t: chunk t of every pair this rank sends on, then chunk t of every
+  // pair it receives on.  A send waits only for the ack of its pair's chunk
+  // t - 2, which its receiver wrote in step t - 2, and a receive only for
+  // its sender's step t, so no rank waits for another in a cycle, however
+  // many members a group has per pair (with self-sends: one stream).  The
+  // peers in turn from the next one (sends) and the previous one
+  // (receives), so that not every rank starts with the same one.
+  for (size_t t = 0; t < most; ++t) {
+    for (int i = 0; i < nranks; ++i) {
+      const int q = (rank + i) % nranks;
+      if (t >= sendChunks[size_t(q)].size()) continue;
+      const Chunk& c = sendChunks[size_t(q)][t];
+      const uint64_t k = st->sent[size_t(q)]++;
+      // The receiver has copied out chunk k - 2, which used this chunk.
+      if (k >= 2) b.wait(0, q, ackedFlag, k - 1);
+      b.copy(0, ProgramRef{Space::P2POut, q, chunkAt(k)}, ProgramRef{Space::Send, c.buffer, c.off}, c.len);
+      b.setPeer(0, q, sentFlag, k + 1);
+    }
+    for (int i = 0; i < nranks; ++i) {
+      const int q = (rank + nranks - i) % nranks;
+      if (t >= recvChunks[size_t(q)].size()) continue;
+      const Chunk& c = recvChunks[size_t(q)][t];
+      const uint64_t k = st->recvd[size_t(q)]++;
+      b.wait(0, q, sentFlag, k + 1);
+      b.copy(0, ProgramRef{Space::Recv, c.buffer, c.off}, ProgramRef{Space::P2PIn, q, chunkAt(k)}, c.len);
+      // The pair's last chunk of a replayable program: the sender wrote
+      // its last `sent` of the call (this wait saw it), so zero it here
+      // before the ack that lets the sender go on to its next call.
+      if (graph && t + 1 == recvChunks[size_t(q)].size()) b.setLocal(q, sentFlag, 0);
+      b.setPeer(0, q, ackedFlag, k + 1);
+    }
   }
   if (p.ops.empty()) return p;
   if (graph) {
@@ -725,8 +732,8 @@ StreamProgram p2pProgram(const std::vector<OpDesc>& ops, int rank, int nranks, s
     // copy of `acked`: the receiver acks its next call's chunks only after
     // this rank's next `sent`, written after this.
     for (int q = 0; q < nranks; ++q)
-      if (sendTotal[size_t(q)] > 0) {
-        b.wait(0, q, ackedFlag, sendTotal[size_t(q)]);
+      if (!sendChunks[size_t(q)].empty()) {
+        b.wait(0, q, ackedFlag, sendChunks[size_t(q)].size());
         b.setLocal(q, ackedFlag, 0);
       }
     b.setLocal(rank, kFlagGraphBusy, 0);

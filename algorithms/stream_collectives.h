@@ -136,12 +136,13 @@ struct P2PCounters {
 // the sends (ProgramRef rank i, buffer 0 = ops' first send), receive j
 // writes buffer j of the receives; a send stages its chunks in
 // Space::P2POut of its peer, a receive copies them out of Space::P2PIn of
-// its peer.  Chunk c of every member runs before
-// chunk c + 1 of any, sends of a chunk before receives, so that the
-// members of a group never wait on each other in a cycle (a send and a
-// receive that depend on each other must be in one group, as in NCCL).
-// A pair's sender and receiver must issue the same byte counts in the same
-// order.  Advances *st.
+// its peer.  Each pair's members are cut into chunks in
+// their order, and step t runs chunk t of every pair this rank sends on,
+// then chunk t of every pair it receives on, so that the members of a
+// group never wait on each other in a cycle, however many a pair has (a
+// send and a receive that depend on each other must be in one group, as
+// in NCCL).  A pair's sender and receiver must issue the same byte counts
+// in the same order.  Advances *st.
 StreamProgram compileP2PProgram(const std::vector<OpDesc>& ops, int rank, int nranks, size_t slotBytes,
                                 P2PCounters* st);
 

@@ -4868,6 +4868,21 @@ void runGroup(SimComms& s, int r, const std::vector<P2POp>& group, void* stream)
   s.comms[size_t(r)]->runP2P(ds, stream);
 }
 
+// Flags a replay left behind on any rank: every graph flag must be 0
+// between replays, but a rank's own `reset` (set by its last collective).
+std::string graphFlagsLeft(SimComms& s) {
+  std::string left;
+  for (int r = 0; r < int(s.comms.size()); ++r) {
+    const std::vector<uint64_t> f = s.comms[size_t(r)]->graphFlags();
+    for (size_t i = 0; i < f.size(); ++i) {
+      const int row = int(i / loom::kFlagCount), flag = int(i % loom::kFlagCount);
+      if (f[i] != 0 && !(row == r && flag == loom::kFlagGraphReset))
+        left += loom::strf("rank %d: row %d flag %d = %llu; ", r, row, flag, (unsigned long long)f[i]);
+    }
+  }
+  return left;
+}
+
 long wrongMessages(const std::vector<Message>& ms) {
   long wrong = 0;
   for (const Message& m : ms)
@@ -4947,6 +4962,7 @@ TEST_CASE("graph lane (simulated device): captured sends and receives (a ring, e
         REQUIRE(problems.empty());
         CHECK(wrongMessages(captured) == 0);
         CHECK(verify(q, N) == "");
+        CHECK(graphFlagsLeft(s) == "");
       }
       CHECK(wrongMessages(eager) == 0);
       for (int r = 0; r < N; ++r) {
@@ -5036,10 +5052,129 @@ TEST_CASE("graph lane (simulated device): a graph of an in-place all-reduce, cap
         for (int q = 0; q < N; ++q) wrong += uint32_t(all[size_t(r)][size_t(q) * n + i]) != want;
       }
     CHECK(wrong == 0);
+    CHECK(graphFlagsLeft(s) == "");
     for (int r = 0; r < N; ++r) {
       CHECK_FALSE(s.comms[size_t(r)]->failed());
       CHECK_FALSE(s.comms[size_t(r)]->replaying());
     }
+  }
+}
+
+TEST_CASE("send/recv groups with several members per pair (3 and 5 both ways, one of them empty, a ring of 3 per "
+          "neighbour, 3 self-sends) finish and are exact, eager and captured, and captured ones back to back leave "
+          "no flag behind",
+          "[devcomm][graph]") {
+  SimCaptureProbe probe;
+  const bool graph = GENERATE(false, true);
+  INFO((graph ? "captured" : "eager"));
+  loomsim::SimDeviceOptions so;
+  so.deadlineMs = 10000;  // a wait on a cycle fails the test instead of hanging it
+  for (int pattern = 0; pattern < 4; ++pattern) {
+    INFO("pattern " << pattern);
+    const int N = pattern == 2 ? 3 : pattern == 3 ? 1 : 2;
+    loom::DeviceCommOptions opts;
+    opts.slotBytes = 1024;
+    opts.graphSlotBytes = 1024;
+    SimComms s(N, 1, opts, true, so);
+    CaptureStreams cs(s.world);
+    std::mt19937_64 rng(uint64_t(500 + pattern));
+    std::vector<Message> all;
+    std::vector<std::vector<P2POp>> groups(static_cast<size_t>(N));
+    auto add = [&](int from, int to, size_t count) { addMessage(s, rng, from, to, count, loomInt32, &groups, &all); };
+    if (pattern <= 1)
+      for (int k = 0; k < (pattern == 0 ? 3 : 5); ++k) {
+        add(0, 1, k == 1 ? 0 : 100 + 90 * size_t(k));  // one chunk of 512 B, then several
+        add(1, 0, 300 - 50 * size_t(k));
+      }
+    if (pattern == 2)
+      for (int r = 0; r < N; ++r)
+        for (int k = 0; k < 3; ++k) add(r, (r + 1) % N, 10 + 100 * size_t(k));
+    if (pattern == 3)
+      for (int k = 0; k < 3; ++k) add(0, 0, 100 + 200 * size_t(k));
+    const int launches = graph ? 4 : 1;
+    if (graph) {
+      const auto g = captureAll(s.world, cs, [&](int r, void* st) { runGroup(s, r, groups[size_t(r)], st); });
+      for (int k = 0; k < launches; ++k) {
+        for (const Message& m : all) fillRandom(m.in, m.count, m.type, rng);
+        launchAll(s.world, cs, g);
+        const std::string problems = syncAll(s);
+        INFO("launch " << k << ": " << problems);
+        REQUIRE(problems.empty());
+        CHECK(wrongMessages(all) == 0);
+        CHECK(graphFlagsLeft(s) == "");
+      }
+    } else {
+      std::vector<std::thread> ts;
+      std::vector<std::string> errors(static_cast<size_t>(N));
+      for (int r = 0; r < N; ++r)
+        ts.emplace_back([&, r] {
+          try {
+            runGroup(s, r, groups[size_t(r)], nullptr);
+          } catch (const loom::Error& e) {
+            errors[size_t(r)] = e.what();
+          }
+        });
+      for (auto& t : ts) t.join();
+      for (const std::string& e : errors) CHECK(e.empty());
+      const std::string problems = syncAll(s);
+      INFO(problems);
+      REQUIRE(problems.empty());
+      CHECK(wrongMessages(all) == 0);
+    }
+    for (int r = 0; r < N; ++r) CHECK_FALSE(s.comms[size_t(r)]->failed());
+  }
+}
+
+TEST_CASE("graph lane (simulated device): captured groups with two messages per pair (and an empty one between) "
+          "after an in-place all-reduce, there and back, launched 12 times back to back, N = 2..4",
+          "[devcomm][graph]") {
+  SimCaptureProbe probe;
+  for (int N = 2; N <= 4; ++N) {
+    INFO("N=" << N);
+    loom::DeviceCommOptions opts;
+    opts.graphSlotBytes = 1024;
+    SimComms s(N, 1, opts, true);
+    CaptureStreams cs(s.world);
+    const size_t n = 300, a = 110;  // parts of 440 and 760 bytes: one and several chunks
+    std::vector<int32_t*> x(static_cast<size_t>(N)), y(static_cast<size_t>(N)), z(static_cast<size_t>(N));
+    for (int r = 0; r < N; ++r) {
+      x[size_t(r)] = reinterpret_cast<int32_t*>(s.mem.alloc(0, n * 4));
+      y[size_t(r)] = reinterpret_cast<int32_t*>(s.mem.alloc(0, n * 4));
+      z[size_t(r)] = reinterpret_cast<int32_t*>(s.mem.alloc(0, n * 4));
+      for (size_t i = 0; i < n; ++i) x[size_t(r)][i] = r == 0 ? int32_t(i) + 1 : 0, y[size_t(r)][i] = z[size_t(r)][i] = -1;
+    }
+    auto bytes = [](int32_t* p) { return reinterpret_cast<uint8_t*>(p); };
+    const auto g = captureAll(s.world, cs, [&](int r, void* st) {
+      sumInPlace(s, r, x[size_t(r)], n, st);
+      const int next = (r + 1) % N, prev = (r + N - 1) % N;
+      int32_t *xr = x[size_t(r)], *yr = y[size_t(r)], *zr = z[size_t(r)];
+      // x to the next rank in two parts, an empty message between.
+      runGroup(s, r, {{true, next, a, loomInt32, bytes(xr), {}}, {true, next, 0, loomInt32, bytes(xr), {}},
+                      {true, next, n - a, loomInt32, bytes(xr + a), {}}, {false, prev, a, loomInt32, bytes(yr), {}},
+                      {false, prev, 0, loomInt32, bytes(yr), {}}, {false, prev, n - a, loomInt32, bytes(yr + a), {}}},
+               st);
+      // And back: y to the previous rank, into z.
+      runGroup(s, r, {{true, prev, a, loomInt32, bytes(yr), {}}, {true, prev, n - a, loomInt32, bytes(yr + a), {}},
+                      {false, next, a, loomInt32, bytes(zr), {}}, {false, next, n - a, loomInt32, bytes(zr + a), {}}},
+               st);
+    });
+    const int launches = 12;
+    for (int k = 0; k < launches; ++k) launchAll(s.world, cs, g);
+    const std::string problems = syncAll(s);
+    INFO(problems);
+    REQUIRE(problems.empty());
+    uint32_t scale = 1;
+    for (int k = 1; k < launches; ++k) scale *= uint32_t(N);
+    long wrong = 0;
+    for (int r = 0; r < N; ++r)
+      for (size_t i = 0; i < n; ++i) {
+        const uint32_t want = uint32_t(i + 1) * scale;
+        wrong += uint32_t(y[size_t(r)][i]) != want;
+        wrong += uint32_t(z[size_t(r)][i]) != want;
+      }
+    CHECK(wrong == 0);
+    CHECK(graphFlagsLeft(s) == "");
+    for (int r = 0; r < N; ++r) CHECK_FALSE(s.comms[size_t(r)]->failed());
   }
 }
 
@@ -5080,4 +5215,46 @@ TEST_CASE("graph lane (simulated device): a captured send whose receiver never l
     CHECK_FALSE(s.comms[1]->replaying());  // its replay ended, short
   }
   s.comms[1]->markFailed(loomRemoteError, "the test's");  // its peer failed: it would too
+}
+
+TEST_CASE("graph lane (simulated device): a rank replaying a captured send while its peers replay an all-reduce "
+          "(mismatched captures): every rank fails with loomTimeout and every replay ends",
+          "[devcomm][graph][abort]") {
+  SimCaptureProbe probe;
+  loomsim::SimDeviceOptions so;
+  so.deadlineMs = 15000;
+  loom::DeviceCommOptions opts;
+  opts.graphSlotBytes = 1024;
+  opts.timeoutMs = 300;
+  opts.drainTimeoutMs = 200;
+  SimComms s(3, 1, opts, true, so);
+  CaptureStreams cs(s.world);
+  const size_t n = 2000;
+  uint8_t* a = s.mem.alloc(0, n);
+  std::vector<uint8_t*> b(3);
+  for (auto& p : b) p = s.mem.alloc(0, n);
+  const auto g = captureAll(s.world, cs, [&](int r, void* st) {
+    if (r == 0) {
+      runGroup(s, r, {{true, 1, n, loomUint8, a, {}}}, st);
+      return;
+    }
+    loom::OpDesc d;
+    d.coll = Collective::AllReduce;
+    d.sendbuf = d.recvbuf = b[size_t(r)];
+    d.count = n;
+    d.dtype = loomUint8;
+    d.op = loomSum;
+    s.comms[size_t(r)]->run(d, st);
+  });
+  launchAll(s.world, cs, g);
+  for (int r = 0; r < 3; ++r) {
+    INFO("rank " << r);
+    std::string msg;
+    CHECK(s.world.rank(r).synchronize(&msg) == loomSuccess);  // released, not hung
+    std::string why;
+    CHECK(s.comms[size_t(r)]->failure(&why) == loomTimeout);
+    INFO(why);
+    CHECK(why.find("a replay of a captured call") != std::string::npos);
+    CHECK_FALSE(s.comms[size_t(r)]->replaying());
+  }
 }

@@ -824,6 +824,14 @@ bool DeviceComm::replaying() {
   return graphBusyNow();
 }
 
+std::vector<uint64_t> DeviceComm::graphFlags() {
+  if (!graphSlotBytes_ || gflags_.size() != size_t(nranks_)) return {};
+  DeviceScope current(*driver_);
+  std::vector<uint64_t> all(size_t(nranks_) * kFlagCount);
+  driver_->readFlags(gflags_[0], all.size(), all.data());  // the rows are contiguous
+  return all;
+}
+
 int64_t DeviceComm::checkSignatures() {
   if (!sigs_) return 100;
   std::string mismatch = sigs_->mismatch();
@@ -1010,6 +1018,8 @@ int64_t DeviceComm::checkGraphProgress(int64_t now) {
     gProbedMs_ = now;
     for (int r = 0; r < nranks_; ++r) {
       std::string why;
+      // A captured send/recv waits for its partners only.
+      if (p2p && std::find(behind.begin(), behind.end(), r) == behind.end()) continue;
       if (r != rank_ && peerGone_(r, &why)) {
         failFromWatchdog(loomRemoteError,
                          strf("rank %d: rank %d is gone (%s) while this rank's %s streams replayed a captured call "
@@ -1482,8 +1492,11 @@ std::unique_ptr<SteppedRun> DeviceComm::beginGraphRunP2P(const std::vector<OpDes
   if (failCode_ != loomSuccess) fail(failCode_, "the %s communicator has failed: %s", driver_->name(), failed_.c_str());
   GraphP2PCall call;
   std::string sends, recvs;
+  std::vector<int> to, from;  // each peer once, in the order of the members
   for (const OpDesc& op : ops) {
-    if (op.count == 0) continue;
+    std::vector<int>& v = op.isSend ? to : from;
+    if (op.count == 0 || std::find(v.begin(), v.end(), op.peer) != v.end()) continue;
+    v.push_back(op.peer);
     (op.isSend ? sends : recvs) += strf("%s%d", (op.isSend ? sends : recvs).empty() ? "" : ", ", op.peer);
     if (op.peer != rank_ && std::find(call.partners.begin(), call.partners.end(), op.peer) == call.partners.end())
       call.partners.push_back(op.peer);

@@ -629,6 +629,11 @@ class DeviceComm final : public DeviceCollectives {
   // Whether a replay of a captured call runs on this rank now (its own busy
   // flag, read now; false without a graph lane).
   bool replaying();
+  // The graph lane's flag area as read now (row r: rank r's kFlagCount
+  // flags as this rank sees them; empty without a graph lane).  Between
+  // replays every flag is 0 but this rank's own `reset` (the tests'
+  // check that a replay left nothing behind).
+  std::vector<uint64_t> graphFlags();
   // Whether the communicator failed (every later run() then fails).
   bool failed() const override;
   // The failure (loomSuccess if none) and its message.
