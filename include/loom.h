@@ -282,6 +282,14 @@ LOOM_API loomResult_t loomCudaGetDevice(int* device);
  * capturing. */
 LOOM_API loomResult_t loomCudaStreamCapturing(void* stream, int* capturing);
 
+/* Whether `comm`'s collectives, sends and receives issued on a stream being
+ * captured into a CUDA graph are captured (*capturable = 1: a CUDA
+ * communicator on the ipc path with a graph lane) or refused with
+ * loomInvalidUsage (0: a host communicator, the staged or hierarchical
+ * path, LOOM_DEVICE_GRAPH_SLOT_BYTES=0).  loomInvalidArgument on NULL
+ * capturable. */
+LOOM_API loomResult_t loomCommCanCapture(const loomComm_t comm, int* capturable);
+
 /* Stores in *asyncError the error that failed the communicator in the
  * background (loomSuccess when none).  Once a communicator has failed every
  * later call on it returns that error; destroy or abort it, or shrink it.

@@ -124,6 +124,14 @@ ncclResult_t reduction(const char* call, ncclComm_t comm, ncclDataType_t type, n
                   "(which invalidates it) or shared with calls outside it; issue it outside the capture, or sum and "
                   "scale apart",
                   call);
+    // Refused before its scaled copy is captured where the sum would be.
+    int capturable = 0;
+    if (loomCommCanCapture(comm->loom, &capturable) != loomSuccess || !capturable)
+      return fail(ncclInvalidUsage,
+                  "%s: stream %p is being captured into a CUDA graph, but this communicator cannot capture calls "
+                  "(the staged or hierarchical path, or LOOM_DEVICE_GRAPH_SLOT_BYTES=0): issue it outside the "
+                  "capture",
+                  call, static_cast<void*>(stream));
     out->scaleIntoRecv = true;
   }
   out->op = loomSum;

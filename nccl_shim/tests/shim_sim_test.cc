@@ -835,6 +835,46 @@ TEST_CASE("NCCL shim on CUDA communicators (simulated device): one thread's grou
   for (ncclComm_t c : comms) CHECK(ncclCommDestroy(c) == ncclSuccess);
 }
 
+TEST_CASE("NCCL shim on CUDA communicators (simulated device): without a graph lane a PreMulSum all-reduce on a "
+          "capturing stream is ncclInvalidUsage before anything is captured (its scaled copy included), alone and "
+          "in a group",
+          "[nccl][devcomm][graph]") {
+  setenv("LOOM_DEVICE_GRAPH_SLOT_BYTES", "0", 1);
+  SimCuda sim(1, 1);
+  std::string err;
+  std::vector<ncclComm_t> comms = initRanks(1, &err);
+  unsetenv("LOOM_DEVICE_GRAPH_SLOT_BYTES");
+  INFO(err);
+  REQUIRE(comms.size() == 1);
+  int capturable = -1;
+  CHECK(loomCommCanCapture(comms[0]->loom, &capturable) == loomSuccess);
+  CHECK(capturable == 0);
+  loom::setCudaCaptureProbeForTesting(loomsim::simStreamCapturing);
+  struct Unset {
+    ~Unset() { loom::setCudaCaptureProbeForTesting(nullptr); }
+  } unset;
+  char key;
+  REQUIRE(sim.world.rank(0).addCallerStream(&key) > 0);
+  auto st = reinterpret_cast<cudaStream_t>(&key);
+  int32_t* x = sim.alloc(0, 100);
+  int32_t* y = sim.alloc(0, 100);
+  const int32_t k = 3;
+  ncclRedOp_t thrice;
+  REQUIRE(ncclRedOpCreatePreMulSum(&thrice, const_cast<int32_t*>(&k), ncclInt32, ncclScalarHostImmediate, comms[0]) ==
+          ncclSuccess);
+  sim.world.rank(0).beginCapture(&key);
+  CHECK(ncclAllReduce(x, y, 100, ncclInt32, thrice, comms[0], st) == ncclInvalidUsage);
+  CHECK(std::string(ncclGetLastError(comms[0])).find("cannot capture calls") != std::string::npos);
+  CHECK(ncclGroupStart() == ncclSuccess);
+  CHECK(ncclAllReduce(x, y, 100, ncclInt32, thrice, comms[0], st) == ncclInvalidUsage);
+  CHECK(ncclGroupEnd() != ncclSuccess);
+  const loomsim::SimGraph graph = sim.world.rank(0).endCapture(&key);
+  REQUIRE(graph);
+  CHECK(graph->tasks.empty());  // nothing scaled or summed was captured
+  CHECK(ncclRedOpDestroy(thrice, comms[0]) == ncclSuccess);
+  for (ncclComm_t c : comms) CHECK(ncclCommDestroy(c) == ncclSuccess);
+}
+
 TEST_CASE("NCCL shim on CUDA communicators (simulated device): collectives and a grouped all-to-all of sends and "
           "receives with uneven sizes (torch's all_to_all with splits) issued on a stream being captured into a CUDA "
           "graph are captured, and each replay is exact with the inputs of its time; so is a PreMulSum all-reduce "
@@ -876,6 +916,10 @@ TEST_CASE("NCCL shim on CUDA communicators (simulated device): collectives and a
   }
   std::vector<loomsim::SimGraph> graphs(N);
   const uint64_t round = ipcRound(comms[0]);
+  int capturable = -1;
+  CHECK(loomCommCanCapture(comms[0]->loom, &capturable) == loomSuccess);
+  CHECK(capturable == 1);
+  CHECK(loomCommCanCapture(comms[0]->loom, nullptr) == loomInvalidArgument);
   for (int r = 0; r < N; ++r) {
     auto st = reinterpret_cast<cudaStream_t>(&keys[r]);
     sim.world.rank(r).beginCapture(&keys[r]);

@@ -1054,6 +1054,22 @@ loomResult_t loomCudaStreamCapturing(void* stream, int* capturing) {
   });
 }
 
+loomResult_t loomCommCanCapture(const loomComm_t comm, int* capturable) {
+  return guarded("loomCommCanCapture", nullptr, [&] {
+    checkComm(comm);
+    if (!capturable) fail(loomInvalidArgument, "capturable is NULL");
+    *capturable = 0;
+    if (DeviceCollectives* dev = comm->deviceComm()) {
+      try {
+        dev->checkCapture(nullptr, false);  // refuses (throws) what cannot be captured
+        *capturable = 1;
+      } catch (const Error&) {
+      }
+    }
+    return loomSuccess;
+  });
+}
+
 loomResult_t loomCommGetAsyncError(loomComm_t comm, loomResult_t* asyncError) {
   return guarded("loomCommGetAsyncError", nullptr, [&] {
     checkComm(comm);
