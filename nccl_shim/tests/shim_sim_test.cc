@@ -877,7 +877,7 @@ TEST_CASE("NCCL shim on CUDA communicators (simulated device): without a graph l
 
 TEST_CASE("NCCL shim on CUDA communicators (simulated device): collectives and a grouped all-to-all of sends and "
           "receives with uneven sizes (torch's all_to_all with splits) issued on a stream being captured into a CUDA "
-          "graph are captured, and each replay is exact with the inputs of its time; so is a PreMulSum all-reduce "
+          "graph are captured, and each replay is exact with the inputs of its time, and so is a PreMulSum all-reduce "
           "(in and out of place), and a PreMulSum reduce-scatter there is refused with a reason",
           "[nccl][devcomm][graph]") {
   const int N = 3;
