@@ -4883,6 +4883,23 @@ std::string graphFlagsLeft(SimComms& s) {
   return left;
 }
 
+// Each rank runs its group eagerly (the NULL stream) from a thread of its
+// own, as ranks of separate processes would; every rank's error, if any.
+std::vector<std::string> runGroupsEagerly(SimComms& s, const std::vector<std::vector<P2POp>>& groups) {
+  std::vector<std::string> errors(groups.size());
+  std::vector<std::thread> ts;
+  for (size_t r = 0; r < groups.size(); ++r)
+    ts.emplace_back([&, r] {
+      try {
+        runGroup(s, int(r), groups[r], nullptr);
+      } catch (const loom::Error& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : ts) t.join();
+  return errors;
+}
+
 long wrongMessages(const std::vector<Message>& ms) {
   long wrong = 0;
   for (const Message& m : ms)
@@ -4943,20 +4960,8 @@ TEST_CASE("graph lane (simulated device): captured sends and receives (a ring, e
                                                &coll);
         for (const Message& m : captured) fillRandom(m.in, m.count, m.type, rng);
         launchAll(s.world, cs, g);
-        if (rep == 1) {  // eager sends and receives on the NULL stream, while the replay may run
-          std::vector<std::thread> ts;
-          std::vector<std::string> errors(static_cast<size_t>(N));
-          for (int r = 0; r < N; ++r)
-            ts.emplace_back([&, r] {
-              try {
-                runGroup(s, r, eagerRing[size_t(r)], nullptr);
-              } catch (const loom::Error& e) {
-                errors[size_t(r)] = e.what();
-              }
-            });
-          for (auto& t : ts) t.join();
-          for (const std::string& e : errors) CHECK(e.empty());
-        }
+        if (rep == 1)  // eager sends and receives on the NULL stream, while the replay may run
+          for (const std::string& e : runGroupsEagerly(s, eagerRing)) CHECK(e.empty());
         const std::string problems = syncAll(s);
         INFO(problems);
         REQUIRE(problems.empty());
@@ -5104,18 +5109,7 @@ TEST_CASE("send/recv groups with several members per pair (3 and 5 both ways, on
         CHECK(graphFlagsLeft(s) == "");
       }
     } else {
-      std::vector<std::thread> ts;
-      std::vector<std::string> errors(static_cast<size_t>(N));
-      for (int r = 0; r < N; ++r)
-        ts.emplace_back([&, r] {
-          try {
-            runGroup(s, r, groups[size_t(r)], nullptr);
-          } catch (const loom::Error& e) {
-            errors[size_t(r)] = e.what();
-          }
-        });
-      for (auto& t : ts) t.join();
-      for (const std::string& e : errors) CHECK(e.empty());
+      for (const std::string& e : runGroupsEagerly(s, groups)) CHECK(e.empty());
       const std::string problems = syncAll(s);
       INFO(problems);
       REQUIRE(problems.empty());
