@@ -3608,6 +3608,101 @@ TEST_CASE("IPC path mismatch check: signatures compared across batches in any or
   CHECK(e.mismatch() == "");
 }
 
+TEST_CASE("send/recv mismatch check: sizes compared per pair across batches in any order, ahead and behind, a "
+          "mismatch named with the message and both sizes, batches paced per receiver, collectives' entries kept "
+          "apart",
+          "[devcomm][mismatch]") {
+  // Rank 0 sends to ranks 1 and 2; rank 1 receives from 0 (and 2, which
+  // sends nothing here).
+  loom::P2PCheck s0(0, 3), r1(1, 3);
+  std::vector<std::pair<int, std::vector<uint8_t>>> batches;
+  int64_t next = 0;
+  int64_t now = 1000;
+  for (int i = 0; i < 1500; ++i) {  // more than two full batches to rank 1
+    s0.recordSend(1, uint64_t(i % 7 + 1) * 100);
+    s0.recordSend(2, 5);
+    s0.recordSend(0, 1);  // to itself: not this check's (checkBatch's)
+    if (i < 1000) r1.recordRecv(0, uint64_t(i % 7 + 1) * 100);
+    for (auto& b : s0.due(now += 3, false, &next)) batches.push_back(std::move(b));
+  }
+  for (auto& b : s0.due(now, true, &next)) batches.push_back(std::move(b));
+  CHECK(s0.due(now + 1, false, &next).empty());
+  CHECK(next == 100);  // all sent
+  size_t to1 = 0, to2 = 0;
+  for (const auto& [peer, bytes] : batches) {
+    REQUIRE((peer == 1 || peer == 2));
+    (peer == 1 ? to1 : to2) += 1;
+    CHECK(loom::P2PCheck::isP2PBatch(bytes));
+  }
+  CHECK(to1 >= 3);
+  CHECK(to1 == to2);
+  std::reverse(batches.begin(), batches.end());  // out of order
+  for (const auto& [peer, bytes] : batches)
+    if (peer == 1) r1.receive(0, bytes), r1.receive(0, bytes);  // repeated
+  CHECK(r1.mismatch() == "");
+  CHECK(r1.unchecked() == 0);
+  // Rank 2's batches name rank 2 as the receiver: rank 1 compares nothing of them.
+  for (const auto& [peer, bytes] : batches)
+    if (peer == 2) r1.receive(0, bytes);
+  CHECK(r1.mismatch() == "");
+  // The rest is compared when rank 1 enqueues it (the sends came first).
+  for (int i = 1000; i < 1500; ++i) r1.recordRecv(0, uint64_t(i % 7 + 1) * 100);
+  CHECK(r1.mismatch() == "");
+  CHECK(r1.unchecked() == 0);
+  // Message #1500 differs, the receive enqueued first.
+  r1.recordRecv(0, 4096);
+  CHECK(r1.unchecked() == 1);
+  s0.recordSend(1, 4000);
+  for (auto& [peer, bytes] : s0.due(now += 20, false, &next))
+    if (peer == 1) r1.receive(0, bytes);
+  const std::string m = r1.mismatch();
+  INFO(m);
+  CHECK(m.find("rank 1: mismatched send/recv: message #1500 from rank 0 to rank 1 on this communicator is a send of "
+               "4000 bytes on rank 0 but a receive of 4096 bytes on rank 1") != std::string::npos);
+  // A pair's own numbering: rank 2's first receive from rank 1 is its #0.
+  loom::P2PCheck s1(1, 3), r2(2, 3);
+  s1.recordSend(2, 64);
+  for (auto& [peer, bytes] : s1.due(now, true, &next)) r2.receive(1, bytes);  // ahead of the receive
+  CHECK(r2.unchecked() == 0);
+  r2.recordRecv(0, 64);  // another pair: nothing to compare yet
+  r2.recordRecv(1, 32);
+  CHECK(r2.mismatch().find("message #0 from rank 1 to rank 2 on this communicator is a send of 64 bytes on rank 1 "
+                           "but a receive of 32 bytes on rank 2") != std::string::npos);
+  // Pacing: a partial batch per receiver at most every 10 ms, a full one at once.
+  loom::P2PCheck p(0, 3);
+  CHECK(p.due(5000, false, &next).empty());
+  CHECK(next == 100);
+  p.recordSend(1, 8);
+  p.recordSend(2, 8);
+  CHECK(p.due(5000, false, &next).size() == 2);  // one to each
+  p.recordSend(2, 8);
+  CHECK(p.due(5004, false, &next).empty());
+  CHECK(next == 6);
+  for (size_t i = 0; i < loom::kSignatureBatch; ++i) p.recordSend(1, 8);
+  auto full = p.due(5005, false, &next);
+  CHECK(full.size() == 2);  // rank 1's full batch at once, rank 2's one with it
+  CHECK(next == 10);
+  // The collectives' check and this one keep their entries apart.
+  loom::SignatureCheck coll(1, 0);
+  loom::OpDesc ar;
+  ar.coll = Collective::AllReduce, ar.count = 1, ar.dtype = loomFloat32;
+  coll.recordMine(ar);
+  coll.receive(full[0].second);  // sends' sizes: not collectives
+  CHECK(coll.mismatch() == "");
+  CHECK(coll.unchecked() == 1);
+  std::vector<uint8_t> collBatch = coll.takeBatch();
+  CHECK_FALSE(loom::P2PCheck::isP2PBatch(collBatch));
+  CHECK_FALSE(loom::P2PCheck::isP2PBatch({}));
+  CHECK_FALSE(loom::P2PCheck::isP2PBatch(std::vector<uint8_t>(23)));
+  loom::P2PCheck g(1, 3);
+  g.recordRecv(0, 8);
+  g.receive(0, collBatch);
+  g.receive(0, std::vector<uint8_t>(23));
+  g.receive(7, full[0].second);  // no such rank
+  CHECK(g.mismatch() == "");
+  CHECK(g.unchecked() == 1);
+}
+
 TEST_CASE("CUDA communicators on the IPC path (simulated device, through the C API): ranks whose collectives differ "
           "only in count all fail with loomInvalidUsage naming both operations, their streams are released, and "
           "matching calls never trip the check",
@@ -3657,6 +3752,89 @@ TEST_CASE("CUDA communicators on the IPC path (simulated device, through the C A
   }
   for (loomComm_t c : comms) CHECK(loomCommDestroy(c) == loomSuccess);
   CHECK(loom::waitDeviceRemains(10000));
+}
+
+TEST_CASE("CUDA communicators on the IPC path (simulated device, through the C API): matching send/recv groups "
+          "never trip the send/recv mismatch check, a receive of another size fails every rank with "
+          "loomInvalidUsage naming the message and both sizes, long before LOOM_TIMEOUT_MS",
+          "[devcomm][mismatch]") {
+  SimMemory mem;
+  loomsim::SimDeviceWorld world(3, 1, 256, patientDevice());
+  DeviceEnv env(mem, world);
+  ScopedEnv slotBytes("LOOM_DEVICE_SLOT_BYTES", "65536");  // 32 KiB chunks
+  ScopedEnv timeout("LOOM_TIMEOUT_MS", "120000");         // the check must find it, not the timeout
+  // Whether the receive differs in chunks (it then waits for one that never
+  // comes) or in bytes within as many chunks (it used to copy garbage).
+  const bool moreChunks = GENERATE(false, true);
+  INFO("receive with more chunks: " << moreChunks);
+  std::vector<loomComm_t> comms = initCudaComms(3);
+  REQUIRE(comms.size() == 3);
+  REQUIRE(std::string(comms[0]->deviceComm()->pathName()) == "ipc");
+  auto* fakeStream = reinterpret_cast<loomStream_t>(uintptr_t(0x7e57));
+  const size_t most = 100000;
+  std::vector<uint8_t*> src, dst;
+  for (int r = 0; r < 3; ++r) {
+    src.push_back(mem.alloc(0, 2 * most));
+    dst.push_back(mem.alloc(0, 2 * most));
+    for (size_t i = 0; i < 2 * most; ++i) src[size_t(r)][i] = uint8_t(i * 13 + size_t(r) * 7 + 1);
+  }
+  // 40 ring exchanges, two messages per pair of uneven sizes (one or several
+  // chunks, an empty one now and then): every rank to the next, as one group
+  // issued by this thread for all three.
+  uint64_t messages = 0;  // from rank 0 to rank 1 so far (empty ones do not count)
+  for (int i = 0; i < 40; ++i) {
+    const size_t a = size_t(i * 2311) % most, b = i % 5 ? size_t(i * 977 + 1) % most : 0;
+    messages += (a != 0) + (b != 0);
+    for (int r = 0; r < 3; ++r) memset(dst[size_t(r)], 0, 2 * most);
+    REQUIRE(loomGroupStart() == loomSuccess);
+    for (int r = 0; r < 3; ++r) {
+      const int next = (r + 1) % 3, prev = (r + 2) % 3;
+      REQUIRE(loomSend(src[size_t(r)], a, loomUint8, next, comms[size_t(r)], fakeStream) == loomSuccess);
+      REQUIRE(loomSend(src[size_t(r)] + most, b, loomUint8, next, comms[size_t(r)], fakeStream) == loomSuccess);
+      REQUIRE(loomRecv(dst[size_t(r)], a, loomUint8, prev, comms[size_t(r)], fakeStream) == loomSuccess);
+      REQUIRE(loomRecv(dst[size_t(r)] + most, b, loomUint8, prev, comms[size_t(r)], fakeStream) == loomSuccess);
+    }
+    REQUIRE(loomGroupEnd() == loomSuccess);
+    long wrong = 0;
+    for (int r = 0; r < 3; ++r) {
+      std::string msg;
+      REQUIRE(world.rank(r).synchronize(&msg) == loomSuccess);
+      const int prev = (r + 2) % 3;
+      for (size_t k = 0; k < a; ++k) wrong += dst[size_t(r)][k] != src[size_t(prev)][k];
+      for (size_t k = 0; k < b; ++k) wrong += dst[size_t(r)][most + k] != src[size_t(prev)][most + k];
+    }
+    CHECK(wrong == 0);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // every batch delivered
+  for (int r = 0; r < 3; ++r) {
+    loomResult_t ae = loomSuccess;
+    CHECK(loomCommGetAsyncError(comms[size_t(r)], &ae) == loomSuccess);
+    CHECK(ae == loomSuccess);
+  }
+  // Rank 0 sends 1000 bytes to rank 1, which receives 1100 (one chunk
+  // either way) or 40000 (two chunks).
+  const size_t sent = 1000, received = moreChunks ? 40000 : 1100;
+  const int64_t t0 = loom::nowMs();
+  REQUIRE(loomSend(src[0], sent, loomUint8, 1, comms[0], fakeStream) == loomSuccess);
+  REQUIRE(loomRecv(dst[1], received, loomUint8, 0, comms[1], fakeStream) == loomSuccess);
+  const std::string named =
+      loom::strf("message #%llu from rank 0 to rank 1 on this communicator is a send of %zu bytes on rank 0 but a "
+                 "receive of %zu bytes on rank 1",
+                 (unsigned long long)messages, sent, received);
+  for (int r = 0; r < 3; ++r) {
+    std::string last;
+    CHECK(awaitAsyncError(comms[size_t(r)], &last) == loomInvalidUsage);
+    INFO("rank " << r << ": " << last);
+    CHECK(last.find("mismatched send/recv") != std::string::npos);
+    CHECK(last.find(named) != std::string::npos);
+  }
+  for (int r = 0; r < 2; ++r) {  // released
+    std::string msg;
+    CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
+  }
+  CHECK(loom::nowMs() - t0 < 10000);
+  CHECK(loomSend(src[0], 8, loomUint8, 1, comms[0], fakeStream) == loomInvalidUsage);
+  destroyPromptly(comms);
 }
 
 TEST_CASE("CUDA communicator on the hierarchical path (simulated device): ranks whose all-reduce counts fall on both "

@@ -195,6 +195,7 @@ DeviceComm::DeviceComm(int rank, int nranks, std::unique_ptr<DeviceDriver> drive
   fetchRegion_ = options.fetchRegion;
   if (options.sendSignatures && nranks > 1) {
     sigs_ = std::make_unique<SignatureCheck>(rank, (rank + nranks - 1) % nranks);
+    p2pCheck_ = std::make_unique<P2PCheck>(rank, nranks);
     sendSignatures_ = options.sendSignatures;
   }
   out_.assign(size_t(nranks), nullptr);
@@ -698,8 +699,12 @@ void DeviceComm::finishSignatures() {
   if (!sigs_ || failed() || !sendSignatures_) return;
   int64_t next;
   for (std::vector<uint8_t>& b : sigs_->due(nowMs(), true, &next)) sendSignatures_((rank_ + 1) % nranks_, std::move(b));
-  sigs_->awaitChecked(nowMs() + SignatureCheck::kFinishMs);
-  const std::string mismatch = sigs_->mismatch();
+  for (auto& [peer, b] : p2pCheck_->due(nowMs(), true, &next)) sendSignatures_(peer, std::move(b));
+  const int64_t deadline = nowMs() + SignatureCheck::kFinishMs;
+  sigs_->awaitChecked(deadline);
+  p2pCheck_->awaitChecked(deadline);
+  std::string mismatch = sigs_->mismatch();
+  if (mismatch.empty()) mismatch = p2pCheck_->mismatch();
   if (!mismatch.empty()) {
     failFromWatchdog(loomInvalidUsage, mismatch, -1);
     release();  // the watchdog is gone: release this rank's waits here
@@ -835,6 +840,7 @@ std::vector<uint64_t> DeviceComm::graphFlags() {
 int64_t DeviceComm::checkSignatures() {
   if (!sigs_) return 100;
   std::string mismatch = sigs_->mismatch();
+  if (mismatch.empty()) mismatch = p2pCheck_->mismatch();
   if (!mismatch.empty()) {
     failFromWatchdog(loomInvalidUsage, mismatch, -1);
     return 1;
@@ -845,16 +851,29 @@ int64_t DeviceComm::checkSignatures() {
               rank_, skipped, SignatureCheck::kKeep);
     sigSkippedWarned_ = skipped * 2;  // warn again only as it grows
   }
-  int64_t next;
+  if (const size_t skipped = p2pCheck_->skipped(); skipped > p2pSkippedWarned_) {
+    LOOM_WARN("DEVICE", "rank %d: the send/recv mismatch check skipped %zu receives so far (a batch lost, or a "
+              "sender more than %zu messages ahead of this rank or behind it)",
+              rank_, skipped, P2PCheck::kKeep);
+    p2pSkippedWarned_ = skipped * 2;
+  }
+  int64_t next, p2pNext;
   for (std::vector<uint8_t>& b : sigs_->due(nowMs(), false, &next))
     sendSignatures_((rank_ + 1) % nranks_, std::move(b));
-  return next;
+  for (auto& [peer, b] : p2pCheck_->due(nowMs(), false, &p2pNext)) sendSignatures_(peer, std::move(b));
+  return std::min(next, p2pNext);
 }
 
 void DeviceComm::onPeerSignatures(int from, const std::vector<uint8_t>& bytes) {
-  if (!sigs_ || from != (rank_ + nranks_ - 1) % nranks_) return;
-  sigs_->receive(bytes);
-  if (sigs_->mismatch().empty()) return;
+  if (!sigs_) return;
+  if (P2PCheck::isP2PBatch(bytes)) {  // a peer's sends to this rank
+    p2pCheck_->receive(from, bytes);
+    if (p2pCheck_->mismatch().empty()) return;
+  } else {
+    if (from != (rank_ + nranks_ - 1) % nranks_) return;
+    sigs_->receive(bytes);
+    if (sigs_->mismatch().empty()) return;
+  }
   {
     std::lock_guard<std::mutex> w(wmu_);
     wake_ = true;
@@ -1984,6 +2003,17 @@ std::unique_ptr<SteppedRun> DeviceComm::beginRunP2P(const std::vector<OpDesc>& o
   auto run = std::make_unique<Run>(*this, std::move(g), std::move(p), std::move(b), Lane::P2P);
   try {
     p2p_ = counters;  // the peers count these chunks whatever happens here
+    // The mismatch check: each message's size, in the order the program
+    // moves them (an empty one moves nothing and matches nothing).
+    if (p2pCheck_)
+      for (const OpDesc& op : ops) {
+        const uint64_t bytes = op.count * dtypeSize(op.dtype);
+        if (bytes == 0) continue;
+        if (op.isSend)
+          p2pCheck_->recordSend(op.peer, bytes);
+        else
+          p2pCheck_->recordRecv(op.peer, bytes);
+      }
     const StreamProgram& prog = run->program();
     if (prog.ops.empty()) return run;
     StreamBackend& be = driver_->backend(callerStream, prog.streams, prog.events);

@@ -352,10 +352,10 @@ struct DeviceCommOptions {
   // communicator asks over its control plane; tests call the peer.  Empty:
   // a receive from another rank is loomInvalidUsage.
   std::function<IpcRecord(int peer)> fetchRegion{};
-  // The mismatch check (src/device/op_signature.h): sends a batch of this
-  // rank's collective signatures to rank `peer` without waiting (the
-  // communicator's control plane; called on the watchdog thread).  Empty:
-  // no check.
+  // The mismatch checks (src/device/op_signature.h): sends a batch of this
+  // rank's collective signatures, or of its sends' sizes, to rank `peer`
+  // without waiting (the communicator's control plane; called on the
+  // watchdog thread).  Empty: no check.
   std::function<void(int peer, std::vector<uint8_t> bytes)> sendSignatures{};
   // Device zero-copy (StreamPublish in algorithms/stream_collectives.h):
   // the communicator has cell areas, so a rank may publish the buffers of
@@ -816,8 +816,9 @@ class DeviceComm final : public DeviceCollectives {
   std::function<bool(int, std::string*)> peerGone_;
   std::function<void(const Error&)> onFailure_;
   std::unique_ptr<SignatureCheck> sigs_;  // null: no mismatch check (one rank, or no sender)
+  std::unique_ptr<P2PCheck> p2pCheck_;    // send/recv's (null as sigs_)
   std::function<void(int, std::vector<uint8_t>)> sendSignatures_;
-  size_t sigSkippedWarned_ = 0;  // watchdog thread only
+  size_t sigSkippedWarned_ = 0, p2pSkippedWarned_ = 0;  // watchdog thread only
   // At destruction of a healthy communicator: sends what is left and waits
   // up to SignatureCheck::kFinishMs for the previous rank's last batches.
   void finishSignatures();

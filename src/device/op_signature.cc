@@ -1,5 +1,6 @@
 #include "src/device/op_signature.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -114,6 +115,7 @@ void SignatureCheck::receive(const std::vector<uint8_t>& bytes) {
   if (!decodeSignatures(bytes, &sigs)) return;  // not a batch: nothing to compare
   std::lock_guard<std::mutex> g(mu_);
   for (const OpSignature& s : sigs) {
+    if (s.coll == uint8_t(Collective::P2P)) continue;  // a send's size (P2PCheck's), not a collective
     if (s.seq < mineBase_) continue;  // dropped here already (counted then)
     if (s.seq < next_) {
       compare(mine_[size_t(s.seq - mineBase_)], s);
@@ -169,6 +171,133 @@ void SignatureCheck::compare(Mine& m, const OpSignature& theirs) {
                    "%s on rank %d",
                    rank_, (unsigned long long)mine.seq, describeSignature(theirs).c_str(), from_,
                    describeSignature(mine).c_str(), rank_);
+}
+
+P2PCheck::P2PCheck(int rank, int nranks) : rank_(rank), nranks_(nranks), pairs_(size_t(std::max(nranks, 0))) {}
+
+void P2PCheck::recordSend(int to, uint64_t bytes) {
+  if (to < 0 || to >= nranks_ || to == rank_) return;
+  std::lock_guard<std::mutex> g(mu_);
+  Pair& p = pairs_[size_t(to)];
+  OpSignature s;
+  s.seq = p.sends++;
+  s.count = bytes;
+  s.coll = uint8_t(Collective::P2P);
+  s.root = to;
+  p.unsent.push_back(s);
+  // Never taken (no watchdog to send them): the oldest go unsent, and the
+  // receiver drops its own copies of them unchecked in time.
+  if (p.unsent.size() > kKeep) p.unsent.erase(p.unsent.begin(), p.unsent.begin() + (p.unsent.size() - kKeep));
+}
+
+void P2PCheck::recordRecv(int from, uint64_t bytes) {
+  if (from < 0 || from >= nranks_ || from == rank_) return;
+  std::lock_guard<std::mutex> g(mu_);
+  Pair& p = pairs_[size_t(from)];
+  const uint64_t seq = p.recvNext++;
+  p.recvs.push_back(Recv{bytes, false});
+  ++unchecked_;
+  if (p.recvs.size() > kKeep) {
+    if (!p.recvs.front().checked) --unchecked_, ++skipped_;
+    p.recvs.pop_front();
+    ++p.recvBase;
+  }
+  auto it = p.ahead.find(seq);
+  if (it != p.ahead.end()) {
+    compare(from, seq, p.recvs.back(), it->second);
+    p.ahead.erase(it);
+  }
+}
+
+size_t P2PCheck::pendingLocked() const {
+  size_t n = 0;
+  for (const Pair& p : pairs_) n = std::max(n, p.unsent.size());
+  return n;
+}
+
+std::vector<std::pair<int, std::vector<uint8_t>>> P2PCheck::due(int64_t nowMs, bool flush, int64_t* nextMs) {
+  std::vector<std::pair<int, std::vector<uint8_t>>> out;
+  std::lock_guard<std::mutex> g(mu_);
+  const size_t most = pendingLocked();  // the most any receiver waits for
+  const int64_t since = nowMs - sentMs_;
+  if (most == 0) {
+    *nextMs = 100;
+    return out;
+  }
+  if (!flush && most < kSignatureBatch && since < 10) {
+    *nextMs = 10 - since;
+    return out;
+  }
+  for (int q = 0; q < nranks_; ++q) {
+    std::vector<OpSignature>& unsent = pairs_[size_t(q)].unsent;
+    size_t taken = 0;
+    do {
+      const size_t n = std::min(kSignatureBatch, unsent.size() - taken);
+      if (n == 0) break;
+      out.emplace_back(q, encodeSignatures(std::vector<OpSignature>(unsent.begin() + ptrdiff_t(taken),
+                                                                   unsent.begin() + ptrdiff_t(taken + n))));
+      taken += n;
+    } while (flush);
+    unsent.erase(unsent.begin(), unsent.begin() + ptrdiff_t(taken));
+  }
+  sentMs_ = nowMs;
+  *nextMs = pendingLocked() >= kSignatureBatch ? 1 : 10;
+  return out;
+}
+
+bool P2PCheck::isP2PBatch(const std::vector<uint8_t>& bytes) {
+  std::vector<OpSignature> sigs;
+  if (!decodeSignatures(bytes, &sigs) || sigs.empty()) return false;
+  for (const OpSignature& s : sigs)
+    if (s.coll != uint8_t(Collective::P2P)) return false;
+  return true;
+}
+
+void P2PCheck::receive(int from, const std::vector<uint8_t>& bytes) {
+  std::vector<OpSignature> sigs;
+  if (from < 0 || from >= nranks_ || from == rank_ || !decodeSignatures(bytes, &sigs)) return;
+  std::lock_guard<std::mutex> g(mu_);
+  Pair& p = pairs_[size_t(from)];
+  for (const OpSignature& s : sigs) {
+    if (s.coll != uint8_t(Collective::P2P) || s.root != rank_) continue;  // not a send to this rank
+    if (s.seq < p.recvBase) continue;  // dropped here already (counted then)
+    if (s.seq < p.recvNext) {
+      compare(from, s.seq, p.recvs[size_t(s.seq - p.recvBase)], s.count);
+    } else if (p.ahead.size() < kKeep || s.seq < p.ahead.rbegin()->first) {
+      p.ahead[s.seq] = s.count;
+      if (p.ahead.size() > kKeep) p.ahead.erase(std::prev(p.ahead.end()));  // the newest waits longest
+    }
+  }
+}
+
+void P2PCheck::compare(int from, uint64_t seq, Recv& mine, uint64_t theirs) {
+  if (!mine.checked) mine.checked = true, --unchecked_;
+  if (mine.bytes == theirs || !mismatch_.empty()) return;
+  mismatch_ = strf("rank %d: mismatched send/recv: message #%llu from rank %d to rank %d on this communicator is a "
+                   "send of %llu bytes on rank %d but a receive of %llu bytes on rank %d; a receive must have the "
+                   "size of its send (each pair's messages match in the order they are issued)",
+                   rank_, (unsigned long long)seq, from, rank_, (unsigned long long)theirs, from,
+                   (unsigned long long)mine.bytes, rank_);
+}
+
+std::string P2PCheck::mismatch() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return mismatch_;
+}
+
+size_t P2PCheck::unchecked() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return unchecked_;
+}
+
+size_t P2PCheck::skipped() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return skipped_;
+}
+
+void P2PCheck::awaitChecked(int64_t deadlineMs) const {
+  while (unchecked() > 0 && mismatch().empty() && nowMs() < deadlineMs)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
 }
 
 }  // namespace loom

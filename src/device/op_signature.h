@@ -23,6 +23,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "algorithms/schedule.h"
@@ -103,6 +104,70 @@ class SignatureCheck {
   int64_t sentMs_ = 0;  // due()'s last batch
   size_t unchecked_ = 0, skipped_ = 0;
   std::map<uint64_t, OpSignature> ahead_;  // theirs not yet enqueued here (the lowest kKeep)
+  std::string mismatch_;
+};
+
+
+// Send/recv's mismatch check on the IPC path.  A send/recv program finds a
+// pair's chunks by counting them, so a receive of another size than its
+// send copies bytes the sender never staged (or leaves some behind), and
+// every later message of the pair is off by as many chunks: silent garbage,
+// or a wait that ends only at LOOM_TIMEOUT_MS.  So each rank numbers its
+// messages per pair (its sends to q and its receives from q, from 0, in the
+// order the programs move them: the group's order), sends the sizes of its
+// sends to each receiver in batches over the control plane, paced as the
+// collectives' (at most one per receiver per 10 ms, a full batch at once),
+// and the receiver compares them with its receives.  A mismatch fails the
+// communicator (the watchdog's loomInvalidUsage, which its peers hear)
+// naming the pair, the message's number and both sizes; the mismatched
+// receive's output is undefined, as after any failure.  Messages to this
+// rank itself are checked when the group is issued (checkBatch).
+//
+// On the wire a batch is the collectives' (encodeSignatures): one entry per
+// send, coll = P2P, seq = the message's number in its pair, count = its
+// bytes, root = the receiver; so a receiver tells the two kinds apart
+// (isP2PBatch) and the collectives' check ignores these entries.
+class P2PCheck {
+ public:
+  P2PCheck(int rank, int nranks);
+  // This rank enqueues a send of `bytes` to `to` / a receive of `bytes`
+  // from `from` (a program's members, in order; never this rank itself).
+  void recordSend(int to, uint64_t bytes);
+  void recordRecv(int from, uint64_t bytes);
+  // The batches due at nowMs, each with its receiver (as
+  // SignatureCheck::due, per receiver).  Called by one thread at a time.
+  std::vector<std::pair<int, std::vector<uint8_t>>> due(int64_t nowMs, bool flush, int64_t* nextMs);
+  // A batch of `from`'s sends to this rank (any order, repeated entries fine;
+  // garbage is ignored).
+  void receive(int from, const std::vector<uint8_t>& bytes);
+  static bool isP2PBatch(const std::vector<uint8_t>& bytes);
+  std::string mismatch() const;  // the first mismatch found ("" if none)
+  size_t unchecked() const;      // this rank's receives not yet compared
+  size_t skipped() const;        // receives never compared (more than kKeep behind or ahead)
+  void awaitChecked(int64_t deadlineMs) const;  // as SignatureCheck's
+
+  static constexpr size_t kKeep = SignatureCheck::kKeep;  // per pair, each way
+
+ private:
+  struct Recv {
+    uint64_t bytes = 0;
+    bool checked = false;
+  };
+  struct Pair {
+    std::vector<OpSignature> unsent;  // this rank's sends to the peer, not yet in a batch
+    uint64_t sends = 0;               // sends numbered so far
+    std::deque<Recv> recvs;           // this rank's receives from the peer, numbered recvBase ..
+    uint64_t recvBase = 0, recvNext = 0;
+    std::map<uint64_t, uint64_t> ahead;  // the peer's sends not yet received here: number -> bytes
+  };
+  void compare(int from, uint64_t seq, Recv& mine, uint64_t theirs);  // mu_ held
+  size_t pendingLocked() const;
+
+  int rank_, nranks_;
+  mutable std::mutex mu_;
+  std::vector<Pair> pairs_;
+  int64_t sentMs_ = 0;
+  size_t unchecked_ = 0, skipped_ = 0;
   std::string mismatch_;
 };
 
