@@ -640,6 +640,27 @@ StreamProgram makeReplayable(StreamProgram p, uint64_t sig) {
   return out;
 }
 
+uint64_t graphP2PMessages(const std::vector<uint64_t>& sizes) {
+  uint64_t total = 0, h = 1469598103934665603ull;  // FNV-1a over the counts
+  for (uint64_t v : sizes) {
+    total += v;
+    for (int i = 0; i < 8; ++i, v >>= 8) h = (h ^ (v & 0xff)) * 1099511628211ull;
+  }
+  if (total == 0) return 0;
+  const uint64_t cap = (uint64_t(1) << 40) - 1;
+  return (h >> 44) << 40 | std::min(total, cap);  // the hash's top 20 bits
+}
+
+std::vector<std::vector<uint64_t>> p2pPairSizes(const std::vector<OpDesc>& ops, int nranks, bool sends) {
+  std::vector<std::vector<uint64_t>> out(size_t(std::max(nranks, 0)));
+  for (const OpDesc& op : ops) {
+    const uint64_t bytes = op.count * dtypeSize(op.dtype);
+    if (op.coll == Collective::P2P && op.isSend == sends && bytes > 0 && op.peer >= 0 && op.peer < nranks)
+      out[size_t(op.peer)].push_back(bytes);
+  }
+  return out;
+}
+
 namespace {
 
 // Send/recv's program, eager (graph false: the communicator's per-pair
@@ -689,7 +710,32 @@ StreamProgram p2pProgram(const std::vector<OpDesc>& ops, int rank, int nranks, s
            (unsigned long long)busy);
   }
   Builder b(p);
-  if (graph && most > 0) b.setLocal(rank, kFlagGraphBusy, busy);
+  if (graph && most > 0) {
+    b.setLocal(rank, kFlagGraphBusy, busy);
+    // The size gate (compileGraphP2PProgram): this rank's values first,
+    // then its waits for its senders'.
+    const std::vector<std::vector<uint64_t>> outSizes = p2pPairSizes(ops, nranks, true);
+    const std::vector<std::vector<uint64_t>> inSizes = p2pPairSizes(ops, nranks, false);
+    for (int i = 1; i < nranks; ++i) {
+      const int q = (rank + i) % nranks;
+      const uint64_t v = graphP2PMessages(outSizes[size_t(q)]);
+      if (v == 0) continue;
+      b.setPeer(0, q, kFlagGraphMessages, v);
+      b.setPeer(0, q, kFlagGraphMessagesNot, kGraphMessagesSum - v);
+    }
+    bool gates = false;
+    for (int i = 1; i < nranks; ++i) {
+      const int q = (rank + nranks - i) % nranks;
+      const uint64_t v = graphP2PMessages(inSizes[size_t(q)]);
+      if (v == 0) continue;
+      if (!gates) b.setLocal(rank, kFlagGraphMessages, 1), gates = true;
+      b.wait(0, q, kFlagGraphMessages, v);
+      b.wait(0, q, kFlagGraphMessagesNot, kGraphMessagesSum - v);
+      b.setLocal(q, kFlagGraphMessages, 0);
+      b.setLocal(q, kFlagGraphMessagesNot, 0);
+    }
+    if (gates) b.setLocal(rank, kFlagGraphMessages, 0);
+  }
   // Chunk k of a pair (its k-th overall) is in chunk k % 2 of the sender's
   // region for the receiver.
   auto chunkAt = [&](uint64_t k) { return size_t(k % 2) * chunk; };

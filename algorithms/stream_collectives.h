@@ -155,6 +155,19 @@ StreamProgram compileP2PProgram(const std::vector<OpDesc>& ops, int rank, int nr
 // Around it:
 //   own busy = `busy` (kGraphP2PBusy + the call's number: the watchdog's
 //     and destroy's "a replay is running here");
+//   the size gate: for each receiver, its copies of this rank's
+//     kFlagGraphMessages = v (graphP2PMessages of this rank's sends to it)
+//     and kFlagGraphMessagesNot = kGraphMessagesSum - v; then own
+//     kFlagGraphMessages = 1 (at the gates), and for each sender: wait for
+//     both of its values >= this rank's v and sum - v (both pass only if
+//     they are equal: a receive of another size stops here, before it
+//     reads anything), zero this rank's copies of them; own
+//     kFlagGraphMessages = 0.  Every rank writes its values before it
+//     waits for any, so the gates wait for nothing but the senders' start;
+//     a sender writes its next call's values only after this receiver's
+//     last ack, which follows the zeroing, so while this rank is at its
+//     gates a nonzero value that differs from its own is its sender's in
+//     this call (the watchdog names the mismatch at once);
 //   <the chunks, as compileP2PProgram's>, where a receiver zeroes its copy
 //     of a sender's `sent` after the pair's last chunk of the call, before
 //     its last ack (the sender wrote its last `sent` of the call: the wait
@@ -164,15 +177,25 @@ StreamProgram compileP2PProgram(const std::vector<OpDesc>& ops, int rank, int nr
 //     this rank's next `sent`, written after this);
 //   own busy = 0.
 // Only the pairs of the call synchronise: there is no start gate, so a
-// mismatch (counts that differ between a sender and its receiver, a rank
-// that replays a collective where its partner replays a send) shows as
-// a replay that stops, which the watchdog reports as loomTimeout.  Nothing
+// rank that replays a collective where its partner replays a send, or a
+// send whose receiver replays none, shows as a replay that stops, which
+// the watchdog reports as loomTimeout.  Messages to itself have no gate
+// (the group's issue compared them: checkBatch).  Nothing
 // else in the graph lane conflicts: a rank's region for a receiver is
 // written again only after that receiver's last ack, and a collective's
 // flags and window are never these.  No ops when nothing moves (every
 // count 0).
 StreamProgram compileGraphP2PProgram(const std::vector<OpDesc>& ops, int rank, int nranks, size_t regionBytes,
                                      uint64_t busy);
+// One pair's messages (their byte counts, in order; empty ones left out)
+// as the size gate's value: bits 40..59 a hash of the counts, bits 0..39
+// their total (capped at 2^40 - 1, see graphP2PMessagesBytes); nonzero when
+// any byte moves, 0 when none does, below kGraphMessagesSum.
+uint64_t graphP2PMessages(const std::vector<uint64_t>& sizes);
+inline uint64_t graphP2PMessagesBytes(uint64_t value) { return value & ((uint64_t(1) << 40) - 1); }
+// Per peer: the byte counts of this rank's sends to it (sends true) or
+// receives from it (false) among `ops`, in order, empty ones left out.
+std::vector<std::vector<uint64_t>> p2pPairSizes(const std::vector<OpDesc>& ops, int nranks, bool sends);
 // A sender's region per receiver in the graph window (two graph slots),
 // a multiple of 256 bytes; 0 when the window is too small to hold one.
 inline size_t graphP2PRegionBytes(int nranks, size_t graphSlotBytes) {

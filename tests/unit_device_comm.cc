@@ -5350,14 +5350,12 @@ TEST_CASE("graph lane (simulated device): captured groups with two messages per 
   }
 }
 
-TEST_CASE("graph lane (simulated device): a captured send whose receiver never launches, or receives less, is "
-          "loomTimeout naming the partner, and the replays end (released)",
+TEST_CASE("graph lane (simulated device): a captured send whose receiver never launches is loomTimeout naming the "
+          "partner, and the replays end (released)",
           "[devcomm][graph][abort]") {
   SimCaptureProbe probe;
   loomsim::SimDeviceOptions so;
   so.deadlineMs = 15000;
-  const bool shorter = GENERATE(false, true);
-  INFO((shorter ? "rank 1 receives less" : "rank 1 does not launch"));
   loom::DeviceCommOptions opts;
   opts.graphSlotBytes = 1024;
   opts.timeoutMs = 300;
@@ -5369,9 +5367,9 @@ TEST_CASE("graph lane (simulated device): a captured send whose receiver never l
   uint8_t* b = s.mem.alloc(0, n);
   const auto g = captureAll(s.world, cs, [&](int r, void* st) {
     if (r == 0) runGroup(s, r, {{true, 1, n, loomUint8, a, {}}}, st);
-    if (r == 1) runGroup(s, r, {{false, 0, shorter ? n - 600 : n, loomUint8, b, {}}}, st);
+    if (r == 1) runGroup(s, r, {{false, 0, n, loomUint8, b, {}}}, st);
   });
-  launchAll(s.world, cs, g, shorter ? -1 : 1);
+  launchAll(s.world, cs, g, 1);
   std::string msg;
   CHECK(s.world.rank(0).synchronize(&msg) == loomSuccess);  // released, not failed by the device
   INFO(msg);
@@ -5382,11 +5380,102 @@ TEST_CASE("graph lane (simulated device): a captured send whose receiver never l
   CHECK(why.find("wait for one of its partners (rank 1)") != std::string::npos);
   CHECK_FALSE(s.comms[0]->replaying());
   CHECK_FALSE(s.comms[2]->failed());  // no part in it
-  if (shorter) {
-    CHECK(s.world.rank(1).synchronize(&msg) == loomSuccess);
-    CHECK_FALSE(s.comms[1]->replaying());  // its replay ended, short
-  }
   s.comms[1]->markFailed(loomRemoteError, "the test's");  // its peer failed: it would too
+}
+
+TEST_CASE("graph lane (simulated device): a captured receive of another size than its send (fewer chunks, as many "
+          "chunks, the same bytes in other messages) stops at the receiver's size gate, which fails with "
+          "loomInvalidUsage naming both sides long before LOOM_TIMEOUT_MS, and the replays end (released)",
+          "[devcomm][graph][abort]") {
+  SimCaptureProbe probe;
+  loomsim::SimDeviceOptions so;
+  so.deadlineMs = 15000;
+  loom::DeviceCommOptions opts;
+  opts.graphSlotBytes = 1024;  // regions of 512 B
+  opts.timeoutMs = 20000;      // the gate must find it, not the timeout
+  opts.drainTimeoutMs = 200;
+  SimComms s(3, 1, opts, true, so);
+  CaptureStreams cs(s.world);
+  struct Case {
+    const char* name;
+    std::vector<size_t> sends, recvs;
+    const char* theirs;
+    const char* mine;
+  };
+  const Case c = GENERATE(Case{"fewer chunks", {2000}, {1400}, "2000 bytes in all", "one message of 1400 bytes"},
+                          Case{"as many chunks", {100}, {200}, "100 bytes in all", "one message of 200 bytes"},
+                          Case{"other messages", {100, 200}, {200, 100}, "other messages of the same 300 bytes in all",
+                               "2 messages, 300 bytes in all"});
+  INFO(c.name);
+  std::vector<P2POp> send, recv;
+  for (size_t n : c.sends) send.push_back({true, 1, n, loomUint8, s.mem.alloc(0, n), {}});
+  for (size_t n : c.recvs) recv.push_back({false, 0, n, loomUint8, s.mem.alloc(0, n), {}});
+  const auto g = captureAll(s.world, cs, [&](int r, void* st) {
+    if (r == 0) runGroup(s, r, send, st);
+    if (r == 1) runGroup(s, r, recv, st);
+  });
+  const int64_t t0 = loom::nowMs();
+  launchAll(s.world, cs, g);
+  std::string msg;
+  CHECK(s.world.rank(1).synchronize(&msg) == loomSuccess);  // released, not failed by the device
+  std::string why;
+  CHECK(s.comms[1]->failure(&why) == loomInvalidUsage);
+  INFO(why);
+  CHECK(why.find(loom::strf("rank 1: mismatched captured send/recv (CUDA graph replays): rank 0's sends to this rank "
+                            "in the call it replays are %s, but this rank replays a send/recv group (receives from 0) "
+                            "whose receives from it are %s",
+                            c.theirs, c.mine)) != std::string::npos);
+  CHECK(loom::nowMs() - t0 < 10000);
+  CHECK_FALSE(s.comms[1]->replaying());
+  CHECK_FALSE(s.comms[0]->failed());  // rank 1's failure reaches it through its communicator (not here)
+  CHECK_FALSE(s.comms[2]->failed());
+  s.comms[0]->markFailed(loomRemoteError, "the test's");  // as its communicator would hear it
+  CHECK(s.world.rank(0).synchronize(&msg) == loomSuccess);
+}
+
+TEST_CASE("graph lane (simulated device): the size gate never trips on matching replays: two captured calls of one "
+          "pair with other sizes in turn, a third rank launching its part of one of them late, exact every time",
+          "[devcomm][graph]") {
+  SimCaptureProbe probe;
+  loom::DeviceCommOptions opts;
+  opts.graphSlotBytes = 1024;  // regions of 512 B: 3000 B take several chunks
+  opts.timeoutMs = 20000;
+  SimComms s(3, 1, opts);
+  for (const std::string& e : s.initErrors) REQUIRE(e.empty());
+  CaptureStreams cs(s.world);
+  std::mt19937_64 rng(77);
+  // Call 1: ranks 0 and 2 send 100 B each to rank 1.  Call 2: rank 0 sends
+  // 3000 B to rank 1 (rank 2 captures nothing).
+  std::vector<std::vector<P2POp>> one(3), two(3);
+  std::vector<Message> first, second;
+  addMessage(s, rng, 0, 1, 100, loomUint8, &one, &first);
+  addMessage(s, rng, 2, 1, 100, loomUint8, &one, &first);
+  addMessage(s, rng, 0, 1, 750, loomFloat32, &two, &second);
+  const auto g1 = captureAll(s.world, cs, [&](int r, void* st) { runGroup(s, r, one[size_t(r)], st); });
+  const auto g2 = captureAll(s.world, cs, [&](int r, void* st) {
+    if (!two[size_t(r)].empty()) runGroup(s, r, two[size_t(r)], st);
+  });
+  for (int rep = 0; rep < 4; ++rep) {
+    INFO("replay " << rep);
+    for (const Message& m : first) fillRandom(m.in, m.count, m.type, rng);
+    for (const Message& m : second) fillRandom(m.in, m.count, m.type, rng);
+    // Ranks 0 and 1 launch both at once; rank 2 its part of call 1 after
+    // longer than the gate's check waits: rank 1 waits at its gate for rank
+    // 2 meanwhile, and rank 0 must not get to call 2's values before it.
+    for (int r : {0, 1}) {
+      s.world.rank(r).launchGraph(cs[r], g1[size_t(r)]);
+      s.world.rank(r).launchGraph(cs[r], g2[size_t(r)]);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    s.world.rank(2).launchGraph(cs[2], g1[2]);
+    const std::string problems = syncAll(s);
+    INFO(problems);
+    REQUIRE(problems.empty());
+    CHECK(wrongMessages(first) == 0);
+    CHECK(wrongMessages(second) == 0);
+    CHECK(graphFlagsLeft(s) == "");
+    for (int r = 0; r < 3; ++r) CHECK_FALSE(s.comms[size_t(r)]->failed());
+  }
 }
 
 TEST_CASE("graph lane (simulated device): a rank replaying a captured send while its peers replay an all-reduce "

@@ -1011,6 +1011,41 @@ int64_t DeviceComm::checkGraphProgress(int64_t now) {
                        r);
       return 1;
     }
+  // A captured send/recv at its size gates with a sender's value there
+  // that differs from its own: a receive of another size (the gate holds
+  // it before it reads anything).  Only once the flags have been still for
+  // a while, so that the rows read are one moment's.
+  if (p2p && still >= kGraphMismatchMs && at(rank_, kFlagGraphMessages) == 1) {
+    GraphP2PCall call;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = graphP2P_.find(mine);
+      if (it != graphP2P_.end()) call = it->second;
+    }
+    for (int q = 0; q < nranks_ && size_t(q) < call.recvMessages.size(); ++q) {
+      const uint64_t theirs = at(q, kFlagGraphMessages), expect = call.recvMessages[size_t(q)];
+      if (q == rank_ || expect == 0 || theirs == 0 || theirs == expect || theirs >= kGraphMessagesSum) continue;
+      const std::vector<uint64_t>& sizes = call.recvSizes[size_t(q)];
+      uint64_t total = 0;
+      for (uint64_t v : sizes) total += v;
+      const uint64_t theirBytes = graphP2PMessagesBytes(theirs);
+      const std::string mineText =
+          sizes.size() == 1 ? strf("one message of %llu bytes", (unsigned long long)total)
+                            : strf("%zu messages, %llu bytes in all", sizes.size(), (unsigned long long)total);
+      const std::string theirText = theirBytes == graphP2PMessagesBytes(expect)
+                                        ? strf("other messages of the same %llu bytes in all",
+                                               (unsigned long long)theirBytes)
+                                        : strf("%llu bytes in all", (unsigned long long)theirBytes);
+      failFromWatchdog(loomInvalidUsage,
+                       strf("rank %d: mismatched captured send/recv (CUDA graph replays): rank %d's sends to this "
+                            "rank in the call it replays are %s, but this rank replays %s whose receives from it "
+                            "are %s; a receive must have the size of its send (a pair's messages match in order), "
+                            "and every rank must launch the graphs with this communicator's calls in the same order",
+                            rank_, q, theirText.c_str(), call.what.c_str(), mineText.c_str()),
+                       q);
+      return 1;
+    }
+  }
   if (!peerGone_ && timeoutMs <= 0) return 5;
   // How far each peer's replay got as seen here: reset, end, started (its
   // signature came), then its round flags.  The peers furthest behind are
@@ -1057,7 +1092,7 @@ int64_t DeviceComm::checkGraphProgress(int64_t now) {
                        strf("rank %d: a replay of a captured call (a CUDA graph) made no progress on %s:%d for %lld "
                             "ms (LOOM_TIMEOUT_MS): this rank replays %s and its streams wait for one of its partners "
                             "(rank %s); every rank must launch the graphs with this communicator's calls in the same "
-                            "order, and a receive must match its send's size",
+                            "order",
                             rank_, driver_->name(), driver_->device(), (long long)still,
                             what.empty() ? "a send/recv group" : what.c_str(), who.empty() ? "?" : who.c_str()),
                        behind.empty() ? -1 : behind.front());
@@ -1523,10 +1558,17 @@ std::unique_ptr<SteppedRun> DeviceComm::beginGraphRunP2P(const std::vector<OpDes
   call.what = strf("a send/recv group (%s%s%s%s%s)", sends.empty() ? "" : "sends to ", sends.c_str(),
                    !sends.empty() && !recvs.empty() ? "; " : "", recvs.empty() ? "" : "receives from ",
                    recvs.c_str());
+  call.recvSizes = p2pPairSizes(ops, nranks_, false);
+  for (int q = 0; q < nranks_; ++q) {
+    call.recvMessages.push_back(q == rank_ ? 0 : graphP2PMessages(call.recvSizes[size_t(q)]));
+    call.sendMessages.push_back(q == rank_ ? 0 : graphP2PMessages(p2pPairSizes(ops, nranks_, true)[size_t(q)]));
+  }
   // One mark per distinct call (captured again, the same mark: the map stays small).
   uint64_t busy = kGraphP2PBusy + 1 + graphP2P_.size();
   for (const auto& [mark, known] : graphP2P_)
-    if (known.what == call.what) busy = mark;
+    if (known.what == call.what && known.recvMessages == call.recvMessages &&
+        known.sendMessages == call.sendMessages)
+      busy = mark;
   StreamProgram p = compileGraphP2PProgram(ops, rank_, nranks_, region, busy);
   graphP2P_.emplace(busy, std::move(call));
   return startGraphRun(std::make_unique<Run>(*this, std::move(g), std::move(p), std::move(b), Lane::Graph),

@@ -766,6 +766,10 @@ class DeviceComm final : public DeviceCollectives {
   struct GraphP2PCall {
     std::string what;
     std::vector<int> partners;
+    // Per peer: this rank's receives from it (their sizes), and their
+    // size gate value (graphP2PMessages; 0: none), and its sends' values.
+    std::vector<std::vector<uint64_t>> recvSizes;
+    std::vector<uint64_t> recvMessages, sendMessages;
   };
   std::map<uint64_t, GraphP2PCall> graphP2P_;
   std::vector<uint64_t*> allReleased_;  // released_ and greleased_ as one batch

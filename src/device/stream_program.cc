@@ -21,6 +21,10 @@ const char* flagName(int f, bool replayable) {
         return "gsent";
       case kFlagGraphAcked:
         return "gacked";
+      case kFlagGraphMessages:
+        return "gmsgs";
+      case kFlagGraphMessagesNot:
+        return "gmsgsnot";
     }
   switch (f) {
     case kFlagInput:

@@ -65,8 +65,18 @@ enum FlagIndex : uint8_t {
   // per pair like kFlagP2PSent/kFlagP2PAcked, counted from zero per call.
   kFlagGraphSent = 6,
   kFlagGraphAcked = 7,
-  kFlagCount = 8,
+  // The graph lane's size gate (compileGraphP2PProgram): per pair, the
+  // sender's messages to the reader as one value (graphP2PMessages) and
+  // kGraphMessagesSum minus it; in the owner's own row of its own area,
+  // which no peer writes, kFlagGraphMessages is 1 while its program waits
+  // at its gates (the watchdog's "a mismatch here is this call's").
+  kFlagGraphMessages = 8,
+  kFlagGraphMessagesNot = 9,
+  kFlagCount = 10,
 };
+// A reader that waits for both per-pair values, `v` and kGraphMessagesSum
+// - v, passes only when its sender wrote exactly v (or a release).
+constexpr uint64_t kGraphMessagesSum = uint64_t(1) << 60;
 // The flags of the collectives' rounds (a round counter every rank advances).
 constexpr int kRoundFlags = 3;
 
