@@ -3755,8 +3755,8 @@ TEST_CASE("CUDA communicators on the IPC path (simulated device, through the C A
 }
 
 TEST_CASE("CUDA communicators on the IPC path (simulated device, through the C API): matching send/recv groups "
-          "never trip the send/recv mismatch check, a receive of another size fails every rank with "
-          "loomInvalidUsage naming the message and both sizes, long before LOOM_TIMEOUT_MS",
+          "never trip the send/recv mismatch check, a receive of another size (or all-to-allv counts that differ) "
+          "fails every rank with loomInvalidUsage naming the message and both sizes, long before LOOM_TIMEOUT_MS",
           "[devcomm][mismatch]") {
   SimMemory mem;
   loomsim::SimDeviceWorld world(3, 1, 256, patientDevice());
@@ -3764,9 +3764,11 @@ TEST_CASE("CUDA communicators on the IPC path (simulated device, through the C A
   ScopedEnv slotBytes("LOOM_DEVICE_SLOT_BYTES", "65536");  // 32 KiB chunks
   ScopedEnv timeout("LOOM_TIMEOUT_MS", "120000");         // the check must find it, not the timeout
   // Whether the receive differs in chunks (it then waits for one that never
-  // comes) or in bytes within as many chunks (it used to copy garbage).
-  const bool moreChunks = GENERATE(false, true);
-  INFO("receive with more chunks: " << moreChunks);
+  // comes) or in bytes within as many chunks (it used to copy garbage), or
+  // the counts of an all-to-allv differ (its sends and receives are these).
+  const int mode = GENERATE(0, 1, 2);
+  const bool moreChunks = mode == 1, allToAllv = mode == 2;
+  INFO("receive with more chunks: " << moreChunks << ", all-to-allv: " << allToAllv);
   std::vector<loomComm_t> comms = initCudaComms(3);
   REQUIRE(comms.size() == 3);
   REQUIRE(std::string(comms[0]->deviceComm()->pathName()) == "ipc");
@@ -3815,8 +3817,18 @@ TEST_CASE("CUDA communicators on the IPC path (simulated device, through the C A
   // either way) or 40000 (two chunks).
   const size_t sent = 1000, received = moreChunks ? 40000 : 1100;
   const int64_t t0 = loom::nowMs();
-  REQUIRE(loomSend(src[0], sent, loomUint8, 1, comms[0], fakeStream) == loomSuccess);
-  REQUIRE(loomRecv(dst[1], received, loomUint8, 0, comms[1], fakeStream) == loomSuccess);
+  if (allToAllv) {  // 1000 bytes each way between every pair, but rank 1 expects 1100 from rank 0
+    for (int r = 0; r < 3; ++r) {
+      size_t sendcounts[3] = {sent, sent, sent}, recvcounts[3] = {sent, sent, sent};
+      const size_t displs[3] = {0, 2000, 4000};
+      if (r == 1) recvcounts[0] = received;
+      REQUIRE(loomAllToAllv(src[size_t(r)], sendcounts, displs, dst[size_t(r)], recvcounts, displs, loomUint8,
+                            comms[size_t(r)], fakeStream) == loomSuccess);
+    }
+  } else {
+    REQUIRE(loomSend(src[0], sent, loomUint8, 1, comms[0], fakeStream) == loomSuccess);
+    REQUIRE(loomRecv(dst[1], received, loomUint8, 0, comms[1], fakeStream) == loomSuccess);
+  }
   const std::string named =
       loom::strf("message #%llu from rank 0 to rank 1 on this communicator is a send of %zu bytes on rank 0 but a "
                  "receive of %zu bytes on rank 1",
