@@ -655,7 +655,7 @@ std::vector<std::vector<uint64_t>> p2pPairSizes(const std::vector<OpDesc>& ops, 
   std::vector<std::vector<uint64_t>> out(size_t(std::max(nranks, 0)));
   for (const OpDesc& op : ops) {
     const uint64_t bytes = op.count * dtypeSize(op.dtype);
-    if (op.coll == Collective::P2P && op.isSend == sends && bytes > 0 && op.peer >= 0 && op.peer < nranks)
+    if (op.coll == Collective::P2P && op.isSend == sends && op.peer >= 0 && op.peer < nranks)
       out[size_t(op.peer)].push_back(bytes);
   }
   return out;
@@ -710,31 +710,46 @@ StreamProgram p2pProgram(const std::vector<OpDesc>& ops, int rank, int nranks, s
            (unsigned long long)busy);
   }
   Builder b(p);
+  // The size gate's values (compileGraphP2PProgram): per pair, 0 when no
+  // byte moves (no gate).
+  std::vector<uint64_t> gateOut(size_t(nranks), 0), gateIn(size_t(nranks), 0);
   if (graph && most > 0) {
     b.setLocal(rank, kFlagGraphBusy, busy);
-    // The size gate (compileGraphP2PProgram): this rank's values first,
-    // then its waits for its senders'.
     const std::vector<std::vector<uint64_t>> outSizes = p2pPairSizes(ops, nranks, true);
     const std::vector<std::vector<uint64_t>> inSizes = p2pPairSizes(ops, nranks, false);
+    for (int q = 0; q < nranks; ++q)
+      if (q != rank) {
+        gateOut[size_t(q)] = graphP2PMessages(outSizes[size_t(q)]);
+        gateIn[size_t(q)] = graphP2PMessages(inSizes[size_t(q)]);
+      }
+    // This rank's values for its receivers, before anything waits.
     for (int i = 1; i < nranks; ++i) {
       const int q = (rank + i) % nranks;
-      const uint64_t v = graphP2PMessages(outSizes[size_t(q)]);
+      const uint64_t v = gateOut[size_t(q)];
       if (v == 0) continue;
       b.setPeer(0, q, kFlagGraphMessages, v);
       b.setPeer(0, q, kFlagGraphMessagesNot, kGraphMessagesSum - v);
     }
-    bool gates = false;
-    for (int i = 1; i < nranks; ++i) {
-      const int q = (rank + nranks - i) % nranks;
-      const uint64_t v = graphP2PMessages(inSizes[size_t(q)]);
-      if (v == 0) continue;
-      if (!gates) b.setLocal(rank, kFlagGraphMessages, 1), gates = true;
-      b.wait(0, q, kFlagGraphMessages, v);
-      b.wait(0, q, kFlagGraphMessagesNot, kGraphMessagesSum - v);
-      b.setLocal(q, kFlagGraphMessages, 0);
-      b.setLocal(q, kFlagGraphMessagesNot, 0);
-    }
-    if (gates) b.setLocal(rank, kFlagGraphMessages, 0);
+  }
+  // Eager sends and receives run on two streams, sends on the caller's,
+  // receives on a side stream of their own (stream 2: never the
+  // collectives' stream 1, whose programs other ranks may order otherwise
+  // against these), forked from and joined to the caller's: a send never
+  // waits behind a receive, so a receive that needs the partner's later
+  // call (rank 0 sends and receives in one group, rank 1 receives in one
+  // call and sends in the next) does not hold this rank's sends back, as
+  // in NCCL.  A replayable program keeps one stream (no side stream joins
+  // a capture).
+  bool anySend = false, anyRecv = false;
+  for (int q = 0; q < nranks; ++q)
+    anySend |= !sendChunks[size_t(q)].empty(), anyRecv |= !recvChunks[size_t(q)].empty();
+  const bool split = !graph && anySend && anyRecv;
+  const int rs = split ? 2 : 0;  // the receives' stream
+  if (split) {
+    p.streams = 3;
+    p.events = 2;
+    b.event(StreamOpKind::RecordEvent, 0, 0);  // fork: the receives follow the caller's earlier work
+    b.event(StreamOpKind::WaitEvent, rs, 0);
   }
   // Chunk k of a pair (its k-th overall) is in chunk k % 2 of the sender's
   // region for the receiver.
@@ -762,16 +777,32 @@ StreamProgram p2pProgram(const std::vector<OpDesc>& ops, int rank, int nranks, s
       if (t >= recvChunks[size_t(q)].size()) continue;
       const Chunk& c = recvChunks[size_t(q)][t];
       const uint64_t k = st->recvd[size_t(q)]++;
-      b.wait(0, q, sentFlag, k + 1);
-      b.copy(0, ProgramRef{Space::Recv, c.buffer, c.off}, ProgramRef{Space::P2PIn, q, chunkAt(k)}, c.len);
+      if (t == 0 && gateIn[size_t(q)] != 0) {
+        // The sender's gate, just before its first chunk (which follows
+        // the sender's values on its stream: this waits for nothing more),
+        // marked in this rank's own row for the watchdog while it waits.
+        const uint64_t v = gateIn[size_t(q)];
+        b.setLocal(rank, kFlagGraphMessages, uint64_t(q) + 1);
+        b.wait(rs, q, kFlagGraphMessages, v);
+        b.wait(rs, q, kFlagGraphMessagesNot, kGraphMessagesSum - v);
+        b.setLocal(rank, kFlagGraphMessages, 0);
+        b.setLocal(q, kFlagGraphMessages, 0);
+        b.setLocal(q, kFlagGraphMessagesNot, 0);
+      }
+      b.wait(rs, q, sentFlag, k + 1);
+      b.copy(rs, ProgramRef{Space::Recv, c.buffer, c.off}, ProgramRef{Space::P2PIn, q, chunkAt(k)}, c.len);
       // The pair's last chunk of a replayable program: the sender wrote
       // its last `sent` of the call (this wait saw it), so zero it here
       // before the ack that lets the sender go on to its next call.
       if (graph && t + 1 == recvChunks[size_t(q)].size()) b.setLocal(q, sentFlag, 0);
-      b.setPeer(0, q, ackedFlag, k + 1);
+      b.setPeer(rs, q, ackedFlag, k + 1);
     }
   }
   if (p.ops.empty()) return p;
+  if (split) {
+    b.event(StreamOpKind::RecordEvent, rs, 1);  // join: the caller's later work follows the receives
+    b.event(StreamOpKind::WaitEvent, 0, 1);
+  }
   if (graph) {
     // Wait for each receiver's last ack (it copied everything out of this
     // rank's region and zeroed its copy of `sent`), then zero this rank's

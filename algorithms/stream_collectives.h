@@ -155,23 +155,24 @@ StreamProgram compileP2PProgram(const std::vector<OpDesc>& ops, int rank, int nr
 // Around it:
 //   own busy = `busy` (kGraphP2PBusy + the call's number: the watchdog's
 //     and destroy's "a replay is running here");
-//   the size gate: for each receiver, its copies of this rank's
-//     kFlagGraphMessages = v (graphP2PMessages of this rank's sends to it)
-//     and kFlagGraphMessagesNot = kGraphMessagesSum - v; then own
-//     kFlagGraphMessages = 1 (at the gates), and for each sender: wait for
-//     both of its values >= this rank's v and sum - v (both pass only if
-//     they are equal: a receive of another size stops here, before it
-//     reads anything), zero this rank's copies of them; own
-//     kFlagGraphMessages = 0.  Every rank writes its values before it
-//     waits for any, so the gates wait for nothing but the senders' start;
-//     a sender writes its next call's values only after this receiver's
-//     last ack, which follows the zeroing, so while this rank is at its
-//     gates a nonzero value that differs from its own is its sender's in
-//     this call (the watchdog names the mismatch at once);
+//   the size gate's values: for each receiver, its copies of this rank's
+//     kFlagGraphMessages = v (graphP2PMessages of this rank's messages to
+//     it) and kFlagGraphMessagesNot = kGraphMessagesSum - v, before
+//     anything waits;
 //   <the chunks, as compileP2PProgram's>, where a receiver zeroes its copy
 //     of a sender's `sent` after the pair's last chunk of the call, before
 //     its last ack (the sender wrote its last `sent` of the call: the wait
-//     for it passed);
+//     for it passed), and where, just before the wait for a sender's first
+//     chunk, it passes that sender's gate: own kFlagGraphMessages = the
+//     sender + 1 (the watchdog's "at this sender's gate"), wait for both
+//     of its values >= this rank's v and sum - v (both pass only if they
+//     are equal: a receive of another size stops here, before it reads
+//     anything), own mark = 0, zero this rank's copies of the two.  The
+//     values precede the first chunk on the sender's stream, so the gate
+//     adds no wait the chunk's own did not have; and the sender writes its
+//     next call's values only after this receiver's last ack, so while a
+//     rank is at a sender's gate a nonzero value there that differs from
+//     its own is that sender's in this same call;
 //   for each receiver: wait for its last ack, then zero this rank's copy
 //     of its `acked` (the receiver acks the next call's chunks only after
 //     this rank's next `sent`, written after this);
@@ -187,14 +188,14 @@ StreamProgram compileP2PProgram(const std::vector<OpDesc>& ops, int rank, int nr
 // count 0).
 StreamProgram compileGraphP2PProgram(const std::vector<OpDesc>& ops, int rank, int nranks, size_t regionBytes,
                                      uint64_t busy);
-// One pair's messages (their byte counts, in order; empty ones left out)
+// One pair's messages (their byte counts, in order, empty ones included)
 // as the size gate's value: bits 40..59 a hash of the counts, bits 0..39
 // their total (capped at 2^40 - 1, see graphP2PMessagesBytes); nonzero when
-// any byte moves, 0 when none does, below kGraphMessagesSum.
+// any byte moves, 0 when none does (no gate), below kGraphMessagesSum.
 uint64_t graphP2PMessages(const std::vector<uint64_t>& sizes);
 inline uint64_t graphP2PMessagesBytes(uint64_t value) { return value & ((uint64_t(1) << 40) - 1); }
 // Per peer: the byte counts of this rank's sends to it (sends true) or
-// receives from it (false) among `ops`, in order, empty ones left out.
+// receives from it (false) among `ops`, in order.
 std::vector<std::vector<uint64_t>> p2pPairSizes(const std::vector<OpDesc>& ops, int nranks, bool sends);
 // A sender's region per receiver in the graph window (two graph slots),
 // a multiple of 256 bytes; 0 when the window is too small to hold one.

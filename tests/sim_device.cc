@@ -398,7 +398,7 @@ SimDeviceWorld::SimDeviceWorld(int nranks, int gpus, size_t windowBytes, SimDevi
   }
   for (int r = 0; r < nranks; ++r)
     ranks_.push_back(
-        std::make_unique<SimRank>(*this, r, *gpus_[size_t(r % gpus)], 2, opts.seed + uint64_t(r)));
+        std::make_unique<SimRank>(*this, r, *gpus_[size_t(r % gpus)], 3, opts.seed + uint64_t(r)));
 }
 
 SimDeviceWorld::~SimDeviceWorld() { ranks_.clear(); }

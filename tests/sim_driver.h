@@ -245,7 +245,7 @@ class SimDriver final : public loom::DeviceDriver {
   loom::StreamBackend& backend(void* callerStream, int streams, int events) override {
     onDevice("backend (stream creation)");
     if (failLaunch.load()) loom::fail(loomUnhandledCudaError, "sim: cuStreamWaitValue64 failed: device lost");
-    simCheck(streams <= 2, "at most 2 side streams");
+    simCheck(streams <= 3, "at most 2 side streams");
     simCheck(events <= 8, "at most 8 events");
     loomsim::SimRank& r = world_->rank(rank_);
     const int caller = r.callerStream(callerStream);

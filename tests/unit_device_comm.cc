@@ -3763,11 +3763,14 @@ TEST_CASE("CUDA communicators on the IPC path (simulated device, through the C A
   DeviceEnv env(mem, world);
   ScopedEnv slotBytes("LOOM_DEVICE_SLOT_BYTES", "65536");  // 32 KiB chunks
   ScopedEnv timeout("LOOM_TIMEOUT_MS", "120000");         // the check must find it, not the timeout
-  // Whether the receive differs in chunks (it then waits for one that never
-  // comes) or in bytes within as many chunks (it used to copy garbage), or
-  // the counts of an all-to-allv differ (its sends and receives are these).
+  // Whether the receive differs in bytes within as many chunks (it used to
+  // copy garbage; rank 0 -> 1, whose ring messages came before), or in
+  // chunks (it then waits for one that never comes; rank 0 -> 2, not
+  // neighbours, while rank 1 -> 2 matches), or the counts of an all-to-allv
+  // differ (its sends and receives are these; rank 0 -> 2 again).
   const int mode = GENERATE(0, 1, 2);
   const bool moreChunks = mode == 1, allToAllv = mode == 2;
+  const int receiver = mode == 0 ? 1 : 2;
   INFO("receive with more chunks: " << moreChunks << ", all-to-allv: " << allToAllv);
   std::vector<loomComm_t> comms = initCudaComms(3);
   REQUIRE(comms.size() == 3);
@@ -3783,10 +3786,10 @@ TEST_CASE("CUDA communicators on the IPC path (simulated device, through the C A
   // 40 ring exchanges, two messages per pair of uneven sizes (one or several
   // chunks, an empty one now and then): every rank to the next, as one group
   // issued by this thread for all three.
-  uint64_t messages = 0;  // from rank 0 to rank 1 so far (empty ones do not count)
+  uint64_t messages = 0;  // from rank 0 to rank 1 so far (empty ones count too)
   for (int i = 0; i < 40; ++i) {
     const size_t a = size_t(i * 2311) % most, b = i % 5 ? size_t(i * 977 + 1) % most : 0;
-    messages += (a != 0) + (b != 0);
+    messages += 2;
     for (int r = 0; r < 3; ++r) memset(dst[size_t(r)], 0, 2 * most);
     REQUIRE(loomGroupStart() == loomSuccess);
     for (int r = 0; r < 3; ++r) {
@@ -3821,18 +3824,23 @@ TEST_CASE("CUDA communicators on the IPC path (simulated device, through the C A
     for (int r = 0; r < 3; ++r) {
       size_t sendcounts[3] = {sent, sent, sent}, recvcounts[3] = {sent, sent, sent};
       const size_t displs[3] = {0, 2000, 4000};
-      if (r == 1) recvcounts[0] = received;
+      if (r == receiver) recvcounts[0] = received;
       REQUIRE(loomAllToAllv(src[size_t(r)], sendcounts, displs, dst[size_t(r)], recvcounts, displs, loomUint8,
                             comms[size_t(r)], fakeStream) == loomSuccess);
     }
   } else {
-    REQUIRE(loomSend(src[0], sent, loomUint8, 1, comms[0], fakeStream) == loomSuccess);
-    REQUIRE(loomRecv(dst[1], received, loomUint8, 0, comms[1], fakeStream) == loomSuccess);
+    REQUIRE(loomSend(src[0], sent, loomUint8, receiver, comms[0], fakeStream) == loomSuccess);
+    if (receiver == 2) REQUIRE(loomSend(src[1], 500, loomUint8, 2, comms[1], fakeStream) == loomSuccess);
+    REQUIRE(loomGroupStart() == loomSuccess);
+    REQUIRE(loomRecv(dst[size_t(receiver)], received, loomUint8, 0, comms[size_t(receiver)], fakeStream) ==
+            loomSuccess);
+    if (receiver == 2) REQUIRE(loomRecv(dst[2] + most, 500, loomUint8, 1, comms[2], fakeStream) == loomSuccess);
+    REQUIRE(loomGroupEnd() == loomSuccess);
   }
   const std::string named =
-      loom::strf("message #%llu from rank 0 to rank 1 on this communicator is a send of %zu bytes on rank 0 but a "
-                 "receive of %zu bytes on rank 1",
-                 (unsigned long long)messages, sent, received);
+      loom::strf("message #%llu from rank 0 to rank %d on this communicator is a send of %zu bytes on rank 0 but a "
+                 "receive of %zu bytes on rank %d",
+                 (unsigned long long)(receiver == 1 ? messages : 0), receiver, sent, received, receiver);
   for (int r = 0; r < 3; ++r) {
     std::string last;
     CHECK(awaitAsyncError(comms[size_t(r)], &last) == loomInvalidUsage);
@@ -3840,7 +3848,7 @@ TEST_CASE("CUDA communicators on the IPC path (simulated device, through the C A
     CHECK(last.find("mismatched send/recv") != std::string::npos);
     CHECK(last.find(named) != std::string::npos);
   }
-  for (int r = 0; r < 2; ++r) {  // released
+  for (int r : {0, receiver}) {  // released
     std::string msg;
     CHECK(world.rank(r).synchronize(&msg) == loomSuccess);
   }
@@ -5446,8 +5454,10 @@ TEST_CASE("graph lane (simulated device): a captured receive of another size tha
 }
 
 TEST_CASE("graph lane (simulated device): the size gate never trips on matching replays: two captured calls of one "
-          "pair with other sizes in turn, a third rank launching its part of one of them late, exact every time",
+          "pair with other sizes in turn, one of the senders launching late, exact every time",
           "[devcomm][graph]") {
+  const int late = GENERATE(0, 2);
+  INFO("rank " << late << " launches late");
   SimCaptureProbe probe;
   loom::DeviceCommOptions opts;
   opts.graphSlotBytes = 1024;  // regions of 512 B: 3000 B take several chunks
@@ -5471,20 +5481,93 @@ TEST_CASE("graph lane (simulated device): the size gate never trips on matching 
     INFO("replay " << rep);
     for (const Message& m : first) fillRandom(m.in, m.count, m.type, rng);
     for (const Message& m : second) fillRandom(m.in, m.count, m.type, rng);
-    // Ranks 0 and 1 launch both at once; rank 2 its part of call 1 after
-    // longer than the gate's check waits: rank 1 waits at its gate for rank
-    // 2 meanwhile, and rank 0 must not get to call 2's values before it.
-    for (int r : {0, 1}) {
-      s.world.rank(r).launchGraph(cs[r], g1[size_t(r)]);
-      s.world.rank(r).launchGraph(cs[r], g2[size_t(r)]);
-    }
+    // Every rank launches both at once but the late one, after longer than
+    // the gate's check waits: rank 1 waits at a gate meanwhile (rank 0's,
+    // with rank 2's value there; or rank 2's, and rank 0 must not get to
+    // call 2's values before it).
+    for (int r : {0, 1, 2})
+      if (r != late) {
+        s.world.rank(r).launchGraph(cs[r], g1[size_t(r)]);
+        s.world.rank(r).launchGraph(cs[r], g2[size_t(r)]);
+      }
     std::this_thread::sleep_for(std::chrono::milliseconds(150));
-    s.world.rank(2).launchGraph(cs[2], g1[2]);
+    s.world.rank(late).launchGraph(cs[late], g1[size_t(late)]);
+    s.world.rank(late).launchGraph(cs[late], g2[size_t(late)]);
     const std::string problems = syncAll(s);
     INFO(problems);
     REQUIRE(problems.empty());
     CHECK(wrongMessages(first) == 0);
     CHECK(wrongMessages(second) == 0);
+    CHECK(graphFlagsLeft(s) == "");
+    for (int r = 0; r < 3; ++r) CHECK_FALSE(s.comms[size_t(r)]->failed());
+  }
+}
+
+TEST_CASE("send/recv that need a partner's later call (simulated device): rank 0 sends and receives in one group "
+          "while rank 1 receives in one call and sends in the next, or a chain of three such, eager with messages "
+          "of several chunks and captured with one chunk each, exact every time",
+          "[devcomm][graph]") {
+  SimCaptureProbe probe;
+  const bool chain = GENERATE(false, true);
+  const bool captured = GENERATE(false, true);
+  INFO((chain ? "a chain of three" : "two ranks") << (captured ? ", captured" : ", eager"));
+  loom::DeviceCommOptions opts;
+  opts.slotBytes = 1024;       // eager chunks of 512 B
+  opts.graphSlotBytes = 1024;  // captured regions of 512 B, chunks of 256 B
+  opts.timeoutMs = 20000;
+  SimComms s(3, 1, opts);
+  for (const std::string& e : s.initErrors) REQUIRE(e.empty());
+  CaptureStreams cs(s.world);
+  std::mt19937_64 rng(91);
+  // calls[r][c]: rank r's call c.  A message from -> to: the sender's op in
+  // its call sc, the receiver's in its call rc.
+  std::vector<std::vector<std::vector<P2POp>>> calls(3, std::vector<std::vector<P2POp>>(2));
+  std::vector<Message> all;
+  auto message = [&](int from, int sc, int to, int rc, size_t n) {
+    std::vector<std::vector<P2POp>> g(3);
+    addMessage(s, rng, from, to, n, loomUint8, &g, &all);
+    calls[size_t(from)][size_t(sc)].push_back(g[size_t(from)][0]);
+    calls[size_t(to)][size_t(rc)].push_back(g[size_t(to)][0]);
+  };
+  // Captured programs run on one stream, so there a send of several chunks
+  // would wait behind its group's receive (not yet served: docs/design.md).
+  const size_t big = captured ? 250 : 1500, mid = captured ? 200 : 700;
+  message(0, 0, 1, 0, big);  // rank 0: {send to 1, receive from 1 (or 2)}
+  if (!chain) {
+    message(1, 1, 0, 0, 100);  // rank 1: {receive from 0}, then {send to 0}
+  } else {
+    message(1, 1, 2, 0, mid);  // rank 1: {receive from 0}, then {send to 2}
+    message(2, 1, 0, 0, 100);  // rank 2: {receive from 1}, then {send to 0}
+  }
+  auto issueAll = [&](int r, void* st) {
+    for (const std::vector<P2POp>& call : calls[size_t(r)])
+      if (!call.empty()) runGroup(s, r, call, st);
+  };
+  std::vector<loomsim::SimGraph> g;
+  if (captured) g = captureAll(s.world, cs, issueAll);
+  for (int rep = 0; rep < 4; ++rep) {
+    INFO("run " << rep);
+    for (const Message& m : all) fillRandom(m.in, m.count, m.type, rng);
+    if (captured) {
+      launchAll(s.world, cs, g);
+    } else {  // each rank from its own thread, its calls one after the other (each blocks)
+      std::vector<std::string> errors(3);
+      std::vector<std::thread> ts;
+      for (int r = 0; r < 3; ++r)
+        ts.emplace_back([&, r] {
+          try {
+            issueAll(r, nullptr);
+          } catch (const loom::Error& e) {
+            errors[size_t(r)] = e.what();
+          }
+        });
+      for (auto& t : ts) t.join();
+      for (const std::string& e : errors) CHECK(e.empty());
+    }
+    const std::string problems = syncAll(s);
+    INFO(problems);
+    REQUIRE(problems.empty());
+    CHECK(wrongMessages(all) == 0);
     CHECK(graphFlagsLeft(s) == "");
     for (int r = 0; r < 3; ++r) CHECK_FALSE(s.comms[size_t(r)]->failed());
   }

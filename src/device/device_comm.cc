@@ -1011,20 +1011,22 @@ int64_t DeviceComm::checkGraphProgress(int64_t now) {
                        r);
       return 1;
     }
-  // A captured send/recv at its size gates with a sender's value there
-  // that differs from its own: a receive of another size (the gate holds
-  // it before it reads anything).  Only once the flags have been still for
-  // a while, so that the rows read are one moment's.
-  if (p2p && still >= kGraphMismatchMs && at(rank_, kFlagGraphMessages) == 1) {
+  // A captured send/recv at a sender's size gate with that sender's value
+  // there differing from its own: a receive of another size (the gate
+  // holds it before it reads anything).  Only once the flags have been
+  // still for a while, so that the rows read are one moment's.
+  const uint64_t gate = at(rank_, kFlagGraphMessages);  // the sender + 1 while at its gate
+  if (p2p && still >= kGraphMismatchMs && gate >= 1 && gate <= uint64_t(nranks_)) {
     GraphP2PCall call;
     {
       std::lock_guard<std::mutex> g(mu_);
       auto it = graphP2P_.find(mine);
       if (it != graphP2P_.end()) call = it->second;
     }
-    for (int q = 0; q < nranks_ && size_t(q) < call.recvMessages.size(); ++q) {
-      const uint64_t theirs = at(q, kFlagGraphMessages), expect = call.recvMessages[size_t(q)];
-      if (q == rank_ || expect == 0 || theirs == 0 || theirs == expect || theirs >= kGraphMessagesSum) continue;
+    const int q = int(gate - 1);
+    const uint64_t theirs = at(q, kFlagGraphMessages);
+    const uint64_t expect = size_t(q) < call.recvMessages.size() ? call.recvMessages[size_t(q)] : 0;
+    if (q != rank_ && expect != 0 && theirs != 0 && theirs != expect && theirs < kGraphMessagesSum) {
       const std::vector<uint64_t>& sizes = call.recvSizes[size_t(q)];
       uint64_t total = 0;
       for (uint64_t v : sizes) total += v;
@@ -2046,11 +2048,10 @@ std::unique_ptr<SteppedRun> DeviceComm::beginRunP2P(const std::vector<OpDesc>& o
   try {
     p2p_ = counters;  // the peers count these chunks whatever happens here
     // The mismatch check: each message's size, in the order the program
-    // moves them (an empty one moves nothing and matches nothing).
+    // moves them (an empty one too: the host path numbers it alike).
     if (p2pCheck_)
       for (const OpDesc& op : ops) {
         const uint64_t bytes = op.count * dtypeSize(op.dtype);
-        if (bytes == 0) continue;
         if (op.isSend)
           p2pCheck_->recordSend(op.peer, bytes);
         else

@@ -68,8 +68,9 @@ enum FlagIndex : uint8_t {
   // The graph lane's size gate (compileGraphP2PProgram): per pair, the
   // sender's messages to the reader as one value (graphP2PMessages) and
   // kGraphMessagesSum minus it; in the owner's own row of its own area,
-  // which no peer writes, kFlagGraphMessages is 1 while its program waits
-  // at its gates (the watchdog's "a mismatch here is this call's").
+  // which no peer writes, kFlagGraphMessages is sender + 1 while its
+  // program waits at that sender's gate (the watchdog's "a value of that
+  // sender's here is this call's").
   kFlagGraphMessages = 8,
   kFlagGraphMessagesNot = 9,
   kFlagCount = 10,
