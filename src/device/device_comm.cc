@@ -708,9 +708,13 @@ void DeviceComm::finishSignatures() {
   if (!mismatch.empty()) {
     failFromWatchdog(loomInvalidUsage, mismatch, -1);
     release();  // the watchdog is gone: release this rank's waits here
-  } else if (sigs_->unchecked() > 0) {
-    LOOM_INFO("DEVICE", "rank %d: the last %zu collectives were not compared with rank %d's before destroy",
-              rank_, sigs_->unchecked(), (rank_ + nranks_ - 1) % nranks_);
+  } else {
+    if (sigs_->unchecked() > 0)
+      LOOM_INFO("DEVICE", "rank %d: the last %zu collectives were not compared with rank %d's before destroy",
+                rank_, sigs_->unchecked(), (rank_ + nranks_ - 1) % nranks_);
+    if (p2pCheck_->unchecked() > 0)
+      LOOM_INFO("DEVICE", "rank %d: %zu receives were not compared with their senders' sizes before destroy",
+                rank_, p2pCheck_->unchecked());
   }
 }
 
