@@ -1565,9 +1565,10 @@ std::unique_ptr<SteppedRun> DeviceComm::beginGraphRunP2P(const std::vector<OpDes
                    !sends.empty() && !recvs.empty() ? "; " : "", recvs.empty() ? "" : "receives from ",
                    recvs.c_str());
   call.recvSizes = p2pPairSizes(ops, nranks_, false);
+  const std::vector<std::vector<uint64_t>> sendSizes = p2pPairSizes(ops, nranks_, true);
   for (int q = 0; q < nranks_; ++q) {
     call.recvMessages.push_back(q == rank_ ? 0 : graphP2PMessages(call.recvSizes[size_t(q)]));
-    call.sendMessages.push_back(q == rank_ ? 0 : graphP2PMessages(p2pPairSizes(ops, nranks_, true)[size_t(q)]));
+    call.sendMessages.push_back(q == rank_ ? 0 : graphP2PMessages(sendSizes[size_t(q)]));
   }
   // One mark per distinct call (captured again, the same mark: the map stays small).
   uint64_t busy = kGraphP2PBusy + 1 + graphP2P_.size();
