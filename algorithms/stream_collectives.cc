@@ -95,10 +95,11 @@ class Builder {
     for (int r = 0; r < p_.nranks; ++r)
       if (r != p_.rank) wait(s, r, f, v);
   }
-  // This rank's own copy of rank r's flag f (stream 0).
-  void setLocal(int r, uint8_t f, uint64_t v) {
+  // This rank's own copy of rank r's flag f, on stream s.
+  void setLocal(int s, int r, uint8_t f, uint64_t v) {
     StreamOp o;
     o.kind = StreamOpKind::SetLocal;
+    o.stream = uint8_t(s);
     o.flagRank = r;
     o.flag = f;
     o.value = v;
@@ -598,8 +599,8 @@ StreamProgram makeReplayable(StreamProgram p, uint64_t sig) {
   // busy is still 0): zeroed at that call's end, before its busy went to
   // 0, it would let the watchdog see "before reset" with the old call's
   // signature while a peer already wrote its next call's.
-  b.setLocal(p.rank, kFlagGraphReset, 0);
-  b.setLocal(p.rank, kFlagGraphBusy, sig);
+  b.setLocal(0, p.rank, kFlagGraphReset, 0);
+  b.setLocal(0, p.rank, kFlagGraphBusy, sig);
   for (int r = 0; r < p.nranks; ++r)
     if (r != p.rank) b.setPeer(0, r, FlagIndex(kFlagGraphSig), sig);
   b.waitOthers(0, FlagIndex(kFlagGraphSig), sig);
@@ -625,18 +626,18 @@ StreamProgram makeReplayable(StreamProgram p, uint64_t sig) {
   b.waitOthers(0, FlagIndex(kFlagGraphEnd), 1);
   for (int r = 0; r < p.nranks; ++r) {
     for (uint8_t f : {uint8_t(kFlagInput), uint8_t(kFlagReduced), uint8_t(kFlagDone), kFlagGraphEnd})
-      b.setLocal(r, f, 0);
-    if (r != p.rank) b.setLocal(r, kFlagGraphSig, 0);
+      b.setLocal(0, r, f, 0);
+    if (r != p.rank) b.setLocal(0, r, kFlagGraphSig, 0);
   }
   // Its own copy first (SetFlag writes it last): the watchdog, which
   // compares signatures only before this rank's reset, must see it before
   // any peer can start its next call and write that call's signature here.
-  b.setLocal(p.rank, kFlagGraphReset, 1);
+  b.setLocal(0, p.rank, kFlagGraphReset, 1);
   b.set(0, FlagIndex(kFlagGraphReset), 1);
   b.waitOthers(0, FlagIndex(kFlagGraphReset), 1);
   for (int r = 0; r < p.nranks; ++r)
-    if (r != p.rank) b.setLocal(r, kFlagGraphReset, 0);
-  b.setLocal(p.rank, kFlagGraphBusy, 0);
+    if (r != p.rank) b.setLocal(0, r, kFlagGraphReset, 0);
+  b.setLocal(0, p.rank, kFlagGraphBusy, 0);
   return out;
 }
 
@@ -714,7 +715,7 @@ StreamProgram p2pProgram(const std::vector<OpDesc>& ops, int rank, int nranks, s
   // byte moves (no gate).
   std::vector<uint64_t> gateOut(size_t(nranks), 0), gateIn(size_t(nranks), 0);
   if (graph && most > 0) {
-    b.setLocal(rank, kFlagGraphBusy, busy);
+    b.setLocal(0, rank, kFlagGraphBusy, busy);
     const std::vector<std::vector<uint64_t>> outSizes = p2pPairSizes(ops, nranks, true);
     const std::vector<std::vector<uint64_t>> inSizes = p2pPairSizes(ops, nranks, false);
     for (int q = 0; q < nranks; ++q)
@@ -731,19 +732,20 @@ StreamProgram p2pProgram(const std::vector<OpDesc>& ops, int rank, int nranks, s
       b.setPeer(0, q, kFlagGraphMessagesNot, kGraphMessagesSum - v);
     }
   }
-  // Eager sends and receives run on two streams, sends on the caller's,
+  // Sends and receives run on two streams, sends on the caller's,
   // receives on a side stream of their own (stream 2: never the
   // collectives' stream 1, whose programs other ranks may order otherwise
   // against these), forked from and joined to the caller's: a send never
   // waits behind a receive, so a receive that needs the partner's later
   // call (rank 0 sends and receives in one group, rank 1 receives in one
   // call and sends in the next) does not hold this rank's sends back, as
-  // in NCCL.  A replayable program keeps one stream (no side stream joins
-  // a capture).
+  // in NCCL.  Replayable programs too: their side stream joins the
+  // capture (DeviceDriver::captureBackend gives them streams no eager
+  // call uses).
   bool anySend = false, anyRecv = false;
   for (int q = 0; q < nranks; ++q)
     anySend |= !sendChunks[size_t(q)].empty(), anyRecv |= !recvChunks[size_t(q)].empty();
-  const bool split = !graph && anySend && anyRecv;
+  const bool split = anySend && anyRecv;
   const int rs = split ? 2 : 0;  // the receives' stream
   if (split) {
     p.streams = 3;
@@ -782,19 +784,19 @@ StreamProgram p2pProgram(const std::vector<OpDesc>& ops, int rank, int nranks, s
         // the sender's values on its stream: this waits for nothing more),
         // marked in this rank's own row for the watchdog while it waits.
         const uint64_t v = gateIn[size_t(q)];
-        b.setLocal(rank, kFlagGraphMessages, uint64_t(q) + 1);
+        b.setLocal(rs, rank, kFlagGraphMessages, uint64_t(q) + 1);
         b.wait(rs, q, kFlagGraphMessages, v);
         b.wait(rs, q, kFlagGraphMessagesNot, kGraphMessagesSum - v);
-        b.setLocal(rank, kFlagGraphMessages, 0);
-        b.setLocal(q, kFlagGraphMessages, 0);
-        b.setLocal(q, kFlagGraphMessagesNot, 0);
+        b.setLocal(rs, rank, kFlagGraphMessages, 0);
+        b.setLocal(rs, q, kFlagGraphMessages, 0);
+        b.setLocal(rs, q, kFlagGraphMessagesNot, 0);
       }
       b.wait(rs, q, sentFlag, k + 1);
       b.copy(rs, ProgramRef{Space::Recv, c.buffer, c.off}, ProgramRef{Space::P2PIn, q, chunkAt(k)}, c.len);
       // The pair's last chunk of a replayable program: the sender wrote
       // its last `sent` of the call (this wait saw it), so zero it here
       // before the ack that lets the sender go on to its next call.
-      if (graph && t + 1 == recvChunks[size_t(q)].size()) b.setLocal(q, sentFlag, 0);
+      if (graph && t + 1 == recvChunks[size_t(q)].size()) b.setLocal(rs, q, sentFlag, 0);
       b.setPeer(rs, q, ackedFlag, k + 1);
     }
   }
@@ -811,9 +813,9 @@ StreamProgram p2pProgram(const std::vector<OpDesc>& ops, int rank, int nranks, s
     for (int q = 0; q < nranks; ++q)
       if (!sendChunks[size_t(q)].empty()) {
         b.wait(0, q, ackedFlag, sendChunks[size_t(q)].size());
-        b.setLocal(q, ackedFlag, 0);
+        b.setLocal(0, q, ackedFlag, 0);
       }
-    b.setLocal(rank, kFlagGraphBusy, 0);
+    b.setLocal(0, rank, kFlagGraphBusy, 0);
     return p;
   }
   // Done: the watchdog, destroy and the reaper tell finished programs by it.

@@ -35,12 +35,42 @@ SimStream::~SimStream() {
   thread_.join();
 }
 
+// A capture in progress: the lanes of the streams in it (lane 0 the one
+// that began it), the event records seen (graph nodes), and per lane
+// whether its last task is a record (the node; -1: not) and which nodes
+// it waits for (endCapture's "every lane is joined back").
+class SimCapture {
+ public:
+  std::mutex mu;
+  std::vector<std::vector<SimGraphTask>> lanes;
+  std::vector<SimStream*> streams;
+  std::vector<long> lastRecord;
+  std::vector<std::vector<size_t>> waits;
+  size_t nodes = 0;
+  std::vector<std::function<void()>> holds;
+  bool ended = false;  // endCapture took the lanes
+  int addLane(SimStream* s) {
+    lanes.emplace_back();
+    streams.push_back(s);
+    lastRecord.push_back(-1);
+    waits.emplace_back();
+    return int(lanes.size()) - 1;
+  }
+  void add(int lane, SimGraphTask t) {
+    lanes[size_t(lane)].push_back(std::move(t));
+    lastRecord[size_t(lane)] = -1;
+  }
+};
+
 void SimStream::enqueue(std::function<void()> fn, bool usesGpu) {
   {
     std::unique_lock<std::mutex> g(mu_);
-    if (capturing_) {
-      captured_.emplace_back(std::move(fn), usesGpu);
-      return;
+    if (capture_) {
+      std::lock_guard<std::mutex> cg(capture_->mu);
+      if (!capture_->ended) {
+        capture_->add(lane_, SimGraphTask{[fn = std::move(fn)](SimLaunch&) { fn(); }, usesGpu});
+        return;
+      }
     }
     const SimDeviceOptions& o = rank_.world_.options();
     auto room = [&] { return stop_ || queue_.size() < o.queueDepth; };
@@ -54,35 +84,21 @@ void SimStream::enqueue(std::function<void()> fn, bool usesGpu) {
   cv_.notify_all();
 }
 
-void SimStream::beginCapture() {
+std::shared_ptr<SimCapture> SimStream::capture(int* lane) const {
   std::lock_guard<std::mutex> g(mu_);
-  if (capturing_) loom::fail(loomInternalError, "sim: a stream captured twice at once");
-  capturing_ = true;
-  captured_.clear();
+  if (lane) *lane = lane_;
+  return capture_;
 }
 
-SimGraph SimStream::endCapture() {
+void SimStream::setCapture(std::shared_ptr<SimCapture> c, int lane) {
   std::lock_guard<std::mutex> g(mu_);
-  if (!capturing_) loom::fail(loomInternalError, "sim: end of a capture never begun");
-  capturing_ = false;
-  auto graph = std::make_shared<SimGraphData>();
-  graph->tasks = std::move(captured_);
-  graph->holds = std::move(holds_);
-  captured_.clear();
-  holds_.clear();
-  return graph;
+  capture_ = std::move(c);
+  lane_ = lane;
 }
 
-bool SimStream::holdInCapture(std::function<void()> release) {
+bool SimStream::idle() const {
   std::lock_guard<std::mutex> g(mu_);
-  if (!capturing_) return false;
-  holds_.push_back(std::move(release));
-  return true;
-}
-
-bool SimStream::capturing() const {
-  std::lock_guard<std::mutex> g(mu_);
-  return capturing_;
+  return queue_.empty() && !busy_;
 }
 
 namespace {
@@ -98,7 +114,13 @@ int simStreamCapturing(void* key) {
 void SimRank::beginCapture(const void* key) {
   const int s = callerStream(key);
   if (s == 0) loom::fail(loomInternalError, "sim: capture on a stream that is no added caller stream");
-  stream(s).beginCapture();
+  SimStream& st = stream(s);
+  if (st.capture(nullptr))
+    loom::fail(loomInternalError, "sim: cudaStreamBeginCapture on a stream already in a capture "
+               "(cudaErrorIllegalState)");
+  auto c = std::make_shared<SimCapture>();
+  c->addLane(&st);
+  st.setCapture(c, 0);
   std::lock_guard<std::mutex> g(g_captureMu);
   g_capturing.push_back(key);
 }
@@ -108,12 +130,66 @@ SimGraph SimRank::endCapture(const void* key) {
     std::lock_guard<std::mutex> g(g_captureMu);
     g_capturing.erase(std::remove(g_capturing.begin(), g_capturing.end(), key), g_capturing.end());
   }
-  return stream(callerStream(key)).endCapture();
+  SimStream& st = stream(callerStream(key));
+  int lane = 0;
+  std::shared_ptr<SimCapture> c = st.capture(&lane);
+  if (!c) loom::fail(loomInternalError, "sim: end of a capture never begun");
+  if (lane != 0)
+    loom::fail(loomInternalError, "sim: cudaStreamEndCapture on a stream that joined a capture rather than began "
+               "it (cudaErrorStreamCaptureUnmatched)");
+  auto graph = std::make_shared<SimGraphData>();
+  std::vector<SimStream*> streams;
+  bool unjoined = false;
+  {
+    std::lock_guard<std::mutex> g(c->mu);
+    // Every joined lane must end in a record that lane 0, or a lane joined
+    // back so, waits for (cudaErrorStreamCaptureUnjoined otherwise).
+    const size_t n = c->lanes.size();
+    std::vector<bool> joined(n, false);
+    joined[0] = true;
+    for (bool more = true; more;) {
+      more = false;
+      for (size_t i = 1; i < n; ++i) {
+        if (joined[i] || c->lastRecord[i] < 0) continue;
+        for (size_t j = 0; j < n && !joined[i]; ++j)
+          if (joined[j] && std::count(c->waits[j].begin(), c->waits[j].end(), size_t(c->lastRecord[i])))
+            joined[i] = more = true;
+      }
+    }
+    unjoined = std::count(joined.begin(), joined.end(), false) > 0;
+    graph->lanes = std::move(c->lanes);
+    graph->nodes = c->nodes;
+    graph->holds = std::move(c->holds);
+    c->ended = true;
+    streams = c->streams;
+  }
+  // Outside the capture's lock (an enqueue takes a stream's, then it).
+  for (SimStream* s : streams) s->setCapture(nullptr, 0);
+  if (unjoined)  // the capture ends all the same (CUDA invalidates it)
+    loom::fail(loomInternalError, "sim: cudaStreamEndCapture while a stream that joined the capture has work not "
+               "joined back into the capturing stream (cudaErrorStreamCaptureUnjoined)");
+  return graph;
 }
 
 void SimRank::launchGraph(const void* key, const SimGraph& graph) {
   SimStream& st = stream(callerStream(key));
-  for (const SimTask& t : graph->tasks) st.enqueue(t.first, t.second);
+  auto launch = std::make_shared<SimLaunch>(graph->nodes);
+  std::vector<SimStream*> lanes{&st};
+  {
+    // Lanes 1.. on idle replay streams (new ones when too few): as CUDA
+    // runs a graph's branches concurrently, never behind another launch.
+    std::lock_guard<std::mutex> g(replayMu_);
+    for (auto& r : replay_)
+      if (lanes.size() < graph->lanes.size() && r->idle()) lanes.push_back(r.get());
+    while (lanes.size() < graph->lanes.size()) {
+      replay_.push_back(std::make_unique<SimStream>(*this, gpu_, seed_ * 7777u + replay_.size() * 131u + 3));
+      lanes.push_back(replay_.back().get());
+    }
+    for (size_t i = graph->lanes.size(); i-- > 1;)
+      for (const SimGraphTask& t : graph->lanes[i]) lanes[i]->enqueue([launch, f = t.fn] { f(*launch); }, t.usesGpu);
+  }
+  if (!graph->lanes.empty())
+    for (const SimGraphTask& t : graph->lanes[0]) st.enqueue([launch, f = t.fn] { f(*launch); }, t.usesGpu);
   // As CUDA, a graph launched is kept until the launch has run: its holds
   // go only after the last launch's work.
   st.enqueue([graph] {}, false);
@@ -121,8 +197,15 @@ void SimRank::launchGraph(const void* key, const SimGraph& graph) {
 
 bool SimRank::holdInCapture(const void* key, std::function<void()> release) {
   const int s = callerStream(key);
-  return s != 0 && stream(s).holdInCapture(std::move(release));
+  if (s == 0) return false;
+  std::shared_ptr<SimCapture> c = stream(s).capture(nullptr);
+  if (!c) return false;
+  std::lock_guard<std::mutex> g(c->mu);
+  c->holds.push_back(std::move(release));
+  return true;
 }
+
+uint64_t SimRank::captureOf(int s) { return uint64_t(uintptr_t(stream(s).capture(nullptr).get())); }
 
 void SimStream::drain() {
   std::unique_lock<std::mutex> g(mu_);
@@ -167,13 +250,16 @@ void SimStream::loop() {
 }
 
 SimRank::SimRank(SimDeviceWorld& world, int rank, SimGpu& gpu, int streams, uint64_t seed)
-    : world_(world), rank_(rank), gpu_(gpu), seed_(seed) {
-  for (int s = 0; s < streams; ++s)
+    : world_(world), rank_(rank), gpu_(gpu), seed_(seed), baseStreams_(streams) {
+  for (int s = 0; s < streams + kCaptureSideStreams; ++s)
     streams_.push_back(std::make_unique<SimStream>(*this, gpu, seed * 1000003u + uint64_t(s) * 7919u + 1));
   for (int e = 0; e < 8; ++e) events_.push_back(std::make_unique<Event>());
 }
 
-SimRank::~SimRank() { streams_.clear(); }
+SimRank::~SimRank() {
+  replay_.clear();
+  streams_.clear();
+}
 
 SimStream& SimRank::stream(int s) {
   if (s < 0 || size_t(s) >= streams_.size())
@@ -206,6 +292,10 @@ std::string SimRank::failure() const {
 
 loomResult_t SimRank::synchronize(std::string* msg) {
   for (auto& s : streams_) s->drain();
+  {
+    std::lock_guard<std::mutex> g(replayMu_);
+    for (auto& s : replay_) s->drain();
+  }
   if (world_.dead(rank_)) {
     if (msg) *msg = loom::strf("rank %d was killed", rank_);
     return loomRemoteError;
@@ -350,6 +440,24 @@ void SimRank::divide(int s, void* dst, const void* src, size_t count, loomDataTy
 
 void SimRank::recordEvent(int s, int e) {
   Event& ev = event(e);
+  int lane = 0;
+  std::shared_ptr<SimCapture> c = stream(s).capture(&lane);
+  std::lock_guard<std::mutex> eg(eventMu_);
+  if (c) {  // a node of the graph: each launch completes its own
+    std::lock_guard<std::mutex> g(c->mu);
+    if (c->ended) loom::fail(loomInternalError, "sim: an event recorded on a stream whose capture just ended");
+    const size_t node = c->nodes++;
+    c->add(lane, SimGraphTask{[this, node](SimLaunch& l) {
+                                l.done[node].store(true, std::memory_order_release);
+                                world_.notify();
+                              },
+                              false});
+    c->lastRecord[size_t(lane)] = long(node);
+    ev.capture = c;
+    ev.node = node;
+    return;
+  }
+  ev.capture.reset();
   uint64_t gen = ++ev.recorded;
   stream(s).enqueue(
       [this, &ev, gen] {
@@ -359,8 +467,50 @@ void SimRank::recordEvent(int s, int e) {
       false);
 }
 
+void SimRank::waitNode(int s, const std::shared_ptr<SimCapture>& c, size_t node, const char* what) {
+  SimStream& st = stream(s);
+  int lane = 0;
+  std::shared_ptr<SimCapture> mine = st.capture(&lane);
+  if (mine && mine != c)
+    loom::fail(loomInternalError, "sim: a stream in one capture waits for %s of another "
+               "(cudaErrorStreamCaptureIsolation)", what);
+  std::lock_guard<std::mutex> g(c->mu);
+  if (c->ended) loom::fail(loomInternalError, "sim: a wait for %s recorded in a capture that has ended", what);
+  if (!mine) {  // the fork: the stream joins the capture, in a lane of its own
+    lane = c->addLane(&st);
+    st.setCapture(c, lane);
+  }
+  c->add(lane, SimGraphTask{[this, node](SimLaunch& l) {
+                              await([&] { return l.done[node].load(std::memory_order_acquire); }, rank_,
+                                    "an event of its graph");
+                            },
+                            false});
+  c->waits[size_t(lane)].push_back(node);
+}
+
 void SimRank::joinStream(int waiter, int waited) {
   if (waiter == waited) return;
+  int lane = 0;
+  std::shared_ptr<SimCapture> c = stream(waited).capture(&lane);
+  if (c) {  // as an event recorded there and waited for here
+    size_t node = 0;
+    {
+      std::lock_guard<std::mutex> g(c->mu);
+      if (c->ended) loom::fail(loomInternalError, "sim: a join of a stream whose capture just ended");
+      node = c->nodes++;
+      c->add(lane, SimGraphTask{[this, node](SimLaunch& l) {
+                                  l.done[node].store(true, std::memory_order_release);
+                                  world_.notify();
+                                },
+                                false});
+      c->lastRecord[size_t(lane)] = long(node);
+    }
+    waitNode(waiter, c, node, "another stream's work");
+    return;
+  }
+  if (stream(waiter).capture(nullptr))
+    loom::fail(loomInternalError, "sim: a stream in a capture waits for a stream outside it "
+               "(cudaErrorStreamCaptureIsolation)");
   auto done = std::make_shared<std::atomic<bool>>(false);
   stream(waited).enqueue(
       [this, done] {
@@ -375,7 +525,22 @@ void SimRank::joinStream(int waiter, int waited) {
 
 void SimRank::waitEvent(int s, int e) {
   Event& ev = event(e);
-  uint64_t gen = ev.recorded;
+  std::shared_ptr<SimCapture> c;
+  size_t node = 0;
+  uint64_t gen = 0;
+  {
+    std::lock_guard<std::mutex> eg(eventMu_);
+    c = ev.capture;
+    node = ev.node;
+    gen = ev.recorded;
+  }
+  if (c) {
+    waitNode(s, c, node, "an event");
+    return;
+  }
+  if (stream(s).capture(nullptr))
+    loom::fail(loomInternalError, "sim: a stream in a capture waits for an event recorded outside it "
+               "(cudaErrorStreamCaptureIsolation)");
   stream(s).enqueue(
       [this, &ev, gen] {
         await([&] { return ev.completed.load(std::memory_order_acquire) >= gen; }, rank_, "an event");

@@ -74,12 +74,29 @@ class SimRank;
 // What a stream holds: work to run in order (usesGpu: a kernel or a copy,
 // which holds the device; else a wait).
 using SimTask = std::pair<std::function<void()>, bool>;
-// A captured CUDA graph: the tasks enqueued on a stream while it was
-// captured, with every value they were given then (a replay repeats them),
-// and what the capture asked it to hold (CUDA's user objects): released
-// when the last reference to the graph goes.
+// What one launch of a captured graph runs with: per event record the
+// capture saw (a node of the graph), whether this launch has run it.
+struct SimLaunch {
+  explicit SimLaunch(size_t nodes) : done(new std::atomic<bool>[nodes ? nodes : 1]) {
+    for (size_t i = 0; i < (nodes ? nodes : 1); ++i) done[i].store(false);
+  }
+  std::unique_ptr<std::atomic<bool>[]> done;
+};
+// A task of a captured graph: run with the launch it is part of.
+struct SimGraphTask {
+  std::function<void(SimLaunch&)> fn;
+  bool usesGpu = false;
+};
+// A captured CUDA graph.  Lane 0 holds the tasks enqueued on the stream
+// that began the capture, lane i > 0 those of the i-th stream that joined
+// it (a stream joins by waiting for an event recorded in the capture, as
+// CUDA's fork does), each with every value it was given then (a replay
+// repeats them).  Event records and waits between lanes are graph nodes
+// and edges (SimLaunch).  `holds`: what the capture asked the graph to
+// keep (CUDA's user objects), released when the last reference goes.
 struct SimGraphData {
-  std::vector<SimTask> tasks;
+  std::vector<std::vector<SimGraphTask>> lanes;
+  size_t nodes = 0;
   std::vector<std::function<void()>> holds;
   SimGraphData() = default;
   SimGraphData(const SimGraphData&) = delete;
@@ -87,8 +104,14 @@ struct SimGraphData {
   ~SimGraphData() {
     for (auto& h : holds) h();
   }
+  bool empty() const {
+    for (const auto& l : lanes)
+      if (!l.empty()) return false;
+    return true;
+  }
 };
 using SimGraph = std::shared_ptr<const SimGraphData>;
+class SimCapture;  // sim_device.cc: a capture in progress
 
 class SimStream {
  public:
@@ -96,17 +119,15 @@ class SimStream {
   ~SimStream();
   // fn runs in stream order; a loom::Error it throws fails the rank.  With
   // usesGpu it holds the device (a kernel or a copy), else it is a wait.
-  // While the stream is captured, fn is recorded instead (run by launches).
+  // While the stream is in a capture, fn becomes a task of its lane there
+  // instead (run by launches).
   void enqueue(std::function<void()> fn, bool usesGpu);
-  // cudaStreamBeginCapture / cudaStreamEndCapture: what is enqueued in
-  // between runs nothing now and becomes the graph.
-  void beginCapture();
-  SimGraph endCapture();
-  bool capturing() const;
-  // The graph being captured holds `release` (false: no capture).
-  bool holdInCapture(std::function<void()> release);
+  // The capture the stream is in (null: none) and its lane there.
+  std::shared_ptr<SimCapture> capture(int* lane) const;
+  void setCapture(std::shared_ptr<SimCapture> c, int lane);
   // Returns once everything enqueued so far has run or been skipped.
   void drain();
+  bool idle() const;  // nothing enqueued is left to run
 
  private:
   void loop();
@@ -116,9 +137,8 @@ class SimStream {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<SimTask> queue_;
-  bool capturing_ = false;
-  std::vector<SimTask> captured_;
-  std::vector<std::function<void()>> holds_;
+  std::shared_ptr<SimCapture> capture_;
+  int lane_ = 0;
   bool busy_ = false;
   bool stop_ = false;
   std::thread thread_;
@@ -154,11 +174,24 @@ class SimRank final : public loom::StreamBackend {
   // (while it lasts, setCudaCaptureProbeForTesting(simStreamCapturing)
   // says the handle is being captured, so loom's calls on it take the
   // graph lane), and enqueue a captured graph's tasks on it, as
-  // cudaGraphLaunch does.  Captured programs use no events (the graph
-  // lane's are one stream), so a replay repeats nothing host-side.
+  // cudaGraphLaunch does: lane 0 on that stream, the other lanes on
+  // replay streams of their own (idle ones, or new), each launch with
+  // events of its own.  As CUDA: a stream joins a capture when it waits
+  // for an event recorded in it (recordEvent/waitEvent, joinStream), stays
+  // in it until the capture ends, and can be in one only; a wait that
+  // crosses a capture's boundary, and an end while a joined stream's last
+  // work is not joined back into lane 0, fail (loomInternalError, naming
+  // CUDA's error).
   void beginCapture(const void* key);
   SimGraph endCapture(const void* key);
   void launchGraph(const void* key, const SimGraph& graph);
+  // Streams for captured programs' side streams, none of them a caller's
+  // or an eager program's: index i (0 <= i < kCaptureSideStreams) of them
+  // is stream captureSideStream(i).  captureOf(s): an id of the capture
+  // stream s is in, 0 for none.
+  static constexpr int kCaptureSideStreams = 4;
+  int captureSideStream(int i) const { return baseStreams_ + i; }
+  uint64_t captureOf(int s);
   // cudaGraphRetainUserObject on the graph being captured on the caller
   // stream `key`: `release` runs when that graph goes (false, nothing
   // held: the stream is not being captured).
@@ -192,7 +225,13 @@ class SimRank final : public loom::StreamBackend {
   struct Event {
     uint64_t recorded = 0;  // records enqueued (host side)
     std::atomic<uint64_t> completed{0};
+    // Its last record was node `node` of a capture (still running): a wait
+    // for it joins that capture.
+    std::shared_ptr<SimCapture> capture;
+    size_t node = 0;
   };
+  // Stream s waits for node `node` of capture c (joining it when in none).
+  void waitNode(int s, const std::shared_ptr<SimCapture>& c, size_t node, const char* what);
   SimStream& stream(int s);
   Event& event(int e);
   // Polls ready() until true, failing on a dead/failed peer or the deadline.
@@ -213,6 +252,10 @@ class SimRank final : public loom::StreamBackend {
   void runReduce(void* dst, void* dst2, const std::vector<const void*>& in, size_t count, loomDataType_t type,
                  loomRedOp_t op);
   std::vector<std::unique_ptr<Event>> events_;
+  std::mutex eventMu_;  // events' capture fields
+  int baseStreams_ = 0;
+  std::mutex replayMu_;
+  std::vector<std::unique_ptr<SimStream>> replay_;  // launches' streams for lanes 1..
   std::atomic<bool> failed_{false};
   mutable std::mutex failMu_;
   loomResult_t failCode_ = loomSuccess;
@@ -220,10 +263,13 @@ class SimRank final : public loom::StreamBackend {
 };
 
 // A rank's backend for programs on one of its added caller streams:
-// program stream 0 is that stream, the side streams are the rank's own.
+// program stream 0 is that stream, the side streams are the rank's own
+// (or those the map names).
 class SimCallerBackend final : public loom::StreamBackend {
  public:
-  SimCallerBackend(SimRank& r, int caller) : r_(r), caller_(caller) {}
+  SimCallerBackend(SimRank& r, int caller) : r_(r), map_{caller} {}
+  // Program stream s is the rank's stream map[s] (s < map.size()).
+  SimCallerBackend(SimRank& r, std::vector<int> map) : r_(r), map_(std::move(map)) {}
   void waitFlag(int s, const uint64_t* flag, uint64_t value, int owner) override {
     r_.waitFlag(map(s), flag, value, owner);
   }
@@ -247,9 +293,9 @@ class SimCallerBackend final : public loom::StreamBackend {
   }
 
  private:
-  int map(int s) const { return s == 0 ? caller_ : s; }
+  int map(int s) const { return size_t(s) < map_.size() ? map_[size_t(s)] : s; }
   SimRank& r_;
-  int caller_;
+  std::vector<int> map_;
 };
 
 // N ranks, their windows and flags, spread over `gpus` simulated devices

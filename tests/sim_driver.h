@@ -18,6 +18,7 @@
 
 #include "loom.h"
 #include "src/core/error.h"
+#include "src/device/capture_streams.h"
 #include "src/device/device_comm.h"
 #include "src/device/host_reduce.h"
 #include "tests/sim_device.h"
@@ -253,6 +254,27 @@ class SimDriver final : public loom::DeviceDriver {
     caller_ = std::make_unique<loomsim::SimCallerBackend>(r, caller);  // as CUDA's: valid until the next call
     return *caller_;
   }
+  // As CUDA's driver: the side streams come from a pool of the rank's
+  // capture streams (SimRank::captureSideStream), through the same choice.
+  loom::StreamBackend& captureBackend(void* callerStream, int streams, int events) override {
+    if (streams <= 1) return backend(callerStream, streams, events);
+    onDevice("captureBackend (stream creation)");
+    if (failLaunch.load()) loom::fail(loomUnhandledCudaError, "sim: cuStreamWaitValue64 failed: device lost");
+    simCheck(streams <= 3, "at most 2 side streams");
+    simCheck(events <= 8, "at most 8 events");
+    loomsim::SimRank& r = world_->rank(rank_);
+    const int caller = r.callerStream(callerStream);
+    simCheck(caller != 0, "a capture on an added caller stream");
+    auto captureOf = [&r](void* s) { return r.captureOf(int(reinterpret_cast<uintptr_t>(s))); };
+    std::vector<void*> side = loom::pickCaptureStreams(capturePool_, r.captureOf(caller), streams - 1, captureOf, [&] {
+      simCheck(int(capturePool_.size()) < loomsim::SimRank::kCaptureSideStreams, "a free capture side stream");
+      return reinterpret_cast<void*>(uintptr_t(r.captureSideStream(int(capturePool_.size()))));
+    });
+    std::vector<int> map{caller};
+    for (void* s : side) map.push_back(int(reinterpret_cast<uintptr_t>(s)));
+    caller_ = std::make_unique<loomsim::SimCallerBackend>(r, std::move(map));
+    return *caller_;
+  }
   void streamWaitStream(void* waiter, void* waited) override {
     onDevice("streamWaitStream");
     if (failLaunch.load()) loom::fail(loomUnhandledCudaError, "sim: cudaEventRecord failed: device lost");
@@ -304,6 +326,7 @@ class SimDriver final : public loom::DeviceDriver {
   loomsim::SimDeviceWorld* world_;
   int rank_, device_;
   std::unique_ptr<loomsim::SimCallerBackend> caller_;
+  std::vector<void*> capturePool_;  // captureBackend's: the rank's capture streams handed out so far
 };
 
 }  // namespace loomsim

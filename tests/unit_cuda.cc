@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -108,6 +109,7 @@ const loom::CudaApi kRecording = {
     nullptr,
     nullptr,
     nullptr,  // retainOnCapture
+    nullptr,  // captureId
 };
 
 void* handle(uintptr_t v) { return reinterpret_cast<void*>(v); }
@@ -515,6 +517,7 @@ std::atomic<bool> g_pending{false};  // cudaStreamQuery: work left on the stream
 std::atomic<uintptr_t> g_next{0x1000};
 std::vector<std::pair<void*, size_t>> g_blocks;  // cudaMalloc'd (zeroed) memory: the communicators' blocks
 std::vector<std::pair<void (*)(void*), void*>> g_retained;  // retainOnCapture's user objects, not yet released
+std::map<void*, uint64_t> g_captures;  // captureId's answers: stream -> its capture (absent: none)
 void record(std::string call) {
   std::lock_guard<std::mutex> g(g_drvMu);
   g_drv.push_back(std::move(call));
@@ -662,6 +665,12 @@ const loom::CudaApi kDriverTable = {
     [](void* s, void (*release)(void*), void* arg) {  // retainOnCapture: held until the test lets go
       record(loom::strf("retain %p", s));
       g_retained.emplace_back(release, arg);
+      return 0;
+    },
+    [](void* s, uint64_t* id) {  // captureId: g_captures says which stream is in which capture
+      std::lock_guard<std::mutex> g(g_drvMu);
+      auto it = g_captures.find(s);
+      *id = it == g_captures.end() ? 0 : it->second;
       return 0;
     },
 };
@@ -959,6 +968,82 @@ TEST_CASE("CUDA communicator driver: retainOnCapture hands the plug-in a callbac
     CHECK(e.code() == loomUnhandledCudaError);
   }
   CHECK(released == 2);
+}
+
+namespace {
+// The streams a backend's program stream `s` is (a wait enqueued there, as recorded).
+void* backendStream(loom::StreamBackend& be, int s) {
+  uint64_t flag = 0;
+  const size_t before = g_drv.size();
+  be.waitFlag(s, &flag, 1, 0);
+  REQUIRE(g_drv.size() == before + 1);
+  void* p = nullptr;
+  REQUIRE(sscanf(g_drv.back().c_str(), "wait %p", &p) == 1);
+  return p;
+}
+}  // namespace
+
+TEST_CASE("CUDA communicator driver: a captured program's side streams are never the eager ones nor another "
+          "capture's, and are reused within a capture and after it ends",
+          "[cuda][graph]") {
+  g_drv.clear();
+  g_captures.clear();
+  g_current = 0;
+  auto drv = loom::makeCudaDeviceDriver(kDriverTable, 0);
+  void* callerA = reinterpret_cast<void*>(uintptr_t(0xa0));
+  void* callerB = reinterpret_cast<void*>(uintptr_t(0xb0));
+  void* eager1 = backendStream(drv->backend(callerA, 3, 2), 1);
+  void* eager2 = backendStream(drv->backend(callerA, 3, 2), 2);
+  CHECK(countOf("streamCreate") == 2);
+  // callerA is captured (capture 7): two side streams of the capture pool.
+  g_captures[callerA] = 7;
+  loom::StreamBackend& a = drv->captureBackend(callerA, 3, 2);
+  CHECK(backendStream(a, 0) == callerA);
+  void* a1 = backendStream(a, 1);
+  void* a2 = backendStream(a, 2);
+  CHECK(countOf("streamCreate") == 4);
+  for (void* s : {eager1, eager2, callerA}) {
+    CHECK(a1 != s);
+    CHECK(a2 != s);
+  }
+  CHECK(a1 != a2);
+  // The fork joined them to capture 7.  Capture 9 on callerB gets others.
+  g_captures[a1] = g_captures[a2] = 7;
+  g_captures[callerB] = 9;
+  loom::StreamBackend& b = drv->captureBackend(callerB, 3, 2);
+  void* b1 = backendStream(b, 1);
+  void* b2 = backendStream(b, 2);
+  CHECK(countOf("streamCreate") == 6);
+  for (void* s : {a1, a2, eager1, eager2}) {
+    CHECK(b1 != s);
+    CHECK(b2 != s);
+  }
+  g_captures[b1] = g_captures[b2] = 9;
+  // A second call of capture 7 reuses its streams; eager calls keep theirs.
+  loom::StreamBackend& a3 = drv->captureBackend(callerA, 3, 2);
+  CHECK(((backendStream(a3, 1) == a1 && backendStream(a3, 2) == a2) ||
+         (backendStream(a3, 1) == a2 && backendStream(a3, 2) == a1)));
+  CHECK(backendStream(drv->backend(callerB, 3, 2), 2) == eager2);
+  CHECK(countOf("streamCreate") == 6);
+  // Capture 7 ends: its streams serve capture 9's next call too (one of
+  // 9's own first), then a new capture's.
+  g_captures.erase(callerA);
+  g_captures.erase(a1);
+  g_captures.erase(a2);
+  loom::StreamBackend& b3 = drv->captureBackend(callerB, 3, 2);
+  void* b31 = backendStream(b3, 1);
+  void* b32 = backendStream(b3, 2);
+  CHECK((b31 == b1 || b31 == b2));
+  CHECK((b32 == b1 || b32 == b2));
+  g_captures[callerA] = 11;
+  loom::StreamBackend& c = drv->captureBackend(callerA, 2, 0);
+  void* c1 = backendStream(c, 1);
+  CHECK((c1 == a1 || c1 == a2));
+  CHECK(countOf("streamCreate") == 6);
+  // One stream: the caller's alone, no query.
+  g_captures[callerA] = 12;
+  CHECK(backendStream(drv->captureBackend(callerA, 1, 0), 0) == callerA);
+  g_captures.clear();
 }
 
 TEST_CASE("CUDA communicator driver: flag reads land in pinned memory made once at init, never allocated "

@@ -1611,7 +1611,7 @@ TEST_CASE("CUDA communicator through the C API (simulated device): the legacy st
   INFO(why);
   CHECK(why.find("joining them would pull the other into the capture") != std::string::npos);
   const loomsim::SimGraph g = world.rank(0).endCapture(&keys[0]);
-  CHECK(g->tasks.empty());  // nothing was captured
+  CHECK(g->empty());  // nothing was captured
   CHECK(dev0->round() == round);
   CHECK(dev0->captured() == 0);
   // The communicators go on.
@@ -5504,8 +5504,8 @@ TEST_CASE("graph lane (simulated device): the size gate never trips on matching 
 }
 
 TEST_CASE("send/recv that need a partner's later call (simulated device): rank 0 sends and receives in one group "
-          "while rank 1 receives in one call and sends in the next, or a chain of three such, eager with messages "
-          "of several chunks and captured with one chunk each, exact every time",
+          "while rank 1 receives in one call and sends in the next, or a chain of three such, eager and captured, "
+          "with messages of several chunks, exact every time",
           "[devcomm][graph]") {
   SimCaptureProbe probe;
   const bool chain = GENERATE(false, true);
@@ -5529,9 +5529,9 @@ TEST_CASE("send/recv that need a partner's later call (simulated device): rank 0
     calls[size_t(from)][size_t(sc)].push_back(g[size_t(from)][0]);
     calls[size_t(to)][size_t(rc)].push_back(g[size_t(to)][0]);
   };
-  // Captured programs run on one stream, so there a send of several chunks
-  // would wait behind its group's receive (not yet served: docs/design.md).
-  const size_t big = captured ? 250 : 1500, mid = captured ? 200 : 700;
+  // Several chunks each (eager chunks of 512 B, captured ones of 256 B):
+  // on one stream, rank 0's send would wait behind its group's receive.
+  const size_t big = 1500, mid = 700;
   message(0, 0, 1, 0, big);  // rank 0: {send to 1, receive from 1 (or 2)}
   if (!chain) {
     message(1, 1, 0, 0, 100);  // rank 1: {receive from 0}, then {send to 0}
@@ -5571,6 +5571,94 @@ TEST_CASE("send/recv that need a partner's later call (simulated device): rank 0
     CHECK(graphFlagsLeft(s) == "");
     for (int r = 0; r < 3; ++r) CHECK_FALSE(s.comms[size_t(r)]->failed());
   }
+}
+
+TEST_CASE("graph lane (simulated device): captured send/recv groups fork side streams of their own: eager "
+          "exchanges on another stream while the capture is open, and two captures open at once, are exact",
+          "[devcomm][graph]") {
+  SimCaptureProbe probe;
+  const bool twoCaptures = GENERATE(false, true);
+  INFO((twoCaptures ? "two captures open at once" : "eager exchanges while a capture is open"));
+  loom::DeviceCommOptions opts;
+  opts.slotBytes = 1024;       // eager chunks of 512 B
+  opts.graphSlotBytes = 1024;  // captured chunks of 256 B
+  opts.timeoutMs = 20000;
+  SimComms s(2, 1, opts);
+  for (const std::string& e : s.initErrors) REQUIRE(e.empty());
+  CaptureStreams a(s.world), b(s.world);
+  std::mt19937_64 rng(57);
+  // An exchange: each rank sends to the other and receives from it in one
+  // group, several chunks each way (so both of its streams are used).
+  auto exchange = [&](std::vector<Message>* all) {
+    std::vector<std::vector<P2POp>> g(2);
+    addMessage(s, rng, 0, 1, 1500, loomUint8, &g, all);
+    addMessage(s, rng, 1, 0, 1300, loomUint8, &g, all);
+    return g;
+  };
+  std::vector<Message> inA, inB, eager;
+  const auto ga = exchange(&inA);
+  const auto gb = exchange(&inB);
+  const auto ge = exchange(&eager);
+  auto runEager = [&] {  // each rank from its own thread, as separate processes
+    std::vector<std::string> errors(2);
+    std::vector<std::thread> ts;
+    for (int r = 0; r < 2; ++r)
+      ts.emplace_back([&, r] {
+        try {
+          runGroup(s, r, ge[size_t(r)], nullptr);
+        } catch (const loom::Error& e) {
+          errors[size_t(r)] = e.what();
+        }
+      });
+    for (auto& t : ts) t.join();
+    for (const std::string& e : errors) CHECK(e.empty());
+  };
+  std::vector<loomsim::SimGraph> graphsA, graphsB;
+  for (int rep = 0; rep < 3; ++rep) {
+    INFO("capture " << rep);
+    for (int r = 0; r < 2; ++r) {
+      s.world.rank(r).beginCapture(a[r]);
+      runGroup(s, r, ga[size_t(r)], a[r]);
+      if (twoCaptures) {  // b's capture begins while a's is open
+        s.world.rank(r).beginCapture(b[r]);
+        runGroup(s, r, gb[size_t(r)], b[r]);
+      }
+    }
+    if (!twoCaptures) {  // eager calls while the captures are open
+      for (const Message& m : eager) fillRandom(m.in, m.count, m.type, rng);
+      runEager();
+      const std::string problems = syncAll(s);
+      INFO(problems);
+      REQUIRE(problems.empty());
+      CHECK(wrongMessages(eager) == 0);
+    }
+    graphsA.clear();
+    graphsB.clear();
+    for (int r = 0; r < 2; ++r) {
+      graphsA.push_back(s.world.rank(r).endCapture(a[r]));
+      if (twoCaptures) graphsB.push_back(s.world.rank(r).endCapture(b[r]));
+    }
+    for (int launch = 0; launch < 2; ++launch) {
+      INFO("launch " << launch);
+      for (const std::vector<Message>* ms : {&inA, &inB})
+        for (const Message& m : *ms) fillRandom(m.in, m.count, m.type, rng);
+      for (int r = 0; r < 2; ++r) {
+        s.world.rank(r).launchGraph(a[r], graphsA[size_t(r)]);
+        if (twoCaptures) {  // b's replay after a's, as replays on one communicator must
+          s.world.rank(r).joinStream(s.world.rank(r).callerStream(b[r]), s.world.rank(r).callerStream(a[r]));
+          s.world.rank(r).launchGraph(b[r], graphsB[size_t(r)]);
+        }
+      }
+      if (!twoCaptures) runEager();  // and eager ones while the replays run
+      const std::string problems = syncAll(s);
+      INFO(problems);
+      REQUIRE(problems.empty());
+      CHECK(wrongMessages(inA) == 0);
+      if (twoCaptures) CHECK(wrongMessages(inB) == 0);
+      CHECK(graphFlagsLeft(s) == "");
+    }
+  }
+  for (int r = 0; r < 2; ++r) CHECK_FALSE(s.comms[size_t(r)]->failed());
 }
 
 TEST_CASE("graph lane (simulated device): a rank replaying a captured send while its peers replay an all-reduce "

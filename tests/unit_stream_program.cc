@@ -9,9 +9,12 @@
 // into an error within the deadline; bad programs refused before anything
 // is enqueued.
 #include "loom_catch.h"
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -1099,4 +1102,93 @@ TEST_CASE(
     for (int r = 0; r < N; ++r) published += w.rank(r).publishedReads();
     CHECK(published > 0);
   }
+}
+
+TEST_CASE("simulated device: a capture that forks a second stream (events) replays as a graph: nothing runs at "
+          "capture, each launch runs its branches concurrently and in their order with events of its own, and an "
+          "unjoined branch or a wait across a capture's boundary is CUDA's error",
+          "[sim][graph]") {
+  loomsim::SimDeviceWorld w(1, 1, 256);
+  loomsim::SimRank& r = w.rank(0);
+  char key = 0, other = 0;
+  const int c = r.addCallerStream(&key);
+  const int o = r.addCallerStream(&other);
+  auto throwsWith = [](const std::function<void()>& f, const char* text) {
+    try {
+      f();
+    } catch (const loom::Error& e) {
+      INFO(e.what());
+      CHECK(std::string(e.what()).find(text) != std::string::npos);
+      return true;
+    }
+    return false;
+  };
+  std::mutex mu;
+  std::string log;
+  auto note = [&](char ch) {
+    std::lock_guard<std::mutex> g(mu);
+    log += ch;
+  };
+  std::atomic<int> cRuns{0};
+  r.beginCapture(&key);
+  r.enqueueWork(c, [&] { note('a'); });
+  r.recordEvent(c, 0);  // fork: stream 1 joins the capture
+  r.waitEvent(1, 0);
+  CHECK(r.captureOf(1) == r.captureOf(c));
+  CHECK(r.captureOf(1) != 0);
+  const int runs = 3;
+  std::atomic<int> bRuns{0};
+  r.enqueueWait(1, [&] {
+    // A wait (holding no device) that passes once this launch's `c` has
+    // run: the branches are concurrent (on one stream it would wait for
+    // ever).
+    const int mine = bRuns.fetch_add(1) + 1;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (cRuns.load() < mine && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+  });
+  r.enqueueWork(1, [&] { note('b'); });
+  r.recordEvent(1, 1);  // join
+  r.enqueueWork(c, [&] {
+    note('c');
+    cRuns.fetch_add(1);
+  });
+  r.waitEvent(c, 1);
+  r.enqueueWork(c, [&] { note('d'); });
+  const loomsim::SimGraph g = r.endCapture(&key);
+  CHECK(r.captureOf(1) == 0);  // the capture ended for every stream in it
+  CHECK(r.captureOf(c) == 0);
+  REQUIRE(g->lanes.size() == 2);
+  std::string msg;
+  REQUIRE(r.synchronize(&msg) == loomSuccess);
+  CHECK(log.empty());  // a capture runs nothing
+  for (int i = 0; i < runs; ++i) r.launchGraph(&key, g);
+  REQUIRE(r.synchronize(&msg) == loomSuccess);
+  INFO(msg);
+  std::string expect;
+  for (int i = 0; i < runs; ++i) expect += "acbd";  // b waits for c; d for both
+  CHECK(log == expect);
+
+  // A branch not joined back: the end is cudaErrorStreamCaptureUnjoined,
+  // and the capture is over for both streams all the same.
+  r.beginCapture(&key);
+  r.recordEvent(c, 0);
+  r.waitEvent(1, 0);
+  r.enqueueWork(1, [] {});
+  CHECK(throwsWith([&] { r.endCapture(&key); }, "cudaErrorStreamCaptureUnjoined"));
+  CHECK(r.captureOf(1) == 0);
+  CHECK(r.captureOf(c) == 0);
+
+  // An eager event waited for in a capture, and a captured event waited
+  // for by a stream of another capture: cudaErrorStreamCaptureIsolation.
+  r.recordEvent(2, 2);
+  r.beginCapture(&key);
+  CHECK(throwsWith([&] { r.waitEvent(c, 2); }, "cudaErrorStreamCaptureIsolation"));
+  r.beginCapture(&other);
+  r.recordEvent(o, 3);
+  CHECK(throwsWith([&] { r.waitEvent(c, 3); }, "cudaErrorStreamCaptureIsolation"));
+  CHECK(throwsWith([&] { r.joinStream(c, o); }, "cudaErrorStreamCaptureIsolation"));
+  CHECK(r.endCapture(&other)->empty() == false);
+  CHECK(r.endCapture(&key)->empty());
+  REQUIRE(r.synchronize(&msg) == loomSuccess);
 }

@@ -870,7 +870,7 @@ TEST_CASE("NCCL shim on CUDA communicators (simulated device): without a graph l
   CHECK(ncclGroupEnd() != ncclSuccess);
   const loomsim::SimGraph graph = sim.world.rank(0).endCapture(&key);
   REQUIRE(graph);
-  CHECK(graph->tasks.empty());  // nothing scaled or summed was captured
+  CHECK(graph->empty());  // nothing scaled or summed was captured
   CHECK(ncclRedOpDestroy(thrice, comms[0]) == ncclSuccess);
   for (ncclComm_t c : comms) CHECK(ncclCommDestroy(c) == ncclSuccess);
 }

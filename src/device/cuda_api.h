@@ -151,9 +151,16 @@ struct CudaApi {
   // call CUDA.  release(arg) runs exactly once in every case: at once, or
   // soon on a CUDA thread, when this fails.
   int (*retainOnCapture)(void* stream, void (*release)(void*), void* arg);
+  // ---- ABI 12: captured programs on several streams (capture_streams.h) ----
+  // *id = the id of the capture `stream` is in (cudaStreamGetCaptureInfo:
+  // active or invalidated), 0 when it is in none.  (Since ABI 12,
+  // streamCreate makes its stream in relaxed capture mode, so that it may
+  // run while this thread, or another in global mode, captures.)
+  int (*captureId)(void* stream, uint64_t* id);
 };
 
-constexpr int kCudaApiVersion = 11;  // 10: streamCapturing says 2 for an implicit capture; 11: retainOnCapture
+// 10: streamCapturing says 2 for an implicit capture; 11: retainOnCapture; 12: captureId
+constexpr int kCudaApiVersion = 12;
 // sizeof(cudaIpcMemHandle_t) (CUDA_IPC_HANDLE_SIZE); the plug-in checks it.
 constexpr size_t kCudaIpcHandleBytes = 64;
 

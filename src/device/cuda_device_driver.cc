@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "src/core/error.h"
+#include "src/device/capture_streams.h"
 #include "src/device/cuda_stream_backend.h"
 
 namespace loom {
@@ -31,6 +32,7 @@ class CudaDeviceDriver final : public DeviceDriver {
     for (void* e : events_) api_.eventDestroy(e);
     if (joinEvent_) api_.eventDestroy(joinEvent_);
     for (void* s : streams_) api_.streamDestroy(s);
+    for (void* s : captureStreams_) api_.streamDestroy(s);
     leave(previous);
   }
 
@@ -88,6 +90,30 @@ class CudaDeviceDriver final : public DeviceDriver {
     }
     std::vector<void*> all{callerStream};
     all.insert(all.end(), streams_.begin(), streams_.end());
+    backend_ = std::make_unique<CudaStreamBackend>(api_, std::move(all), events_);
+    return *backend_;
+  }
+  StreamBackend& captureBackend(void* callerStream, int streams, int events) override {
+    if (streams <= 1) return backend(callerStream, streams, events);
+    if (!api_.captureId) fail(loomInternalError, "cuda:%d: the plug-in cannot tell captures apart", device_);
+    auto captureOf = [this](void* s) {
+      uint64_t id = 0;
+      check(api_.captureId(s, &id), "cudaStreamGetCaptureInfo");
+      return id;
+    };
+    const uint64_t capture = captureOf(callerStream);
+    std::vector<void*> side = pickCaptureStreams(captureStreams_, capture, streams - 1, captureOf, [this] {
+      void* s = nullptr;
+      check(api_.streamCreate(&s), "cudaStreamCreateWithFlags");
+      return s;
+    });
+    while (int(events_.size()) < events) {
+      void* e = nullptr;
+      check(api_.eventCreate(&e), "cudaEventCreateWithFlags");
+      events_.push_back(e);
+    }
+    std::vector<void*> all{callerStream};
+    all.insert(all.end(), side.begin(), side.end());
     backend_ = std::make_unique<CudaStreamBackend>(api_, std::move(all), events_);
     return *backend_;
   }
@@ -202,6 +228,7 @@ class CudaDeviceDriver final : public DeviceDriver {
   std::vector<uint64_t*> lastBatch_;  // writeFlags' last batch, and its value
   uint64_t lastValue_ = 0;
   std::vector<void*> streams_;  // side streams (program streams 1..)
+  std::vector<void*> captureStreams_;  // captured programs' side streams (captureBackend)
   std::vector<void*> events_;
   void* joinEvent_ = nullptr;  // streamWaitStream's
   std::unique_ptr<CudaStreamBackend> backend_;

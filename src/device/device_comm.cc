@@ -1498,7 +1498,7 @@ std::unique_ptr<SteppedRun> DeviceComm::startGraphRun(std::unique_ptr<Run> run, 
     graphHolds_->fetch_add(1);
     driver_->retainOnCapture(callerStream, [holds = graphHolds_] { holds->fetch_sub(1); });
     const StreamProgram& prog = run->program();
-    if (!prog.ops.empty()) run->start(driver_->backend(callerStream, prog.streams, prog.events));
+    if (!prog.ops.empty()) run->start(driver_->captureBackend(callerStream, prog.streams, prog.events));
   } catch (const Error& e) {
     run->failWith(e);
     throw;

@@ -173,6 +173,15 @@ class DeviceDriver {
   // stream 0) and the driver's side streams and events (streams 1..,
   // events 0..): at least `streams` streams and `events` events.
   virtual StreamBackend& backend(void* callerStream, int streams, int events) = 0;
+  // backend() for a program captured into the graph being captured on
+  // `callerStream` (a replayable one): its side streams are never the
+  // eager ones, nor streams another capture holds (capture_streams.h).
+  // This default serves programs on one stream only.
+  virtual StreamBackend& captureBackend(void* callerStream, int streams, int events) {
+    if (streams > 1)
+      fail(loomInternalError, "the %s driver cannot capture a program on %d streams", name(), streams);
+    return backend(callerStream, streams, events);
+  }
   // Makes `waiter` wait for everything enqueued on `waited` so far (CUDA:
   // an event recorded on `waited`, then cudaStreamWaitEvent on `waiter`),
   // as a group whose calls on one communicator use several streams joins

@@ -22,6 +22,10 @@
 //           all-gather and a 12 MiB ring exchange in a group, five replays
 //           with new inputs each, an eager call between two: exact; the
 //           capture survives loom's watchdog reading flags meanwhile
+//   pipeline a chain of sends as pipeline stages make it (rank 0 sends and
+//           receives in one group, the others receive in one call and send
+//           in the next), 12 MiB, eager and then captured into a CUDA graph
+//           and replayed three times: exact
 //   errors  a host pointer and a loom host stream on a CUDA communicator:
 //           loomInvalidArgument with a message
 //   lazy    send/recv staging is made on first use (loomCommDump): none
@@ -768,6 +772,91 @@ int rankMain(int me, int N, loomUniqueId id, loomUniqueId id2, loomUniqueId id3,
     std::printf("RESULT capture %ld %ld\n", cases + 3, bad);
   }
 
+  // pipeline: a chain of sends around the ring as pipeline stages make it:
+  // rank 0 sends 12 MiB to rank 1 and receives from rank N-1 in one group;
+  // every other rank receives from the previous one in one call and sends
+  // to the next in its next call.  Eager, then captured into a CUDA graph
+  // (global mode) and replayed three times with new inputs: exact.  On
+  // one stream rank 0's send would wait behind its receive: the receives
+  // run on a side stream of their own, in the graph one that joins the
+  // capture.
+  {
+    long bad = 0, cases = 0;
+    const size_t big = size_t(3) << 20;
+    const int next = (me + 1) % N, prev = (me + N - 1) % N;
+    float *in = nullptr, *out = nullptr;
+    std::vector<float> h(big);
+    auto fill = [&](int rep) {
+      for (size_t i = 0; i < big; ++i) h[i] = float((me + 1) * rep) + float(i % 7);
+      CK(cudaMemcpy(in, h.data(), big * 4, cudaMemcpyHostToDevice));
+    };
+    auto check = [&](int rep, const char* what) {
+      CK(cudaMemcpy(h.data(), out, big * 4, cudaMemcpyDeviceToHost));
+      long w = 0;
+      for (size_t i = 0; i < big; ++i) w += h[i] != float((prev + 1) * rep) + float(i % 7);
+      if (w) std::fprintf(stderr, "rank %d: pipeline: %s %d: %ld values wrong\n", me, what, rep, w);
+      bad += w != 0;
+      ++cases;
+    };
+    auto issue = [&](cudaStream_t s) {
+      loomResult_t a = loomSuccess, b = loomSuccess, c = loomSuccess;
+      if (me == 0) {
+        a = loomGroupStart();
+        b = loomSend(in, big, loomFloat32, next, comm, loomStream_t(s));
+        c = loomRecv(out, big, loomFloat32, prev, comm, loomStream_t(s));
+        if (a == loomSuccess) a = loomGroupEnd();
+      } else {
+        b = loomRecv(out, big, loomFloat32, prev, comm, loomStream_t(s));
+        c = loomSend(in, big, loomFloat32, next, comm, loomStream_t(s));
+      }
+      if (a == loomSuccess && b == loomSuccess && c == loomSuccess) return true;
+      std::fprintf(stderr, "rank %d: pipeline: the calls gave %d %d %d: %s\n", me, int(a), int(b), int(c),
+                   loomGetLastError(comm));
+      return false;
+    };
+    if (N > 1) {
+      CK(cudaMalloc(&in, big * 4));
+      CK(cudaMalloc(&out, big * 4));
+      fill(1);
+      if (issue(st)) {
+        CK(cudaStreamSynchronize(st));
+        check(1, "eager");
+      } else {
+        ++bad;
+      }
+      cudaStream_t cs;
+      CK(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
+      CK(cudaStreamBeginCapture(cs, cudaStreamCaptureModeGlobal));
+      const bool issued = issue(cs);
+      cudaGraph_t g = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      const cudaError_t e = cudaStreamEndCapture(cs, &g);
+      if (!issued || e != cudaSuccess) {
+        std::fprintf(stderr, "rank %d: pipeline: capture: cudaStreamEndCapture: %s\n", me, cudaGetErrorString(e));
+        ++bad;
+        (void)cudaGetLastError();
+      }
+      if (g && cudaGraphInstantiate(&exec, g, 0) != cudaSuccess) {
+        std::fprintf(stderr, "rank %d: pipeline: cudaGraphInstantiate: %s\n", me,
+                     cudaGetErrorString(cudaGetLastError()));
+        ++bad;
+        exec = nullptr;
+      }
+      for (int rep = 2; exec && rep <= 4; ++rep) {
+        fill(rep);
+        CK(cudaGraphLaunch(exec, cs));
+        CK(cudaStreamSynchronize(cs));
+        check(rep, "replay");
+      }
+      if (exec) CK(cudaGraphExecDestroy(exec));
+      if (g) CK(cudaGraphDestroy(g));
+      CK(cudaStreamDestroy(cs));
+      CK(cudaFree(in));
+      CK(cudaFree(out));
+    }
+    std::printf("RESULT pipeline %ld %ld\n", cases, bad);
+  }
+
   // errors: host pointer, loom host stream.
   {
     long bad = 0;
@@ -856,7 +945,7 @@ int main(int argc, char** argv) {
         std::printf("rank %d of %d exited abnormally (status %d)\n", r, N, st);
       }
     }
-    for (const char* check : {"comm", "p2p", "lazy", "groups", "memalloc", "register", "mixed", "order", "streams", "capture", "errors"}) {
+    for (const char* check : {"comm", "p2p", "lazy", "groups", "memalloc", "register", "mixed", "order", "streams", "capture", "pipeline", "errors"}) {
       long cases = 0, wrong = 0;
       bool seen = false;
       for (int r = 0; r < N; ++r) {

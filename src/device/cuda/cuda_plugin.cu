@@ -202,6 +202,17 @@ int retainOnCapture(void* stream, void (*release)(void*), void* arg) {
   return 0;
 }
 
+int captureId(void* stream, uint64_t* id) {
+  *id = 0;
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  unsigned long long cid = 0;
+  cudaError_t rc = cudaStreamGetCaptureInfo(static_cast<cudaStream_t>(stream), &st, &cid);
+  if (rc != cudaSuccess) return int(rc);
+  // Ids are unique per process; one of 0 still reads as "captured".
+  if (st != cudaStreamCaptureStatusNone) *id = cid ? uint64_t(cid) : ~uint64_t(0);
+  return 0;
+}
+
 int relaxCaptureMode() {
   cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
   return int(cudaThreadExchangeStreamCaptureMode(&mode));
@@ -284,8 +295,14 @@ int ipcOpenHandle(const void* handle, void** mapped) {
 int ipcCloseHandle(void* mapped) { return int(cudaIpcCloseMemHandle(mapped)); }
 
 int streamCreate(void** stream) {
+  // In relaxed mode: a captured call's first side stream is made while
+  // the caller's capture (global mode, PyTorch's default) runs.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  cudaError_t rc = cudaThreadExchangeStreamCaptureMode(&mode);
+  if (rc != cudaSuccess) return int(rc);
   cudaStream_t s = nullptr;
-  cudaError_t rc = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  rc = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  cudaThreadExchangeStreamCaptureMode(&mode);  // the caller's mode again
   *stream = s;
   return int(rc);
 }
@@ -331,7 +348,7 @@ const CudaApi kApi = {kCudaApiVersion, waitValue64,     writeValue64,   memcpyAs
                       readValue64,     mallocRaw,       hostAllocMapped, hostFree,     loadKernelsOnce,
                       launchReduceIndirect, launchCopyIndirect, deviceSynchronize, contextDevice,
                       clearContext,    streamMemOps,   streamQuery,    streamCapturing, relaxCaptureMode,
-                      launchScale,     retainOnCapture};
+                      launchScale,     retainOnCapture, captureId};
 
 }  // namespace
 }  // namespace cuda
