@@ -592,8 +592,6 @@ StreamProgram makeReplayable(StreamProgram p, uint64_t sig) {
   if (p.nranks == 1) return p;
   StreamProgram out = p;
   out.ops.clear();
-  out.streams = 1;
-  out.events = 0;
   Builder b(out);
   // This rank's own reset from the call before, zeroed only now (while
   // busy is still 0): zeroed at that call's end, before its busy went to
@@ -606,9 +604,6 @@ StreamProgram makeReplayable(StreamProgram p, uint64_t sig) {
   b.waitOthers(0, FlagIndex(kFlagGraphSig), sig);
   for (StreamOp o : p.ops) {
     switch (o.kind) {
-      case StreamOpKind::RecordEvent:
-      case StreamOpKind::WaitEvent:
-        continue;  // the fork and join of a second stream, folded away
       case StreamOpKind::SetCell:
       case StreamOpKind::SetCellTag:
       case StreamOpKind::SetPeerFlag:
@@ -617,8 +612,7 @@ StreamProgram makeReplayable(StreamProgram p, uint64_t sig) {
       default:
         break;
     }
-    o.stream = 0;
-    out.ops.push_back(o);
+    out.ops.push_back(o);  // on its own stream: a second one forks after the gate and joins before `end`
   }
   for (const ProgramRef& r : out.srcs)
     if (r.space == Space::Published) fail(loomInternalError, "a replayable program cannot read published buffers");

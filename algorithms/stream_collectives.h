@@ -79,9 +79,10 @@ StreamProgram compileStreamProgram(const OpDesc& op, int rank, int nranks, Strea
 // Rank p.rank's program `p` (compileStreamProgram from round 0, without
 // zero-copy) made replayable: a call captured into a CUDA graph, which every
 // replay repeats with the capture's flag values (kFlagGraphEnd in
-// stream_program.h).  One stream (the reduce-scatter + all-gather's second
-// stream folded onto the caller's, so no side stream joins the capture),
-// and around the program:
+// stream_program.h).  Its streams are the program's (the reduce-scatter +
+// all-gather's second stream forks after the start gate and joins back
+// before `end`; in a capture it is a stream that joins the capture:
+// DeviceDriver::captureBackend), and around the program, on the caller's:
 //   own busy = sig (the call's signature, nonzero: signatureFlag);
 //   sig = sig in each peer's copy of this rank's flags; wait every peer's
 //     sig >= sig: a peer whose call differs has a different signature,

@@ -474,12 +474,16 @@ void SimRank::waitNode(int s, const std::shared_ptr<SimCapture>& c, size_t node,
   if (mine && mine != c)
     loom::fail(loomInternalError, "sim: a stream in one capture waits for %s of another "
                "(cudaErrorStreamCaptureIsolation)", what);
+  if (!mine) {  // the fork: the stream joins the capture, in a lane of its own
+    {
+      std::lock_guard<std::mutex> g(c->mu);
+      if (c->ended) loom::fail(loomInternalError, "sim: a wait for %s recorded in a capture that has ended", what);
+      lane = c->addLane(&st);
+    }
+    st.setCapture(c, lane);  // outside the capture's lock (an enqueue takes a stream's, then it)
+  }
   std::lock_guard<std::mutex> g(c->mu);
   if (c->ended) loom::fail(loomInternalError, "sim: a wait for %s recorded in a capture that has ended", what);
-  if (!mine) {  // the fork: the stream joins the capture, in a lane of its own
-    lane = c->addLane(&st);
-    st.setCapture(c, lane);
-  }
   c->add(lane, SimGraphTask{[this, node](SimLaunch& l) {
                               await([&] { return l.done[node].load(std::memory_order_acquire); }, rank_,
                                     "an event of its graph");

@@ -1192,3 +1192,60 @@ TEST_CASE("simulated device: a capture that forks a second stream (events) repla
   CHECK(r.endCapture(&key)->empty());
   REQUIRE(r.synchronize(&msg) == loomSuccess);
 }
+
+TEST_CASE("stream programs: a replayable reduce-scatter + all-gather all-reduce keeps its second stream, forked "
+          "after the start gate and joined before `end`, and a replayable send/recv group's receives run on a "
+          "side stream of their own",
+          "[stream][graph]") {
+  loom::OpDesc op;
+  op.coll = Collective::AllReduce;
+  op.count = 3000;
+  op.dtype = loomFloat32;
+  op.op = loomSum;
+  uint64_t round = 0;
+  const loom::StreamProgram p = loom::makeReplayable(
+      loom::compileStreamProgram(op, 1, 3, StreamAlgorithm::ReduceScatterAllGather, 1024, &round), 77);
+  INFO(p.describe());
+  CHECK(p.streams == 2);
+  long gate = -1, fork = -1, join = -1, end = -1, first1 = -1, last1 = -1;
+  for (size_t i = 0; i < p.ops.size(); ++i) {
+    const loom::StreamOp& o = p.ops[i];
+    if (o.kind == loom::StreamOpKind::WaitFlag && o.flag == loom::kFlagGraphSig) gate = long(i);
+    if (o.kind == loom::StreamOpKind::WaitEvent && o.stream == 1 && fork < 0) fork = long(i);
+    if (o.kind == loom::StreamOpKind::WaitEvent && o.stream == 0) join = long(i);
+    if (o.kind == loom::StreamOpKind::SetFlag && o.flag == loom::kFlagGraphEnd && end < 0) end = long(i);
+    if (o.stream == 1) {
+      if (first1 < 0) first1 = long(i);
+      last1 = long(i);
+    }
+  }
+  CHECK(gate >= 0);
+  CHECK(fork > gate);
+  CHECK(first1 == fork);  // nothing on stream 1 before it follows the gate
+  CHECK(join > last1);
+  CHECK(end > join);
+  size_t reductions1 = 0;
+  for (const loom::StreamOp& o : p.ops) reductions1 += o.stream == 1 && o.kind == loom::StreamOpKind::Reduce;
+  CHECK(reductions1 == 0);  // stream 1 gathers; the reductions stay on the caller's
+  size_t copies1 = 0;
+  for (const loom::StreamOp& o : p.ops) copies1 += o.stream == 1 && o.kind == loom::StreamOpKind::Copy;
+  CHECK(copies1 > 0);
+
+  // Send/recv: rank 0 sends to 1 and receives from 2 in one group.
+  std::vector<loom::OpDesc> ops(2);
+  for (int i = 0; i < 2; ++i) {
+    ops[size_t(i)].coll = Collective::P2P;
+    ops[size_t(i)].isSend = i == 0;
+    ops[size_t(i)].peer = i == 0 ? 1 : 2;
+    ops[size_t(i)].count = 700;
+    ops[size_t(i)].dtype = loomUint8;
+  }
+  const loom::StreamProgram q = loom::compileGraphP2PProgram(ops, 0, 3, 512, loom::kGraphP2PBusy + 1);
+  INFO(q.describe());
+  CHECK(q.streams == 3);
+  for (const loom::StreamOp& o : q.ops) {
+    if (o.kind == loom::StreamOpKind::Copy)
+      CHECK(o.stream == (o.dst.space == loom::Space::Recv ? 2 : 0));  // receives' copy-outs on stream 2
+    if (o.kind == loom::StreamOpKind::WaitFlag && o.flagRank == 2) CHECK(o.stream == 2);  // waits for the sender
+  }
+}
