@@ -96,6 +96,17 @@ void SimStream::setCapture(std::shared_ptr<SimCapture> c, int lane) {
   lane_ = lane;
 }
 
+int SimStream::join(const std::shared_ptr<SimCapture>& c) {
+  // A stream's lock, then the capture's, as enqueue takes them.
+  std::lock_guard<std::mutex> g(mu_);
+  if (capture_) return capture_ == c ? lane_ : -1;
+  std::lock_guard<std::mutex> cg(c->mu);
+  if (c->ended) loom::fail(loomInternalError, "sim: a wait for an event recorded in a capture that has ended");
+  capture_ = c;
+  lane_ = c->addLane(this);
+  return lane_;
+}
+
 bool SimStream::idle() const {
   std::lock_guard<std::mutex> g(mu_);
   return queue_.empty() && !busy_;
@@ -185,14 +196,20 @@ void SimRank::launchGraph(const void* key, const SimGraph& graph) {
       replay_.push_back(std::make_unique<SimStream>(*this, gpu_, seed_ * 7777u + replay_.size() * 131u + 3));
       lanes.push_back(replay_.back().get());
     }
-    for (size_t i = graph->lanes.size(); i-- > 1;)
-      for (const SimGraphTask& t : graph->lanes[i]) lanes[i]->enqueue([launch, f = t.fn] { f(*launch); }, t.usesGpu);
+    // As CUDA, a launch is one entry in each stream's queue (a lane runs
+    // its tasks in order there), and the graph is kept until the launch
+    // has run: its holds go only after the last launch's work.
+    for (size_t i = graph->lanes.size(); i-- > 1;) lanes[i]->enqueue(laneTask(*lanes[i], graph, launch, i), false);
   }
-  if (!graph->lanes.empty())
-    for (const SimGraphTask& t : graph->lanes[0]) st.enqueue([launch, f = t.fn] { f(*launch); }, t.usesGpu);
-  // As CUDA, a graph launched is kept until the launch has run: its holds
-  // go only after the last launch's work.
-  st.enqueue([graph] {}, false);
+  st.enqueue(laneTask(st, graph, launch, 0), false);
+}
+
+std::function<void()> SimRank::laneTask(SimStream& on, const SimGraph& graph, const std::shared_ptr<SimLaunch>& launch,
+                                        size_t lane) {
+  return [&on, graph, launch, lane] {
+    if (lane >= graph->lanes.size()) return;
+    for (const SimGraphTask& t : graph->lanes[lane]) on.run([&] { t.fn(*launch); }, t.usesGpu);
+  };
 }
 
 bool SimRank::holdInCapture(const void* key, std::function<void()> release) {
@@ -212,8 +229,25 @@ void SimStream::drain() {
   cv_.wait(g, [&] { return queue_.empty() && !busy_; });
 }
 
-void SimStream::loop() {
+void SimStream::run(const std::function<void()>& fn, bool usesGpu) {
   const SimDeviceOptions& o = rank_.world_.options();
+  // A dead rank runs nothing; a failed one skips the rest of its work.
+  if (rank_.world_.dead(rank_.rank()) || rank_.failed()) return;
+  try {
+    if (usesGpu) {
+      std::lock_guard<std::mutex> g(gpu_.busy());
+      if (int(nextRandom(rng_) % 1000) < o.pausePermille)
+        std::this_thread::sleep_for(std::chrono::microseconds(nextRandom(rng_) % uint64_t(o.maxPauseUs + 1)));
+      fn();
+    } else {
+      fn();
+    }
+  } catch (const loom::Error& e) {
+    rank_.failWith(e.code(), e.what());
+  }
+}
+
+void SimStream::loop() {
   for (;;) {
     SimTask task;
     {
@@ -225,22 +259,7 @@ void SimStream::loop() {
       busy_ = true;
     }
     cv_.notify_all();  // room in a bounded queue
-    // A dead rank runs nothing; a failed one skips the rest of its work.
-    if (!rank_.world_.dead(rank_.rank()) && !rank_.failed()) {
-      try {
-        if (task.second) {
-          std::lock_guard<std::mutex> g(gpu_.busy());
-          if (int(nextRandom(rng_) % 1000) < o.pausePermille)
-            std::this_thread::sleep_for(
-                std::chrono::microseconds(nextRandom(rng_) % uint64_t(o.maxPauseUs + 1)));
-          task.first();
-        } else {
-          task.first();
-        }
-      } catch (const loom::Error& e) {
-        rank_.failWith(e.code(), e.what());
-      }
-    }
+    run(task.first, task.second);
     {
       std::lock_guard<std::mutex> g(mu_);
       busy_ = false;
@@ -442,7 +461,7 @@ void SimRank::recordEvent(int s, int e) {
   Event& ev = event(e);
   int lane = 0;
   std::shared_ptr<SimCapture> c = stream(s).capture(&lane);
-  std::lock_guard<std::mutex> eg(eventMu_);
+  std::unique_lock<std::mutex> eg(eventMu_);
   if (c) {  // a node of the graph: each launch completes its own
     std::lock_guard<std::mutex> g(c->mu);
     if (c->ended) loom::fail(loomInternalError, "sim: an event recorded on a stream whose capture just ended");
@@ -458,7 +477,8 @@ void SimRank::recordEvent(int s, int e) {
     return;
   }
   ev.capture.reset();
-  uint64_t gen = ++ev.recorded;
+  const uint64_t gen = ++ev.recorded;
+  eg.unlock();  // an enqueue may block (a bounded queue)
   stream(s).enqueue(
       [this, &ev, gen] {
         ev.completed.store(gen, std::memory_order_release);
@@ -475,12 +495,10 @@ void SimRank::waitNode(int s, const std::shared_ptr<SimCapture>& c, size_t node,
     loom::fail(loomInternalError, "sim: a stream in one capture waits for %s of another "
                "(cudaErrorStreamCaptureIsolation)", what);
   if (!mine) {  // the fork: the stream joins the capture, in a lane of its own
-    {
-      std::lock_guard<std::mutex> g(c->mu);
-      if (c->ended) loom::fail(loomInternalError, "sim: a wait for %s recorded in a capture that has ended", what);
-      lane = c->addLane(&st);
-    }
-    st.setCapture(c, lane);  // outside the capture's lock (an enqueue takes a stream's, then it)
+    lane = st.join(c);
+    if (lane < 0)
+      loom::fail(loomInternalError, "sim: a stream joined another capture while this one waited for %s "
+                 "(cudaErrorStreamCaptureIsolation)", what);
   }
   std::lock_guard<std::mutex> g(c->mu);
   if (c->ended) loom::fail(loomInternalError, "sim: a wait for %s recorded in a capture that has ended", what);

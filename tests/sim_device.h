@@ -125,9 +125,16 @@ class SimStream {
   // The capture the stream is in (null: none) and its lane there.
   std::shared_ptr<SimCapture> capture(int* lane) const;
   void setCapture(std::shared_ptr<SimCapture> c, int lane);
+  // Joins capture c in a lane of its own unless in a capture already:
+  // the lane (-1: in another capture).
+  int join(const std::shared_ptr<SimCapture>& c);
   // Returns once everything enqueued so far has run or been skipped.
   void drain();
   bool idle() const;  // nothing enqueued is left to run
+  // Runs one task on this stream's thread as its queue does (nothing for a
+  // dead or failed rank; the device held with usesGpu; an Error fails the
+  // rank): a graph launch's tasks, which are one entry of the queue.
+  void run(const std::function<void()>& fn, bool usesGpu);
 
  private:
   void loop();
@@ -175,8 +182,8 @@ class SimRank final : public loom::StreamBackend {
   // says the handle is being captured, so loom's calls on it take the
   // graph lane), and enqueue a captured graph's tasks on it, as
   // cudaGraphLaunch does: lane 0 on that stream, the other lanes on
-  // replay streams of their own (idle ones, or new), each launch with
-  // events of its own.  As CUDA: a stream joins a capture when it waits
+  // replay streams of their own (idle ones, or new), each lane one entry
+  // of its stream's queue, each launch with events of its own.  As CUDA: a stream joins a capture when it waits
   // for an event recorded in it (recordEvent/waitEvent, joinStream), stays
   // in it until the capture ends, and can be in one only; a wait that
   // crosses a capture's boundary, and an end while a joined stream's last
@@ -189,7 +196,7 @@ class SimRank final : public loom::StreamBackend {
   // or an eager program's: index i (0 <= i < kCaptureSideStreams) of them
   // is stream captureSideStream(i).  captureOf(s): an id of the capture
   // stream s is in, 0 for none.
-  static constexpr int kCaptureSideStreams = 4;
+  static constexpr int kCaptureSideStreams = 6;
   int captureSideStream(int i) const { return baseStreams_ + i; }
   uint64_t captureOf(int s);
   // cudaGraphRetainUserObject on the graph being captured on the caller
@@ -230,6 +237,9 @@ class SimRank final : public loom::StreamBackend {
     std::shared_ptr<SimCapture> capture;
     size_t node = 0;
   };
+  // Lane `lane` of a launch of `graph`, as one task of stream `on`.
+  std::function<void()> laneTask(SimStream& on, const SimGraph& graph, const std::shared_ptr<SimLaunch>& launch,
+                                 size_t lane);
   // Stream s waits for node `node` of capture c (joining it when in none).
   void waitNode(int s, const std::shared_ptr<SimCapture>& c, size_t node, const char* what);
   SimStream& stream(int s);

@@ -254,8 +254,9 @@ class SimDriver final : public loom::DeviceDriver {
     caller_ = std::make_unique<loomsim::SimCallerBackend>(r, caller);  // as CUDA's: valid until the next call
     return *caller_;
   }
-  // As CUDA's driver: the side streams come from a pool of the rank's
-  // capture streams (SimRank::captureSideStream), through the same choice.
+  // As CUDA's driver: the side streams come from pools (one per program
+  // stream) of the rank's capture streams (SimRank::captureSideStream),
+  // through the same choice.
   loom::StreamBackend& captureBackend(void* callerStream, int streams, int events) override {
     if (streams <= 1) return backend(callerStream, streams, events);
     onDevice("captureBackend (stream creation)");
@@ -266,12 +267,14 @@ class SimDriver final : public loom::DeviceDriver {
     const int caller = r.callerStream(callerStream);
     simCheck(caller != 0, "a capture on an added caller stream");
     auto captureOf = [&r](void* s) { return r.captureOf(int(reinterpret_cast<uintptr_t>(s))); };
-    std::vector<void*> side = loom::pickCaptureStreams(capturePool_, r.captureOf(caller), streams - 1, captureOf, [&] {
-      simCheck(int(capturePool_.size()) < loomsim::SimRank::kCaptureSideStreams, "a free capture side stream");
-      return reinterpret_cast<void*>(uintptr_t(r.captureSideStream(int(capturePool_.size()))));
-    });
     std::vector<int> map{caller};
-    for (void* s : side) map.push_back(int(reinterpret_cast<uintptr_t>(s)));
+    if (int(capturePools_.size()) < streams - 1) capturePools_.resize(size_t(streams - 1));
+    for (int s = 1; s < streams; ++s)
+      map.push_back(int(reinterpret_cast<uintptr_t>(
+          loom::pickCaptureStream(capturePools_[size_t(s - 1)], r.captureOf(caller), captureOf, [&] {
+            simCheck(madeCapture_ < loomsim::SimRank::kCaptureSideStreams, "a free capture side stream");
+            return reinterpret_cast<void*>(uintptr_t(r.captureSideStream(madeCapture_++)));
+          }))));
     caller_ = std::make_unique<loomsim::SimCallerBackend>(r, std::move(map));
     return *caller_;
   }
@@ -326,7 +329,8 @@ class SimDriver final : public loom::DeviceDriver {
   loomsim::SimDeviceWorld* world_;
   int rank_, device_;
   std::unique_ptr<loomsim::SimCallerBackend> caller_;
-  std::vector<void*> capturePool_;  // captureBackend's: the rank's capture streams handed out so far
+  std::vector<std::vector<void*>> capturePools_;  // captureBackend's, per program stream 1..
+  int madeCapture_ = 0;                            // the rank's capture streams handed out so far
 };
 
 }  // namespace loomsim

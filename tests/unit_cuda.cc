@@ -1043,6 +1043,18 @@ TEST_CASE("CUDA communicator driver: a captured program's side streams are never
   // One stream: the caller's alone, no query.
   g_captures[callerA] = 12;
   CHECK(backendStream(drv->captureBackend(callerA, 1, 0), 0) == callerA);
+  // A fresh driver whose first program on two streams is captured makes
+  // its events there; and stream 2's pool is not stream 1's.
+  g_drv.clear();
+  auto fresh = loom::makeCudaDeviceDriver(kDriverTable, 0);
+  loom::StreamBackend& f = fresh->captureBackend(callerA, 2, 2);
+  CHECK(countOf("eventCreate") == 2);
+  void* f1 = backendStream(f, 1);
+  g_captures[f1] = 12;  // joined
+  loom::StreamBackend& f2 = fresh->captureBackend(callerA, 3, 2);
+  CHECK(backendStream(f2, 1) == f1);
+  CHECK(backendStream(f2, 2) != f1);
+  CHECK(countOf("streamCreate") == 2);
   g_captures.clear();
 }
 

@@ -1249,3 +1249,61 @@ TEST_CASE("stream programs: a replayable reduce-scatter + all-gather all-reduce 
     if (o.kind == loom::StreamOpKind::WaitFlag && o.flagRank == 2) CHECK(o.stream == 2);  // waits for the sender
   }
 }
+
+TEST_CASE("stream programs: one that leaves a side stream unjoined, or a replayable one that lowers its busy mark "
+          "before its end, is loomInternalError before anything is enqueued",
+          "[stream][graph]") {
+  loomsim::SimDeviceWorld w(2, 1, 1024);
+  std::vector<uint8_t> in(64), out(64);
+  for (size_t i = 0; i < in.size(); ++i) in[i] = uint8_t(i + 1);
+  const loom::ProgramBuffers b = w.buffers(0, in.data(), in.size(), out.data(), out.size());
+  auto op = [](loom::StreamOpKind k, int stream, int event = 0) {
+    loom::StreamOp o;
+    o.kind = k;
+    o.stream = uint8_t(stream);
+    o.event = event;
+    return o;
+  };
+  auto errorOf = [&](const loom::StreamProgram& p) -> std::string {
+    try {
+      loom::enqueueProgram(w.rank(0), p, b);
+    } catch (const loom::Error& e) {
+      CHECK(e.code() == loomInternalError);
+      return e.what();
+    }
+    return "";
+  };
+  loom::StreamProgram p;
+  p.nranks = 2;
+  p.streams = 2;
+  p.events = 2;
+  loom::StreamOp copy = op(loom::StreamOpKind::Copy, 1);
+  copy.dst = loom::ProgramRef{loom::Space::Recv, 0, 0};
+  copy.count = 8;
+  p.srcs.push_back(loom::ProgramRef{loom::Space::Send, 0, 0});
+  copy.srcBegin = 0;
+  copy.srcCount = 1;
+  p.ops = {op(loom::StreamOpKind::RecordEvent, 0, 0), op(loom::StreamOpKind::WaitEvent, 1, 0), copy};
+  CHECK(errorOf(p).find("leaves stream 1 unjoined") != std::string::npos);  // no join at all
+  p.ops.push_back(op(loom::StreamOpKind::RecordEvent, 1, 1));
+  CHECK(errorOf(p).find("unjoined") != std::string::npos);  // recorded, never waited for
+  p.ops.push_back(op(loom::StreamOpKind::WaitEvent, 0, 0));
+  CHECK(errorOf(p).find("unjoined") != std::string::npos);  // waited for another event
+  p.ops.back().event = 1;
+  CHECK(errorOf(p) == "");  // joined
+  std::string msg;
+  REQUIRE(w.rank(0).synchronize(&msg) == loomSuccess);
+  CHECK(memcmp(out.data(), in.data(), 8) == 0);
+  // Replayable: the busy mark goes down last, on stream 0.
+  p.replayable = true;
+  loom::StreamOp down = op(loom::StreamOpKind::SetLocal, 0);
+  down.flagRank = 0;
+  down.flag = loom::kFlagGraphBusy;
+  down.value = 0;
+  p.ops.insert(p.ops.begin() + 3, down);
+  CHECK(errorOf(p).find("zeroes its busy mark at op #3") != std::string::npos);
+  p.ops.erase(p.ops.begin() + 3);
+  p.ops.push_back(down);
+  CHECK(errorOf(p) == "");
+  REQUIRE(w.rank(0).synchronize(&msg) == loomSuccess);
+}

@@ -154,8 +154,8 @@ struct CudaApi {
   // ---- ABI 12: captured programs on several streams (capture_streams.h) ----
   // *id = the id of the capture `stream` is in (cudaStreamGetCaptureInfo:
   // active or invalidated), 0 when it is in none.  (Since ABI 12,
-  // streamCreate makes its stream in relaxed capture mode, so that it may
-  // run while this thread, or another in global mode, captures.)
+  // streamCreate and eventCreate run in relaxed capture mode, so that
+  // they may run while this thread, or another in global mode, captures.)
   int (*captureId)(void* stream, uint64_t* id);
 };
 

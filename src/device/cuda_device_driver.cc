@@ -32,7 +32,8 @@ class CudaDeviceDriver final : public DeviceDriver {
     for (void* e : events_) api_.eventDestroy(e);
     if (joinEvent_) api_.eventDestroy(joinEvent_);
     for (void* s : streams_) api_.streamDestroy(s);
-    for (void* s : captureStreams_) api_.streamDestroy(s);
+    for (const std::vector<void*>& pool : capturePools_)
+      for (void* s : pool) api_.streamDestroy(s);
     leave(previous);
   }
 
@@ -102,18 +103,19 @@ class CudaDeviceDriver final : public DeviceDriver {
       return id;
     };
     const uint64_t capture = captureOf(callerStream);
-    std::vector<void*> side = pickCaptureStreams(captureStreams_, capture, streams - 1, captureOf, [this] {
-      void* s = nullptr;
-      check(api_.streamCreate(&s), "cudaStreamCreateWithFlags");
-      return s;
-    });
+    std::vector<void*> all{callerStream};
+    if (int(capturePools_.size()) < streams - 1) capturePools_.resize(size_t(streams - 1));
+    for (int s = 1; s < streams; ++s)
+      all.push_back(pickCaptureStream(capturePools_[size_t(s - 1)], capture, captureOf, [this] {
+        void* made = nullptr;
+        check(api_.streamCreate(&made), "cudaStreamCreateWithFlags");
+        return made;
+      }));
     while (int(events_.size()) < events) {
       void* e = nullptr;
       check(api_.eventCreate(&e), "cudaEventCreateWithFlags");
       events_.push_back(e);
     }
-    std::vector<void*> all{callerStream};
-    all.insert(all.end(), side.begin(), side.end());
     backend_ = std::make_unique<CudaStreamBackend>(api_, std::move(all), events_);
     return *backend_;
   }
@@ -228,7 +230,7 @@ class CudaDeviceDriver final : public DeviceDriver {
   std::vector<uint64_t*> lastBatch_;  // writeFlags' last batch, and its value
   uint64_t lastValue_ = 0;
   std::vector<void*> streams_;  // side streams (program streams 1..)
-  std::vector<void*> captureStreams_;  // captured programs' side streams (captureBackend)
+  std::vector<std::vector<void*>> capturePools_;  // per program stream 1..: captured programs' (captureBackend)
   std::vector<void*> events_;
   void* joinEvent_ = nullptr;  // streamWaitStream's
   std::unique_ptr<CudaStreamBackend> backend_;

@@ -294,15 +294,22 @@ int ipcOpenHandle(const void* handle, void** mapped) {
 
 int ipcCloseHandle(void* mapped) { return int(cudaIpcCloseMemHandle(mapped)); }
 
-int streamCreate(void** stream) {
-  // In relaxed mode: a captured call's first side stream is made while
-  // the caller's capture (global mode, PyTorch's default) runs.
+// Runs make() in relaxed capture mode, then restores the thread's: a
+// captured call's first side stream or event is made while the caller's
+// capture (global mode, PyTorch's default) runs.
+template <class Make>
+cudaError_t relaxed(Make make) {
   cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
   cudaError_t rc = cudaThreadExchangeStreamCaptureMode(&mode);
-  if (rc != cudaSuccess) return int(rc);
-  cudaStream_t s = nullptr;
-  rc = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  if (rc != cudaSuccess) return rc;
+  rc = make();
   cudaThreadExchangeStreamCaptureMode(&mode);  // the caller's mode again
+  return rc;
+}
+
+int streamCreate(void** stream) {
+  cudaStream_t s = nullptr;
+  cudaError_t rc = relaxed([&] { return cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking); });
   *stream = s;
   return int(rc);
 }
@@ -311,7 +318,7 @@ int streamDestroy(void* stream) { return int(cudaStreamDestroy(static_cast<cudaS
 
 int eventCreate(void** event) {
   cudaEvent_t e = nullptr;
-  cudaError_t rc = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+  cudaError_t rc = relaxed([&] { return cudaEventCreateWithFlags(&e, cudaEventDisableTiming); });
   *event = e;
   return int(rc);
 }
