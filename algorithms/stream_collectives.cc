@@ -618,7 +618,10 @@ StreamProgram makeReplayable(StreamProgram p, uint64_t sig) {
     if (r.space == Space::Published) fail(loomInternalError, "a replayable program cannot read published buffers");
   b.set(0, FlagIndex(kFlagGraphEnd), 1);
   b.waitOthers(0, FlagIndex(kFlagGraphEnd), 1);
-  for (int r = 0; r < p.nranks; ++r) {
+  // The peers' rows first, then the own row: one run of zeroings of the
+  // peers' copies, which the enqueuer hands the backend as one batch.
+  for (int i = 1; i <= p.nranks; ++i) {
+    const int r = (p.rank + i) % p.nranks;
     for (uint8_t f : {uint8_t(kFlagInput), uint8_t(kFlagReduced), uint8_t(kFlagDone), kFlagGraphEnd})
       b.setLocal(0, r, f, 0);
     if (r != p.rank) b.setLocal(0, r, kFlagGraphSig, 0);
@@ -804,11 +807,11 @@ StreamProgram p2pProgram(const std::vector<OpDesc>& ops, int rank, int nranks, s
     // rank's region and zeroed its copy of `sent`), then zero this rank's
     // copy of `acked`: the receiver acks its next call's chunks only after
     // this rank's next `sent`, written after this.
+    // (Every wait first, then every zeroing: one run the enqueuer batches.)
     for (int q = 0; q < nranks; ++q)
-      if (!sendChunks[size_t(q)].empty()) {
-        b.wait(0, q, ackedFlag, sendChunks[size_t(q)].size());
-        b.setLocal(0, q, ackedFlag, 0);
-      }
+      if (!sendChunks[size_t(q)].empty()) b.wait(0, q, ackedFlag, sendChunks[size_t(q)].size());
+    for (int q = 0; q < nranks; ++q)
+      if (!sendChunks[size_t(q)].empty()) b.setLocal(0, q, ackedFlag, 0);
     b.setLocal(0, rank, kFlagGraphBusy, 0);
     return p;
   }

@@ -174,8 +174,8 @@ StreamProgram compileP2PProgram(const std::vector<OpDesc>& ops, int rank, int nr
 //     next call's values only after this receiver's last ack, so while a
 //     rank is at a sender's gate a nonzero value there that differs from
 //     its own is that sender's in this same call;
-//   for each receiver: wait for its last ack, then zero this rank's copy
-//     of its `acked` (the receiver acks the next call's chunks only after
+//   wait for each receiver's last ack, then zero this rank's copies of
+//     their `acked` (a receiver acks the next call's chunks only after
 //     this rank's next `sent`, written after this);
 //   own busy = 0.
 // Only the pairs of the call synchronise: there is no start gate, so a

@@ -384,6 +384,20 @@ void SimRank::setFlag(int s, uint64_t* flag, uint64_t value) {
       true);
 }
 
+void SimRank::setFlags(int s, uint64_t* const* flags, size_t n, uint64_t value) {
+  std::vector<std::atomic<uint64_t>*> fs;
+  for (size_t i = 0; i < n; ++i) fs.push_back(reinterpret_cast<std::atomic<uint64_t>*>(flags[i]));
+  stream(s).enqueue(
+      [this, fs, value] {
+        for (std::atomic<uint64_t>* f : fs) {
+          if (world_.options().beforeSetFlag) world_.options().beforeSetFlag(f->load(std::memory_order_acquire), value);
+          f->store(value, std::memory_order_release);
+        }
+        world_.notify();
+      },
+      true);
+}
+
 void SimRank::copy(int s, void* dst, const void* src, size_t bytes) {
   stream(s).enqueue([=] { memcpy(dst, src, bytes); }, true);
 }

@@ -212,6 +212,8 @@ class SimRank final : public loom::StreamBackend {
 
   void waitFlag(int stream, const uint64_t* flag, uint64_t value, int ownerRank) override;
   void setFlag(int stream, uint64_t* flag, uint64_t value) override;
+  // One task, as CUDA's batch is one operation.
+  void setFlags(int stream, uint64_t* const* flags, size_t n, uint64_t value) override;
   void copy(int stream, void* dst, const void* src, size_t bytes) override;
   void reduce(int stream, void* dst, void* dst2, const void* const* srcs, int nsrcs, size_t count, loomDataType_t type,
               loomRedOp_t op) override;
@@ -284,6 +286,9 @@ class SimCallerBackend final : public loom::StreamBackend {
     r_.waitFlag(map(s), flag, value, owner);
   }
   void setFlag(int s, uint64_t* flag, uint64_t value) override { r_.setFlag(map(s), flag, value); }
+  void setFlags(int s, uint64_t* const* flags, size_t n, uint64_t value) override {
+    r_.setFlags(map(s), flags, n, value);
+  }
   void copy(int s, void* dst, const void* src, size_t bytes) override { r_.copy(map(s), dst, src, bytes); }
   void reduce(int s, void* dst, void* dst2, const void* const* srcs, int nsrcs, size_t count, loomDataType_t type,
               loomRedOp_t op) override {

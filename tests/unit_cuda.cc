@@ -7,6 +7,7 @@
 // calls, again through a recording table, with host memory standing in for
 // device memory).
 #include "loom_catch.h"
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
@@ -14,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -110,11 +112,85 @@ const loom::CudaApi kRecording = {
     nullptr,
     nullptr,  // retainOnCapture
     nullptr,  // captureId
+    [](void* s, uint64_t* const* a, int n, uint64_t v) {  // writeValues64: one batch
+      std::string c = "writes " + ptr(s);
+      for (int i = 0; i < n; ++i) c += " " + ptr(a[i]);
+      g_calls.push_back(c + loom::strf(" = %llu", (unsigned long long)v));
+      return 0;
+    },
 };
 
 void* handle(uintptr_t v) { return reinterpret_cast<void*>(v); }
 
 }  // namespace
+
+TEST_CASE("CUDA backend: a replayable program's runs of zeroings of the peers' flags become one batch each "
+          "(cuStreamBatchMemOp), its own row's marks stay single writes in program order, and the busy mark goes "
+          "down last",
+          "[cuda][graph]") {
+  const int N = 4, me = 1;
+  std::vector<float> send(600), recv(600);
+  std::vector<std::vector<uint8_t>> win(N, std::vector<uint8_t>(4096));
+  std::vector<std::vector<uint64_t>> flags(N, std::vector<uint64_t>(loom::kFlagCount));
+  std::vector<std::vector<uint64_t>> peerCopies(N, std::vector<uint64_t>(loom::kFlagCount));  // what each peer reads
+  loom::OpDesc op;
+  op.sendbuf = send.data();
+  op.recvbuf = recv.data();
+  op.count = 600;
+  op.op = loomSum;
+  uint64_t round = 0;
+  const loom::StreamProgram p = loom::makeReplayable(
+      loom::compileStreamProgram(op, me, N, loom::StreamAlgorithm::ReduceScatterAllGather, 2048, &round), 99);
+  loom::ProgramBuffers b;
+  b.send = send.data();
+  b.sendBytes = b.recvBytes = 2400;
+  b.recv = recv.data();
+  b.windowBytes = 4096;
+  for (int r = 0; r < N; ++r) {
+    b.windows.push_back(win[size_t(r)].data());
+    b.flags.push_back(flags[size_t(r)].data());
+    b.peerFlags.push_back(peerCopies[size_t(r)].data());
+  }
+  void *s0 = handle(0x5000), *s1 = handle(0x5100), *e0 = handle(0xe000), *e1 = handle(0xe100);
+  loom::CudaStreamBackend be(kRecording, {s0, s1}, {e0, e1});
+  g_calls.clear();
+  loom::enqueueProgram(be, p, b);
+  INFO(p.describe());
+  // Every zeroing of another rank's row is in exactly one batch; every
+  // other SetLocal is a single write, in program order.
+  std::vector<std::string> zeroed;
+  size_t batches = 0;
+  for (const std::string& c : g_calls) {
+    if (c.rfind("writes ", 0) == 0) {
+      ++batches;
+      CHECK(c.substr(c.size() - 4) == " = 0");
+      std::istringstream in(c.substr(7, c.size() - 11));
+      std::string stream, a;
+      in >> stream;
+      CHECK(stream == ptr(s0));
+      while (in >> a) zeroed.push_back(a);
+    }
+  }
+  std::vector<std::string> expectZeroed, expectSingles;
+  for (const loom::StreamOp& o : p.ops)
+    if (o.kind == loom::StreamOpKind::SetLocal) {
+      const std::string a = ptr(&flags[size_t(o.flagRank)][o.flag]);
+      if (o.value == 0 && o.flagRank != me)
+        expectZeroed.push_back(a);
+      else
+        expectSingles.push_back("write " + ptr(s0) + " " + a + " = " + std::to_string(o.value));
+    }
+  CHECK(zeroed == expectZeroed);
+  CHECK(expectZeroed.size() == size_t(5 * (N - 1) + (N - 1)));  // round flags, end and sig; then resets
+  CHECK(batches == 2);  // the peers' rows after `end` (the own row after them), and their resets after `reset`
+  size_t next = 0;  // expectSingles, in order, among the calls
+  for (const std::string& c : g_calls)
+    if (next < expectSingles.size() && c == expectSingles[next]) ++next;
+  CHECK(next == expectSingles.size());
+  REQUIRE_FALSE(g_calls.empty());
+  CHECK(g_calls.back() == "write " + ptr(s0) + " " + ptr(&flags[me][loom::kFlagGraphBusy]) + " = 0");
+  CHECK(g_calls.size() == p.ops.size() - expectZeroed.size() + batches);
+}
 
 TEST_CASE(
     "CUDA backend: every stream-program op becomes its one CUDA call, on the right stream and addresses",
@@ -673,6 +749,7 @@ const loom::CudaApi kDriverTable = {
       *id = it == g_captures.end() ? 0 : it->second;
       return 0;
     },
+    nullptr,  // writeValues64: the backend's
 };
 
 size_t countOf(const std::string& prefix) {

@@ -157,10 +157,17 @@ struct CudaApi {
   // streamCreate and eventCreate run in relaxed capture mode, so that
   // they may run while this thread, or another in global mode, captures.)
   int (*captureId)(void* stream, uint64_t* id);
+  // ---- ABI 13 ----
+  // *addrs[i] = value for i < n, after the stream's earlier work, as one
+  // stream operation (cuStreamBatchMemOp of 64-bit writes; one node in a
+  // CUDA graph; the plug-in splits batches above its limit, and falls
+  // back to one cuStreamWriteValue64 each where the driver has none).
+  // The writes of one batch land in no particular order.
+  int (*writeValues64)(void* stream, uint64_t* const* addrs, int n, uint64_t value);
 };
 
-// 10: streamCapturing says 2 for an implicit capture; 11: retainOnCapture; 12: captureId
-constexpr int kCudaApiVersion = 12;
+// 10: streamCapturing says 2 for an implicit capture; 11: retainOnCapture; 12: captureId; 13: writeValues64
+constexpr int kCudaApiVersion = 13;
 // sizeof(cudaIpcMemHandle_t) (CUDA_IPC_HANDLE_SIZE); the plug-in checks it.
 constexpr size_t kCudaIpcHandleBytes = 64;
 

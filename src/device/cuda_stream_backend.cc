@@ -30,6 +30,14 @@ void CudaStreamBackend::setFlag(int s, uint64_t* flag, uint64_t value) {
   check(api_.writeValue64(stream(s), flag, value), "cuStreamWriteValue64");
 }
 
+void CudaStreamBackend::setFlags(int s, uint64_t* const* flags, size_t n, uint64_t value) {
+  if (!api_.writeValues64) {
+    StreamBackend::setFlags(s, flags, n, value);
+    return;
+  }
+  check(api_.writeValues64(stream(s), flags, int(n), value), "cuStreamBatchMemOp");
+}
+
 void CudaStreamBackend::copy(int s, void* dst, const void* src, size_t bytes) {
   check(api_.memcpyAsync(dst, src, bytes, stream(s)), "cudaMemcpyAsync");
 }

@@ -19,6 +19,8 @@ class CudaStreamBackend final : public StreamBackend {
 
   void waitFlag(int stream, const uint64_t* flag, uint64_t value, int ownerRank) override;
   void setFlag(int stream, uint64_t* flag, uint64_t value) override;
+  // One writeValues64 (cuStreamBatchMemOp) when the table has it.
+  void setFlags(int stream, uint64_t* const* flags, size_t n, uint64_t value) override;
   void copy(int stream, void* dst, const void* src, size_t bytes) override;
   // More than kCudaMaxReduceSources sources: chained launches that keep the
   // left-to-right order (dst = dst op next sources).

@@ -229,8 +229,35 @@ ProgramEnqueuer::ProgramEnqueuer(StreamBackend& be, const StreamProgram& p, cons
   }
 }
 
+// A run of zeroings of this rank's own copies of the peers' flags
+// (SetLocal to 0 of another rank's row, one stream, consecutive in the
+// program: makeReplayable's and the send/recv graph programs' tails),
+// which one setFlags enqueues.  Its own row's marks (busy, reset, the
+// gate's mark) stay single ops in program order: the watchdog reads them
+// and their order matters.
+size_t ProgramEnqueuer::batchable(size_t index) const {
+  auto zeroing = [&](const StreamOp& o, uint8_t stream) {
+    return o.kind == StreamOpKind::SetLocal && o.value == 0 && o.flagRank != p_.rank && o.stream == stream;
+  };
+  const uint8_t s = p_.ops[index].stream;
+  size_t end = index;
+  while (end < p_.ops.size() && zeroing(p_.ops[end], s)) ++end;
+  return end - index < 2 ? 1 : end - index;
+}
+
 bool ProgramEnqueuer::step(size_t n) {
-  for (; n > 0 && next_ < p_.ops.size(); --n) visit(next_++, true);
+  for (; n > 0 && next_ < p_.ops.size(); --n) {
+    const size_t run = batchable(next_);
+    if (run == 1) {
+      visit(next_++, true);
+      continue;
+    }
+    batch_.clear();
+    for (size_t i = next_; i < next_ + run; ++i)
+      batch_.push_back(b_.flags[size_t(p_.ops[i].flagRank)] + p_.ops[i].flag);
+    be_.setFlags(p_.ops[next_].stream, batch_.data(), batch_.size(), 0);
+    next_ += run;
+  }
   return next_ == p_.ops.size();
 }
 

@@ -256,6 +256,12 @@ class StreamBackend {
   virtual ~StreamBackend() = default;
   virtual void waitFlag(int stream, const uint64_t* flag, uint64_t value, int ownerRank) = 0;
   virtual void setFlag(int stream, uint64_t* flag, uint64_t value) = 0;
+  // setFlag of each of `n` flags, as one operation where the backend can
+  // (CUDA: one batch of stream memory operations); the writes land in no
+  // particular order.  The enqueuer gives it runs of zeroings (SetLocal).
+  virtual void setFlags(int stream, uint64_t* const* flags, size_t n, uint64_t value) {
+    for (size_t i = 0; i < n; ++i) setFlag(stream, flags[i], value);
+  }
   virtual void copy(int stream, void* dst, const void* src, size_t bytes) = 0;
   // dst = srcs[0] op ... op srcs[nsrcs-1]; when dst2 is not null, dst2
   // gets the same elements.  dst never overlaps a source; dst2 may be one
@@ -294,12 +300,15 @@ class ProgramEnqueuer {
 
  private:
   void visit(size_t index, bool enqueue);
+  // The ops from `index` that one setFlags call enqueues (1: none to batch).
+  size_t batchable(size_t index) const;
   StreamBackend& be_;
   const StreamProgram& p_;
   const ProgramBuffers& b_;
   size_t next_ = 0;
   std::vector<const void*> srcs_;
   std::vector<CellRef> cells_;
+  std::vector<uint64_t*> batch_;
 };
 
 }  // namespace loom

@@ -22,6 +22,7 @@ namespace {
 constexpr int kDriverBase = 100000;
 
 using StreamValue64Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+using BatchMemOpFn = CUresult (*)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int);
 using GetErrorStringFn = CUresult (*)(CUresult, const char**);
 using AddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 using CtxGetCurrentFn = CUresult (*)(CUcontext*);
@@ -40,6 +41,7 @@ struct Driver {
   CtxSetCurrentFn ctxSetCurrent = nullptr;
   DeviceGetFn deviceGet = nullptr;
   DeviceGetAttributeFn deviceGetAttribute = nullptr;
+  BatchMemOpFn batchMemOp = nullptr;  // optional: writeValues64 writes one at a time without it
   cudaError_t status = cudaErrorNotReady;  // of the lookup
 };
 
@@ -65,6 +67,10 @@ const Driver& driver() {
     if (x.status == cudaSuccess) x.status = lookup("cuCtxSetCurrent", &x.ctxSetCurrent);
     if (x.status == cudaSuccess) x.status = lookup("cuDeviceGet", &x.deviceGet);
     if (x.status == cudaSuccess) x.status = lookup("cuDeviceGetAttribute", &x.deviceGetAttribute);
+    if (x.status == cudaSuccess && lookup("cuStreamBatchMemOp", &x.batchMemOp) != cudaSuccess) {
+      x.batchMemOp = nullptr;
+      cudaGetLastError();  // not an error the next call should report
+    }
     return x;
   }();
   return d;
@@ -84,6 +90,33 @@ int writeValue64(void* stream, uint64_t* addr, uint64_t value) {
   CUresult r = d.writeValue64(static_cast<CUstream>(stream), CUdeviceptr(reinterpret_cast<uintptr_t>(addr)), value,
                               CU_STREAM_WRITE_VALUE_DEFAULT);
   return r == CUDA_SUCCESS ? 0 : kDriverBase + int(r);
+}
+
+int writeValues64(void* stream, uint64_t* const* addrs, int n, uint64_t value) {
+  const Driver& d = driver();
+  if (d.status != cudaSuccess) return int(d.status);
+  constexpr int kBatch = 128;  // well under the driver's limit on one batch
+  for (int at = 0; at < n; at += kBatch) {
+    const int k = n - at < kBatch ? n - at : kBatch;
+    if (!d.batchMemOp) {
+      for (int i = 0; i < k; ++i) {
+        const int rc = writeValue64(stream, addrs[at + i], value);
+        if (rc != 0) return rc;
+      }
+      continue;
+    }
+    CUstreamBatchMemOpParams ops[kBatch];
+    memset(ops, 0, sizeof ops);
+    for (int i = 0; i < k; ++i) {
+      ops[i].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+      ops[i].writeValue.address = CUdeviceptr(reinterpret_cast<uintptr_t>(addrs[at + i]));
+      ops[i].writeValue.value64 = value;
+      ops[i].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+    }
+    CUresult r = d.batchMemOp(static_cast<CUstream>(stream), unsigned(k), ops, 0);
+    if (r != CUDA_SUCCESS) return kDriverBase + int(r);
+  }
+  return 0;
 }
 
 int memcpyAsync(void* dst, const void* src, size_t bytes, void* stream) {
@@ -355,7 +388,7 @@ const CudaApi kApi = {kCudaApiVersion, waitValue64,     writeValue64,   memcpyAs
                       readValue64,     mallocRaw,       hostAllocMapped, hostFree,     loadKernelsOnce,
                       launchReduceIndirect, launchCopyIndirect, deviceSynchronize, contextDevice,
                       clearContext,    streamMemOps,   streamQuery,    streamCapturing, relaxCaptureMode,
-                      launchScale,     retainOnCapture, captureId};
+                      launchScale,     retainOnCapture, captureId,      writeValues64};
 
 }  // namespace
 }  // namespace cuda
