@@ -385,8 +385,12 @@ void SimRank::setFlag(int s, uint64_t* flag, uint64_t value) {
 }
 
 void SimRank::setFlags(int s, uint64_t* const* flags, size_t n, uint64_t value) {
+  if (n == 0) return;
   std::vector<std::atomic<uint64_t>*> fs;
   for (size_t i = 0; i < n; ++i) fs.push_back(reinterpret_cast<std::atomic<uint64_t>*>(flags[i]));
+  // A batch's writes land in no particular order: shuffled.
+  uint64_t rng = seed_ * 2654435761u + n * 40503u + uintptr_t(flags[0]);
+  for (size_t i = fs.size(); i > 1; --i) std::swap(fs[i - 1], fs[size_t(nextRandom(rng) % i)]);
   stream(s).enqueue(
       [this, fs, value] {
         for (std::atomic<uint64_t>* f : fs) {

@@ -192,6 +192,109 @@ TEST_CASE("CUDA backend: a replayable program's runs of zeroings of the peers' f
   CHECK(g_calls.size() == p.ops.size() - expectZeroed.size() + batches);
 }
 
+TEST_CASE("CUDA backend: only runs of zeroings of the peers' flags on one stream are batched: a run that changes "
+          "stream, a nonzero write and an own-row zeroing stay single writes, and a captured send/recv group's gate "
+          "and ack zeroings batch",
+          "[cuda][graph]") {
+  const int N = 3, me = 0;
+  std::vector<std::vector<uint64_t>> flags(N, std::vector<uint64_t>(loom::kFlagCount));
+  std::vector<std::vector<uint64_t>> peerCopies(N, std::vector<uint64_t>(loom::kFlagCount));
+  std::vector<std::vector<uint8_t>> win(N, std::vector<uint8_t>(4096));
+  std::vector<uint8_t> in(2000), out(2000);
+  loom::ProgramBuffers b;
+  b.windowBytes = 4096;
+  for (int r = 0; r < N; ++r) {
+    b.windows.push_back(win[size_t(r)].data());
+    b.flags.push_back(flags[size_t(r)].data());
+    b.peerFlags.push_back(peerCopies[size_t(r)].data());
+  }
+  void *s0 = handle(0x5000), *s1 = handle(0x5100), *s2 = handle(0x5200), *e0 = handle(0xe000), *e1 = handle(0xe100);
+  auto local = [](int stream, int r, uint8_t f, uint64_t v) {
+    loom::StreamOp o;
+    o.kind = loom::StreamOpKind::SetLocal;
+    o.stream = uint8_t(stream);
+    o.flagRank = r;
+    o.flag = f;
+    o.value = v;
+    return o;
+  };
+  auto at = [&](int r, int f) { return ptr(&flags[size_t(r)][size_t(f)]); };
+  {
+    loom::StreamProgram p;
+    p.nranks = N;
+    p.rank = me;
+    p.streams = 2;
+    p.events = 2;
+    loom::StreamOp fork, wait, rec, join;
+    fork.kind = rec.kind = loom::StreamOpKind::RecordEvent;
+    wait.kind = join.kind = loom::StreamOpKind::WaitEvent;
+    wait.stream = rec.stream = 1;
+    rec.event = join.event = 1;
+    p.ops = {fork, wait,
+             local(0, 1, 0, 0), local(0, 2, 0, 0),  // a run of two: one batch
+             local(1, 1, 1, 0),                     // another stream: ends the run
+             local(0, 2, 1, 0), local(0, 2, 2, 5),  // a nonzero write: single
+             local(0, 1, 2, 0), local(0, 0, 2, 0), local(0, 2, 3, 0),  // an own-row zeroing splits it
+             rec, join};
+    loom::CudaStreamBackend be(kRecording, {s0, s1}, {e0, e1});
+    g_calls.clear();
+    loom::enqueueProgram(be, p, b);
+    const std::vector<std::string> expect = {
+        "record " + ptr(e0) + " on " + ptr(s0),
+        "waitevent " + ptr(s1) + " on " + ptr(e0),
+        "writes " + ptr(s0) + " " + at(1, 0) + " " + at(2, 0) + " = 0",
+        "write " + ptr(s1) + " " + at(1, 1) + " = 0",
+        "write " + ptr(s0) + " " + at(2, 1) + " = 0",
+        "write " + ptr(s0) + " " + at(2, 2) + " = 5",
+        "write " + ptr(s0) + " " + at(1, 2) + " = 0",
+        "write " + ptr(s0) + " " + at(0, 2) + " = 0",
+        "write " + ptr(s0) + " " + at(2, 3) + " = 0",
+        "record " + ptr(e1) + " on " + ptr(s1),
+        "waitevent " + ptr(s0) + " on " + ptr(e1),
+    };
+    CHECK(g_calls == expect);
+  }
+  {
+    // Rank 0 sends to 1 and 2 and receives from both in one captured group.
+    std::vector<loom::OpDesc> ops(4);
+    for (int i = 0; i < 4; ++i) {
+      ops[size_t(i)].coll = loom::Collective::P2P;
+      ops[size_t(i)].isSend = i < 2;
+      ops[size_t(i)].peer = 1 + i % 2;
+      ops[size_t(i)].count = 300;
+      ops[size_t(i)].dtype = loomUint8;
+      if (i < 2)
+        ops[size_t(i)].sendbuf = in.data();
+      else
+        ops[size_t(i)].recvbuf = out.data();
+    }
+    const loom::StreamProgram p = loom::compileGraphP2PProgram(ops, me, N, 1024, loom::kGraphP2PBusy + 1);
+    loom::ProgramBuffers pb = b;
+    pb.send = in.data();
+    pb.sendBytes = 300;
+    pb.moreSends.push_back({in.data(), 300});
+    pb.recv = out.data();
+    pb.recvBytes = 300;
+    pb.moreRecvs.push_back({out.data() + 300, 300});
+    pb.p2pBytes = 1024;
+    for (int r = 0; r < N; ++r) {
+      pb.p2pOut.push_back(win[size_t(me)].data() + size_t(r) * 1024);
+      pb.p2pIn.push_back(win[size_t(r)].data());
+    }
+    loom::CudaStreamBackend be(kRecording, {s0, s1, s2}, {e0, e1});
+    g_calls.clear();
+    loom::enqueueProgram(be, p, pb);
+    INFO(p.describe());
+    auto has = [&](const std::string& c) { return std::find(g_calls.begin(), g_calls.end(), c) != g_calls.end(); };
+    for (int q : {1, 2})  // each sender's gate values, zeroed as one batch on the receives' stream
+      CHECK(has("writes " + ptr(s2) + " " + at(q, loom::kFlagGraphMessages) + " " +
+                at(q, loom::kFlagGraphMessagesNot) + " = 0"));
+    CHECK(has("writes " + ptr(s0) + " " + at(1, loom::kFlagGraphAcked) + " " + at(2, loom::kFlagGraphAcked) +
+              " = 0"));  // the acks after every last-ack wait
+    CHECK(g_calls.back() == "write " + ptr(s0) + " " + at(me, loom::kFlagGraphBusy) + " = 0");
+  }
+}
+
 TEST_CASE(
     "CUDA backend: every stream-program op becomes its one CUDA call, on the right stream and addresses",
     "[cuda]") {

@@ -255,7 +255,7 @@ bool ProgramEnqueuer::step(size_t n) {
     batch_.clear();
     for (size_t i = next_; i < next_ + run; ++i)
       batch_.push_back(b_.flags[size_t(p_.ops[i].flagRank)] + p_.ops[i].flag);
-    be_.setFlags(p_.ops[next_].stream, batch_.data(), batch_.size(), 0);
+    be_.setFlags(p_.ops[next_].stream, batch_.data(), batch_.size(), p_.ops[next_].value);
     next_ += run;
   }
   return next_ == p_.ops.size();

@@ -67,9 +67,13 @@ const Driver& driver() {
     if (x.status == cudaSuccess) x.status = lookup("cuCtxSetCurrent", &x.ctxSetCurrent);
     if (x.status == cudaSuccess) x.status = lookup("cuDeviceGet", &x.deviceGet);
     if (x.status == cudaSuccess) x.status = lookup("cuDeviceGetAttribute", &x.deviceGetAttribute);
-    if (x.status == cudaSuccess && lookup("cuStreamBatchMemOp", &x.batchMemOp) != cudaSuccess) {
-      x.batchMemOp = nullptr;
-      cudaGetLastError();  // not an error the next call should report
+    if (x.status == cudaSuccess) {  // optional: looked up apart, so that its absence fails nothing
+      void* p = nullptr;
+      cudaDriverEntryPointQueryResult q;
+      if (cudaGetDriverEntryPointByVersion("cuStreamBatchMemOp", &p, 12000, cudaEnableDefault, &q) != cudaSuccess)
+        cudaGetLastError();  // the runtime's own error: not one for the next call to report
+      else if (q == cudaDriverEntryPointSuccess)
+        x.batchMemOp = reinterpret_cast<BatchMemOpFn>(p);
     }
     return x;
   }();
@@ -95,7 +99,7 @@ int writeValue64(void* stream, uint64_t* addr, uint64_t value) {
 int writeValues64(void* stream, uint64_t* const* addrs, int n, uint64_t value) {
   const Driver& d = driver();
   if (d.status != cudaSuccess) return int(d.status);
-  constexpr int kBatch = 128;  // well under the driver's limit on one batch
+  constexpr int kBatch = 255;  // the driver takes fewer than 256 operations per batch
   for (int at = 0; at < n; at += kBatch) {
     const int k = n - at < kBatch ? n - at : kBatch;
     if (!d.batchMemOp) {
