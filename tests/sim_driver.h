@@ -243,11 +243,15 @@ class SimDriver final : public loom::DeviceDriver {
     if (world_) world_->notify();
   }
   std::atomic<bool> failLaunch{false};  // backend() fails as a CUDA launch would
-  loom::StreamBackend& backend(void* callerStream, int streams, int events) override {
+  // What backend() and captureBackend() check first.
+  void checkLaunch(int streams, int events) {
     onDevice("backend (stream creation)");
     if (failLaunch.load()) loom::fail(loomUnhandledCudaError, "sim: cuStreamWaitValue64 failed: device lost");
     simCheck(streams <= 3, "at most 2 side streams");
     simCheck(events <= 8, "at most 8 events");
+  }
+  loom::StreamBackend& backend(void* callerStream, int streams, int events) override {
+    checkLaunch(streams, events);
     loomsim::SimRank& r = world_->rank(rank_);
     const int caller = r.callerStream(callerStream);
     if (caller == 0) return r;
@@ -259,10 +263,7 @@ class SimDriver final : public loom::DeviceDriver {
   // through the same choice.
   loom::StreamBackend& captureBackend(void* callerStream, int streams, int events) override {
     if (streams <= 1) return backend(callerStream, streams, events);
-    onDevice("captureBackend (stream creation)");
-    if (failLaunch.load()) loom::fail(loomUnhandledCudaError, "sim: cuStreamWaitValue64 failed: device lost");
-    simCheck(streams <= 3, "at most 2 side streams");
-    simCheck(events <= 8, "at most 8 events");
+    checkLaunch(streams, events);
     loomsim::SimRank& r = world_->rank(rank_);
     const int caller = r.callerStream(callerStream);
     simCheck(caller != 0, "a capture on an added caller stream");

@@ -79,20 +79,10 @@ class CudaDeviceDriver final : public DeviceDriver {
   void closeHandle(void* mapped) override { check(api_.ipcCloseHandle(mapped), "cudaIpcCloseMemHandle"); }
 
   StreamBackend& backend(void* callerStream, int streams, int events) override {
-    while (int(streams_.size()) + 1 < streams) {
-      void* s = nullptr;
-      check(api_.streamCreate(&s), "cudaStreamCreateWithFlags");
-      streams_.push_back(s);
-    }
-    while (int(events_.size()) < events) {
-      void* e = nullptr;
-      check(api_.eventCreate(&e), "cudaEventCreateWithFlags");
-      events_.push_back(e);
-    }
+    while (int(streams_.size()) + 1 < streams) streams_.push_back(makeStream());
     std::vector<void*> all{callerStream};
     all.insert(all.end(), streams_.begin(), streams_.end());
-    backend_ = std::make_unique<CudaStreamBackend>(api_, std::move(all), events_);
-    return *backend_;
+    return makeBackend(std::move(all), events);
   }
   StreamBackend& captureBackend(void* callerStream, int streams, int events) override {
     if (streams <= 1) return backend(callerStream, streams, events);
@@ -106,18 +96,8 @@ class CudaDeviceDriver final : public DeviceDriver {
     std::vector<void*> all{callerStream};
     if (int(capturePools_.size()) < streams - 1) capturePools_.resize(size_t(streams - 1));
     for (int s = 1; s < streams; ++s)
-      all.push_back(pickCaptureStream(capturePools_[size_t(s - 1)], capture, captureOf, [this] {
-        void* made = nullptr;
-        check(api_.streamCreate(&made), "cudaStreamCreateWithFlags");
-        return made;
-      }));
-    while (int(events_.size()) < events) {
-      void* e = nullptr;
-      check(api_.eventCreate(&e), "cudaEventCreateWithFlags");
-      events_.push_back(e);
-    }
-    backend_ = std::make_unique<CudaStreamBackend>(api_, std::move(all), events_);
-    return *backend_;
+      all.push_back(pickCaptureStream(capturePools_[size_t(s - 1)], capture, captureOf, [this] { return makeStream(); }));
+    return makeBackend(std::move(all), events);
   }
   void streamWaitStream(void* waiter, void* waited) override {
     // One event serves every join: cudaStreamWaitEvent waits for the
@@ -214,6 +194,22 @@ class CudaDeviceDriver final : public DeviceDriver {
   }
 
  private:
+  void* makeStream() {
+    void* s = nullptr;
+    check(api_.streamCreate(&s), "cudaStreamCreateWithFlags");
+    return s;
+  }
+  // The backend of one program on `streams` (program stream i: streams[i])
+  // and the driver's first `events` events, made as needed.
+  StreamBackend& makeBackend(std::vector<void*> streams, int events) {
+    while (int(events_.size()) < events) {
+      void* e = nullptr;
+      check(api_.eventCreate(&e), "cudaEventCreateWithFlags");
+      events_.push_back(e);
+    }
+    backend_ = std::make_unique<CudaStreamBackend>(api_, std::move(streams), events_);
+    return *backend_;
+  }
   void check(int rc, const char* call) const {
     if (rc != 0)
       fail(loomUnhandledCudaError, "cuda:%d: %s failed: %s (CUDA error %d)", device_, call, api_.errorString(rc), rc);

@@ -203,29 +203,29 @@ ProgramEnqueuer::ProgramEnqueuer(StreamBackend& be, const StreamProgram& p, cons
   for (size_t i = 0; i < p.ops.size(); ++i) visit(i, false);
   // Every side stream the program uses is joined back: its last op records
   // an event that a later op of stream 0 waits for (the caller's later
-  // work follows it; in a capture, CUDA refuses to end one otherwise).
-  for (int s = 1; s < p.streams; ++s) {
-    size_t last = p.ops.size();
-    for (size_t i = 0; i < p.ops.size(); ++i)
-      if (p.ops[i].stream == s) last = i;
-    if (last == p.ops.size()) continue;
-    bool joined = false;
-    if (p.ops[last].kind == StreamOpKind::RecordEvent)
-      for (size_t i = last + 1; i < p.ops.size() && !joined; ++i)
-        joined = p.ops[i].stream == 0 && p.ops[i].kind == StreamOpKind::WaitEvent && p.ops[i].event == p.ops[last].event;
-    if (!joined)
-      fail(loomInternalError, "rank %d: stream program leaves stream %d unjoined: its last op (#%zu) is no event "
-           "record that a later op of stream 0 waits for", p.rank, s, last);
-  }
-  // A replayable program's busy mark goes down last, after every other op
-  // of every stream: until then the watchdog, destroy and the reaper take
-  // a replay to be running here.
+  // work follows it; in a capture, CUDA refuses to end one otherwise).  A
+  // replayable program's busy mark goes down last, after every other op of
+  // every stream: until then the watchdog, destroy and the reaper take a
+  // replay to be running here.  (Streams were checked above: < p.streams.)
+  std::vector<size_t> last(size_t(p.streams), p.ops.size());
   for (size_t i = 0; i < p.ops.size(); ++i) {
     const StreamOp& o = p.ops[i];
+    last[o.stream] = i;
     if (p.replayable && o.kind == StreamOpKind::SetLocal && o.flagRank == p.rank && o.flag == kFlagGraphBusy &&
         o.value == 0 && (i + 1 != p.ops.size() || o.stream != 0))
       fail(loomInternalError, "rank %d: replayable stream program zeroes its busy mark at op #%zu, before its end",
            p.rank, i);
+  }
+  for (int s = 1; s < p.streams; ++s) {
+    const size_t l = last[size_t(s)];
+    if (l == p.ops.size()) continue;
+    bool joined = false;
+    if (p.ops[l].kind == StreamOpKind::RecordEvent)
+      for (size_t i = l + 1; i < p.ops.size() && !joined; ++i)
+        joined = p.ops[i].stream == 0 && p.ops[i].kind == StreamOpKind::WaitEvent && p.ops[i].event == p.ops[l].event;
+    if (!joined)
+      fail(loomInternalError, "rank %d: stream program leaves stream %d unjoined: its last op (#%zu) is no event "
+           "record that a later op of stream 0 waits for", p.rank, s, l);
   }
 }
 
